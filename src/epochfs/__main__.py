@@ -1,0 +1,3 @@
+from epochfs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""The backend contract.
+
+A backend lists a dataset and reads byte ranges of one *version* of an object. Its methods are
+blocking and thread-safe: the async layers call them through ``trio.to_thread.run_sync`` under a shared
+capacity limiter.
+
+Backends own their retries. A temporary failure (throttling, 5xx, a reset connection, a body cut short)
+is retried with exponential backoff and jitter inside the call, bounded by an overall deadline; the
+caller only ever sees a permanent domain error from :mod:`epochfs.errors`:
+
+- :class:`~epochfs.errors.ObjectChanged` when the object no longer has the snapshot's ETag (or is
+  gone) — the reader gets ESTALE and never a mix of versions;
+- :class:`~epochfs.errors.BackendUnavailable` when retries or the deadline ran out — EIO;
+- :class:`~epochfs.errors.AccessDenied` — EACCES.
+
+``read_range`` returns exactly ``length`` bytes of the version named by ``etag`` or raises.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from epochfs.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object of the dataset, as listed: key relative to the source root."""
+
+    key: str
+    size: int
+    mtime_ns: int
+    etag: str
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """Cumulative counters since the backend was opened."""
+
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, outcome) -> count
+    bytes_read: int = 0
+
+
+class StatsRecorder:
+    """Thread-safe counters a backend updates from its worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: Counter[tuple[str, str]] = Counter()
+        self._bytes = 0
+
+    def record(self, op: str, outcome: str, nbytes: int = 0) -> None:
+        with self._lock:
+            self._requests[(op, outcome)] += 1
+            self._bytes += nbytes
+
+    def snapshot(self) -> BackendStats:
+        with self._lock:
+            return BackendStats(requests=dict(self._requests), bytes_read=self._bytes)
+
+
+class TemporaryFailure(Exception):
+    """Raised inside a backend for a failure worth retrying; never escapes the backend."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    deadline: float,
+    attempts: int,
+    base_delay: float = 0.05,
+    max_delay: float = 2.0,
+) -> T:
+    """Call ``fn`` until it returns, retrying :class:`TemporaryFailure` with full-jitter backoff.
+
+    Stops after ``attempts`` calls or once ``deadline`` (a ``time.monotonic()`` value) would be passed,
+    and then raises :class:`BackendUnavailable`. A ``retry_after`` hint from the server is honoured as
+    the minimum wait.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except TemporaryFailure as exc:
+            delay = random.uniform(0, min(max_delay, base_delay * 2 ** (attempt - 1)))
+            if exc.retry_after is not None:
+                delay = max(delay, exc.retry_after)
+            if attempt == attempts or time.monotonic() + delay >= deadline:
+                raise BackendUnavailable(f"{what}: {exc} (gave up after {attempt} attempts)") from None
+            log.debug("%s: %s; retrying in %.2fs", what, exc, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class Backend(abc.ABC):
+    """Lists a dataset and reads ranges of pinned object versions. Blocking, thread-safe."""
+
+    #: Identifies the dataset in cache keys, so two sources can share one cache directory.
+    source_id: str
+
+    @abc.abstractmethod
+    def list_objects(self) -> Iterator[ObjectInfo]:
+        """Every object under the source root, keys relative to it, in any order."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``start`` of the version ``etag`` of ``key``."""
+
+    @abc.abstractmethod
+    def statistics(self) -> BackendStats:
+        """Cumulative request and byte counters."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""

@@ -1,0 +1,63 @@
+"""Pure block arithmetic and cache key derivation. No I/O.
+
+A block is identified by (source, object key, ETag, block index): a new version of an object has new
+block ids, so a cached block can never be served for another version. Block file names are a hash of
+that tuple, never the object key, so nothing under the cache directory is named by the dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+#: Checksums are kept per chunk of a block, so a read verifies only the chunks it touches.
+CHUNK_SIZE = 64 << 10
+
+
+def block_id(source_id: str, key: str, etag: str, index: int) -> bytes:
+    """16-byte id of block ``index`` of version ``etag`` of ``key`` in ``source_id``."""
+    h = hashlib.blake2b(digest_size=16, person=b"epochfs-block-v1")
+    for part in (source_id, key, etag):
+        raw = part.encode("utf-8", "surrogateescape")
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+    h.update(index.to_bytes(8, "little"))
+    return h.digest()
+
+
+def block_relpath(bid: bytes) -> str:
+    """Where a block lives under the cache's ``blocks/`` directory: two levels of 256 fan-out."""
+    name = bid.hex()
+    return os.path.join(name[0:2], name[2:4], name)
+
+
+def block_count(file_size: int, block_size: int) -> int:
+    """Number of blocks of a file; an empty file has none."""
+    return -(-file_size // block_size)
+
+
+def block_bounds(index: int, file_size: int, block_size: int) -> tuple[int, int]:
+    """(offset, length) of block ``index``; the last block of a file may be short."""
+    start = index * block_size
+    if index < 0 or start >= file_size:
+        raise ValueError(f"block {index} is outside a file of {file_size} bytes")
+    return start, min(block_size, file_size - start)
+
+
+def blocks_for_range(offset: int, size: int, file_size: int, block_size: int) -> range:
+    """Indices of the blocks that bytes [offset, offset + size) touch, clipped to the file."""
+    end = min(offset + size, file_size)
+    if offset < 0 or size < 0:
+        raise ValueError("negative offset or size")
+    if offset >= end:
+        return range(0)
+    return range(offset // block_size, (end - 1) // block_size + 1)
+
+
+def chunk_span(lo: int, hi: int, length: int, chunk: int = CHUNK_SIZE) -> tuple[int, int]:
+    """Byte range [start, end) of whole checksum chunks covering [lo, hi) of a block of ``length``."""
+    if not 0 <= lo < hi <= length:
+        raise ValueError(f"bad range [{lo}, {hi}) of a block of {length} bytes")
+    start = (lo // chunk) * chunk
+    end = min(length, -(-hi // chunk) * chunk)
+    return start, end

@@ -1,0 +1,237 @@
+"""The block cache service: reads byte ranges of snapshot objects through the store and the backend.
+
+Concurrency contract (all on the trio thread unless noted):
+
+- **Single flight.** At most one backend fetch per block id is in flight; every reader of that block
+  waits on the same :class:`_Flight`. A flight runs in the service's own nursery, so a reader that goes
+  away does not cancel a fetch other readers wait on.
+- **Write-behind.** A fetched block is handed to its readers first and then written to the store
+  (in a worker thread); until that commit the flight stays registered and serves later readers from
+  memory, so a block is never fetched twice while its fill is running.
+- **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
+  capacity limiters; prefetch never holds more than its share of backend connections.
+- **Accounting.** A block read is a *hit* when it is served without waiting for the backend and the
+  bytes were not fetched on demand: from the disk cache, or from a completed readahead/prefetch. Every
+  other block read is a *miss*.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from epochfs.backend.base import Backend, ObjectInfo
+from epochfs.cache.keys import block_bounds, block_count, block_id, blocks_for_range
+from epochfs.cache.store import BlockStore
+from epochfs.errors import BackendUnavailable, EpochfsError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    hits: int
+    misses: int
+    hit_bytes: int
+    miss_bytes: int
+    demand_fetches: int
+    prefetch_fetches: int
+    demand_bytes: int
+    prefetch_bytes: int
+    inflight: int
+
+
+class _Flight:
+    __slots__ = ("event", "data", "error", "demand")
+
+    def __init__(self, demand: bool) -> None:
+        self.event = trio.Event()
+        self.data: bytes | None = None
+        self.error: EpochfsError | None = None
+        self.demand = demand
+
+
+class BlockCache:
+    def __init__(
+        self,
+        store: BlockStore,
+        backend: Backend,
+        *,
+        block_size: int,
+        concurrency: int,
+        readahead_blocks: int,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.block_size = block_size
+        self.readahead_blocks = readahead_blocks
+        self._source = backend.source_id
+        self._flights: dict[bytes, _Flight] = {}
+        self._demand_limiter = trio.CapacityLimiter(concurrency)
+        self._prefetch_limiter = trio.CapacityLimiter(max(1, concurrency // 2))
+        self._io_limiter = trio.CapacityLimiter(4)
+        self._nursery: trio.Nursery | None = None
+        self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
+        self._fetches = {True: 0, False: 0}
+        self._fetched_bytes = {True: 0, False: 0}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def block_id(self, obj: ObjectInfo, index: int) -> bytes:
+        return block_id(self._source, obj.key, obj.etag, index)
+
+    async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview:
+        """Bytes [offset, offset + size) of ``obj``, clipped to its size."""
+        parts = []
+        end = min(offset + size, obj.size)
+        for index in blocks_for_range(offset, size, obj.size, self.block_size):
+            start, length = block_bounds(index, obj.size, self.block_size)
+            lo, hi = max(offset, start) - start, min(end, start + length) - start
+            parts.append(await self._read_block(obj, index, lo, hi))
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
+
+    async def _read_block(self, obj: ObjectInfo, index: int, lo: int, hi: int) -> bytes | memoryview:
+        bid = self.block_id(obj, index)
+        flight = self._flights.get(bid)
+        if flight is None:
+            meta = self.store.lookup(bid)
+            if meta is not None:
+                data = self.store.read(bid, meta, lo, hi)
+                if data is not None:
+                    self._count(True, hi - lo)
+                    return data
+            flight = self._start(obj, index, bid, demand=True)
+        hit = flight.event.is_set() and not flight.demand
+        await flight.event.wait()
+        self._count(hit, hi - lo)
+        if flight.error is not None:
+            raise flight.error
+        assert flight.data is not None
+        return memoryview(flight.data)[lo:hi]
+
+    def _count(self, hit: bool, nbytes: int) -> None:
+        if hit:
+            self._hits += 1
+            self._hit_bytes += nbytes
+        else:
+            self._misses += 1
+            self._miss_bytes += nbytes
+
+    def is_resident(self, obj: ObjectInfo, index: int) -> bool:
+        bid = self.block_id(obj, index)
+        flight = self._flights.get(bid)
+        if flight is not None:
+            return flight.event.is_set() and flight.error is None
+        return self.store.lookup(bid) is not None
+
+    def prefetch(self, obj: ObjectInfo, indices: range) -> int:
+        """Start background fetches of those blocks that are neither cached nor in flight."""
+        started = 0
+        for index in indices:
+            bid = self.block_id(obj, index)
+            if bid in self._flights or self.store.lookup(bid) is not None:
+                continue
+            self._start(obj, index, bid, demand=False)
+            started += 1
+        return started
+
+    def open_stream(self, obj: ObjectInfo) -> ReadStream:
+        return ReadStream(self, obj)
+
+    # -- fetching --------------------------------------------------------------------------------------
+
+    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool) -> _Flight:
+        assert self._nursery is not None, "BlockCache.run() is not running"
+        flight = _Flight(demand)
+        self._flights[bid] = flight
+        self._nursery.start_soon(self._fetch_and_fill, obj, index, bid, flight)
+        return flight
+
+    async def _fetch_and_fill(self, obj: ObjectInfo, index: int, bid: bytes, flight: _Flight) -> None:
+        start, length = block_bounds(index, obj.size, self.block_size)
+        limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
+        try:
+            try:
+                data = await trio.to_thread.run_sync(
+                    self.backend.read_range, obj.key, obj.etag, start, length, limiter=limiter
+                )
+            except EpochfsError as exc:
+                flight.error = exc
+            except Exception as exc:  # a bug or an unexpected library error: fail the read, not the mount
+                log.exception("unexpected error fetching %r block %d", obj.key, index)
+                flight.error = BackendUnavailable(f"{obj.key}: {exc}")
+            else:
+                flight.data = data
+                self._fetches[flight.demand] += 1
+                self._fetched_bytes[flight.demand] += length
+            flight.event.set()
+            if flight.data is not None:
+                await self._fill(bid, flight.data)
+        finally:
+            del self._flights[bid]
+
+    async def _fill(self, bid: bytes, data: bytes) -> None:
+        if not self.store.admit(bid) or not self.store.reserve(len(data)):
+            return
+        try:
+            meta = await trio.to_thread.run_sync(self.store.write_file, bid, data, limiter=self._io_limiter)
+        except OSError as exc:
+            self.store.release(len(data))
+            log.warning("could not cache a block (%s); reading through", exc)
+            return
+        self.store.commit(bid, meta)
+
+    def statistics(self) -> CacheStats:
+        return CacheStats(
+            hits=self._hits,
+            misses=self._misses,
+            hit_bytes=self._hit_bytes,
+            miss_bytes=self._miss_bytes,
+            demand_fetches=self._fetches[True],
+            prefetch_fetches=self._fetches[False],
+            demand_bytes=self._fetched_bytes[True],
+            prefetch_bytes=self._fetched_bytes[False],
+            inflight=len(self._flights),
+        )
+
+
+class ReadStream:
+    """One open file: detects sequential reading and keeps ``readahead_blocks`` blocks in flight ahead."""
+
+    #: A read starting this close to where the previous one ended still counts as sequential
+    #: (the kernel may deliver concurrent readahead requests slightly out of order).
+    SLACK = 1 << 20
+
+    def __init__(self, cache: BlockCache, obj: ObjectInfo) -> None:
+        self.cache = cache
+        self.obj = obj
+        self._next = 0
+        self._sequential = 0
+        self._ahead_from = 0  # first block index not yet handed to readahead
+
+    async def read(self, offset: int, size: int) -> bytes | memoryview:
+        cache = self.cache
+        if abs(offset - self._next) <= self.SLACK:
+            self._sequential += 1
+        else:
+            self._sequential = 0
+            self._ahead_from = 0
+        self._next = offset + size
+        if self._sequential >= 2 and cache.readahead_blocks and self.obj.size > cache.block_size:
+            current = offset // cache.block_size
+            first = max(current + 1, self._ahead_from)
+            last = min(current + 1 + cache.readahead_blocks, block_count(self.obj.size, cache.block_size))
+            if first < last:
+                cache.prefetch(self.obj, range(first, last))
+                self._ahead_from = last
+        return await cache.read(self.obj, offset, size)

@@ -1,0 +1,311 @@
+"""The on-disk block store: block files plus an LMDB index, bounded in size.
+
+Layout under the cache directory::
+
+    lock                 flock held by the one daemon that owns this directory
+    blocks/ab/cd/<id>    one file per block, named by its id (see :mod:`epochfs.cache.keys`)
+    tmp/                 fills in progress; emptied at start-up
+    index/               LMDB: block id -> (sequence, length, xxh3-64 per 64 KiB chunk)
+
+Concurrency contract: every method except :meth:`BlockStore.write_file` runs on the trio thread, so the
+index, the byte accounting and the policy are never touched concurrently. ``write_file`` runs in a
+worker thread and only creates the block file; the index entry is written afterwards by
+:meth:`BlockStore.commit` on the trio thread. Reads verify the checksum of every chunk they return.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+from epochfs.cache.keys import CHUNK_SIZE, block_relpath, chunk_span
+from epochfs.cache.policy import EvictionPolicy
+from epochfs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = b"1"
+_HEAD = struct.Struct("<QI")  # sequence number, block length
+_SUM = 8  # bytes of one xxh3-64 digest
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    length: int
+    sums: bytes  # one xxh3-64 digest per CHUNK_SIZE chunk
+    seq: int = 0
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(self.seq, self.length) + self.sums
+
+    @classmethod
+    def decode(cls, raw: bytes) -> BlockMeta | None:
+        if len(raw) < _HEAD.size:
+            return None
+        seq, length = _HEAD.unpack_from(raw)
+        sums = bytes(raw[_HEAD.size:])
+        if length <= 0 or len(sums) != _SUM * -(-length // CHUNK_SIZE):
+            return None
+        return cls(length, sums, seq)
+
+
+def checksums(data: bytes | memoryview) -> bytes:
+    view = memoryview(data)
+    return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE]) for i in range(0, len(view), CHUNK_SIZE))
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    evictions: int
+    corrupt_blocks: int
+    fill_errors: int
+    not_admitted: int
+
+
+class CacheLocked(ConfigError):
+    """Another process owns the cache directory."""
+
+
+class BlockStore:
+    def __init__(self, cache_dir: Path, capacity: int, free_space_ratio: float, policy: EvictionPolicy):
+        self.cache_dir = Path(cache_dir)
+        self.capacity = capacity
+        self.free_space_ratio = free_space_ratio
+        self.policy = policy
+        self.blocks_dir = self.cache_dir / "blocks"
+        self.tmp_dir = self.cache_dir / "tmp"
+        self.index_dir = self.cache_dir / "index"
+        self.used = 0
+        self.pending = 0
+        self._count = 0
+        self._seq = 0
+        self._evictions = 0
+        self._corrupt = 0
+        self._fill_errors = 0
+        self._not_admitted = 0
+        self._lock_fd: int | None = None
+        self._env: lmdb.Environment | None = None
+
+    # -- life cycle ------------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Lock the directory, clear leftovers of interrupted fills, open and load the index."""
+        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock()
+        self.blocks_dir.mkdir(exist_ok=True, mode=0o700)
+        if self.tmp_dir.exists():
+            shutil.rmtree(self.tmp_dir)
+        self.tmp_dir.mkdir(mode=0o700)
+        try:
+            self._open_index()
+        except lmdb.Error as exc:
+            log.warning("cache index in %s is damaged (%s); discarding the cached blocks", self.index_dir, exc)
+            self._reset()
+            self._open_index()
+
+    def close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _lock(self) -> None:
+        fd = os.open(self.cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise CacheLocked(
+                f"cache directory {self.cache_dir} is in use by pid {owner}; "
+                "use another --cache-dir or unmount the other mount first"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _open_index(self) -> None:
+        self._env = lmdb.open(
+            str(self.index_dir), map_size=1 << 36, subdir=True, max_dbs=0, sync=False, metasync=False,
+            readahead=False, lock=True,
+        )
+        loaded: list[tuple[int, bytes, int]] = []
+        bad: list[bytes] = []
+        with self._env.begin() as txn:
+            fmt = txn.get(b"\x00format")
+            if fmt is not None and fmt != INDEX_FORMAT:
+                raise lmdb.InvalidError(f"index format {fmt!r}, expected {INDEX_FORMAT!r}")
+            for key, raw in txn.cursor():
+                if key == b"\x00format":
+                    continue
+                meta = BlockMeta.decode(raw)
+                if len(key) != 16 or meta is None:
+                    bad.append(bytes(key))
+                else:
+                    loaded.append((meta.seq, bytes(key), meta.length))
+        with self._env.begin(write=True) as txn:
+            txn.put(b"\x00format", INDEX_FORMAT)
+            for key in bad:
+                txn.delete(key)
+        if bad:
+            log.warning("dropped %d malformed cache index entries", len(bad))
+        loaded.sort()
+        for seq, bid, length in loaded:
+            self.policy.inserted(bid, length)
+            self.used += length
+            self._seq = max(self._seq, seq)
+        self._count = len(loaded)
+        log.info("cache %s: %d blocks, %d bytes of %d", self.cache_dir, self._count, self.used, self.capacity)
+
+    def _reset(self) -> None:
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+        shutil.rmtree(self.index_dir, ignore_errors=True)
+        shutil.rmtree(self.blocks_dir, ignore_errors=True)
+        self.blocks_dir.mkdir(mode=0o700)
+        self.used = self._count = self._seq = 0
+
+    # -- reads -----------------------------------------------------------------------------------------
+
+    def lookup(self, bid: bytes) -> BlockMeta | None:
+        assert self._env is not None
+        with self._env.begin(buffers=True) as txn:
+            raw = txn.get(bid)
+            return BlockMeta.decode(bytes(raw)) if raw is not None else None
+
+    def read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
+        """Bytes [lo, hi) of a resident block, verified; None (and the block dropped) if it is damaged."""
+        start, end = chunk_span(lo, hi, meta.length)
+        path = self.blocks_dir / block_relpath(bid)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return self._corrupt_block(bid, meta, "block file is missing")
+        try:
+            data = os.pread(fd, end - start, start)
+        except OSError as exc:
+            return self._corrupt_block(bid, meta, f"read failed: {exc}")
+        finally:
+            os.close(fd)
+        if len(data) != end - start:
+            return self._corrupt_block(bid, meta, f"short read: {len(data)} of {end - start} bytes")
+        view = memoryview(data)
+        first = start // CHUNK_SIZE
+        for n, off in enumerate(range(0, len(view), CHUNK_SIZE)):
+            expected = meta.sums[(first + n) * _SUM:(first + n + 1) * _SUM]
+            if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE]) != expected:
+                return self._corrupt_block(bid, meta, f"checksum mismatch in chunk {first + n}")
+        self.policy.accessed(bid)
+        return view[lo - start:hi - start]
+
+    def _corrupt_block(self, bid: bytes, meta: BlockMeta, why: str) -> None:
+        log.warning("cache block %s is damaged (%s); dropping it", bid.hex(), why)
+        self._corrupt += 1
+        self._remove(bid, meta.length)
+        return None
+
+    # -- fills and eviction ----------------------------------------------------------------------------
+
+    def admit(self, bid: bytes) -> bool:
+        if self.policy.admit(bid):
+            return True
+        self._not_admitted += 1
+        return False
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make room for a new block of ``nbytes`` by evicting; False if it cannot be cached now."""
+        if nbytes > self.capacity:
+            return False
+        while self.used + self.pending + nbytes > self.capacity or self._disk_low(nbytes):
+            victim = self.policy.victim()
+            if victim is None:
+                return False
+            meta = self.lookup(victim)
+            self._remove(victim, meta.length if meta else 0)
+            self._evictions += 1
+        self.pending += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation whose fill failed."""
+        self.pending -= nbytes
+        self._fill_errors += 1
+
+    def write_file(self, bid: bytes, data: bytes) -> BlockMeta:
+        """Write a block file atomically (worker thread). Raises OSError; leaves no temp file behind."""
+        tmp = self.tmp_dir / f"{bid.hex()}.{uuid.uuid4().hex[:8]}"
+        final = self.blocks_dir / block_relpath(bid)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+            raise
+        return BlockMeta(len(data), checksums(data))
+
+    def commit(self, bid: bytes, meta: BlockMeta) -> None:
+        """Record a block written by :meth:`write_file`, consuming its reservation."""
+        assert self._env is not None
+        self._seq += 1
+        with self._env.begin(write=True) as txn:
+            txn.put(bid, BlockMeta(meta.length, meta.sums, self._seq).encode())
+        self.pending -= meta.length
+        self.used += meta.length
+        self._count += 1
+        self.policy.inserted(bid, meta.length)
+
+    def _remove(self, bid: bytes, length: int) -> None:
+        assert self._env is not None
+        with self._env.begin(write=True) as txn:
+            existed = txn.delete(bid)
+        try:
+            os.unlink(self.blocks_dir / block_relpath(bid))
+        except FileNotFoundError:
+            pass
+        if existed:
+            self.used -= length
+            self._count -= 1
+        self.policy.removed(bid)
+
+    def _disk_low(self, nbytes: int) -> bool:
+        if self.free_space_ratio <= 0:
+            return False
+        try:
+            st = os.statvfs(self.cache_dir)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise
+            return True
+        return st.f_bavail * st.f_frsize - nbytes < self.free_space_ratio * st.f_blocks * st.f_frsize
+
+    def statistics(self) -> StoreStats:
+        return StoreStats(
+            used_bytes=self.used,
+            capacity_bytes=self.capacity,
+            blocks=self._count,
+            evictions=self._evictions,
+            corrupt_blocks=self._corrupt,
+            fill_errors=self._fill_errors,
+            not_admitted=self._not_admitted,
+        )

@@ -1,0 +1,295 @@
+"""Command line: arguments -> Config, errors -> exit codes. Nothing else lives here.
+
+Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import logging.handlers
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from epochfs import __version__
+from epochfs.config import DEFAULT_CACHE_DIR, Config, Source, parse_size
+from epochfs.errors import ConfigError, EpochfsError
+
+log = logging.getLogger("epochfs")
+
+EPILOG = """\
+Credentials come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
+~/.aws/credentials, instance roles); they are never taken on the command line.
+"""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epochfs",
+        description="Read-only FUSE mount of an S3 prefix or a slow shared directory, "
+        "served through a persistent, checksummed local block cache.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"epochfs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser(
+        "mount", help="mount a dataset read-only",
+        description="Mount SOURCE (s3://BUCKET[/PREFIX] or file:///PATH) read-only at MOUNTPOINT. "
+        "Returns once the mount answers (exit 0) or failed (non-zero, with the reason); "
+        "with --foreground stays attached and unmounts on SIGINT/SIGTERM.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument("source", metavar="SOURCE", help="s3://BUCKET[/PREFIX] or file:///PATH")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory, e.g. /mnt/data")
+    g = m.add_argument_group("object store")
+    g.add_argument("--endpoint-url", metavar="URL",
+                   help="S3-compatible endpoint (MinIO, SeaweedFS, Ceph); enables path-style addressing")
+    g.add_argument("--region", help="S3 region (default: from the AWS configuration)")
+    g.add_argument("--backend-concurrency", type=int, default=16, metavar="N",
+                   help="parallel backend requests (default: %(default)s)")
+    g.add_argument("--backend-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="deadline for one block fetch, retries included; past it the reader gets EIO "
+                   "(default: %(default)s)")
+    g.add_argument("--backend-attempts", type=int, default=5, metavar="N",
+                   help="attempts per request before giving up (default: %(default)s)")
+    g = m.add_argument_group("cache")
+    g.add_argument("--cache-dir", type=Path, metavar="DIR",
+                   help=f"block cache and metadata directory (default: {DEFAULT_CACHE_DIR}/<source hash> "
+                   "for root, ~/.cache/epochfs/<source hash> otherwise); one mount per directory")
+    g.add_argument("--cache-size", type=_size, default=parse_size("10G"), metavar="SIZE",
+                   help="upper bound of cached bytes, e.g. 512M, 50G (default: 10G)")
+    g.add_argument("--block-size", type=_size, default=parse_size("4M"), metavar="SIZE",
+                   help="cache block and backend request size (default: 4M)")
+    g.add_argument("--free-space-ratio", type=float, default=0.1, metavar="RATIO",
+                   help="keep at least this fraction of the cache file system free (default: %(default)s)")
+    g.add_argument("--readahead", type=int, default=4, dest="readahead_blocks", metavar="BLOCKS",
+                   help="blocks fetched ahead of a sequential reader (default: %(default)s; 0 disables)")
+    g.add_argument("--refresh", action="store_true",
+                   help="list the source again instead of reusing the stored namespace snapshot")
+    g.add_argument("--snapshot-ttl", type=float, default=0.0, metavar="SECONDS",
+                   help="list the source again when the stored snapshot is older than this "
+                   "(default: 0, keep it until --refresh)")
+    g = m.add_argument_group("mount")
+    g.add_argument("--foreground", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
+    g.add_argument("--allow-other", action="store_true",
+                   help="let other users read the mount (needs user_allow_other in /etc/fuse.conf unless root)")
+    g.add_argument("--attr-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long the kernel may cache names and attributes (default: %(default)s)")
+    g.add_argument("-o", dest="fuse_options", action="append", default=[], metavar="OPT",
+                   help="extra FUSE mount option (repeatable)")
+    g.add_argument("--log-file", type=Path, metavar="FILE",
+                   help="log here (default: stderr with --foreground, else <cache-dir>/epochfs.log)")
+    g.add_argument("--debug", action="store_true", help="debug logging")
+    g.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to finish",
+                       description="Unmount MOUNTPOINT and wait until its daemon has exited. "
+                       "A dead mount (daemon killed) is cleared with a lazy unmount.")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT")
+    u.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for the daemon to exit (default: %(default)s)")
+
+    s = sub.add_parser("status", help="one-shot state of a mount",
+                       description="Print the state of the daemon serving MOUNTPOINT: snapshot, cache use, "
+                       "hits and misses, backend requests.")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def default_cache_dir(source: Source) -> Path:
+    base = Path(DEFAULT_CACHE_DIR) if os.geteuid() == 0 else Path.home() / ".cache" / "epochfs"
+    return base / hashlib.sha256(source.url.encode()).hexdigest()[:16]
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    source = Source.parse(args.source)
+    mountpoint = Path(os.path.abspath(args.mountpoint))
+    cache_dir = Path(os.path.abspath(args.cache_dir)) if args.cache_dir else default_cache_dir(source)
+    if cache_dir == mountpoint or mountpoint in cache_dir.parents:
+        raise ConfigError("the cache directory cannot be inside the mount point")
+    return Config(
+        source=source, mountpoint=mountpoint, cache_dir=cache_dir, cache_size=args.cache_size,
+        block_size=args.block_size, free_space_ratio=args.free_space_ratio, endpoint_url=args.endpoint_url,
+        region=args.region, refresh=args.refresh, snapshot_ttl=args.snapshot_ttl,
+        readahead_blocks=args.readahead_blocks, backend_concurrency=args.backend_concurrency,
+        backend_timeout=args.backend_timeout, backend_attempts=args.backend_attempts,
+        attr_timeout=args.attr_timeout, allow_other=args.allow_other, foreground=args.foreground,
+        debug=args.debug, fuse_options=tuple(args.fuse_options),
+    )
+
+
+def setup_logging(debug: bool, log_file: Path | None) -> None:
+    handler: logging.Handler
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(log_file, maxBytes=32 << 20, backupCount=3)
+    else:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.INFO if debug else logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
+    config = config_from_args(args)
+    if not args.foreground:
+        return _spawn_daemon(config, args, argv)
+
+    from epochfs import mount
+
+    setup_logging(args.debug, args.log_file)
+    ready_fd = args.ready_fd
+    reported = False
+
+    def ready(error: str | None) -> None:
+        nonlocal reported
+        if reported:
+            return
+        reported = True
+        if error is not None:
+            log.error("%s", error)
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n" if error is None else error.encode() + b"\n")
+            os.close(ready_fd)
+
+    return mount.run(config, ready)
+
+
+def _spawn_daemon(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    log_file = args.log_file or config.cache_dir / "epochfs.log"
+    config.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "epochfs", *argv, "--foreground", "--ready-fd", str(write_fd),
+           "--log-file", str(log_file)]
+    proc = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=open(log_file, "ab"))  # noqa: SIM115
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        answer = pipe.read().decode(errors="replace").strip()
+    if answer == "ok":
+        return 0
+    if not answer:
+        code = proc.wait()
+        answer = f"the daemon exited with status {code} before the mount was ready; see {log_file}"
+    else:
+        proc.wait()
+    print(f"epochfs: {answer}", file=sys.stderr)
+    return 1
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from epochfs.control import PID_XATTR
+    from epochfs.mount import is_dead_mount, lazy_unmount
+
+    path = os.path.abspath(args.mountpoint)
+    if is_dead_mount(path):
+        lazy_unmount(path)
+        print(f"epochfs: cleared a dead mount at {path}", file=sys.stderr)
+        return 0
+    if not os.path.ismount(path):
+        raise ConfigError(f"{path} is not mounted")
+    try:
+        pid = int(os.getxattr(path, PID_XATTR))
+    except OSError:
+        pid = None
+    result = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise EpochfsError(f"unmount failed: {result.stderr.strip()}")
+    deadline = time.monotonic() + args.timeout
+    while pid is not None and _alive(pid):
+        if time.monotonic() > deadline:
+            raise EpochfsError(f"unmounted, but daemon pid {pid} is still running after {args.timeout}s")
+        time.sleep(0.05)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from epochfs.control import request
+
+    status = request(args.mountpoint, "status")
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_status(s: dict[str, Any]) -> str:
+    c, st, snap = s["cache"], s["store"], s["snapshot"]
+    reads = c["hit_bytes"] + c["miss_bytes"]
+    ratio = f"{c['hit_bytes'] / reads:.1%}" if reads else "n/a"
+    return "\n".join([
+        f"mount      {s['mountpoint']}  <-  {s['source']}  (pid {s['pid']})",
+        f"snapshot   version {snap['version']}: {snap['files']} files, {snap['directories']} directories, "
+        f"{_human(snap['bytes'])}",
+        f"cache      {_human(st['used_bytes'])} of {_human(st['capacity_bytes'])} in {st['blocks']} blocks "
+        f"({s['cache_dir']})",
+        f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
+        f"backend    {_human(c['demand_bytes'])} on demand, {_human(c['prefetch_bytes'])} ahead; "
+        f"{c['inflight']} in flight",
+        f"evictions  {st['evictions']}; corrupt blocks {st['corrupt_blocks']}; fill errors {st['fill_errors']}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "mount":
+            return cmd_mount(args, argv)
+        if args.command == "umount":
+            return cmd_umount(args)
+        if args.command == "status":
+            return cmd_status(args)
+    except ConfigError as exc:
+        print(f"epochfs: {exc}", file=sys.stderr)
+        return 2
+    except EpochfsError as exc:
+        print(f"epochfs: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2

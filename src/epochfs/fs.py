@@ -1,0 +1,204 @@
+"""The FUSE adapter: inode and name bookkeeping over a :class:`Namespace`, reads through a
+:class:`BlockCache`. It adapts only; every domain error becomes an errno through
+:func:`epochfs.errors.errno_for`, and any other exception is logged and answered with EIO so that a
+bug fails one request, never the mount.
+
+Differences from a plain read-only filesystem:
+
+- the namespace is an immutable snapshot, so entries and attributes carry long kernel timeouts and
+  open files keep the kernel page cache (``keep_cache``);
+- extended attributes ``user.epochfs.*`` on the root describe the daemon (pid, control socket,
+  snapshot version) for the command-line tools.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from epochfs.cache.service import BlockCache, ReadStream
+from epochfs.errors import EpochfsError, NotFound, errno_for
+from epochfs.meta.namespace import ROOT_INODE, Dir, File, Namespace
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+assert ROOT_INODE == pyfuse3.ROOT_INODE
+
+
+def _translated(fn: F) -> F:
+    """Turn domain errors into FUSEError through the one mapping; never let an exception escape."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except EpochfsError as exc:
+            code = errno_for(exc)
+            log.log(logging.DEBUG if isinstance(exc, NotFound) else logging.WARNING,
+                    "%s: %s (%s)", fn.__name__, exc, errno.errorcode.get(code, code))
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:
+            log.exception("unexpected error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        cache: BlockCache,
+        *,
+        attr_timeout: float,
+        root_xattrs: Mapping[bytes, Callable[[], bytes]],
+        uid: int | None = None,
+        gid: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.namespace = namespace
+        self.cache = cache
+        self.attr_timeout = attr_timeout
+        self.root_xattrs = dict(root_xattrs)
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self._streams: dict[int, ReadStream] = {}
+        self._dirs: dict[int, Dir] = {}
+        self._next_fh = 1
+
+    # -- attributes ------------------------------------------------------------------------------------
+
+    def _attrs(self, node: Dir | File) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = node.inode
+        attr.generation = 0
+        attr.entry_timeout = self.attr_timeout
+        attr.attr_timeout = self.attr_timeout
+        attr.st_uid = self.uid
+        attr.st_gid = self.gid
+        attr.st_blksize = 128 << 10
+        if isinstance(node, File):
+            attr.st_mode = stat.S_IFREG | 0o444
+            attr.st_nlink = 1
+            attr.st_size = node.obj.size
+            attr.st_blocks = -(-node.obj.size // 512)
+            mtime = node.obj.mtime_ns
+        else:
+            attr.st_mode = stat.S_IFDIR | 0o555
+            attr.st_nlink = 2
+            attr.st_size = 0
+            mtime = self.namespace.mtime_ns
+        attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime
+        return attr
+
+    def _node(self, inode: int) -> Dir | File:
+        try:
+            return self.namespace.node(inode)
+        except KeyError:
+            raise NotFound(f"inode {inode}") from None
+
+    @_translated
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = self.namespace.lookup(parent_inode, name)
+        if node is None:
+            raise NotFound(name.decode(errors="replace"))
+        return self._attrs(node)
+
+    @_translated
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._node(inode))
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """Inodes live as long as the snapshot: nothing to release."""
+
+    # -- directories -----------------------------------------------------------------------------------
+
+    @_translated
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        node = self._node(inode)
+        if not isinstance(node, Dir):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        fh = self._new_fh()
+        self._dirs[fh] = node
+        return fh
+
+    @_translated
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        node = self._dirs[fh]
+        names = node.names
+        for i in range(start_id, len(names)):
+            child = self.namespace.node(node.children[names[i]])
+            if not pyfuse3.readdir_reply(token, names[i], self._attrs(child), i + 1):
+                break
+
+    @_translated
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # -- files -----------------------------------------------------------------------------------------
+
+    @_translated
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self._node(inode)
+        if flags & _WRITE_FLAGS:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        if not isinstance(node, File):
+            raise pyfuse3.FUSEError(errno.EISDIR)
+        fh = self._new_fh()
+        self._streams[fh] = self.cache.open_stream(node.obj)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @_translated
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        return await self._streams[fh].read(off, size)
+
+    @_translated
+    async def release(self, fh: int) -> None:
+        self._streams.pop(fh, None)
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    # -- file system -----------------------------------------------------------------------------------
+
+    @_translated
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = pyfuse3.StatvfsData()
+        st.f_bsize = st.f_frsize = 4096
+        st.f_blocks = -(-self.namespace.total_bytes // 4096)
+        st.f_bfree = st.f_bavail = 0
+        st.f_files = len(self.namespace)
+        st.f_ffree = st.f_favail = 0
+        st.f_namemax = 255
+        return st
+
+    @_translated
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        self._node(inode)
+        getter = self.root_xattrs.get(bytes(name)) if inode == ROOT_INODE else None
+        if getter is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        return getter()
+
+    @_translated
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        self._node(inode)
+        return list(self.root_xattrs) if inode == ROOT_INODE else []

@@ -1,0 +1,147 @@
+"""The dataset's namespace as an immutable tree with inode numbers. Pure: no I/O.
+
+A :class:`Namespace` is built from a listing. Keys that cannot be safe path names are skipped with one
+log line each and never become entries:
+
+- an empty component (a leading ``/``, ``//``) or a ``.`` / ``..`` component;
+- a NUL or another control character, or text that is not valid UTF-8;
+- a component over 255 bytes, or a whole path over 4000 bytes;
+- a key that is a file and also the prefix of other keys (the directory wins, as in mountpoint-s3).
+
+A key ending in ``/`` with no data is a directory marker: it makes the directory, not a file.
+Inode numbers are assigned in sorted path order, so the same snapshot always gets the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from epochfs.backend.base import ObjectInfo
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+NAME_MAX = 255
+PATH_MAX = 4000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def unsafe_reason(key: str) -> str | None:
+    """Why ``key`` cannot be a path of the mount, or None if it can."""
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid UTF-8"
+    if len(raw) > PATH_MAX:
+        return f"path longer than {PATH_MAX} bytes"
+    if _CONTROL.search(key):
+        return "contains a NUL or control character"
+    parts = key[:-1].split("/") if key.endswith("/") else key.split("/")
+    for part in parts:
+        if part == "":
+            return "empty path component (leading '/' or '//')"
+        if part in (".", ".."):
+            return f"'{part}' path component"
+        if len(part.encode("utf-8")) > NAME_MAX:
+            return f"component longer than {NAME_MAX} bytes"
+    return None
+
+
+@dataclass(slots=True)
+class Dir:
+    inode: int
+    path: str
+    children: dict[bytes, int]
+    names: list[bytes]  # sorted, for readdir offsets
+
+
+@dataclass(frozen=True, slots=True)
+class File:
+    inode: int
+    path: str
+    obj: ObjectInfo
+
+
+class Namespace:
+    """Immutable after :meth:`build`. Lookups by inode and by (parent inode, name)."""
+
+    def __init__(self, nodes: list[Dir | File | None], total_bytes: int, mtime_ns: int):
+        self._nodes = nodes
+        self.total_bytes = total_bytes
+        self.mtime_ns = mtime_ns
+        self.file_count = sum(isinstance(n, File) for n in nodes)
+        self.dir_count = sum(isinstance(n, Dir) for n in nodes)
+        self._by_path: dict[str, int] | None = None
+
+    @classmethod
+    def build(cls, objects: Iterable[ObjectInfo], mtime_ns: int = 0) -> Namespace:
+        files: dict[str, ObjectInfo] = {}
+        dirs: set[str] = {""}
+        for obj in objects:
+            reason = unsafe_reason(obj.key)
+            if reason is None and obj.key.endswith("/") and obj.size:
+                reason = "a directory marker with data"
+            if reason:
+                log.warning("skipping object %r: %s", obj.key, reason)
+                continue
+            path = obj.key.rstrip("/")
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                dirs.add("/".join(parts[:i]))
+            if obj.key.endswith("/"):
+                dirs.add(path)
+            else:
+                files[path] = obj
+        for path in sorted(dirs.intersection(files)):
+            log.warning("skipping object %r: it is also a directory prefix", files.pop(path).key)
+
+        nodes: list[Dir | File | None] = [None]  # inode 0 is unused; the root is inode 1
+        inode_of: dict[str, int] = {}
+        for path in sorted(dirs | files.keys()):
+            inode = len(nodes)
+            inode_of[path] = inode
+            if path in files:
+                nodes.append(File(inode, path, files[path]))
+            else:
+                nodes.append(Dir(inode, path, {}, []))
+            if path:
+                parent_path, _, name = path.rpartition("/")
+                parent = nodes[inode_of[parent_path]]
+                assert isinstance(parent, Dir)
+                parent.children[name.encode("utf-8")] = inode
+        for node in nodes:
+            if isinstance(node, Dir):
+                node.names = sorted(node.children)
+        total = sum(f.size for f in files.values())
+        newest = max((f.mtime_ns for f in files.values()), default=mtime_ns)
+        return cls(nodes, total, mtime_ns or newest)
+
+    def node(self, inode: int) -> Dir | File:
+        if 0 < inode < len(self._nodes):
+            node = self._nodes[inode]
+            if node is not None:
+                return node
+        raise KeyError(inode)
+
+    def lookup(self, parent: int, name: bytes) -> Dir | File | None:
+        node = self.node(parent)
+        if not isinstance(node, Dir):
+            return None
+        inode = node.children.get(name)
+        return None if inode is None else self.node(inode)
+
+    def resolve(self, path: str) -> Dir | File | None:
+        """The node at ``path`` (relative to the root, '/'-separated), or None."""
+        if self._by_path is None:
+            self._by_path = {n.path: n.inode for n in self._nodes if n is not None}
+        inode = self._by_path.get(path.strip("/"))
+        return None if inode is None else self.node(inode)
+
+    def files(self) -> Iterable[File]:
+        return (n for n in self._nodes if isinstance(n, File))
+
+    def __len__(self) -> int:
+        return len(self._nodes) - 1

@@ -1,0 +1,204 @@
+"""Composition root: builds every service of a mount, runs them in one trio nursery, tears them down.
+
+Order of start-up: clear a dead FUSE mount left by a crashed daemon; open the backend; lock and open
+the block store; load the namespace snapshot (or list the source); mount; start the cache service and
+the control channel; answer the first request through the mount; then report ready. Tear-down runs in
+reverse on SIGINT/SIGTERM or an external unmount (``epochfs umount``, ``fusermount3 -u``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyfuse3
+import trio
+
+from epochfs import __version__
+from epochfs.backend import Backend, open_backend
+from epochfs.cache.policy import make_policy
+from epochfs.cache.service import BlockCache
+from epochfs.cache.store import BlockStore
+from epochfs.config import Config
+from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
+from epochfs.errors import ConfigError, EpochfsError
+from epochfs.fs import Operations
+from epochfs.meta.lmdb import LmdbMetaStore, Snapshot
+from epochfs.meta.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+Ready = Callable[[str | None], None]  # called once: None when mounted, else the error message
+
+
+def is_dead_mount(path: str) -> bool:
+    try:
+        os.listdir(path)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
+def lazy_unmount(path: str) -> None:
+    subprocess.run(["fusermount3", "-uz", path], check=False, capture_output=True)
+
+
+def check_mountpoint(path: str) -> None:
+    if is_dead_mount(path):
+        log.warning("%s holds a dead FUSE mount (a daemon died); clearing it", path)
+        lazy_unmount(path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"mount point {path} does not exist or is not a directory")
+    if os.path.ismount(path):
+        raise ConfigError(f"{path} is already a mount point")
+
+
+def load_snapshot(config: Config, backend: Backend) -> Snapshot:
+    store = LmdbMetaStore(config.cache_dir / "meta")
+    snapshot = None if config.refresh else store.load(backend.source_id)
+    if snapshot is not None and config.snapshot_ttl and time.time() - snapshot.created > config.snapshot_ttl:
+        log.info("snapshot version %d is older than the TTL; listing the source again", snapshot.version)
+        snapshot = None
+    if snapshot is not None:
+        log.info("using snapshot version %d of %s (%d objects)", snapshot.version, snapshot.source,
+                 len(snapshot.objects))
+        return snapshot
+    started = time.monotonic()
+    log.info("listing %s", backend.source_id)
+    snapshot = store.save(backend.source_id, backend.list_objects())
+    log.info("listed %d objects in %.1fs; snapshot version %d", len(snapshot.objects),
+             time.monotonic() - started, snapshot.version)
+    return snapshot
+
+
+class Daemon:
+    """All services of one mount."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started = time.time()
+        self.backend = open_backend(config)
+        self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio, make_policy("lru"))
+        self.store.open()
+        try:
+            self.snapshot = load_snapshot(config, self.backend)
+        except BaseException:
+            self.store.close()
+            raise
+        self.namespace = Namespace.build(self.snapshot.objects, mtime_ns=int(self.snapshot.created * 1e9))
+        self.cache = BlockCache(
+            self.store, self.backend, block_size=config.block_size,
+            concurrency=config.backend_concurrency, readahead_blocks=config.readahead_blocks,
+        )
+        self.control = ControlServer(socket_path(config.cache_dir), {"status": self._status})
+        self.ops = Operations(
+            self.namespace, self.cache, attr_timeout=config.attr_timeout,
+            root_xattrs={
+                CONTROL_XATTR.encode(): lambda: str(self.control.path).encode(),
+                PID_XATTR.encode(): lambda: str(os.getpid()).encode(),
+                b"user.epochfs.snapshot": lambda: str(self.snapshot.version).encode(),
+            },
+        )
+
+    def fuse_options(self) -> set[str]:
+        opts = set(pyfuse3.default_options) | {"fsname=epochfs", "subtype=epochfs", "ro", "noatime"}
+        if self.config.allow_other:
+            opts.add("allow_other")
+        opts.update(self.config.fuse_options)
+        if self.config.debug:
+            opts.add("debug")
+        return opts
+
+    def status(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_seconds": time.time() - self.started,
+            "source": cfg.source.url,
+            "mountpoint": str(cfg.mountpoint),
+            "cache_dir": str(cfg.cache_dir),
+            "block_size": cfg.block_size,
+            "snapshot": {
+                "version": self.snapshot.version,
+                "created": self.snapshot.created,
+                "objects": len(self.snapshot.objects),
+                "files": self.namespace.file_count,
+                "directories": self.namespace.dir_count,
+                "bytes": self.namespace.total_bytes,
+            },
+            "cache": vars(self.cache.statistics()),
+            "store": vars(self.store.statistics()),
+            "backend": {
+                "requests": {f"{op}/{outcome}": n for (op, outcome), n in
+                             sorted(self.backend.statistics().requests.items())},
+                "bytes": self.backend.statistics().bytes_read,
+            },
+        }
+
+    async def _status(self, request: dict[str, Any]) -> dict[str, Any]:
+        return self.status()
+
+    async def run(self, ready: Ready) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.cache.run)
+            await nursery.start(self.control.run)
+            nursery.start_soon(self._handle_signals)
+            nursery.start_soon(self._announce, ready)
+            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            nursery.cancel_scope.cancel()
+
+    async def _handle_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s; unmounting", signal.Signals(signum).name)
+                pyfuse3.terminate()
+
+    async def _announce(self, ready: Ready) -> None:
+        st = await trio.to_thread.run_sync(os.stat, self.config.mountpoint)
+        if st.st_ino != pyfuse3.ROOT_INODE:
+            ready(f"{self.config.mountpoint} did not answer as an epochfs mount")
+            pyfuse3.terminate()
+            return
+        log.info("mounted %s at %s", self.config.source.url, self.config.mountpoint)
+        ready(None)
+
+    def close(self) -> None:
+        self.store.close()
+        self.backend.close()
+
+
+def run(config: Config, ready: Ready) -> int:
+    """Mount and serve until unmounted. Calls ``ready`` exactly once. Returns the exit code."""
+    mountpoint = str(config.mountpoint)
+    try:
+        check_mountpoint(mountpoint)
+        daemon = Daemon(config)
+    except EpochfsError as exc:
+        ready(str(exc))
+        return 2 if isinstance(exc, ConfigError) else 1
+    try:
+        pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
+    except RuntimeError as exc:
+        daemon.close()
+        ready(f"cannot mount {mountpoint}: {exc}")
+        return 1
+    try:
+        trio.run(daemon.run, ready)
+    except BaseException:
+        log.exception("daemon failed")
+        pyfuse3.close(unmount=True)
+        daemon.close()
+        ready("daemon failed during start-up; see the log")
+        return 1
+    pyfuse3.close(unmount=True)
+    daemon.close()
+    log.info("unmounted %s", mountpoint)
+    return 0
+
