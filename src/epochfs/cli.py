@@ -187,13 +187,11 @@ def _spawn_daemon(config: Config, args: argparse.Namespace, argv: list[str]) -> 
         answer = pipe.read().decode(errors="replace").strip()
     if answer == "ok":
         return 0
+    code = proc.wait()
     if not answer:
-        code = proc.wait()
         answer = f"the daemon exited with status {code} before the mount was ready; see {log_file}"
-    else:
-        proc.wait()
     print(f"epochfs: {answer}", file=sys.stderr)
-    return 1
+    return code or 1
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

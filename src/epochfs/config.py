@@ -70,10 +70,9 @@ class Source:
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
                 raise ConfigError(f"{url!r}: use file:///absolute/path")
-            path = os.path.abspath(unquote(parsed.path))
-            if not os.path.isdir(path):
-                raise ConfigError(f"{url!r}: {path} is not a directory")
-            return cls("file", "", path)
+            # Existence is checked when the directory is listed: a mount with a stored snapshot
+            # keeps serving cached data while the shared file system is away.
+            return cls("file", "", os.path.abspath(unquote(parsed.path)))
         raise ConfigError(f"{url!r}: the source must be s3://BUCKET[/PREFIX] or file:///PATH")
 
     @property

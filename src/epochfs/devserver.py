@@ -95,6 +95,20 @@ class LocalS3:
                                           connect_timeout=2, read_timeout=30),
         )
 
+    def request_count(self, bucket: str, method: str = "GET") -> int:
+        """Requests of ``method`` the endpoint has answered for ``bucket`` (from its own metrics)."""
+        import re
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        pat = re.compile(r'^SeaweedFS_s3_request_seconds_count\{(.*)\} (\S+)$', re.M)
+        total = 0
+        for labels, value in pat.findall(text):
+            if f'bucket="{bucket}"' in labels and f'type="{method}"' in labels:
+                total += int(float(value))
+        return total
+
     def env(self) -> dict[str, str]:
         """Environment for an epochfs daemon talking to this endpoint."""
         env = dict(os.environ)
@@ -107,7 +121,7 @@ class LocalS3:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(timeout=15)
+            self.proc.wait(timeout=3)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()

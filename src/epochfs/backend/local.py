@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from epochfs.backend.base import Backend, BackendStats, ObjectInfo, StatsRecorder
 from epochfs.config import Config
-from epochfs.errors import AccessDenied, BackendUnavailable, ObjectChanged
+from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ class LocalBackend(Backend):
         return self._stats.snapshot()
 
     def list_objects(self) -> Iterator[ObjectInfo]:
+        if not os.path.isdir(self.root):
+            raise ConfigError(f"source directory {self.root} does not exist or is not a directory")
         stack = [""]
         while stack:
             rel = stack.pop()

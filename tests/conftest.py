@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from epochfs.devserver import LocalS3
+from epochfs.sample import SampleFile, sample_layout, upload
+
+from .helpers import Mount
+
+_bucket_ids = itertools.count()
+
+
+def _fuse_available() -> bool:
+    return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+requires_fuse = pytest.mark.skipif(not _fuse_available(), reason="needs /dev/fuse and fusermount3")
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory):
+    """One SeaweedFS S3 endpoint on 127.0.0.1 for the whole session."""
+    server = LocalS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3: LocalS3):
+    return s3.client()
+
+
+@pytest.fixture(scope="session")
+def sample_files() -> list[SampleFile]:
+    return sample_layout(small=160, large=2, large_mib=9, seed=7)
+
+
+@pytest.fixture(scope="session")
+def sample_bucket(s3: LocalS3, s3_client, sample_files: list[SampleFile]) -> str:
+    """A bucket holding the sample dataset under ``data/`` (read-only: tests must not change it)."""
+    upload(s3_client, "sample", "data/", sample_files)
+    return "sample"
+
+
+@pytest.fixture
+def fresh_bucket(s3_client) -> str:
+    """An empty bucket of this test's own, so endpoint request counts are this test's."""
+    name = f"t{next(_bucket_ids):04d}-{os.getpid()}"
+    s3_client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def mount_factory(tmp_path: Path, s3: LocalS3):
+    mounts: list[Mount] = []
+
+    def make(source: str, *args: str, cache_dir: Path | None = None, name: str = "mnt", env=None) -> Mount:
+        extra = list(args)
+        if source.startswith("s3://") and "--endpoint-url" not in extra:
+            extra += ["--endpoint-url", s3.endpoint]
+        m = Mount(source, tmp_path / name, cache_dir or tmp_path / "cache", env or s3.env(), *extra)
+        mounts.append(m)
+        return m
+
+    yield make
+    for m in mounts:
+        m.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_mounts(tmp_path: Path):
+    yield
+    # A test that failed half-way must not leave a mount behind under its tmp_path.
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = line.split()[1]
+            if target.startswith(str(tmp_path)):
+                subprocess.run(["fusermount3", "-uz", target], capture_output=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logging.getLogger("botocore").setLevel(logging.WARNING)

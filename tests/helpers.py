@@ -1,0 +1,123 @@
+"""Test helpers: real mounts in a subprocess, with a wait for readiness and a lazy unmount."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from epochfs.control import request
+
+EPOCHFS = [sys.executable, "-m", "epochfs"]
+
+
+class Mount:
+    def __init__(self, source: str, mountpoint: Path, cache_dir: Path, env: dict[str, str], *args: str):
+        self.source = source
+        self.mountpoint = Path(mountpoint)
+        self.cache_dir = Path(cache_dir)
+        self.env = env
+        self.args = list(args)
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+
+    def start(self, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [*EPOCHFS, "mount", self.source, str(self.mountpoint), "--cache-dir", str(self.cache_dir),
+               *self.args, *extra]
+        result = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+        if expect_ok:
+            assert result.returncode == 0, f"mount failed: {result.stderr}\n{self.log()}"
+        return result
+
+    def __enter__(self) -> Mount:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if os.path.ismount(self.mountpoint):
+            result = subprocess.run([*EPOCHFS, "umount", str(self.mountpoint)], capture_output=True,
+                                    text=True, timeout=60)
+            if result.returncode != 0:
+                subprocess.run(["fusermount3", "-uz", str(self.mountpoint)], capture_output=True)
+
+    def status(self) -> dict[str, Any]:
+        return request(self.mountpoint, "status")
+
+    def log(self) -> str:
+        path = self.cache_dir / "epochfs.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def path(self, key: str) -> Path:
+        return self.mountpoint / key
+
+
+def read_all(path: Path, read_size: int = 1 << 20) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        chunks = []
+        while chunk := f.read(read_size):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict a file's pages from the kernel page cache (so the next read reaches the daemon)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_with_deadline(fn, seconds: float):  # type: ignore[no-untyped-def]
+    """Run ``fn`` in a thread; fail if it does not return within ``seconds`` (a read must never hang)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    started = time.monotonic()
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise AssertionError(f"operation did not finish within {seconds}s")
+    if "error" in box:
+        raise box["error"]
+    box["elapsed"] = time.monotonic() - started
+    return box.get("value")
+
+
+def errno_of(exc: BaseException) -> int | None:
+    return exc.errno if isinstance(exc, OSError) else None
+
+
+__all__ = ["Mount", "read_all", "drop_page_cache", "run_with_deadline", "errno_of", "errno"]
+
+
+def drop_all_caches() -> None:
+    """Drop the kernel page cache so that the next reads reach the daemon (needs root)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def wait_idle(mount: Mount, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until the daemon has no fetch or fill in flight; return its status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = mount.status()
+        if status["cache"]["inflight"] == 0:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"daemon still busy after {timeout}s: {status['cache']}")
+        time.sleep(0.05)

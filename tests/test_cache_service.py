@@ -1,0 +1,182 @@
+"""BlockCache with an in-memory backend: single flight, hit/miss accounting, errors, readahead."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import trio
+
+from epochfs.backend.base import Backend, BackendStats, ObjectInfo
+from epochfs.cache.policy import LruPolicy
+from epochfs.cache.service import BlockCache
+from epochfs.cache.store import BlockStore
+from epochfs.errors import BackendUnavailable, ObjectChanged
+from epochfs.sample import pattern
+
+BS = 64 << 10
+
+
+class MemoryBackend(Backend):
+    source_id = "mem://test/"
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.calls: Counter[tuple[str, int]] = Counter()
+        self.fail: Exception | None = None
+        self._lock = threading.Lock()
+
+    def list_objects(self):
+        return iter(())
+
+    def read_range(self, key, etag, start, length):
+        with self._lock:
+            self.calls[(key, start)] += 1
+        time.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return pattern(key, 0, start, length)
+
+    def statistics(self):
+        return BackendStats()
+
+
+def run_with_cache(tmp_path, backend, fn, capacity=1 << 30, readahead=0):
+    store = BlockStore(tmp_path / "c", capacity, 0.0, LruPolicy())
+    store.open()
+    cache = BlockCache(store, backend, block_size=BS, concurrency=8, readahead_blocks=readahead)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            result = await fn(cache)
+            nursery.cancel_scope.cancel()
+        return result
+
+    try:
+        return trio.run(main), cache
+    finally:
+        store.close()
+
+
+OBJ = ObjectInfo("f.bin", 5 * BS + 777, 0, '"v1"')
+
+
+def test_reads_across_block_boundaries(tmp_path):
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        out = []
+        for off, size in [(0, OBJ.size), (BS - 3, 7), (2 * BS - 1, BS + 2), (OBJ.size - 10, 100), (OBJ.size, 5)]:
+            out.append((off, size, bytes(await cache.read(OBJ, off, size))))
+        return out
+
+    results, _ = run_with_cache(tmp_path, backend, fn)
+    for off, size, data in results:
+        assert data == pattern(OBJ.key, 0, off, max(0, min(size, OBJ.size - off)))
+
+
+def test_concurrent_misses_make_one_request_per_block(tmp_path):
+    backend = MemoryBackend(delay=0.2)
+
+    async def fn(cache):
+        async def reader(off):
+            assert bytes(await cache.read(OBJ, off, 1000)) == pattern(OBJ.key, 0, off, 1000)
+
+        async with trio.open_nursery() as n:
+            for i in range(32):
+                n.start_soon(reader, (i % 4) * 1000)  # all in block 0
+        return cache.statistics()
+
+    stats, cache = run_with_cache(tmp_path, backend, fn)
+    assert backend.calls[(OBJ.key, 0)] == 1
+    assert stats.misses == 32 and stats.hits == 0 and stats.demand_fetches == 1
+
+
+def test_warm_reads_are_hits_and_make_no_requests(tmp_path):
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        await cache.read(OBJ, 0, OBJ.size)
+        while cache.statistics().inflight:
+            await trio.sleep(0.01)
+        before = sum(backend.calls.values())
+        cold = cache.statistics()
+        await cache.read(OBJ, 0, OBJ.size)
+        return before, cold, cache.statistics()
+
+    (before, cold, warm), _ = run_with_cache(tmp_path, backend, fn)
+    assert before == 6 and sum(backend.calls.values()) == 6
+    assert cold.misses == 6 and cold.hits == 0 and cold.miss_bytes == OBJ.size
+    assert warm.hits == 6 and warm.hit_bytes == OBJ.size and warm.misses == 6
+
+
+def test_backend_errors_reach_every_waiter_and_are_not_cached(tmp_path):
+    backend = MemoryBackend(delay=0.05)
+    backend.fail = ObjectChanged("gone")
+
+    async def fn(cache):
+        errors = []
+
+        async def reader():
+            try:
+                await cache.read(OBJ, 0, 10)
+            except ObjectChanged as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as n:
+            for _ in range(5):
+                n.start_soon(reader)
+        backend.fail = None
+        data = bytes(await cache.read(OBJ, 0, 10))
+        return errors, data
+
+    (errors, data), cache = run_with_cache(tmp_path, backend, fn)
+    assert len(errors) == 5
+    assert data == pattern(OBJ.key, 0, 0, 10)
+    assert backend.calls[(OBJ.key, 0)] == 2
+
+
+def test_unexpected_backend_exception_becomes_unavailable(tmp_path):
+    backend = MemoryBackend()
+    backend.fail = RuntimeError("library bug")
+
+    async def fn(cache):
+        with pytest.raises(BackendUnavailable):
+            await cache.read(OBJ, 0, 1)
+        return True
+
+    assert run_with_cache(tmp_path, backend, fn)[0]
+
+
+def test_sequential_stream_reads_ahead(tmp_path):
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        stream = cache.open_stream(OBJ)
+        for off in range(0, 3 * 32768, 32768):
+            await stream.read(off, 32768)
+        while cache.statistics().inflight:
+            await trio.sleep(0.01)
+        return cache.statistics()
+
+    stats, _ = run_with_cache(tmp_path, backend, fn, readahead=3)
+    assert stats.prefetch_fetches >= 3
+    assert backend.calls[(OBJ.key, 3 * BS)] == 1
+
+
+def test_capacity_bounds_the_cache_while_reads_stay_correct(tmp_path):
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        for rep in range(2):
+            for off in range(0, OBJ.size, 50_000):
+                n = min(50_000, OBJ.size - off)
+                assert bytes(await cache.read(OBJ, off, n)) == pattern(OBJ.key, 0, off, n)
+                assert cache.store.used + cache.store.pending <= 2 * BS
+        return cache.store.statistics()
+
+    stats, _ = run_with_cache(tmp_path, backend, fn, capacity=2 * BS)
+    assert stats.used_bytes <= 2 * BS and stats.evictions > 0

@@ -1,0 +1,348 @@
+"""Real mounts against a real local S3 endpoint (SeaweedFS) and a real directory."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from epochfs.cache.keys import block_id, block_relpath
+from epochfs.devserver import LocalS3
+from epochfs.sample import SampleFile, pattern, sample_layout, upload, write_tree
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, Mount, drop_all_caches, read_all, run_with_deadline, wait_idle
+
+pytestmark = requires_fuse
+
+MiB = 1 << 20
+
+
+def large(files: list[SampleFile]) -> list[SampleFile]:
+    return [f for f in files if f.size > 4 * MiB]
+
+
+def test_whole_dataset_reads_byte_for_byte(mount_factory, sample_bucket, sample_files, s3_client):
+    with mount_factory(f"s3://{sample_bucket}/data", "--cache-size", "1G") as m:
+        seen = set()
+        for dirpath, _dirs, names in os.walk(m.mountpoint):
+            for name in names:
+                seen.add(os.path.relpath(os.path.join(dirpath, name), m.mountpoint))
+        assert seen == {f.key for f in sample_files}
+        for f in sample_files:
+            assert read_all(m.path(f.key)) == f.content(), f.key
+        # sizes and mtimes come from the objects
+        f = large(sample_files)[0]
+        head = s3_client.head_object(Bucket=sample_bucket, Key="data/" + f.key)
+        st = os.stat(m.path(f.key))
+        assert st.st_size == f.size
+        assert abs(st.st_mtime - head["LastModified"].timestamp()) < 1.0
+        assert oct(st.st_mode & 0o777) == oct(0o444)
+
+
+def test_odd_read_sizes_and_random_offsets(mount_factory, sample_bucket, sample_files):
+    with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M") as m:
+        rng = random.Random(1234)
+        for f in large(sample_files):
+            with open(m.path(f.key), "rb", buffering=0) as fh:
+                off = 0
+                while chunk := fh.read(70_000):
+                    assert chunk == f.content(off, 70_000), (f.key, off)
+                    off += len(chunk)
+                assert off == f.size
+                for _ in range(300):
+                    pos = rng.randrange(0, f.size + 10)
+                    n = rng.choice([1, 2, 4095, 4097, 65537, 70_000, MiB - 1, MiB + 1, 3 * MiB])
+                    assert os.pread(fh.fileno(), n, pos) == f.content(pos, n), (f.key, pos, n)
+                # reads straddling every block boundary
+                for b in range(1, f.size // MiB + 1):
+                    assert os.pread(fh.fileno(), 10, b * MiB - 5) == f.content(b * MiB - 5, 10)
+
+
+def test_sixteen_concurrent_reader_threads(mount_factory, sample_bucket, sample_files):
+    with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M") as m:
+        def worker(seed: int) -> int:
+            rng = random.Random(seed)
+            checked = 0
+            for _ in range(40):
+                f = rng.choice(sample_files)
+                if f.size == 0:
+                    continue
+                pos = rng.randrange(0, f.size)
+                n = rng.randrange(1, 300_000)
+                with open(m.path(f.key), "rb", buffering=0) as fh:
+                    assert os.pread(fh.fileno(), n, pos) == f.content(pos, n), (f.key, pos, n)
+                checked += 1
+            return checked
+
+        with ThreadPoolExecutor(16) as pool:
+            assert sum(pool.map(worker, range(16))) > 500
+        status = wait_idle(m)
+        assert status["store"]["corrupt_blocks"] == 0
+
+
+def test_mmap_and_seek(mount_factory, sample_bucket, sample_files):
+    f = large(sample_files)[0]
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        with open(m.path(f.key), "rb") as fh:
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                assert len(mm) == f.size
+                assert mm[5 * MiB - 3:5 * MiB + 3] == f.content(5 * MiB - 3, 6)
+                assert mm[-100:] == f.content(f.size - 100, 100)
+            fh.seek(4 * MiB + 1)
+            assert fh.read(10) == f.content(4 * MiB + 1, 10)
+            fh.seek(-7, os.SEEK_END)
+            assert fh.read() == f.content(f.size - 7, 7)
+
+
+def test_writes_fail_with_erofs(mount_factory, sample_bucket, sample_files):
+    f = sample_files[20]
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        attempts = [
+            lambda: open(m.path(f.key), "r+b"),
+            lambda: open(m.path(f.key), "ab"),
+            lambda: open(m.path("new-file"), "wb"),
+            lambda: os.mkdir(m.path("newdir")),
+            lambda: os.unlink(m.path(f.key)),
+            lambda: os.rename(m.path(f.key), m.path("renamed")),
+            lambda: os.truncate(m.path(f.key), 0),
+            lambda: os.chmod(m.path(f.key), 0o777),
+        ]
+        for attempt in attempts:
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == errno.EROFS
+        assert read_all(m.path(f.key)) == f.content()
+
+
+def test_warm_pass_makes_no_data_requests(s3, s3_client, fresh_bucket, mount_factory, tmp_path):
+    files = sample_layout(small=60, large=1, large_mib=9, seed=3)
+    upload(s3_client, fresh_bucket, "", files)
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        cold = wait_idle(m)
+        gets_after_cold = s3.request_count(fresh_bucket)
+        assert cold["cache"]["hits"] == 0 or cold["cache"]["prefetch_fetches"] > 0
+        drop_all_caches()
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        warm = wait_idle(m)
+        assert s3.request_count(fresh_bucket) == gets_after_cold, "the warm pass reached the endpoint"
+        assert warm["cache"]["misses"] == cold["cache"]["misses"], "the warm pass missed the cache"
+        assert warm["cache"]["hit_bytes"] - cold["cache"]["hit_bytes"] == sum(f.size for f in files)
+        assert warm["cache"]["demand_fetches"] + warm["cache"]["prefetch_fetches"] == \
+            cold["cache"]["demand_fetches"] + cold["cache"]["prefetch_fetches"]
+
+
+def test_remount_serves_warm_data_with_the_endpoint_stopped(tmp_path, mount_factory):
+    files = sample_layout(small=40, large=1, large_mib=6, seed=5)
+    server = LocalS3(tmp_path / "own-s3").start()
+    try:
+        upload(server.client(), "warm", "ds/", files)
+        m = mount_factory("s3://warm/ds", "--endpoint-url", server.endpoint, env=server.env())
+        with m:
+            for f in files:
+                assert read_all(m.path(f.key)) == f.content()
+            wait_idle(m)
+    finally:
+        server.stop()
+    with m:  # same cache dir, endpoint down: the snapshot and every block come from the cache
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        assert m.status()["cache"]["misses"] == 0
+
+
+def _block_file(m: Mount, s3_client, bucket: str, prefix: str, f: SampleFile, index: int, bs: int) -> Path:
+    etag = s3_client.head_object(Bucket=bucket, Key=prefix + f.key)["ETag"]
+    bid = block_id(f"s3://{bucket}/{prefix}", f.key, etag, index)
+    return m.cache_dir / "blocks" / block_relpath(bid)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_cache_block_is_refetched(mount_factory, sample_bucket, sample_files, s3_client, damage):
+    f = large(sample_files)[0]
+    with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M", "--readahead", "0") as m:
+        assert read_all(m.path(f.key)) == f.content()
+        wait_idle(m)
+        path = _block_file(m, s3_client, sample_bucket, "data/", f, 2, MiB)
+        assert path.exists()
+        if damage == "flip":
+            raw = bytearray(path.read_bytes())
+            raw[12345] ^= 0x40
+            path.write_bytes(raw)
+        else:
+            os.truncate(path, 1000)
+        drop_all_caches()
+        assert read_all(m.path(f.key)) == f.content()
+        status = wait_idle(m)
+        assert status["store"]["corrupt_blocks"] == 1
+        assert status["cache"]["demand_fetches"] == -(-f.size // MiB) + 1
+        drop_all_caches()
+        assert read_all(m.path(f.key)) == f.content()  # the refetched block is cached again, intact
+        assert wait_idle(m)["store"]["corrupt_blocks"] == 1
+
+
+def test_object_overwritten_after_snapshot_never_mixes(s3_client, fresh_bucket, mount_factory):
+    key, size = "big.bin", 6 * MiB + 4321
+    s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--readahead", "0") as m:
+        with open(m.path(key), "rb", buffering=0) as fh:
+            assert fh.read(MiB + 10) == pattern(key, 0, 0, MiB + 10)  # blocks 0-1 cached
+        wait_idle(m)
+        s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 1, 0, size))
+        drop_all_caches()
+        outcomes = []
+        with open(m.path(key), "rb", buffering=0) as fh:
+            for off in range(0, size, 300_000):
+                try:
+                    data = run_with_deadline(lambda off=off: os.pread(fh.fileno(), 300_000, off), 60)
+                except OSError as exc:
+                    assert exc.errno in (errno.ESTALE, errno.EIO)
+                    outcomes.append("error")
+                    continue
+                assert data == pattern(key, 0, off, len(data)), f"not the snapshot's bytes at {off}"
+                outcomes.append("old")
+        assert outcomes[0] == "old" and "error" in outcomes
+        # A shorter replacement: still never the new bytes.
+        s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 2, 0, 1000))
+        with open(m.path(key), "rb", buffering=0) as fh:
+            with pytest.raises(OSError) as info:
+                os.pread(fh.fileno(), 100, 5 * MiB)
+            assert info.value.errno in (errno.ESTALE, errno.EIO)
+
+
+def test_cache_size_is_a_bound(mount_factory, sample_bucket, sample_files):
+    cap = 6 * MiB
+    with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M", "--cache-size", "6M") as m:
+        for f in sample_files:
+            assert read_all(m.path(f.key)) == f.content(), f.key
+            assert m.status()["store"]["used_bytes"] <= cap
+        status = wait_idle(m)
+        on_disk = sum(p.stat().st_size for p in (m.cache_dir / "blocks").rglob("*") if p.is_file())
+        assert status["store"]["used_bytes"] <= cap and on_disk <= cap
+        assert status["store"]["evictions"] > 0
+
+
+def test_directory_source_through_the_cache(tmp_path, mount_factory):
+    files = sample_layout(small=30, large=1, large_mib=5, seed=9)
+    src = tmp_path / "shared-fs"
+    write_tree(str(src), files)
+    m = mount_factory(f"file://{src}", "--block-size", "1M")
+    with m:
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        wait_idle(m)
+    os.rename(src, tmp_path / "gone")  # the slow file system is unreachable now
+    with m:
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        assert m.status()["cache"]["misses"] == 0
+
+
+def test_foreground_unmounts_on_sigterm_and_sigint(tmp_path, s3, sample_bucket):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        mnt = tmp_path / f"fg-{sig.name}"
+        mnt.mkdir()
+        proc = subprocess.Popen(
+            [*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(mnt), "--endpoint-url", s3.endpoint,
+             "--cache-dir", str(tmp_path / "cache-fg"), "--foreground"],
+            env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.ismount(mnt):
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert os.listdir(mnt)
+            proc.send_signal(sig)
+            assert proc.wait(timeout=30) == 0
+            assert not os.path.ismount(mnt)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_umount_and_fusermount(mount_factory, sample_bucket):
+    m = mount_factory(f"s3://{sample_bucket}/data")
+    m.start()
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    result = subprocess.run([*EPOCHFS, "umount", str(m.mountpoint)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert not os.path.ismount(m.mountpoint)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+
+    m.start()
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    subprocess.run(["fusermount3", "-u", str(m.mountpoint)], check=True)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]:
+        assert time.monotonic() < deadline, "daemon did not exit after fusermount3 -u"
+        time.sleep(0.05)
+    assert "unmounted" in m.log()
+
+
+def test_mount_errors_are_clear(tmp_path, mount_factory, sample_bucket, s3):
+    bad = subprocess.run([*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(tmp_path / "missing"),
+                          "--endpoint-url", s3.endpoint, "--cache-dir", str(tmp_path / "c0")],
+                         env=s3.env(), capture_output=True, text=True)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    m = mount_factory("s3://no-such-bucket-x/data", name="m1")
+    result = m.start(expect_ok=False)
+    assert result.returncode != 0 and "no-such-bucket-x" in result.stderr
+    assert not os.path.ismount(m.mountpoint)
+    first = mount_factory(f"s3://{sample_bucket}/data", name="m2", cache_dir=tmp_path / "shared-cache")
+    first.start()
+    second = mount_factory(f"s3://{sample_bucket}/data", name="m3", cache_dir=tmp_path / "shared-cache")
+    result = second.start(expect_ok=False)
+    assert result.returncode == 2 and "in use by pid" in result.stderr
+    result = subprocess.run([*EPOCHFS, "mount", "http://x/y", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "s3://BUCKET" in result.stderr
+    result = subprocess.run([*EPOCHFS, "mount", "s3://b", str(tmp_path), "--cache-size", "lots"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "not a size" in result.stderr
+
+
+def test_snapshot_is_reused_until_refresh(s3_client, fresh_bucket, mount_factory):
+    s3_client.put_object(Bucket=fresh_bucket, Key="a.txt", Body=b"first")
+    m = mount_factory(f"s3://{fresh_bucket}")
+    with m:
+        assert os.listdir(m.mountpoint) == ["a.txt"]
+        version = m.status()["snapshot"]["version"]
+    s3_client.put_object(Bucket=fresh_bucket, Key="b.txt", Body=b"second")
+    with m:
+        assert os.listdir(m.mountpoint) == ["a.txt"]
+        assert m.status()["snapshot"]["version"] == version
+    m.args.append("--refresh")
+    with m:
+        assert sorted(os.listdir(m.mountpoint)) == ["a.txt", "b.txt"]
+        assert m.status()["snapshot"]["version"] == version + 1
+        assert m.path("b.txt").read_bytes() == b"second"
+
+
+def test_unsafe_keys_are_hidden_and_large_directories_page(s3_client, fresh_bucket, mount_factory):
+    keys = {"ok.txt": b"ok", "dir/inner.txt": b"inner", "dir": b"file-shadowed-by-dir",
+            "x" * 300 + "/long.txt": b"long component", "ctl\x01name": b"control char"}
+    for k, v in keys.items():
+        s3_client.put_object(Bucket=fresh_bucket, Key=k, Body=v)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: s3_client.put_object(Bucket=fresh_bucket, Key=f"many/f{i:05d}", Body=b"m"),
+                      range(2500)))
+    with mount_factory(f"s3://{fresh_bucket}") as m:
+        assert sorted(os.listdir(m.mountpoint)) == ["dir", "many", "ok.txt"]
+        assert os.path.isdir(m.path("dir")) and m.path("dir/inner.txt").read_bytes() == b"inner"
+        assert len(os.listdir(m.path("many"))) == 2500
+        assert sorted(os.listdir(m.path("many"))) == [f"f{i:05d}" for i in range(2500)]
+        log = m.log()
+        assert "also a directory prefix" in log and "component longer than 255 bytes" in log
+        assert "control character" in log
+        assert not any(p.name.endswith(".txt") for p in m.cache_dir.rglob("*"))

@@ -1,0 +1,165 @@
+"""BlockStore without a mount: verification, atomic fills, capacity, recovery of a damaged index."""
+
+import os
+
+import pytest
+
+from epochfs.cache.keys import CHUNK_SIZE, block_relpath
+from epochfs.cache.policy import LruPolicy
+from epochfs.cache.store import BlockStore, CacheLocked
+
+
+def bid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def make(tmp_path, capacity=1 << 30, ratio=0.0) -> BlockStore:
+    s = BlockStore(tmp_path / "cache", capacity, ratio, LruPolicy())
+    s.open()
+    return s
+
+
+def put(store: BlockStore, b: bytes, data: bytes) -> bool:
+    if not store.reserve(len(data)):
+        return False
+    store.commit(b, store.write_file(b, data))
+    return True
+
+
+def test_roundtrip_and_partial_reads(tmp_path):
+    s = make(tmp_path)
+    data = os.urandom(3 * CHUNK_SIZE + 123)
+    put(s, bid(1), data)
+    meta = s.lookup(bid(1))
+    assert meta.length == len(data)
+    for lo, hi in [(0, len(data)), (0, 1), (CHUNK_SIZE - 1, CHUNK_SIZE + 1), (len(data) - 5, len(data)), (70000, 70001)]:
+        assert bytes(s.read(bid(1), meta, lo, hi)) == data[lo:hi]
+    assert s.statistics().used_bytes == len(data)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete"])
+def test_damaged_block_is_dropped_not_served(tmp_path, damage):
+    s = make(tmp_path)
+    data = os.urandom(2 * CHUNK_SIZE)
+    put(s, bid(1), data)
+    path = s.blocks_dir / block_relpath(bid(1))
+    if damage == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[CHUNK_SIZE + 17] ^= 0x01
+        path.write_bytes(raw)
+    elif damage == "truncate":
+        os.truncate(path, CHUNK_SIZE + 10)
+    elif damage == "empty":
+        os.truncate(path, 0)
+    else:
+        path.unlink()
+    meta = s.lookup(bid(1))
+    assert s.read(bid(1), meta, 0, len(data)) is None
+    st = s.statistics()
+    assert st.corrupt_blocks == 1 and st.used_bytes == 0 and st.blocks == 0
+    assert s.lookup(bid(1)) is None and not path.exists()
+
+
+def test_flipped_byte_in_an_unread_chunk_is_not_noticed_until_read(tmp_path):
+    s = make(tmp_path)
+    data = os.urandom(2 * CHUNK_SIZE)
+    put(s, bid(1), data)
+    path = s.blocks_dir / block_relpath(bid(1))
+    raw = bytearray(path.read_bytes())
+    raw[CHUNK_SIZE + 1] ^= 0xFF
+    path.write_bytes(raw)
+    meta = s.lookup(bid(1))
+    assert bytes(s.read(bid(1), meta, 0, 100)) == data[:100]  # first chunk is intact and verified
+    assert s.read(bid(1), meta, CHUNK_SIZE, CHUNK_SIZE + 1) is None
+
+
+def test_swapped_block_files_are_detected(tmp_path):
+    s = make(tmp_path)
+    a, b = os.urandom(1000), os.urandom(1000)
+    put(s, bid(1), a)
+    put(s, bid(2), b)
+    pa, pb = s.blocks_dir / block_relpath(bid(1)), s.blocks_dir / block_relpath(bid(2))
+    tmp = pa.with_suffix(".x")
+    os.rename(pa, tmp)
+    os.rename(pb, pa)
+    os.rename(tmp, pb)
+    assert s.read(bid(1), s.lookup(bid(1)), 0, 1000) is None
+    assert s.read(bid(2), s.lookup(bid(2)), 0, 1000) is None
+    assert s.statistics().corrupt_blocks == 2
+
+
+def test_capacity_is_enforced_by_lru_eviction(tmp_path):
+    s = make(tmp_path, capacity=10_000)
+    for n in range(10):
+        assert put(s, bid(n), bytes([n]) * 3000)
+        assert s.statistics().used_bytes <= 10_000
+    st = s.statistics()
+    assert st.blocks == 3 and st.evictions == 7
+    assert [s.lookup(bid(n)) is not None for n in range(10)] == [False] * 7 + [True] * 3
+    assert not s.reserve(20_000)  # larger than the whole cache: read through
+
+
+def test_reads_refresh_lru_order(tmp_path):
+    s = make(tmp_path, capacity=3000)
+    for n in range(3):
+        put(s, bid(n), b"x" * 1000)
+    s.read(bid(0), s.lookup(bid(0)), 0, 1)
+    put(s, bid(3), b"y" * 1000)
+    assert s.lookup(bid(0)) is not None and s.lookup(bid(1)) is None
+
+
+def test_free_space_floor_stops_admission(tmp_path):
+    st = os.statvfs(tmp_path)
+    free_ratio = st.f_bavail / st.f_blocks
+    s = make(tmp_path, ratio=min(0.999, free_ratio + 0.01))  # the floor is already crossed
+    assert not put(s, bid(1), b"z" * 100)
+    assert s.statistics().blocks == 0
+
+
+def test_restart_keeps_blocks_and_lru_order(tmp_path):
+    s = make(tmp_path, capacity=3000)
+    for n in range(3):
+        put(s, bid(n), bytes([n]) * 1000)
+    (s.tmp_dir / "leftover").write_bytes(b"partial fill")
+    s.close()
+    s = make(tmp_path, capacity=3000)
+    assert not any(s.tmp_dir.iterdir()), "temp files of interrupted fills are removed"
+    assert s.statistics().blocks == 3 and s.statistics().used_bytes == 3000
+    assert bytes(s.read(bid(2), s.lookup(bid(2)), 0, 1000)) == bytes([2]) * 1000
+    put(s, bid(9), b"n" * 1000)
+    assert s.lookup(bid(0)) is None, "the oldest fill is evicted first after a restart"
+
+
+def test_second_owner_is_refused(tmp_path):
+    s = make(tmp_path)
+    with pytest.raises(CacheLocked, match="in use by pid"):
+        make(tmp_path)
+    s.close()
+    make(tmp_path).close()
+
+
+def test_garbage_index_is_rebuilt(tmp_path):
+    s = make(tmp_path)
+    put(s, bid(1), b"q" * 5000)
+    s.close()
+    for f in (tmp_path / "cache" / "index").iterdir():
+        f.write_bytes(os.urandom(8192))
+    s = make(tmp_path)
+    assert s.statistics().blocks == 0 and s.lookup(bid(1)) is None
+    assert put(s, bid(1), b"r" * 10)
+    assert bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"r" * 10
+
+
+def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch):
+    s = make(tmp_path)
+    assert s.reserve(100)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        s.write_file(bid(1), b"a" * 100)
+    s.release(100)
+    assert not any(s.tmp_dir.iterdir())
+    assert s.statistics().fill_errors == 1 and s.pending == 0
