@@ -100,8 +100,7 @@ def test_warm_reads_are_hits_and_make_no_requests(tmp_path):
 
     async def fn(cache):
         await cache.read(OBJ, 0, OBJ.size)
-        while cache.statistics().inflight:
-            await trio.sleep(0.01)
+        await cache.wait_idle()
         before = sum(backend.calls.values())
         cold = cache.statistics()
         await cache.read(OBJ, 0, OBJ.size)
@@ -158,8 +157,7 @@ def test_sequential_stream_reads_ahead(tmp_path):
         stream = cache.open_stream(OBJ)
         for off in range(0, 3 * 32768, 32768):
             await stream.read(off, 32768)
-        while cache.statistics().inflight:
-            await trio.sleep(0.01)
+        await cache.wait_idle()
         return cache.statistics()
 
     stats, _ = run_with_cache(tmp_path, backend, fn, readahead=3)
@@ -171,7 +169,7 @@ def test_capacity_bounds_the_cache_while_reads_stay_correct(tmp_path):
     backend = MemoryBackend()
 
     async def fn(cache):
-        for rep in range(2):
+        for _ in range(2):
             for off in range(0, OBJ.size, 50_000):
                 n = min(50_000, OBJ.size - off)
                 assert bytes(await cache.read(OBJ, off, n)) == pattern(OBJ.key, 0, off, n)

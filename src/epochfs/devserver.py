@@ -80,10 +80,10 @@ class LocalS3:
                 client.list_buckets()
                 client.create_bucket(Bucket="epochfs-ready-probe")
                 return self
-            except Exception:
+            except Exception as exc:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"SeaweedFS did not become ready in {timeout}s; see {self.log_file}")
+                    raise RuntimeError(f"SeaweedFS did not become ready in {timeout}s; see {self.log_file}") from exc
                 time.sleep(0.3)
 
     def client(self):  # type: ignore[no-untyped-def]

@@ -73,6 +73,7 @@ class BlockCache:
         self._prefetch_limiter = trio.CapacityLimiter(max(1, concurrency // 2))
         self._io_limiter = trio.CapacityLimiter(4)
         self._nursery: trio.Nursery | None = None
+        self._idle = trio.Event()
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
@@ -179,6 +180,15 @@ class BlockCache:
                 await self._fill(bid, flight.data)
         finally:
             del self._flights[bid]
+            if not self._flights:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no fetch or fill is in flight."""
+        while self._flights:
+            if self._idle.is_set():
+                self._idle = trio.Event()
+            await self._idle.wait()
 
     async def _fill(self, bid: bytes, data: bytes) -> None:
         if not self.store.admit(bid) or not self.store.reserve(len(data)):
