@@ -346,3 +346,24 @@ def test_unsafe_keys_are_hidden_and_large_directories_page(s3_client, fresh_buck
         assert "also a directory prefix" in log and "component longer than 255 bytes" in log
         assert "control character" in log
         assert not any(p.name.endswith(".txt") for p in m.cache_dir.rglob("*"))
+
+
+def test_unreachable_backend_gives_eio_within_the_deadline(tmp_path, mount_factory):
+    files = sample_layout(small=5, large=1, large_mib=3, seed=11)
+    server = LocalS3(tmp_path / "dying-s3").start()
+    try:
+        upload(server.client(), "dying", "", files)
+        m = mount_factory("s3://dying", "--endpoint-url", server.endpoint, "--backend-timeout", "6",
+                          "--backend-attempts", "3", env=server.env())
+        m.start()
+        assert read_all(m.path(files[5].key)) == files[5].content()
+    finally:
+        server.stop()
+    f = files[3]  # never read: not cached
+    started = time.monotonic()
+    with pytest.raises(OSError) as info:
+        run_with_deadline(lambda: read_all(m.path(f.key)), 60)
+    assert info.value.errno == errno.EIO
+    assert time.monotonic() - started < 30
+    assert read_all(m.path(files[5].key)) == files[5].content(), "cached data is still served"
+    assert os.listdir(m.mountpoint), "the mount stays usable"
