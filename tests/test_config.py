@@ -45,5 +45,7 @@ def test_config_validation(tmp_path):
         Config(src, tmp_path, block_size=1000)
     with pytest.raises(ConfigError, match="cache-size"):
         Config(src, tmp_path, cache_size=1 << 20, block_size=4 << 20)
+    with pytest.raises(ConfigError, match="endpoint-url"):
+        Config(src, tmp_path, endpoint_url="127.0.0.1:9000")
     with pytest.raises(ConfigError, match="free-space-ratio"):
         Config(src, tmp_path, free_space_ratio=1.5)

@@ -367,3 +367,53 @@ def test_unreachable_backend_gives_eio_within_the_deadline(tmp_path, mount_facto
     assert time.monotonic() - started < 30
     assert read_all(m.path(files[5].key)) == files[5].content(), "cached data is still served"
     assert os.listdir(m.mountpoint), "the mount stays usable"
+
+
+def test_kernel_readahead_is_raised_for_large_reads(mount_factory, sample_bucket):
+    with mount_factory(f"s3://{sample_bucket}/data", "--kernel-readahead", "2M") as m:
+        dev = os.stat(m.mountpoint).st_dev
+        assert Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text().strip() == "2048"
+
+
+def test_concurrent_cold_readers_fetch_each_block_once(s3, s3_client, fresh_bucket, mount_factory):
+    key, size = "shared.bin", 12 * MiB + 99
+    s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
+        before = s3.request_count(fresh_bucket)
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            with open(m.path(key), "rb", buffering=0) as fh:
+                for _ in range(30):
+                    pos = rng.randrange(0, size)
+                    assert os.pread(fh.fileno(), 200_000, pos) == pattern(key, 0, pos, min(200_000, size - pos))
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(reader, range(16)))
+        wait_idle(m)
+        gets = s3.request_count(fresh_bucket) - before
+        assert gets <= -(-size // MiB), f"{gets} GETs for {-(-size // MiB)} blocks"
+
+
+def test_open_files_keep_the_kernel_page_cache(mount_factory, sample_bucket, sample_files):
+    f = large(sample_files)[0]
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        assert read_all(m.path(f.key)) == f.content()
+        first = wait_idle(m)["cache"]
+        assert read_all(m.path(f.key)) == f.content()  # reopened: served by the kernel
+        second = m.status()["cache"]
+        assert second["hits"] + second["misses"] == first["hits"] + first["misses"]
+
+
+def test_snapshot_ttl_lists_again(s3_client, fresh_bucket, mount_factory):
+    s3_client.put_object(Bucket=fresh_bucket, Key="one", Body=b"1")
+    m = mount_factory(f"s3://{fresh_bucket}", "--snapshot-ttl", "3600")
+    with m:
+        assert os.listdir(m.mountpoint) == ["one"]
+    s3_client.put_object(Bucket=fresh_bucket, Key="two", Body=b"2")
+    with m:
+        assert os.listdir(m.mountpoint) == ["one"]
+    time.sleep(1.1)
+    m.args[m.args.index("--snapshot-ttl") + 1] = "1"
+    with m:
+        assert sorted(os.listdir(m.mountpoint)) == ["one", "two"]

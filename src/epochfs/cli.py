@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep at least this fraction of the cache file system free (default: %(default)s)")
     g.add_argument("--readahead", type=int, default=4, dest="readahead_blocks", metavar="BLOCKS",
                    help="blocks fetched ahead of a sequential reader (default: %(default)s; 0 disables)")
+    g.add_argument("--kernel-readahead", type=_size, default=parse_size("4M"), metavar="SIZE",
+                   help="kernel readahead window of the mount: larger FUSE reads for sequential readers "
+                   "(default: 4M; 0 keeps the kernel default of 128K; needs root)")
     g.add_argument("--refresh", action="store_true",
                    help="list the source again instead of reusing the stored namespace snapshot")
     g.add_argument("--snapshot-ttl", type=float, default=0.0, metavar="SECONDS",
@@ -127,7 +130,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         source=source, mountpoint=mountpoint, cache_dir=cache_dir, cache_size=args.cache_size,
         block_size=args.block_size, free_space_ratio=args.free_space_ratio, endpoint_url=args.endpoint_url,
         region=args.region, refresh=args.refresh, snapshot_ttl=args.snapshot_ttl,
-        readahead_blocks=args.readahead_blocks, backend_concurrency=args.backend_concurrency,
+        readahead_blocks=args.readahead_blocks, kernel_readahead=args.kernel_readahead, backend_concurrency=args.backend_concurrency,
         backend_timeout=args.backend_timeout, backend_attempts=args.backend_attempts,
         attr_timeout=args.attr_timeout, allow_other=args.allow_other, foreground=args.foreground,
         debug=args.debug, fuse_options=tuple(args.fuse_options),

@@ -100,6 +100,7 @@ class Config:
     refresh: bool = False
     snapshot_ttl: float = 0.0  # seconds; 0 = keep the snapshot until --refresh
     readahead_blocks: int = 4
+    kernel_readahead: int = 4 << 20  # the mount's read_ahead_kb; 0 leaves the kernel default (128 KiB)
     backend_concurrency: int = 16
     backend_timeout: float = 30.0  # overall deadline for one block fetch, retries included
     backend_attempts: int = 5
@@ -124,5 +125,9 @@ class Config:
             raise ConfigError("--backend-concurrency must be >= 1")
         if self.backend_timeout <= 0:
             raise ConfigError("--backend-timeout must be > 0")
+        if self.endpoint_url is not None:
+            u = urlparse(self.endpoint_url)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ConfigError(f"--endpoint-url {self.endpoint_url!r}: expected http(s)://HOST[:PORT]")
         if self.snapshot_ttl < 0:
             raise ConfigError("--snapshot-ttl must be >= 0")

@@ -49,6 +49,16 @@ def lazy_unmount(path: str) -> None:
     subprocess.run(["fusermount3", "-uz", path], check=False, capture_output=True)
 
 
+def set_kernel_readahead(dev: int, nbytes: int) -> None:
+    """Raise the mount's readahead window (FUSE defaults to 128 KiB, which caps each read request)."""
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(max(4, nbytes >> 10)))
+    except OSError as exc:
+        log.info("could not set the kernel readahead (%s): %s", path, exc)
+
+
 def check_mountpoint(path: str) -> None:
     if is_dead_mount(path):
         log.warning("%s holds a dead FUSE mount (a daemon died); clearing it", path)
@@ -166,6 +176,8 @@ class Daemon:
             ready(f"{self.config.mountpoint} did not answer as an epochfs mount")
             pyfuse3.terminate()
             return
+        if self.config.kernel_readahead:
+            set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
         log.info("mounted %s at %s", self.config.source.url, self.config.mountpoint)
         ready(None)
 
@@ -183,6 +195,10 @@ def run(config: Config, ready: Ready) -> int:
     except EpochfsError as exc:
         ready(str(exc))
         return 2 if isinstance(exc, ConfigError) else 1
+    except Exception as exc:
+        log.exception("start-up failed")
+        ready(f"start-up failed: {type(exc).__name__}: {exc}")
+        return 1
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
     except RuntimeError as exc:
