@@ -58,6 +58,7 @@ class LocalS3:
 
     def start(self, timeout: float = 60.0) -> LocalS3:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Every bucket is a SeaweedFS collection that grows 7 volumes: allow many small ones.
         (s3, master, volume, filer, g1, g2, g3, g4, metrics) = free_ports(9)
         self.port, self.metrics_port = s3, metrics
         cmd = [
@@ -65,7 +66,7 @@ class LocalS3:
             "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
             f"-filer.port={filer}", f"-master.port.grpc={g1}", f"-volume.port.grpc={g2}",
             f"-filer.port.grpc={g3}", f"-s3.port.grpc={g4}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-volume.preStopSeconds=0", "-volume.max=0", "-master.volumeSizeLimitMB=1024",
+            "-volume.preStopSeconds=0", "-volume.max=1000", "-master.volumeSizeLimitMB=256",
             f"-metricsPort={metrics}", "-metricsIp=127.0.0.1",
         ]
         with open(self.log_file, "ab") as log:

@@ -1,6 +1,7 @@
 """S3 (and S3-compatible: MinIO, SeaweedFS, Ceph RGW) backend on boto3.
 
-Request-level retries (throttling, 5xx, connection errors) are botocore's "standard" retry mode.
+Request-level retries (throttling, 5xx, connection errors) are botocore's "standard" retry mode, with a
+hook that makes it wait at least as long as a ``Retry-After`` header asks.
 Failures while streaming a body (a reset or cut-short body, a read timeout mid-body) happen after
 botocore has handed the response over, so :func:`~epochfs.backend.base.retry` covers those, inside the
 same overall deadline. Every ranged GET carries ``If-Match`` with the snapshot's ETag, so a block of a
@@ -13,6 +14,7 @@ import logging
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import boto3
 import botocore.config
@@ -58,6 +60,25 @@ class S3Backend(Backend):
         self._client = session.client(
             "s3", endpoint_url=config.endpoint_url, region_name=config.region or None, config=boto_config
         )
+        self._client.meta.events.register_first("needs-retry.s3", self._honour_retry_after)
+
+    def _honour_retry_after(self, response: Any = None, attempts: int = 0, **kwargs: Any) -> float | None:
+        """botocore hook: wait at least what a throttling server asks for (``Retry-After``).
+
+        Returns None (leaving the decision to botocore's standard retry mode) unless the answer was a
+        429/503 with a Retry-After header and attempts remain; the wait is capped at half the deadline.
+        """
+        if response is None or attempts >= self._attempts:
+            return None
+        http = response[0]
+        if http.status_code not in (429, 503):
+            return None
+        try:
+            delay = float(http.headers.get("Retry-After", ""))
+        except ValueError:
+            return None
+        log.debug("server asked to retry after %.1fs", delay)
+        return min(max(delay, 0.0), self._timeout / 2)
 
     def statistics(self) -> BackendStats:
         return self._stats.snapshot()

@@ -1,0 +1,98 @@
+"""Backend faults injected between a real mount and the real endpoint: correct bytes within the retry
+budget, EIO past it within a bounded time, nothing partial cached, recovery once the proxy heals."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from epochfs.sample import pattern
+
+from .conftest import requires_fuse
+from .faultproxy import Fault, FaultProxy
+from .helpers import drop_all_caches, run_with_deadline, wait_idle
+
+pytestmark = requires_fuse
+
+MiB = 1 << 20
+KEY, SIZE = "obj.bin", 5 * MiB + 12345
+
+
+@pytest.fixture
+def proxy(s3):
+    p = FaultProxy(s3.port).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def faulty_mount(s3_client, fresh_bucket, mount_factory, proxy):
+    s3_client.put_object(Bucket=fresh_bucket, Key=KEY, Body=pattern(KEY, 0, 0, SIZE))
+    m = mount_factory(f"s3://{fresh_bucket}", "--endpoint-url", proxy.endpoint, "--block-size", "1M",
+                      "--readahead", "0", "--backend-timeout", "8", "--backend-attempts", "4")
+    m.start()
+    yield m
+    m.stop()
+
+
+def read_checked(m, deadline: float = 45.0) -> None:
+    """Read the whole object in 70,000-byte reads, each within the deadline and each verified."""
+    with open(m.path(KEY), "rb", buffering=0) as fh:
+        for off in range(0, SIZE, 70_000):
+            data = run_with_deadline(lambda off=off: os.pread(fh.fileno(), 70_000, off), deadline)
+            assert data == pattern(KEY, 0, off, min(70_000, SIZE - off)), f"wrong bytes at {off}"
+
+
+@pytest.mark.parametrize("kind", ["error500", "slowdown", "throttle429", "reset", "truncate", "wrong_range",
+                                  "full_200"])
+def test_every_other_request_failing_is_retried_to_correct_bytes(faulty_mount, proxy, kind):
+    proxy.set(Fault(kind, every=2, retry_after=0.2))
+    read_checked(faulty_mount)
+    assert proxy.injected >= 3
+    status = wait_idle(faulty_mount)
+    assert status["store"]["corrupt_blocks"] == 0
+    proxy.set(None)
+    drop_all_caches()
+    read_checked(faulty_mount)  # what was cached is right
+
+
+@pytest.mark.parametrize("kind", ["error500", "truncate", "wrong_range", "stall_body"])
+def test_persistent_failure_is_eio_within_the_deadline_and_heals(faulty_mount, proxy, kind):
+    proxy.set(Fault(kind, rate=1.0, stall=3.0))
+    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+        with pytest.raises(OSError) as info:
+            run_with_deadline(lambda: os.pread(fh.fileno(), 1000, 2 * MiB), 40)
+        assert info.value.errno == errno.EIO
+    status = wait_idle(faulty_mount)
+    assert status["store"]["blocks"] == 0, "a failed fetch left something in the cache"
+    proxy.set(None)
+    read_checked(faulty_mount)
+
+
+def test_stall_before_headers_times_out_to_eio(faulty_mount, proxy):
+    proxy.set(Fault("stall_headers", rate=1.0, stall=20.0))
+    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+        with pytest.raises(OSError) as info:
+            run_with_deadline(lambda: os.pread(fh.fileno(), 10, 0), 45)
+        assert info.value.errno == errno.EIO
+    proxy.set(None)
+    read_checked(faulty_mount)
+
+
+def test_retry_after_is_honoured(faulty_mount, proxy):
+    proxy.set(Fault("slowdown", at={1}, retry_after=1.5))
+    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+        assert os.pread(fh.fileno(), 100, 0) == pattern(KEY, 0, 0, 100)
+    injected = proxy.events("slowdown")
+    assert len(injected) == 1
+    following = [t for t, method, _p, what in proxy.log if method == "GET" and t > injected[0]]
+    assert following and following[0] - injected[0] >= 1.4
+
+
+def test_ten_percent_faults_of_every_kind_never_give_wrong_bytes(faulty_mount, proxy):
+    for seed, kind in enumerate(["error500", "reset", "truncate", "wrong_range", "full_200", "slowdown"]):
+        proxy.set(Fault(kind, rate=0.1, seed=seed, retry_after=0.1))
+        drop_all_caches()
+        read_checked(faulty_mount)
