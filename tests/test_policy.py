@@ -1,44 +1,145 @@
-from epochfs.cache.policy import LruPolicy, make_policy
+"""Eviction policies, checked against an independent offline Belady (MIN with bypass) computation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epochfs.cache.policy import NEVER, LruPolicy, ManifestPolicy, NoEvictionPolicy, make_policy
+from epochfs.prefetch.manifest import shuffled
+from epochfs.prefetch.simulate import block_sequence, simulate
 
 
-def test_lru_evicts_least_recently_used():
-    p = LruPolicy()
-    for b in (b"a", b"b", b"c"):
-        p.inserted(b, 1)
-    assert p.victim() == b"a"
-    p.accessed(b"a")
-    assert p.victim() == b"b"
-    p.removed(b"b")
-    assert p.victim() == b"c"
-    p.removed(b"c")
-    p.removed(b"a")
-    assert p.victim() is None
-    assert p.admit(b"z")
+def offline_min_misses(seq: list[bytes], capacity: int) -> int:
+    """Belady's MIN with bypass for unit-size blocks, by brute force: on a miss with a full cache, drop
+    whichever of (the resident blocks and the new one) is next used farthest in the future."""
+    def next_use(b: bytes, after: int) -> int:
+        for j in range(after + 1, len(seq)):
+            if seq[j] == b:
+                return j
+        return len(seq) + 1
+
+    cache: set[bytes] = set()
+    misses = 0
+    for i, b in enumerate(seq):
+        if b in cache:
+            continue
+        misses += 1
+        if len(cache) < capacity:
+            cache.add(b)
+            continue
+        far = max(cache | {b}, key=lambda x: next_use(x, i))
+        if far != b:
+            cache.remove(far)
+            cache.add(b)
+    return misses
 
 
-def test_lru_access_of_unknown_block_is_ignored():
-    p = LruPolicy()
-    p.accessed(b"ghost")
-    assert p.victim() is None and len(p) == 0
+def reshuffled_epochs(n_items: int, epochs: int, seed: int) -> list[bytes]:
+    items = [f"f{i}".encode() for i in range(n_items)]
+    seq: list[bytes] = []
+    for e in range(epochs):
+        seq += shuffled(items, seed, e)
+    return seq
 
 
-def test_lru_miss_count_on_cyclic_scan():
-    """A scan larger than the cache misses every time under LRU (the case a manifest policy fixes)."""
-    p, resident, capacity, misses = LruPolicy(), set(), 3, 0
-    for _ in range(3):
-        for b in (b"1", b"2", b"3", b"4"):
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_manifest_policy_misses_equal_the_offline_optimum(fraction, seed):
+    n = 60
+    seq = reshuffled_epochs(n, 3, seed)
+    capacity = int(n * fraction)
+    result = simulate([(b, 1) for b in seq], capacity, "manifest")
+    optimum = offline_min_misses(seq, capacity)
+    assert result.reads - result.hits == optimum
+    lru = simulate([(b, 1) for b in seq], capacity, "lru")
+    if fraction < 1.0:
+        assert lru.reads - lru.hits > optimum, "LRU should be worse on reshuffled epochs"
+    else:
+        assert lru.reads - lru.hits == optimum == n
+
+
+def test_manifest_policy_matches_optimum_on_random_sequences_with_repeats():
+    rng = random.Random(7)
+    for _ in range(30):
+        universe = [f"b{i}".encode() for i in range(rng.randrange(3, 25))]
+        seq = [rng.choice(universe) for _ in range(rng.randrange(10, 120))]
+        capacity = rng.randrange(1, len(universe) + 1)
+        got = simulate([(b, 1) for b in seq], capacity, "manifest")
+        assert got.reads - got.hits == offline_min_misses(seq, capacity)
+
+
+def test_lru_thrashes_on_a_cyclic_scan_larger_than_the_cache():
+    seq = [b"1", b"2", b"3", b"4"] * 3
+    assert simulate([(b, 1) for b in seq], 3, "lru").hits == 0
+    assert simulate([(b, 1) for b in seq], 3, "manifest").hits == offline_hits(seq, 3)
+
+
+def offline_hits(seq: list[bytes], capacity: int) -> int:
+    return len(seq) - offline_min_misses(seq, capacity)
+
+
+def test_none_policy_fills_once_and_keeps_it():
+    seq = [b"a", b"b", b"c", b"a", b"b", b"c"]
+    r = simulate([(b, 1) for b in seq], 2, "none")
+    assert r.hits == 2  # a and b stay; c is read through both times
+    p = NoEvictionPolicy()
+    p.inserted(b"x", 1)
+    assert p.victim() is None and not p.prefer(b"y", b"x")
+
+
+def test_warm_start_from_the_previous_epoch():
+    items = [f"f{i}".encode() for i in range(40)]
+    e0, e1 = shuffled(items, 5, 0), shuffled(items, 5, 1)
+    blocks0, blocks1 = [(b, 1) for b in e0], [(b, 1) for b in e1]
+    r = simulate(blocks1, 20, "manifest", warmup=blocks0)
+    assert r.hits == offline_hits(e0 + e1, 20) - offline_hits(e0, 20) or r.hits >= 20
+    assert r.hits >= simulate(blocks1, 20, "lru", warmup=blocks0).hits
+
+
+def test_manifest_policy_without_a_manifest_is_lru():
+    m, lru = ManifestPolicy(), LruPolicy()
+    rng = random.Random(3)
+    resident: set[bytes] = set()
+    for _ in range(500):
+        b = f"{rng.randrange(12)}".encode()
+        for p in (m, lru):
             if b in resident:
                 p.accessed(b)
-                continue
-            misses += 1
-            if len(resident) == capacity:
-                v = p.victim()
+            else:
+                p.inserted(b, 1)
+        resident.add(b)
+        if len(resident) > 6:
+            v = lru.victim()
+            assert m.victim() == v
+            for p in (m, lru):
                 p.removed(v)
-                resident.discard(v)
-            p.inserted(b, 1)
-            resident.add(b)
-    assert misses == 12
+            resident.discard(v)
+
+
+def test_manifest_policy_advance_and_next_use():
+    p = ManifestPolicy()
+    p.set_sequence([b"a", b"b", b"a", b"c"])
+    for b in (b"a", b"b", b"c"):
+        p.inserted(b, 1)
+    assert p.victim() == b"c" and p.next_use(b"a") == 0
+    p.advance(1)
+    assert p.next_use(b"a") == 2 and p.victim() == b"c"
+    p.advance(3)
+    assert p.next_use(b"a") == NEVER and p.next_use(b"b") == NEVER
+    assert p.victim() in (b"a", b"b")
+    assert not p.prefer(b"zzz", b"c")  # an unplanned block does not replace a planned one
+    assert p.prefer(b"c", b"a")
 
 
 def test_make_policy():
-    assert make_policy("lru").name == "lru"
+    assert {make_policy(n).name for n in ("lru", "manifest", "none")} == {"lru", "manifest", "none"}
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("random")
+
+
+def test_block_sequence():
+    seq = block_sequence([("a", 10), ("b", 0), ("c", 25)], 10)
+    assert [s for _, s in seq] == [10, 10, 10, 5]
+    assert len({b for b, _ in seq}) == 4

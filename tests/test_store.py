@@ -20,7 +20,7 @@ def make(tmp_path, capacity=1 << 30, ratio=0.0) -> BlockStore:
 
 
 def put(store: BlockStore, b: bytes, data: bytes) -> bool:
-    if not store.reserve(len(data)):
+    if not store.reserve(b, len(data)):
         return False
     store.commit(b, store.write_file(b, data))
     return True
@@ -96,7 +96,7 @@ def test_capacity_is_enforced_by_lru_eviction(tmp_path):
     st = s.statistics()
     assert st.blocks == 3 and st.evictions == 7
     assert [s.lookup(bid(n)) is not None for n in range(10)] == [False] * 7 + [True] * 3
-    assert not s.reserve(20_000)  # larger than the whole cache: read through
+    assert not s.reserve(bid(99), 20_000)  # larger than the whole cache: read through
 
 
 def test_reads_refresh_lru_order(tmp_path):
@@ -152,7 +152,7 @@ def test_garbage_index_is_rebuilt(tmp_path):
 
 def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch):
     s = make(tmp_path)
-    assert s.reserve(100)
+    assert s.reserve(bid(1), 100)
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

@@ -191,7 +191,7 @@ class BlockCache:
             await self._idle.wait()
 
     async def _fill(self, bid: bytes, data: bytes) -> None:
-        if not self.store.admit(bid) or not self.store.reserve(len(data)):
+        if not self.store.reserve(bid, len(data)):
             return
         try:
             meta = await trio.to_thread.run_sync(self.store.write_file, bid, data, limiter=self._io_limiter)

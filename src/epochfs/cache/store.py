@@ -222,19 +222,32 @@ class BlockStore:
 
     # -- fills and eviction ----------------------------------------------------------------------------
 
-    def admit(self, bid: bytes) -> bool:
-        if self.policy.admit(bid):
-            return True
-        self._not_admitted += 1
-        return False
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit now without evicting anything."""
+        return self.used + self.pending + nbytes <= self.capacity and not self._disk_low(nbytes)
 
-    def reserve(self, nbytes: int) -> bool:
-        """Make room for a new block of ``nbytes`` by evicting; False if it cannot be cached now."""
+    def would_admit(self, bid: bytes, nbytes: int) -> bool:
+        """Whether :meth:`reserve` would cache this block now (it may evict to do so). No side effects."""
         if nbytes > self.capacity:
             return False
-        while self.used + self.pending + nbytes > self.capacity or self._disk_low(nbytes):
+        if self.has_room(nbytes):
+            return True
+        victim = self.policy.victim()
+        return victim is not None and self.policy.prefer(bid, victim)
+
+    def reserve(self, bid: bytes, nbytes: int, in_use: bool = False) -> bool:
+        """Make room for block ``bid`` of ``nbytes``, evicting what the policy gives up for it.
+
+        False (and nothing evicted beyond what the policy chose) when the block should not or cannot be
+        cached now: the caller then reads through. ``in_use``: a demand miss the reader is using now.
+        """
+        if nbytes > self.capacity:
+            self._not_admitted += 1
+            return False
+        while not self.has_room(nbytes):
             victim = self.policy.victim()
-            if victim is None:
+            if victim is None or not self.policy.prefer(bid, victim, in_use):
+                self._not_admitted += 1
                 return False
             meta = self.lookup(victim)
             self._remove(victim, meta.length if meta else 0)

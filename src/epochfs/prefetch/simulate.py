@@ -1,0 +1,79 @@
+"""Offline simulation of the cache over a block sequence: what ``epochfs plan`` reports before an epoch
+runs, and what the benchmarks compare against. Pure. It drives the same policy classes as the daemon's
+store, with the same admission rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from epochfs.cache.keys import block_count
+from epochfs.cache.policy import ManifestPolicy, make_policy
+
+Block = tuple[bytes, int]  # (block id, size)
+
+
+def block_sequence(files: Sequence[tuple[str, int]], block_size: int) -> list[Block]:
+    """The blocks an epoch reads, in order, for (path, size) pairs read whole."""
+    seq = []
+    for path, size in files:
+        for i in range(block_count(size, block_size)):
+            seq.append((f"{path}\0{i}".encode(), min(block_size, size - i * block_size)))
+    return seq
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    capacity: int
+    reads: int
+    hits: int
+    hit_bytes: int
+    miss_bytes: int  # = bytes fetched from the backend
+
+    @property
+    def hit_ratio(self) -> float:
+        total = self.hit_bytes + self.miss_bytes
+        return self.hit_bytes / total if total else 1.0
+
+
+def simulate(sequence: Sequence[Block], capacity: int, policy_name: str,
+             warmup: Sequence[Block] = ()) -> SimResult:
+    """Replay ``warmup`` then ``sequence`` (counted) through a cache of ``capacity`` bytes.
+
+    The manifest policy is told the whole future (``warmup`` followed by ``sequence``), as the daemon is
+    when the next epoch's manifest is handed over before the current one ends.
+    """
+    policy = make_policy(policy_name)
+    full = list(warmup) + list(sequence)
+    if isinstance(policy, ManifestPolicy):
+        policy.set_sequence([bid for bid, _ in full])
+    resident: dict[bytes, int] = {}
+    used = hits = hit_bytes = miss_bytes = 0
+    for pos, (bid, size) in enumerate(full):
+        counted = pos >= len(warmup)
+        if isinstance(policy, ManifestPolicy):
+            policy.advance(pos)
+        if bid in resident:
+            policy.accessed(bid)
+            if counted:
+                hits += 1
+                hit_bytes += size
+            continue
+        if counted:
+            miss_bytes += size
+        if size > capacity:
+            continue
+        admitted = True
+        while used + size > capacity:
+            victim = policy.victim()
+            if victim is None or not policy.prefer(bid, victim, in_use=True):
+                admitted = False
+                break
+            used -= resident.pop(victim)
+            policy.removed(victim)
+        if admitted:
+            resident[bid] = size
+            used += size
+            policy.inserted(bid, size)
+    return SimResult(policy_name, capacity, len(sequence), hits, hit_bytes, miss_bytes)
