@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from epochfs import __version__
-from epochfs.config import DEFAULT_CACHE_DIR, Config, Source, parse_size
+from epochfs.config import DEFAULT_CACHE_DIR, Config, Source, parse_rate, parse_size
 from epochfs.errors import ConfigError, EpochfsError
+from epochfs.prefetch.manifest import Entry
 
 log = logging.getLogger("epochfs")
 
@@ -32,6 +33,13 @@ Credentials come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCES
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _rate(text: str) -> float:
+    try:
+        return parse_rate(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -82,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel-readahead", type=_size, default=parse_size("4M"), metavar="SIZE",
                    help="kernel readahead window of the mount: larger FUSE reads for sequential readers "
                    "(default: 4M; 0 keeps the kernel default of 128K; needs root)")
+    g.add_argument("--eviction", choices=("manifest", "lru", "none"), default="manifest",
+                   help="manifest: evict the block needed farthest in the future once 'epochfs prefetch' "
+                   "has handed over a manifest (LRU until then); lru; none: fill once, then read through "
+                   "(default: manifest)")
+    g.add_argument("--prefetch-bandwidth", type=_rate, metavar="RATE",
+                   help="cap on prefetch traffic, e.g. 400MB or 2Gbit (per second; default: no cap)")
+    g.add_argument("--prefetch-lead", type=float, default=10.0, metavar="SECONDS",
+                   help="how many seconds of reading the prefetch window covers, at most a quarter of the "
+                   "cache (default: %(default)s)")
+    g.add_argument("--backend-bandwidth", type=_rate, metavar="RATE",
+                   help="capacity of the link to the backend, e.g. 10Gbit, for the utilisation metric")
     g.add_argument("--refresh", action="store_true",
                    help="list the source again instead of reusing the stored namespace snapshot")
     g.add_argument("--snapshot-ttl", type=float, default=0.0, metavar="SECONDS",
@@ -106,6 +125,58 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for the daemon to exit (default: %(default)s)")
+
+    order = argparse.ArgumentParser(add_help=False)
+    o = order.add_argument_group("epoch order")
+    o.add_argument("--seed", type=int, metavar="S",
+                   help="the manifest lists the dataset in index order; shuffle it as "
+                   "DistributedSampler(shuffle=True, seed=S) does for --epoch")
+    o.add_argument("--epoch", type=int, metavar="N", help="epoch number (with --seed: the shuffle; always: a label)")
+    o.add_argument("--rank", type=int, default=0, metavar="R", help="this rank (default: 0)")
+    o.add_argument("--world-size", type=int, default=1, metavar="W",
+                   help="number of ranks; rank R reads every W-th entry of the padded global order (default: 1)")
+
+    p = sub.add_parser(
+        "prefetch", parents=[order], help="hand the daemon an epoch manifest and return",
+        description="Hand the daemon serving MOUNTPOINT the order in which this rank will read files. The "
+        "daemon fetches ahead of the reader and (with --eviction manifest) evicts the block needed farthest "
+        "in the future. Returns at once; progress is in 'epochfs status'. A manifest handed over while an "
+        "epoch is still being read is queued after it.",
+    )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--manifest", required=True, metavar="FILE",
+                   help="one path per line relative to the mount root (or JSON Lines with \"path\"), in read order")
+    p.add_argument("--replace", action="store_true", help="discard the current plan instead of queueing after it")
+
+    w = sub.add_parser("warmup", parents=[order], help="fill the cache now, with a progress bar",
+                       description="Fetch files (or everything a manifest names) into the cache now, without "
+                       "evicting anything; stops caching when the cache is full.")
+    w.add_argument("mountpoint", metavar="MOUNTPOINT")
+    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under the mount")
+    w.add_argument("--manifest", metavar="FILE", help="warm what this manifest names")
+    w.add_argument("--check", action="store_true", help="only report the fraction already cached")
+
+    pl = sub.add_parser("plan", parents=[order], help="predict hit ratio and backend bytes of an epoch",
+                        description="Simulate the cache over the epoch's block sequence and report, for each "
+                        "eviction policy, the hit ratio and the bytes fetched from the backend.")
+    pl.add_argument("--manifest", required=True, metavar="FILE")
+    pl.add_argument("--cache-size", type=_size, required=True, metavar="SIZE")
+    pl.add_argument("--block-size", type=_size, default=parse_size("4M"), metavar="SIZE")
+    pl.add_argument("--previous-manifest", metavar="FILE",
+                    help="the epoch read before this one (its blocks warm the cache; not counted)")
+    pl.add_argument("--previous-epoch", type=int, metavar="N",
+                    help="with --seed: the previous epoch is this shuffle of --previous-manifest (default: --epoch - 1)")
+    sizes = pl.add_mutually_exclusive_group()
+    sizes.add_argument("--mount", metavar="MOUNTPOINT", help="take file sizes from this mount")
+    sizes.add_argument("--root", metavar="DIR", help="take file sizes from this directory")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+
+    mf = sub.add_parser("manifest", parents=[order], help="write an epoch manifest",
+                        description="Write the read order of an epoch: PATHS-FILE lists the dataset in index "
+                        "order (one path per line); with --seed the output is the shuffle DistributedSampler "
+                        "uses for --epoch; with --rank/--world-size only that rank's share.")
+    mf.add_argument("paths_file", metavar="PATHS-FILE")
+    mf.add_argument("-o", "--output", required=True, metavar="FILE")
 
     s = sub.add_parser("status", help="one-shot state of a mount",
                        description="Print the state of the daemon serving MOUNTPOINT: snapshot, cache use, "
@@ -132,7 +203,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         region=args.region, refresh=args.refresh, snapshot_ttl=args.snapshot_ttl,
         readahead_blocks=args.readahead_blocks, kernel_readahead=args.kernel_readahead, backend_concurrency=args.backend_concurrency,
         backend_timeout=args.backend_timeout, backend_attempts=args.backend_attempts,
-        attr_timeout=args.attr_timeout, allow_other=args.allow_other, foreground=args.foreground,
+        attr_timeout=args.attr_timeout, eviction=args.eviction, prefetch_bandwidth=args.prefetch_bandwidth,
+        prefetch_lead=args.prefetch_lead, backend_bandwidth=args.backend_bandwidth, allow_other=args.allow_other,
+        foreground=args.foreground,
         debug=args.debug, fuse_options=tuple(args.fuse_options),
     )
 
@@ -269,8 +342,156 @@ def format_status(s: dict[str, Any]) -> str:
         f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
         f"backend    {_human(c['demand_bytes'])} on demand, {_human(c['prefetch_bytes'])} ahead; "
         f"{c['inflight']} in flight",
-        f"evictions  {st['evictions']}; corrupt blocks {st['corrupt_blocks']}; fill errors {st['fill_errors']}",
+        f"evictions  {st['evictions']} ({s['eviction']}); corrupt blocks {st['corrupt_blocks']}; "
+        f"fill errors {st['fill_errors']}",
+        format_prefetch(s["prefetch"]),
     ])
+
+
+def format_prefetch(p: dict[str, Any]) -> str:
+    if not p["blocks"]:
+        return "prefetch   no manifest (epochfs prefetch MOUNTPOINT --manifest FILE)"
+    lead = f"{p['lead_seconds']:.1f}s" if p["lead_seconds"] is not None else "n/a"
+    epoch = f"epoch {p['epoch']}, " if p["epoch"] is not None else ""
+    return (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
+            f"({_human(p['position_bytes'])} of {_human(p['plan_bytes'])}); "
+            f"lead {_human(p['lead_bytes'])} = {lead}; queued {_human(p['queued_bytes'])}; "
+            f"{p['inflight']} in flight" + ("" if p["active"] else "; done"))
+
+
+def _order(args: argparse.Namespace, manifest: str) -> list[Entry]:
+    """The entries this rank reads, from a manifest and the epoch-order flags."""
+    from epochfs.prefetch.manifest import ManifestError, partition, permutation, read
+
+    entries = read(manifest)
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise ConfigError("--rank must be in [0, --world-size)")
+    if args.seed is not None:
+        if args.epoch is None:
+            raise ConfigError("--seed needs --epoch")
+        perm = permutation(len(entries), args.seed + args.epoch)
+        entries = [entries[i] for i in perm]
+    try:
+        return partition(entries, args.rank, args.world_size)
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+
+
+def _mount_relative(mountpoint: str, path: str) -> str:
+    full = os.path.abspath(path if os.path.isabs(path) else os.path.join(mountpoint, path))
+    rel = os.path.relpath(full, os.path.abspath(mountpoint))
+    if rel.startswith(".."):
+        raise ConfigError(f"{path} is not under {mountpoint}")
+    return "" if rel == "." else rel
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    from epochfs.control import request
+
+    entries = _order(args, args.manifest)
+    reply = request(args.mountpoint, "prefetch", entries=[[e.line, e.path] for e in entries],
+                    source=args.manifest, epoch=args.epoch, replace=args.replace)
+    how = "queued after the current plan" if reply["appended"] else "loaded"
+    print(f"epochfs: {reply['files']} files ({_human(reply['plan_bytes'])} in the plan) {how}")
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from epochfs.control import request
+
+    if args.manifest:
+        entries = [[e.line, e.path] for e in _order(args, args.manifest)]
+        source = args.manifest
+    elif args.paths:
+        entries = [[i, _mount_relative(args.mountpoint, p)] for i, p in enumerate(args.paths, 1)]
+        source = "argument"
+    else:
+        raise ConfigError("name PATHs or --manifest")
+    if args.check:
+        r = request(args.mountpoint, "resident", entries=entries, source=source)
+        frac = r["resident_bytes"] / r["total_bytes"] if r["total_bytes"] else 1.0
+        print(f"{frac:.1%} cached: {_human(r['resident_bytes'])} of {_human(r['total_bytes'])}; "
+              f"{r['resident_files']} of {r['files']} files whole")
+        return 0
+    job = request(args.mountpoint, "warmup", entries=entries, source=source)
+    columns = (TextColumn("[bold]warmup"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+               TextColumn("{task.fields[files]}"), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("warmup", total=job["total_bytes"], files="")
+        while True:
+            job = request(args.mountpoint, "job", id=job["id"])
+            progress.update(task, completed=job["done_bytes"] + job["skipped_bytes"],
+                            files=f"{job['done_files']}/{job['files']} files")
+            if job["finished"]:
+                break
+            time.sleep(0.2)
+    print(f"epochfs: warmed {_human(job['done_bytes'])} of {_human(job['total_bytes'])} "
+          f"in {job['elapsed']:.1f}s")
+    if job["skipped_bytes"]:
+        print(f"epochfs: the cache is full: {_human(job['skipped_bytes'])} not cached", file=sys.stderr)
+    for err in job["errors"]:
+        print(f"epochfs: {err}", file=sys.stderr)
+    return 1 if job["errors"] else 0
+
+
+def _sizes(args: argparse.Namespace, entries: list[Entry], manifest: str) -> list[tuple[str, int]]:
+    out = []
+    for e in entries:
+        size = e.size
+        if size is None:
+            base = args.mount or args.root
+            if base is None:
+                raise ConfigError(f"{manifest}:{e.line}: no size; give --mount or --root, or use JSON Lines with \"size\"")
+            try:
+                size = os.stat(os.path.join(base, e.path)).st_size
+            except OSError as exc:
+                raise ConfigError(f"{manifest}:{e.line}: {e.path}: {exc.strerror}") from None
+        out.append((e.path, size))
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from epochfs.prefetch.simulate import block_sequence, simulate
+
+    current = block_sequence(_sizes(args, _order(args, args.manifest), args.manifest), args.block_size)
+    previous = []
+    if args.previous_manifest:
+        prev_args = argparse.Namespace(**vars(args))
+        if args.seed is not None:
+            prev_args.epoch = args.previous_epoch if args.previous_epoch is not None else args.epoch - 1
+        previous = block_sequence(_sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest),
+                                  args.block_size)
+    results = [simulate(current, args.cache_size, name, warmup=previous) for name in ("manifest", "lru", "none")]
+    total = sum(size for _, size in current)
+    if args.json:
+        print(json.dumps({"epoch_bytes": total, "cache_size": args.cache_size, "block_size": args.block_size,
+                          "policies": {r.policy: {"hit_ratio": r.hit_ratio, "backend_bytes": r.miss_bytes,
+                                                  "hits": r.hits, "reads": r.reads} for r in results}}, indent=2))
+        return 0
+    print(f"epoch: {len(current)} blocks, {_human(total)}; cache {_human(args.cache_size)}"
+          + (" (warm from the previous epoch)" if previous else " (cold)"))
+    print(f"{'policy':<10} {'hit ratio':>10} {'backend bytes':>15}")
+    for r in results:
+        print(f"{r.policy:<10} {r.hit_ratio:>10.1%} {_human(r.miss_bytes):>15}")
+    return 0
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    from epochfs.prefetch.manifest import write
+
+    entries = _order(args, args.paths_file)
+    write(args.output, (e.path for e in entries))
+    print(f"epochfs: wrote {len(entries)} paths to {args.output}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +505,14 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_umount(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "prefetch":
+            return cmd_prefetch(args)
+        if args.command == "warmup":
+            return cmd_warmup(args)
+        if args.command == "plan":
+            return cmd_plan(args)
+        if args.command == "manifest":
+            return cmd_manifest(args)
     except ConfigError as exc:
         print(f"epochfs: {exc}", file=sys.stderr)
         return 2

@@ -105,6 +105,10 @@ class Config:
     backend_timeout: float = 30.0  # overall deadline for one block fetch, retries included
     backend_attempts: int = 5
     attr_timeout: float = 3600.0
+    eviction: str = "manifest"  # manifest | lru | none
+    prefetch_bandwidth: float | None = None  # bytes/second; None = no cap
+    prefetch_lead: float = 10.0  # seconds of reading the prefetch window aims to cover
+    backend_bandwidth: float | None = None  # link capacity, bytes/second (for the utilisation metric)
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
@@ -129,5 +133,13 @@ class Config:
             u = urlparse(self.endpoint_url)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ConfigError(f"--endpoint-url {self.endpoint_url!r}: expected http(s)://HOST[:PORT]")
+        if self.eviction not in ("manifest", "lru", "none"):
+            raise ConfigError(f"--eviction {self.eviction!r}: choose manifest, lru or none")
+        for name in ("prefetch_bandwidth", "backend_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.prefetch_lead <= 0:
+            raise ConfigError("--prefetch-lead must be positive")
         if self.snapshot_ttl < 0:
             raise ConfigError("--snapshot-ttl must be >= 0")

@@ -30,7 +30,9 @@ from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.fs import Operations
 from epochfs.meta.lmdb import LmdbMetaStore, Snapshot
-from epochfs.meta.namespace import Namespace
+from epochfs.meta.namespace import File, Namespace
+from epochfs.prefetch.manifest import ManifestError
+from epochfs.prefetch.scheduler import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,8 @@ class Daemon:
         self.config = config
         self.started = time.time()
         self.backend = open_backend(config)
-        self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio, make_policy("lru"))
+        self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio,
+                                make_policy(config.eviction))
         self.store.open()
         try:
             self.snapshot = load_snapshot(config, self.backend)
@@ -106,7 +109,17 @@ class Daemon:
             self.store, self.backend, block_size=config.block_size,
             concurrency=config.backend_concurrency, readahead_blocks=config.readahead_blocks,
         )
-        self.control = ControlServer(socket_path(config.cache_dir), {"status": self._status})
+        self.prefetcher = Prefetcher(self.cache, capacity=config.cache_size,
+                                     max_inflight=max(2, config.backend_concurrency // 2),
+                                     bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
+        self.cache.observer = self.prefetcher
+        self.control = ControlServer(socket_path(config.cache_dir), {
+            "status": self._status,
+            "prefetch": self._prefetch,
+            "warmup": self._warmup,
+            "job": self._job,
+            "resident": self._resident,
+        })
         self.ops = Operations(
             self.namespace, self.cache, attr_timeout=config.attr_timeout,
             root_xattrs={
@@ -143,6 +156,8 @@ class Daemon:
                 "directories": self.namespace.dir_count,
                 "bytes": self.namespace.total_bytes,
             },
+            "eviction": self.store.policy.name,
+            "prefetch": vars(self.prefetcher.statistics()),
             "cache": vars(self.cache.statistics()),
             "store": vars(self.store.statistics()),
             "backend": {
@@ -155,9 +170,48 @@ class Daemon:
     async def _status(self, request: dict[str, Any]) -> dict[str, Any]:
         return self.status()
 
+    def _resolve(self, request: dict[str, Any], *, expand_dirs: bool) -> list[File]:
+        """The files named by a request's ``entries`` ([line, path] pairs); errors name the lines."""
+        source = request.get("source", "manifest")
+        files: list[File] = []
+        missing = []
+        for line, path in request["entries"]:
+            node = self.namespace.resolve(path)
+            if isinstance(node, File):
+                files.append(node)
+            elif node is not None and expand_dirs:
+                prefix = node.path + "/" if node.path else ""
+                files.extend(f for f in self.namespace.files() if f.path.startswith(prefix))
+            else:
+                missing.append(f"{source}:{line}: {path!r} is {'a directory' if node else 'not in the snapshot'}")
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ManifestError("; ".join(missing[:5]) + more)
+        return files
+
+    async def _prefetch(self, request: dict[str, Any]) -> dict[str, Any]:
+        files = self._resolve(request, expand_dirs=False)
+        return self.prefetcher.load([f.obj for f in files], epoch=request.get("epoch"),
+                                    replace=bool(request.get("replace")))
+
+    async def _warmup(self, request: dict[str, Any]) -> dict[str, Any]:
+        files = self._resolve(request, expand_dirs=True)
+        return self.prefetcher.warmup([f.obj for f in files]).as_dict()
+
+    async def _job(self, request: dict[str, Any]) -> dict[str, Any]:
+        job = self.prefetcher.job(int(request["id"]))
+        if job is None:
+            raise ManifestError(f"no warmup job {request['id']}")
+        return job.as_dict()
+
+    async def _resident(self, request: dict[str, Any]) -> dict[str, Any]:
+        files = self._resolve(request, expand_dirs=True)
+        return self.prefetcher.resident([f.obj for f in files])
+
     async def run(self, ready: Ready) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.cache.run)
+            await nursery.start(self.prefetcher.run)
             await nursery.start(self.control.run)
             nursery.start_soon(self._handle_signals)
             nursery.start_soon(self._announce, ready)

@@ -18,7 +18,9 @@ Concurrency contract (all on the trio thread unless noted):
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -41,6 +43,14 @@ class CacheStats:
     demand_bytes: int
     prefetch_bytes: int
     inflight: int
+
+
+class ReadObserver(Protocol):
+    """Told where the reader is (the prefetcher follows it)."""
+
+    def opened(self, obj: ObjectInfo) -> None: ...
+
+    def touched(self, obj: ObjectInfo, index: int) -> None: ...
 
 
 class _Flight:
@@ -74,6 +84,10 @@ class BlockCache:
         self._io_limiter = trio.CapacityLimiter(4)
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
+        self.observer: ReadObserver | None = None
+        # Demand-fetched blocks the policy chose not to cache, kept for the reader's next requests.
+        self._uncached: OrderedDict[bytes, bytes] = OrderedDict()
+        self._uncached_max = max(4, concurrency)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
@@ -103,8 +117,14 @@ class BlockCache:
 
     async def _read_block(self, obj: ObjectInfo, index: int, lo: int, hi: int) -> bytes | memoryview:
         bid = self.block_id(obj, index)
+        if self.observer is not None:
+            self.observer.touched(obj, index)
         flight = self._flights.get(bid)
         if flight is None:
+            kept = self._uncached.get(bid)
+            if kept is not None:
+                self._count(False, hi - lo)
+                return memoryview(kept)[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None:
                 data = self.store.read(bid, meta, lo, hi)
@@ -128,12 +148,22 @@ class BlockCache:
             self._misses += 1
             self._miss_bytes += nbytes
 
-    def is_resident(self, obj: ObjectInfo, index: int) -> bool:
-        bid = self.block_id(obj, index)
+    def is_cached(self, bid: bytes) -> bool:
+        """Resident in the store, or being fetched."""
+        return bid in self._flights or self.store.lookup(bid) is not None
+
+    def demand_waiting(self) -> bool:
+        """Whether a demand fetch is waiting for a backend connection (prefetch then holds back)."""
+        return self._demand_limiter.statistics().tasks_waiting > 0
+
+    def start_prefetch(self, obj: ObjectInfo, index: int, bid: bytes) -> _Flight | None:
+        """Fetch a block in the background; the flight to wait on, or None if it is already cached."""
         flight = self._flights.get(bid)
         if flight is not None:
-            return flight.event.is_set() and flight.error is None
-        return self.store.lookup(bid) is not None
+            return flight
+        if self.store.lookup(bid) is not None:
+            return None
+        return self._start(obj, index, bid, demand=False)
 
     def prefetch(self, obj: ObjectInfo, indices: range) -> int:
         """Start background fetches of those blocks that are neither cached nor in flight."""
@@ -147,6 +177,8 @@ class BlockCache:
         return started
 
     def open_stream(self, obj: ObjectInfo) -> ReadStream:
+        if self.observer is not None:
+            self.observer.opened(obj)
         return ReadStream(self, obj)
 
     # -- fetching --------------------------------------------------------------------------------------
@@ -177,7 +209,7 @@ class BlockCache:
                 self._fetched_bytes[flight.demand] += length
             flight.event.set()
             if flight.data is not None:
-                await self._fill(bid, flight.data)
+                await self._fill(bid, flight.data, flight.demand)
         finally:
             del self._flights[bid]
             if not self._flights:
@@ -190,8 +222,12 @@ class BlockCache:
                 self._idle = trio.Event()
             await self._idle.wait()
 
-    async def _fill(self, bid: bytes, data: bytes) -> None:
-        if not self.store.reserve(bid, len(data)):
+    async def _fill(self, bid: bytes, data: bytes, demand: bool) -> None:
+        if not self.store.reserve(bid, len(data), in_use=demand):
+            if demand:
+                self._uncached[bid] = data
+                while len(self._uncached) > self._uncached_max:
+                    self._uncached.popitem(last=False)
             return
         try:
             meta = await trio.to_thread.run_sync(self.store.write_file, bid, data, limiter=self._io_limiter)

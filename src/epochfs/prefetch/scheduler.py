@@ -1,0 +1,346 @@
+"""Prefetch by epoch manifest.
+
+The training job hands the daemon the order in which this rank will read files (:mod:`.manifest`).
+The :class:`Prefetcher` expands it into a block sequence (:class:`~epochfs.prefetch.plan.Plan`), tells
+the eviction policy the future, follows the reader through it, and keeps fetching the blocks ahead of
+the reader:
+
+- **Position.** Opening or reading a file of the plan moves the reader's position to that file (only
+  forward: a file opened out of order moves it ahead; re-reads of past files and files outside the plan
+  do not move it and are served normally). A file of the *next* hand-over moves the position there only
+  once the current one is nearly done, so a re-read is not mistaken for the start of the next epoch.
+- **Window.** The cursor walks ahead of the position, starting fetches, until the bytes between the two
+  reach the window, or until the store would not admit the next block — under the manifest policy that
+  means every resident block is needed sooner, so fetching further ahead would only evict something
+  used earlier. The window is sized by time: ``lead`` seconds of the reader's observed rate, at least
+  what is in flight, at most a quarter of the cache. A window as large as the cache would be wrong:
+  blocks fetched far ahead displace blocks that the next epoch reuses (Belady keeps those), so the
+  window holds what hides the backend's latency and leaves the rest of the cache to the policy.
+- **In flight.** The number of concurrent prefetch fetches is sized by time: with a bandwidth cap, the
+  bytes in flight are about bandwidth x observed fetch latency (Little's law); without one, the prefetch
+  share of backend connections. Prefetch never delays demand: it waits while a demand fetch is queued,
+  and uses its own capacity limiter.
+- **Hand-over.** A new manifest is appended after the rest of the current one (``epochfs prefetch`` while
+  an epoch is finishing), or replaces it.
+
+All state lives on the trio thread; the hooks ``opened``/``touched`` are called from the read path and
+only update the position and wake the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from epochfs.backend.base import ObjectInfo
+from epochfs.cache.policy import ManifestPolicy
+from epochfs.cache.service import BlockCache
+from epochfs.prefetch.plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefetchStats:
+    active: bool
+    epoch: int | None
+    files: int
+    file_position: int
+    blocks: int
+    position: int
+    plan_bytes: int
+    position_bytes: int
+    lead_bytes: int
+    lead_seconds: float | None
+    queued_bytes: int
+    inflight: int
+    fetched_blocks: int
+    fetched_bytes: int
+    bandwidth_limit: float | None
+    reader_bytes_per_second: float
+
+
+@dataclass
+class WarmupJob:
+    id: int
+    total_bytes: int
+    files: int
+    done_bytes: int = 0
+    done_files: int = 0
+    skipped_bytes: int = 0  # not cached: the cache is full
+    errors: list[str] = field(default_factory=list)
+    finished: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "total_bytes": self.total_bytes, "files": self.files, "done_bytes": self.done_bytes,
+            "done_files": self.done_files, "skipped_bytes": self.skipped_bytes, "errors": self.errors[:20],
+            "finished": self.finished, "elapsed": time.monotonic() - self.started,
+        }
+
+
+class Prefetcher:
+    def __init__(self, cache: BlockCache, *, capacity: int, max_inflight: int,
+                 bandwidth: float | None = None, lead: float = 10.0) -> None:
+        self.cache = cache
+        self.policy = cache.store.policy
+        self.capacity = capacity
+        self.max_inflight = max(1, max_inflight)
+        self.bandwidth = bandwidth
+        self.lead = lead
+        self._plan: Plan | None = None
+        self._segments = itertools.count()
+        self._file_pos = 0
+        self._position = 0
+        self._cursor = 0
+        self._inflight = 0
+        self._fetched_blocks = 0
+        self._fetched_bytes = 0
+        self._latency = 0.05  # EWMA of prefetch fetch latency, seconds
+        self._tokens = 0.0
+        self._tokens_at = time.monotonic()
+        self._advances: deque[tuple[float, int]] = deque(maxlen=256)  # (time, plan byte offset)
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._jobs: dict[int, WarmupJob] = {}
+        self._job_ids = itertools.count(1)
+
+    # -- plan hand-over ------------------------------------------------------------------------------
+
+    def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None, replace: bool = False) -> dict[str, Any]:
+        """Hand over a manifest's files in read order (already partitioned for this rank)."""
+        plan = self._plan
+        keep = [] if plan is None or replace or self._finished() else plan.tail(self._file_pos)
+        segment = next(self._segments)
+        self._plan = Plan(keep + [(o, epoch, segment) for o in objs], self.cache.block_size, self.cache.block_id)
+        self._file_pos = self._position = self._cursor = 0
+        if isinstance(self.policy, ManifestPolicy):
+            self.policy.set_sequence(self._plan.blocks)
+        self._wake.set()
+        log.info("prefetch plan: %d files (%d blocks, %d bytes) %s", len(objs), len(self._plan) - 0,
+                 self._plan.total_bytes, "appended" if keep else "loaded")
+        return {"files": len(objs), "queued_files": len(self._plan.files), "appended": bool(keep),
+                "plan_bytes": self._plan.total_bytes}
+
+    def _finished(self) -> bool:
+        return self._plan is None or self._position >= len(self._plan) - 1
+
+    # -- the reader ----------------------------------------------------------------------------------
+
+    def opened(self, obj: ObjectInfo) -> None:
+        self.touched(obj, 0)
+
+    def touched(self, obj: ObjectInfo, index: int) -> None:
+        plan = self._plan
+        if plan is None:
+            return
+        fi = plan.locate(obj.key, self._file_pos)
+        if fi is None:
+            return
+        cur = plan.files[self._file_pos]
+        if plan.files[fi].segment != cur.segment:
+            end = plan.segment_end[cur.segment]
+            size = end - plan.segment_start(cur.segment) + 1
+            if end - self._file_pos > max(64, size // 50):
+                return  # most likely a re-read in the current epoch, not the start of the next one
+        pos = plan.files[fi].first + index
+        if pos <= self._position or pos >= len(plan):
+            return
+        self._file_pos = fi
+        self._position = pos
+        if isinstance(self.policy, ManifestPolicy):
+            self.policy.advance(pos)
+        self._advances.append((time.monotonic(), plan.offsets[pos]))
+        self._wake.set()
+
+    # -- the scheduler ---------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                await self._fill()
+
+    def _window(self) -> int:
+        floor = self._target_inflight() * self.cache.block_size
+        return int(min(self.capacity // 4, max(floor, self.lead * self._reader_rate())))
+
+    def _target_inflight(self) -> int:
+        if self.bandwidth:
+            in_flight_bytes = self.bandwidth * self._latency
+            return max(1, min(self.max_inflight, math.ceil(in_flight_bytes / self.cache.block_size) + 1))
+        return self.max_inflight
+
+    async def _fill(self) -> None:
+        while True:
+            plan = self._plan
+            if plan is None:
+                return
+            self._cursor = max(self._cursor, self._position)
+            if self._cursor >= len(plan):
+                return
+            if plan.offsets[self._cursor] - plan.offsets[self._position] >= self._window():
+                return
+            if self._inflight >= self._target_inflight():
+                return  # woken when a fetch completes
+            if self.cache.demand_waiting():
+                await trio.sleep(0.002)
+                continue
+            obj, index, bid, size = plan.block(self._cursor)
+            if self.cache.is_cached(bid):
+                self._cursor += 1
+                continue
+            if not self.cache.store.would_admit(bid, size):
+                return  # everything resident is needed sooner; woken when the reader moves
+            await self._throttle(size)
+            if plan is not self._plan:
+                continue
+            flight = self.cache.start_prefetch(obj, index, bid)
+            self._cursor += 1
+            if flight is not None:
+                self._inflight += 1
+                assert self._nursery is not None
+                self._nursery.start_soon(self._watch, flight, size)
+
+    async def _watch(self, flight: Any, size: int) -> None:
+        started = time.monotonic()
+        try:
+            await flight.event.wait()
+        finally:
+            self._inflight -= 1
+            self._wake.set()
+        if flight.error is None:
+            self._fetched_blocks += 1
+            self._fetched_bytes += size
+            self._latency = 0.8 * self._latency + 0.2 * (time.monotonic() - started)
+
+    async def _throttle(self, size: int) -> None:
+        if not self.bandwidth:
+            return
+        now = time.monotonic()
+        self._tokens = min(self._tokens + (now - self._tokens_at) * self.bandwidth, float(self.cache.block_size))
+        self._tokens_at = now
+        self._tokens -= size
+        if self._tokens < 0:
+            await trio.sleep(-self._tokens / self.bandwidth)
+
+    # -- warmup ----------------------------------------------------------------------------------------
+
+    def warmup(self, objs: Sequence[ObjectInfo]) -> WarmupJob:
+        """Fetch every block of ``objs`` now, without evicting anything; progress in the returned job."""
+        job = WarmupJob(next(self._job_ids), sum(o.size for o in objs), len(objs))
+        self._jobs[job.id] = job
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_warmup, job, list(objs))
+        return job
+
+    def job(self, job_id: int) -> WarmupJob | None:
+        return self._jobs.get(job_id)
+
+    async def _run_warmup(self, job: WarmupJob, objs: list[ObjectInfo]) -> None:
+        slots = trio.Semaphore(self.max_inflight)
+        bs = self.cache.block_size
+        fetching = 0
+
+        async def one(obj: ObjectInfo, index: int, size: int) -> bool:
+            nonlocal fetching
+            try:
+                flight = self.cache.start_prefetch(obj, index, self.cache.block_id(obj, index))
+                if flight is not None:
+                    await flight.event.wait()
+                    if flight.error is not None:
+                        job.errors.append(f"{obj.key}: {flight.error}")
+                        return False
+                job.done_bytes += size
+                return True
+            finally:
+                fetching -= size
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            for obj in objs:
+                for index in range(-(-obj.size // bs)):
+                    size = min(bs, obj.size - index * bs)
+                    bid = self.cache.block_id(obj, index)
+                    if self.cache.is_cached(bid):
+                        job.done_bytes += size
+                        continue
+                    if not self.cache.store.has_room(size + fetching):
+                        job.skipped_bytes += size
+                        continue
+                    await slots.acquire()
+                    fetching += size
+                    nursery.start_soon(one, obj, index, size)
+                job.done_files += 1
+        await self.cache.wait_idle()
+        job.finished = True
+
+    def resident(self, objs: Sequence[ObjectInfo]) -> dict[str, int]:
+        bs = self.cache.block_size
+        total = resident = files = 0
+        for obj in objs:
+            whole = True
+            for index in range(-(-obj.size // bs)):
+                size = min(bs, obj.size - index * bs)
+                total += size
+                if self.cache.store.lookup(self.cache.block_id(obj, index)) is not None:
+                    resident += size
+                else:
+                    whole = False
+            files += whole
+        return {"total_bytes": total, "resident_bytes": resident, "files": len(objs), "resident_files": files}
+
+    # -- statistics ------------------------------------------------------------------------------------
+
+    def _reader_rate(self) -> float:
+        adv = self._advances
+        if len(adv) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = adv[0], adv[-1]
+        if time.monotonic() - t1 > 30 or t1 <= t0:
+            return 0.0
+        return (b1 - b0) / (t1 - t0)
+
+    def statistics(self) -> PrefetchStats:
+        plan = self._plan
+        rate = self._reader_rate()
+        if plan is None or not len(plan):
+            return PrefetchStats(False, None, 0, 0, 0, 0, 0, 0, 0, None, 0, self._inflight, self._fetched_blocks,
+                                 self._fetched_bytes, self.bandwidth, rate)
+        pos = self._position
+        end = pos
+        limit = min(len(plan), pos + 100_000)
+        while end < limit and self.cache.is_cached(plan.blocks[end]):
+            end += 1
+        lead = plan.offsets[end] - plan.offsets[pos]
+        ahead = plan.offsets[min(self._cursor, len(plan))] - plan.offsets[pos]
+        return PrefetchStats(
+            active=not self._finished(),
+            epoch=plan.files[self._file_pos].epoch,
+            files=len(plan.files),
+            file_position=self._file_pos,
+            blocks=len(plan),
+            position=pos,
+            plan_bytes=plan.total_bytes,
+            position_bytes=plan.offsets[pos],
+            lead_bytes=lead,
+            lead_seconds=lead / rate if rate > 0 else None,
+            queued_bytes=max(0, plan.total_bytes - plan.offsets[pos] - ahead),
+            inflight=self._inflight,
+            fetched_blocks=self._fetched_blocks,
+            fetched_bytes=self._fetched_bytes,
+            bandwidth_limit=self.bandwidth,
+            reader_bytes_per_second=rate,
+        )

@@ -1,0 +1,179 @@
+"""Epoch manifests on real mounts: prefetch ahead of a training-like reader, Belady eviction against
+the offline optimum, warmup, plan, and the control channel's checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from epochfs.prefetch.manifest import shuffled
+from epochfs.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, drop_all_caches, wait_idle
+from .test_policy import offline_min_misses
+
+pytestmark = requires_fuse
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def dataset(n: int, size_fn) -> list[SampleFile]:
+    return [SampleFile(f"shard-{i % 4}/sample-{i:04d}.bin", size_fn(i)) for i in range(n)]
+
+
+def epochfs(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([*EPOCHFS, *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def train_epoch(m, order: list[SampleFile], step: float) -> None:
+    """A simulated training loop: read each sample whole, verify it, then 'compute' for ``step`` s."""
+    for f in order:
+        with open(m.path(f.key), "rb", buffering=0) as fh:
+            assert fh.read() == f.content(), f.key
+        time.sleep(step)
+
+
+def hits_and_misses(m) -> tuple[int, int]:
+    c = m.status()["cache"]
+    return c["hits"], c["misses"]
+
+
+def test_first_epoch_runs_from_cache_with_a_manifest(s3_client, fresh_bucket, mount_factory, tmp_path):
+    files = dataset(100, lambda i: 150 * KiB + 3 * i)
+    upload(s3_client, fresh_bucket, "", files)
+    order = shuffled(files, seed=3, epoch=0)
+    manifest = tmp_path / "epoch0.txt"
+    manifest.write_text("".join(f.key + "\n" for f in order))
+
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", name="with") as m:
+        epochfs("prefetch", str(m.mountpoint), "--manifest", str(manifest), "--epoch", "0")
+        train_epoch(m, order, step=0.02)
+        hits, misses = hits_and_misses(m)
+        assert hits / (hits + misses) >= 0.95, (hits, misses)
+        status = m.status()
+        assert status["prefetch"]["file_position"] == len(order) - 1
+        assert status["prefetch"]["fetched_blocks"] >= 95
+
+    drop_all_caches()
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", name="without",
+                       cache_dir=tmp_path / "cache-without") as m:
+        train_epoch(m, order, step=0.02)
+        hits, misses = hits_and_misses(m)
+        assert misses >= len(order) and hits <= len(order) * 0.05, (hits, misses)
+
+
+def test_second_epoch_backend_bytes_are_near_the_offline_optimum(s3_client, fresh_bucket, mount_factory, tmp_path):
+    n, size = 64, 256 * KiB
+    files = dataset(n, lambda i: size)
+    upload(s3_client, fresh_bucket, "", files)
+    e0, e1 = shuffled(files, seed=9, epoch=0), shuffled(files, seed=9, epoch=1)
+    for name, order in (("e0", e0), ("e1", e1)):
+        (tmp_path / f"{name}.txt").write_text("".join(f.key + "\n" for f in order))
+    capacity = n // 2 * size
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "256K", "--cache-size", str(capacity),
+                       "--readahead", "0") as m:
+        epochfs("prefetch", str(m.mountpoint), "--manifest", str(tmp_path / "e0.txt"), "--epoch", "0")
+        epochfs("prefetch", str(m.mountpoint), "--manifest", str(tmp_path / "e1.txt"), "--epoch", "1")
+        assert m.status()["prefetch"]["files"] == 2 * n
+        train_epoch(m, e0, step=0.01)
+        train_epoch(m, e1, step=0.01)
+        c = wait_idle(m)["cache"]
+        backend = c["demand_bytes"] + c["prefetch_bytes"]
+        assert m.status()["store"]["used_bytes"] <= capacity
+    optimum_second = (offline_min_misses([f.key.encode() for f in e0 + e1], n // 2) - n) * size
+    second = backend - n * size  # the first epoch reads every block once, whatever the policy
+    assert optimum_second <= second <= 1.05 * optimum_second, (second, optimum_second)
+
+
+def test_control_channel_rejects_other_users(request, mount_factory, sample_bucket):
+    # A cache directory other users can traverse (pytest's own tmp dirs are private), so that only the
+    # daemon's credential check stands between them and the socket.
+    base = Path(tempfile.mkdtemp(prefix="epochfs-ctl-"))
+    os.chmod(base, 0o755)
+    cache = base / "cache"
+    cache.mkdir(mode=0o755)
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    with mount_factory(f"s3://{sample_bucket}/data", cache_dir=cache) as m:
+        sock = os.getxattr(m.mountpoint, "user.epochfs.control").decode()
+        os.chmod(sock, 0o777)
+        probe = (
+            "import os, socket, json, sys\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+            "s.sendall(json.dumps({'op': 'status'}).encode() + b'\\n')\n"
+            "print(s.recv(65536).decode())\n"
+        )
+        out = subprocess.run(["python3", "-c", probe, sock], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        reply = json.loads(out.stdout)
+        assert reply["ok"] is False and "permission denied" in reply["error"]
+        assert m.status()["pid"] > 0  # root still gets answers
+        assert "refused a request from uid 65534" in m.log()
+
+
+def test_malformed_manifest_is_rejected_with_the_line_and_the_mount_keeps_working(
+        tmp_path, mount_factory, sample_bucket, sample_files):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text(f'{{"path": "{sample_files[0].key}"}}\n{{"path": 42}}\n')
+    unknown = tmp_path / "unknown.txt"
+    unknown.write_text(f"{sample_files[0].key}\n# comment\nno/such/file.bin\n")
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        r = epochfs("prefetch", str(m.mountpoint), "--manifest", str(bad_json), check=False)
+        assert r.returncode == 1 and f"{bad_json}:2:" in r.stderr
+        r = epochfs("prefetch", str(m.mountpoint), "--manifest", str(unknown), check=False)
+        assert r.returncode == 1 and f"{unknown}:3:" in r.stderr and "not in the snapshot" in r.stderr
+        assert m.status()["prefetch"]["blocks"] == 0
+        f = sample_files[30]
+        assert m.path(f.key).read_bytes() == f.content()
+
+
+def test_warmup_check_and_plan(tmp_path, s3_client, fresh_bucket, mount_factory):
+    files = dataset(40, lambda i: 300 * KiB + i)
+    upload(s3_client, fresh_bucket, "", files)
+    manifest = tmp_path / "all.txt"
+    manifest.write_text("".join(f.key + "\n" for f in files))
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
+        r = epochfs("warmup", str(m.mountpoint), "--check", "--manifest", str(manifest))
+        assert r.stdout.startswith("0.0% cached")
+        r = epochfs("warmup", str(m.mountpoint), str(m.path("shard-1")))
+        assert "warmed" in r.stdout
+        r = epochfs("warmup", str(m.mountpoint), "--check", "--manifest", str(manifest))
+        assert r.stdout.startswith("25.0% cached"), r.stdout
+        r = epochfs("warmup", str(m.mountpoint), "--manifest", str(manifest))
+        r = epochfs("warmup", str(m.mountpoint), "--check", "--manifest", str(manifest))
+        assert r.stdout.startswith("100.0% cached") and "40 of 40 files" in r.stdout
+        before = m.status()["cache"]
+        for f in files:
+            assert m.path(f.key).read_bytes() == f.content()
+        after = m.status()["cache"]
+        assert after["demand_fetches"] == before["demand_fetches"] and after["misses"] == before["misses"]
+
+        r = epochfs("plan", "--manifest", str(manifest), "--cache-size", "6M", "--block-size", "1M",
+                    "--mount", str(m.mountpoint), "--seed", "1", "--epoch", "1", "--previous-manifest",
+                    str(manifest), "--json")
+        plan = json.loads(r.stdout)
+        assert plan["epoch_bytes"] == sum(f.size for f in files)
+        pol = plan["policies"]
+        assert pol["manifest"]["backend_bytes"] <= pol["lru"]["backend_bytes"]
+        assert 0 < pol["manifest"]["hit_ratio"] < 1
+
+
+def test_manifest_helper_writes_rank_shares(tmp_path):
+    paths = tmp_path / "paths.txt"
+    paths.write_text("".join(f"img/{i:03d}.jpg\n" for i in range(10)))
+    shares = []
+    for rank in range(3):
+        out = tmp_path / f"r{rank}.txt"
+        epochfs("manifest", str(paths), "--seed", "5", "--epoch", "2", "--rank", str(rank), "--world-size", "3",
+                "-o", str(out))
+        shares.append(out.read_text().split())
+    assert all(len(s) == 4 for s in shares)
+    assert len(set().union(*shares)) == 10
