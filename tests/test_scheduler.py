@@ -1,0 +1,129 @@
+"""The prefetcher without a mount: following the reader, hand-over, bandwidth cap, warmup."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from epochfs.backend.base import ObjectInfo
+from epochfs.cache.policy import ManifestPolicy
+from epochfs.cache.service import BlockCache
+from epochfs.cache.store import BlockStore
+from epochfs.prefetch.scheduler import Prefetcher
+
+from .test_cache_service import BS, MemoryBackend
+
+
+def objs(n: int, size: int = BS, prefix: str = "f") -> list[ObjectInfo]:
+    return [ObjectInfo(f"{prefix}{i:03d}", size, 0, '"e"') for i in range(n)]
+
+
+def with_prefetcher(tmp_path, fn, *, capacity=1 << 30, bandwidth=None, clock=None, backend=None):
+    store = BlockStore(tmp_path / "c", capacity, 0.0, ManifestPolicy())
+    store.open()
+    backend = backend or MemoryBackend()
+    cache = BlockCache(store, backend, block_size=BS, concurrency=4, readahead_blocks=0)
+    pf = Prefetcher(cache, capacity=capacity, max_inflight=2, bandwidth=bandwidth)
+    cache.observer = pf
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(cache.run)
+            await n.start(pf.run)
+            result = await fn(cache, pf, backend)
+            n.cancel_scope.cancel()
+        return result
+
+    try:
+        return trio.run(main, clock=clock)
+    finally:
+        store.close()
+
+
+def test_position_follows_the_reader(tmp_path):
+    files = objs(10)
+    outside = ObjectInfo("elsewhere", BS, 0, '"e"')
+
+    async def fn(cache, pf, backend):
+        pf.load(files)
+        seen = []
+        cache.open_stream(files[3])  # opened out of order: jumps ahead
+        seen.append(pf.statistics().file_position)
+        cache.open_stream(files[1])  # a file behind the position: served, no move
+        seen.append(pf.statistics().file_position)
+        cache.open_stream(outside)  # not in the plan: no move
+        seen.append(pf.statistics().file_position)
+        await cache.read(files[5], 0, 10)
+        seen.append(pf.statistics().file_position)
+        return seen
+
+    assert with_prefetcher(tmp_path, fn) == [3, 3, 3, 5]
+
+
+def test_next_epoch_is_queued_and_reached_only_at_the_end(tmp_path):
+    e0 = objs(300, size=100)
+    e1 = list(reversed(e0))
+
+    async def fn(cache, pf, backend):
+        pf.load(e0, epoch=0)
+        reply = pf.load(e1, epoch=1)
+        out = [reply["appended"], pf.statistics().files]
+        cache.open_stream(e0[10])
+        cache.open_stream(e0[5])  # a re-read early in epoch 0 is not the start of epoch 1
+        out.append((pf.statistics().file_position, pf.statistics().epoch))
+        cache.open_stream(e0[299])
+        cache.open_stream(e1[1])  # epoch 0 is finishing: this is epoch 1
+        out.append((pf.statistics().file_position, pf.statistics().epoch))
+        return out
+
+    appended, files, reread, next_epoch = with_prefetcher(tmp_path, fn)
+    assert appended and files == 600
+    assert reread == (10, 0)
+    assert next_epoch == (301, 1)
+
+
+def test_prefetch_runs_ahead_and_stays_within_the_window(tmp_path):
+    files = objs(40)
+
+    async def fn(cache, pf, backend):
+        pf.load(files)
+        await trio.sleep(0.5)
+        await cache.wait_idle()
+        return pf.statistics(), sum(backend.calls.values())
+
+    stats, calls = with_prefetcher(tmp_path, fn, capacity=16 * BS)
+    # the reader has not started: the window is what is in flight, at most a quarter of the cache
+    assert 1 <= stats.fetched_blocks == calls <= 4
+    assert stats.lead_bytes == stats.fetched_blocks * BS
+
+
+def test_bandwidth_cap_paces_prefetch(tmp_path):
+    files = objs(20)
+    rate = 4 * BS  # bytes per second
+
+    async def fn(cache, pf, backend):
+        pf.load(files)
+        pf.lead = 1e9
+        start = trio.current_time()
+        for f in files:
+            await cache.read(f, 0, 1)
+            await trio.sleep(0.1)
+        await cache.wait_idle()
+        return pf.statistics().fetched_bytes, trio.current_time() - start
+
+    fetched, elapsed = with_prefetcher(tmp_path, fn, bandwidth=rate, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert fetched <= rate * elapsed + BS
+
+
+def test_warmup_fills_without_evicting(tmp_path):
+    files = objs(10)
+
+    async def fn(cache, pf, backend):
+        job = pf.warmup(files)
+        while not job.finished:
+            await trio.sleep(0.01)
+        return job, cache.store.statistics()
+
+    job, store = with_prefetcher(tmp_path, fn, capacity=6 * BS)
+    assert job.done_bytes == 6 * BS and job.skipped_bytes == 4 * BS
+    assert store.evictions == 0 and store.used_bytes == 6 * BS
