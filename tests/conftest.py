@@ -65,6 +65,8 @@ def mount_factory(tmp_path: Path, s3: LocalS3):
         extra = list(args)
         if source.startswith("s3://") and "--endpoint-url" not in extra:
             extra += ["--endpoint-url", s3.endpoint]
+        if "--metrics-addr" not in extra:
+            extra += ["--metrics-addr", "127.0.0.1:0"]  # tests mount many daemons at once
         m = Mount(source, tmp_path / name, cache_dir or tmp_path / "cache", env or s3.env(), *extra)
         mounts.append(m)
         return m

@@ -254,7 +254,7 @@ def test_foreground_unmounts_on_sigterm_and_sigint(tmp_path, s3, sample_bucket):
         mnt.mkdir()
         proc = subprocess.Popen(
             [*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(mnt), "--endpoint-url", s3.endpoint,
-             "--cache-dir", str(tmp_path / "cache-fg"), "--foreground"],
+             "--cache-dir", str(tmp_path / "cache-fg"), "--foreground", "--metrics-addr", "off"],
             env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         try:
@@ -293,7 +293,7 @@ def test_umount_and_fusermount(mount_factory, sample_bucket):
 
 def test_mount_errors_are_clear(tmp_path, mount_factory, sample_bucket, s3):
     bad = subprocess.run([*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(tmp_path / "missing"),
-                          "--endpoint-url", s3.endpoint, "--cache-dir", str(tmp_path / "c0")],
+                          "--endpoint-url", s3.endpoint, "--cache-dir", str(tmp_path / "c0"), "--metrics-addr", "off"],
                          env=s3.env(), capture_output=True, text=True)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
     m = mount_factory("s3://no-such-bucket-x/data", name="m1")

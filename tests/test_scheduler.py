@@ -120,8 +120,7 @@ def test_warmup_fills_without_evicting(tmp_path):
 
     async def fn(cache, pf, backend):
         job = pf.warmup(files)
-        while not job.finished:
-            await trio.sleep(0.01)
+        await job.done.wait()
         return job, cache.store.statistics()
 
     job, store = with_prefetcher(tmp_path, fn, capacity=6 * BS)

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: manifest)")
     g.add_argument("--prefetch-bandwidth", type=_rate, metavar="RATE",
                    help="cap on prefetch traffic, e.g. 400MB or 2Gbit (per second; default: no cap)")
+    g.add_argument("--metrics-addr", default="127.0.0.1:9567", metavar="HOST:PORT",
+                   help="Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "
+                   "one (default: %(default)s, loopback only)")
     g.add_argument("--prefetch-lead", type=float, default=10.0, metavar="SECONDS",
                    help="how many seconds of reading the prefetch window covers, at most a quarter of the "
                    "cache (default: %(default)s)")
@@ -205,7 +208,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         backend_timeout=args.backend_timeout, backend_attempts=args.backend_attempts,
         attr_timeout=args.attr_timeout, eviction=args.eviction, prefetch_bandwidth=args.prefetch_bandwidth,
         prefetch_lead=args.prefetch_lead, backend_bandwidth=args.backend_bandwidth, allow_other=args.allow_other,
-        foreground=args.foreground,
+        foreground=args.foreground, metrics_addr=args.metrics_addr,
         debug=args.debug, fuse_options=tuple(args.fuse_options),
     )
 

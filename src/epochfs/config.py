@@ -109,6 +109,7 @@ class Config:
     prefetch_bandwidth: float | None = None  # bytes/second; None = no cap
     prefetch_lead: float = 10.0  # seconds of reading the prefetch window aims to cover
     backend_bandwidth: float | None = None  # link capacity, bytes/second (for the utilisation metric)
+    metrics_addr: str = "127.0.0.1:9567"  # HOST:PORT or "off"
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False

@@ -51,6 +51,7 @@ class LocalS3:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.metrics_port = 0
+        self._ports: list[int] = []
 
     @property
     def endpoint(self) -> str:
@@ -59,8 +60,9 @@ class LocalS3:
     def start(self, timeout: float = 60.0) -> LocalS3:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # Every bucket is a SeaweedFS collection that grows 7 volumes: allow many small ones.
-        (s3, master, volume, filer, g1, g2, g3, g4, metrics) = free_ports(9)
-        self.port, self.metrics_port = s3, metrics
+        ports = free_ports(9)
+        (s3, master, volume, filer, g1, g2, g3, g4, metrics) = ports
+        self.port, self.metrics_port, self._ports = s3, metrics, ports
         cmd = [
             weed_binary(), "server", f"-dir={self.data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-s3", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
@@ -126,8 +128,9 @@ class LocalS3:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        for sock in Path("/tmp").glob(f"seaweedfs-*-{self.port}.sock"):
-            sock.unlink(missing_ok=True)
+        for port in self._ports:  # SeaweedFS leaves a Unix socket per gRPC port behind
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
     def __enter__(self) -> LocalS3:
         return self.start()

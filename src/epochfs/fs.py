@@ -18,7 +18,10 @@ import functools
 import logging
 import os
 import stat
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -26,6 +29,7 @@ import pyfuse3
 from epochfs.cache.service import BlockCache, ReadStream
 from epochfs.errors import EpochfsError, NotFound, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, File, Namespace
+from epochfs.stats import Histogram, HistogramSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +40,30 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 assert ROOT_INODE == pyfuse3.ROOT_INODE
 
 
+@dataclass(frozen=True)
+class FsStats:
+    read_seconds: HistogramSnapshot
+    errors: dict[str, int]  # errno name -> count of requests answered with it (ENOENT excluded)
+
+
 def _translated(fn: F) -> F:
     """Turn domain errors into FUSEError through the one mapping; never let an exception escape."""
 
     @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except EpochfsError as exc:
             code = errno_for(exc)
+            if not isinstance(exc, NotFound):
+                self.errors[errno.errorcode.get(code, str(code))] += 1
             log.log(logging.DEBUG if isinstance(exc, NotFound) else logging.WARNING,
                     "%s: %s (%s)", fn.__name__, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
         except Exception:
+            self.errors["internal"] += 1
             log.exception("unexpected error in %s", fn.__name__)
             raise pyfuse3.FUSEError(errno.EIO) from None
 
@@ -78,6 +91,8 @@ class Operations(pyfuse3.Operations):
         self.root_xattrs = dict(root_xattrs)
         self.uid = os.getuid() if uid is None else uid
         self.gid = os.getgid() if gid is None else gid
+        self.errors: Counter[str] = Counter()
+        self.read_latency = Histogram()
         self._streams: dict[int, ReadStream] = {}
         self._dirs: dict[int, Dir] = {}
         self._next_fh = 1
@@ -166,7 +181,11 @@ class Operations(pyfuse3.Operations):
 
     @_translated
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        return await self._streams[fh].read(off, size)
+        started = time.perf_counter()
+        try:
+            return await self._streams[fh].read(off, size)
+        finally:
+            self.read_latency.observe(time.perf_counter() - started)
 
     @_translated
     async def release(self, fh: int) -> None:
@@ -176,6 +195,9 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         return fh
+
+    def statistics(self) -> FsStats:
+        return FsStats(self.read_latency.snapshot(), dict(self.errors))
 
     # -- file system -----------------------------------------------------------------------------------
 

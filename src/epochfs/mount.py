@@ -31,6 +31,7 @@ from epochfs.errors import ConfigError, EpochfsError
 from epochfs.fs import Operations
 from epochfs.meta.lmdb import LmdbMetaStore, Snapshot
 from epochfs.meta.namespace import File, Namespace
+from epochfs.metrics import MetricsServer, Sample, parse_addr
 from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.scheduler import Prefetcher
 
@@ -113,6 +114,8 @@ class Daemon:
                                      max_inflight=max(2, config.backend_concurrency // 2),
                                      bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
         self.cache.observer = self.prefetcher
+        addr = parse_addr(config.metrics_addr)
+        self.metrics = MetricsServer(addr[0], addr[1], self.sample) if addr else None
         self.control = ControlServer(socket_path(config.cache_dir), {
             "status": self._status,
             "prefetch": self._prefetch,
@@ -138,9 +141,37 @@ class Daemon:
             opts.add("debug")
         return opts
 
+    def sample(self) -> Sample:
+        """Every statistic the metrics expose, read on the trio thread."""
+        cache, store = self.cache.statistics(), self.store.statistics()
+        backend, fs, pf = self.backend.statistics(), self.ops.statistics(), self.prefetcher.statistics()
+        values: dict[str, float] = {
+            "cache_hits": cache.hits, "cache_misses": cache.misses,
+            "cache_hit_bytes": cache.hit_bytes, "cache_miss_bytes": cache.miss_bytes,
+            "cache_used_bytes": store.used_bytes, "cache_capacity_bytes": store.capacity_bytes,
+            "cache_blocks": store.blocks, "cache_evictions": store.evictions,
+            "cache_corrupt_blocks": store.corrupt_blocks, "cache_not_admitted": store.not_admitted,
+            "prefetch_queued_bytes": pf.queued_bytes, "prefetch_lead_bytes": pf.lead_bytes,
+            "prefetch_lead_seconds": pf.lead_seconds or 0.0, "prefetch_inflight": pf.inflight,
+            "manifest_position": pf.file_position, "manifest_files": pf.files,
+            "snapshot_version": self.snapshot.version, "snapshot_objects": len(self.snapshot.objects),
+        }
+        if self.config.backend_bandwidth:
+            values["backend_bandwidth_limit_bytes"] = self.config.backend_bandwidth
+        errors = dict(fs.errors)
+        errors["cache_write"] = store.fill_errors
+        histograms = {"read_seconds": fs.read_seconds}
+        if backend.request_seconds is not None:
+            histograms["backend_request_seconds"] = backend.request_seconds
+        return Sample(values, backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},
+                      errors, histograms)
+
     def status(self) -> dict[str, Any]:
         cfg = self.config
         return {
+            "metrics_addr": f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
+            "read_seconds": self.ops.statistics().read_seconds.as_dict(),
+            "errors": self.ops.statistics().errors,
             "version": __version__,
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started,
@@ -213,6 +244,8 @@ class Daemon:
             await nursery.start(self.cache.run)
             await nursery.start(self.prefetcher.run)
             await nursery.start(self.control.run)
+            if self.metrics is not None:
+                await nursery.start(self.metrics.run)
             nursery.start_soon(self._handle_signals)
             nursery.start_soon(self._announce, ready)
             await pyfuse3.main(min_tasks=4, max_tasks=128)
@@ -240,6 +273,18 @@ class Daemon:
         self.backend.close()
 
 
+def _epochfs_error(exc: BaseException) -> EpochfsError | None:
+    """The EpochfsError inside ``exc`` (trio wraps errors of nursery children in exception groups)."""
+    if isinstance(exc, EpochfsError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _epochfs_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def run(config: Config, ready: Ready) -> int:
     """Mount and serve until unmounted. Calls ``ready`` exactly once. Returns the exit code."""
     mountpoint = str(config.mountpoint)
@@ -261,12 +306,14 @@ def run(config: Config, ready: Ready) -> int:
         return 1
     try:
         trio.run(daemon.run, ready)
-    except BaseException:
-        log.exception("daemon failed")
+    except BaseException as exc:
+        known = _epochfs_error(exc)
+        if known is None:
+            log.exception("daemon failed")
         pyfuse3.close(unmount=True)
         daemon.close()
-        ready("daemon failed during start-up; see the log")
-        return 1
+        ready(str(known) if known else f"daemon failed: {exc!r}; see the log")
+        return 2 if isinstance(known, ConfigError) else 1
     pyfuse3.close(unmount=True)
     daemon.close()
     log.info("unmounted %s", mountpoint)

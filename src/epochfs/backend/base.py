@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from epochfs.errors import BackendUnavailable
+from epochfs.stats import Histogram, HistogramSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class BackendStats:
 
     requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, outcome) -> count
     bytes_read: int = 0
+    request_seconds: HistogramSnapshot | None = None
 
 
 class StatsRecorder:
@@ -60,15 +62,19 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._requests: Counter[tuple[str, str]] = Counter()
         self._bytes = 0
+        self.latency = Histogram()
 
-    def record(self, op: str, outcome: str, nbytes: int = 0) -> None:
+    def record(self, op: str, outcome: str, nbytes: int = 0, seconds: float | None = None) -> None:
         with self._lock:
             self._requests[(op, outcome)] += 1
             self._bytes += nbytes
+        if seconds is not None:
+            self.latency.observe(seconds)
 
     def snapshot(self) -> BackendStats:
         with self._lock:
-            return BackendStats(requests=dict(self._requests), bytes_read=self._bytes)
+            return BackendStats(requests=dict(self._requests), bytes_read=self._bytes,
+                                request_seconds=self.latency.snapshot())
 
 
 class TemporaryFailure(Exception):

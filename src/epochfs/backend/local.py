@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator
 
 from epochfs.backend.base import Backend, BackendStats, ObjectInfo, StatsRecorder
@@ -56,6 +57,7 @@ class LocalBackend(Backend):
                     yield ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns, etag=file_etag(st))
 
     def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
+        started = time.monotonic()
         path = os.path.join(self.root, key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -93,5 +95,5 @@ class LocalBackend(Backend):
             raise BackendUnavailable(f"{key}: {exc}") from None
         finally:
             os.close(fd)
-        self._stats.record("get", "ok", len(data))
+        self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data

@@ -127,6 +127,7 @@ class S3Backend(Backend):
 
     def _get_once(self, key: str, etag: str, start: int, length: int) -> bytes:
         end = start + length - 1
+        started = time.monotonic()
         try:
             resp = self._client.get_object(
                 Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end}", IfMatch=etag
@@ -171,5 +172,5 @@ class S3Backend(Backend):
         if len(data) != length:
             self._stats.record("get", "retry")
             raise TemporaryFailure(f"short body: {len(data)} of {length} bytes")
-        self._stats.record("get", "ok", len(data))
+        self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data

@@ -79,6 +79,7 @@ class WarmupJob:
     errors: list[str] = field(default_factory=list)
     finished: bool = False
     started: float = field(default_factory=time.monotonic)
+    done: trio.Event = field(default_factory=trio.Event, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -286,6 +287,7 @@ class Prefetcher:
                 job.done_files += 1
         await self.cache.wait_idle()
         job.finished = True
+        job.done.set()
 
     def resident(self, objs: Sequence[ObjectInfo]) -> dict[str, int]:
         bs = self.cache.block_size

@@ -1,0 +1,179 @@
+"""Prometheus metrics: the only module that imports prometheus_client; every metric name is here.
+
+Components keep plain counters and expose ``statistics()``; :class:`DaemonCollector` turns those into
+series at scrape time, so the read path pays nothing for metrics. :class:`MetricsServer` serves the
+text exposition over HTTP from the daemon's trio loop (no extra threads, no locks: the statistics are
+read on the thread that owns them). No object keys ever appear in labels.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from epochfs.errors import ConfigError
+from epochfs.stats import HistogramSnapshot
+
+log = logging.getLogger(__name__)
+
+PREFIX = "epochfs_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name: (type, help). The name of a counter here is without its "_total" suffix.
+METRICS: dict[str, tuple[str, str]] = {
+    "cache_hits": ("counter", "Block reads by the reader served without waiting for the backend."),
+    "cache_misses": ("counter", "Block reads by the reader that waited for (or were fetched by) the backend."),
+    "cache_hit_bytes": ("counter", "Bytes returned to readers from the cache or a completed prefetch."),
+    "cache_miss_bytes": ("counter", "Bytes returned to readers that had to come from the backend on demand."),
+    "backend_requests": ("counter", "Requests to the backend by operation and outcome."),
+    "backend_bytes": ("counter", "Bytes fetched from the backend, by purpose (demand or prefetch)."),
+    "backend_request_seconds": ("histogram", "Latency of successful backend data requests."),
+    "backend_bandwidth_limit_bytes": ("gauge", "Capacity of the link to the backend (--backend-bandwidth), bytes/s."),
+    "read_seconds": ("histogram", "Latency of FUSE read requests."),
+    "cache_used_bytes": ("gauge", "Bytes of blocks in the cache."),
+    "cache_capacity_bytes": ("gauge", "Upper bound of the cache (--cache-size)."),
+    "cache_blocks": ("gauge", "Blocks in the cache."),
+    "cache_evictions": ("counter", "Blocks evicted to make room."),
+    "cache_corrupt_blocks": ("counter", "Cached blocks that failed verification and were dropped."),
+    "cache_not_admitted": ("counter", "Fetched blocks the eviction policy chose not to cache (read through)."),
+    "prefetch_queued_bytes": ("gauge", "Bytes of the manifest plan ahead of the prefetch cursor, not yet fetched."),
+    "prefetch_lead_seconds": ("gauge", "How long the reader can read from blocks already cached ahead of it."),
+    "prefetch_lead_bytes": ("gauge", "Bytes cached contiguously ahead of the reader's manifest position."),
+    "prefetch_inflight": ("gauge", "Prefetch fetches in flight."),
+    "manifest_position": ("gauge", "Index of the reader's current file in the manifest plan."),
+    "manifest_files": ("gauge", "Files in the manifest plan (current and queued epochs)."),
+    "errors": ("counter", "Errors by kind: errno answered to readers, cache_write for failed cache fills."),
+    "snapshot_version": ("gauge", "Version of the namespace snapshot being served."),
+    "snapshot_objects": ("gauge", "Objects in the namespace snapshot."),
+}
+
+
+def full_name(short: str) -> str:
+    kind, _ = METRICS[short]
+    return PREFIX + short + ("_total" if kind == "counter" else "")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A statistics snapshot of the daemon, as plain values (built by the composition root)."""
+
+    values: dict[str, float]  # unlabelled series by short name
+    backend_requests: dict[tuple[str, str], int]
+    backend_bytes: dict[str, int]
+    errors: dict[str, int]
+    histograms: dict[str, HistogramSnapshot]
+
+
+class DaemonCollector(Collector):
+    def __init__(self, sample: Callable[[], Sample]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._sample()
+        for short, value in s.values.items():
+            kind, help_text = METRICS[short]
+            if kind == "counter":
+                yield CounterMetricFamily(PREFIX + short, help_text, value=value)
+            else:
+                yield GaugeMetricFamily(PREFIX + short, help_text, value=value)
+        fam = CounterMetricFamily(PREFIX + "backend_requests", METRICS["backend_requests"][1], labels=["op", "outcome"])
+        for (op, outcome), n in sorted(s.backend_requests.items()):
+            fam.add_metric([op, outcome], n)
+        yield fam
+        fam = CounterMetricFamily(PREFIX + "backend_bytes", METRICS["backend_bytes"][1], labels=["purpose"])
+        for purpose, n in sorted(s.backend_bytes.items()):
+            fam.add_metric([purpose], n)
+        yield fam
+        fam = CounterMetricFamily(PREFIX + "errors", METRICS["errors"][1], labels=["kind"])
+        for kind, n in sorted(s.errors.items()):
+            fam.add_metric([kind], n)
+        yield fam
+        for short, h in s.histograms.items():
+            cumulative, buckets = 0, []
+            for bound, n in zip((*h.bounds, float("inf")), h.counts, strict=True):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            yield HistogramMetricFamily(PREFIX + short, METRICS[short][1], buckets=buckets, sum_value=h.total)
+
+
+def parse_addr(text: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[v6]:PORT`` too) or ``off`` -> (host, port) or None."""
+    if text.strip().lower() == "off":
+        return None
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--metrics-addr {text!r}: expected HOST:PORT (e.g. 127.0.0.1:9567) or off")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class MetricsServer:
+    """A minimal HTTP server for ``GET /metrics`` on the trio loop."""
+
+    def __init__(self, host: str, port: int, sample: Callable[[], Sample]) -> None:
+        self.host, self.port = host, port
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(sample))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-addr {self.host}:{self.port}: {exc.strerror}; choose another "
+                              "HOST:PORT or 'off'") from None
+        self.port = listeners[0].socket.getsockname()[1]
+        if not is_loopback(self.host):
+            log.warning("metrics are exposed on %s:%d (not loopback): anyone who can reach it can read them",
+                        self.host, self.port)
+        log.info("metrics at http://%s:%d/metrics", self.host, self.port)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(self._serve, listeners, handler_nursery=nursery)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                with trio.fail_after(10):
+                    head = b""
+                    while b"\r\n\r\n" not in head and len(head) < 16384:
+                        chunk = await stream.receive_some(4096)
+                        if not chunk:
+                            return
+                        head += chunk
+                    parts = head.split(b"\r\n", 1)[0].split()
+                    if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
+                        await self._reply(stream, 405, b"method not allowed\n", "text/plain")
+                    elif parts[1].split(b"?")[0] in (b"/metrics", b"/"):
+                        body = self.render()
+                        await self._reply(stream, 200, body if parts[0] == b"GET" else b"", CONTENT_TYPE, len(body))
+                    else:
+                        await self._reply(stream, 404, b"not found; try /metrics\n", "text/plain")
+            except (trio.TooSlowError, trio.BrokenResourceError, OSError):
+                return
+
+    @staticmethod
+    async def _reply(stream: trio.SocketStream, status: int, body: bytes, ctype: str, length: int | None = None) -> None:
+        reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed"}[status]
+        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body) if length is None else length}\r\nConnection: close\r\n\r\n")
+        await stream.send_all(head.encode() + body)
+

@@ -1,0 +1,62 @@
+"""Plain statistics helpers shared by components (no Prometheus here: see :mod:`epochfs.metrics`)."""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from dataclasses import dataclass
+
+#: Latency bucket upper bounds in seconds: 100 us to 30 s.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]  # per bucket (not cumulative); one more than bounds: the +Inf bucket
+    total: float
+    count: int
+
+    def quantile(self, q: float) -> float | None:
+        """An upper bound of the q-quantile (the bound of the bucket that holds it)."""
+        if not self.count:
+            return None
+        rank, seen = q * self.count, 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            seen += n
+            if seen >= rank:
+                return bound
+        return float("inf")
+
+    def minus(self, earlier: HistogramSnapshot) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(a - b for a, b in zip(self.counts, earlier.counts, strict=True)),
+                                 self.total - earlier.total, self.count - earlier.count)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.total, "count": self.count}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> HistogramSnapshot:
+        return cls(tuple(d["bounds"]), tuple(d["counts"]), float(d["sum"]), int(d["count"]))  # type: ignore[arg-type]
+
+
+class Histogram:
+    """A fixed-bucket histogram that worker threads and the trio thread may observe into."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        i = bisect_left(self.bounds, value)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        with self._lock:
+            return HistogramSnapshot(self.bounds, tuple(self._counts), self._sum, sum(self._counts))

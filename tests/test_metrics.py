@@ -1,0 +1,175 @@
+"""Metrics scraped from live mounts, the alert rules under promtool, and the Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from epochfs.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, drop_all_caches, read_all, wait_idle
+
+ROOT = Path(__file__).resolve().parents[1]
+PROM = ROOT / "deploy" / "prometheus"
+KiB, MiB = 1 << 10, 1 << 20
+
+REQUIRED = {  # from the product contract: name -> type
+    "epochfs_cache_hits": "counter", "epochfs_cache_misses": "counter",
+    "epochfs_cache_hit_bytes": "counter", "epochfs_cache_miss_bytes": "counter",
+    "epochfs_backend_requests": "counter", "epochfs_backend_bytes": "counter",
+    "epochfs_backend_request_seconds": "histogram", "epochfs_backend_bandwidth_limit_bytes": "gauge",
+    "epochfs_read_seconds": "histogram", "epochfs_cache_used_bytes": "gauge",
+    "epochfs_cache_capacity_bytes": "gauge", "epochfs_cache_evictions": "counter",
+    "epochfs_cache_corrupt_blocks": "counter", "epochfs_prefetch_queued_bytes": "gauge",
+    "epochfs_prefetch_lead_seconds": "gauge", "epochfs_manifest_position": "gauge", "epochfs_errors": "counter",
+}
+
+
+def scrape_text(m) -> str:
+    addr = m.status()["metrics_addr"]
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return resp.read().decode()
+
+
+def scrape(m) -> dict[str, float]:
+    """Samples by name with sorted labels, e.g. 'epochfs_backend_bytes_total{purpose="demand"}'."""
+    out = {}
+    for fam in text_string_to_metric_families(scrape_text(m)):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+@requires_fuse
+def test_counters_move_by_exactly_what_was_read(s3_client, fresh_bucket, mount_factory):
+    files = [SampleFile(f"d/f{i:02d}.bin", 200 * KiB + 7 * i) for i in range(12)] + [SampleFile("big.bin", 3 * MiB + 5)]
+    upload(s3_client, fresh_bucket, "", files)
+    total = sum(f.size for f in files)
+    blocks = 12 + 4
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--readahead", "0",
+                       "--backend-bandwidth", "10Gbit") as m:
+        s0 = scrape(m)
+        assert s0["epochfs_backend_bandwidth_limit_bytes"] == 1.25e9
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        wait_idle(m)
+        s1 = scrape(m)
+        assert delta(s1, s0, "epochfs_cache_miss_bytes_total") == total
+        assert delta(s1, s0, "epochfs_cache_hit_bytes_total") == 0
+        assert delta(s1, s0, "epochfs_cache_hits_total") == 0
+        assert delta(s1, s0, "epochfs_cache_misses_total") >= blocks
+        assert delta(s1, s0, 'epochfs_backend_bytes_total{purpose="demand"}') == total
+        assert delta(s1, s0, 'epochfs_backend_bytes_total{purpose="prefetch"}') == 0
+        assert delta(s1, s0, 'epochfs_backend_requests_total{op="get",outcome="ok"}') == blocks
+        assert delta(s1, s0, "epochfs_backend_request_seconds_count") == blocks
+        assert s1["epochfs_cache_used_bytes"] == total and s1["epochfs_cache_capacity_bytes"] == 10 * (1 << 30)
+        assert delta(s1, s0, "epochfs_read_seconds_count") >= blocks
+
+        drop_all_caches()
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        s2 = scrape(m)
+        assert delta(s2, s1, "epochfs_cache_hit_bytes_total") == total
+        assert delta(s2, s1, "epochfs_cache_miss_bytes_total") == 0
+        assert delta(s2, s1, "epochfs_cache_misses_total") == 0
+        assert delta(s2, s1, "epochfs_cache_hits_total") >= blocks
+        assert delta(s2, s1, 'epochfs_backend_bytes_total{purpose="demand"}') == 0
+        assert delta(s2, s1, 'epochfs_backend_requests_total{op="get",outcome="ok"}') == 0
+
+
+@requires_fuse
+def test_exposition_types_help_and_no_object_keys_in_labels(mount_factory, sample_bucket, sample_files):
+    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit") as m:
+        read_all(m.path(sample_files[9].key))
+        families = {f.name: f for f in text_string_to_metric_families(scrape_text(m))}
+    for name, kind in REQUIRED.items():
+        assert name in families, name
+        assert families[name].type == kind, (name, families[name].type)
+        assert families[name].documentation, name
+    keys = {f.key for f in sample_files} | {part for f in sample_files for part in f.key.split("/")}
+    for fam in families.values():
+        assert fam.name.startswith("epochfs_")
+        for s in fam.samples:
+            assert not set(s.labels.values()) & keys, s
+    buckets = [s.labels["le"] for s in families["epochfs_read_seconds"].samples if s.name.endswith("_bucket")]
+    assert buckets[0] == "0.0001" and "30.0" in buckets and buckets[-1] == "+Inf"
+
+
+@requires_fuse
+def test_exporter_binds_to_loopback_and_warns_when_exposed(mount_factory, sample_bucket, tmp_path):
+    m = mount_factory(f"s3://{sample_bucket}/data", "--metrics-addr", "127.0.0.1:9567", name="default")
+    with m:
+        assert m.status()["metrics_addr"] == "127.0.0.1:9567"
+        assert "exposed" not in m.log()
+    m = mount_factory(f"s3://{sample_bucket}/data", "--metrics-addr", "0.0.0.0:0", name="exposed",
+                      cache_dir=tmp_path / "c2")
+    with m:
+        assert "metrics are exposed on 0.0.0.0" in m.log()
+    m = mount_factory(f"s3://{sample_bucket}/data", "--metrics-addr", "off", name="off", cache_dir=tmp_path / "c3")
+    with m:
+        assert m.status()["metrics_addr"] is None
+
+
+def test_the_default_metrics_address_is_loopback():
+    from epochfs.cli import build_parser
+
+    args = build_parser().parse_args(["mount", "s3://b", "/mnt/data"])
+    assert args.metrics_addr == "127.0.0.1:9567"
+
+
+def promtool() -> str:
+    tool = shutil.which("promtool")
+    assert tool, "promtool is missing: scripts/bootstrap.sh installs it (apt package prometheus)"
+    return tool
+
+
+def test_alert_rules_pass_promtool_check_and_unit_tests():
+    for args in (["check", "rules", str(PROM / "epochfs-rules.yml")],
+                 ["check", "config", str(PROM / "prometheus.yml")],
+                 ["test", "rules", str(PROM / "tests" / "epochfs-rules.test.yml")]):
+        result = subprocess.run([promtool(), *args], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def dashboard_metric_names() -> set[str]:
+    dash = json.loads((ROOT / "deploy" / "grafana" / "epochfs-dashboard.json").read_text())
+    assert dash["__inputs"][0]["type"] == "datasource"
+    assert any(v["name"] == "instance" for v in dash["templating"]["list"])
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    names = {n for e in exprs for n in re.findall(r"\b(epochfs_[a-z_]+)", e)}
+    assert len(names) >= 15
+    return names
+
+
+@requires_fuse
+def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_bucket, sample_files):
+    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit") as m:
+        read_all(m.path(sample_files[12].key))
+        exported = set()
+        for fam in text_string_to_metric_families(scrape_text(m)):
+            exported |= {s.name for s in fam.samples}
+    missing = dashboard_metric_names() - exported
+    assert not missing, f"the dashboard queries series the daemon does not export: {missing}"
+
+
+@requires_fuse
+def test_status_json(mount_factory, sample_bucket):
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        result = subprocess.run([*EPOCHFS, "status", str(m.mountpoint), "--json"], capture_output=True, text=True)
+        status = json.loads(result.stdout)
+        assert {"cache", "store", "prefetch", "backend", "snapshot", "read_seconds"} <= set(status)
+
