@@ -173,3 +173,14 @@ def test_status_json(mount_factory, sample_bucket):
         status = json.loads(result.stdout)
         assert {"cache", "store", "prefetch", "backend", "snapshot", "read_seconds"} <= set(status)
 
+
+
+@requires_fuse
+def test_stats_view_refreshes(mount_factory, sample_bucket, sample_files):
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        read_all(m.path(sample_files[40].key))
+        result = subprocess.run([*EPOCHFS, "stats", str(m.mountpoint), "--count", "2", "--interval", "0.3"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        for row in ("hit ratio (bytes)", "from backend", "read latency p50 / p99", "prefetch"):
+            assert row in result.stdout
