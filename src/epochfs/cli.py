@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from epochfs import __version__
-from epochfs.config import DEFAULT_CACHE_DIR, Config, Source, parse_rate, parse_size
+from epochfs.config import DEFAULT_CACHE_DIR, Config, Source, parse_rate, parse_size, read_config_file
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.prefetch.manifest import Entry
 
@@ -62,8 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with --foreground stays attached and unmounts on SIGINT/SIGTERM.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    m.add_argument("source", metavar="SOURCE", help="s3://BUCKET[/PREFIX] or file:///PATH")
-    m.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory, e.g. /mnt/data")
+    parser.set_defaults(_mount_parser=m)
+    m.add_argument("source", metavar="SOURCE", nargs="?", help="s3://BUCKET[/PREFIX] or file:///PATH")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?",
+                   help="an existing empty directory, e.g. /mnt/data")
+    m.add_argument("--config", metavar="FILE",
+                   help="TOML file with any of these options (keys like cache_size = \"500G\", plus source and "
+                   "mountpoint); command-line flags override it")
     g = m.add_argument_group("object store")
     g.add_argument("--endpoint-url", metavar="URL",
                    help="S3-compatible endpoint (MinIO, SeaweedFS, Ceph); enables path-style addressing")
@@ -125,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("umount", help="unmount and wait for the daemon to finish",
                        description="Unmount MOUNTPOINT and wait until its daemon has exited. "
                        "A dead mount (daemon killed) is cleared with a lazy unmount.")
-    u.add_argument("mountpoint", metavar="MOUNTPOINT")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?")
+    u.add_argument("--config", metavar="FILE", help="take the mount point from this config file")
+    u.add_argument("--lazy", action="store_true",
+                   help="detach at once even if busy, and succeed if nothing is mounted (for ExecStopPost)")
     u.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to wait for the daemon to exit (default: %(default)s)")
 
@@ -201,7 +209,55 @@ def default_cache_dir(source: Source) -> Path:
     return base / hashlib.sha256(source.url.encode()).hexdigest()[:16]
 
 
+_NOT_IN_FILES = {"help", "ready_fd", "config", "log_file_ready"}
+
+
+def apply_config_file(parser: argparse.ArgumentParser, mount_parser: argparse.ArgumentParser, argv: list[str],
+                      path: str) -> argparse.Namespace:
+    """Parse ``argv`` again with the config file's values as defaults, so that flags override them."""
+    actions: dict[str, argparse.Action] = {}
+    for action in mount_parser._actions:
+        names = [o.lstrip("-").replace("-", "_") for o in action.option_strings if o.startswith("--")]
+        names += [action.dest] if not action.option_strings else []
+        for name in names:
+            actions[name] = action
+    actions["fuse_options"] = next(a for a in mount_parser._actions if a.dest == "fuse_options")
+    defaults: dict[str, Any] = {}
+    for key, value in read_config_file(path).items():
+        action = actions.get(key)
+        if action is None or key in _NOT_IN_FILES:
+            known = ", ".join(sorted(k for k in actions if k not in _NOT_IN_FILES))
+            raise ConfigError(f"config file {path}: unknown key {key!r} (known keys: {known})")
+        defaults[action.dest] = _convert(path, key, action, value)
+    mount_parser.set_defaults(**defaults)
+    return parser.parse_args(argv)
+
+
+def _convert(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    where = f"config file {path}: {key}"
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false")
+        return value
+    if isinstance(action, argparse._AppendAction):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{where}: expected a string or a number")
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    if action.type is None:
+        return str(value)
+    try:
+        return action.type(str(value))  # type: ignore[misc,operator]
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
+    if not args.source or not args.mountpoint:
+        raise ConfigError("give SOURCE and MOUNTPOINT (on the command line or as source/mountpoint in --config)")
     source = Source.parse(args.source)
     mountpoint = Path(os.path.abspath(args.mountpoint))
     cache_dir = Path(os.path.abspath(args.cache_dir)) if args.cache_dir else default_cache_dir(source)
@@ -284,13 +340,23 @@ def cmd_umount(args: argparse.Namespace) -> int:
     from epochfs.control import PID_XATTR
     from epochfs.mount import is_dead_mount, lazy_unmount
 
-    path = os.path.abspath(args.mountpoint)
+    mountpoint = args.mountpoint
+    if args.config:
+        mountpoint = mountpoint or read_config_file(args.config).get("mountpoint")
+    if not mountpoint:
+        raise ConfigError("give MOUNTPOINT (or --config with a mountpoint key)")
+    path = os.path.abspath(mountpoint)
     if is_dead_mount(path):
         lazy_unmount(path)
         print(f"epochfs: cleared a dead mount at {path}", file=sys.stderr)
         return 0
     if not os.path.ismount(path):
+        if args.lazy:
+            return 0
         raise ConfigError(f"{path} is not mounted")
+    if args.lazy:
+        lazy_unmount(path)
+        return 0
     try:
         pid = int(os.getxattr(path, PID_XATTR))
     except OSError:
@@ -572,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "mount" and args.config:
+            args = apply_config_file(parser, args._mount_parser, argv, args.config)
         if args.command == "mount":
             return cmd_mount(args, argv)
         if args.command == "umount":

@@ -1,11 +1,13 @@
-"""One validated, frozen :class:`Config` for a mount, built from flags (and later a config file)."""
+"""One validated, frozen :class:`Config` for a mount, and the TOML config file reader."""
 
 from __future__ import annotations
 
 import os
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from epochfs.errors import ConfigError
@@ -144,3 +146,22 @@ class Config:
             raise ConfigError("--prefetch-lead must be positive")
         if self.snapshot_ttl < 0:
             raise ConfigError("--snapshot-ttl must be >= 0")
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The table of a TOML config file, keys normalised to ``snake_case``. Errors name the file."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise ConfigError(f"config file {path}: [{key}]: tables are not supported; put keys at the top level")
+        out[key.replace("-", "_")] = value
+    return out

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -50,6 +51,23 @@ def is_dead_mount(path: str) -> bool:
 
 def lazy_unmount(path: str) -> None:
     subprocess.run(["fusermount3", "-uz", path], check=False, capture_output=True)
+
+
+def sd_notify(message: str) -> bool:
+    """Send a systemd notification (READY=1, STOPPING=1, STATUS=...) if started with NOTIFY_SOCKET."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", addr, exc)
+        return False
+    return True
 
 
 def set_kernel_readahead(dev: int, nbytes: int) -> None:
@@ -255,6 +273,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s; unmounting", signal.Signals(signum).name)
+                sd_notify("STOPPING=1")
                 pyfuse3.terminate()
 
     async def _announce(self, ready: Ready) -> None:
@@ -267,6 +286,8 @@ class Daemon:
             set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
         log.info("mounted %s at %s", self.config.source.url, self.config.mountpoint)
         ready(None)
+        sd_notify(f"READY=1\nSTATUS=serving {self.config.source.url} at {self.config.mountpoint}\n"
+                  f"MAINPID={os.getpid()}")
 
     def close(self) -> None:
         self.store.close()

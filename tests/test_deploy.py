@@ -1,0 +1,175 @@
+"""Deployment: the systemd unit, the config file, readiness notification, crash recovery, fstab."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.cli import apply_config_file, build_parser, config_from_args
+from epochfs.errors import ConfigError
+from epochfs.sample import sample_layout, upload
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, drop_all_caches, read_all
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIT = ROOT / "deploy" / "systemd" / "epochfs@.service"
+EXAMPLE = ROOT / "deploy" / "epochfs.example.toml"
+
+
+def test_systemd_unit_verifies(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    assert analyze, "systemd-analyze is missing: scripts/bootstrap.sh installs it (apt package systemd)"
+    epochfs = Path(sys.executable).with_name("epochfs")
+    unit = tmp_path / "epochfs@data.service"
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/epochfs", str(epochfs)))
+    result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    text = UNIT.read_text()
+    for line in ("Type=notify", "Restart=on-failure", "ExecStopPost=-", "After=network-online.target",
+                 "NoNewPrivileges=yes", "DeviceAllow=/dev/fuse rw", "RestrictAddressFamilies=",
+                 "CapabilityBoundingSet=CAP_SYS_ADMIN", "--config /etc/epochfs/%i.toml --foreground"):
+        assert line in text, line
+    for forbidden in ("ProtectSystem=", "PrivateTmp=yes", "ProtectHome=", "PrivateDevices=yes"):
+        assert f"\n{forbidden}" not in text, f"{forbidden} would hide the mount from the host"
+
+
+def parse_mount(argv: list[str]):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        args = apply_config_file(parser, args._mount_parser, argv, args.config)
+    return config_from_args(args)
+
+
+def test_example_config_covers_the_options_and_flags_override_it(tmp_path):
+    cfg = parse_mount(["mount", "--config", str(EXAMPLE)])
+    assert cfg.source.url == "s3://training-data/imagenet/" and str(cfg.mountpoint) == "/mnt/data"
+    assert cfg.cache_size == 500 << 30 and cfg.backend_bandwidth == 1.25e9 and cfg.allow_other
+    assert cfg.eviction == "manifest" and cfg.metrics_addr == "127.0.0.1:9567"
+    cfg = parse_mount(["mount", "--config", str(EXAMPLE), "--cache-size", "1G", "--eviction", "lru"])
+    assert cfg.cache_size == 1 << 30 and cfg.eviction == "lru"
+    # every mount flag has a config key: the example plus the keys it leaves commented out
+    keys = set(re.findall(r"^#? ?([a-z_]+) = ", EXAMPLE.read_text(), flags=re.M))
+    flags = {o.lstrip("-").replace("-", "_") for a in build_parser().parse_args(["mount"])._mount_parser._actions
+             for o in a.option_strings if o.startswith("--")} - {"help", "ready_fd", "config"}
+    assert flags - keys == {"foreground"}, flags - keys  # the unit passes --foreground itself
+
+
+@pytest.mark.parametrize("text,message", [
+    ('source = "s3://b"\ncache_sise = "1G"\n', "unknown key 'cache_sise'"),
+    ('source = "s3://b"\ncache_size = "lots"\n', "cache_size: not a size"),
+    ('eviction = "random"\n', "eviction: 'random' is not one of"),
+    ('allow_other = "yes"\n', "allow_other: expected true or false"),
+    ("[section]\nx = 1\n", "tables are not supported"),
+    ("cache_size = \n", "config file"),
+])
+def test_config_file_errors_name_the_key(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        parse_mount(["mount", "--config", str(path), "s3://b", "/mnt/x"])
+    result = subprocess.run([*EPOCHFS, "mount", "--config", str(path), "s3://b", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and str(path) in result.stderr
+
+
+@requires_fuse
+def test_readiness_is_notified_only_when_the_mount_answers(tmp_path, s3, sample_bucket):
+    sock_path = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(sock_path)
+    listener.settimeout(60)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = s3.env() | {"NOTIFY_SOCKET": sock_path}
+    proc = subprocess.Popen([*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(mnt), "--endpoint-url", s3.endpoint,
+                             "--cache-dir", str(tmp_path / "cache"), "--foreground", "--metrics-addr", "off"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        message = listener.recv(4096).decode()
+        answered = os.listdir(mnt)  # at READY=1 the mount already answers
+        assert "READY=1" in message and f"MAINPID={proc.pid}" in message
+        assert answered
+        proc.send_signal(signal.SIGTERM)
+        assert "STOPPING=1" in listener.recv(4096).decode()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        listener.close()
+
+
+@requires_fuse
+def test_kill_9_under_a_reader_then_mount_again_recovers_warm(s3, s3_client, fresh_bucket, mount_factory):
+    files = sample_layout(small=40, large=1, large_mib=8, seed=21)
+    upload(s3_client, fresh_bucket, "", files)
+    m = mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M")
+    m.start()
+    for f in files[:30]:
+        assert read_all(m.path(f.key)) == f.content()
+    time.sleep(0.5)  # let write-behind fills land
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    big = next(f for f in files if f.size > 4 << 20)
+    reader = subprocess.Popen([sys.executable, "-c",
+                               f"import sys\nwhile True:\n    open({str(m.path(big.key))!r}, 'rb').read()\n"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    reader.wait(timeout=30)  # the reader gets an error (ENOTCONN), it does not hang
+    with pytest.raises(OSError):
+        os.listdir(m.mountpoint)
+    gets_before = s3.request_count(fresh_bucket)
+    m.start()  # same mount point: the dead mount is cleared, the cache comes back
+    assert "dead FUSE mount" in m.log()
+    status = m.status()
+    assert status["store"]["blocks"] > 0
+    drop_all_caches()
+    for f in files[:30]:
+        assert read_all(m.path(f.key)) == f.content()
+    after = m.status()["cache"]
+    assert after["misses"] == 0, "blocks cached before the crash were fetched again"
+    assert s3.request_count(fresh_bucket) == gets_before
+    for f in files[30:]:
+        assert read_all(m.path(f.key)) == f.content()
+    m.stop()
+
+
+@requires_fuse
+def test_fstab_line_mounts_and_unmounts(tmp_path, s3, sample_bucket, sample_files):
+    helper = Path("/sbin/mount.epochfs")
+    ours = Path(sys.executable).with_name("mount.epochfs")
+    installed = False
+    if not helper.exists():
+        helper.symlink_to(ours)
+        installed = True
+    try:
+        mnt = tmp_path / "fstab-mnt"
+        mnt.mkdir()
+        fstab = tmp_path / "fstab"
+        fstab.write_text(
+            f"s3://{sample_bucket}/data {mnt} epochfs endpoint_url={s3.endpoint},cache_dir={tmp_path / 'c'},"
+            f"cache_size=1G,metrics_addr=off,_netdev,nofail,noauto 0 0\n")
+        env = s3.env() | {"PATH": f"{ours.parent}:{os.environ['PATH']}"}
+        result = subprocess.run(["mount", "-T", str(fstab), str(mnt)], env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert os.path.ismount(mnt)
+        f = sample_files[17]
+        assert read_all(mnt / f.key) == f.content()
+        result = subprocess.run(["umount", str(mnt)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert not os.path.ismount(mnt)
+    finally:
+        subprocess.run(["fusermount3", "-uz", str(tmp_path / "fstab-mnt")], capture_output=True)
+        if installed:
+            helper.unlink()
