@@ -143,3 +143,14 @@ def test_block_sequence():
     seq = block_sequence([("a", 10), ("b", 0), ("c", 25)], 10)
     assert [s for _, s in seq] == [10, 10, 10, 5]
     assert len({b for b, _ in seq}) == 4
+
+
+def test_the_fast_offline_optimum_agrees_with_brute_force():
+    from epochfs.prefetch.simulate import offline_optimum
+
+    rng = random.Random(11)
+    for _ in range(200):
+        universe = [f"b{i}".encode() for i in range(rng.randrange(2, 20))]
+        seq = [rng.choice(universe) for _ in range(rng.randrange(1, 80))]
+        capacity = rng.randrange(1, len(universe) + 1)
+        assert offline_optimum(seq, capacity) == offline_min_misses(seq, capacity)

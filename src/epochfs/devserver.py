@@ -42,6 +42,17 @@ def weed_binary() -> str:
     return found
 
 
+def client_for(endpoint: str):  # type: ignore[no-untyped-def]
+    """A boto3 S3 client for a local endpoint (path-style, the development credentials)."""
+    return boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+        config=botocore.config.Config(s3={"addressing_style": "path"},
+                                      retries={"mode": "standard", "max_attempts": 3},
+                                      connect_timeout=2, read_timeout=30, max_pool_connections=32),
+    )
+
+
 class LocalS3:
     """A SeaweedFS server with the S3 gateway. Any credentials are accepted."""
 
@@ -90,13 +101,7 @@ class LocalS3:
                 time.sleep(0.3)
 
     def client(self):  # type: ignore[no-untyped-def]
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
-            config=botocore.config.Config(s3={"addressing_style": "path"},
-                                          retries={"mode": "standard", "max_attempts": 3},
-                                          connect_timeout=2, read_timeout=30),
-        )
+        return client_for(self.endpoint)
 
     def request_count(self, bucket: str, method: str = "GET") -> int:
         """Requests of ``method`` the endpoint has answered for ``bucket`` (from its own metrics)."""

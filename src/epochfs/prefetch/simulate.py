@@ -77,3 +77,29 @@ def simulate(sequence: Sequence[Block], capacity: int, policy_name: str,
             used += size
             policy.inserted(bid, size)
     return SimResult(policy_name, capacity, len(sequence), hits, hit_bytes, miss_bytes)
+
+
+def offline_optimum(sequence: Sequence[bytes], capacity: int) -> int:
+    """Misses of Belady's MIN with bypass over unit-size blocks, computed directly (the reference the
+    policies are checked against): on a miss with a full cache, drop whichever of the resident blocks
+    and the new one is next used farthest in the future."""
+    nxt: list[int] = [0] * len(sequence)
+    last: dict[bytes, int] = {}
+    for i in range(len(sequence) - 1, -1, -1):
+        nxt[i] = last.get(sequence[i], len(sequence) + i)
+        last[sequence[i]] = i
+    cache: dict[bytes, int] = {}  # block -> its next use
+    misses = 0
+    for i, b in enumerate(sequence):
+        if b in cache:
+            cache[b] = nxt[i]
+            continue
+        misses += 1
+        if len(cache) < capacity:
+            cache[b] = nxt[i]
+            continue
+        far = max(cache, key=cache.__getitem__)
+        if cache[far] > nxt[i]:
+            del cache[far]
+            cache[b] = nxt[i]
+    return misses

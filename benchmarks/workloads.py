@@ -1,0 +1,152 @@
+"""The measurements: fio streams, small-file rates, time to first byte, a training simulation, and the
+raw boto3 baselines. Each returns plain numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from epochfs.prefetch.manifest import partition, shuffled
+
+HERE = Path(__file__).resolve().parent
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def fio_seq(files: list[Path]) -> float:
+    """Aggregate bytes/s of len(files) concurrent sequential readers (fio job files in benchmarks/fio)."""
+    job = HERE / "fio" / f"seq-read-{len(files)}.fio"
+    env = dict(os.environ, **{f"FILE{i}": str(f) for i, f in enumerate(files)})
+    out = subprocess.run(["fio", "--output-format=json", str(job)], env=env, capture_output=True, text=True,
+                         check=True, timeout=1800)
+    data = json.loads(out.stdout[out.stdout.index("{"):])
+    return float(sum(j["read"]["bw_bytes"] for j in data["jobs"]))
+
+
+def small_files_rate(root: Path, keys: list[str], threads: int) -> float:
+    """Files per second reading whole files with ``threads`` readers pulling from one queue."""
+    it = iter(keys)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                key = next(it, None)
+            if key is None:
+                return
+            with open(root / key, "rb", buffering=0) as f:
+                while f.read(1 << 20):
+                    pass
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for fut in [pool.submit(worker) for _ in range(threads)]:
+            fut.result()
+    return len(keys) / (time.perf_counter() - start)
+
+
+def ttfb(root: Path, keys: list[str]) -> float:
+    """Median seconds from open() to the first byte, over ``keys``."""
+    times = []
+    for key in keys:
+        start = time.perf_counter()
+        with open(root / key, "rb", buffering=0) as f:
+            f.read(1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- boto3 baselines ----------------------------------------------------------------------------------
+
+def boto_single(client: Any, bucket: str, key: str) -> float:
+    start = time.perf_counter()
+    body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    n = 0
+    while chunk := body.read(1 << 20):
+        n += len(chunk)
+    return n / (time.perf_counter() - start)
+
+
+def boto_parallel(client: Any, bucket: str, keys: list[tuple[str, int]], concurrency: int, part: int) -> float:
+    ranges = [(k, o, min(part, size - o)) for k, size in keys for o in range(0, size, part)]
+
+    def get(r: tuple[str, int, int]) -> int:
+        k, o, n = r
+        return len(client.get_object(Bucket=bucket, Key=k, Range=f"bytes={o}-{o + n - 1}")["Body"].read())
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        total = sum(pool.map(get, ranges))
+    return total / (time.perf_counter() - start)
+
+
+def boto_small_rate(client: Any, bucket: str, keys: list[str], threads: int) -> float:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda k: client.get_object(Bucket=bucket, Key=k)["Body"].read(), keys))
+    return len(keys) / (time.perf_counter() - start)
+
+
+def boto_ttfb(client: Any, bucket: str, keys: list[str]) -> float:
+    times = []
+    for k in keys:
+        start = time.perf_counter()
+        client.get_object(Bucket=bucket, Key=k, Range="bytes=0-0")["Body"].read()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- training simulation (MLPerf Storage style) -------------------------------------------------------
+
+def train(root: Path, keys: list[str], *, accelerators: int, batch: int, compute: float, workers: int,
+          epochs: int, seed: int, before_epoch: Callable[[list[str], int], None]) -> list[float]:
+    """AU per epoch: compute time / wall time of each simulated accelerator (first step excluded),
+    averaged over accelerators. Each accelerator reads its DistributedSampler share of a fresh seeded
+    shuffle in batches through a pool of ``workers`` readers that keeps two batches ahead, then
+    'computes' (sleeps) for ``compute`` seconds per batch."""
+    results = []
+    for epoch in range(epochs):
+        order = shuffled(keys, seed, epoch)
+        before_epoch(order, epoch)
+        aus: list[float] = []
+
+        def accelerator(rank: int, order: list[str], aus: list[float]) -> None:
+            share = partition(order, rank, accelerators)
+            batches = [share[i:i + batch] for i in range(0, len(share), batch)]
+            with ThreadPoolExecutor(workers) as pool:
+                def load(b: list[str]) -> int:
+                    return sum(len((root / k).read_bytes()) for k in b)
+
+                pending = [pool.submit(load, b) for b in batches[:2]]
+                nxt = 2
+                first_done = None
+                for _ in batches:
+                    pending.pop(0).result()
+                    if nxt < len(batches):
+                        pending.append(pool.submit(load, batches[nxt]))
+                        nxt += 1
+                    time.sleep(compute)
+                    if first_done is None:
+                        first_done = time.perf_counter()
+                wall = time.perf_counter() - first_done
+            steps = len(batches) - 1
+            aus.append(min(1.0, steps * compute / wall) if steps and wall > 0 else 1.0)
+
+        threads = [threading.Thread(target=accelerator, args=(r, order, aus)) for r in range(accelerators)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results.append(sum(aus) / len(aus))
+    return results
