@@ -191,7 +191,10 @@ class Rclone(Contender):
 
     def _mount(self) -> None:
         env = self.backend_env()
-        env.pop("AWS_CA_BUNDLE", None)
+        env.pop("AWS_CA_BUNDLE", None)  # rclone fails with this machine's CA bundle variable
+        empty = self.work / "rclone.conf"
+        empty.write_text("")
+        env["RCLONE_CONFIG"] = str(empty)
         env.update(RCLONE_CONFIG_BENCH_TYPE="s3", RCLONE_CONFIG_BENCH_PROVIDER="Other",
                    RCLONE_CONFIG_BENCH_ENDPOINT=self.endpoint, RCLONE_CONFIG_BENCH_ACCESS_KEY_ID=ACCESS_KEY,
                    RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY=SECRET_KEY, RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE="true")

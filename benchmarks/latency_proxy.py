@@ -33,14 +33,23 @@ class LatencyProxy:
 
     def stop(self) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop.call_soon_threadsafe(self._shutdown)
+            self._thread.join(10)
+
+    def _shutdown(self) -> None:
+        assert self._loop is not None
+        self._server.close()
+        for task in asyncio.all_tasks(self._loop):
+            task.cancel()
+        self._loop.call_later(0.1, self._loop.stop)
 
     def _main(self) -> None:
         self._loop = asyncio.new_event_loop()
-        server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()
+        self._loop.close()
 
     async def _client(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         if self.delay:
@@ -73,7 +82,7 @@ class LatencyProxy:
 
         try:
             await asyncio.gather(upstream(), downstream())
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, asyncio.CancelledError):
             pass
         finally:
             for w in (cwriter, uwriter):

@@ -155,6 +155,7 @@ def policy_study(work: Path, endpoint: str, bucket: str, prefix: str, files: lis
             for e, order in enumerate(orders):
                 if policy == "manifest" and e + 1 < epochs:
                     c.hand_over(orders[e + 1], e + 1, replace=False)
+                drop_page_cache()  # every epoch must reach the cache, not the kernel's page cache
                 for k in order:
                     (c.root / k).read_bytes()
                 st = request(c.root, "status")["cache"]

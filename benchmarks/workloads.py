@@ -118,6 +118,7 @@ def train(root: Path, keys: list[str], *, accelerators: int, batch: int, compute
     results = []
     for epoch in range(epochs):
         order = shuffled(keys, seed, epoch)
+        drop_page_cache()  # as for a dataset larger than memory: every epoch reaches the file system
         before_epoch(order, epoch)
         aus: list[float] = []
 

@@ -129,7 +129,7 @@ class Daemon:
             concurrency=config.backend_concurrency, readahead_blocks=config.readahead_blocks,
         )
         self.prefetcher = Prefetcher(self.cache, capacity=config.cache_size,
-                                     max_inflight=max(2, config.backend_concurrency // 2),
+                                     max_inflight=config.backend_concurrency,
                                      bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
         self.cache.observer = self.prefetcher
         addr = parse_addr(config.metrics_addr)

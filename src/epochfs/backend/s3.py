@@ -50,7 +50,7 @@ class S3Backend(Backend):
         self._stats = StatsRecorder()
         boto_config = botocore.config.Config(
             retries={"mode": "standard", "max_attempts": config.backend_attempts},
-            max_pool_connections=config.backend_concurrency + 4,
+            max_pool_connections=2 * config.backend_concurrency + 4,  # demand and prefetch each have theirs
             connect_timeout=5,
             read_timeout=max(2.0, config.backend_timeout / config.backend_attempts),
             s3={"addressing_style": "path" if config.endpoint_url else "auto"},

@@ -9,7 +9,8 @@ Concurrency contract (all on the trio thread unless noted):
   (in a worker thread); until that commit the flight stays registered and serves later readers from
   memory, so a block is never fetched twice while its fill is running.
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
-  capacity limiters; prefetch never holds more than its share of backend connections.
+  capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
+  back while a demand fetch is waiting.
 - **Accounting.** A block read is a *hit* when it is served without waiting for the backend and the
   bytes were not fetched on demand: from the disk cache, or from a completed readahead/prefetch. Every
   other block read is a *miss*.
@@ -80,7 +81,7 @@ class BlockCache:
         self._source = backend.source_id
         self._flights: dict[bytes, _Flight] = {}
         self._demand_limiter = trio.CapacityLimiter(concurrency)
-        self._prefetch_limiter = trio.CapacityLimiter(max(1, concurrency // 2))
+        self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._io_limiter = trio.CapacityLimiter(4)
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
