@@ -99,6 +99,13 @@ def write_report(results: dict[str, Any], stem: Path) -> None:
             per = " | ".join(f"{b / 2**20:.1f}" for b in row["backend_bytes_per_epoch"])
             lines.append(f"| {row['cache_fraction']:.0%} | {row['policy']} | {per} | {row['backend_bytes'] / 2**20:.1f} | "
                          f"{row['optimum_bytes'] / 2**20:.1f} | {row['achieved_over_optimal']:.3f} |")
+    ns = results.get("namespace")
+    if ns:
+        lines += ["", "## Shared metadata store (Redis)", "",
+                  "| entries | publish (epochfs import) | mount, ready | daemon RSS |", "|---|---|---|---|"]
+        for row in ns:
+            lines.append(f"| {row['entries']:,} | {row['publish_seconds']:.1f} s | {row['mount_seconds']:.1f} s | "
+                         f"{row['daemon_rss_mib']:.0f} MiB |")
     ov = results.get("latency_proxy_overhead")
     if ov:
         lines += ["", f"Latency proxy overhead at 0 ms: {ov['via_proxy_files_per_s']:.0f} files/s through it vs "

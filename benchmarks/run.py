@@ -171,6 +171,41 @@ def policy_study(work: Path, endpoint: str, bucket: str, prefix: str, files: lis
     return rows
 
 
+def namespace_mount_times(work: Path, sizes: list[int]) -> list[dict[str, float]]:
+    """Time to publish a synthetic namespace to Redis and to mount from it (no listing)."""
+    from epochfs.backend.base import ObjectInfo
+    from epochfs.devserver import LocalRedis
+    from epochfs.meta import open_meta
+
+    rows = []
+    server = LocalRedis(work / "redis").start()
+    try:
+        for n in sizes:
+            objs = [ObjectInfo(f"train/{i % 1000:03d}/{i:08d}.jpg", 100 * 1024, 1_700_000_000_000_000_000, f'"{i:x}"')
+                    for i in range(n)]
+            store = open_meta(server.url, Path("."), f"synthetic-{n}")
+            started = time.monotonic()
+            store.save("s3://synthetic/", objs)
+            publish = time.monotonic() - started
+            store.close()
+            mnt, cache = work / f"mnt-{n}", work / f"cache-{n}"
+            mnt.mkdir(parents=True, exist_ok=True)
+            started = time.monotonic()
+            subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://synthetic", str(mnt), "--meta", server.url,
+                            "--meta-name", f"synthetic-{n}", "--cache-dir", str(cache), "--metrics-addr", "off"],
+                           check=True)
+            mount = time.monotonic() - started
+            pid = int(os.getxattr(mnt, "user.epochfs.pid"))
+            rss = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+            subprocess.run([sys.executable, "-m", "epochfs", "umount", str(mnt)], check=True)
+            rows.append({"entries": n, "publish_seconds": publish, "mount_seconds": mount, "daemon_rss_mib": rss / MiB})
+            log(f"namespace of {n:,} entries: published in {publish:.1f}s, mounted in {mount:.1f}s, "
+                f"RSS {rss / MiB:.0f} MiB")
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small data, one repetition (a few minutes)")
@@ -285,6 +320,8 @@ def main() -> int:
             if str(args.work) in m:
                 subprocess.run(["fusermount3", "-uz", m.split()[1]], capture_output=True)
         server.stop()
+
+    results["namespace"] = namespace_mount_times(args.work / "ns", [200_000] if quick else [200_000, 1_000_000])
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / (datetime.date.today().isoformat() + ("-quick" if quick else ""))

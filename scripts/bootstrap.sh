@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # fuse3 + libfuse3-dev + pkg-config + gcc: pyfuse3; prometheus: promtool for the alert rule tests;
-# systemd: systemd-analyze for the unit file test; util-linux: mount(8) for the fstab test
-packages=(fuse3 libfuse3-dev pkg-config gcc prometheus systemd util-linux)
+# systemd: systemd-analyze for the unit file test; util-linux: mount(8) for the fstab test;
+# redis-server: the shared metadata store tests
+packages=(fuse3 libfuse3-dev pkg-config gcc prometheus systemd util-linux redis-server)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
 python3 - <<'PY' 2>/dev/null || packages+=(python3-dev)
 import os, sysconfig, sys

@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "cache (default: %(default)s)")
     g.add_argument("--backend-bandwidth", type=_rate, metavar="RATE",
                    help="capacity of the link to the backend, e.g. 10Gbit, for the utilisation metric")
+    g.add_argument("--meta", metavar="URL",
+                   help="metadata store: redis://HOST:PORT/DB to load the snapshot published by 'epochfs import' "
+                   "(shared by every node; the source is never listed), or lmdb://PATH (default: LMDB in the "
+                   "cache directory)")
+    g.add_argument("--meta-name", metavar="NAME", help="dataset name in a shared store (default: the source URL)")
+    g.add_argument("--meta-poll", type=float, default=0.0, metavar="SECONDS",
+                   help="check the store for a newer snapshot this often and switch to it (default: 0, only on "
+                   "'epochfs refresh')")
     g.add_argument("--refresh", action="store_true",
                    help="list the source again instead of reusing the stored namespace snapshot")
     g.add_argument("--snapshot-ttl", type=float, default=0.0, metavar="SECONDS",
@@ -155,9 +163,29 @@ def build_parser() -> argparse.ArgumentParser:
         "epoch is still being read is queued after it.",
     )
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    p.add_argument("--manifest", required=True, metavar="FILE",
-                   help="one path per line relative to the mount root (or JSON Lines with \"path\"), in read order")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest", metavar="FILE",
+                     help="one path per line relative to the mount root (or JSON Lines with \"path\"), in read order")
+    src.add_argument("--stored", metavar="NAME", help="use the manifest published to the metadata store under NAME")
+    p.add_argument("--publish", metavar="NAME",
+                   help="also publish --manifest to the metadata store under NAME, for the other ranks' daemons")
     p.add_argument("--replace", action="store_true", help="discard the current plan instead of queueing after it")
+
+    im = sub.add_parser("import", help="list a source once and publish its snapshot to a metadata store",
+                        description="List SOURCE and publish a new snapshot version (paths, sizes, mtimes, ETags) "
+                        "to the store, atomically: daemons mounting with --meta load it instead of listing.",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    im.add_argument("source", metavar="SOURCE")
+    im.add_argument("--meta", required=True, metavar="URL", help="redis://HOST:PORT/DB or lmdb://PATH")
+    im.add_argument("--name", metavar="NAME", help="dataset name in the store (default: the source URL)")
+    im.add_argument("--endpoint-url", metavar="URL")
+    im.add_argument("--region")
+
+    rf = sub.add_parser("refresh", help="switch a mount to the newest snapshot without unmounting",
+                        description="Load the newest published snapshot (or, with the embedded store, list the "
+                        "source again) and serve it. Files already open keep reading the version they opened, "
+                        "or fail with ESTALE; they never mix versions.")
+    rf.add_argument("mountpoint", metavar="MOUNTPOINT")
 
     w = sub.add_parser("warmup", parents=[order], help="fill the cache now, with a progress bar",
                        description="Fetch files (or everything a manifest names) into the cache now, without "
@@ -271,7 +299,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         backend_timeout=args.backend_timeout, backend_attempts=args.backend_attempts,
         attr_timeout=args.attr_timeout, eviction=args.eviction, prefetch_bandwidth=args.prefetch_bandwidth,
         prefetch_lead=args.prefetch_lead, backend_bandwidth=args.backend_bandwidth, allow_other=args.allow_other,
-        foreground=args.foreground, metrics_addr=args.metrics_addr,
+        foreground=args.foreground, metrics_addr=args.metrics_addr, meta=args.meta, meta_name=args.meta_name,
+        meta_poll=args.meta_poll,
         debug=args.debug, fuse_options=tuple(args.fuse_options),
     )
 
@@ -475,7 +504,8 @@ def format_status(s: dict[str, Any]) -> str:
     return "\n".join([
         f"mount      {s['mountpoint']}  <-  {s['source']}  (pid {s['pid']})",
         f"snapshot   version {snap['version']}: {snap['files']} files, {snap['directories']} directories, "
-        f"{_human(snap['bytes'])}",
+        f"{_human(snap['bytes'])}; store {s['meta']['url']}"
+        + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})"),
         f"cache      {_human(st['used_bytes'])} of {_human(st['capacity_bytes'])} in {st['blocks']} blocks "
         f"({s['cache_dir']})",
         f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
@@ -525,11 +555,27 @@ def _mount_relative(mountpoint: str, path: str) -> str:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
+    import tempfile
+
     from epochfs.control import request
 
-    entries = _order(args, args.manifest)
+    manifest = args.manifest
+    if args.stored:
+        text = request(args.mountpoint, "get_manifest", name=args.stored)["text"]
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as tmp:
+            tmp.write(text)
+        manifest = tmp.name
+    try:
+        entries = _order(args, manifest)
+    finally:
+        if args.stored:
+            os.unlink(manifest)
+    if args.publish:
+        with open(args.manifest, encoding="utf-8") as f:
+            request(args.mountpoint, "publish_manifest", name=args.publish, text=f.read())
+        print(f"epochfs: published {args.manifest} as {args.publish!r}")
     reply = request(args.mountpoint, "prefetch", entries=[[e.line, e.path] for e in entries],
-                    source=args.manifest, epoch=args.epoch, replace=args.replace)
+                    source=args.manifest or args.stored, epoch=args.epoch, replace=args.replace)
     how = "queued after the current plan" if reply["appended"] else "loaded"
     print(f"epochfs: {reply['files']} files ({_human(reply['plan_bytes'])} in the plan) {how}")
     return 0
@@ -624,6 +670,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from epochfs.backend import open_backend
+    from epochfs.meta import open_meta
+
+    source = Source.parse(args.source)
+    config = Config(source=source, mountpoint=Path("/"), endpoint_url=args.endpoint_url, region=args.region)
+    backend = open_backend(config)
+    store = open_meta(args.meta, Path("."), args.name)
+    started = time.monotonic()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed:,} objects"),
+                  TimeElapsedColumn()) as progress:
+        task = progress.add_task(f"listing {source.url}", total=None)
+        listed = []
+        for obj in backend.list_objects():
+            listed.append(obj)
+            if len(listed) % 1000 == 0:
+                progress.update(task, completed=len(listed))
+        progress.update(task, completed=len(listed), description="listed")
+        pub = progress.add_task(f"publishing to {store.url}", total=len(listed))
+        snapshot = store.save(backend.source_id, listed, lambda n: progress.update(pub, completed=n))
+    store.close()
+    print(f"epochfs: published version {snapshot.version} of {backend.source_id}: {len(listed)} objects "
+          f"in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from epochfs.control import request
+
+    reply = request(args.mountpoint, "refresh", timeout=3600)
+    if reply["changed"]:
+        print(f"epochfs: now serving snapshot version {reply['version']} ({reply['changed_entries']} entries changed)")
+    else:
+        print(f"epochfs: already serving the newest snapshot (version {reply['version']})")
+    return 0
+
+
 def cmd_manifest(args: argparse.Namespace) -> int:
     from epochfs.prefetch.manifest import write
 
@@ -656,6 +741,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         if args.command == "manifest":
             return cmd_manifest(args)
+        if args.command == "import":
+            return cmd_import(args)
+        if args.command == "refresh":
+            return cmd_refresh(args)
     except ConfigError as exc:
         print(f"epochfs: {exc}", file=sys.stderr)
         return 2

@@ -112,6 +112,9 @@ class Config:
     prefetch_lead: float = 10.0  # seconds of reading the prefetch window aims to cover
     backend_bandwidth: float | None = None  # link capacity, bytes/second (for the utilisation metric)
     metrics_addr: str = "127.0.0.1:9567"  # HOST:PORT or "off"
+    meta: str | None = None  # lmdb://PATH or redis://HOST:PORT/DB; None = LMDB in the cache directory
+    meta_name: str | None = None  # dataset name in a shared store; None = the source URL
+    meta_poll: float = 0.0  # seconds between checks for a newer snapshot; 0 = only on 'epochfs refresh'
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
@@ -144,6 +147,8 @@ class Config:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.prefetch_lead <= 0:
             raise ConfigError("--prefetch-lead must be positive")
+        if self.meta_poll < 0:
+            raise ConfigError("--meta-poll must be >= 0")
         if self.snapshot_ttl < 0:
             raise ConfigError("--snapshot-ttl must be >= 0")
 

@@ -52,6 +52,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "errors": ("counter", "Errors by kind: errno answered to readers, cache_write for failed cache fills."),
     "snapshot_version": ("gauge", "Version of the namespace snapshot being served."),
     "snapshot_objects": ("gauge", "Objects in the namespace snapshot."),
+    "meta_reachable": ("gauge", "1 if the metadata store answered the last request, else 0 (serving the loaded snapshot)."),
 }
 
 

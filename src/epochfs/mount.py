@@ -30,8 +30,9 @@ from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.fs import Operations
-from epochfs.meta.lmdb import LmdbMetaStore, Snapshot
-from epochfs.meta.namespace import File, Namespace
+from epochfs.meta import MetaStore, Snapshot, open_meta
+from epochfs.meta.lmdb import LmdbMetaStore
+from epochfs.meta.namespace import File, Namespace, diff
 from epochfs.metrics import MetricsServer, Sample, parse_addr
 from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.scheduler import Prefetcher
@@ -90,8 +91,15 @@ def check_mountpoint(path: str) -> None:
         raise ConfigError(f"{path} is already a mount point")
 
 
-def load_snapshot(config: Config, backend: Backend) -> Snapshot:
-    store = LmdbMetaStore(config.cache_dir / "meta")
+def load_snapshot(config: Config, backend: Backend, store: MetaStore) -> Snapshot:
+    if not isinstance(store, LmdbMetaStore):  # a shared store: load what was published, never list
+        snapshot = store.load(backend.source_id)
+        if snapshot is None:
+            raise ConfigError(f"no snapshot of {backend.source_id} in {store.url}; publish one with: "
+                              f"epochfs import {backend.source_id} --meta {store.url}")
+        log.info("loaded snapshot version %d of %s from %s (%d objects)", snapshot.version, snapshot.source,
+                 store.url, len(snapshot.objects))
+        return snapshot
     snapshot = None if config.refresh else store.load(backend.source_id)
     if snapshot is not None and config.snapshot_ttl and time.time() - snapshot.created > config.snapshot_ttl:
         log.info("snapshot version %d is older than the TTL; listing the source again", snapshot.version)
@@ -119,10 +127,13 @@ class Daemon:
                                 make_policy(config.eviction))
         self.store.open()
         try:
-            self.snapshot = load_snapshot(config, self.backend)
+            self.meta = open_meta(config.meta, config.cache_dir, config.meta_name)
+            self.snapshot = load_snapshot(config, self.backend, self.meta)
         except BaseException:
             self.store.close()
             raise
+        self.meta_error: str | None = None
+        self.latest_version = self.snapshot.version
         self.namespace = Namespace.build(self.snapshot.objects, mtime_ns=int(self.snapshot.created * 1e9))
         self.cache = BlockCache(
             self.store, self.backend, block_size=config.block_size,
@@ -140,6 +151,9 @@ class Daemon:
             "warmup": self._warmup,
             "job": self._job,
             "resident": self._resident,
+            "refresh": self._refresh,
+            "publish_manifest": self._publish_manifest,
+            "get_manifest": self._get_manifest,
         })
         self.ops = Operations(
             self.namespace, self.cache, attr_timeout=config.attr_timeout,
@@ -173,6 +187,7 @@ class Daemon:
             "prefetch_lead_seconds": pf.lead_seconds or 0.0, "prefetch_inflight": pf.inflight,
             "manifest_position": pf.file_position, "manifest_files": pf.files,
             "snapshot_version": self.snapshot.version, "snapshot_objects": len(self.snapshot.objects),
+            "meta_reachable": 1.0 if self.meta_error is None else 0.0,
         }
         if self.config.backend_bandwidth:
             values["backend_bandwidth_limit_bytes"] = self.config.backend_bandwidth
@@ -197,6 +212,8 @@ class Daemon:
             "mountpoint": str(cfg.mountpoint),
             "cache_dir": str(cfg.cache_dir),
             "block_size": cfg.block_size,
+            "meta": {"url": self.meta.url, "reachable": self.meta_error is None, "error": self.meta_error,
+                     "latest_version": self.latest_version},
             "snapshot": {
                 "version": self.snapshot.version,
                 "created": self.snapshot.created,
@@ -253,6 +270,71 @@ class Daemon:
             raise ManifestError(f"no warmup job {request['id']}")
         return job.as_dict()
 
+    # -- snapshots ------------------------------------------------------------------------------------
+
+    async def _meta_call(self, fn: Any, *args: Any) -> Any:
+        """Call the metadata store in a worker thread, tracking whether it is reachable."""
+        try:
+            result = await trio.to_thread.run_sync(fn, *args)
+        except EpochfsError as exc:
+            if self.meta_error is None:
+                log.warning("metadata store unreachable, serving snapshot version %d: %s",
+                            self.snapshot.version, exc)
+            self.meta_error = str(exc)
+            raise
+        if self.meta_error is not None:
+            log.info("metadata store %s is reachable again", self.meta.url)
+        self.meta_error = None
+        return result
+
+    async def refresh(self) -> dict[str, Any]:
+        """Switch to a newer snapshot without unmounting. Open files keep the version they opened."""
+        source = self.backend.source_id
+        if isinstance(self.meta, LmdbMetaStore):
+            snapshot = await trio.to_thread.run_sync(
+                lambda: self.meta.save(source, self.backend.list_objects()))
+        else:
+            latest = await self._meta_call(self.meta.current_version, source)
+            if latest is None or latest == self.snapshot.version:
+                return {"changed": False, "version": self.snapshot.version}
+            snapshot = await self._meta_call(self.meta.load, source)
+            if snapshot is None:
+                return {"changed": False, "version": self.snapshot.version}
+        old = self.namespace
+        new = Namespace.build(snapshot.objects, mtime_ns=int(snapshot.created * 1e9), previous=old)
+        entries, inodes = diff(old, new)
+        self.namespace = self.ops.namespace = new
+        self.snapshot = snapshot
+        self.latest_version = snapshot.version
+        await trio.to_thread.run_sync(_invalidate, entries, inodes)
+        log.info("now serving snapshot version %d (%d entries changed)", snapshot.version, len(entries))
+        return {"changed": True, "version": snapshot.version, "changed_entries": len(entries)}
+
+    async def _refresh(self, request: dict[str, Any]) -> dict[str, Any]:
+        return await self.refresh()
+
+    async def _poll_meta(self) -> None:
+        while True:
+            await trio.sleep(self.config.meta_poll)
+            try:
+                latest = await self._meta_call(self.meta.current_version, self.backend.source_id)
+                if latest is not None:
+                    self.latest_version = latest
+                if latest is not None and latest != self.snapshot.version:
+                    await self.refresh()
+            except EpochfsError:
+                continue  # logged once by _meta_call; keep serving what is loaded
+
+    async def _publish_manifest(self, request: dict[str, Any]) -> dict[str, Any]:
+        await self._meta_call(self.meta.put_manifest, self.backend.source_id, request["name"], request["text"])
+        return {"published": request["name"]}
+
+    async def _get_manifest(self, request: dict[str, Any]) -> dict[str, Any]:
+        text = await self._meta_call(self.meta.get_manifest, self.backend.source_id, request["name"])
+        if text is None:
+            raise ManifestError(f"no manifest named {request['name']!r} in {self.meta.url}")
+        return {"text": text}
+
     async def _resident(self, request: dict[str, Any]) -> dict[str, Any]:
         files = self._resolve(request, expand_dirs=True)
         return self.prefetcher.resident([f.obj for f in files])
@@ -265,6 +347,8 @@ class Daemon:
             if self.metrics is not None:
                 await nursery.start(self.metrics.run)
             nursery.start_soon(self._handle_signals)
+            if self.config.meta_poll:
+                nursery.start_soon(self._poll_meta)
             nursery.start_soon(self._announce, ready)
             await pyfuse3.main(min_tasks=4, max_tasks=128)
             nursery.cancel_scope.cancel()
@@ -291,7 +375,22 @@ class Daemon:
 
     def close(self) -> None:
         self.store.close()
+        self.meta.close()
         self.backend.close()
+
+
+def _invalidate(entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
+    """Make the kernel forget changed names and cached data (worker thread: these calls block)."""
+    for inode in inodes:
+        try:
+            pyfuse3.invalidate_inode(inode)
+        except OSError:
+            pass  # the kernel did not know it
+    for parent, name in entries:
+        try:
+            pyfuse3.invalidate_entry(parent, name)
+        except OSError:
+            pass
 
 
 def _epochfs_error(exc: BaseException) -> EpochfsError | None:

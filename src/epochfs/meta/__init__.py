@@ -1,1 +1,29 @@
-"""Namespace snapshots: the pure tree (:mod:`.namespace`) and where snapshots are kept (:mod:`.lmdb`)."""
+"""Namespace snapshots: the pure tree (:mod:`.namespace`) and the stores that keep them (:mod:`.base`
+for the contract; :mod:`.lmdb` embedded, :mod:`.redis` shared). Schema: ``docs/metadata-store.md``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from epochfs.errors import ConfigError
+from epochfs.meta.base import MetaStore, Snapshot
+
+
+def open_meta(url: str | None, cache_dir: Path, name: str | None = None) -> MetaStore:
+    """The store for ``url``: ``lmdb://PATH`` or ``redis://HOST:PORT/DB``; None = LMDB in the cache dir."""
+    if url is None:
+        from epochfs.meta.lmdb import LmdbMetaStore
+
+        return LmdbMetaStore(cache_dir / "meta")
+    if url.startswith("lmdb://"):
+        from epochfs.meta.lmdb import LmdbMetaStore
+
+        return LmdbMetaStore(Path(url[len("lmdb://"):]))
+    if url.startswith(("redis://", "rediss://")):
+        from epochfs.meta.redis import RedisMetaStore
+
+        return RedisMetaStore(url, name)
+    raise ConfigError(f"--meta {url!r}: expected lmdb://PATH or redis://HOST:PORT/DB")
+
+
+__all__ = ["MetaStore", "Snapshot", "open_meta"]

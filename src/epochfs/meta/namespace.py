@@ -77,7 +77,10 @@ class Namespace:
         self._by_path: dict[str, int] | None = None
 
     @classmethod
-    def build(cls, objects: Iterable[ObjectInfo], mtime_ns: int = 0) -> Namespace:
+    def build(cls, objects: Iterable[ObjectInfo], mtime_ns: int = 0, previous: Namespace | None = None) -> Namespace:
+        """The tree of a listing. With ``previous`` (the snapshot being replaced), a path that stays the
+        same kind keeps its inode number and new paths get numbers never used before, so the kernel's
+        cached inodes never come to mean another file."""
         files: dict[str, ObjectInfo] = {}
         dirs: set[str] = {""}
         for obj in objects:
@@ -100,13 +103,22 @@ class Namespace:
 
         nodes: list[Dir | File | None] = [None]  # inode 0 is unused; the root is inode 1
         inode_of: dict[str, int] = {}
+        old = previous.by_path() if previous is not None else {}
+        fresh = previous.max_inode + 1 if previous is not None else 2
         for path in sorted(dirs | files.keys()):
-            inode = len(nodes)
-            inode_of[path] = inode
-            if path in files:
-                nodes.append(File(inode, path, files[path]))
+            kind = File if path in files else Dir
+            was = old.get(path)
+            if path == "":
+                inode = ROOT_INODE
+            elif was is not None and isinstance(was, kind):
+                inode = was.inode
             else:
-                nodes.append(Dir(inode, path, {}, []))
+                inode, fresh = fresh, fresh + 1
+            inode_of[path] = inode
+            if inode >= len(nodes):
+                nodes.extend([None] * (inode + 1 - len(nodes)))
+            nodes[inode] = File(inode, path, files[path]) if path in files else Dir(inode, path, {}, [])
+        for path, inode in inode_of.items():
             if path:
                 parent_path, _, name = path.rpartition("/")
                 parent = nodes[inode_of[parent_path]]
@@ -118,6 +130,13 @@ class Namespace:
         total = sum(f.size for f in files.values())
         newest = max((f.mtime_ns for f in files.values()), default=mtime_ns)
         return cls(nodes, total, mtime_ns or newest)
+
+    @property
+    def max_inode(self) -> int:
+        return len(self._nodes) - 1
+
+    def by_path(self) -> dict[str, Dir | File]:
+        return {n.path: n for n in self._nodes if n is not None}
 
     def node(self, inode: int) -> Dir | File:
         if 0 < inode < len(self._nodes):
@@ -144,4 +163,27 @@ class Namespace:
         return (n for n in self._nodes if isinstance(n, File))
 
     def __len__(self) -> int:
-        return len(self._nodes) - 1
+        return self.file_count + self.dir_count
+
+
+def diff(old: Namespace, new: Namespace) -> tuple[list[tuple[int, bytes]], list[int]]:
+    """What the kernel must forget when ``new`` replaces ``old``: directory entries (parent inode,
+    name) that were added, removed or now name something else, and inodes whose attributes or data
+    changed (their cached pages must go) or whose listing changed."""
+    before, after = old.by_path(), new.by_path()
+    entries: list[tuple[int, bytes]] = []
+    inodes: set[int] = set()
+    for path in before.keys() | after.keys():
+        if not path:
+            continue
+        o, n = before.get(path), after.get(path)
+        if o is not None and n is not None and type(o) is type(n) and o.inode == n.inode and (
+                isinstance(o, Dir) or o.obj == n.obj):  # type: ignore[union-attr]
+            continue
+        parent_path, _, name = path.rpartition("/")
+        parent = after.get(parent_path) or before[parent_path]
+        entries.append((parent.inode, name.encode("utf-8")))
+        inodes.add(parent.inode)
+        if o is not None:
+            inodes.add(o.inode)
+    return entries, sorted(inodes)

@@ -1,0 +1,125 @@
+"""The shared metadata store: versioned namespace snapshots in Redis, so a thousand nodes load one
+listing instead of each listing the bucket. Schema: ``docs/metadata-store.md``.
+
+Publishing writes a new version's chunks and info first and then flips ``current`` with one SET, so a
+reader sees the previous version or the new one. The version before the previous one is deleted after
+the flip (a node that is loading it right then sees it vanish and retries with the current one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.parse
+from collections.abc import Iterable
+
+import redis
+
+from epochfs.backend.base import ObjectInfo
+from epochfs.errors import BackendUnavailable, ConfigError
+from epochfs.meta.base import Progress, Snapshot, decode_objects, encode_objects
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1
+_CHUNK = 20_000  # objects per chunk value
+_KEEP = 2  # versions kept: the current one and the one before
+
+
+class MetaUnavailable(BackendUnavailable):
+    """The shared metadata store cannot be reached."""
+
+
+class RedisMetaStore:
+    def __init__(self, url: str, name: str | None = None) -> None:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+            raise ConfigError(f"--meta {url!r}: expected redis://HOST[:PORT][/DB]")
+        self.url = f"{parsed.scheme}://{parsed.hostname}:{parsed.port or 6379}{parsed.path or '/0'}"
+        self.name = name
+        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
+                                           health_check_interval=30)
+
+    def _prefix(self, source: str) -> str:
+        return f"epochfs:{self.name or source}:"
+
+    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+        try:
+            return fn(*args)
+        except redis.exceptions.ConnectionError as exc:
+            raise MetaUnavailable(f"metadata store {self.url} is unreachable: {exc}") from None
+        except redis.exceptions.TimeoutError as exc:
+            raise MetaUnavailable(f"metadata store {self.url} timed out: {exc}") from None
+        except redis.exceptions.ResponseError as exc:
+            raise MetaUnavailable(f"metadata store {self.url}: {exc}") from None
+
+    def current_version(self, source: str) -> int | None:
+        raw = self._call(self._redis.get, self._prefix(source) + "current")
+        return int(raw) if raw is not None else None
+
+    def load(self, source: str) -> Snapshot | None:
+        for _ in range(3):  # the version may be replaced while we read it
+            version = self.current_version(source)
+            if version is None:
+                return None
+            vp = f"{self._prefix(source)}v{version}:"
+            raw = self._call(self._redis.get, vp + "info")
+            if raw is None:
+                continue
+            info = json.loads(raw)
+            if info.get("format") != _FORMAT:
+                raise ConfigError(f"snapshot version {version} in {self.url} has an unknown format")
+            pipe = self._redis.pipeline(transaction=False)
+            for n in range(info["chunks"]):
+                pipe.get(f"{vp}chunk:{n}")
+            chunks = self._call(pipe.execute)
+            if any(c is None for c in chunks):
+                continue
+            objects: list[ObjectInfo] = []
+            for c in chunks:
+                objects += decode_objects(c)
+            if len(objects) != info["objects"]:
+                continue
+            return Snapshot(info["source"], version, float(info["created"]), objects)
+        raise MetaUnavailable(f"snapshot of {source} in {self.url} kept changing while loading it")
+
+    def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
+        listed = list(objects)
+        prefix = self._prefix(source)
+        version = int(self._call(self._redis.incr, prefix + "next-version"))
+        vp = f"{prefix}v{version}:"
+        chunks = 0
+        pipe = self._redis.pipeline(transaction=False)
+        for start in range(0, len(listed), _CHUNK):
+            pipe.set(f"{vp}chunk:{chunks}", encode_objects(listed[start:start + _CHUNK]))
+            chunks += 1
+            if chunks % 10 == 0:
+                self._call(pipe.execute)
+                if progress:
+                    progress(min(start + _CHUNK, len(listed)))
+        created = time.time()
+        pipe.set(vp + "info", json.dumps({"format": _FORMAT, "source": source, "version": version,
+                                          "created": created, "objects": len(listed), "chunks": chunks}))
+        self._call(pipe.execute)
+        self._call(self._redis.set, prefix + "current", str(version))  # the atomic switch
+        if progress:
+            progress(len(listed))
+        for old in range(max(1, version - 10), version - _KEEP + 1):
+            keys = list(self._call(self._redis.scan_iter, f"{prefix}v{old}:*"))
+            if keys:
+                self._call(self._redis.delete, *keys)
+        return Snapshot(source, version, created, listed)
+
+    def put_manifest(self, source: str, name: str, text: str) -> None:
+        self._call(self._redis.set, f"{self._prefix(source)}manifest:{name}", text.encode())
+
+    def get_manifest(self, source: str, name: str) -> str | None:
+        raw = self._call(self._redis.get, f"{self._prefix(source)}manifest:{name}")
+        return raw.decode() if raw is not None else None
+
+    def ping(self) -> None:
+        self._call(self._redis.ping)
+
+    def close(self) -> None:
+        self._redis.close()

@@ -1,0 +1,194 @@
+"""The shared metadata store: Redis started by the fixture, two daemons on one snapshot, refresh
+without unmounting, Redis going away, published manifests, a large synthetic namespace."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.backend.base import ObjectInfo
+from epochfs.devserver import LocalRedis
+from epochfs.meta import open_meta
+from epochfs.meta.namespace import Namespace, diff
+from epochfs.sample import SampleFile, pattern, upload
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, drop_all_caches, read_all, wait_idle
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = LocalRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def objs(n: int) -> list[ObjectInfo]:
+    return [ObjectInfo(f"d{i % 100}/f{i:07d}.bin", i, 1_700_000_000_000_000_000 + i, f'"{i:x}"') for i in range(n)]
+
+
+def test_redis_store_versions_and_manifests(redis_server):
+    store = open_meta(redis_server.url, Path("."), None)
+    assert store.load("s3://b/p/") is None
+    v1 = store.save("s3://b/p/", objs(50_001))
+    v2 = store.save("s3://b/p/", objs(10))
+    assert (v1.version, v2.version) == (1, 2)
+    loaded = store.load("s3://b/p/")
+    assert loaded.version == 2 and loaded.objects == objs(10)
+    store.save("s3://b/p/", objs(3))
+    import redis
+
+    keys = {k.decode() for k in redis.Redis(port=redis_server.port).keys("epochfs:*")}
+    assert not any(":v1:" in k for k in keys), "versions before the previous one are deleted"
+    store.put_manifest("s3://b/p/", "epoch3", "a\nb\n")
+    assert store.get_manifest("s3://b/p/", "epoch3") == "a\nb\n"
+    assert store.get_manifest("s3://b/p/", "nope") is None
+
+
+def test_lmdb_store_keeps_manifests_across_versions(tmp_path):
+    store = open_meta(None, tmp_path, None)
+    store.save("s3://b/", objs(5))
+    store.put_manifest("s3://b/", "m", "x\n")
+    snap = store.save("s3://b/", objs(25_000))
+    assert snap.version == 2 and store.load("s3://b/").objects == objs(25_000)
+    assert store.get_manifest("s3://b/", "m") == "x\n"
+
+
+def test_inodes_stay_stable_across_versions_and_the_diff_names_what_changed():
+    a = Namespace.build([ObjectInfo("x/1", 1, 0, "e1"), ObjectInfo("x/2", 2, 0, "e2"), ObjectInfo("y", 3, 0, "e3")])
+    b = Namespace.build([ObjectInfo("x/1", 1, 0, "e1"), ObjectInfo("x/2", 5, 0, "NEW"), ObjectInfo("z", 4, 0, "e4")],
+                        previous=a)
+    assert b.resolve("x/1").inode == a.resolve("x/1").inode
+    assert b.resolve("x/2").inode == a.resolve("x/2").inode
+    assert b.resolve("z").inode > a.max_inode, "a new path never reuses an inode number"
+    entries, inodes = diff(a, b)
+    names = {name for _, name in entries}
+    assert names == {b"2", b"y", b"z"}
+    assert a.resolve("x/2").inode in inodes and a.resolve("y").inode in inodes
+
+
+@requires_fuse
+def test_two_daemons_share_one_snapshot_and_never_list(s3, s3_client, fresh_bucket, mount_factory, redis_server,
+                                                       tmp_path):
+    files = [SampleFile(f"set/{i:03d}.bin", 50 * KiB + i) for i in range(30)]
+    upload(s3_client, fresh_bucket, "", files)
+    result = subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}", "--meta", redis_server.url,
+                             "--endpoint-url", s3.endpoint], env=s3.env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "published version 1" in result.stdout
+    gets = s3.request_count(fresh_bucket)
+    a = mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, name="a", cache_dir=tmp_path / "ca")
+    b = mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, name="b", cache_dir=tmp_path / "cb")
+    with a, b:
+        assert s3.request_count(fresh_bucket) == gets, "a daemon listed the bucket"
+        assert a.status()["snapshot"]["version"] == b.status()["snapshot"]["version"] == 1
+        for f in files:
+            assert read_all(a.path(f.key)) == read_all(b.path(f.key)) == f.content()
+
+
+@requires_fuse
+def test_refresh_switches_versions_without_mixing_open_files(s3, s3_client, fresh_bucket, mount_factory,
+                                                             redis_server):
+    key, size = "data/obj.bin", 2 * MiB + 5
+    s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
+    s3_client.put_object(Bucket=fresh_bucket, Key="data/stays.txt", Body=b"same")
+
+    def publish() -> None:
+        r = subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}", "--meta", redis_server.url,
+                            "--endpoint-url", s3.endpoint], env=s3.env(), capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+    publish()
+    with mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, "--block-size", "512K",
+                       "--readahead", "0") as m:
+        held = open(m.path(key), "rb", buffering=0)  # noqa: SIM115 - held across the refresh
+        assert held.read(600 * KiB) == pattern(key, 0, 0, 600 * KiB)
+        wait_idle(m)
+        s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 1, 0, size + 77))
+        s3_client.put_object(Bucket=fresh_bucket, Key="data/new.txt", Body=b"new file")
+        publish()
+        r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True)
+        assert r.returncode == 0 and "version 2" in r.stdout, r.stderr
+        assert sorted(os.listdir(m.path("data"))) == ["new.txt", "obj.bin", "stays.txt"]
+        assert os.stat(m.path(key)).st_size == size + 77
+        assert read_all(m.path(key)) == pattern(key, 1, 0, size + 77)  # reopened: the new version
+        drop_all_caches()
+        for off in range(0, size, 300 * KiB):  # the held file: old bytes or ESTALE, never the new ones
+            try:
+                data = os.pread(held.fileno(), 300 * KiB, off)
+            except OSError as exc:
+                assert exc.errno in (errno.ESTALE, errno.EIO)
+                continue
+            assert data == pattern(key, 0, off, len(data))
+        held.close()
+        assert m.path("data/stays.txt").read_bytes() == b"same"
+
+
+@requires_fuse
+def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mount_factory, redis_server):
+    files = [SampleFile(f"r/{i}.bin", 20 * KiB + i) for i in range(10)]
+    upload(s3_client, fresh_bucket, "", files)
+    subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}", "--meta", redis_server.url, "--endpoint-url",
+                    s3.endpoint], env=s3.env(), check=True, capture_output=True)
+    with mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, "--meta-poll", "0.3") as m:
+        redis_server.stop()
+        time.sleep(1.5)
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        status = m.status()
+        assert status["meta"]["reachable"] is False and status["meta"]["error"]
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{status['metrics_addr']}/metrics") as resp:
+            assert "epochfs_meta_reachable 0.0" in resp.read().decode()
+        assert "metadata store unreachable" in m.log()
+        r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True)
+        assert r.returncode == 1 and "unreachable" in r.stderr
+
+
+@requires_fuse
+def test_manifests_published_to_the_store_reach_other_daemons(s3, s3_client, fresh_bucket, mount_factory,
+                                                             redis_server, tmp_path):
+    files = [SampleFile(f"m/{i:02d}.bin", 30 * KiB + i) for i in range(16)]
+    upload(s3_client, fresh_bucket, "", files)
+    subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}", "--meta", redis_server.url, "--endpoint-url",
+                    s3.endpoint], env=s3.env(), check=True, capture_output=True)
+    manifest = tmp_path / "epoch0.txt"
+    manifest.write_text("".join(f.key + "\n" for f in reversed(files)))
+    a = mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, name="a", cache_dir=tmp_path / "ca")
+    b = mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, name="b", cache_dir=tmp_path / "cb")
+    with a, b:
+        r = subprocess.run([*EPOCHFS, "prefetch", str(a.mountpoint), "--manifest", str(manifest), "--publish",
+                            "epoch0", "--rank", "0", "--world-size", "2"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run([*EPOCHFS, "prefetch", str(b.mountpoint), "--stored", "epoch0", "--rank", "1",
+                            "--world-size", "2"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert a.status()["prefetch"]["files"] == b.status()["prefetch"]["files"] == 8
+        r = subprocess.run([*EPOCHFS, "prefetch", str(b.mountpoint), "--stored", "missing"], capture_output=True,
+                           text=True)
+        assert r.returncode == 1 and "no manifest named 'missing'" in r.stderr
+
+
+@requires_fuse
+def test_large_synthetic_namespace_imports_and_mounts(tmp_path, redis_server, mount_factory):
+    """200,000 entries published to Redis and mounted from it (timings go to the benchmark report)."""
+    store = open_meta(redis_server.url, Path("."), "synthetic")
+    started = time.monotonic()
+    store.save("s3://synthetic-bucket/", objs(200_000))
+    publish_s = time.monotonic() - started
+    m = mount_factory("s3://synthetic-bucket", "--meta", redis_server.url, "--meta-name", "synthetic")
+    started = time.monotonic()
+    m.start()
+    mount_s = time.monotonic() - started
+    assert m.status()["snapshot"]["files"] == 200_000
+    assert len(os.listdir(m.path("d7"))) == 2000
+    m.stop()
+    print(f"published 200,000 entries in {publish_s:.1f}s, mounted in {mount_s:.1f}s")
