@@ -94,10 +94,13 @@ class BlockCache:
         self._fetched_bytes = {True: 0, False: 0}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None  # shutting down: no new fetches
 
     # -- reading ---------------------------------------------------------------------------------------
 
@@ -162,7 +165,7 @@ class BlockCache:
         flight = self._flights.get(bid)
         if flight is not None:
             return flight
-        if self.store.lookup(bid) is not None:
+        if self.store.lookup(bid) is not None or self._nursery is None:
             return None
         return self._start(obj, index, bid, demand=False)
 
@@ -185,7 +188,8 @@ class BlockCache:
     # -- fetching --------------------------------------------------------------------------------------
 
     def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool) -> _Flight:
-        assert self._nursery is not None, "BlockCache.run() is not running"
+        if self._nursery is None:
+            raise BackendUnavailable("the cache service is not running (shutting down)")
         flight = _Flight(demand)
         self._flights[bid] = flight
         self._nursery.start_soon(self._fetch_and_fill, obj, index, bid, flight)

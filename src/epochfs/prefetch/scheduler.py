@@ -186,6 +186,7 @@ class Prefetcher:
 
     async def _fill(self) -> None:
         while True:
+            await trio.lowlevel.checkpoint()
             plan = self._plan
             if plan is None:
                 return
