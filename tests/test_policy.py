@@ -60,12 +60,19 @@ def test_manifest_policy_misses_equal_the_offline_optimum(fraction, seed):
         assert lru.reads - lru.hits == optimum == n
 
 
+def random_sequences(seed: int, count: int) -> list[tuple[list[bytes], int]]:
+    """(sequence with repeats, capacity) pairs: random block ids over a small universe."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        universe = [f"b{i}".encode() for i in range(rng.randrange(2, 25))]
+        seq = [rng.choice(universe) for _ in range(rng.randrange(1, 120))]
+        cases.append((seq, rng.randrange(1, len(universe) + 1)))
+    return cases
+
+
 def test_manifest_policy_matches_optimum_on_random_sequences_with_repeats():
-    rng = random.Random(7)
-    for _ in range(30):
-        universe = [f"b{i}".encode() for i in range(rng.randrange(3, 25))]
-        seq = [rng.choice(universe) for _ in range(rng.randrange(10, 120))]
-        capacity = rng.randrange(1, len(universe) + 1)
+    for seq, capacity in random_sequences(7, 30):
         got = simulate([(b, 1) for b in seq], capacity, "manifest")
         assert got.reads - got.hits == offline_min_misses(seq, capacity)
 
@@ -148,9 +155,5 @@ def test_block_sequence():
 def test_the_fast_offline_optimum_agrees_with_brute_force():
     from epochfs.prefetch.simulate import offline_optimum
 
-    rng = random.Random(11)
-    for _ in range(200):
-        universe = [f"b{i}".encode() for i in range(rng.randrange(2, 20))]
-        seq = [rng.choice(universe) for _ in range(rng.randrange(1, 80))]
-        capacity = rng.randrange(1, len(universe) + 1)
+    for seq, capacity in random_sequences(11, 200):
         assert offline_optimum(seq, capacity) == offline_min_misses(seq, capacity)

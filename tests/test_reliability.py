@@ -3,6 +3,7 @@ The rule everywhere: never a wrong byte, never a hang -- correct data or EIO/EST
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -188,13 +190,21 @@ def test_garbage_index_is_rebuilt_not_crash_looped(s3_client, fresh_bucket, moun
 
 # -- 4. cache disk full ---------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A size-limited file system (tmpfs) for the cache directory."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
 def test_full_cache_disk_reads_through(tmp_path, s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"full/{i:02d}.bin", 900 * KiB + i) for i in range(20)]  # ~18 MiB
     upload(s3_client, fresh_bucket, "", files)
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path / "small-disk", "6m") as disk:
         m = mount_factory(f"s3://{fresh_bucket}", "--cache-size", "64M", "--free-space-ratio", "0",
                           "--block-size", "1M", cache_dir=disk / "cache")
         with m:
@@ -206,17 +216,12 @@ def test_full_cache_disk_reads_through(tmp_path, s3_client, fresh_bucket, mount_
             assert status["store"]["fill_errors"] > 0
             assert status["cache"]["hits"] > 0, "what fits is still served from the cache"
             assert "ENOSPC" not in status["errors"] and not status["errors"].get("EIO")
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_free_space_floor_is_kept(tmp_path, s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"floor/{i:02d}.bin", 900 * KiB + i) for i in range(20)]
     upload(s3_client, fresh_bucket, "", files)
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path / "disk", "16m") as disk:
         m = mount_factory(f"s3://{fresh_bucket}", "--cache-size", "64M", "--free-space-ratio", "0.5",
                           "--block-size", "1M", cache_dir=disk / "cache")
         with m:
@@ -225,8 +230,6 @@ def test_free_space_floor_is_kept(tmp_path, s3_client, fresh_bucket, mount_facto
             st = os.statvfs(disk)
             assert st.f_bavail / st.f_blocks >= 0.45
             assert m.status()["store"]["evictions"] > 0
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 # -- 5. objects that change during an epoch -----------------------------------------------------

@@ -722,29 +722,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    commands = {
+        "mount": lambda a: cmd_mount(a, argv), "umount": cmd_umount, "status": cmd_status, "stats": cmd_stats,
+        "prefetch": cmd_prefetch, "warmup": cmd_warmup, "plan": cmd_plan, "manifest": cmd_manifest,
+        "import": cmd_import, "refresh": cmd_refresh,
+    }
     try:
         if args.command == "mount" and args.config:
             args = apply_config_file(parser, args._mount_parser, argv, args.config)
-        if args.command == "mount":
-            return cmd_mount(args, argv)
-        if args.command == "umount":
-            return cmd_umount(args)
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "stats":
-            return cmd_stats(args)
-        if args.command == "prefetch":
-            return cmd_prefetch(args)
-        if args.command == "warmup":
-            return cmd_warmup(args)
-        if args.command == "plan":
-            return cmd_plan(args)
-        if args.command == "manifest":
-            return cmd_manifest(args)
-        if args.command == "import":
-            return cmd_import(args)
-        if args.command == "refresh":
-            return cmd_refresh(args)
+        return commands[args.command](args)
     except ConfigError as exc:
         print(f"epochfs: {exc}", file=sys.stderr)
         return 2
@@ -753,5 +739,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    parser.error(f"unknown command {args.command}")
-    return 2
