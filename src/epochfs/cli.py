@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--endpoint-url", metavar="URL")
     im.add_argument("--region")
 
+    fk = sub.add_parser("fsck", help="check a cache directory (while it is not mounted)",
+                        description="Verify the checksum of every cached block and look for block files the index "
+                        "does not know. Exit 0 if the cache is clean (or was repaired), 1 if problems remain.")
+    fk.add_argument("--cache-dir", required=True, type=Path, metavar="DIR")
+    fk.add_argument("--repair", action="store_true", help="drop damaged blocks and delete orphan files")
+
     rf = sub.add_parser("refresh", help="switch a mount to the newest snapshot without unmounting",
                         description="Load the newest published snapshot (or, with the embedded store, list the "
                         "source again) and serve it. Files already open keep reading the version they opened, "
@@ -709,6 +715,24 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from epochfs.cache.policy import LruPolicy
+    from epochfs.cache.store import BlockStore
+
+    if not (args.cache_dir / "index").is_dir():
+        raise ConfigError(f"{args.cache_dir} is not an epochfs cache directory")
+    store = BlockStore(args.cache_dir, 1 << 62, 0.0, LruPolicy())
+    store.open()
+    try:
+        r = store.fsck(args.repair)
+    finally:
+        store.close()
+    problems = r["damaged"] + r["orphans"]
+    print(f"{r['blocks']} blocks ({_human(r['used_bytes'])}): {r['damaged']} damaged, {r['orphans']} orphan files "
+          f"({_human(r['orphan_bytes'])})" + ("; repaired" if args.repair and problems else ""))
+    return 0 if args.repair or not problems else 1
+
+
 def cmd_manifest(args: argparse.Namespace) -> int:
     from epochfs.prefetch.manifest import write
 
@@ -725,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "mount": lambda a: cmd_mount(a, argv), "umount": cmd_umount, "status": cmd_status, "stats": cmd_stats,
         "prefetch": cmd_prefetch, "warmup": cmd_warmup, "plan": cmd_plan, "manifest": cmd_manifest,
-        "import": cmd_import, "refresh": cmd_refresh,
+        "import": cmd_import, "refresh": cmd_refresh, "fsck": cmd_fsck,
     }
     try:
         if args.command == "mount" and args.config:

@@ -191,28 +191,65 @@ class BlockStore:
 
     def read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
         """Bytes [lo, hi) of a resident block, verified; None (and the block dropped) if it is damaged."""
+        data, why = self._check(bid, meta, lo, hi)
+        if data is None:
+            return self._corrupt_block(bid, meta, why)
+        self.policy.accessed(bid)
+        return data
+
+    def _check(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> tuple[memoryview | None, str]:
+        """Read and verify the chunks covering [lo, hi): (the bytes, "") or (None, what is wrong)."""
         start, end = chunk_span(lo, hi, meta.length)
-        path = self.blocks_dir / block_relpath(bid)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
         except FileNotFoundError:
-            return self._corrupt_block(bid, meta, "block file is missing")
+            return None, "block file is missing"
         try:
             data = os.pread(fd, end - start, start)
         except OSError as exc:
-            return self._corrupt_block(bid, meta, f"read failed: {exc}")
+            return None, f"read failed: {exc}"
         finally:
             os.close(fd)
         if len(data) != end - start:
-            return self._corrupt_block(bid, meta, f"short read: {len(data)} of {end - start} bytes")
+            return None, f"short read: {len(data)} of {end - start} bytes"
         view = memoryview(data)
         first = start // CHUNK_SIZE
         for n, off in enumerate(range(0, len(view), CHUNK_SIZE)):
             expected = meta.sums[(first + n) * _SUM:(first + n + 1) * _SUM]
             if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE]) != expected:
-                return self._corrupt_block(bid, meta, f"checksum mismatch in chunk {first + n}")
-        self.policy.accessed(bid)
-        return view[lo - start:hi - start]
+                return None, f"checksum mismatch in chunk {first + n}"
+        return view[lo - start:hi - start], ""
+
+    def fsck(self, repair: bool) -> dict[str, int]:
+        """Verify every indexed block in full and look for block files the index does not know
+        (left by a crash between a fill's rename and its index entry). With ``repair``, drop damaged
+        blocks and delete orphans. Run only while no daemon owns the directory (the lock ensures it)."""
+        assert self._env is not None
+        with self._env.begin() as txn:
+            entries = [(bytes(k), BlockMeta.decode(bytes(v))) for k, v in txn.cursor() if len(k) == 16]
+        known = {bid for bid, _ in entries}
+        damaged = 0
+        for bid, meta in entries:
+            assert meta is not None  # malformed entries were dropped when the index was opened
+            data, why = self._check(bid, meta, 0, meta.length)
+            if data is None:
+                damaged += 1
+                log.warning("block %s: %s", bid.hex(), why)
+                if repair:
+                    self._corrupt_block(bid, meta, why)
+        orphans = orphan_bytes = 0
+        for path in self.blocks_dir.glob("*/*/*"):
+            try:
+                bid = bytes.fromhex(path.name)
+            except ValueError:
+                bid = b""
+            if bid not in known:
+                orphans += 1
+                orphan_bytes += path.stat().st_size
+                if repair:
+                    path.unlink()
+        return {"blocks": len(entries), "damaged": damaged, "orphans": orphans, "orphan_bytes": orphan_bytes,
+                "used_bytes": self.used}
 
     def _corrupt_block(self, bid: bytes, meta: BlockMeta, why: str) -> None:
         log.warning("cache block %s is damaged (%s); dropping it", bid.hex(), why)
