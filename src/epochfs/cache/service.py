@@ -27,7 +27,7 @@ import trio
 
 from epochfs.backend.base import Backend, ObjectInfo
 from epochfs.cache.keys import block_bounds, block_count, block_id, blocks_for_range
-from epochfs.cache.store import BlockStore
+from epochfs.cache.store import WOULD_BLOCK, BlockMeta, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class _Flight:
 
 
 class BlockCache:
+    #: Reads of cached bytes at least this large that are not in memory go to a worker thread.
+    THREADED_READ = 512 << 10
+
     def __init__(
         self,
         store: BlockStore,
@@ -83,6 +86,7 @@ class BlockCache:
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._io_limiter = trio.CapacityLimiter(4)
+        self._read_limiter = trio.CapacityLimiter(16)
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self.observer: ReadObserver | None = None
@@ -131,11 +135,20 @@ class BlockCache:
                 return memoryview(kept)[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None:
-                data = self.store.read(bid, meta, lo, hi)
+                # Small reads are quicker inline, even from disk, than a hop to a worker thread; a large
+                # read that is not in memory goes to a thread so the loop keeps serving meanwhile.
+                if hi - lo < self.THREADED_READ:
+                    data = self.store.read(bid, meta, lo, hi)
+                else:
+                    data = self.store.read(bid, meta, lo, hi, nowait=True)
+                    if data is WOULD_BLOCK:
+                        data = await self._read_from_disk(bid, meta, lo, hi)
                 if data is not None:
                     self._count(True, hi - lo)
                     return data
-            flight = self._start(obj, index, bid, demand=True)
+                flight = self._flights.get(bid)  # another reader may have started it meanwhile
+            if flight is None:
+                flight = self._start(obj, index, bid, demand=True)
         hit = flight.event.is_set() and not flight.demand
         await flight.event.wait()
         self._count(hit, hi - lo)
@@ -143,6 +156,14 @@ class BlockCache:
             raise flight.error
         assert flight.data is not None
         return memoryview(flight.data)[lo:hi]
+
+    async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
+        """A cached block that is not in memory: read it in a worker thread, so the event loop serves
+        other requests meanwhile. None if it turned out damaged, or was evicted while we read."""
+        raw = await trio.to_thread.run_sync(self.store.pread_range, bid, meta, lo, hi, limiter=self._read_limiter)
+        if self.store.lookup(bid) != meta:
+            return None  # evicted (or evicted and refilled) meanwhile: not damage, a miss
+        return self.store.finish_read(bid, meta, lo, hi, raw)
 
     def _count(self, hit: bool, nbytes: int) -> None:
         if hit:
@@ -174,7 +195,10 @@ class BlockCache:
         started = 0
         for index in indices:
             bid = self.block_id(obj, index)
-            if bid in self._flights or self.store.lookup(bid) is not None:
+            if bid in self._flights:
+                continue
+            if self.store.lookup(bid) is not None:
+                self.store.advise(bid)  # cached: have the kernel read it from disk ahead of the reader
                 continue
             self._start(obj, index, bid, demand=False)
             started += 1

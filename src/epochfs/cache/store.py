@@ -7,10 +7,12 @@ Layout under the cache directory::
     tmp/                 fills in progress; emptied at start-up
     index/               LMDB: block id -> (sequence, length, xxh3-64 per 64 KiB chunk)
 
-Concurrency contract: every method except :meth:`BlockStore.write_file` runs on the trio thread, so the
-index, the byte accounting and the policy are never touched concurrently. ``write_file`` runs in a
-worker thread and only creates the block file; the index entry is written afterwards by
-:meth:`BlockStore.commit` on the trio thread. Reads verify the checksum of every chunk they return.
+Concurrency contract: every method except :meth:`BlockStore.write_file` and :meth:`BlockStore.pread_range`
+runs on the trio thread, so the index, the byte accounting and the policy are never touched
+concurrently. ``write_file`` runs in a worker thread and only creates the block file; the index entry is
+written afterwards by :meth:`BlockStore.commit` on the trio thread. ``pread_range`` only reads; its bytes
+are verified by :meth:`BlockStore.finish_read` on the trio thread. Reads verify the checksum of every
+chunk they return.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import xxhash
@@ -35,6 +38,7 @@ from epochfs.errors import ConfigError
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = b"1"
+WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
 _HEAD = struct.Struct("<QI")  # sequence number, block length
 _SUM = 8  # bytes of one xxh3-64 digest
 
@@ -189,36 +193,82 @@ class BlockStore:
             raw = txn.get(bid)
             return BlockMeta.decode(bytes(raw)) if raw is not None else None
 
-    def read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
-        """Bytes [lo, hi) of a resident block, verified; None (and the block dropped) if it is damaged."""
-        data, why = self._check(bid, meta, lo, hi)
-        if data is None:
-            return self._corrupt_block(bid, meta, why)
-        self.policy.accessed(bid)
-        return data
-
-    def _check(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> tuple[memoryview | None, str]:
-        """Read and verify the chunks covering [lo, hi): (the bytes, "") or (None, what is wrong)."""
+    def read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int, nowait: bool = False) -> Any:
+        """Bytes [lo, hi) of a resident block, verified, as a memoryview; None (and the block dropped)
+        if it is damaged. With ``nowait``, :data:`WOULD_BLOCK` when the bytes are not in memory (the
+        caller then reads them with :meth:`pread_range` in a worker thread and hands them to
+        :meth:`finish_read`), so the event loop never waits for the disk."""
         start, end = chunk_span(lo, hi, meta.length)
         try:
-            fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
-        except FileNotFoundError:
-            return None, "block file is missing"
-        try:
-            data = os.pread(fd, end - start, start)
+            data = self._pread(bid, start, end, nowait)
+        except BlockingIOError:
+            return WOULD_BLOCK
         except OSError as exc:
-            return None, f"read failed: {exc}"
+            data = exc
+        if data is None:
+            return WOULD_BLOCK
+        return self.finish_read(bid, meta, lo, hi, data)
+
+    def pread_range(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> bytes | OSError:
+        """The raw chunks covering [lo, hi), unverified (worker thread: no state is touched)."""
+        start, end = chunk_span(lo, hi, meta.length)
+        try:
+            data = self._pread(bid, start, end, False)
+        except OSError as exc:
+            return exc
+        assert data is not None
+        return data
+
+    def finish_read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError
+                    ) -> memoryview | None:
+        """Verify what :meth:`pread_range` read; drop the block if it is damaged."""
+        start, _ = chunk_span(lo, hi, meta.length)
+        why = self._verify(meta, lo, hi, data)
+        if why:
+            return self._corrupt_block(bid, meta, why)
+        self.policy.accessed(bid)
+        assert not isinstance(data, OSError)
+        return memoryview(data)[lo - start:hi - start]
+
+    def advise(self, bid: bytes) -> None:
+        """Ask the kernel to start reading a block file into memory (a sequential reader comes next)."""
+        try:
+            fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
+
+    def _pread(self, bid: bytes, start: int, end: int, nowait: bool) -> bytes | bytearray | None:
+        fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
+        try:
+            if not nowait:
+                return os.pread(fd, end - start, start)
+            buf = bytearray(end - start)
+            n = os.preadv(fd, [buf], start, os.RWF_NOWAIT)
+            return buf if n == len(buf) else None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _verify(meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
+        """What is wrong with ``data`` read for [lo, hi) of a block described by ``meta``, or ""."""
+        start, end = chunk_span(lo, hi, meta.length)
+        if isinstance(data, FileNotFoundError):
+            return "block file is missing"
+        if isinstance(data, OSError):
+            return f"read failed: {data}"
         if len(data) != end - start:
-            return None, f"short read: {len(data)} of {end - start} bytes"
+            return f"short read: {len(data)} of {end - start} bytes"
         view = memoryview(data)
         first = start // CHUNK_SIZE
         for n, off in enumerate(range(0, len(view), CHUNK_SIZE)):
             expected = meta.sums[(first + n) * _SUM:(first + n + 1) * _SUM]
             if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE]) != expected:
-                return None, f"checksum mismatch in chunk {first + n}"
-        return view[lo - start:hi - start], ""
+                return f"checksum mismatch in chunk {first + n}"
+        return ""
 
     def fsck(self, repair: bool) -> dict[str, int]:
         """Verify every indexed block in full and look for block files the index does not know
@@ -231,8 +281,8 @@ class BlockStore:
         damaged = 0
         for bid, meta in entries:
             assert meta is not None  # malformed entries were dropped when the index was opened
-            data, why = self._check(bid, meta, 0, meta.length)
-            if data is None:
+            why = self._verify(meta, 0, meta.length, self.pread_range(bid, meta, 0, meta.length))
+            if why:
                 damaged += 1
                 log.warning("block %s: %s", bid.hex(), why)
                 if repair:
