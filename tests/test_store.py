@@ -190,3 +190,20 @@ def test_fsck_finds_damage_and_orphans_and_repairs_them(tmp_path):
     assert again.returncode == 0 and "3 blocks" in again.stdout and "0 damaged, 0 orphan" in again.stdout
     s = make(tmp_path)
     assert s.lookup(bid(1)) is None and bytes(s.read(bid(2), s.lookup(bid(2)), 0, 10)) == bytes([2]) * 10
+
+
+def test_a_file_system_without_nowait_reads_is_not_taken_for_damage(tmp_path, monkeypatch):
+    import errno as errno_
+
+    s = make(tmp_path)
+    data = os.urandom(3 * CHUNK_SIZE)
+    put(s, bid(1), data)
+
+    def unsupported(*args, **kwargs):
+        raise OSError(errno_.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "preadv", unsupported)
+    meta = s.lookup(bid(1))
+    assert bytes(s.read(bid(1), meta, 0, len(data), nowait=True)) == data
+    assert bytes(s.read(bid(1), meta, 5, 70_000, nowait=True)) == data[5:70_000]
+    assert s.statistics().corrupt_blocks == 0

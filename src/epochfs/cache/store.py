@@ -101,6 +101,7 @@ class BlockStore:
         self._fill_errors = 0
         self._not_admitted = 0
         self._lock_fd: int | None = None
+        self._nowait_works = True
         self._env: lmdb.Environment | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------
@@ -244,11 +245,20 @@ class BlockStore:
     def _pread(self, bid: bytes, start: int, end: int, nowait: bool) -> bytes | bytearray | None:
         fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
         try:
-            if not nowait:
-                return os.pread(fd, end - start, start)
-            buf = bytearray(end - start)
-            n = os.preadv(fd, [buf], start, os.RWF_NOWAIT)
-            return buf if n == len(buf) else None
+            if nowait and self._nowait_works:
+                buf = bytearray(end - start)
+                try:
+                    n = os.preadv(fd, [buf], start, os.RWF_NOWAIT)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    # Some file systems (tmpfs, some network ones) cannot say "not in memory":
+                    # read normally from now on.
+                    log.info("the cache file system does not support RWF_NOWAIT (%s); reading inline", exc)
+                    self._nowait_works = False
+                else:
+                    return buf if n == len(buf) else None
+            return os.pread(fd, end - start, start)
         finally:
             os.close(fd)
 
