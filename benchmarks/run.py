@@ -237,6 +237,16 @@ def main() -> int:
                                         "value": value})
         log(f"{contender:18s} {workload:34s} {state:5s} {value:10.2f}")
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / (datetime.date.today().isoformat() + ("-quick" if quick else ""))
+
+    def save() -> None:
+        """Write what has been measured so far (a long run that is stopped keeps its results)."""
+        from report import write_report
+
+        Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+        write_report(results, stem)
+
     small = [SampleFile(f"small/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(n_small)]
     large = [SampleFile(f"large/shard-{i}.tar", large_mib * MiB + 4096 * i) for i in range(n_large)]
     files = small + large
@@ -268,6 +278,7 @@ def main() -> int:
             measure_boto(client, "bench", "ds/", small_keys, [(f.key, f.size) for f in large], record)
             for c in contenders:
                 measure_io(c, small_keys, large_paths, [f.key for f in large], record, server, "bench")
+            save()
 
         # Latency proxy overhead at 0 ms, then the training simulation behind added latency.
         proxy0 = LatencyProxy(server.port, 0.0).start()
@@ -308,6 +319,7 @@ def main() -> int:
                         best = n
                 results["training"]["runs"].append({"contender": c.name, "latency_ms": latency,
                                                     "max_accelerators_au90": best})
+                save()
             proxy.stop()
 
         log("cache policy study")
@@ -315,20 +327,14 @@ def main() -> int:
         upload(client, "bench", "pol/", pfiles)
         results["policy_study"] = policy_study(args.work / "policy", server.endpoint, "bench", "pol/", pfiles,
                                                epochs=3, block="256K")
+        save()
     finally:
         for m in Path("/proc/self/mounts").read_text().splitlines():
             if str(args.work) in m:
                 subprocess.run(["fusermount3", "-uz", m.split()[1]], capture_output=True)
         server.stop()
-
     results["namespace"] = namespace_mount_times(args.work / "ns", [200_000] if quick else [200_000, 1_000_000])
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (datetime.date.today().isoformat() + ("-quick" if quick else ""))
-    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    from report import write_report
-
-    write_report(results, stem)
+    save()
     log(f"results: {stem}.json, {stem}.md")
     return 0
 
