@@ -1,0 +1,86 @@
+"""Where the daemon's time goes on a cold read of small files: py-spy samples of the epochfs daemon,
+summarised as the share of samples in which each function appears (inclusive), heaviest first.
+
+    sudo .venv/bin/python benchmarks/profile.py [--files 3000] [--threads 16] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from epochfs.devserver import LocalS3
+from epochfs.sample import SampleFile, upload
+
+HERE = Path(__file__).resolve().parent
+
+
+def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        for frame in {f.split(" (")[0] for f in stack.split(";")}:
+            inclusive[frame] += n
+    return [(n / total, name) for name, n in inclusive.most_common(top)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=3000)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    work = HERE / "work" / "profile"
+    subprocess.run(["fusermount3", "-uz", str(work / "mnt")], capture_output=True)
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "mnt").mkdir(parents=True)
+    server = LocalS3(work / "s3").start()
+    try:
+        files = [SampleFile(f"s/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
+        upload(server.client(), "profile", "", files)
+        subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://profile", str(work / "mnt"), "--endpoint-url",
+                        server.endpoint, "--cache-dir", str(work / "cache"), "--metrics-addr", "off"],
+                       env=server.env(), check=True)
+        pid = int(os.getxattr(work / "mnt", "user.epochfs.pid"))
+        raw = work / "samples.txt"
+        spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "200",
+                                     "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1)
+
+        def read(f: SampleFile) -> int:
+            with open(work / "mnt" / f.key, "rb", buffering=0) as fh:
+                return len(fh.read())
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.threads) as pool:
+            list(pool.map(read, files))
+        rate = len(files) / (time.perf_counter() - start)
+        spy_proc.send_signal(2)
+        spy_proc.wait()
+        subprocess.run([sys.executable, "-m", "epochfs", "umount", str(work / "mnt")], check=True)
+    finally:
+        server.stop()
+    lines = [f"cold read of {args.files} x 100 KiB files with {args.threads} threads: {rate:.0f} files/s",
+             "share of the daemon's (non-idle) samples in which each function appears:"]
+    lines += [f"{share:6.1%}  {name}" for share, name in summarise(raw, args.top)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
