@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-addr", default="127.0.0.1:9567", metavar="HOST:PORT",
                    help="Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "
                    "one (default: %(default)s, loopback only)")
-    g.add_argument("--prefetch-lead", type=float, default=10.0, metavar="SECONDS",
+    g.add_argument("--prefetch-lead", type=float, default=2.0, metavar="SECONDS",
                    help="how many seconds of reading the prefetch window covers, at most a quarter of the "
                    "cache (default: %(default)s)")
     g.add_argument("--backend-bandwidth", type=_rate, metavar="RATE",

@@ -109,7 +109,7 @@ class Config:
     attr_timeout: float = 3600.0
     eviction: str = "manifest"  # manifest | lru | none
     prefetch_bandwidth: float | None = None  # bytes/second; None = no cap
-    prefetch_lead: float = 10.0  # seconds of reading the prefetch window aims to cover
+    prefetch_lead: float = 2.0  # seconds of reading the prefetch window aims to cover
     backend_bandwidth: float | None = None  # link capacity, bytes/second (for the utilisation metric)
     metrics_addr: str = "127.0.0.1:9567"  # HOST:PORT or "off"
     meta: str | None = None  # lmdb://PATH or redis://HOST:PORT/DB; None = LMDB in the cache directory
