@@ -201,10 +201,11 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         cfg = self.config
+        fs, backend = self.ops.statistics(), self.backend.statistics()
         return {
             "metrics_addr": f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
-            "read_seconds": self.ops.statistics().read_seconds.as_dict(),
-            "errors": self.ops.statistics().errors,
+            "read_seconds": fs.read_seconds.as_dict(),
+            "errors": fs.errors,
             "version": __version__,
             "pid": os.getpid(),
             "uptime_seconds": time.time() - self.started,
@@ -228,8 +229,8 @@ class Daemon:
             "store": vars(self.store.statistics()),
             "backend": {
                 "requests": {f"{op}/{outcome}": n for (op, outcome), n in
-                             sorted(self.backend.statistics().requests.items())},
-                "bytes": self.backend.statistics().bytes_read,
+                             sorted(backend.requests.items())},
+                "bytes": backend.bytes_read,
             },
         }
 

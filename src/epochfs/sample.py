@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +82,3 @@ def write_tree(root: str, files: list[SampleFile]) -> None:
         with open(path, "wb") as out:
             out.write(f.content())
 
-
-def iter_reads(size: int, read_size: int) -> Iterator[tuple[int, int]]:
-    """(offset, length) pairs covering a file of ``size`` in reads of ``read_size``."""
-    for off in range(0, size, read_size):
-        yield off, min(read_size, size - off)

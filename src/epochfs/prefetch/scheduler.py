@@ -44,6 +44,7 @@ from typing import Any
 import trio
 
 from epochfs.backend.base import ObjectInfo
+from epochfs.cache.keys import block_bounds, block_count
 from epochfs.cache.policy import ManifestPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.prefetch.plan import Plan
@@ -278,8 +279,8 @@ class Prefetcher:
 
         async with trio.open_nursery() as nursery:
             for obj in objs:
-                for index in range(-(-obj.size // bs)):
-                    size = min(bs, obj.size - index * bs)
+                for index in range(block_count(obj.size, bs)):
+                    size = block_bounds(index, obj.size, bs)[1]
                     bid = self.cache.block_id(obj, index)
                     if self.cache.is_cached(bid):
                         job.done_bytes += size
@@ -300,8 +301,8 @@ class Prefetcher:
         total = resident = files = 0
         for obj in objs:
             whole = True
-            for index in range(-(-obj.size // bs)):
-                size = min(bs, obj.size - index * bs)
+            for index in range(block_count(obj.size, bs)):
+                size = block_bounds(index, obj.size, bs)[1]
                 total += size
                 if self.cache.store.lookup(self.cache.block_id(obj, index)) is not None:
                     resident += size
