@@ -178,3 +178,33 @@ def test_capacity_bounds_the_cache_while_reads_stay_correct(tmp_path):
 
     stats, _ = run_with_cache(tmp_path, backend, fn, capacity=2 * BS)
     assert stats.used_bytes <= 2 * BS and stats.evictions > 0
+
+
+def test_a_fill_in_progress_at_shutdown_is_finished_and_indexed(tmp_path, monkeypatch):
+    """The service is cancelled while a block is being written behind the reader: the fill completes and
+    is indexed, so the clean shutdown leaves no block file the index does not know."""
+    backend = MemoryBackend()
+    writing = threading.Event()
+    real_write = BlockStore.write_file
+
+    def slow_write(self, bid, data):
+        writing.set()
+        time.sleep(0.3)
+        return real_write(self, bid, data)
+
+    monkeypatch.setattr(BlockStore, "write_file", slow_write)
+
+    async def fn(cache):
+        data = bytes(await cache.read(OBJ, 0, 100))
+        await trio.to_thread.run_sync(writing.wait)
+        return data  # run_with_cache cancels the service now, mid-write
+
+    data, _ = run_with_cache(tmp_path, backend, fn)
+    assert data == pattern(OBJ.key, 0, 0, 100)
+    store = BlockStore(tmp_path / "c", 1 << 30, 0.0, LruPolicy())
+    store.open(reconcile=False)
+    try:
+        report = store.fsck(repair=False)
+    finally:
+        store.close()
+    assert report["blocks"] == 1 and report["orphans"] == 0, report

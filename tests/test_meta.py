@@ -23,6 +23,13 @@ from .helpers import EPOCHFS, drop_all_caches, read_all, wait_idle
 KiB, MiB = 1 << 10, 1 << 20
 
 
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     server = LocalRedis(tmp_path / "redis").start()
@@ -132,12 +139,14 @@ def test_refresh_switches_versions_without_mixing_open_files(s3, s3_client, fres
 
 
 @requires_fuse
-def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mount_factory, redis_server):
+def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mount_factory, redis_server,
+                                                 tmp_path):
     files = [SampleFile(f"r/{i}.bin", 20 * KiB + i) for i in range(10)]
     upload(s3_client, fresh_bucket, "", files)
     subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}", "--meta", redis_server.url, "--endpoint-url",
                     s3.endpoint], env=s3.env(), check=True, capture_output=True)
     with mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, "--meta-poll", "0.3") as m:
+        wait_for(lambda: "kept a copy of snapshot version 1" in m.log())
         redis_server.stop()
         time.sleep(1.5)
         for f in files:
@@ -151,6 +160,21 @@ def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mo
         assert "metadata store unreachable" in m.log()
         r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True)
         assert r.returncode == 1 and "unreachable" in r.stderr
+
+    with m:  # the node restarts while the store is still down: it mounts from its own copy
+        assert "serving this node's copy of snapshot version 1" in m.log()
+        status = m.status()
+        assert status["meta"]["reachable"] is False and status["snapshot"]["version"] == 1
+        drop_all_caches()
+        assert sorted(os.listdir(m.path("r"))) == sorted(f.key[2:] for f in files)
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+
+    fresh = mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, name="fresh",
+                          cache_dir=tmp_path / "fresh-cache")
+    r = fresh.start(expect_ok=False)  # a node that never loaded a snapshot has nothing to serve
+    assert r.returncode != 0 and "unreachable" in r.stderr and "no copy of a snapshot" in r.stderr
+    assert not os.path.ismount(fresh.mountpoint)
 
 
 @requires_fuse

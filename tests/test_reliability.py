@@ -104,7 +104,36 @@ def kill_during_fill_and_check(s3, bucket: str, files, m, seed: int) -> None:
     verify_all(m, files)
     status = wait_idle(m)
     assert status["store"]["corrupt_blocks"] == 0, "the index pointed at a short or wrong block"
+    on_disk = sum(1 for p in (m.cache_dir / "blocks").rglob("*") if p.is_file())
+    assert on_disk == status["store"]["blocks"], "block files the index does not know were left behind"
     m.stop()
+
+
+def test_unmount_during_a_cold_fill_leaves_a_consistent_cache(s3_client, fresh_bucket, mount_factory):
+    """Fills still being written when the daemon is asked to stop are finished and indexed: the cache
+    directory is marked clean with no block file the index does not know."""
+    files = sample_layout(small=40, large=2, large_mib=8, seed=6)
+    upload(s3_client, fresh_bucket, "", files)
+    m = mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M")
+    m.start()
+    readers = [subprocess.Popen([sys.executable, "-c", (
+        "import sys\n"
+        f"for p in {[str(m.path(f.key)) for f in files[i::3]]!r}:\n"
+        "    try:\n        open(p, 'rb').read()\n    except OSError:\n        sys.exit(0)\n")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(3)]
+    time.sleep(0.5)
+    subprocess.run([*EPOCHFS, "umount", "--lazy", str(m.mountpoint)], check=True, timeout=60)
+    for r in readers:
+        r.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while not (m.cache_dir / "clean").exists():  # a lazy unmount returns before the daemon has exited
+        assert time.monotonic() < deadline, "the daemon did not shut down cleanly"
+        time.sleep(0.05)
+    check = subprocess.run([*EPOCHFS, "fsck", "--cache-dir", str(m.cache_dir)], capture_output=True, text=True)
+    assert check.returncode == 0 and " 0 damaged, 0 orphan files" in check.stdout, check.stdout + check.stderr
+    assert not check.stdout.startswith("0 blocks"), "nothing was cached before the unmount"
+    with m:
+        verify_all(m, files)
 
 
 def test_kill_9_during_a_cold_fill_once(s3, s3_client, fresh_bucket, mount_factory):

@@ -722,7 +722,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     if not (args.cache_dir / "index").is_dir():
         raise ConfigError(f"{args.cache_dir} is not an epochfs cache directory")
     store = BlockStore(args.cache_dir, 1 << 62, 0.0, LruPolicy())
-    store.open()
+    store.open(reconcile=False)
     try:
         r = store.fsck(args.repair)
     finally:

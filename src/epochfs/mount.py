@@ -8,6 +8,7 @@ reverse on SIGINT/SIGTERM or an external unmount (``epochfs umount``, ``fusermou
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -28,7 +29,7 @@ from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.errors import BackendUnavailable, ConfigError, EpochfsError
 from epochfs.fs import Operations
 from epochfs.meta import MetaStore, Snapshot, open_meta
 from epochfs.meta.lmdb import LmdbMetaStore
@@ -91,15 +92,31 @@ def check_mountpoint(path: str) -> None:
         raise ConfigError(f"{path} is already a mount point")
 
 
-def load_snapshot(config: Config, backend: Backend, store: MetaStore) -> Snapshot:
+def local_copy(config: Config, backend: Backend, store: MetaStore) -> tuple[LmdbMetaStore, str]:
+    """Where a snapshot loaded from a shared store is copied on this node, and the key it is kept under:
+    the node mounts from that copy when the shared store is unreachable at start-up."""
+    return LmdbMetaStore(config.cache_dir / "meta-shared"), f"{store.url}#{config.meta_name or backend.source_id}"
+
+
+def load_snapshot(config: Config, backend: Backend, store: MetaStore) -> tuple[Snapshot, str | None]:
+    """The snapshot to serve, and why the metadata store is unreachable (None when it answered)."""
     if not isinstance(store, LmdbMetaStore):  # a shared store: load what was published, never list
-        snapshot = store.load(backend.source_id)
+        try:
+            snapshot = store.load(backend.source_id)
+        except BackendUnavailable as exc:
+            copy, key = local_copy(config, backend, store)
+            kept = copy.load(key)
+            if kept is None:
+                raise ConfigError(f"{exc}; and {config.cache_dir} holds no copy of a snapshot to serve") from None
+            log.warning("%s; serving this node's copy of snapshot version %d (%d objects) until it answers",
+                        exc, kept.version, len(kept.objects))
+            return dataclasses.replace(kept, source=backend.source_id), str(exc)
         if snapshot is None:
             raise ConfigError(f"no snapshot of {backend.source_id} in {store.url}; publish one with: "
                               f"epochfs import {backend.source_id} --meta {store.url}")
         log.info("loaded snapshot version %d of %s from %s (%d objects)", snapshot.version, snapshot.source,
                  store.url, len(snapshot.objects))
-        return snapshot
+        return snapshot, None
     snapshot = None if config.refresh else store.load(backend.source_id)
     if snapshot is not None and config.snapshot_ttl and time.time() - snapshot.created > config.snapshot_ttl:
         log.info("snapshot version %d is older than the TTL; listing the source again", snapshot.version)
@@ -107,13 +124,13 @@ def load_snapshot(config: Config, backend: Backend, store: MetaStore) -> Snapsho
     if snapshot is not None:
         log.info("using snapshot version %d of %s (%d objects)", snapshot.version, snapshot.source,
                  len(snapshot.objects))
-        return snapshot
+        return snapshot, None
     started = time.monotonic()
     log.info("listing %s", backend.source_id)
     snapshot = store.save(backend.source_id, backend.list_objects())
     log.info("listed %d objects in %.1fs; snapshot version %d", len(snapshot.objects),
              time.monotonic() - started, snapshot.version)
-    return snapshot
+    return snapshot, None
 
 
 class Daemon:
@@ -128,11 +145,10 @@ class Daemon:
         self.store.open()
         try:
             self.meta = open_meta(config.meta, config.cache_dir, config.meta_name)
-            self.snapshot = load_snapshot(config, self.backend, self.meta)
+            self.snapshot, self.meta_error = load_snapshot(config, self.backend, self.meta)
         except BaseException:
             self.store.close()
             raise
-        self.meta_error: str | None = None
         self.latest_version = self.snapshot.version
         self.namespace = Namespace.build(self.snapshot.objects, mtime_ns=int(self.snapshot.created * 1e9))
         self.cache = BlockCache(
@@ -309,7 +325,15 @@ class Daemon:
         self.latest_version = snapshot.version
         await trio.to_thread.run_sync(_invalidate, entries, inodes)
         log.info("now serving snapshot version %d (%d entries changed)", snapshot.version, len(entries))
+        await self._keep_local_copy()
         return {"changed": True, "version": snapshot.version, "changed_entries": len(entries)}
+
+    async def _keep_local_copy(self) -> None:
+        """Copy a snapshot loaded from a shared store into the cache directory (once per version)."""
+        if isinstance(self.meta, LmdbMetaStore) or self.meta_error is not None:
+            return
+        copy, key = local_copy(self.config, self.backend, self.meta)
+        await trio.to_thread.run_sync(copy.keep, key, self.snapshot)
 
     async def _refresh(self, request: dict[str, Any]) -> dict[str, Any]:
         return await self.refresh()
@@ -350,6 +374,7 @@ class Daemon:
             nursery.start_soon(self._handle_signals)
             if self.config.meta_poll:
                 nursery.start_soon(self._poll_meta)
+            nursery.start_soon(self._keep_local_copy)
             nursery.start_soon(self._announce, ready)
             await pyfuse3.main(min_tasks=4, max_tasks=128)
             nursery.cancel_scope.cancel()

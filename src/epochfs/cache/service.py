@@ -258,6 +258,8 @@ class BlockCache:
                 while len(self._uncached) > self._uncached_max:
                     self._uncached.popitem(last=False)
             return
+        # A started write is not abandoned on cancellation, and there is no checkpoint between its return
+        # and commit(): a fill is indexed even at shutdown, so a clean stop leaves no unknown block file.
         try:
             meta = await trio.to_thread.run_sync(self.store.write_file, bid, data, limiter=self._io_limiter)
         except OSError as exc:

@@ -3,6 +3,7 @@
 Layout under the cache directory::
 
     lock                 flock held by the one daemon that owns this directory
+    clean                present while no daemon runs, if the last one shut down cleanly
     blocks/ab/cd/<id>    one file per block, named by its id (see :mod:`epochfs.cache.keys`)
     tmp/                 fills in progress; emptied at start-up
     index/               LMDB: block id -> (sequence, length, xxh3-64 per 64 KiB chunk)
@@ -24,6 +25,7 @@ import os
 import shutil
 import struct
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,30 +103,42 @@ class BlockStore:
         self._fill_errors = 0
         self._not_admitted = 0
         self._lock_fd: int | None = None
+        self._consistent = False  # the index and the block files agree (checked or shut down cleanly)
         self._nowait_works = True
         self._env: lmdb.Environment | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------
 
-    def open(self) -> None:
-        """Lock the directory, clear leftovers of interrupted fills, open and load the index."""
+    def open(self, reconcile: bool = True) -> None:
+        """Lock the directory, clear leftovers of interrupted fills, open and load the index. After an
+        unclean shutdown, also reconcile the index with the block files (unless ``reconcile`` is False:
+        ``fsck`` reports the differences instead)."""
         self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock()
         self.blocks_dir.mkdir(exist_ok=True, mode=0o700)
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)
         self.tmp_dir.mkdir(mode=0o700)
+        clean = self.cache_dir / "clean"
+        self._consistent = clean.exists()
+        if self._consistent:
+            clean.unlink()
         try:
-            self._open_index()
+            known = self._open_index()
         except lmdb.Error as exc:
             log.warning("cache index in %s is damaged (%s); discarding the cached blocks", self.index_dir, exc)
             self._reset()
-            self._open_index()
+            known = self._open_index()
+        if not self._consistent and reconcile:
+            self._reconcile(known)
 
     def close(self) -> None:
         if self._env is not None:
+            self._env.sync(True)
             self._env.close()
             self._env = None
+            if self._consistent:
+                (self.cache_dir / "clean").touch(mode=0o600)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -144,7 +158,8 @@ class BlockStore:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
-    def _open_index(self) -> None:
+    def _open_index(self) -> dict[bytes, int]:
+        """Open the index and load it into the policy; return block id -> length."""
         self._env = lmdb.open(
             str(self.index_dir), map_size=1 << 36, subdir=True, max_dbs=0, sync=False, metasync=False,
             readahead=False, lock=True,
@@ -176,6 +191,51 @@ class BlockStore:
             self._seq = max(self._seq, seq)
         self._count = len(loaded)
         log.info("cache %s: %d blocks, %d bytes of %d", self.cache_dir, self._count, self.used, self.capacity)
+        return {bid: length for _, bid, length in loaded}
+
+    def _reconcile(self, known: dict[bytes, int]) -> None:
+        """After an unclean shutdown: drop index entries whose block file is missing or of the wrong
+        length, and delete block files the index does not know (a crash between a fill's rename and its
+        index entry, or index writes lost with the page cache). Runs before anything is served."""
+        on_disk = self._remove_orphans(known)
+        lost = [bid for bid, length in known.items() if on_disk.get(bid) != length]
+        for bid in lost:
+            self._remove(bid, known[bid])
+        if lost:
+            log.warning("dropped %d cache index entries whose block file was missing or short", len(lost))
+        self._consistent = True
+
+    def _remove_orphans(self, known: dict[bytes, int]) -> dict[bytes, int]:
+        """Delete block files not in ``known``; return the sizes of the others."""
+        sizes: dict[bytes, int] = {}
+        orphans = orphan_bytes = 0
+        for bid, path, size in self._block_files():
+            if bid in known:
+                sizes[bid] = size
+                continue
+            orphans += 1
+            orphan_bytes += size
+            try:
+                path.unlink()
+            except OSError as exc:
+                log.warning("could not remove %s: %s", path, exc)
+        if orphans:
+            log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
+                        "unclean shutdown", orphans, orphan_bytes)
+        return sizes
+
+    def _block_files(self) -> Iterator[tuple[bytes, Path, int]]:
+        """(block id, path, size) of every file under blocks/; an unparsable name gives the id b""."""
+        for path in self.blocks_dir.glob("*/*/*"):
+            try:
+                bid = bytes.fromhex(path.name)
+            except ValueError:
+                bid = b""
+            try:
+                size = path.stat().st_size
+            except OSError:
+                size = -1
+            yield bid, path, size
 
     def _reset(self) -> None:
         if self._env is not None:
@@ -298,16 +358,14 @@ class BlockStore:
                 if repair:
                     self._corrupt_block(bid, meta, why)
         orphans = orphan_bytes = 0
-        for path in self.blocks_dir.glob("*/*/*"):
-            try:
-                bid = bytes.fromhex(path.name)
-            except ValueError:
-                bid = b""
+        for bid, path, size in self._block_files():
             if bid not in known:
                 orphans += 1
-                orphan_bytes += path.stat().st_size
+                orphan_bytes += max(0, size)
                 if repair:
-                    path.unlink()
+                    path.unlink(missing_ok=True)
+        if repair:
+            self._consistent = True
         return {"blocks": len(entries), "damaged": damaged, "orphans": orphans, "orphan_bytes": orphan_bytes,
                 "used_bytes": self.used}
 

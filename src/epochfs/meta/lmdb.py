@@ -78,14 +78,18 @@ class LmdbMetaStore:
         finally:
             env.close()
 
-    def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
+    def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None, *,
+             version: int | None = None, created: float | None = None) -> Snapshot:
+        """Publish a new version (the next number, or ``version``/``created`` as given: a local copy of a
+        snapshot loaded from a shared store keeps its number)."""
         listed = list(objects)
+        pinned = version
         env = self._open()
         try:
             with env.begin(write=True) as txn:
-                version = 1
+                version = pinned or 1
                 raw = txn.get(b"info")
-                if raw is not None:
+                if raw is not None and pinned is None:
                     try:
                         version = int(json.loads(raw).get("version", 0)) + 1
                     except (ValueError, AttributeError):
@@ -100,7 +104,7 @@ class LmdbMetaStore:
                         progress(min(start + _CHUNK, len(listed)))
                 for k, v in manifests.items():
                     txn.put(k, v)
-                created = time.time()
+                created = time.time() if created is None else created
                 txn.put(b"info", json.dumps({
                     "format": _FORMAT, "source": source, "version": version, "created": created,
                     "objects": len(listed), "chunks": chunks,
@@ -108,6 +112,16 @@ class LmdbMetaStore:
         finally:
             env.close()
         return Snapshot(source, version, created, listed)
+
+    def keep(self, key: str, snapshot: Snapshot) -> None:
+        """Keep a copy of a snapshot loaded from another (shared) store under ``key``, with its version
+        number. Best effort: a failure is logged, the daemon goes on serving."""
+        try:
+            if self.current_version(key) != snapshot.version:
+                self.save(key, snapshot.objects, version=snapshot.version, created=snapshot.created)
+                log.info("kept a copy of snapshot version %d in %s", snapshot.version, self.path)
+        except (OSError, _lmdb.Error) as exc:
+            log.warning("could not keep a copy of snapshot version %d in %s: %s", snapshot.version, self.path, exc)
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         env = self._open()
