@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("error500", "slowdown", "throttle429", "reset", "stall_headers", "stall_body", "truncate",
-         "wrong_range", "full_200")
+         "wrong_range", "full_200", "denied403")
 
 
 @dataclass
@@ -134,9 +134,9 @@ class FaultProxy:
             time.sleep(fault.stall if fault else 30)
             h.close_connection = True
             return
-        if kind in ("error500", "slowdown", "throttle429"):
+        if kind in ("error500", "slowdown", "throttle429", "denied403"):
             status, code = {"error500": (500, "InternalError"), "slowdown": (503, "SlowDown"),
-                            "throttle429": (429, "TooManyRequests")}[kind]
+                            "throttle429": (429, "TooManyRequests"), "denied403": (403, "AccessDenied")}[kind]
             xml = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
             h.send_response(status)
             h.send_header("Content-Type", "application/xml")

@@ -81,6 +81,18 @@ def test_stall_before_headers_times_out_to_eio(faulty_mount, proxy):
     read_checked(faulty_mount)
 
 
+def test_access_denied_is_eacces_at_once_not_retried(faulty_mount, proxy):
+    proxy.set(Fault("denied403", rate=1.0))
+    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+        with pytest.raises(OSError) as info:
+            run_with_deadline(lambda: os.pread(fh.fileno(), 10, 0), 5)
+        assert info.value.errno == errno.EACCES
+    denied_reads = faulty_mount.status()["errors"]["EACCES"]  # the kernel may retry a failed page once
+    assert proxy.injected == denied_reads, "a denied request was retried"
+    proxy.set(None)
+    read_checked(faulty_mount)
+
+
 def test_retry_after_is_honoured(faulty_mount, proxy):
     proxy.set(Fault("slowdown", at={1}, retry_after=1.5))
     with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:

@@ -1,11 +1,16 @@
 """S3 (and S3-compatible: MinIO, SeaweedFS, Ceph RGW) backend on boto3.
 
-Request-level retries (throttling, 5xx, connection errors) are botocore's "standard" retry mode, with a
-hook that makes it wait at least as long as a ``Retry-After`` header asks.
-Failures while streaming a body (a reset or cut-short body, a read timeout mid-body) happen after
-botocore has handed the response over, so :func:`~epochfs.backend.base.retry` covers those, inside the
-same overall deadline. Every ranged GET carries ``If-Match`` with the snapshot's ETag, so a block of a
-different version can never be returned.
+Listing goes through the boto3 client, with botocore's "standard" retry mode and a hook that makes it
+wait at least as long as a ``Retry-After`` header asks.
+
+Block GETs are the hot path, and a full client call costs about twice the CPU of the request itself
+(parameter validation, event hooks, response parsing). So a block GET is built here and signed with
+botocore's own SigV4 signer and credentials, then sent on the client's own HTTP session (its connection
+pool, TLS verification, proxies and timeouts). The answer is checked completely (status, ETag,
+Content-Range, length); throttling, 5xx and transport failures are retried by
+:func:`~epochfs.backend.base.retry` within one overall deadline, honouring ``Retry-After``. Every ranged
+GET carries ``If-Match`` with the snapshot's ETag, so a block of a different version can never be
+returned.
 """
 
 from __future__ import annotations
@@ -13,13 +18,15 @@ from __future__ import annotations
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
 import boto3
+import botocore.auth
+import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
-import urllib3.exceptions
 
 from epochfs.backend.base import Backend, BackendStats, ObjectInfo, StatsRecorder, TemporaryFailure, retry
 from epochfs.config import Config
@@ -27,17 +34,15 @@ from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, Object
 
 log = logging.getLogger(__name__)
 
-_CHANGED_CODES = {"PreconditionFailed", "412", "NoSuchKey", "404", "NotFound", "InvalidRange", "416"}
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
-_BODY_ERRORS = (
-    botocore.exceptions.IncompleteReadError,
-    botocore.exceptions.ResponseStreamingError,
-    botocore.exceptions.ReadTimeoutError,
-    urllib3.exceptions.HTTPError,
-    ConnectionError,
-    TimeoutError,
-)
+_CHANGED_STATUS = {404, 412, 416}  # gone, another version, or shorter than the snapshot says
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+_RETRY_CODES = {"RequestTimeout", "ExpiredToken", "TokenRefreshRequired", "RequestTimeTooSkewed", "SlowDown",
+                "InternalError", "ServiceUnavailable"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_ERROR_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
+_PROBE_KEY = "epochfs-probe"
+_NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
 
 
 class S3Backend(Backend):
@@ -61,6 +66,19 @@ class S3Backend(Backend):
             "s3", endpoint_url=config.endpoint_url, region_name=config.region or None, config=boto_config
         )
         self._client.meta.events.register_first("needs-retry.s3", self._honour_retry_after)
+        self._session = session
+        self._http = self._client._endpoint.http_session  # the client's pool, TLS and proxy settings
+        self._region = self._client.meta.region_name or "us-east-1"
+        self._credentials: Any = None
+        # Where objects live, as the client addresses them (path or virtual-host style, custom endpoints).
+        try:
+            probe = urllib.parse.urlsplit(self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": _PROBE_KEY}, ExpiresIn=60))
+        except botocore.exceptions.NoCredentialsError:
+            raise ConfigError(_NO_CREDENTIALS) from None
+        if not probe.path.endswith("/" + _PROBE_KEY):
+            raise ConfigError(f"cannot address objects of bucket {self.bucket!r} at {probe.netloc}")
+        self._base_url = f"{probe.scheme}://{probe.netloc}{probe.path[:-len(_PROBE_KEY)]}"
 
     def _honour_retry_after(self, response: Any = None, attempts: int = 0, **kwargs: Any) -> float | None:
         """botocore hook: wait at least what a throttling server asks for (``Retry-After``).
@@ -99,9 +117,7 @@ class S3Backend(Backend):
                         etag=obj["ETag"],
                     )
         except botocore.exceptions.NoCredentialsError:
-            raise ConfigError(
-                "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
-            ) from None
+            raise ConfigError(_NO_CREDENTIALS) from None
         except botocore.exceptions.ClientError as exc:
             self._stats.record("list", "error")
             code = exc.response.get("Error", {}).get("Code", "")
@@ -125,43 +141,37 @@ class S3Backend(Backend):
             attempts=self._attempts,
         )
 
+    def _url(self, key: str) -> str:
+        return self._base_url + urllib.parse.quote((self.prefix + key).encode("utf-8", "surrogateescape"),
+                                                   safe="/~")
+
+    def _signed(self, key: str, headers: dict[str, str]) -> botocore.awsrequest.AWSPreparedRequest:
+        if self._credentials is None:
+            self._credentials = self._session.get_credentials()
+            if self._credentials is None:
+                raise AccessDenied(_NO_CREDENTIALS)
+        request = botocore.awsrequest.AWSRequest("GET", self._url(key), headers=headers)
+        botocore.auth.S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(request)
+        return request.prepare()
+
     def _get_once(self, key: str, etag: str, start: int, length: int) -> bytes:
         end = start + length - 1
         started = time.monotonic()
+        request = self._signed(key, {"Range": f"bytes={start}-{end}", "If-Match": etag})
         try:
-            resp = self._client.get_object(
-                Bucket=self.bucket, Key=self.prefix + key, Range=f"bytes={start}-{end}", IfMatch=etag
-            )
-        except botocore.exceptions.ClientError as exc:
-            code = str(exc.response.get("Error", {}).get("Code", ""))
-            status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-            if code in _CHANGED_CODES or status in _CHANGED_CODES:
-                self._stats.record("get", "changed")
-                raise ObjectChanged(f"{key}: no longer version {etag} ({code or status})") from None
-            if code in _DENIED_CODES or status == "403":
-                self._stats.record("get", "denied")
-                raise AccessDenied(f"{key}: {code or status}") from None
-            self._stats.record("get", "error")
-            raise BackendUnavailable(f"{key}: {code or status} after retries") from None
-        except botocore.exceptions.BotoCoreError as exc:
-            self._stats.record("get", "error")
-            raise BackendUnavailable(f"{key}: {exc}") from None
-
-        body = resp["Body"]
-        try:
-            data = body.read()
-        except _BODY_ERRORS as exc:
+            resp = self._http.send(request)  # reads the whole body
+        except botocore.exceptions.BotoCoreError as exc:  # connection refused/reset, timeouts, a cut body
             self._stats.record("get", "retry")
-            raise TemporaryFailure(f"body: {type(exc).__name__}: {exc}") from None
-        finally:
-            body.close()
-
-        if resp.get("ETag") and resp["ETag"] != etag:
+            raise TemporaryFailure(f"{type(exc).__name__}: {exc}") from None
+        status, data = resp.status_code, resp.content
+        if status not in (200, 206):
+            raise self._failure(key, etag, status, resp.headers, data)
+        if resp.headers.get("ETag") not in (None, etag):
             self._stats.record("get", "changed")
-            raise ObjectChanged(f"{key}: server sent version {resp['ETag']}, expected {etag}")
-        content_range = resp.get("ContentRange")
-        if content_range:
-            m = _CONTENT_RANGE.match(content_range)
+            raise ObjectChanged(f"{key}: server sent version {resp.headers['ETag']}, expected {etag}")
+        content_range = resp.headers.get("Content-Range")
+        if status == 206:
+            m = _CONTENT_RANGE.match(content_range or "")
             if not m or int(m.group(1)) != start or int(m.group(2)) != end:
                 self._stats.record("get", "retry")
                 raise TemporaryFailure(f"wrong Content-Range {content_range!r} for bytes {start}-{end}")
@@ -174,3 +184,27 @@ class S3Backend(Backend):
             raise TemporaryFailure(f"short body: {len(data)} of {length} bytes")
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data
+
+    def _failure(self, key: str, etag: str, status: int, headers: Any, body: bytes) -> Exception:
+        """The error for a non-2xx answer: retry, changed object, denied, or a permanent failure."""
+        m = _ERROR_CODE.search(body[:4096])
+        code = m.group(1).decode("utf-8", "replace") if m else ""
+        if status in _RETRY_STATUS or code in _RETRY_CODES:
+            self._stats.record("get", "retry")
+            try:
+                after: float | None = min(max(float(headers.get("Retry-After", "")), 0.0), self._timeout / 2)
+            except ValueError:
+                after = None
+            if code in ("ExpiredToken", "TokenRefreshRequired"):
+                self._credentials = None  # resolve them again
+            return TemporaryFailure(f"HTTP {status} {code}".strip(), retry_after=after)
+        if status in _CHANGED_STATUS:
+            self._stats.record("get", "changed")
+            return ObjectChanged(f"{key}: no longer version {etag} ({code or status})")
+        if status == 403 or code in _DENIED_CODES:
+            self._stats.record("get", "denied")
+            return AccessDenied(f"{key}: {code or status}")
+        self._stats.record("get", "error")
+        region = headers.get("x-amz-bucket-region")
+        hint = f"; the bucket is in region {region}: set --region {region}" if region else ""
+        return BackendUnavailable(f"{key}: HTTP {status} {code}{hint}".strip())
