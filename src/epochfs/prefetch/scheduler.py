@@ -260,21 +260,19 @@ class Prefetcher:
     async def _run_warmup(self, job: WarmupJob, objs: list[ObjectInfo]) -> None:
         slots = trio.Semaphore(self.max_inflight)
         bs = self.cache.block_size
-        fetching = 0
+        # Blocks being fetched, and their sizes. Once a flight's event is set its fill has reserved its
+        # room in the store (or been refused), so only flights still waiting for data count here.
+        active: dict[Any, int] = {}
 
-        async def one(obj: ObjectInfo, index: int, size: int) -> bool:
-            nonlocal fetching
+        async def one(obj: ObjectInfo, flight: Any, size: int) -> None:
             try:
-                flight = self.cache.start_prefetch(obj, index, self.cache.block_id(obj, index))
-                if flight is not None:
-                    await flight.event.wait()
-                    if flight.error is not None:
-                        job.errors.append(f"{obj.key}: {flight.error}")
-                        return False
-                job.done_bytes += size
-                return True
+                await flight.event.wait()
+                if flight.error is not None:
+                    job.errors.append(f"{obj.key}: {flight.error}")
+                else:
+                    job.done_bytes += size
             finally:
-                fetching -= size
+                active.pop(flight, None)
                 slots.release()
 
         async with trio.open_nursery() as nursery:
@@ -285,12 +283,19 @@ class Prefetcher:
                     if self.cache.is_cached(bid):
                         job.done_bytes += size
                         continue
-                    if not self.cache.store.has_room(size + fetching):
+                    await slots.acquire()
+                    unfilled = sum(n for f, n in active.items() if not f.event.is_set())
+                    if not self.cache.store.has_room(size + unfilled):
+                        slots.release()
                         job.skipped_bytes += size
                         continue
-                    await slots.acquire()
-                    fetching += size
-                    nursery.start_soon(one, obj, index, size)
+                    flight = self.cache.start_prefetch(obj, index, bid)
+                    if flight is None:  # cached meanwhile
+                        slots.release()
+                        job.done_bytes += size
+                        continue
+                    active[flight] = size
+                    nursery.start_soon(one, obj, flight, size)
                 job.done_files += 1
         await self.cache.wait_idle()
         job.finished = True
