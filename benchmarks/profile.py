@@ -41,6 +41,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--size-kib", type=int, default=100, help="size of each file (e.g. 262144: large files)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--warm", action="store_true", help="profile a second pass, from the block cache")
     ap.add_argument("--out", type=Path)
@@ -52,7 +53,7 @@ def main() -> int:
     (work / "mnt").mkdir(parents=True)
     server = LocalS3(work / "s3").start()
     try:
-        files = [SampleFile(f"s/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
+        files = [SampleFile(f"s/{i:05d}.jpg", args.size_kib * 1024) for i in range(args.files)]
         upload(server.client(), "profile", "", files)
         subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://profile", str(work / "mnt"), "--endpoint-url",
                         server.endpoint, "--cache-dir", str(work / "cache"), "--metrics-addr", "off"],
@@ -60,8 +61,11 @@ def main() -> int:
         pid = int(os.getxattr(work / "mnt", "user.epochfs.pid"))
 
         def read(f: SampleFile) -> int:
+            n = 0
             with open(work / "mnt" / f.key, "rb", buffering=0) as fh:
-                return len(fh.read())
+                while chunk := fh.read(1 << 20):
+                    n += len(chunk)
+            return n
 
         if args.warm:
             with ThreadPoolExecutor(args.threads) as pool:
@@ -83,7 +87,9 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "epochfs", "umount", str(work / "mnt")], check=True)
     finally:
         server.stop()
-    lines = [f"{'warm' if args.warm else 'cold'} read of {args.files} x 100 KiB files with {args.threads} threads: {rate:.0f} files/s",
+    mib_s = rate * args.size_kib / 1024
+    lines = [f"{'warm' if args.warm else 'cold'} read of {args.files} x {args.size_kib} KiB files with {args.threads} "
+             f"threads: {rate:.0f} files/s, {mib_s:.0f} MiB/s",
              "share of the daemon's (non-idle) samples in which each function appears:"]
     lines += [f"{share:6.1%}  {name}" for share, name in summarise(raw, args.top)]
     text = "\n".join(lines) + "\n"

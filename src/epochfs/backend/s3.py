@@ -27,6 +27,7 @@ import botocore.auth
 import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
+import urllib3.exceptions
 
 from epochfs.backend.base import Backend, BackendStats, ObjectInfo, StatsRecorder, TemporaryFailure, retry
 from epochfs.config import Config
@@ -158,31 +159,60 @@ class S3Backend(Backend):
         end = start + length - 1
         started = time.monotonic()
         request = self._signed(key, {"Range": f"bytes={start}-{end}", "If-Match": etag})
+        request.stream_output = True  # the body is read below, in one call rather than 64 KiB pieces
         try:
-            resp = self._http.send(request)  # reads the whole body
-        except botocore.exceptions.BotoCoreError as exc:  # connection refused/reset, timeouts, a cut body
+            resp = self._http.send(request)
+        except botocore.exceptions.BotoCoreError as exc:  # connection refused/reset, timeouts
             self._stats.record("get", "retry")
             raise TemporaryFailure(f"{type(exc).__name__}: {exc}") from None
-        status, data = resp.status_code, resp.content
+        raw = resp.raw
+        reusable = False
+        try:
+            data = self._checked_body(resp, key, etag, start, length)
+            reusable = True
+        finally:
+            # A connection goes back to the pool only after a complete, correct answer: anything else
+            # (an error, a body cut short or longer than asked for) may leave bytes unread on it.
+            if reusable:
+                raw.release_conn()
+            else:
+                raw.close()
+        self._stats.record("get", "ok", len(data), time.monotonic() - started)
+        return data
+
+    def _checked_body(self, resp: Any, key: str, etag: str, start: int, length: int) -> bytes:
+        """The body of an answer to a ranged GET, if it is exactly the asked-for bytes of the version."""
+        status, headers = resp.status_code, resp.headers
+        limit = length if status in (200, 206) else 1 << 16  # never buffer more than was asked for
+        declared = headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > limit:
+            if status not in (200, 206):
+                raise self._failure(key, etag, status, headers, b"")
+            self._stats.record("get", "retry")
+            raise TemporaryFailure(f"{declared}-byte answer to a {length}-byte range (Range ignored?)")
+        try:
+            data = resp.raw.read(limit + 1)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # reset, cut short, read timeout mid-body
+            self._stats.record("get", "retry")
+            raise TemporaryFailure(f"body: {type(exc).__name__}: {exc}") from None
         if status not in (200, 206):
-            raise self._failure(key, etag, status, resp.headers, data)
-        if resp.headers.get("ETag") not in (None, etag):
+            raise self._failure(key, etag, status, headers, data)
+        if headers.get("ETag") not in (None, etag):
             self._stats.record("get", "changed")
-            raise ObjectChanged(f"{key}: server sent version {resp.headers['ETag']}, expected {etag}")
-        content_range = resp.headers.get("Content-Range")
+            raise ObjectChanged(f"{key}: server sent version {headers['ETag']}, expected {etag}")
+        content_range = headers.get("Content-Range")
         if status == 206:
             m = _CONTENT_RANGE.match(content_range or "")
-            if not m or int(m.group(1)) != start or int(m.group(2)) != end:
+            if not m or int(m.group(1)) != start or int(m.group(2)) != start + length - 1:
                 self._stats.record("get", "retry")
-                raise TemporaryFailure(f"wrong Content-Range {content_range!r} for bytes {start}-{end}")
+                raise TemporaryFailure(f"wrong Content-Range {content_range!r} for bytes {start}-{start + length - 1}")
         elif start != 0 or len(data) != length:
             # A full 200 answer to a ranged request is only usable when it is exactly the range.
             self._stats.record("get", "retry")
             raise TemporaryFailure("server ignored the Range header")
         if len(data) != length:
             self._stats.record("get", "retry")
-            raise TemporaryFailure(f"short body: {len(data)} of {length} bytes")
-        self._stats.record("get", "ok", len(data), time.monotonic() - started)
+            raise TemporaryFailure(f"body of {len(data)} bytes for a range of {length}")
         return data
 
     def _failure(self, key: str, etag: str, status: int, headers: Any, body: bytes) -> Exception:
