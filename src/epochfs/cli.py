@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = m.add_argument_group("object store")
     g.add_argument("--endpoint-url", metavar="URL",
                    help="S3-compatible endpoint (MinIO, SeaweedFS, Ceph); enables path-style addressing")
-    g.add_argument("--region", help="S3 region (default: from the AWS configuration)")
+    g.add_argument("--region", help="the bucket's S3 region (default: from the AWS configuration); block reads "
+                   "are signed for this region, so on AWS it must be the bucket's own")
     g.add_argument("--backend-concurrency", type=int, default=16, metavar="N",
                    help="parallel backend requests (default: %(default)s)")
     g.add_argument("--backend-timeout", type=float, default=30.0, metavar="SECONDS",
