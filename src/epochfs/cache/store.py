@@ -25,7 +25,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,7 +197,15 @@ class BlockStore:
         """After an unclean shutdown: drop index entries whose block file is missing or of the wrong
         length, and delete block files the index does not know (a crash between a fill's rename and its
         index entry, or index writes lost with the page cache). Runs before anything is served."""
-        on_disk = self._remove_orphans(known)
+        on_disk, orphans = self._scan(known)
+        for path, _ in orphans:
+            try:
+                path.unlink()
+            except OSError as exc:
+                log.warning("could not remove %s: %s", path, exc)
+        if orphans:
+            log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
+                        "unclean shutdown", len(orphans), sum(size for _, size in orphans))
         lost = [bid for bid, length in known.items() if on_disk.get(bid) != length]
         for bid in lost:
             self._remove(bid, known[bid])
@@ -205,27 +213,10 @@ class BlockStore:
             log.warning("dropped %d cache index entries whose block file was missing or short", len(lost))
         self._consistent = True
 
-    def _remove_orphans(self, known: dict[bytes, int]) -> dict[bytes, int]:
-        """Delete block files not in ``known``; return the sizes of the others."""
+    def _scan(self, known: Container[bytes]) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
+        """Walk the block files: the sizes of those in ``known``, and (path, size) of the others."""
         sizes: dict[bytes, int] = {}
-        orphans = orphan_bytes = 0
-        for bid, path, size in self._block_files():
-            if bid in known:
-                sizes[bid] = size
-                continue
-            orphans += 1
-            orphan_bytes += size
-            try:
-                path.unlink()
-            except OSError as exc:
-                log.warning("could not remove %s: %s", path, exc)
-        if orphans:
-            log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
-                        "unclean shutdown", orphans, orphan_bytes)
-        return sizes
-
-    def _block_files(self) -> Iterator[tuple[bytes, Path, int]]:
-        """(block id, path, size) of every file under blocks/; an unparsable name gives the id b""."""
+        orphans: list[tuple[Path, int]] = []
         for path in self.blocks_dir.glob("*/*/*"):
             try:
                 bid = bytes.fromhex(path.name)
@@ -235,7 +226,11 @@ class BlockStore:
                 size = path.stat().st_size
             except OSError:
                 size = -1
-            yield bid, path, size
+            if bid in known:
+                sizes[bid] = size
+            else:
+                orphans.append((path, max(0, size)))
+        return sizes, orphans
 
     def _reset(self) -> None:
         if self._env is not None:
@@ -357,17 +352,13 @@ class BlockStore:
                 log.warning("block %s: %s", bid.hex(), why)
                 if repair:
                     self._corrupt_block(bid, meta, why)
-        orphans = orphan_bytes = 0
-        for bid, path, size in self._block_files():
-            if bid not in known:
-                orphans += 1
-                orphan_bytes += max(0, size)
-                if repair:
-                    path.unlink(missing_ok=True)
+        _, orphans = self._scan(known)
         if repair:
+            for path, _ in orphans:
+                path.unlink(missing_ok=True)
             self._consistent = True
-        return {"blocks": len(entries), "damaged": damaged, "orphans": orphans, "orphan_bytes": orphan_bytes,
-                "used_bytes": self.used}
+        return {"blocks": len(entries), "damaged": damaged, "orphans": len(orphans),
+                "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used}
 
     def _corrupt_block(self, bid: bytes, meta: BlockMeta, why: str) -> None:
         log.warning("cache block %s is damaged (%s); dropping it", bid.hex(), why)
