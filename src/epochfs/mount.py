@@ -150,6 +150,7 @@ class Daemon:
             self.store.close()
             raise
         self.latest_version = self.snapshot.version
+        self._snapshot_changed = trio.Event()  # set by refresh(); wakes the local-copy task
         self.namespace = Namespace.build(self.snapshot.objects, mtime_ns=int(self.snapshot.created * 1e9))
         self.cache = BlockCache(
             self.store, self.backend, block_size=config.block_size,
@@ -325,15 +326,20 @@ class Daemon:
         self.latest_version = snapshot.version
         await trio.to_thread.run_sync(_invalidate, entries, inodes)
         log.info("now serving snapshot version %d (%d entries changed)", snapshot.version, len(entries))
-        await self._keep_local_copy()
+        self._snapshot_changed.set()
         return {"changed": True, "version": snapshot.version, "changed_entries": len(entries)}
 
     async def _keep_local_copy(self) -> None:
-        """Copy a snapshot loaded from a shared store into the cache directory (once per version)."""
-        if isinstance(self.meta, LmdbMetaStore) or self.meta_error is not None:
+        """Copy each snapshot loaded from a shared store into the cache directory, one copy at a time and
+        off the refresh path (a refresh answers without waiting for it)."""
+        if isinstance(self.meta, LmdbMetaStore):
             return
         copy, key = local_copy(self.config, self.backend, self.meta)
-        await trio.to_thread.run_sync(copy.keep, key, self.snapshot)
+        while True:
+            changed = self._snapshot_changed = trio.Event()  # before copying: a refresh meanwhile is seen
+            if self.meta_error is None:  # not when serving this node's copy: it holds that version
+                await trio.to_thread.run_sync(copy.keep, key, self.snapshot)
+            await changed.wait()
 
     async def _refresh(self, request: dict[str, Any]) -> dict[str, Any]:
         return await self.refresh()

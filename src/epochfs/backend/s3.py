@@ -156,9 +156,8 @@ class S3Backend(Backend):
         return request.prepare()
 
     def _get_once(self, key: str, etag: str, start: int, length: int) -> bytes:
-        end = start + length - 1
         started = time.monotonic()
-        request = self._signed(key, {"Range": f"bytes={start}-{end}", "If-Match": etag})
+        request = self._signed(key, {"Range": f"bytes={start}-{start + length - 1}", "If-Match": etag})
         request.stream_output = True  # the body is read below, in one call rather than 64 KiB pieces
         try:
             resp = self._http.send(request)
@@ -183,6 +182,7 @@ class S3Backend(Backend):
     def _checked_body(self, resp: Any, key: str, etag: str, start: int, length: int) -> bytes:
         """The body of an answer to a ranged GET, if it is exactly the asked-for bytes of the version."""
         status, headers = resp.status_code, resp.headers
+        end = start + length - 1
         limit = length if status in (200, 206) else 1 << 16  # never buffer more than was asked for
         declared = headers.get("Content-Length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -203,9 +203,9 @@ class S3Backend(Backend):
         content_range = headers.get("Content-Range")
         if status == 206:
             m = _CONTENT_RANGE.match(content_range or "")
-            if not m or int(m.group(1)) != start or int(m.group(2)) != start + length - 1:
+            if not m or int(m.group(1)) != start or int(m.group(2)) != end:
                 self._stats.record("get", "retry")
-                raise TemporaryFailure(f"wrong Content-Range {content_range!r} for bytes {start}-{start + length - 1}")
+                raise TemporaryFailure(f"wrong Content-Range {content_range!r} for bytes {start}-{end}")
         elif start != 0 or len(data) != length:
             # A full 200 answer to a ranged request is only usable when it is exactly the range.
             self._stats.record("get", "retry")

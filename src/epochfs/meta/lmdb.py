@@ -83,17 +83,17 @@ class LmdbMetaStore:
         """Publish a new version (the next number, or ``version``/``created`` as given: a local copy of a
         snapshot loaded from a shared store keeps its number)."""
         listed = list(objects)
-        pinned = version
         env = self._open()
         try:
             with env.begin(write=True) as txn:
-                version = pinned or 1
-                raw = txn.get(b"info")
-                if raw is not None and pinned is None:
-                    try:
-                        version = int(json.loads(raw).get("version", 0)) + 1
-                    except (ValueError, AttributeError):
-                        pass
+                if version is None:
+                    version = 1
+                    raw = txn.get(b"info")
+                    if raw is not None:
+                        try:
+                            version = int(json.loads(raw).get("version", 0)) + 1
+                        except (ValueError, AttributeError):
+                            pass
                 manifests = {bytes(k): bytes(v) for k, v in txn.cursor() if bytes(k).startswith(b"m/")}
                 txn.drop(env.open_db(), delete=False)
                 chunks = 0
