@@ -173,9 +173,9 @@ def policy_study(work: Path, endpoint: str, bucket: str, prefix: str, files: lis
 
 def namespace_mount_times(work: Path, sizes: list[int]) -> list[dict[str, float]]:
     """Time to publish a synthetic namespace to Redis and to mount from it (no listing)."""
-    from epochfs.backend.base import ObjectInfo
     from epochfs.devserver import LocalRedis
     from epochfs.meta import open_meta
+    from epochfs.records import ObjectInfo
 
     rows = []
     server = LocalRedis(work / "redis").start()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import stat
+import time
 
 import pytest
 
 from epochfs.backend import open_backend
+from epochfs.backend.local import file_etag
 from epochfs.config import Config, Source
 from epochfs.errors import ConfigError, ObjectChanged
 from epochfs.sample import pattern
@@ -90,7 +93,12 @@ def test_directory_backend(tmp_path):
     os.symlink("/etc/passwd", root / "link")
     backend = open_backend(Config(Source.parse(f"file://{root}"), "/nonexistent"))
     listed = {o.key: o for o in backend.list_objects()}
-    assert set(listed) == {"a/b/f.bin", "top.txt"}
+    assert set(listed) == {"a/b/f.bin", "top.txt", "", "a/", "a/b/"}  # files and directory markers
+    os.chmod(root / "top.txt", 0o640)
+    os.chown(root / "top.txt", 1234, 5678)
+    top = {o.key: o for o in backend.list_objects()}["top.txt"]
+    assert (top.mode, top.uid, top.gid) == (0o640, 1234, 5678)
+    assert listed["a/"].mode == stat.S_IMODE(os.stat(root / "a").st_mode)
     f = listed["a/b/f.bin"]
     assert backend.read_range(f.key, f.etag, 100, 1000) == pattern("f", 0, 100, 1000)
     (root / "a" / "b" / "f.bin").write_bytes(pattern("f", 1, 0, 5000))
@@ -100,3 +108,45 @@ def test_directory_backend(tmp_path):
     (root / "top.txt").unlink()
     with pytest.raises(ObjectChanged):
         backend.read_range("top.txt", listed["top.txt"].etag, 0, 5)
+
+
+def test_directory_backend_never_follows_a_symlink_anywhere_in_a_path(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"root only")
+    root = tmp_path / "data"
+    (root / "real").mkdir(parents=True)
+    (root / "real" / "f").write_bytes(b"inside")
+    os.symlink(outside, root / "link")  # an intermediate component that leaves the source
+    backend = open_backend(Config(Source.parse(f"file://{root}"), "/nonexistent"))
+    listed = {o.key: o for o in backend.list_objects()}
+    assert "link/secret" not in listed and "link/" not in listed
+    etag = file_etag(os.stat(outside / "secret"))  # a snapshot entry naming it, as a shared store could hold
+    for key in ("link/secret", "real/../link/secret", "./real/f", "real//f", "/etc/passwd"):
+        with pytest.raises(ObjectChanged):
+            backend.read_range(key, etag, 0, 4)
+    os.rename(root / "real", root / "moved")
+    os.symlink(root / "moved", root / "real")  # the directory swapped for a link after the listing
+    with pytest.raises(ObjectChanged):
+        backend.read_range("real/f", listed["real/f"].etag, 0, 6)
+    fifo = root / "moved" / "pipe"
+    os.mkfifo(fifo)  # a special file under a listed name must not block the read
+    with pytest.raises(ObjectChanged):
+        backend.read_range("moved/pipe", "x", 0, 1)
+
+
+def test_directory_backend_version_changes_with_an_in_place_rewrite_that_restores_mtime(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    path = root / "f.bin"
+    path.write_bytes(b"a" * 1000)
+    backend = open_backend(Config(Source.parse(f"file://{root}"), "/nonexistent"))
+    (f,) = [o for o in backend.list_objects() if o.key == "f.bin"]
+    before = os.stat(path)
+    time.sleep(0.01)
+    with open(path, "r+b") as out:  # same inode, same size
+        out.write(b"b" * 1000)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime restored
+    assert os.stat(path).st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(ObjectChanged):
+        backend.read_range("f.bin", f.etag, 0, 1000)

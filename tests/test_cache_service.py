@@ -9,11 +9,12 @@ from collections import Counter
 import pytest
 import trio
 
-from epochfs.backend.base import Backend, BackendStats, ObjectInfo
+from epochfs.backend.base import Backend, BackendStats
 from epochfs.cache.policy import LruPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.errors import BackendUnavailable, ObjectChanged
+from epochfs.records import ObjectInfo
 from epochfs.sample import pattern
 
 BS = 64 << 10

@@ -14,25 +14,27 @@ from epochfs.cache.keys import (
 
 
 def test_block_id_depends_on_every_part():
-    base = block_id("s3://b/p/", "a/b.bin", '"etag1"', 0)
+    bs = 4 << 20
+    base = block_id("s3://b/p/", "a/b.bin", '"etag1"', 0, block_size=bs)
     assert len(base) == 16
-    assert base == block_id("s3://b/p/", "a/b.bin", '"etag1"', 0)
+    assert base == block_id("s3://b/p/", "a/b.bin", '"etag1"', 0, block_size=bs)
     others = {
-        block_id("s3://c/p/", "a/b.bin", '"etag1"', 0),
-        block_id("s3://b/p/", "a/b.bim", '"etag1"', 0),
-        block_id("s3://b/p/", "a/b.bin", '"etag2"', 0),
-        block_id("s3://b/p/", "a/b.bin", '"etag1"', 1),
+        block_id("s3://c/p/", "a/b.bin", '"etag1"', 0, block_size=bs),
+        block_id("s3://b/p/", "a/b.bin", '"etag1"', 0, block_size=1 << 20),
+        block_id("s3://b/p/", "a/b.bim", '"etag1"', 0, block_size=bs),
+        block_id("s3://b/p/", "a/b.bin", '"etag2"', 0, block_size=bs),
+        block_id("s3://b/p/", "a/b.bin", '"etag1"', 1, block_size=bs),
     }
-    assert base not in others and len(others) == 4
+    assert base not in others and len(others) == 5
 
 
 def test_block_id_parts_cannot_be_shifted():
     # Length-prefixed parts: moving a character from one part to the next gives another id.
-    assert block_id("s", "ab", "c", 0) != block_id("s", "a", "bc", 0)
+    assert block_id("s", "ab", "c", 0, block_size=1) != block_id("s", "a", "bc", 0, block_size=1)
 
 
 def test_block_path_never_contains_the_key():
-    bid = block_id("s3://b/", "../../etc/passwd", "e", 3)
+    bid = block_id("s3://b/", "../../etc/passwd", "e", 3, block_size=1 << 20)
     path = block_relpath(bid)
     assert ".." not in path and "passwd" not in path
     assert path.split("/")[-1] == bid.hex() and path.count("/") == 2

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.backend.base import ObjectInfo
 from epochfs.devserver import LocalRedis
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace, diff
+from epochfs.records import ObjectInfo
 from epochfs.sample import SampleFile, pattern, upload
 
 from .conftest import requires_fuse

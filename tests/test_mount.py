@@ -163,7 +163,7 @@ def test_remount_serves_warm_data_with_the_endpoint_stopped(tmp_path, mount_fact
 
 def _block_file(m: Mount, s3_client, bucket: str, prefix: str, f: SampleFile, index: int, bs: int) -> Path:
     etag = s3_client.head_object(Bucket=bucket, Key=prefix + f.key)["ETag"]
-    bid = block_id(f"s3://{bucket}/{prefix}", f.key, etag, index)
+    bid = block_id(f"s3://{bucket}/{prefix}", f.key, etag, index, block_size=bs)
     return m.cache_dir / "blocks" / block_relpath(bid)
 
 

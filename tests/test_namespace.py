@@ -1,7 +1,7 @@
 import logging
 
-from epochfs.backend.base import ObjectInfo
 from epochfs.meta.namespace import ROOT_INODE, Dir, File, Namespace, unsafe_reason
+from epochfs.records import ObjectInfo
 
 
 def obj(key, size=1):

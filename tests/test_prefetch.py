@@ -102,6 +102,7 @@ def test_control_channel_rejects_other_users(request, mount_factory, sample_buck
     cache.mkdir(mode=0o755)
     request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
     with mount_factory(f"s3://{sample_bucket}/data", cache_dir=cache) as m:
+        os.chmod(cache, 0o755)  # the daemon made it private at start-up; open it again for this probe
         sock = os.getxattr(m.mountpoint, "user.epochfs.control").decode()
         os.chmod(sock, 0o777)
         probe = (

@@ -166,7 +166,7 @@ def test_damaged_blocks_with_the_backend_up_then_down(tmp_path, mount_factory, d
         m.start()
         verify_all(m, files)
         wait_idle(m)
-        paths = [m.cache_dir / "blocks" / block_relpath(block_id("s3://dmg/", f.key, etags[f.key], 0)) for f in files]
+        paths = [m.cache_dir / "blocks" / block_relpath(block_id("s3://dmg/", f.key, etags[f.key], 0, block_size=4 * MiB)) for f in files]
 
         def hurt(i: int) -> None:
             p = paths[i]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import trio
 import trio.testing
 
-from epochfs.backend.base import ObjectInfo
 from epochfs.cache.policy import ManifestPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.prefetch.scheduler import Prefetcher
+from epochfs.records import ObjectInfo
 
 from .test_cache_service import BS, MemoryBackend
 
@@ -22,7 +24,9 @@ def with_prefetcher(tmp_path, fn, *, capacity=1 << 30, bandwidth=None, clock=Non
     store = BlockStore(tmp_path / "c", capacity, 0.0, ManifestPolicy())
     store.open()
     backend = backend or MemoryBackend()
-    cache = BlockCache(store, backend, block_size=BS, concurrency=4, readahead_blocks=0)
+    # No fetch deadline: with a mock clock that jumps ahead, a worker thread's wall time looks endless.
+    cache = BlockCache(store, backend, block_size=BS, concurrency=4, readahead_blocks=0,
+                       fetch_timeout=math.inf if clock is not None else 60.0)
     pf = Prefetcher(cache, capacity=capacity, max_inflight=2, bandwidth=bandwidth)
     cache.observer = pf
 
@@ -45,7 +49,7 @@ def test_position_follows_the_reader(tmp_path):
     outside = ObjectInfo("elsewhere", BS, 0, '"e"')
 
     async def fn(cache, pf, backend):
-        pf.load(files)
+        await pf.load(files)
         seen = []
         cache.open_stream(files[3])  # opened out of order: jumps ahead
         seen.append(pf.statistics().file_position)
@@ -65,8 +69,8 @@ def test_next_epoch_is_queued_and_reached_only_at_the_end(tmp_path):
     e1 = list(reversed(e0))
 
     async def fn(cache, pf, backend):
-        pf.load(e0, epoch=0)
-        reply = pf.load(e1, epoch=1)
+        await pf.load(e0, epoch=0)
+        reply = await pf.load(e1, epoch=1)
         out = [reply["appended"], pf.statistics().files]
         cache.open_stream(e0[10])
         cache.open_stream(e0[5])  # a re-read early in epoch 0 is not the start of epoch 1
@@ -86,7 +90,7 @@ def test_prefetch_runs_ahead_and_stays_within_the_window(tmp_path):
     files = objs(40)
 
     async def fn(cache, pf, backend):
-        pf.load(files)
+        await pf.load(files)
         await trio.sleep(0.5)
         await cache.wait_idle()
         return pf.statistics(), sum(backend.calls.values())
@@ -102,7 +106,7 @@ def test_bandwidth_cap_paces_prefetch(tmp_path):
     rate = 4 * BS  # bytes per second
 
     async def fn(cache, pf, backend):
-        pf.load(files)
+        await pf.load(files)
         pf.lead = 1e9
         start = trio.current_time()
         for f in files:

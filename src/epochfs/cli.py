@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from epochfs import __version__
-from epochfs.config import DEFAULT_CACHE_DIR, Config, Source, parse_rate, parse_size, read_config_file
+from epochfs.config import (
+    DEFAULT_CACHE_DIR,
+    Config,
+    Source,
+    parse_mode,
+    parse_rate,
+    parse_size,
+    read_config_file,
+)
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.prefetch.manifest import Entry
 
@@ -33,6 +41,13 @@ Credentials come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCES
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mode(text: str) -> int:
+    try:
+        return parse_mode(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -127,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--foreground", action="store_true", help="stay attached; unmount on SIGINT/SIGTERM")
     g.add_argument("--allow-other", action="store_true",
                    help="let other users read the mount (needs user_allow_other in /etc/fuse.conf unless root)")
+    g.add_argument("--file-mode", type=_mode, metavar="OCTAL",
+                   help="present every file with this mode (default: the source's for file://, 0444 for S3)")
+    g.add_argument("--dir-mode", type=_mode, metavar="OCTAL",
+                   help="present every directory with this mode (default: the source's for file://, 0555 for S3)")
+    g.add_argument("--uid", type=int, metavar="N",
+                   help="present every entry as owned by this user (default: the source's for file://, else "
+                   "the daemon's)")
+    g.add_argument("--gid", type=int, metavar="N", help="likewise for the group")
     g.add_argument("--attr-timeout", type=float, default=3600.0, metavar="SECONDS",
                    help="how long the kernel may cache names and attributes (default: %(default)s)")
     g.add_argument("-o", dest="fuse_options", action="append", default=[], metavar="OPT",
@@ -307,7 +330,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         attr_timeout=args.attr_timeout, eviction=args.eviction, prefetch_bandwidth=args.prefetch_bandwidth,
         prefetch_lead=args.prefetch_lead, backend_bandwidth=args.backend_bandwidth, allow_other=args.allow_other,
         foreground=args.foreground, metrics_addr=args.metrics_addr, meta=args.meta, meta_name=args.meta_name,
-        meta_poll=args.meta_poll,
+        meta_poll=args.meta_poll, file_mode=args.file_mode, dir_mode=args.dir_mode, uid=args.uid, gid=args.gid,
         debug=args.debug, fuse_options=tuple(args.fuse_options),
     )
 
@@ -315,8 +338,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def setup_logging(debug: bool, log_file: Path | None) -> None:
     handler: logging.Handler
     if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.handlers.RotatingFileHandler(log_file, maxBytes=32 << 20, backupCount=3)
+        from epochfs.private import PrivateLogFile
+
+        handler = PrivateLogFile(log_file, maxBytes=32 << 20, backupCount=3)
     else:
         handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -353,14 +377,20 @@ def cmd_mount(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _spawn_daemon(config: Config, args: argparse.Namespace, argv: list[str]) -> int:
+    from epochfs.private import open_private, private_dir
+
     log_file = args.log_file or config.cache_dir / "epochfs.log"
-    config.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(config.cache_dir)  # checked before anything is written into it
+    log_fd = open_private(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "epochfs", *argv, "--foreground", "--ready-fd", str(write_fd),
            "--log-file", str(log_file)]
-    proc = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=open(log_file, "ab"))  # noqa: SIM115
-    os.close(write_fd)
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=log_fd)
+    finally:
+        os.close(write_fd)
+        os.close(log_fd)
     with os.fdopen(read_fd, "rb") as pipe:
         answer = pipe.read().decode(errors="replace").strip()
     if answer == "ok":

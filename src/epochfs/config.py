@@ -115,6 +115,10 @@ class Config:
     meta: str | None = None  # lmdb://PATH or redis://HOST:PORT/DB; None = LMDB in the cache directory
     meta_name: str | None = None  # dataset name in a shared store; None = the source URL
     meta_poll: float = 0.0  # seconds between checks for a newer snapshot; 0 = only on 'epochfs refresh'
+    file_mode: int | None = None  # present every file with these permission bits (default: the source's, or 0444)
+    dir_mode: int | None = None  # and every directory with these (default: the source's, or 0555)
+    uid: int | None = None  # present every entry as owned by this user (default: the source's, or the daemon's)
+    gid: int | None = None
     allow_other: bool = False
     foreground: bool = False
     debug: bool = False
@@ -151,6 +155,27 @@ class Config:
             raise ConfigError("--meta-poll must be >= 0")
         if self.snapshot_ttl < 0:
             raise ConfigError("--snapshot-ttl must be >= 0")
+        if self.backend_attempts < 1:
+            raise ConfigError("--backend-attempts must be >= 1")
+        for name in ("file_mode", "dir_mode"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 0o777:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an octal mode from 000 to 777")
+        for name in ("uid", "gid"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 0xFFFFFFFF:
+                raise ConfigError(f"--{name} must be a user or group number")
+
+
+def parse_mode(text: str) -> int:
+    """An octal permission mode: ``'0444'``, ``'755'``."""
+    try:
+        mode = int(str(text), 8)
+    except ValueError:
+        raise ConfigError(f"not an octal mode: {text!r} (examples: 0444, 755)") from None
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"not a permission mode: {text!r} (000 to 777)")
+    return mode
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

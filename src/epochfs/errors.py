@@ -40,8 +40,9 @@ class NotFound(EpochfsError):
     """A name or inode that the snapshot does not contain."""
 
 
-class CorruptBlock(EpochfsError):
-    """A cached block failed verification. Internal: it is handled as a miss, never surfaced."""
+class CacheUnreadable(EpochfsError):
+    """A cached block could not be read (out of descriptors or memory, a disk error). Not evidence of
+    damage: the block is kept, the reader gets EIO."""
 
 
 _ERRNO: tuple[tuple[type[BaseException], int], ...] = (

@@ -21,7 +21,7 @@ import stat
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pyfuse3
@@ -29,6 +29,7 @@ import pyfuse3
 from epochfs.cache.service import BlockCache, ReadStream
 from epochfs.errors import EpochfsError, NotFound, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, File, Namespace
+from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,35 @@ def _translated(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class Presentation:
+    """How entries are presented: the source's permission bits and owners where it has them (a
+    ``file://`` source), the kernel then enforcing them (``default_permissions``); uniform
+    ``file_mode``/``dir_mode``/``uid``/``gid`` where it has none (S3) or where they are given.
+    Set-id and sticky bits are never presented."""
+
+    file_mode: int | None = None
+    dir_mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    default_uid: int = field(default_factory=os.getuid)
+    default_gid: int = field(default_factory=os.getgid)
+
+    @staticmethod
+    def mode(info: ObjectInfo | None, forced: int | None, default: int) -> int:
+        if forced is not None:
+            return forced & 0o777
+        if info is not None and info.mode is not None:
+            return info.mode & 0o777
+        return default
+
+    @staticmethod
+    def owner(own: int | None, forced: int | None, default: int) -> int:
+        if forced is not None:
+            return forced
+        return own if own is not None else default
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
@@ -81,20 +111,18 @@ class Operations(pyfuse3.Operations):
         *,
         attr_timeout: float,
         root_xattrs: Mapping[bytes, Callable[[], bytes]],
-        uid: int | None = None,
-        gid: int | None = None,
+        presentation: Presentation | None = None,
     ) -> None:
         super().__init__()
         self.namespace = namespace
         self.cache = cache
         self.attr_timeout = attr_timeout
         self.root_xattrs = dict(root_xattrs)
-        self.uid = os.getuid() if uid is None else uid
-        self.gid = os.getgid() if gid is None else gid
+        self.present = presentation or Presentation()
         self.errors: Counter[str] = Counter()
         self.read_latency = Histogram()
         self._streams: dict[int, ReadStream] = {}
-        self._dirs: dict[int, Dir] = {}
+        self._dirs: dict[int, tuple[Namespace, Dir]] = {}
         self._next_fh = 1
 
     # -- attributes ------------------------------------------------------------------------------------
@@ -105,20 +133,23 @@ class Operations(pyfuse3.Operations):
         attr.generation = 0
         attr.entry_timeout = self.attr_timeout
         attr.attr_timeout = self.attr_timeout
-        attr.st_uid = self.uid
-        attr.st_gid = self.gid
         attr.st_blksize = 128 << 10
+        p = self.present
         if isinstance(node, File):
-            attr.st_mode = stat.S_IFREG | 0o444
+            info: ObjectInfo | None = node.obj
+            attr.st_mode = stat.S_IFREG | p.mode(node.obj, p.file_mode, 0o444)
             attr.st_nlink = 1
             attr.st_size = node.obj.size
             attr.st_blocks = -(-node.obj.size // 512)
             mtime = node.obj.mtime_ns
         else:
-            attr.st_mode = stat.S_IFDIR | 0o555
+            info = node.info
+            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, 0o555)
             attr.st_nlink = 2
             attr.st_size = 0
-            mtime = self.namespace.mtime_ns
+            mtime = info.mtime_ns if info is not None else self.namespace.mtime_ns
+        attr.st_uid = p.owner(info.uid if info is not None else None, p.uid, p.default_uid)
+        attr.st_gid = p.owner(info.gid if info is not None else None, p.gid, p.default_gid)
         attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime
         return attr
 
@@ -150,15 +181,15 @@ class Operations(pyfuse3.Operations):
         if not isinstance(node, Dir):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self._new_fh()
-        self._dirs[fh] = node
+        self._dirs[fh] = (self.namespace, node)  # a listing reads the snapshot it was opened on
         return fh
 
     @_translated
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        node = self._dirs[fh]
+        namespace, node = self._dirs[fh]
         names = node.names
         for i in range(start_id, len(names)):
-            child = self.namespace.node(node.children[names[i]])
+            child = namespace.node(node.children[names[i]])
             if not pyfuse3.readdir_reply(token, names[i], self._attrs(child), i + 1):
                 break
 

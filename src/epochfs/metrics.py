@@ -12,6 +12,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,10 +22,19 @@ from prometheus_client.registry import Collector
 from epochfs.errors import ConfigError
 from epochfs.stats import HistogramSnapshot
 
+if TYPE_CHECKING:
+    from epochfs.backend.base import BackendStats
+    from epochfs.cache.service import CacheStats
+    from epochfs.cache.store import StoreStats
+    from epochfs.fs import FsStats
+    from epochfs.meta.snapshots import SnapshotStats
+    from epochfs.prefetch.scheduler import PrefetchStats
+
 log = logging.getLogger(__name__)
 
 PREFIX = "epochfs_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_CONNECTIONS = 16  # concurrent scrapes; more are closed at once
 
 # name: (type, help). The name of a counter here is without its "_total" suffix.
 METRICS: dict[str, tuple[str, str]] = {
@@ -49,21 +59,31 @@ METRICS: dict[str, tuple[str, str]] = {
     "prefetch_inflight": ("gauge", "Prefetch fetches in flight."),
     "manifest_position": ("gauge", "Index of the reader's current file in the manifest plan."),
     "manifest_files": ("gauge", "Files in the manifest plan (current and queued epochs)."),
-    "errors": ("counter", "Errors by kind: errno answered to readers, cache_write for failed cache fills."),
+    "errors": ("counter", "Errors by kind: errno answered to readers, cache_write / cache_read for failed "
+               "cache fills / reads of cached blocks."),
     "snapshot_version": ("gauge", "Version of the namespace snapshot being served."),
     "snapshot_objects": ("gauge", "Objects in the namespace snapshot."),
     "meta_reachable": ("gauge", "1 if the metadata store answered the last request, else 0 (serving the loaded snapshot)."),
 }
 
 
-def full_name(short: str) -> str:
-    kind, _ = METRICS[short]
-    return PREFIX + short + ("_total" if kind == "counter" else "")
+@dataclass(frozen=True)
+class Collected:
+    """Every component's statistics, read at one moment on the trio thread (the composition root
+    gathers them; the metrics and ``epochfs status`` render them)."""
+
+    cache: CacheStats
+    store: StoreStats
+    backend: BackendStats
+    fs: FsStats
+    prefetch: PrefetchStats
+    snapshot: SnapshotStats
+    backend_bandwidth: float | None = None
 
 
 @dataclass(frozen=True)
 class Sample:
-    """A statistics snapshot of the daemon, as plain values (built by the composition root)."""
+    """The daemon's series, as plain values."""
 
     values: dict[str, float]  # unlabelled series by short name
     backend_requests: dict[tuple[str, str], int]
@@ -72,12 +92,39 @@ class Sample:
     histograms: dict[str, HistogramSnapshot]
 
 
+def sample_of(c: Collected) -> Sample:
+    """The one mapping from component statistics to series names."""
+    cache, store, pf, snap = c.cache, c.store, c.prefetch, c.snapshot
+    values: dict[str, float] = {
+        "cache_hits": cache.hits, "cache_misses": cache.misses,
+        "cache_hit_bytes": cache.hit_bytes, "cache_miss_bytes": cache.miss_bytes,
+        "cache_used_bytes": store.used_bytes, "cache_capacity_bytes": store.capacity_bytes,
+        "cache_blocks": store.blocks, "cache_evictions": store.evictions,
+        "cache_corrupt_blocks": store.corrupt_blocks, "cache_not_admitted": store.not_admitted,
+        "prefetch_queued_bytes": pf.queued_bytes, "prefetch_lead_bytes": pf.lead_bytes,
+        "prefetch_lead_seconds": pf.lead_seconds or 0.0, "prefetch_inflight": pf.inflight,
+        "manifest_position": pf.file_position, "manifest_files": pf.files,
+        "snapshot_version": snap.version, "snapshot_objects": snap.objects,
+        "meta_reachable": 1.0 if snap.reachable else 0.0,
+    }
+    if c.backend_bandwidth:
+        values["backend_bandwidth_limit_bytes"] = c.backend_bandwidth
+    errors = dict(c.fs.errors)
+    errors["cache_write"] = store.fill_errors
+    errors["cache_read"] = store.read_errors
+    histograms = {"read_seconds": c.fs.read_seconds}
+    if c.backend.request_seconds is not None:
+        histograms["backend_request_seconds"] = c.backend.request_seconds
+    return Sample(values, c.backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},
+                  errors, histograms)
+
+
 class DaemonCollector(Collector):
-    def __init__(self, sample: Callable[[], Sample]) -> None:
-        self._sample = sample
+    def __init__(self, collect: Callable[[], Collected]) -> None:
+        self._collect = collect
 
     def collect(self) -> Iterator[Metric]:
-        s = self._sample()
+        s = sample_of(self._collect())
         for short, value in s.values.items():
             kind, help_text = METRICS[short]
             if kind == "counter":
@@ -127,10 +174,11 @@ def is_loopback(host: str) -> bool:
 class MetricsServer:
     """A minimal HTTP server for ``GET /metrics`` on the trio loop."""
 
-    def __init__(self, host: str, port: int, sample: Callable[[], Sample]) -> None:
+    def __init__(self, host: str, port: int, collect: Callable[[], Collected]) -> None:
         self.host, self.port = host, port
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DaemonCollector(sample))
+        self.registry.register(DaemonCollector(collect))
+        self._slots = trio.Semaphore(MAX_CONNECTIONS)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -153,23 +201,35 @@ class MetricsServer:
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:
             try:
-                with trio.fail_after(10):
-                    head = b""
-                    while b"\r\n\r\n" not in head and len(head) < 16384:
-                        chunk = await stream.receive_some(4096)
-                        if not chunk:
-                            return
-                        head += chunk
-                    parts = head.split(b"\r\n", 1)[0].split()
-                    if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
-                        await self._reply(stream, 405, b"method not allowed\n", "text/plain")
-                    elif parts[1].split(b"?")[0] in (b"/metrics", b"/"):
-                        body = self.render()
-                        await self._reply(stream, 200, body if parts[0] == b"GET" else b"", CONTENT_TYPE, len(body))
-                    else:
-                        await self._reply(stream, 404, b"not found; try /metrics\n", "text/plain")
-            except (trio.TooSlowError, trio.BrokenResourceError, OSError):
-                return
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                return  # too many scrapers at once: closed at once, so they cannot eat our descriptors
+            try:
+                await self._answer(stream)
+            finally:
+                self._slots.release()
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        try:
+            with trio.fail_after(10):
+                head = b""
+                while b"\r\n\r\n" not in head and len(head) < 16384:
+                    chunk = await stream.receive_some(4096)
+                    if not chunk:
+                        return
+                    head += chunk
+                parts = head.split(b"\r\n", 1)[0].split()
+                if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
+                    await self._reply(stream, 405, b"method not allowed\n", "text/plain")
+                elif parts[1].split(b"?")[0] in (b"/metrics", b"/"):
+                    body = self.render()
+                    await self._reply(stream, 200, body if parts[0] == b"GET" else b"", CONTENT_TYPE, len(body))
+                else:
+                    await self._reply(stream, 404, b"not found; try /metrics\n", "text/plain")
+        except (trio.TooSlowError, trio.BrokenResourceError, OSError):
+            return
+        except Exception:  # a scrape never takes the daemon down
+            log.exception("metrics: unexpected error answering a scrape")
 
     @staticmethod
     async def _reply(stream: trio.SocketStream, status: int, body: bytes, ctype: str, length: int | None = None) -> None:

@@ -1,6 +1,6 @@
 """Backends: where the bytes come from. See :mod:`epochfs.backend.base` for the contract."""
 
-from epochfs.backend.base import Backend, BackendStats, ObjectInfo
+from epochfs.backend.base import Backend, BackendStats
 from epochfs.config import Config
 
 
@@ -15,4 +15,4 @@ def open_backend(config: Config) -> Backend:
     return LocalBackend(config)
 
 
-__all__ = ["Backend", "BackendStats", "ObjectInfo", "open_backend"]
+__all__ = ["Backend", "BackendStats", "open_backend"]

@@ -29,21 +29,12 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from epochfs.errors import BackendUnavailable
+from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    """One object of the dataset, as listed: key relative to the source root."""
-
-    key: str
-    size: int
-    mtime_ns: int
-    etag: str
 
 
 @dataclass(frozen=True)

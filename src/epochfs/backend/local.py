@@ -1,8 +1,16 @@
 """Directory backend: a dataset on a slow shared filesystem (NFS, Lustre, a network mount).
 
-The "ETag" of a file is derived from its inode, size and mtime; a read checks it before and after
-reading, so a file replaced or rewritten underneath is reported as changed, never mixed.
-Only regular files are listed; symbolic links are skipped (they could point outside the dataset).
+Every path is resolved beneath the source root one component at a time, each opened with
+``O_NOFOLLOW`` relative to its parent's descriptor: no symbolic link is ever followed, anywhere in a
+path, so neither a link inside the source nor a snapshot entry naming one (a shared store may hold
+any name) can reach a file outside the source. Listing skips symbolic links, special files and names
+that are not UTF-8.
+
+The version tag ("ETag") of a file is its device, inode, size, mtime and ctime: a file replaced,
+rewritten or rewritten in place with its mtime restored gets a new tag (the ctime moves on any
+change). A read checks the tag before and after reading, so a file changed underneath is reported as
+changed, never mixed. Directories are listed as markers carrying their mode and owner, so the mount
+presents the source's permissions (see :class:`epochfs.fs.Presentation`).
 """
 
 from __future__ import annotations
@@ -14,15 +22,45 @@ import stat
 import time
 from collections.abc import Iterator
 
-from epochfs.backend.base import Backend, BackendStats, ObjectInfo, StatsRecorder
+from epochfs.backend.base import Backend, BackendStats, StatsRecorder
 from epochfs.config import Config
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO planted under a file's name must not block; it is refused below.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
 
 def file_etag(st: os.stat_result) -> str:
-    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+    return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_ctime_ns:x}"
+
+
+def _info(key: str, st: os.stat_result, etag: str) -> ObjectInfo:
+    return ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns, etag=etag,
+                      mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
+
+
+def open_beneath(root: str, key: str, *, directory: bool = False) -> int:
+    """Open ``key`` (``/``-separated, relative) beneath ``root`` without following any symbolic link.
+    Raises OSError: ELOOP or ENOTDIR where a component is a link, ENOENT, EACCES, ..."""
+    parts = key.split("/") if key else []
+    if any(p in ("", ".", "..") for p in parts):
+        raise OSError(errno.EINVAL, f"not a relative path: {key!r}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = _FILE_FLAGS if last and not directory else _DIR_FLAGS
+            child = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class LocalBackend(Backend):
@@ -41,26 +79,47 @@ class LocalBackend(Backend):
         while stack:
             rel = stack.pop()
             try:
-                entries = list(os.scandir(os.path.join(self.root, rel)))
+                fd = open_beneath(self.root, rel, directory=True)
             except OSError as exc:
                 self._stats.record("list", "error")
-                raise BackendUnavailable(f"listing {os.path.join(self.root, rel)}: {exc}") from None
-            self._stats.record("list", "ok")
-            for entry in entries:
-                key = f"{rel}/{entry.name}" if rel else entry.name
+                raise BackendUnavailable(f"listing {os.path.join(self.root, rel)}: {exc.strerror}") from None
+            try:
+                yield from self._list_dir(fd, rel, stack)
+            finally:
+                os.close(fd)
+
+    def _list_dir(self, fd: int, rel: str, stack: list[str]) -> Iterator[ObjectInfo]:
+        """The marker of the directory open at ``fd`` and its files; its subdirectories go on ``stack``."""
+        try:
+            st = os.fstat(fd)
+            entries = list(os.scandir(fd))
+        except OSError as exc:
+            self._stats.record("list", "error")
+            raise BackendUnavailable(f"listing {os.path.join(self.root, rel)}: {exc.strerror}") from None
+        self._stats.record("list", "ok")
+        yield _info(f"{rel}/" if rel else "", st, "")  # the directory's marker: its mode and owner
+        for entry in entries:
+            key = f"{rel}/{entry.name}" if rel else entry.name
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                log.warning("skipping %r: not valid UTF-8", key)
+                continue
+            try:
                 if entry.is_symlink():
                     log.warning("skipping symbolic link %r", key)
                 elif entry.is_dir(follow_symlinks=False):
                     stack.append(key)
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
-                    yield ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns, etag=file_etag(st))
+                    yield _info(key, st, file_etag(st))
+            except OSError as exc:  # gone meanwhile
+                log.info("skipping %r: %s", key, exc.strerror)
 
     def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
         started = time.monotonic()
-        path = os.path.join(self.root, key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_beneath(self.root, key)
         except FileNotFoundError:
             self._stats.record("get", "changed")
             raise ObjectChanged(f"{key}: deleted") from None
@@ -68,10 +127,11 @@ class LocalBackend(Backend):
             self._stats.record("get", "denied")
             raise AccessDenied(f"{key}: permission denied") from None
         except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EINVAL):
+                self._stats.record("get", "changed")
+                raise ObjectChanged(f"{key}: not a file beneath the source root (a symbolic link?)") from None
             self._stats.record("get", "error")
-            if exc.errno == errno.ELOOP:
-                raise ObjectChanged(f"{key}: replaced by a symbolic link") from None
-            raise BackendUnavailable(f"{key}: {exc}") from None
+            raise BackendUnavailable(f"{key}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or file_etag(st) != etag:
@@ -92,7 +152,7 @@ class LocalBackend(Backend):
                 raise ObjectChanged(f"{key}: changed while reading")
         except OSError as exc:
             self._stats.record("get", "error")
-            raise BackendUnavailable(f"{key}: {exc}") from None
+            raise BackendUnavailable(f"{key}: {exc.strerror}") from None
         finally:
             os.close(fd)
         self._stats.record("get", "ok", len(data), time.monotonic() - started)

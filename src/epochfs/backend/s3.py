@@ -15,8 +15,12 @@ returned.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import re
+import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -29,9 +33,10 @@ import botocore.config
 import botocore.exceptions
 import urllib3.exceptions
 
-from epochfs.backend.base import Backend, BackendStats, ObjectInfo, StatsRecorder, TemporaryFailure, retry
+from epochfs.backend.base import Backend, BackendStats, StatsRecorder, TemporaryFailure, retry
 from epochfs.config import Config
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,57 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
 _PROBE_KEY = "epochfs-probe"
 _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
+
+
+class Watchdog:
+    """One thread that shuts down the sockets of requests whose deadline has passed; the blocked reader
+    then fails at once (and the request is not retried: its deadline is gone)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, socket.socket]] = []
+        self._live: set[int] = set()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, deadline: float, sock: socket.socket) -> int:
+        token = next(self._ids)
+        with self._cond:
+            self._live.add(token)
+            heapq.heappush(self._heap, (deadline, token, sock))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="epochfs-deadlines", daemon=True)
+                self._thread.start()
+            elif self._heap[0][1] == token:
+                self._cond.notify()
+        return token
+
+    def release(self, token: int) -> None:
+        with self._cond:
+            self._live.discard(token)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, token, sock = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                self._live.discard(token)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
+
+
+_WATCHDOG = Watchdog()
 
 
 class S3Backend(Backend):
@@ -135,10 +191,11 @@ class S3Backend(Backend):
         if length == 0:
             return b""
         what = f"GET {key} [{start}, {start + length})"
+        deadline = time.monotonic() + self._timeout
         return retry(
-            lambda: self._get_once(key, etag, start, length),
+            lambda: self._get_once(key, etag, start, length, deadline),
             what=what,
-            deadline=time.monotonic() + self._timeout,
+            deadline=deadline,
             attempts=self._attempts,
         )
 
@@ -155,7 +212,7 @@ class S3Backend(Backend):
         botocore.auth.S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(request)
         return request.prepare()
 
-    def _get_once(self, key: str, etag: str, start: int, length: int) -> bytes:
+    def _get_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> bytes:
         started = time.monotonic()
         request = self._signed(key, {"Range": f"bytes={start}-{start + length - 1}", "If-Match": etag})
         request.stream_output = True  # the body is read below, in one call rather than 64 KiB pieces
@@ -166,10 +223,16 @@ class S3Backend(Backend):
             raise TemporaryFailure(f"{type(exc).__name__}: {exc}") from None
         raw = resp.raw
         reusable = False
+        conn = getattr(raw, "connection", None)
+        # The deadline covers the body too: a server that drips bytes has its connection shut down
+        # when the deadline passes (a per-read timeout alone would let it hold the read forever).
+        watch = _WATCHDOG.watch(deadline, conn.sock) if conn is not None and conn.sock is not None else None
         try:
             data = self._checked_body(resp, key, etag, start, length)
             reusable = True
         finally:
+            if watch is not None:
+                _WATCHDOG.release(watch)
             # A connection goes back to the pool only after a complete, correct answer: anything else
             # (an error, a body cut short or longer than asked for) may leave bytes unread on it.
             if reusable:
@@ -197,9 +260,13 @@ class S3Backend(Backend):
             raise TemporaryFailure(f"body: {type(exc).__name__}: {exc}") from None
         if status not in (200, 206):
             raise self._failure(key, etag, status, headers, data)
-        if headers.get("ETag") not in (None, etag):
+        sent = headers.get("ETag")
+        if sent is None:  # the version of these bytes cannot be checked: never cache them
+            self._stats.record("get", "retry")
+            raise TemporaryFailure("answer without an ETag")
+        if sent != etag:
             self._stats.record("get", "changed")
-            raise ObjectChanged(f"{key}: server sent version {headers['ETag']}, expected {etag}")
+            raise ObjectChanged(f"{key}: server sent version {sent}, expected {etag}")
         content_range = headers.get("Content-Range")
         if status == 206:
             m = _CONTENT_RANGE.match(content_range or "")

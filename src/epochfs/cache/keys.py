@@ -1,8 +1,9 @@
 """Pure block arithmetic and cache key derivation. No I/O.
 
-A block is identified by (source, object key, ETag, block index): a new version of an object has new
-block ids, so a cached block can never be served for another version. Block file names are a hash of
-that tuple, never the object key, so nothing under the cache directory is named by the dataset.
+A block is identified by (source, object key, ETag, block size, block index): a new version of an
+object, or a new block size, gives new block ids, so a cached block can never be served for another
+version or another geometry. Block file names are a hash of that tuple, never the object key, so
+nothing under the cache directory is named by the dataset.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import os
 CHUNK_SIZE = 64 << 10
 
 
-def block_id(source_id: str, key: str, etag: str, index: int) -> bytes:
-    """16-byte id of block ``index`` of version ``etag`` of ``key`` in ``source_id``."""
-    h = hashlib.blake2b(digest_size=16, person=b"epochfs-block-v1")
+def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int) -> bytes:
+    """16-byte id of block ``index`` of version ``etag`` of ``key`` in ``source_id``, cut at ``block_size``.
+
+    The block size is part of the id: a cache filled at one block size and mounted at another never
+    takes a block cut at the old geometry for one of the new.
+    """
+    h = hashlib.blake2b(digest_size=16, person=b"epochfs-block-v2")
     for part in (source_id, key, etag):
         raw = part.encode("utf-8", "surrogateescape")
         h.update(len(raw).to_bytes(4, "little"))
         h.update(raw)
+    h.update(block_size.to_bytes(8, "little"))
     h.update(index.to_bytes(8, "little"))
     return h.digest()
 

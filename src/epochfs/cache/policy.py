@@ -100,11 +100,13 @@ class ManifestPolicy:
 
     # -- the future --------------------------------------------------------------------------------
 
-    def set_sequence(self, sequence: Sequence[bytes]) -> None:
-        """The blocks the reader will use, in order; the reader is at position 0 of it."""
-        uses: dict[bytes, list[int]] = {}
-        for i, bid in enumerate(sequence):
-            uses.setdefault(bid, []).append(i)
+    def set_sequence(self, sequence: Sequence[bytes], uses: dict[bytes, list[int]] | None = None) -> None:
+        """The blocks the reader will use, in order; the reader is at position 0 of it. ``uses`` (block
+        -> its positions in order) may be given precomputed, so that this costs only the resident blocks."""
+        if uses is None:
+            uses = {}
+            for i, bid in enumerate(sequence):
+                uses.setdefault(bid, []).append(i)
         self._sequence, self._uses, self._pos = sequence, uses, 0
         resident = list(self._idle) + list(self._future)
         self._idle.clear()

@@ -25,10 +25,11 @@ from typing import Protocol
 
 import trio
 
-from epochfs.backend.base import Backend, ObjectInfo
+from epochfs.backend.base import Backend
 from epochfs.cache.keys import block_bounds, block_count, block_id, blocks_for_range
 from epochfs.cache.store import WOULD_BLOCK, BlockMeta, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ class BlockCache:
         block_size: int,
         concurrency: int,
         readahead_blocks: int,
+        fetch_timeout: float = 60.0,
     ) -> None:
         self.store = store
+        self.fetch_timeout = fetch_timeout
         self.backend = backend
         self.block_size = block_size
         self.readahead_blocks = readahead_blocks
@@ -109,7 +112,7 @@ class BlockCache:
     # -- reading ---------------------------------------------------------------------------------------
 
     def block_id(self, obj: ObjectInfo, index: int) -> bytes:
-        return block_id(self._source, obj.key, obj.etag, index)
+        return block_id(self._source, obj.key, obj.etag, index, block_size=self.block_size)
 
     async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview:
         """Bytes [offset, offset + size) of ``obj``, clipped to its size."""
@@ -118,12 +121,13 @@ class BlockCache:
         for index in blocks_for_range(offset, size, obj.size, self.block_size):
             start, length = block_bounds(index, obj.size, self.block_size)
             lo, hi = max(offset, start) - start, min(end, start + length) - start
-            parts.append(await self._read_block(obj, index, lo, hi))
+            parts.append(await self._read_block(obj, index, length, lo, hi))
         if len(parts) == 1:
             return parts[0]
         return b"".join(parts)
 
-    async def _read_block(self, obj: ObjectInfo, index: int, lo: int, hi: int) -> bytes | memoryview:
+    async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int) -> bytes | memoryview:
+        """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``."""
         bid = self.block_id(obj, index)
         if self.observer is not None:
             self.observer.touched(obj, index)
@@ -134,6 +138,10 @@ class BlockCache:
                 self._count(False, hi - lo)
                 return memoryview(kept)[lo:hi]
             meta = self.store.lookup(bid)
+            if meta is not None and meta.length != length:
+                # Not the block this request needs (damage): a corrupt block, dropped and fetched again.
+                self.store.drop_corrupt(bid, meta, f"stored length {meta.length}, expected {length}")
+                meta = None
             if meta is not None:
                 # Small reads are quicker inline, even from disk, than a hop to a worker thread; a large
                 # read that is not in memory goes to a thread so the loop keeps serving meanwhile.
@@ -224,9 +232,16 @@ class BlockCache:
         limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
         try:
             try:
-                data = await trio.to_thread.run_sync(
-                    self.backend.read_range, obj.key, obj.etag, start, length, limiter=limiter
-                )
+                data = None
+                # The backend bounds its own requests; this bounds what it cannot (a server that drips
+                # its headers): the readers get their error in time, the thread is left to finish.
+                with trio.move_on_after(self.fetch_timeout):
+                    data = await trio.to_thread.run_sync(
+                        self.backend.read_range, obj.key, obj.etag, start, length, limiter=limiter,
+                        abandon_on_cancel=True,
+                    )
+                if data is None:
+                    raise BackendUnavailable(f"{obj.key}: no complete answer within {self.fetch_timeout:g}s")
             except EpochfsError as exc:
                 flight.error = exc
             except Exception as exc:  # a bug or an unexpected library error: fail the read, not the mount

@@ -35,11 +35,13 @@ import xxhash
 
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath, chunk_span
 from epochfs.cache.policy import EvictionPolicy
-from epochfs.errors import ConfigError
+from epochfs.errors import CacheUnreadable, ConfigError
+from epochfs.private import open_private, private_dir, private_subdir, touch_private
 
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = b"1"
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
 _HEAD = struct.Struct("<QI")  # sequence number, block length
 _SUM = 8  # bytes of one xxh3-64 digest
@@ -78,6 +80,7 @@ class StoreStats:
     evictions: int
     corrupt_blocks: int
     fill_errors: int
+    read_errors: int
     not_admitted: int
 
 
@@ -101,6 +104,7 @@ class BlockStore:
         self._evictions = 0
         self._corrupt = 0
         self._fill_errors = 0
+        self._read_errors = 0
         self._not_admitted = 0
         self._lock_fd: int | None = None
         self._consistent = False  # the index and the block files agree (checked or shut down cleanly)
@@ -113,14 +117,14 @@ class BlockStore:
         """Lock the directory, clear leftovers of interrupted fills, open and load the index. After an
         unclean shutdown, also reconcile the index with the block files (unless ``reconcile`` is False:
         ``fsck`` reports the differences instead)."""
-        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.cache_dir)
         self._lock()
-        self.blocks_dir.mkdir(exist_ok=True, mode=0o700)
-        if self.tmp_dir.exists():
-            shutil.rmtree(self.tmp_dir)
-        self.tmp_dir.mkdir(mode=0o700)
+        for name in ("blocks", "tmp", "index"):
+            private_subdir(self.cache_dir, name)
+        shutil.rmtree(self.tmp_dir)
+        private_subdir(self.cache_dir, "tmp")
         clean = self.cache_dir / "clean"
-        self._consistent = clean.exists()
+        self._consistent = os.path.lexists(clean)
         if self._consistent:
             clean.unlink()
         try:
@@ -138,13 +142,13 @@ class BlockStore:
             self._env.close()
             self._env = None
             if self._consistent:
-                (self.cache_dir / "clean").touch(mode=0o600)
+                touch_private(self.cache_dir / "clean")
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def _lock(self) -> None:
-        fd = os.open(self.cache_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_private(self.cache_dir / "lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -162,7 +166,7 @@ class BlockStore:
         """Open the index and load it into the policy; return block id -> length."""
         self._env = lmdb.open(
             str(self.index_dir), map_size=1 << 36, subdir=True, max_dbs=0, sync=False, metasync=False,
-            readahead=False, lock=True,
+            readahead=False, lock=True, mode=0o600,
         )
         loaded: list[tuple[int, bytes, int]] = []
         bad: list[bytes] = []
@@ -238,7 +242,8 @@ class BlockStore:
             self._env = None
         shutil.rmtree(self.index_dir, ignore_errors=True)
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
-        self.blocks_dir.mkdir(mode=0o700)
+        private_subdir(self.cache_dir, "index")
+        private_subdir(self.cache_dir, "blocks")
         self.used = self._count = self._seq = 0
 
     # -- reads -----------------------------------------------------------------------------------------
@@ -277,11 +282,16 @@ class BlockStore:
 
     def finish_read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError
                     ) -> memoryview | None:
-        """Verify what :meth:`pread_range` read; drop the block if it is damaged."""
+        """Verify what :meth:`pread_range` read; drop the block if it is damaged (a missing file, a
+        wrong length or a checksum mismatch). Any other read error (EMFILE, EIO, ENOMEM) says nothing
+        about the block: it raises :class:`CacheUnreadable` and the block stays."""
         start, _ = chunk_span(lo, hi, meta.length)
+        if isinstance(data, OSError) and not isinstance(data, FileNotFoundError):
+            self._read_errors += 1
+            raise CacheUnreadable(f"cannot read cached block {bid.hex()}: {data.strerror or data}")
         why = self._verify(meta, lo, hi, data)
         if why:
-            return self._corrupt_block(bid, meta, why)
+            return self.drop_corrupt(bid, meta, why)
         self.policy.accessed(bid)
         assert not isinstance(data, OSError)
         return memoryview(data)[lo - start:hi - start]
@@ -289,7 +299,7 @@ class BlockStore:
     def advise(self, bid: bytes) -> None:
         """Ask the kernel to start reading a block file into memory (a sequential reader comes next)."""
         try:
-            fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
+            fd = os.open(self.blocks_dir / block_relpath(bid), _READ_FLAGS)
         except OSError:
             return
         try:
@@ -298,7 +308,7 @@ class BlockStore:
             os.close(fd)
 
     def _pread(self, bid: bytes, start: int, end: int, nowait: bool) -> bytes | bytearray | None:
-        fd = os.open(self.blocks_dir / block_relpath(bid), os.O_RDONLY)
+        fd = os.open(self.blocks_dir / block_relpath(bid), _READ_FLAGS)
         try:
             if nowait and self._nowait_works:
                 buf = bytearray(end - start)
@@ -318,13 +328,11 @@ class BlockStore:
             os.close(fd)
 
     @staticmethod
-    def _verify(meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
+    def _verify(meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | FileNotFoundError) -> str:
         """What is wrong with ``data`` read for [lo, hi) of a block described by ``meta``, or ""."""
         start, end = chunk_span(lo, hi, meta.length)
         if isinstance(data, FileNotFoundError):
             return "block file is missing"
-        if isinstance(data, OSError):
-            return f"read failed: {data}"
         if len(data) != end - start:
             return f"short read: {len(data)} of {end - start} bytes"
         view = memoryview(data)
@@ -343,24 +351,30 @@ class BlockStore:
         with self._env.begin() as txn:
             entries = [(bytes(k), BlockMeta.decode(bytes(v))) for k, v in txn.cursor() if len(k) == 16]
         known = {bid for bid, _ in entries}
-        damaged = 0
+        damaged = unreadable = 0
         for bid, meta in entries:
             assert meta is not None  # malformed entries were dropped when the index was opened
-            why = self._verify(meta, 0, meta.length, self.pread_range(bid, meta, 0, meta.length))
+            data = self.pread_range(bid, meta, 0, meta.length)
+            if isinstance(data, OSError) and not isinstance(data, FileNotFoundError):
+                unreadable += 1  # not evidence of damage: reported, never deleted
+                log.warning("block %s: cannot read it: %s", bid.hex(), data)
+                continue
+            why = self._verify(meta, 0, meta.length, data)
             if why:
                 damaged += 1
                 log.warning("block %s: %s", bid.hex(), why)
                 if repair:
-                    self._corrupt_block(bid, meta, why)
+                    self.drop_corrupt(bid, meta, why)
         _, orphans = self._scan(known)
         if repair:
             for path, _ in orphans:
                 path.unlink(missing_ok=True)
             self._consistent = True
-        return {"blocks": len(entries), "damaged": damaged, "orphans": len(orphans),
+        return {"blocks": len(entries), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
                 "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used}
 
-    def _corrupt_block(self, bid: bytes, meta: BlockMeta, why: str) -> None:
+    def drop_corrupt(self, bid: bytes, meta: BlockMeta, why: str) -> None:
+        """Drop a damaged block (counted as corrupt); the next read fetches it again."""
         log.warning("cache block %s is damaged (%s); dropping it", bid.hex(), why)
         self._corrupt += 1
         self._remove(bid, meta.length)
@@ -411,9 +425,14 @@ class BlockStore:
         tmp = self.tmp_dir / f"{bid.hex()}.{uuid.uuid4().hex[:8]}"
         final = self.blocks_dir / block_relpath(bid)
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(data)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            for parent in (final.parent.parent, final.parent):
+                try:
+                    os.mkdir(parent, 0o700)
+                except FileExistsError:
+                    pass
             os.replace(tmp, final)
         except BaseException:
             try:
@@ -466,5 +485,6 @@ class BlockStore:
             evictions=self._evictions,
             corrupt_blocks=self._corrupt,
             fill_errors=self._fill_errors,
+            read_errors=self._read_errors,
             not_admitted=self._not_admitted,
         )

@@ -15,9 +15,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from epochfs.backend.base import ObjectInfo
+from epochfs.errors import EpochfsError
+from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo
 
-_RECORD = struct.Struct("<QqII")  # size, mtime_ns, len(key), len(etag)
+#: One object record: size, mtime_ns, len(key), len(etag), mode, uid, gid (0xFFFFFFFF: not given).
+_RECORD = struct.Struct("<QqIIIII")
+_NONE = 0xFFFFFFFF
+#: Most objects one snapshot may hold (memory: about 0.5 GiB per million in the daemon).
+MAX_OBJECTS = 100_000_000
+
+
+class SnapshotInvalid(EpochfsError):
+    """A stored snapshot that does not decode or breaks a limit. It is refused as a whole: the daemon
+    keeps serving what it has (or, at start-up, this node's local copy)."""
 
 
 @dataclass(frozen=True)
@@ -28,27 +38,45 @@ class Snapshot:
     objects: list[ObjectInfo]
 
 
+def _opt(value: int | None) -> int:
+    return _NONE if value is None else value
+
+
 def encode_objects(objects: Iterable[ObjectInfo]) -> bytes:
-    """Records ``struct("<QqII")(size, mtime_ns, len(key), len(etag)) + key + etag`` back to back."""
+    """Records ``struct("<QqIIIII")(size, mtime_ns, len(key), len(etag), mode, uid, gid) + key + etag``
+    back to back; keys and ETags are UTF-8."""
     out = bytearray()
     for o in objects:
-        key, etag = o.key.encode("utf-8", "surrogateescape"), o.etag.encode("utf-8")
-        out += _RECORD.pack(o.size, o.mtime_ns, len(key), len(etag))
+        key, etag = o.key.encode("utf-8"), o.etag.encode("utf-8")
+        out += _RECORD.pack(o.size, o.mtime_ns, len(key), len(etag), _opt(o.mode), _opt(o.uid), _opt(o.gid))
         out += key
         out += etag
     return bytes(out)
 
 
 def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
+    """The records of one chunk, every field checked; :class:`SnapshotInvalid` for the first bad one."""
     view = memoryview(raw)
-    objects, pos, size = [], 0, _RECORD.size
+    objects, pos, head = [], 0, _RECORD.size
     while pos < len(view):
-        nbytes, mtime_ns, klen, elen = _RECORD.unpack_from(view, pos)
-        pos += size
-        key = bytes(view[pos:pos + klen]).decode("utf-8", "surrogateescape")
-        pos += klen
-        objects.append(ObjectInfo(key, nbytes, mtime_ns, bytes(view[pos:pos + elen]).decode("utf-8")))
-        pos += elen
+        if pos + head > len(view):
+            raise SnapshotInvalid(f"record at byte {pos} is cut short")
+        size, mtime_ns, klen, elen, mode, uid, gid = _RECORD.unpack_from(view, pos)
+        pos += head
+        if klen > MAX_KEY_BYTES or elen > MAX_ETAG_BYTES or pos + klen + elen > len(view):
+            raise SnapshotInvalid(f"record at byte {pos - head}: key or ETag length out of range")
+        if size > MAX_OBJECT_SIZE:
+            raise SnapshotInvalid(f"record at byte {pos - head}: size {size} is larger than {MAX_OBJECT_SIZE}")
+        if mode != _NONE and mode > 0o7777:
+            raise SnapshotInvalid(f"record at byte {pos - head}: mode {mode:o} is not a permission mode")
+        try:
+            key = str(view[pos:pos + klen], "utf-8")
+            etag = str(view[pos + klen:pos + klen + elen], "utf-8")
+        except UnicodeDecodeError:
+            raise SnapshotInvalid(f"record at byte {pos - head}: key or ETag is not UTF-8") from None
+        pos += klen + elen
+        objects.append(ObjectInfo(key, size, mtime_ns, etag, None if mode == _NONE else mode,
+                                  None if uid == _NONE else uid, None if gid == _NONE else gid))
     return objects
 
 
@@ -57,6 +85,10 @@ Progress = Callable[[int], None]  # called with the number of objects written so
 
 class MetaStore(Protocol):
     url: str
+    #: Shared by the nodes of a cluster: a node loads what was published and never lists the source.
+    shared: bool
+    #: Each node keeps a copy of the snapshot it loaded, to mount from when the store is away.
+    keeps_local_copy: bool
 
     def load(self, source: str) -> Snapshot | None:
         """The current snapshot of ``source``, or None if none was published."""

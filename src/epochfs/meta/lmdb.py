@@ -14,31 +14,38 @@ from pathlib import Path
 
 import lmdb as _lmdb
 
-from epochfs.backend.base import ObjectInfo
-from epochfs.meta.base import Progress, Snapshot, decode_objects, encode_objects
+from epochfs.meta.base import MAX_OBJECTS, Progress, Snapshot, SnapshotInvalid, decode_objects, encode_objects
+from epochfs.private import private_dir
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 2
+_FORMAT = 3
 _CHUNK = 10_000  # objects per record chunk
 _PREFIX = b"o/"
 
 
 class LmdbMetaStore:
+    shared = False
+    keeps_local_copy = False
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.url = f"lmdb://{self.path}"
 
     def _open(self) -> _lmdb.Environment:
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return _lmdb.open(str(self.path), map_size=1 << 38, subdir=True, max_dbs=0, lock=True)
+        private_dir(self.path)
+        return _lmdb.open(str(self.path), map_size=1 << 38, subdir=True, max_dbs=0, lock=True, mode=0o600)
 
     def _info(self, txn: _lmdb.Transaction, source: str) -> dict | None:
         raw = txn.get(b"info")
         if raw is None:
             return None
-        info = json.loads(bytes(raw))
-        if info.get("format") != _FORMAT or info.get("source") != source:
+        try:
+            info = json.loads(bytes(raw))
+        except ValueError:
+            return None  # damaged: treated as no snapshot (the source is listed again)
+        if not isinstance(info, dict) or info.get("format") != _FORMAT or info.get("source") != source:
             return None
         return info
 
@@ -62,8 +69,12 @@ class LmdbMetaStore:
                 info = self._info(txn, source)
                 if info is None:
                     return None
+                chunks, count = info.get("chunks"), info.get("objects")
+                if not (isinstance(chunks, int) and isinstance(count, int) and 0 <= count <= MAX_OBJECTS
+                        and 0 <= chunks <= count):
+                    raise SnapshotInvalid(f"info says {count!r} objects in {chunks!r} chunks")
                 objects: list[ObjectInfo] = []
-                for n in range(info["chunks"]):
+                for n in range(chunks):
                     raw = txn.get(_PREFIX + n.to_bytes(8, "big"))
                     if raw is None:
                         raise KeyError(f"chunk {n}")
@@ -72,7 +83,7 @@ class LmdbMetaStore:
                 log.warning("metadata store %s is incomplete; the source will be listed again", self.path)
                 return None
             return Snapshot(source, int(info["version"]), float(info["created"]), objects)
-        except (_lmdb.Error, ValueError, KeyError, UnicodeDecodeError) as exc:
+        except (_lmdb.Error, ValueError, KeyError, TypeError, SnapshotInvalid) as exc:
             log.warning("metadata store %s is damaged (%s); the source will be listed again", self.path, exc)
             return None
         finally:

@@ -8,7 +8,9 @@ log line each and never become entries:
 - a component over 255 bytes, or a whole path over 4000 bytes;
 - a key that is a file and also the prefix of other keys (the directory wins, as in mountpoint-s3).
 
-A key ending in ``/`` with no data is a directory marker: it makes the directory, not a file.
+A key ending in ``/`` with no data is a directory marker: it makes the directory, not a file, and
+carries the directory's attributes where the source has them (mode, owner, mtime). The empty key is the
+marker of the root.
 Inode numbers are assigned in sorted path order, so the same snapshot always gets the same numbers.
 """
 
@@ -19,7 +21,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from epochfs.backend.base import ObjectInfo
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class Dir:
     path: str
     children: dict[bytes, int]
     names: list[bytes]  # sorted, for readdir offsets
+    info: ObjectInfo | None = None  # its marker, if the listing had one
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,11 @@ class Namespace:
         cached inodes never come to mean another file."""
         files: dict[str, ObjectInfo] = {}
         dirs: set[str] = {""}
+        markers: dict[str, ObjectInfo] = {}
         for obj in objects:
+            if obj.key == "" and not obj.size:
+                markers[""] = obj  # the root's marker
+                continue
             reason = unsafe_reason(obj.key)
             if reason is None and obj.key.endswith("/") and obj.size:
                 reason = "a directory marker with data"
@@ -96,6 +103,7 @@ class Namespace:
                 dirs.add("/".join(parts[:i]))
             if obj.key.endswith("/"):
                 dirs.add(path)
+                markers[path] = obj
             else:
                 files[path] = obj
         for path in sorted(dirs.intersection(files)):
@@ -117,7 +125,8 @@ class Namespace:
             inode_of[path] = inode
             if inode >= len(nodes):
                 nodes.extend([None] * (inode + 1 - len(nodes)))
-            nodes[inode] = File(inode, path, files[path]) if path in files else Dir(inode, path, {}, [])
+            nodes[inode] = File(inode, path, files[path]) if path in files else Dir(inode, path, {}, [],
+                                                                                    markers.get(path))
         for path, inode in inode_of.items():
             if path:
                 parent_path, _, name = path.rpartition("/")
@@ -173,12 +182,14 @@ def diff(old: Namespace, new: Namespace) -> tuple[list[tuple[int, bytes]], list[
     before, after = old.by_path(), new.by_path()
     entries: list[tuple[int, bytes]] = []
     inodes: set[int] = set()
+    if before[""].info != after[""].info:  # type: ignore[union-attr]
+        inodes.add(ROOT_INODE)
     for path in before.keys() | after.keys():
         if not path:
             continue
         o, n = before.get(path), after.get(path)
         if o is not None and n is not None and type(o) is type(n) and o.inode == n.inode and (
-                isinstance(o, Dir) or o.obj == n.obj):  # type: ignore[union-attr]
+                o.info == n.info if isinstance(o, Dir) else o.obj == n.obj):  # type: ignore[union-attr]
             continue
         parent_path, _, name = path.rpartition("/")
         parent = after.get(parent_path) or before[parent_path]

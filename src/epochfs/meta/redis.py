@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import urllib.parse
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import redis
 
-from epochfs.backend.base import ObjectInfo
 from epochfs.errors import BackendUnavailable, ConfigError
-from epochfs.meta.base import Progress, Snapshot, decode_objects, encode_objects
+from epochfs.meta.base import MAX_OBJECTS, Progress, Snapshot, SnapshotInvalid, decode_objects, encode_objects
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2
 _CHUNK = 20_000  # objects per chunk value
 _KEEP = 2  # versions kept: the current one and the one before
 
@@ -31,7 +33,49 @@ class MetaUnavailable(BackendUnavailable):
     """The shared metadata store cannot be reached."""
 
 
+_BATCH = 64  # chunks fetched per round trip
+
+
+@dataclass(frozen=True)
+class _Info:
+    source: str
+    created: float
+    objects: int
+    chunks: int
+
+
+def _version(raw: bytes, where: str) -> int:
+    if not raw.isdigit() or len(raw) > 18 or int(raw) < 1:
+        raise SnapshotInvalid(f"{where} is {raw[:32]!r}, not a version number")
+    return int(raw)
+
+
+def _info(raw: bytes, version: int, url: str) -> _Info:
+    """The info record of a version, checked: the right format and version, counts in range."""
+    what = f"snapshot version {version} in {url}"
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        raise SnapshotInvalid(f"{what}: its info is not JSON") from None
+    if not isinstance(info, dict):
+        raise SnapshotInvalid(f"{what}: its info is not a JSON object")
+    if info.get("format") != _FORMAT:
+        raise SnapshotInvalid(f"{what} has format {info.get('format')!r}; this daemon reads format {_FORMAT}: "
+                              "publish it again with 'epochfs import'")
+    source, created = info.get("source"), info.get("created")
+    objects, chunks = info.get("objects"), info.get("chunks")
+    if (not isinstance(source, str) or info.get("version") != version
+            or not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created)
+            or not isinstance(objects, int) or isinstance(objects, bool) or not 0 <= objects <= MAX_OBJECTS
+            or not isinstance(chunks, int) or isinstance(chunks, bool) or not 0 <= chunks <= max(1, objects)):
+        raise SnapshotInvalid(f"{what}: its info is malformed or out of range")
+    return _Info(source, float(created), objects, chunks)
+
+
 class RedisMetaStore:
+    shared = True
+    keeps_local_copy = True
+
     def __init__(self, url: str, name: str | None = None) -> None:
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
@@ -51,14 +95,15 @@ class RedisMetaStore:
             raise MetaUnavailable(f"metadata store {self.url} is unreachable: {exc}") from None
         except redis.exceptions.TimeoutError as exc:
             raise MetaUnavailable(f"metadata store {self.url} timed out: {exc}") from None
-        except redis.exceptions.ResponseError as exc:
+        except redis.exceptions.RedisError as exc:  # an error answer (WRONGTYPE, OOM, ...)
             raise MetaUnavailable(f"metadata store {self.url}: {exc}") from None
 
     def current_version(self, source: str) -> int | None:
         raw = self._call(self._redis.get, self._prefix(source) + "current")
-        return int(raw) if raw is not None else None
+        return None if raw is None else _version(raw, f"{self._prefix(source)}current")
 
     def load(self, source: str) -> Snapshot | None:
+        """The current snapshot, every field checked (:class:`SnapshotInvalid` if one is wrong)."""
         for _ in range(3):  # the version may be replaced while we read it
             version = self.current_version(source)
             if version is None:
@@ -67,21 +112,28 @@ class RedisMetaStore:
             raw = self._call(self._redis.get, vp + "info")
             if raw is None:
                 continue
-            info = json.loads(raw)
-            if info.get("format") != _FORMAT:
-                raise ConfigError(f"snapshot version {version} in {self.url} has an unknown format")
-            pipe = self._redis.pipeline(transaction=False)
-            for n in range(info["chunks"]):
-                pipe.get(f"{vp}chunk:{n}")
-            chunks = self._call(pipe.execute)
-            if any(c is None for c in chunks):
-                continue
+            info = _info(raw, version, self.url)
             objects: list[ObjectInfo] = []
-            for c in chunks:
-                objects += decode_objects(c)
-            if len(objects) != info["objects"]:
+            complete = True
+            for first in range(0, info.chunks, _BATCH):
+                pipe = self._redis.pipeline(transaction=False)
+                for n in range(first, min(first + _BATCH, info.chunks)):
+                    pipe.get(f"{vp}chunk:{n}")
+                chunks = self._call(pipe.execute)
+                if any(c is None for c in chunks):
+                    complete = False  # replaced while we read it
+                    break
+                for c in chunks:
+                    objects += decode_objects(c)
+                if len(objects) > info.objects:
+                    raise SnapshotInvalid(f"snapshot version {version} in {self.url} holds more objects than "
+                                          f"its info says ({info.objects})")
+            if not complete:
                 continue
-            return Snapshot(info["source"], version, float(info["created"]), objects)
+            if len(objects) != info.objects:
+                raise SnapshotInvalid(f"snapshot version {version} in {self.url} holds {len(objects)} objects, "
+                                      f"its info says {info.objects}")
+            return Snapshot(info.source, version, info.created, objects)
         raise MetaUnavailable(f"snapshot of {source} in {self.url} kept changing while loading it")
 
     def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
@@ -116,10 +168,12 @@ class RedisMetaStore:
 
     def get_manifest(self, source: str, name: str) -> str | None:
         raw = self._call(self._redis.get, f"{self._prefix(source)}manifest:{name}")
-        return raw.decode() if raw is not None else None
-
-    def ping(self) -> None:
-        self._call(self._redis.ping)
+        if raw is None:
+            return None
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SnapshotInvalid(f"manifest {name!r} in {self.url} is not UTF-8 text") from None
 
     def close(self) -> None:
         self._redis.close()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from epochfs.backend.base import ObjectInfo
 from epochfs.cache.keys import block_count
+from epochfs.errors import EpochfsError
+from epochfs.records import ObjectInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,16 +19,38 @@ class PlanFile:
     segment: int  # which hand-over it came from (consecutive files of one manifest share it)
 
 
+#: Most blocks one plan (the epochs handed over and not yet read) may hold: about 1 GiB of daemon
+#: memory, 32 TiB of reading at the default block size. A larger hand-over is refused.
+MAX_PLAN_BLOCKS = 1 << 23
+
+
+class PlanTooLarge(EpochfsError):
+    """A hand-over whose plan would exceed :data:`MAX_PLAN_BLOCKS`."""
+
+
+def count_blocks(objs: Iterable[ObjectInfo], block_size: int, limit: int = MAX_PLAN_BLOCKS) -> int:
+    """Blocks of ``objs`` read whole; :class:`PlanTooLarge` past ``limit`` (checked before any work)."""
+    total = sum(block_count(o.size, block_size) for o in objs)
+    if total > limit:
+        raise PlanTooLarge(f"{total} blocks is more than one hand-over may hold ({limit}); hand over a "
+                           "shorter manifest (one epoch, one rank) or use a larger --block-size")
+    return total
+
+
 class Plan:
-    """Files in read order and the block sequence they imply.
+    """Files in read order and the block sequence they imply. Built in a worker thread (it is pure and
+    may be large); only read afterwards.
 
     ``blocks[p]`` is the id of the block read at sequence position ``p``; ``offsets[p]`` is the number of
-    bytes read before it, so byte distances along the plan are differences of offsets.
+    bytes read before it, so byte distances along the plan are differences of offsets; ``uses[b]`` lists
+    the positions at which block ``b`` is read, in order (what the manifest eviction policy needs).
     """
 
     def __init__(self, files: Sequence[tuple[ObjectInfo, int | None, int]], block_size: int,
                  block_id: Callable[[ObjectInfo, int], bytes]) -> None:
+        count_blocks((obj for obj, _, _ in files), block_size)
         self.block_size = block_size
+        self.uses: dict[bytes, list[int]] = {}
         self.files: list[PlanFile] = []
         self.blocks: list[bytes] = []
         self.block_file: list[int] = []
@@ -40,7 +63,9 @@ class Plan:
             self.segment_end[segment] = fi
             self._by_key.setdefault(obj.key, []).append(fi)
             for i in range(block_count(obj.size, block_size)):
-                self.blocks.append(block_id(obj, i))
+                bid = block_id(obj, i)
+                self.uses.setdefault(bid, []).append(len(self.blocks))
+                self.blocks.append(bid)
                 self.block_file.append(fi)
                 self.offsets.append(self.offsets[-1] + min(block_size, obj.size - i * block_size))
 

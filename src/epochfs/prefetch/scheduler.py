@@ -43,11 +43,11 @@ from typing import Any
 
 import trio
 
-from epochfs.backend.base import ObjectInfo
 from epochfs.cache.keys import block_bounds, block_count
 from epochfs.cache.policy import ManifestPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.prefetch.plan import Plan
+from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -117,20 +117,26 @@ class Prefetcher:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._jobs: dict[int, WarmupJob] = {}
+        self._loading = trio.Lock()
         self._job_ids = itertools.count(1)
 
     # -- plan hand-over ------------------------------------------------------------------------------
 
-    def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None, replace: bool = False) -> dict[str, Any]:
-        """Hand over a manifest's files in read order (already partitioned for this rank)."""
-        plan = self._plan
-        keep = [] if plan is None or replace or self._finished() else plan.tail(self._file_pos)
-        segment = next(self._segments)
-        self._plan = Plan(keep + [(o, epoch, segment) for o in objs], self.cache.block_size, self.cache.block_id)
-        self._file_pos = self._position = self._cursor = 0
-        if isinstance(self.policy, ManifestPolicy):
-            self.policy.set_sequence(self._plan.blocks)
-        self._wake.set()
+    async def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None,
+                   replace: bool = False) -> dict[str, Any]:
+        """Hand over a manifest's files in read order (already partitioned for this rank). The plan is
+        built in a worker thread; hand-overs are applied one at a time, in the order they arrive."""
+        async with self._loading:
+            plan = self._plan
+            keep = [] if plan is None or replace or self._finished() else plan.tail(self._file_pos)
+            segment = next(self._segments)
+            built = await trio.to_thread.run_sync(
+                Plan, keep + [(o, epoch, segment) for o in objs], self.cache.block_size, self.cache.block_id)
+            self._plan = built
+            self._file_pos = self._position = self._cursor = 0
+            if isinstance(self.policy, ManifestPolicy):
+                self.policy.set_sequence(built.blocks, built.uses)
+            self._wake.set()
         log.info("prefetch plan: %d files (%d blocks, %d bytes) %s", len(objs), len(self._plan) - 0,
                  self._plan.total_bytes, "appended" if keep else "loaded")
         return {"files": len(objs), "queued_files": len(self._plan.files), "appended": bool(keep),
@@ -278,6 +284,7 @@ class Prefetcher:
         async with trio.open_nursery() as nursery:
             for obj in objs:
                 for index in range(block_count(obj.size, bs)):
+                    await trio.lowlevel.checkpoint()  # a long run of cached blocks must not hold the loop
                     size = block_bounds(index, obj.size, bs)[1]
                     bid = self.cache.block_id(obj, index)
                     if self.cache.is_cached(bid):
@@ -301,12 +308,16 @@ class Prefetcher:
         job.finished = True
         job.done.set()
 
-    def resident(self, objs: Sequence[ObjectInfo]) -> dict[str, int]:
+    async def resident(self, objs: Sequence[ObjectInfo]) -> dict[str, int]:
+        """How much of ``objs`` is cached (yielding to the loop as it goes)."""
         bs = self.cache.block_size
-        total = resident = files = 0
+        total = resident = files = seen = 0
         for obj in objs:
             whole = True
             for index in range(block_count(obj.size, bs)):
+                seen += 1
+                if seen % 256 == 0:
+                    await trio.lowlevel.checkpoint()
                 size = block_bounds(index, obj.size, bs)[1]
                 total += size
                 if self.cache.store.lookup(self.cache.block_id(obj, index)) is not None:
@@ -335,7 +346,7 @@ class Prefetcher:
                                  self._fetched_bytes, self.bandwidth, rate)
         pos = self._position
         end = pos
-        limit = min(len(plan), pos + 100_000)
+        limit = min(len(plan), pos + 10_000)  # bounded work per status request
         while end < limit and self.cache.is_cached(plan.blocks[end]):
             end += 1
         lead = plan.offsets[end] - plan.offsets[pos]

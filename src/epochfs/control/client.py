@@ -1,0 +1,72 @@
+"""The client's end of the control channel (the command-line tools and the Python API use it).
+
+The daemon's socket is found through the ``user.epochfs.control`` extended attribute of the mount root.
+A client talks only to a socket owned by root or by itself, and checks the daemon's credentials once
+connected: another local user cannot stand in for the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+from typing import Any
+
+from epochfs.control.protocol import encode
+from epochfs.control.server import peer_uid
+from epochfs.errors import EpochfsError
+
+CONTROL_XATTR = "user.epochfs.control"
+PID_XATTR = "user.epochfs.pid"
+_MAX_REPLY = 256 << 20
+
+
+def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
+    try:
+        path = os.getxattr(mountpoint, CONTROL_XATTR).decode("utf-8", "replace")
+    except OSError as exc:
+        raise EpochfsError(f"{os.fspath(mountpoint)} is not an epochfs mount (or its daemon is not answering): "
+                           f"{exc.strerror}") from None
+    trusted = {0, os.geteuid()}
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise EpochfsError(f"control socket {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in trusted:
+        raise EpochfsError(f"control socket {path} is not a socket owned by root or by you; refusing to use it")
+    return path
+
+
+def request(mountpoint: str | os.PathLike[str], op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+    """Send ``op`` to the daemon serving ``mountpoint`` and return its reply (without ``ok``).
+    Raises :class:`EpochfsError` with the daemon's message, or with what went wrong on the way."""
+    path = _socket_of(mountpoint)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            if peer_uid(sock) not in {0, os.geteuid()}:
+                raise EpochfsError(f"control socket {path} is served by another user; refusing to use it")
+            sock.sendall(encode({"op": op, **args}))
+            buf = bytearray()
+            while not buf.endswith(b"\n") and len(buf) <= _MAX_REPLY:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+        except TimeoutError:
+            raise EpochfsError(f"the daemon did not answer {op!r} within {timeout:g}s") from None
+        except OSError as exc:
+            raise EpochfsError(f"control channel {path}: {exc.strerror or exc}") from None
+    if not buf.strip():
+        raise EpochfsError(f"the daemon closed the connection without answering {op!r}; see its log")
+    try:
+        reply = json.loads(buf)
+    except ValueError:
+        raise EpochfsError(f"the daemon's answer to {op!r} is not readable ({len(buf)} bytes)") from None
+    if not isinstance(reply, dict):
+        raise EpochfsError(f"the daemon's answer to {op!r} is not readable")
+    if not reply.pop("ok", False):
+        raise EpochfsError(str(reply.get("error", "request failed")))
+    return reply

@@ -1,0 +1,193 @@
+"""The control protocol: one JSON object per line each way, and the typed requests it carries. Pure.
+
+Every request is parsed here into a frozen dataclass before any component sees it: its operation must be
+known, every field must have the right type and range, unknown fields are refused. A request that does
+not parse gets an error reply naming the field and changes nothing. The replies are plain JSON objects
+(``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``).
+
+Operations and fields:
+
+====================  ==========================================================================
+``status``            (none)
+``prefetch``          ``entries``, ``source``, ``epoch`` (int or null), ``replace`` (bool)
+``warmup``            ``entries``, ``source``
+``resident``          ``entries``, ``source``
+``job``               ``id`` (int): a warmup job's progress
+``refresh``           (none)
+``publish_manifest``  ``name``, ``text``: publish a manifest to the metadata store
+``get_manifest``      ``name``
+====================  ==========================================================================
+
+``entries`` is a list of ``[line, path]`` pairs (the line number in the user's manifest, for error
+messages; the path relative to the mount root); ``source`` names where they came from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from epochfs.errors import EpochfsError
+
+#: Largest request line accepted (a manifest of about ten million paths).
+MAX_REQUEST = 256 << 20
+MAX_PATH_BYTES = 4096
+MAX_NAME = 255
+MAX_SOURCE = 4096
+MAX_INT = (1 << 63) - 1
+
+
+class BadRequest(EpochfsError):
+    """A control request that does not parse; the reply names what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Refresh:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Entries:
+    """Paths named by a manifest or the command line: (line, path) pairs and where they came from."""
+
+    entries: tuple[tuple[int, str], ...]
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch(Entries):
+    epoch: int | None
+    replace: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Warmup(Entries):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Resident(Entries):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishManifest:
+    name: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class GetManifest:
+    name: str
+
+
+Request = Status | Refresh | Prefetch | Warmup | Resident | Job | PublishManifest | GetManifest
+
+
+def _int(value: Any, field: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{field!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _text(value: Any, field: str, max_bytes: int, *, empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise BadRequest(f"{field!r} must be a string")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise BadRequest(f"{field!r} is not valid UTF-8") from None
+    if size > max_bytes or (not empty and size == 0):
+        raise BadRequest(f"{field!r} must be 1 to {max_bytes} bytes")
+    return value
+
+
+def _name(value: Any) -> str:
+    name = _text(value, "name", MAX_NAME)
+    if any(ord(c) < 0x20 or c == "\x7f" for c in name):
+        raise BadRequest("'name' contains a control character")
+    return name
+
+
+def _entries(value: Any) -> tuple[tuple[int, str], ...]:
+    if not isinstance(value, list):
+        raise BadRequest("'entries' must be a list of [line, path] pairs")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, list) or len(item) != 2:
+            raise BadRequest(f"'entries'[{i}] must be a [line, path] pair")
+        line = _int(item[0], f"entries[{i}] line")
+        path = _text(item[1], f"entries[{i}] path", MAX_PATH_BYTES)
+        if "\x00" in path:
+            raise BadRequest(f"'entries'[{i}] path contains NUL")
+        out.append((line, path))
+    return tuple(out)
+
+
+# op -> (required fields, optional fields with defaults)
+_FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "status": ((), {}),
+    "refresh": ((), {}),
+    "prefetch": (("entries",), {"source": "manifest", "epoch": None, "replace": False}),
+    "warmup": (("entries",), {"source": "manifest"}),
+    "resident": (("entries",), {"source": "manifest"}),
+    "job": (("id",), {}),
+    "publish_manifest": (("name", "text"), {}),
+    "get_manifest": (("name",), {}),
+}
+OPERATIONS = tuple(_FIELDS)
+
+
+def parse(line: bytes) -> Request:
+    """The typed request in one line of the protocol; :class:`BadRequest` if it is not one."""
+    if len(line) > MAX_REQUEST:
+        raise BadRequest(f"request larger than {MAX_REQUEST} bytes")
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"not a JSON line: {exc}"[:200]) from None
+    if not isinstance(obj, dict):
+        raise BadRequest("a request is a JSON object")
+    op = obj.get("op")
+    if not isinstance(op, str) or op not in _FIELDS:
+        raise BadRequest(f"unknown operation {str(op)[:64]!r} (known: {', '.join(OPERATIONS)})")
+    required, optional = _FIELDS[op]
+    unknown = set(obj) - {"op", *required, *optional}
+    if unknown:
+        raise BadRequest(f"unknown field {sorted(unknown)[0][:64]!r} for {op}")
+    missing = [f for f in required if f not in obj]
+    if missing:
+        raise BadRequest(f"{op} needs {missing[0]!r}")
+    f = {**optional, **{k: v for k, v in obj.items() if k != "op"}}
+    if op == "status":
+        return Status()
+    if op == "refresh":
+        return Refresh()
+    if op == "job":
+        return Job(_int(f["id"], "id"))
+    if op == "publish_manifest":
+        return PublishManifest(_name(f["name"]), _text(f["text"], "text", MAX_REQUEST, empty=True))
+    if op == "get_manifest":
+        return GetManifest(_name(f["name"]))
+    entries, source = _entries(f["entries"]), _text(f["source"], "source", MAX_SOURCE)
+    if op == "prefetch":
+        epoch = None if f["epoch"] is None else _int(f["epoch"], "epoch", -MAX_INT)
+        if not isinstance(f["replace"], bool):
+            raise BadRequest("'replace' must be true or false")
+        return Prefetch(entries, source, epoch, f["replace"])
+    return Warmup(entries, source) if op == "warmup" else Resident(entries, source)
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode() + b"\n"

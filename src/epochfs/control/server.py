@@ -1,0 +1,154 @@
+"""The daemon's end of the control channel: a Unix socket, one request and one reply per connection.
+
+Only root and the user the daemon runs as may use it: the socket is mode 0600 in a private directory
+(the cache directory, or a checked private runtime directory when that path is too long for AF_UNIX),
+and the peer's credentials (SO_PEERCRED) are checked on every connection. Requests are parsed and
+validated by :mod:`.protocol` in a worker thread (a large manifest is not parsed on the event loop);
+a request that does not parse, or a handler that fails, gets an error reply: nothing a client sends
+can stop the daemon. Connections are bounded in number and in time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from epochfs.control.protocol import MAX_REQUEST, BadRequest, Request, encode, parse
+from epochfs.errors import EpochfsError
+from epochfs.private import private_dir
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Awaitable[dict[str, Any]]]
+_SUN_PATH_MAX = 107
+MAX_CONNECTIONS = 32
+RECEIVE_TIMEOUT = 60.0  # seconds to deliver a whole request
+
+
+def runtime_dir() -> Path:
+    """A private directory for sockets whose natural path is too long: ``/run/epochfs`` for root,
+    ``$XDG_RUNTIME_DIR/epochfs`` (or ``~/.cache/epochfs/run``) otherwise; never a shared ``/tmp`` path."""
+    if os.geteuid() == 0:
+        return private_dir("/run/epochfs")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return private_dir(Path(xdg) / "epochfs" if xdg else Path.home() / ".cache" / "epochfs" / "run")
+
+
+def socket_path(cache_dir: Path) -> Path:
+    """``<cache-dir>/control.sock``, or a short path in :func:`runtime_dir` when that is too long."""
+    path = Path(cache_dir).resolve() / "control.sock"
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        return path
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
+    return runtime_dir() / f"{digest}.sock"
+
+
+def peer_uid(sock: socket.socket | trio.socket.SocketType) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class ControlServer:
+    """Serves requests on ``path``; ``handlers`` maps a request type to the coroutine answering it."""
+
+    def __init__(self, path: Path, handlers: dict[type, Handler]) -> None:
+        self.path = Path(path)
+        self.handlers = handlers
+        self._allowed = {0, os.geteuid()}
+        self._slots = trio.Semaphore(MAX_CONNECTIONS)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        # The directory is private (checked), so nobody can reach the socket before its mode is set.
+        await sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        sock.listen(16)
+        listener = trio.SocketListener(sock)
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started()
+                await trio.serve_listeners(self._serve, [listener], handler_nursery=nursery)
+        finally:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                self._slots.acquire_nowait()
+            except trio.WouldBlock:
+                await _try_send(stream, {"ok": False, "error": "the daemon is busy with other requests; retry"})
+                return
+            try:
+                await self._answer(stream)
+            except Exception:  # the last line of defence: a connection never takes the daemon down
+                log.exception("control: unexpected error serving a connection")
+            finally:
+                self._slots.release()
+
+    async def _answer(self, stream: trio.SocketStream) -> None:
+        uid = peer_uid(stream.socket)  # type: ignore[arg-type]
+        if uid not in self._allowed:
+            log.warning("control: refused a request from uid %d", uid)
+            await _try_send(stream, {"ok": False, "error": "permission denied: only root or the mount's owner"})
+            return
+        try:
+            with trio.fail_after(RECEIVE_TIMEOUT):
+                line = await _receive_line(stream)
+            request = await trio.to_thread.run_sync(parse, line)
+            reply = await self.dispatch(request)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        except trio.TooSlowError:
+            reply = {"ok": False, "error": f"no complete request within {RECEIVE_TIMEOUT:.0f}s"}
+        except BadRequest as exc:
+            reply = {"ok": False, "error": f"malformed request: {exc}"}
+        await _try_send(stream, reply)
+
+    async def dispatch(self, request: Request) -> dict[str, Any]:
+        """The reply to a parsed request. Never raises for a failure of the handler."""
+        handler = self.handlers.get(type(request))
+        if handler is None:
+            return {"ok": False, "error": f"{type(request).__name__.lower()} is not supported by this daemon"}
+        try:
+            return {"ok": True, **await handler(request)}
+        except EpochfsError as exc:
+            return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # a bug must fail the request, never the daemon
+            log.exception("control: %s failed", type(request).__name__)
+            return {"ok": False, "error": f"internal error: {type(exc).__name__}; see the daemon's log"}
+
+
+async def _receive_line(stream: trio.SocketStream) -> bytes:
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = await stream.receive_some(1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+        if len(buf) > MAX_REQUEST:
+            raise BadRequest(f"request larger than {MAX_REQUEST} bytes")
+    return bytes(buf)
+
+
+async def _try_send(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
+    """Send a reply, giving up on a client that does not read it."""
+    with trio.move_on_after(RECEIVE_TIMEOUT):
+        try:
+            await stream.send_all(encode(obj))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
