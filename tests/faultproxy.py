@@ -12,6 +12,10 @@ every N-th, or a seeded rate), in which case the proxy answers with the chosen f
     truncate       headers with the full Content-Length, half of the body, then close
     wrong_range    a ranged answer whose Content-Range (and body) is another range
     full_200       a ranged request answered 200 with the whole object
+    drip_body      headers, then the body one byte every ``stall`` seconds
+    drip_headers   the status line and headers one byte every ``stall`` seconds
+    no_etag        the answer without its ETag header
+    other_etag     the answer with another ETag than the one asked for
 
 Only the requests that match ``methods`` (and, if ``ranged_only``, carry a Range header) are counted.
 """
@@ -29,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("error500", "slowdown", "throttle429", "reset", "stall_headers", "stall_body", "truncate",
-         "wrong_range", "full_200", "denied403")
+         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "no_etag", "other_etag")
 
 
 @dataclass
@@ -161,13 +165,25 @@ class FaultProxy:
             data = resp.read()
         finally:
             conn.close()
+        if kind == "drip_headers":
+            head = f"HTTP/1.1 {resp.status} {resp.reason}\r\nContent-Length: {len(data)}\r\n".encode()
+            _drip(h, head, fault.stall if fault else 1.5)
+            h.close_connection = True
+            return
         h.send_response(resp.status, resp.reason)
         for k, v in resp.getheaders():
-            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                h.send_header(k, v)
+            if k.lower() in ("transfer-encoding", "connection", "content-length"):
+                continue
+            if k.lower() == "etag" and kind == "no_etag":
+                continue
+            h.send_header(k, '"0123456789abcdef0123456789abcdef"' if k.lower() == "etag" and kind == "other_etag" else v)
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         if h.command == "HEAD":
+            return
+        if kind == "drip_body":
+            _drip(h, data, fault.stall if fault else 1.5)
+            h.close_connection = True
             return
         if kind == "truncate":
             h.wfile.write(data[: len(data) // 2])
@@ -181,3 +197,14 @@ class FaultProxy:
             h.close_connection = True
             return
         h.wfile.write(data)
+
+
+def _drip(h: http.server.BaseHTTPRequestHandler, data: bytes, interval: float) -> None:
+    """Send ``data`` one byte every ``interval`` seconds, until the client goes away."""
+    try:
+        for i in range(len(data)):
+            h.wfile.write(data[i:i + 1])
+            h.wfile.flush()
+            time.sleep(interval)
+    except OSError:
+        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -108,3 +109,33 @@ def test_ten_percent_faults_of_every_kind_never_give_wrong_bytes(faulty_mount, p
         proxy.set(Fault(kind, rate=0.1, seed=seed, retry_after=0.1))
         drop_all_caches()
         read_checked(faulty_mount)
+
+
+@pytest.mark.parametrize("kind", ["drip_body", "drip_headers"])
+def test_a_dripping_endpoint_is_eio_within_the_deadline_and_unmount_does_not_wait(faulty_mount, proxy, kind):
+    """--backend-timeout bounds the whole request: one byte every 1.5 s never resets it."""
+    proxy.set(Fault(kind, rate=1.0, stall=1.5))
+    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+        with pytest.raises(OSError) as info:
+            run_with_deadline(lambda: os.pread(fh.fileno(), 1000, 3 * MiB), 30)  # timeout 8 s (+2 s guard)
+        assert info.value.errno == errno.EIO
+    assert proxy.injected >= 1
+    proxy.set(None)
+    read_checked(faulty_mount)  # the link heals: correct bytes
+    started = time.monotonic()
+    faulty_mount.stop()
+    elapsed = time.monotonic() - started
+    assert elapsed < 15, f"unmount waited {elapsed:.0f}s for a dripping request"
+
+
+@pytest.mark.parametrize("kind, code", [("no_etag", errno.EIO), ("other_etag", errno.ESTALE)])
+def test_an_answer_without_the_asked_for_etag_is_never_served_or_cached(faulty_mount, proxy, kind, code):
+    proxy.set(Fault(kind, rate=1.0))
+    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+        with pytest.raises(OSError) as info:
+            run_with_deadline(lambda: os.pread(fh.fileno(), 1000, MiB), 40)
+        assert info.value.errno == code
+    status = wait_idle(faulty_mount)
+    assert status["store"]["blocks"] == 0, "an unverifiable answer was cached"
+    proxy.set(None)
+    read_checked(faulty_mount)

@@ -4,6 +4,7 @@ without unmounting, Redis going away, published manifests, a large synthetic nam
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import time
@@ -216,3 +217,92 @@ def test_large_synthetic_namespace_imports_and_mounts(tmp_path, redis_server, mo
     assert len(os.listdir(m.path("d7"))) == 2000
     m.stop()
     print(f"published 200,000 entries in {publish_s:.1f}s, mounted in {mount_s:.1f}s")
+
+
+# -- malformed shared snapshots ---------------------------------------------------------------------
+
+def test_decode_refuses_every_malformed_record():
+    from epochfs.meta.base import _RECORD, SnapshotInvalid, decode_objects, encode_objects
+
+    good = encode_objects(objs(3))
+    assert decode_objects(good) == objs(3)
+    rec = _RECORD.pack(10, 0, 3, 2, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    bad = {
+        "truncated head": good + rec[:10],
+        "truncated key": good + rec + b"ab",
+        "non-UTF-8 key": rec + b"a\xffb" + b'"e',
+        "non-UTF-8 etag": rec + b"abc" + b"\xc3(",
+        "size out of range": _RECORD.pack(1 << 62, 0, 1, 1, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF) + b"ae",
+        "key length absurd": _RECORD.pack(1, 0, 1 << 31, 1, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF) + b"ae",
+        "mode not a mode": _RECORD.pack(1, 0, 1, 1, 0o170000, 0, 0) + b"ae",
+    }
+    for what, raw in bad.items():
+        with pytest.raises(SnapshotInvalid):
+            decode_objects(raw)
+        print("refused:", what)
+
+
+@pytest.fixture
+def published(s3, s3_client, fresh_bucket, redis_server):
+    files = [SampleFile(f"p/{i}.bin", 40 * KiB + i) for i in range(6)]
+    upload(s3_client, fresh_bucket, "", files)
+    subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}", "--meta", redis_server.url, "--endpoint-url",
+                    s3.endpoint], env=s3.env(), check=True, capture_output=True)
+    import redis
+
+    yield files, redis.Redis(port=redis_server.port), f"epochfs:s3://{fresh_bucket}/:"
+
+
+def _corruptions(prefix: str):
+    """(what, {key: value}) pairs, each a malformed field a shared store could hold for version 2."""
+    from epochfs.meta.base import _RECORD
+
+    info = {"format": 2, "source": "x", "version": 2, "created": 1.0, "objects": 1, "chunks": 1}
+    v = f"{prefix}v2:"
+    rec = _RECORD.pack(5, 0, 3, 3, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    return [
+        ("version not a number", {prefix + "current": b"two"}),
+        ("version negative", {prefix + "current": b"-2"}),
+        ("version huge", {prefix + "current": b"9" * 40}),
+        ("info not JSON", {prefix + "current": b"2", v + "info": b"{oops"}),
+        ("info a list", {prefix + "current": b"2", v + "info": b"[1]"}),
+        ("old format", {prefix + "current": b"2", v + "info": json.dumps({**info, "format": 1})}),
+        ("absurd chunk count", {prefix + "current": b"2", v + "info": json.dumps({**info, "chunks": 10**9})}),
+        ("absurd object count", {prefix + "current": b"2", v + "info": json.dumps({**info, "objects": 10**12})}),
+        ("created not a number", {prefix + "current": b"2", v + "info": json.dumps({**info, "created": "now"})}),
+        ("truncated chunk", {prefix + "current": b"2", v + "info": json.dumps(info), v + "chunk:0": rec[:9]}),
+        ("non-UTF-8 name", {prefix + "current": b"2", v + "info": json.dumps(info),
+                            v + "chunk:0": rec + b"a\xff/" + b'"e"'}),
+        ("size out of range", {prefix + "current": b"2", v + "info": json.dumps(info),
+                               v + "chunk:0": _RECORD.pack(1 << 62, 0, 3, 3, 0xFFFFFFFF, 0xFFFFFFFF,
+                                                           0xFFFFFFFF) + b'big"e"'}),
+        ("fewer objects than the info says", {prefix + "current": b"2", v + "info": json.dumps({**info, "objects": 2}),
+                                              v + "chunk:0": rec + b'abc"e"'}),
+    ]
+
+
+@requires_fuse
+def test_every_malformed_shared_snapshot_is_refused_and_the_mount_keeps_serving(
+        s3, fresh_bucket, mount_factory, redis_server, published):
+    files, r, prefix = published
+    with mount_factory(f"s3://{fresh_bucket}", "--meta", redis_server.url, "--meta-poll", "0.2") as m:
+        wait_for(lambda: "kept a copy of snapshot version 1" in m.log())
+        for what, values in _corruptions(prefix):
+            r.mset(values)
+            time.sleep(0.7)  # a few polls
+            assert m.status()["snapshot"]["version"] == 1, what
+            refused = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True)
+            assert refused.returncode != 0 and "Traceback" not in refused.stderr, (what, refused.stderr)
+            stale = [k for k in values if not k.endswith("current")]
+            if stale:
+                r.delete(*stale)
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        assert "still serving version 1" in m.log()
+        assert "Traceback" not in m.log()
+
+    r.set(prefix + "current", b"not-a-version")  # restarting on an invalid snapshot: this node's copy
+    with m:
+        assert "serving this node's copy of snapshot version 1" in m.log()
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
