@@ -121,3 +121,24 @@ def wait_idle(mount: Mount, timeout: float = 30.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise AssertionError(f"daemon still busy after {timeout}s: {status['cache']}")
         time.sleep(0.05)
+
+
+class FakeStream:
+    def __init__(self, cache: FakeCache, obj: Any) -> None:
+        self.cache, self.obj = cache, obj
+
+    async def read(self, offset: int, size: int) -> bytes:
+        if self.cache.error is not None:
+            raise self.cache.error
+        return self.cache.data[self.obj.key][offset:offset + size]
+
+
+class FakeCache:
+    """Stands in for BlockCache under fs.Operations: bytes from a dict, or the error set in ``error``."""
+
+    def __init__(self, data: dict[str, bytes]) -> None:
+        self.data = data
+        self.error: BaseException | None = None
+
+    def open_stream(self, obj: Any) -> FakeStream:
+        return FakeStream(self, obj)

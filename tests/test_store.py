@@ -1,5 +1,6 @@
 """BlockStore without a mount: verification, atomic fills, capacity, recovery of a damaged index."""
 
+import errno
 import os
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath
 from epochfs.cache.policy import LruPolicy
 from epochfs.cache.store import BlockStore, CacheLocked
+from epochfs.errors import CacheUnreadable, ConfigError
 
 
 def bid(n: int) -> bytes:
@@ -243,3 +245,43 @@ def test_unclean_shutdown_is_reconciled_at_the_next_open(tmp_path):
     s = make(tmp_path)
     assert not (tmp_path / "cache" / "clean").exists()  # running: a crash from here on is unclean again
     s.close()
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EIO])
+def test_a_read_error_that_is_not_damage_keeps_the_block(tmp_path, monkeypatch, code):
+    s = make(tmp_path)
+    data = os.urandom(2 * CHUNK_SIZE)
+    put(s, bid(1), data)
+    meta = s.lookup(bid(1))
+    real_open = os.open
+
+    def failing_open(path, flags, *args, **kwargs):
+        if "blocks" in str(path):
+            raise OSError(code, os.strerror(code))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing_open)
+    for nowait in (False, True):
+        with pytest.raises(CacheUnreadable):
+            s.read(bid(1), meta, 0, 10, nowait=nowait)
+    with pytest.raises(CacheUnreadable):
+        s.finish_read(bid(1), meta, 0, 10, s.pread_range(bid(1), meta, 0, 10))
+    monkeypatch.setattr(os, "open", real_open)
+    assert s.lookup(bid(1)) == meta and s.statistics().corrupt_blocks == 0
+    assert s.statistics().read_errors == 3
+    assert bytes(s.read(bid(1), meta, 0, len(data))) == data
+
+
+def test_cache_files_and_directories_are_private_and_planted_links_refused(tmp_path):
+    s = make(tmp_path)
+    put(s, bid(7), b"x" * 100)
+    s.close()
+    for p in [tmp_path / "cache", *(tmp_path / "cache").rglob("*")]:
+        assert os.lstat(p).st_mode & 0o077 == 0, p
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    (tmp_path / "cache" / "lock").unlink()
+    os.symlink(target, tmp_path / "cache" / "lock")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        make(tmp_path)
+    assert target.read_bytes() == b"keep"

@@ -39,7 +39,8 @@ def file_etag(st: os.stat_result) -> str:
 
 
 def _info(key: str, st: os.stat_result, etag: str) -> ObjectInfo:
-    return ObjectInfo(key=key, size=st.st_size, mtime_ns=st.st_mtime_ns, etag=etag,
+    size = st.st_size if stat.S_ISREG(st.st_mode) else 0  # a directory's marker holds no data
+    return ObjectInfo(key=key, size=size, mtime_ns=st.st_mtime_ns, etag=etag,
                       mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
 
 

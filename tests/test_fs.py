@@ -1,0 +1,104 @@
+"""The FUSE adapter called directly, without a mount (no /dev/fuse, no S3): attributes, listings across a
+snapshot switch, errno mapping, read-only answers. Real mounts are in test_mount.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pyfuse3
+import pytest
+import trio
+
+from epochfs.errors import AccessDenied, BackendUnavailable, ObjectChanged
+from epochfs.fs import Operations, Presentation
+from epochfs.meta.namespace import ROOT_INODE, Namespace
+from epochfs.records import ObjectInfo
+
+from .helpers import FakeCache
+
+CTX = pyfuse3.RequestContext()
+
+
+def ns(*objs: ObjectInfo) -> Namespace:
+    return Namespace.build(objs, mtime_ns=1)
+
+
+def ops_for(namespace: Namespace, data: dict[str, bytes] | None = None, **present) -> Operations:
+    return Operations(namespace, FakeCache(data or {}), attr_timeout=60, root_xattrs={b"user.x": lambda: b"v"},
+                      presentation=Presentation(**present))
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def lookup(ops: Operations, path: str):
+    inode = ROOT_INODE
+    for part in path.split("/"):
+        inode = run(ops.lookup, inode, part.encode(), CTX).st_ino
+    return run(ops.getattr, inode, CTX)
+
+
+def test_source_modes_and_owners_are_presented_and_uniform_options_override_them():
+    tree = ns(ObjectInfo("", 0, 5, "", 0o750, 10, 20), ObjectInfo("d/", 0, 6, "", 0o700, 11, 21),
+              ObjectInfo("d/f", 3, 7, "e", 0o4755, 12, 22), ObjectInfo("s3-like", 3, 8, "e"))
+    ops = ops_for(tree)
+    root = run(ops.getattr, ROOT_INODE, CTX)
+    assert (stat.S_IMODE(root.st_mode), root.st_uid, root.st_gid) == (0o750, 10, 20)
+    d, f, plain = lookup(ops, "d"), lookup(ops, "d/f"), lookup(ops, "s3-like")
+    assert stat.S_ISDIR(d.st_mode) and (stat.S_IMODE(d.st_mode), d.st_uid, d.st_mtime_ns) == (0o700, 11, 6)
+    assert stat.S_ISREG(f.st_mode) and stat.S_IMODE(f.st_mode) == 0o755, "set-id bits are never presented"
+    assert (f.st_uid, f.st_gid) == (12, 22)
+    assert stat.S_IMODE(plain.st_mode) == 0o444 and plain.st_uid == os.getuid()
+    uniform = ops_for(tree, file_mode=0o440, dir_mode=0o550, uid=7, gid=8)
+    f = lookup(uniform, "d/f")
+    assert (stat.S_IMODE(f.st_mode), f.st_uid, f.st_gid) == (0o440, 7, 8)
+    assert stat.S_IMODE(lookup(uniform, "d").st_mode) == 0o550
+
+
+def test_a_listing_keeps_the_snapshot_it_was_opened_on(monkeypatch):
+    before = ns(*(ObjectInfo(f"d/{i:03d}", 1, 0, "e") for i in range(50)))
+    after = Namespace.build([ObjectInfo("other/x", 1, 0, "e")], mtime_ns=2, previous=before)
+    ops = ops_for(before)
+    listed: list[bytes] = []
+
+    def reply(token, name, attrs, next_id):
+        listed.append(name)
+        return len(listed) % 10 != 0  # the kernel's buffer fills every 10 entries
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    d = run(ops.lookup, ROOT_INODE, b"d", CTX).st_ino
+    fh = run(ops.opendir, d, CTX)
+    run(ops.readdir, fh, 0, None)
+    ops.namespace = after  # a refresh switches snapshots while the listing is open
+    while len(listed) < 50:
+        run(ops.readdir, fh, len(listed), None)
+    assert listed == [f"{i:03d}".encode() for i in range(50)]
+    run(ops.releasedir, fh)
+
+
+def test_reads_and_errors_through_the_one_errno_table():
+    tree = ns(ObjectInfo("a", 5, 0, "e"))
+    ops = ops_for(tree, {"a": b"hello"})
+    inode = run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino
+    fi = run(ops.open, inode, os.O_RDONLY, CTX)
+    assert run(ops.read, fi.fh, 1, 3) == b"ell"
+    for exc, code in [(ObjectChanged("x"), errno.ESTALE), (AccessDenied("x"), errno.EACCES),
+                      (BackendUnavailable("x"), errno.EIO), (RuntimeError("bug"), errno.EIO)]:
+        ops.cache.error = exc
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            run(ops.read, fi.fh, 0, 5)
+        assert info.value.errno == code
+    assert ops.statistics().errors == {"ESTALE": 1, "EACCES": 1, "EIO": 1, "internal": 1}
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_APPEND):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            run(ops.open, inode, flags, CTX)
+        assert info.value.errno == errno.EROFS
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.lookup, ROOT_INODE, b"missing", CTX)
+    assert info.value.errno == errno.ENOENT
+    assert run(ops.getxattr, ROOT_INODE, b"user.x", CTX) == b"v"
+    with pytest.raises(pyfuse3.FUSEError):
+        run(ops.getxattr, inode, b"user.x", CTX)

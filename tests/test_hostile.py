@@ -1,0 +1,299 @@
+"""Hostile and careless input against real mounts: a block-size change, another local user, symlinks in
+a source or a stored snapshot, malformed control requests, a cache directory someone else prepared,
+descriptor exhaustion, absurd metadata. The rule: never a wrong byte, never a dead daemon, never a leak."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.backend.local import file_etag
+from epochfs.control.protocol import OPERATIONS
+from epochfs.meta.lmdb import LmdbMetaStore
+from epochfs.records import ObjectInfo
+from epochfs.sample import SampleFile, pattern, upload, write_tree
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, drop_all_caches, read_all, run_with_deadline, wait_idle
+
+pytestmark = requires_fuse
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def shared_dir(request) -> Path:
+    """A directory other users can traverse (pytest's own tmp dirs are private to root)."""
+    base = Path(tempfile.mkdtemp(prefix="epochfs-shared-"))
+    os.chmod(base, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    return base
+
+
+def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", "nobody", "--", *cmd], capture_output=True, text=True, timeout=30,
+                          errors="replace")
+
+
+# -- 1. a block-size change never serves a block cut at the old geometry --------------------------------
+
+@pytest.mark.parametrize("first, second", [("4M", "1M"), ("1M", "4M")])
+def test_block_size_change_on_one_cache_serves_correct_bytes(s3_client, fresh_bucket, mount_factory, first,
+                                                             second):
+    files = [SampleFile(f"bs/{i}.bin", size) for i, size in enumerate([9 * MiB + 3, 5 * MiB - 7, 300 * KiB + 1])]
+    upload(s3_client, fresh_bucket, "", files)
+    m = mount_factory(f"s3://{fresh_bucket}", "--block-size", first, "--readahead", "0")
+    with m:
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        wait_idle(m)
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", second, "--readahead", "0",
+                       cache_dir=m.cache_dir, name="again") as m2:
+        drop_all_caches()
+        rng = random.Random(5)
+        for f in files:
+            with open(m2.path(f.key), "rb", buffering=0) as fh:
+                for _ in range(40):  # odd sizes at seeded offsets across both geometries' boundaries
+                    off, size = rng.randrange(f.size), rng.choice([1, 4095, 70_000, MiB + 17])
+                    assert os.pread(fh.fileno(), size, off) == pattern(f.key, 0, off, min(size, f.size - off))
+            assert read_all(m2.path(f.key)) == f.content()
+        status = wait_idle(m2)
+        assert not status["errors"], status["errors"]
+        assert status["cache"]["demand_fetches"] > 0, "the old geometry's blocks were served for the new one"
+
+
+# -- 2. a file:// source presents its permissions to other users --------------------------------------------
+
+def test_directory_source_permissions_are_enforced_for_other_users(shared_dir, mount_factory):
+    src = shared_dir / "src"
+    write_tree(str(src), [SampleFile("public.bin", 5000), SampleFile("secret.bin", 6000),
+                          SampleFile("private/inner.bin", 100)])
+    os.chmod(src, 0o755)
+    os.chmod(src / "public.bin", 0o644)
+    os.chmod(src / "secret.bin", 0o600)  # root only
+    os.chmod(src / "private", 0o700)
+    os.chown(src / "public.bin", 1234, 4321)
+    mnt = shared_dir / "mnt"
+    m = mount_factory(f"file://{src}", "--allow-other", cache_dir=shared_dir / "cache", name="unused")
+    m.mountpoint = mnt
+    mnt.mkdir()
+    with m:
+        st = os.stat(mnt / "public.bin")
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, 1234, 4321)
+        assert stat.S_IMODE(os.stat(mnt / "secret.bin").st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(mnt / "private").st_mode) == 0o700
+        ok = as_nobody("sha256sum", str(mnt / "public.bin"))  # readable by everyone
+        want = subprocess.run(["sha256sum", str(src / "public.bin")], capture_output=True, text=True).stdout
+        assert ok.returncode == 0 and ok.stdout.split()[0] == want.split()[0], ok.stderr
+        denied = as_nobody("cat", str(mnt / "secret.bin"))
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr
+        denied = as_nobody("ls", str(mnt / "private"))
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr
+        assert read_all(mnt / "secret.bin") == SampleFile("secret.bin", 6000).content()  # root still reads it
+    uniform = mount_factory(f"file://{src}", "--allow-other", "--file-mode", "0444", "--dir-mode", "0555",
+                            cache_dir=shared_dir / "cache", name="unused2")
+    uniform.mountpoint = mnt
+    with uniform:  # the uniform presentation is there when asked for
+        assert stat.S_IMODE(os.stat(mnt / "secret.bin").st_mode) == 0o444
+        assert as_nobody("cat", str(mnt / "secret.bin")).returncode == 0
+
+
+# -- 3. no symlink is followed anywhere in a path, whatever the snapshot says ------------------------------
+
+def test_a_stored_snapshot_naming_a_path_through_a_symlink_never_reads_outside(tmp_path, mount_factory):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "shadow"
+    secret.write_bytes(b"root:$6$secret-hash:19000::::::\n")
+    src = tmp_path / "src"
+    write_tree(str(src), [SampleFile("ok.bin", 1000)])
+    os.symlink(outside, src / "link")
+    st = os.stat(secret)
+    cache = tmp_path / "cache"
+    # A snapshot as a shared store (or anyone who can write one) could hold it: an entry under the link.
+    LmdbMetaStore(cache / "meta").save(f"file://{src}", [
+        ObjectInfo("ok.bin", 1000, 0, file_etag(os.stat(src / "ok.bin"))),
+        ObjectInfo("link/shadow", st.st_size, st.st_mtime_ns, file_etag(st)),
+    ])
+    with mount_factory(f"file://{src}", cache_dir=cache) as m:
+        assert read_all(m.path("ok.bin")) == SampleFile("ok.bin", 1000).content()
+        with pytest.raises(OSError) as info:
+            read_all(m.path("link/shadow"))
+        assert info.value.errno in (errno.ESTALE, errno.EIO)
+        blocks = [p for p in (cache / "blocks").rglob("*") if p.is_file()]
+        assert all(b"secret-hash" not in p.read_bytes() for p in blocks)
+
+
+# -- 4. nothing a client sends stops the daemon ------------------------------------------------------------
+
+def _raw_request(sock_path: str, payload: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(sock_path)
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_fuzzed_control_requests_get_error_replies_and_the_mount_stays_exact(s3_client, fresh_bucket,
+                                                                             mount_factory):
+    files = [SampleFile(f"z/{i}.bin", 64 * KiB + 11 * i) for i in range(8)]
+    upload(s3_client, fresh_bucket, "", files)
+    with mount_factory(f"s3://{fresh_bucket}") as m:
+        sock = os.getxattr(m.mountpoint, "user.epochfs.control").decode()
+        rng = random.Random(3)
+        values = [None, True, 0, -5, 1 << 70, 2.5, "", "z/0.bin", "\udc80", [], [[0]], [["x", 1]],
+                  [[1, "z/0.bin"]], [[1, "missing"]], [[1, "z"]], {"a": []}, "a" * 5000]
+        for i in range(400):
+            kind = i % 4
+            if kind == 0:
+                payload = bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 300))) + b"\n"
+            elif kind == 1:
+                payload = rng.choice([b"[" * 50_000 + b"\n", b"{}\n", b"null\n", b'{"op": 7}\n', b"\xff\xfe\n",
+                                      b'{"op": "job", "id": ' + b"9" * 5000 + b"}\n", b""])
+            else:
+                obj = {"op": rng.choice([*OPERATIONS, "nope"])}
+                for field in rng.sample(["entries", "source", "epoch", "replace", "id", "name", "text", "x"],
+                                        rng.randrange(0, 4)):
+                    obj[field] = rng.choice(values)
+                payload = json.dumps(obj).encode() + b"\n"
+            reply = _raw_request(sock, payload)
+            assert reply.endswith(b"\n") and isinstance(json.loads(reply), dict), (payload[:80], reply[:200])
+        status = m.status()  # alive and answering
+        assert status["pid"] > 0
+        drop_all_caches()
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        assert "Traceback" not in m.log(), "an input reached an unexpected error path"
+
+
+# -- 5. a cache directory someone else prepared is refused, ours is private ---------------------------------
+
+def test_planted_symlinks_and_foreign_ownership_in_the_cache_dir_are_refused(shared_dir, s3, sample_bucket,
+                                                                              mount_factory):
+    target = shared_dir / "root-only-target"
+    target.write_bytes(b"precious\n")
+    os.chmod(target, 0o600)
+
+    def attempt(prepare, expect: str) -> None:
+        cache = shared_dir / f"cache-{expect.split()[0]}-{random.randrange(1 << 30)}"
+        prepare(cache)
+        m = mount_factory(f"s3://{sample_bucket}/data", cache_dir=cache, name=f"m{random.randrange(1 << 30)}")
+        r = m.start(expect_ok=False)
+        assert r.returncode == 2 and expect in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        assert target.read_bytes() == b"precious\n", "a planted link was followed"
+        assert not os.path.ismount(m.mountpoint)
+
+    def foreign(cache: Path) -> None:
+        cache.mkdir(mode=0o700)
+        os.chown(cache, 65534, 65534)
+
+    def writable(cache: Path) -> None:
+        cache.mkdir()
+        os.chmod(cache, 0o777)
+
+    def link(name: str):
+        def prepare(cache: Path) -> None:
+            cache.mkdir(mode=0o700)
+            os.symlink(target, cache / name)
+        return prepare
+
+    def foreign_blocks(cache: Path) -> None:
+        cache.mkdir(mode=0o700)
+        (cache / "blocks").mkdir()
+        os.chown(cache / "blocks", 65534, 65534)
+
+    attempt(foreign, "belongs to uid 65534")
+    attempt(writable, "writable by other users")
+    attempt(link("lock"), "symbolic link")
+    attempt(link("epochfs.log"), "symbolic link")
+    attempt(foreign_blocks, "belongs to uid 65534")
+
+    cache = shared_dir / "ours"
+    cache.mkdir(mode=0o755)
+    (cache / "blocks").mkdir(mode=0o755)  # made by hand, readable by all: made private at start-up
+    with mount_factory(f"s3://{sample_bucket}/data", cache_dir=cache, name="ours") as m:
+        for p in list(m.mountpoint.rglob("*"))[:20]:
+            if p.is_file():
+                read_all(p)
+        wait_idle(m)
+        for p in [cache, *cache.rglob("*")]:
+            mode = stat.S_IMODE(os.lstat(p).st_mode)
+            assert mode & 0o077 == 0, f"{p} is mode {mode:04o}"
+
+
+# -- 6. running out of descriptors never deletes a healthy block --------------------------------------------
+
+def test_descriptor_exhaustion_never_deletes_cached_blocks(s3_client, fresh_bucket, mount_factory):
+    files = [SampleFile(f"fd/{i}.bin", 200 * KiB + i) for i in range(20)]
+    upload(s3_client, fresh_bucket, "", files)
+    with mount_factory(f"s3://{fresh_bucket}") as m:
+        for f in files:
+            read_all(m.path(f.key))
+        before = wait_idle(m)["store"]["blocks"]
+        pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+        host, port = m.status()["metrics_addr"].rsplit(":", 1)
+        subprocess.run(["prlimit", f"--pid={pid}", "--nofile=48:"], check=True)
+        clients = []
+        try:
+            for _ in range(300):  # local clients try to eat the daemon's descriptors
+                try:
+                    clients.append(socket.create_connection((host, int(port)), timeout=2))
+                except OSError:
+                    break
+            drop_all_caches()
+            for f in files:  # correct bytes or an error; never a deletion
+                try:
+                    assert run_with_deadline(lambda f=f: read_all(m.path(f.key)), 30) == f.content()
+                except OSError as exc:
+                    assert exc.errno == errno.EIO
+        finally:
+            for c in clients:
+                c.close()
+            subprocess.run(["prlimit", f"--pid={pid}", "--nofile=4096:"], check=True)
+        status = wait_idle(m)
+        assert status["store"]["corrupt_blocks"] == 0 and status["store"]["blocks"] == before
+        drop_all_caches()
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        assert status["cache"]["demand_fetches"] == m.status()["cache"]["demand_fetches"]
+
+
+# -- 7. absurd metadata is refused at the boundary, the loop stays responsive -------------------------------
+
+def test_an_absurd_prefetch_is_refused_and_the_mount_stays_responsive(tmp_path, s3, s3_client, fresh_bucket,
+                                                                      mount_factory):
+    s3_client.put_object(Bucket=fresh_bucket, Key="small.bin", Body=b"x" * 1000)
+    cache = tmp_path / "cache"
+    source = f"s3://{fresh_bucket}/"
+    LmdbMetaStore(cache / "meta").save(source, [
+        ObjectInfo("small.bin", 1000, 0, s3_client.head_object(Bucket=fresh_bucket, Key="small.bin")["ETag"]),
+        ObjectInfo("huge.bin", 1 << 46, 0, '"not-really-there"'),  # 64 TiB: 16 M blocks of 4 MiB
+    ])
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("huge.bin\nsmall.bin\n")
+    with mount_factory(f"s3://{fresh_bucket}", cache_dir=cache) as m:
+        started = time.monotonic()
+        r = subprocess.run([*EPOCHFS, "prefetch", str(m.mountpoint), "--manifest", str(manifest)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "blocks is more than one hand-over may hold" in r.stderr, r.stderr
+        r = subprocess.run([*EPOCHFS, "warmup", str(m.mountpoint), "huge.bin"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1 and "blocks is more than" in r.stderr, r.stderr
+        assert time.monotonic() - started < 20
+        run_with_deadline(lambda: os.stat(m.path("small.bin")), 2)
+        assert m.path("small.bin").read_bytes() == b"x" * 1000
