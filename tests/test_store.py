@@ -285,3 +285,16 @@ def test_cache_files_and_directories_are_private_and_planted_links_refused(tmp_p
     with pytest.raises(ConfigError, match="symbolic link"):
         make(tmp_path)
     assert target.read_bytes() == b"keep"
+
+
+def test_malformed_index_entries_are_dropped_with_their_files(tmp_path):
+    s = make(tmp_path)
+    put(s, bid(1), b"a" * 5000)
+    put(s, bid(2), b"b" * 5000)
+    with s._env.begin(write=True) as txn:
+        txn.put(bid(2), b"\x01\x02garbage")  # an entry that does not decode
+    s.close()
+    s = make(tmp_path)
+    assert s.lookup(bid(2)) is None and s.lookup(bid(1)) is not None
+    assert not (tmp_path / "cache" / "blocks" / block_relpath(bid(2))).exists()
+    assert s.statistics().blocks == 1 and s.statistics().used_bytes == 5000

@@ -186,8 +186,14 @@ class BlockStore:
             txn.put(b"\x00format", INDEX_FORMAT)
             for key in bad:
                 txn.delete(key)
+        for key in bad:  # and their files, if the key can name one
+            if len(key) == 16:
+                try:
+                    os.unlink(self.blocks_dir / block_relpath(key))
+                except FileNotFoundError:
+                    pass
         if bad:
-            log.warning("dropped %d malformed cache index entries", len(bad))
+            log.warning("dropped %d malformed cache index entries and their files", len(bad))
         loaded.sort()
         for seq, bid, length in loaded:
             self.policy.inserted(bid, length)
