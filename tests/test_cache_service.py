@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from epochfs.backend.base import Backend, BackendStats
-from epochfs.cache.policy import LruPolicy
+from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.errors import BackendUnavailable, ObjectChanged

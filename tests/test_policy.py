@@ -6,7 +6,10 @@ import random
 
 import pytest
 
-from epochfs.cache.policy import NEVER, LruPolicy, ManifestPolicy, NoEvictionPolicy, make_policy
+from epochfs.cache.policies import make_policy
+from epochfs.cache.policies.lru import LruPolicy
+from epochfs.cache.policies.manifest import NEVER, ManifestPolicy
+from epochfs.cache.policies.none import NoEvictionPolicy
 from epochfs.prefetch.manifest import shuffled
 from epochfs.prefetch.simulate import block_sequence, simulate
 
@@ -127,7 +130,7 @@ def test_manifest_policy_without_a_manifest_is_lru():
 
 def test_manifest_policy_advance_and_next_use():
     p = ManifestPolicy()
-    p.set_sequence([b"a", b"b", b"a", b"c"])
+    p.plan([b"a", b"b", b"a", b"c"])
     for b in (b"a", b"b", b"c"):
         p.inserted(b, 1)
     assert p.victim() == b"c" and p.next_use(b"a") == 0

@@ -7,7 +7,7 @@ import math
 import trio
 import trio.testing
 
-from epochfs.cache.policy import ManifestPolicy
+from epochfs.cache.policies.manifest import ManifestPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.prefetch.scheduler import Prefetcher

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath
-from epochfs.cache.policy import LruPolicy
+from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.store import BlockStore, CacheLocked
 from epochfs.errors import CacheUnreadable, ConfigError
 

@@ -747,12 +747,12 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from epochfs.cache.policy import LruPolicy
+    from epochfs.cache.policies import make_policy
     from epochfs.cache.store import BlockStore
 
     if not (args.cache_dir / "index").is_dir():
         raise ConfigError(f"{args.cache_dir} is not an epochfs cache directory")
-    store = BlockStore(args.cache_dir, 1 << 62, 0.0, LruPolicy())
+    store = BlockStore(args.cache_dir, 1 << 62, 0.0, make_policy("lru"))
     store.open(reconcile=False)
     try:
         r = store.fsck(args.repair)

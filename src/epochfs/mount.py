@@ -26,7 +26,7 @@ import pyfuse3
 import trio
 
 from epochfs.backend import open_backend
-from epochfs.cache.policy import make_policy
+from epochfs.cache.policies import make_policy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.config import Config

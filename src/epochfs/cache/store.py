@@ -34,7 +34,7 @@ import lmdb
 import xxhash
 
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath, chunk_span
-from epochfs.cache.policy import EvictionPolicy
+from epochfs.cache.policies import EvictionPolicy, make_room
 from epochfs.errors import CacheUnreadable, ConfigError
 from epochfs.private import open_private, private_dir, private_subdir, touch_private
 
@@ -407,19 +407,17 @@ class BlockStore:
         False (and nothing evicted beyond what the policy chose) when the block should not or cannot be
         cached now: the caller then reads through. ``in_use``: a demand miss the reader is using now.
         """
-        if nbytes > self.capacity:
+        if nbytes > self.capacity or not make_room(self.policy, bid, lambda: self.has_room(nbytes), self._evict,
+                                                   in_use):
             self._not_admitted += 1
             return False
-        while not self.has_room(nbytes):
-            victim = self.policy.victim()
-            if victim is None or not self.policy.prefer(bid, victim, in_use):
-                self._not_admitted += 1
-                return False
-            meta = self.lookup(victim)
-            self._remove(victim, meta.length if meta else 0)
-            self._evictions += 1
         self.pending += nbytes
         return True
+
+    def _evict(self, bid: bytes) -> None:
+        meta = self.lookup(bid)
+        self._remove(bid, meta.length if meta else 0)
+        self._evictions += 1
 
     def release(self, nbytes: int) -> None:
         """Give back a reservation whose fill failed."""

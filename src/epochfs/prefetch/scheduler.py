@@ -44,7 +44,6 @@ from typing import Any
 import trio
 
 from epochfs.cache.keys import block_bounds, block_count
-from epochfs.cache.policy import ManifestPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.prefetch.plan import Plan
 from epochfs.records import ObjectInfo
@@ -134,8 +133,7 @@ class Prefetcher:
                 Plan, keep + [(o, epoch, segment) for o in objs], self.cache.block_size, self.cache.block_id)
             self._plan = built
             self._file_pos = self._position = self._cursor = 0
-            if isinstance(self.policy, ManifestPolicy):
-                self.policy.set_sequence(built.blocks, built.uses)
+            self.policy.plan(built.blocks, built.uses)
             self._wake.set()
         log.info("prefetch plan: %d files (%d blocks, %d bytes) %s", len(objs), len(self._plan) - 0,
                  self._plan.total_bytes, "appended" if keep else "loaded")
@@ -168,8 +166,7 @@ class Prefetcher:
             return
         self._file_pos = fi
         self._position = pos
-        if isinstance(self.policy, ManifestPolicy):
-            self.policy.advance(pos)
+        self.policy.advance(pos)
         self._advances.append((time.monotonic(), plan.offsets[pos]))
         self._wake.set()
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from epochfs.cache.keys import block_count
-from epochfs.cache.policy import ManifestPolicy, make_policy
+from epochfs.cache.policies import make_policy, make_room
 
 Block = tuple[bytes, int]  # (block id, size)
 
@@ -41,19 +41,23 @@ def simulate(sequence: Sequence[Block], capacity: int, policy_name: str,
              warmup: Sequence[Block] = ()) -> SimResult:
     """Replay ``warmup`` then ``sequence`` (counted) through a cache of ``capacity`` bytes.
 
-    The manifest policy is told the whole future (``warmup`` followed by ``sequence``), as the daemon is
+    A policy that plans is told the whole future (``warmup`` followed by ``sequence``), as the daemon is
     when the next epoch's manifest is handed over before the current one ends.
     """
     policy = make_policy(policy_name)
     full = list(warmup) + list(sequence)
-    if isinstance(policy, ManifestPolicy):
-        policy.set_sequence([bid for bid, _ in full])
+    policy.plan([bid for bid, _ in full])
     resident: dict[bytes, int] = {}
     used = hits = hit_bytes = miss_bytes = 0
+
+    def evict(victim: bytes) -> None:
+        nonlocal used
+        used -= resident.pop(victim)
+        policy.removed(victim)
+
     for pos, (bid, size) in enumerate(full):
         counted = pos >= len(warmup)
-        if isinstance(policy, ManifestPolicy):
-            policy.advance(pos)
+        policy.advance(pos)
         if bid in resident:
             policy.accessed(bid)
             if counted:
@@ -62,17 +66,8 @@ def simulate(sequence: Sequence[Block], capacity: int, policy_name: str,
             continue
         if counted:
             miss_bytes += size
-        if size > capacity:
-            continue
-        admitted = True
-        while used + size > capacity:
-            victim = policy.victim()
-            if victim is None or not policy.prefer(bid, victim, in_use=True):
-                admitted = False
-                break
-            used -= resident.pop(victim)
-            policy.removed(victim)
-        if admitted:
+        fits = lambda size=size: used + size <= capacity  # noqa: E731, B023 - called at once: the live count
+        if size <= capacity and make_room(policy, bid, fits, evict, in_use=True):
             resident[bid] = size
             used += size
             policy.inserted(bid, size)

@@ -1,20 +1,10 @@
-"""Eviction policies: pure bookkeeping over block ids, no I/O.
+"""Belady's MIN with the future the epoch manifest gives.
 
-The store tells a policy what it holds (``inserted``/``removed``) and what the reader used
-(``accessed``). When it needs room it asks for a ``victim`` and whether a new block should replace it
-(``prefer``); a policy that prefers the victim makes the store read through instead of caching.
-
-- :class:`LruPolicy` evicts the least recently used block and admits everything.
-- :class:`NoEvictionPolicy` ("fill once") never evicts: once full, new blocks are read through.
-- :class:`ManifestPolicy` knows the future block sequence of the epoch (from the manifest) and the
-  reader's position in it. It evicts the block whose next use is farthest (Belady's MIN) and does not
-  admit a block whose next use is farther than that of every resident block (it would be evicted before
-  it is used). Blocks with no future use are evicted first, least recently used first; with no
-  manifest loaded every block is in that class, so the policy is plain LRU.
-
-The reader's position is the block it is reading: that block's use counts as future until the reader
-moves on, so it is never the victim while it is being read; whether a demand miss is worth caching is
-judged by its use after the current one.
+The policy knows the future block sequence of the epochs handed over (:meth:`plan`) and the reader's
+position in it (:meth:`advance`). It evicts the block whose next use is farthest and does not admit a
+block whose next use is farther than that of every resident block (it would be evicted before it is
+used). Blocks with no future use are evicted first, least recently used first; with no manifest loaded
+every block is in that class, so the policy is plain LRU.
 """
 
 from __future__ import annotations
@@ -24,71 +14,15 @@ import itertools
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+
+from epochfs.cache.policies import EvictionPolicy, register
 
 NEVER = 1 << 62  # "no future use"
 
 
-class EvictionPolicy(Protocol):
-    name: str
-
-    def inserted(self, bid: bytes, size: int) -> None:
-        """A block is now resident."""
-
-    def accessed(self, bid: bytes) -> None:
-        """The reader used a resident block."""
-
-    def removed(self, bid: bytes) -> None:
-        """A block is no longer resident (evicted, corrupt or dropped)."""
-
-    def victim(self) -> bytes | None:
-        """The block to evict next, or None if nothing may be evicted. Does not remove it."""
-
-    def prefer(self, candidate: bytes, victim: bytes, in_use: bool = False) -> bool:
-        """Whether caching ``candidate`` is worth evicting ``victim``. ``in_use``: the reader is using
-        ``candidate`` right now (a demand miss), so what counts is its use after this one."""
-
-
-class LruPolicy:
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[bytes, None] = OrderedDict()
-
-    def inserted(self, bid: bytes, size: int) -> None:
-        self._order[bid] = None
-        self._order.move_to_end(bid)
-
-    def accessed(self, bid: bytes) -> None:
-        if bid in self._order:
-            self._order.move_to_end(bid)
-
-    def removed(self, bid: bytes) -> None:
-        self._order.pop(bid, None)
-
-    def victim(self) -> bytes | None:
-        return next(iter(self._order), None)
-
-    def prefer(self, candidate: bytes, victim: bytes, in_use: bool = False) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-
-class NoEvictionPolicy(LruPolicy):
-    name = "none"
-
-    def victim(self) -> bytes | None:
-        return None
-
-    def prefer(self, candidate: bytes, victim: bytes, in_use: bool = False) -> bool:
-        return False
-
-
-class ManifestPolicy:
-    name = "manifest"
-
+@register("manifest", "evict the block needed farthest in the future once 'epochfs prefetch' has handed "
+          "over a manifest (LRU until then)")
+class ManifestPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._sequence: Sequence[bytes] = ()
         self._uses: dict[bytes, list[int]] = {}
@@ -100,7 +34,7 @@ class ManifestPolicy:
 
     # -- the future --------------------------------------------------------------------------------
 
-    def set_sequence(self, sequence: Sequence[bytes], uses: dict[bytes, list[int]] | None = None) -> None:
+    def plan(self, sequence: Sequence[bytes], uses: dict[bytes, list[int]] | None = None) -> None:
         """The blocks the reader will use, in order; the reader is at position 0 of it. ``uses`` (block
         -> its positions in order) may be given precomputed, so that this costs only the resident blocks."""
         if uses is None:
@@ -114,10 +48,6 @@ class ManifestPolicy:
         self._heap.clear()
         for bid in resident:
             self._place(bid)
-
-    @property
-    def position(self) -> int:
-        return self._pos
 
     def advance(self, position: int) -> None:
         """The reader has reached ``position``: uses before it are in the past."""
@@ -180,13 +110,3 @@ class ManifestPolicy:
 
     def __len__(self) -> int:
         return len(self._idle) + len(self._future)
-
-
-POLICIES = {"lru": LruPolicy, "manifest": ManifestPolicy, "none": NoEvictionPolicy}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r} (choose from {', '.join(POLICIES)})") from None

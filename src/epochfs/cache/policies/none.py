@@ -1,0 +1,15 @@
+"""Fill once: never evicts; once the cache is full, new blocks are read through."""
+
+from __future__ import annotations
+
+from epochfs.cache.policies import register
+from epochfs.cache.policies.lru import LruPolicy
+
+
+@register("none", "fill once, then read through")
+class NoEvictionPolicy(LruPolicy):
+    def victim(self) -> bytes | None:
+        return None
+
+    def prefer(self, candidate: bytes, victim: bytes, in_use: bool = False) -> bool:
+        return False
