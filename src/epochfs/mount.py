@@ -115,13 +115,16 @@ class Daemon:
         self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio,
                                 make_policy(config.eviction))
         self.store.open()
+        meta = None
         try:
-            self.meta = open_meta(config.meta, config.cache_dir, config.meta_name)
-            self.snapshots = Snapshots(self.meta, SnapshotSettings(
+            meta = open_meta(config.meta, config.cache_dir, config.meta_name)
+            self.snapshots = Snapshots(meta, SnapshotSettings(
                 source_id=self.backend.source_id, cache_dir=config.cache_dir, refresh=config.refresh,
                 ttl=config.snapshot_ttl, poll=config.meta_poll, name=config.meta_name,
             ), self.backend.list_objects)
         except BaseException:
+            if meta is not None:
+                meta.close()
             self.store.close()
             raise
         self.cache = BlockCache(
@@ -211,7 +214,7 @@ class Daemon:
 
     def close(self) -> None:
         self.store.close()
-        self.meta.close()
+        self.snapshots.close()
         self.backend.close()
 
 

@@ -148,11 +148,19 @@ class S3Backend(Backend):
         http = response[0]
         if http.status_code not in (429, 503):
             return None
+        delay = self._retry_after(http.headers)
+        if delay is not None:
+            log.debug("server asked to retry after %.1fs", delay)
+        return delay
+
+    def _retry_after(self, headers: Any) -> float | None:
+        """The wait a ``Retry-After`` header (in seconds) asks for, capped at half the deadline."""
         try:
-            delay = float(http.headers.get("Retry-After", ""))
+            delay = float(headers.get("Retry-After", ""))
         except ValueError:
             return None
-        log.debug("server asked to retry after %.1fs", delay)
+        if delay != delay:  # NaN
+            return None
         return min(max(delay, 0.0), self._timeout / 2)
 
     def statistics(self) -> BackendStats:
@@ -288,10 +296,7 @@ class S3Backend(Backend):
         code = m.group(1).decode("utf-8", "replace") if m else ""
         if status in _RETRY_STATUS or code in _RETRY_CODES:
             self._stats.record("get", "retry")
-            try:
-                after: float | None = min(max(float(headers.get("Retry-After", "")), 0.0), self._timeout / 2)
-            except ValueError:
-                after = None
+            after = self._retry_after(headers)
             if code in ("ExpiredToken", "TokenRefreshRequired"):
                 self._credentials = None  # resolve them again
             return TemporaryFailure(f"HTTP {status} {code}".strip(), retry_after=after)

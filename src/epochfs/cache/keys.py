@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 
 #: Checksums are kept per chunk of a block, so a read verifies only the chunks it touches.
 CHUNK_SIZE = 64 << 10
@@ -58,6 +59,21 @@ def blocks_for_range(offset: int, size: int, file_size: int, block_size: int) ->
     if offset >= end:
         return range(0)
     return range(offset // block_size, (end - 1) // block_size + 1)
+
+
+def file_blocks(file_size: int, block_size: int) -> Iterator[tuple[int, int]]:
+    """(index, length) of every block of a file, in order."""
+    for index in range(block_count(file_size, block_size)):
+        yield index, min(block_size, file_size - index * block_size)
+
+
+def range_blocks(offset: int, size: int, file_size: int, block_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """(index, block length, lo, hi) of each block that bytes [offset, offset + size) touch, clipped to the
+    file: [lo, hi) is the part of the block inside the range."""
+    end = min(offset + size, file_size)
+    for index in blocks_for_range(offset, size, file_size, block_size):
+        start, length = block_bounds(index, file_size, block_size)
+        yield index, length, max(offset, start) - start, min(end, start + length) - start
 
 
 def chunk_span(lo: int, hi: int, length: int, chunk: int = CHUNK_SIZE) -> tuple[int, int]:

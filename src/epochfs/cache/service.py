@@ -3,7 +3,7 @@
 Concurrency contract (all on the trio thread unless noted):
 
 - **Single flight.** At most one backend fetch per block id is in flight; every reader of that block
-  waits on the same :class:`_Flight`. A flight runs in the service's own nursery, so a reader that goes
+  waits on the same :class:`Fetch`. A flight runs in the service's own nursery, so a reader that goes
   away does not cancel a fetch other readers wait on.
 - **Write-behind.** A fetched block is handed to its readers first and then written to the store
   (in a worker thread); until that commit the flight stays registered and serves later readers from
@@ -26,7 +26,8 @@ from typing import Protocol
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.cache.keys import block_bounds, block_count, block_id, blocks_for_range
+from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
+from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.store import WOULD_BLOCK, BlockMeta, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
 from epochfs.records import ObjectInfo
@@ -55,7 +56,9 @@ class ReadObserver(Protocol):
     def touched(self, obj: ObjectInfo, index: int) -> None: ...
 
 
-class _Flight:
+class Fetch:
+    """One block being fetched (single flight: every reader of the block waits on the same one)."""
+
     __slots__ = ("event", "data", "error", "demand")
 
     def __init__(self, demand: bool) -> None:
@@ -63,6 +66,16 @@ class _Flight:
         self.data: bytes | None = None
         self.error: EpochfsError | None = None
         self.demand = demand
+
+    @property
+    def done(self) -> bool:
+        """The bytes (or the error) are here; the block's fill has reserved its room or been refused."""
+        return self.event.is_set()
+
+    async def wait(self) -> EpochfsError | None:
+        """Wait for the fetch; its error, or None when the bytes arrived."""
+        await self.event.wait()
+        return self.error
 
 
 class BlockCache:
@@ -85,7 +98,7 @@ class BlockCache:
         self.block_size = block_size
         self.readahead_blocks = readahead_blocks
         self._source = backend.source_id
-        self._flights: dict[bytes, _Flight] = {}
+        self._flights: dict[bytes, Fetch] = {}
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._io_limiter = trio.CapacityLimiter(4)
@@ -117,10 +130,7 @@ class BlockCache:
     async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview:
         """Bytes [offset, offset + size) of ``obj``, clipped to its size."""
         parts = []
-        end = min(offset + size, obj.size)
-        for index in blocks_for_range(offset, size, obj.size, self.block_size):
-            start, length = block_bounds(index, obj.size, self.block_size)
-            lo, hi = max(offset, start) - start, min(end, start + length) - start
+        for index, length, lo, hi in range_blocks(offset, size, obj.size, self.block_size):
             parts.append(await self._read_block(obj, index, length, lo, hi))
         if len(parts) == 1:
             return parts[0]
@@ -181,15 +191,33 @@ class BlockCache:
             self._misses += 1
             self._miss_bytes += nbytes
 
+    # -- what the prefetcher asks -----------------------------------------------------------------------
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self.store.policy
+
     def is_cached(self, bid: bytes) -> bool:
         """Resident in the store, or being fetched."""
         return bid in self._flights or self.store.lookup(bid) is not None
+
+    def is_resident(self, bid: bytes) -> bool:
+        """Resident in the store."""
+        return self.store.lookup(bid) is not None
+
+    def would_admit(self, bid: bytes, nbytes: int) -> bool:
+        """Whether the store would cache this block now (evicting what its policy gives up for it)."""
+        return self.store.would_admit(bid, nbytes)
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit now without evicting anything."""
+        return self.store.has_room(nbytes)
 
     def demand_waiting(self) -> bool:
         """Whether a demand fetch is waiting for a backend connection (prefetch then holds back)."""
         return self._demand_limiter.statistics().tasks_waiting > 0
 
-    def start_prefetch(self, obj: ObjectInfo, index: int, bid: bytes) -> _Flight | None:
+    def fetch(self, obj: ObjectInfo, index: int, bid: bytes) -> Fetch | None:
         """Fetch a block in the background; the flight to wait on, or None if it is already cached."""
         flight = self._flights.get(bid)
         if flight is not None:
@@ -219,15 +247,15 @@ class BlockCache:
 
     # -- fetching --------------------------------------------------------------------------------------
 
-    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool) -> _Flight:
+    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool) -> Fetch:
         if self._nursery is None:
             raise BackendUnavailable("the cache service is not running (shutting down)")
-        flight = _Flight(demand)
+        flight = Fetch(demand)
         self._flights[bid] = flight
         self._nursery.start_soon(self._fetch_and_fill, obj, index, bid, flight)
         return flight
 
-    async def _fetch_and_fill(self, obj: ObjectInfo, index: int, bid: bytes, flight: _Flight) -> None:
+    async def _fetch_and_fill(self, obj: ObjectInfo, index: int, bid: bytes, flight: Fetch) -> None:
         start, length = block_bounds(index, obj.size, self.block_size)
         limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
         try:

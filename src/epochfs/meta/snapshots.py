@@ -76,6 +76,7 @@ class Snapshots:
         self.list_source = list_source
         self.on_switch: Switch | None = None
         self.error: str | None = None  # why the store is unreachable (None: it answered last time)
+        self._copy: LmdbMetaStore | None = None
         self.snapshot, self.error = self._load_at_start()
         self.latest_version = self.snapshot.version
         self.namespace = build(self.snapshot)
@@ -86,7 +87,14 @@ class Snapshots:
 
     def _local_copy(self) -> tuple[LmdbMetaStore, str]:
         s = self.settings
-        return LmdbMetaStore(s.cache_dir / "meta-shared"), f"{self.store.url}#{s.name or s.source_id}"
+        if self._copy is None:
+            self._copy = LmdbMetaStore(s.cache_dir / "meta-shared")
+        return self._copy, f"{self.store.url}#{s.name or s.source_id}"
+
+    def close(self) -> None:
+        if self._copy is not None:
+            self._copy.close()
+        self.store.close()
 
     def _load_at_start(self) -> tuple[Snapshot, str | None]:
         """The snapshot to serve, and why the store is unreachable (None when it answered)."""

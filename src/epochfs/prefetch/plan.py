@@ -6,7 +6,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from epochfs.cache.keys import block_count
+from epochfs.cache.keys import block_count, file_blocks
 from epochfs.errors import EpochfsError
 from epochfs.records import ObjectInfo
 
@@ -62,12 +62,12 @@ class Plan:
             self.files.append(PlanFile(obj, len(self.blocks), epoch, segment))
             self.segment_end[segment] = fi
             self._by_key.setdefault(obj.key, []).append(fi)
-            for i in range(block_count(obj.size, block_size)):
+            for i, length in file_blocks(obj.size, block_size):
                 bid = block_id(obj, i)
                 self.uses.setdefault(bid, []).append(len(self.blocks))
                 self.blocks.append(bid)
                 self.block_file.append(fi)
-                self.offsets.append(self.offsets[-1] + min(block_size, obj.size - i * block_size))
+                self.offsets.append(self.offsets[-1] + length)
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -43,8 +43,8 @@ from typing import Any
 
 import trio
 
-from epochfs.cache.keys import block_bounds, block_count
-from epochfs.cache.service import BlockCache
+from epochfs.cache.keys import file_blocks
+from epochfs.cache.service import BlockCache, Fetch
 from epochfs.prefetch.plan import Plan
 from epochfs.records import ObjectInfo
 
@@ -96,7 +96,7 @@ class Prefetcher:
     def __init__(self, cache: BlockCache, *, capacity: int, max_inflight: int,
                  bandwidth: float | None = None, lead: float = 2.0) -> None:
         self.cache = cache
-        self.policy = cache.store.policy
+        self.policy = cache.policy
         self.capacity = capacity
         self.max_inflight = max(1, max_inflight)
         self.bandwidth = bandwidth
@@ -213,26 +213,26 @@ class Prefetcher:
             if self.cache.is_cached(bid):
                 self._cursor += 1
                 continue
-            if not self.cache.store.would_admit(bid, size):
+            if not self.cache.would_admit(bid, size):
                 return  # everything resident is needed sooner; woken when the reader moves
             await self._throttle(size)
             if plan is not self._plan:
                 continue
-            flight = self.cache.start_prefetch(obj, index, bid)
+            fetch = self.cache.fetch(obj, index, bid)
             self._cursor += 1
-            if flight is not None:
+            if fetch is not None:
                 self._inflight += 1
                 assert self._nursery is not None
-                self._nursery.start_soon(self._watch, flight, size)
+                self._nursery.start_soon(self._watch, fetch, size)
 
-    async def _watch(self, flight: Any, size: int) -> None:
+    async def _watch(self, fetch: Fetch, size: int) -> None:
         started = time.monotonic()
         try:
-            await flight.event.wait()
+            error = await fetch.wait()
         finally:
             self._inflight -= 1
             self._wake.set()
-        if flight.error is None:
+        if error is None:
             self._fetched_blocks += 1
             self._fetched_bytes += size
             self._latency = 0.8 * self._latency + 0.2 * (time.monotonic() - started)
@@ -263,43 +263,42 @@ class Prefetcher:
     async def _run_warmup(self, job: WarmupJob, objs: list[ObjectInfo]) -> None:
         slots = trio.Semaphore(self.max_inflight)
         bs = self.cache.block_size
-        # Blocks being fetched, and their sizes. Once a flight's event is set its fill has reserved its
-        # room in the store (or been refused), so only flights still waiting for data count here.
-        active: dict[Any, int] = {}
+        # Blocks being fetched, and their sizes. Once a fetch is done its fill has reserved its room in
+        # the store (or been refused), so only fetches still waiting for data count here.
+        active: dict[Fetch, int] = {}
 
-        async def one(obj: ObjectInfo, flight: Any, size: int) -> None:
+        async def one(obj: ObjectInfo, fetch: Fetch, size: int) -> None:
             try:
-                await flight.event.wait()
-                if flight.error is not None:
-                    job.errors.append(f"{obj.key}: {flight.error}")
+                error = await fetch.wait()
+                if error is not None:
+                    job.errors.append(f"{obj.key}: {error}")
                 else:
                     job.done_bytes += size
             finally:
-                active.pop(flight, None)
+                active.pop(fetch, None)
                 slots.release()
 
         async with trio.open_nursery() as nursery:
             for obj in objs:
-                for index in range(block_count(obj.size, bs)):
+                for index, size in file_blocks(obj.size, bs):
                     await trio.lowlevel.checkpoint()  # a long run of cached blocks must not hold the loop
-                    size = block_bounds(index, obj.size, bs)[1]
                     bid = self.cache.block_id(obj, index)
                     if self.cache.is_cached(bid):
                         job.done_bytes += size
                         continue
                     await slots.acquire()
-                    unfilled = sum(n for f, n in active.items() if not f.event.is_set())
-                    if not self.cache.store.has_room(size + unfilled):
+                    unfilled = sum(n for f, n in active.items() if not f.done)
+                    if not self.cache.has_room(size + unfilled):
                         slots.release()
                         job.skipped_bytes += size
                         continue
-                    flight = self.cache.start_prefetch(obj, index, bid)
-                    if flight is None:  # cached meanwhile
+                    fetch = self.cache.fetch(obj, index, bid)
+                    if fetch is None:  # cached meanwhile
                         slots.release()
                         job.done_bytes += size
                         continue
-                    active[flight] = size
-                    nursery.start_soon(one, obj, flight, size)
+                    active[fetch] = size
+                    nursery.start_soon(one, obj, fetch, size)
                 job.done_files += 1
         await self.cache.wait_idle()
         job.finished = True
@@ -311,13 +310,12 @@ class Prefetcher:
         total = resident = files = seen = 0
         for obj in objs:
             whole = True
-            for index in range(block_count(obj.size, bs)):
+            for index, size in file_blocks(obj.size, bs):
                 seen += 1
                 if seen % 256 == 0:
                     await trio.lowlevel.checkpoint()
-                size = block_bounds(index, obj.size, bs)[1]
                 total += size
-                if self.cache.store.lookup(self.cache.block_id(obj, index)) is not None:
+                if self.cache.is_resident(self.cache.block_id(obj, index)):
                     resident += size
                 else:
                     whole = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from epochfs.cache.keys import block_count
+from epochfs.cache.keys import file_blocks
 from epochfs.cache.policies import make_policy, make_room
 
 Block = tuple[bytes, int]  # (block id, size)
@@ -17,8 +17,8 @@ def block_sequence(files: Sequence[tuple[str, int]], block_size: int) -> list[Bl
     """The blocks an epoch reads, in order, for (path, size) pairs read whole."""
     seq = []
     for path, size in files:
-        for i in range(block_count(size, block_size)):
-            seq.append((f"{path}\0{i}".encode(), min(block_size, size - i * block_size)))
+        for i, length in file_blocks(size, block_size):
+            seq.append((f"{path}\0{i}".encode(), length))
     return seq
 
 
