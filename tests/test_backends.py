@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from epochfs.backend import open_backend
+from epochfs.backend import BackendSettings, open_backend
 from epochfs.backend.local import file_etag
-from epochfs.config import Config, Source
+from epochfs.config import Source
 from epochfs.errors import ConfigError, ObjectChanged
 from epochfs.sample import pattern
 
@@ -23,8 +23,7 @@ def s3_env(s3, monkeypatch):
 
 
 def s3_backend(s3, bucket, prefix="", **kw):
-    return open_backend(Config(Source.parse(f"s3://{bucket}/{prefix}"), "/nonexistent", endpoint_url=s3.endpoint,
-                               **kw))
+    return open_backend(BackendSettings(Source.parse(f"s3://{bucket}/{prefix}"), endpoint_url=s3.endpoint, **kw))
 
 
 def test_listing_paginates_past_1000_keys(s3, s3_client, fresh_bucket, s3_env):
@@ -91,7 +90,7 @@ def test_directory_backend(tmp_path):
     (root / "a" / "b" / "f.bin").write_bytes(pattern("f", 0, 0, 5000))
     (root / "top.txt").write_bytes(b"hello")
     os.symlink("/etc/passwd", root / "link")
-    backend = open_backend(Config(Source.parse(f"file://{root}"), "/nonexistent"))
+    backend = open_backend(BackendSettings(Source.parse(f"file://{root}")))
     listed = {o.key: o for o in backend.list_objects()}
     assert set(listed) == {"a/b/f.bin", "top.txt", "", "a/", "a/b/"}  # files and directory markers
     os.chmod(root / "top.txt", 0o640)
@@ -118,7 +117,7 @@ def test_directory_backend_never_follows_a_symlink_anywhere_in_a_path(tmp_path):
     (root / "real").mkdir(parents=True)
     (root / "real" / "f").write_bytes(b"inside")
     os.symlink(outside, root / "link")  # an intermediate component that leaves the source
-    backend = open_backend(Config(Source.parse(f"file://{root}"), "/nonexistent"))
+    backend = open_backend(BackendSettings(Source.parse(f"file://{root}")))
     listed = {o.key: o for o in backend.list_objects()}
     assert "link/secret" not in listed and "link/" not in listed
     etag = file_etag(os.stat(outside / "secret"))  # a snapshot entry naming it, as a shared store could hold
@@ -140,7 +139,7 @@ def test_directory_backend_version_changes_with_an_in_place_rewrite_that_restore
     root.mkdir()
     path = root / "f.bin"
     path.write_bytes(b"a" * 1000)
-    backend = open_backend(Config(Source.parse(f"file://{root}"), "/nonexistent"))
+    backend = open_backend(BackendSettings(Source.parse(f"file://{root}")))
     (f,) = [o for o in backend.list_objects() if o.key == "f.bin"]
     before = os.stat(path)
     time.sleep(0.01)

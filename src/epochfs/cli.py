@@ -710,12 +710,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from epochfs.backend import open_backend
+    from epochfs.backend import BackendSettings, open_backend
     from epochfs.meta import open_meta
 
     source = Source.parse(args.source)
-    config = Config(source=source, mountpoint=Path("/"), endpoint_url=args.endpoint_url, region=args.region)
-    backend = open_backend(config)
+    backend = open_backend(BackendSettings(source, endpoint_url=args.endpoint_url, region=args.region))
     store = open_meta(args.meta, Path("."), args.name)
     started = time.monotonic()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed:,} objects"),

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
-from epochfs.backend import open_backend
+from epochfs.backend import BackendSettings, open_backend
 from epochfs.cache.policies import make_policy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
@@ -111,7 +111,9 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         metrics_addr = parse_addr(config.metrics_addr)  # a malformed address fails before the cache is locked
-        self.backend = open_backend(config)
+        self.backend = open_backend(BackendSettings(
+            config.source, endpoint_url=config.endpoint_url, region=config.region, timeout=config.backend_timeout,
+            attempts=config.backend_attempts, concurrency=config.backend_concurrency))
         self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio,
                                 make_policy(config.eviction))
         self.store.open()

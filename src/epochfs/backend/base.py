@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from epochfs.config import Source
 from epochfs.errors import BackendUnavailable
 from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
@@ -35,6 +36,18 @@ from epochfs.stats import Histogram, HistogramSnapshot
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """What a backend needs to know, and nothing of the mount around it."""
+
+    source: Source
+    endpoint_url: str | None = None  # an S3-compatible endpoint (path-style addressing)
+    region: str | None = None
+    timeout: float = 30.0  # deadline of one block fetch, retries and body included
+    attempts: int = 5  # attempts per request
+    concurrency: int = 16  # parallel requests the caller will make (sizes the connection pool)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import stat
 import time
 from collections.abc import Iterator
 
-from epochfs.backend.base import Backend, BackendStats, StatsRecorder
-from epochfs.config import Config
+from epochfs.backend.base import Backend, BackendSettings, BackendStats, StatsRecorder
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
 from epochfs.records import ObjectInfo
 
@@ -65,9 +64,9 @@ def open_beneath(root: str, key: str, *, directory: bool = False) -> int:
 
 
 class LocalBackend(Backend):
-    def __init__(self, config: Config) -> None:
-        self.root = config.source.prefix
-        self.source_id = config.source.url
+    def __init__(self, settings: BackendSettings) -> None:
+        self.root = settings.source.prefix
+        self.source_id = settings.source.url
         self._stats = StatsRecorder()
 
     def statistics(self) -> BackendStats:

@@ -33,8 +33,14 @@ import botocore.config
 import botocore.exceptions
 import urllib3.exceptions
 
-from epochfs.backend.base import Backend, BackendStats, StatsRecorder, TemporaryFailure, retry
-from epochfs.config import Config
+from epochfs.backend.base import (
+    Backend,
+    BackendSettings,
+    BackendStats,
+    StatsRecorder,
+    TemporaryFailure,
+    retry,
+)
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
 from epochfs.records import ObjectInfo
 
@@ -103,24 +109,24 @@ _WATCHDOG = Watchdog()
 
 
 class S3Backend(Backend):
-    def __init__(self, config: Config) -> None:
-        self.bucket = config.source.bucket
-        self.prefix = config.source.prefix
-        self.source_id = config.source.url
-        self._timeout = config.backend_timeout
-        self._attempts = config.backend_attempts
+    def __init__(self, settings: BackendSettings) -> None:
+        self.bucket = settings.source.bucket
+        self.prefix = settings.source.prefix
+        self.source_id = settings.source.url
+        self._timeout = settings.timeout
+        self._attempts = settings.attempts
         self._stats = StatsRecorder()
         boto_config = botocore.config.Config(
-            retries={"mode": "standard", "max_attempts": config.backend_attempts},
-            max_pool_connections=2 * config.backend_concurrency + 4,  # demand and prefetch each have theirs
+            retries={"mode": "standard", "max_attempts": settings.attempts},
+            max_pool_connections=2 * settings.concurrency + 4,  # demand and prefetch each have theirs
             connect_timeout=5,
-            read_timeout=max(2.0, config.backend_timeout / config.backend_attempts),
-            s3={"addressing_style": "path" if config.endpoint_url else "auto"},
+            read_timeout=max(2.0, settings.timeout / settings.attempts),
+            s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
             user_agent_extra="epochfs",
         )
         session = boto3.session.Session()
         self._client = session.client(
-            "s3", endpoint_url=config.endpoint_url, region_name=config.region or None, config=boto_config
+            "s3", endpoint_url=settings.endpoint_url, region_name=settings.region or None, config=boto_config
         )
         self._client.meta.events.register_first("needs-retry.s3", self._honour_retry_after)
         self._session = session
