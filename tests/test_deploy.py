@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.cli import apply_config_file, build_parser, config_from_args
+from epochfs.cli import build_parser
+from epochfs.cli.options import config_from, example_config, mount_options
 from epochfs.errors import ConfigError
 from epochfs.sample import sample_layout, upload
 
@@ -44,31 +45,32 @@ def test_systemd_unit_verifies(tmp_path):
 
 
 def parse_mount(argv: list[str]):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.config:
-        args = apply_config_file(parser, args._mount_parser, argv, args.config)
-    return config_from_args(args)
+    return config_from(build_parser().parse_args(argv))
 
 
-def test_example_config_covers_the_options_and_flags_override_it(tmp_path):
+def test_example_config_is_generated_from_the_options_and_flags_override_it(tmp_path):
+    assert EXAMPLE.read_text() == example_config(), "regenerate it: bash scripts/example-config.sh"
     cfg = parse_mount(["mount", "--config", str(EXAMPLE)])
     assert cfg.source.url == "s3://training-data/imagenet/" and str(cfg.mountpoint) == "/mnt/data"
-    assert cfg.cache_size == 500 << 30 and cfg.backend_bandwidth == 1.25e9 and cfg.allow_other
-    assert cfg.eviction == "manifest" and cfg.metrics_addr == "127.0.0.1:9567"
+    assert str(cfg.cache_dir) == "/var/cache/epochfs/data" and cfg.allow_other
+    assert cfg.eviction == "manifest" and cfg.metrics_addr == "127.0.0.1:9567" and cfg.cache_size == 10 << 30
     cfg = parse_mount(["mount", "--config", str(EXAMPLE), "--cache-size", "1G", "--eviction", "lru"])
     assert cfg.cache_size == 1 << 30 and cfg.eviction == "lru"
-    # every mount flag has a config key: the example plus the keys it leaves commented out
+    # every mount option has a key in the example (set or commented out), and uncommenting the
+    # commented ones gives a valid config
     keys = set(re.findall(r"^#? ?([a-z_]+) = ", EXAMPLE.read_text(), flags=re.M))
-    flags = {o.lstrip("-").replace("-", "_") for a in build_parser().parse_args(["mount"])._mount_parser._actions
-             for o in a.option_strings if o.startswith("--")} - {"help", "ready_fd", "config"}
-    assert flags - keys == {"foreground"}, flags - keys  # the unit passes --foreground itself
+    assert {mo.key for mo in mount_options()} - keys == {"foreground"}  # the unit passes --foreground itself
+    uncommented = tmp_path / "all.toml"
+    uncommented.write_text(re.sub(r"^# ([a-z_]+ = )", r"\1", EXAMPLE.read_text(), flags=re.M))
+    cfg = parse_mount(["mount", "--config", str(uncommented)])
+    assert cfg.endpoint_url == "http://10.0.0.5:9000" and cfg.file_mode == 0o444 and cfg.fuse_options == (
+        "max_read=1048576",)
 
 
 @pytest.mark.parametrize("text,message", [
     ('source = "s3://b"\ncache_sise = "1G"\n', "unknown key 'cache_sise'"),
     ('source = "s3://b"\ncache_size = "lots"\n', "cache_size: not a size"),
-    ('eviction = "random"\n', "eviction: 'random' is not one of"),
+    ('source = "s3://b"\neviction = "random"\n', "--eviction 'random': choose manifest"),
     ('allow_other = "yes"\n', "allow_other: expected true or false"),
     ("[section]\nx = 1\n", "tables are not supported"),
     ("cache_size = \n", "config file"),

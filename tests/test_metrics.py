@@ -125,9 +125,9 @@ def test_exporter_binds_to_loopback_and_warns_when_exposed(mount_factory, sample
 
 def test_the_default_metrics_address_is_loopback():
     from epochfs.cli import build_parser
+    from epochfs.cli.options import config_from
 
-    args = build_parser().parse_args(["mount", "s3://b", "/mnt/data"])
-    assert args.metrics_addr == "127.0.0.1:9567"
+    assert config_from(build_parser().parse_args(["mount", "s3://b", "/mnt/data"])).metrics_addr == "127.0.0.1:9567"
 
 
 def promtool() -> str:

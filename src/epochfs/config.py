@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from epochfs.cache import policies
 from epochfs.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -87,44 +90,129 @@ class Source:
 DEFAULT_CACHE_DIR = "/var/cache/epochfs"
 
 
+def default_cache_dir(source: Source) -> Path:
+    """``/var/cache/epochfs/<source hash>`` for root, ``~/.cache/epochfs/<source hash>`` for others."""
+    base = Path(DEFAULT_CACHE_DIR) if os.geteuid() == 0 else Path.home() / ".cache" / "epochfs"
+    return base / hashlib.sha256(source.url.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a :class:`Config` field is set from the command line and a config file (``epochfs.cli.options``
+    turns these into argparse options, config-file keys and the example config)."""
+
+    group: str  # "object store", "cache", "namespace", "prefetch", "metrics", "mount"
+    help: str
+    metavar: str | None = None  # None: a flag (bool) or a list
+    parse: Callable[[str], Any] | None = None  # text -> value; raises ConfigError or ValueError
+    flag: str | None = None  # default: --field-name
+    shown: str | None = None  # the default as the user writes it (10G, not 10737418240)
+    example: str | None = None  # an example value (TOML) for the example config when the default is empty
+
+
+def option(default: Any, group: str, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"option": Option(group, help, **kw)})
+
+
 @dataclass(frozen=True)
 class Config:
-    """Everything a mount needs; validated on construction."""
+    """Everything a mount needs; validated on construction. The metadata of each field is the one
+    definition of its command-line flag, config-file key, help text and default."""
 
     source: Source
     mountpoint: Path
-    cache_dir: Path = Path(DEFAULT_CACHE_DIR)
-    cache_size: int = 10 << 30
-    block_size: int = 4 << 20
-    free_space_ratio: float = 0.10
-    endpoint_url: str | None = None
-    region: str | None = None
-    refresh: bool = False
-    snapshot_ttl: float = 0.0  # seconds; 0 = keep the snapshot until --refresh
-    readahead_blocks: int = 4
-    kernel_readahead: int = 4 << 20  # the mount's read_ahead_kb; 0 leaves the kernel default (128 KiB)
-    backend_concurrency: int = 16
-    backend_timeout: float = 30.0  # overall deadline for one block fetch, retries included
-    backend_attempts: int = 5
-    attr_timeout: float = 3600.0
-    eviction: str = "manifest"  # manifest | lru | none
-    prefetch_bandwidth: float | None = None  # bytes/second; None = no cap
-    prefetch_lead: float = 2.0  # seconds of reading the prefetch window aims to cover
-    backend_bandwidth: float | None = None  # link capacity, bytes/second (for the utilisation metric)
-    metrics_addr: str = "127.0.0.1:9567"  # HOST:PORT or "off"
-    meta: str | None = None  # lmdb://PATH or redis://HOST:PORT/DB; None = LMDB in the cache directory
-    meta_name: str | None = None  # dataset name in a shared store; None = the source URL
-    meta_poll: float = 0.0  # seconds between checks for a newer snapshot; 0 = only on 'epochfs refresh'
-    file_mode: int | None = None  # present every file with these permission bits (default: the source's, or 0444)
-    dir_mode: int | None = None  # and every directory with these (default: the source's, or 0555)
-    uid: int | None = None  # present every entry as owned by this user (default: the source's, or the daemon's)
-    gid: int | None = None
-    allow_other: bool = False
-    foreground: bool = False
-    debug: bool = False
-    fuse_options: tuple[str, ...] = field(default_factory=tuple)
+    # -- object store
+    endpoint_url: str | None = option(
+        None, "object store", "S3-compatible endpoint (MinIO, SeaweedFS, Ceph); enables path-style addressing",
+        metavar="URL", parse=str, example='"http://10.0.0.5:9000"')
+    region: str | None = option(
+        None, "object store", "the bucket's S3 region (default: from the AWS configuration); block reads are "
+        "signed for this region, so on AWS it must be the bucket's own", metavar="REGION", parse=str,
+        example='"us-east-1"')
+    backend_concurrency: int = option(16, "object store", "parallel backend requests", metavar="N", parse=int)
+    backend_timeout: float = option(
+        30.0, "object store", "deadline of one block fetch, retries and the whole body included; past it the "
+        "reader gets EIO", metavar="SECONDS", parse=float)
+    backend_attempts: int = option(5, "object store", "attempts per request before giving up", metavar="N",
+                                   parse=int)
+    backend_bandwidth: float | None = option(
+        None, "object store", "capacity of the link to the backend, e.g. 10Gbit, for the utilisation metric "
+        "and its alert", metavar="RATE", parse=lambda t: parse_rate(t), example='"10Gbit"')
+    # -- cache
+    cache_dir: Path | None = option(
+        None, "cache", f"block cache and metadata directory (default: {DEFAULT_CACHE_DIR}/<source hash> for root, "
+        "~/.cache/epochfs/<source hash> otherwise); one mount per directory; it must belong to this user and "
+        "be writable by nobody else", metavar="DIR", parse=Path, example='"/var/cache/epochfs/data"')
+    cache_size: int = option(10 << 30, "cache", "upper bound of cached bytes, e.g. 512M, 50G", metavar="SIZE",
+                             parse=lambda t: parse_size(t), shown="10G")
+    block_size: int = option(4 << 20, "cache", "cache block and backend request size (64K to 64M)",
+                             metavar="SIZE", parse=lambda t: parse_size(t), shown="4M")
+    free_space_ratio: float = option(0.10, "cache", "keep at least this fraction of the cache file system free",
+                                     metavar="RATIO", parse=float)
+    readahead_blocks: int = option(4, "cache", "blocks fetched ahead of a sequential reader (0 disables)",
+                                   metavar="BLOCKS", parse=int, flag="--readahead")
+    kernel_readahead: int = option(
+        4 << 20, "cache", "kernel readahead window of the mount: larger FUSE reads for sequential readers "
+        "(0 keeps the kernel default of 128K; needs root)", metavar="SIZE", parse=lambda t: parse_size(t),
+        shown="4M")
+    eviction: str = option(policies.DEFAULT, "cache", "eviction policy: " + policies.describe(),
+                           metavar="POLICY", parse=str)
+    # -- prefetch
+    prefetch_bandwidth: float | None = option(
+        None, "prefetch", "cap on prefetch traffic, e.g. 400MB or 2Gbit (per second)", metavar="RATE",
+        parse=lambda t: parse_rate(t), example='"4Gbit"')
+    prefetch_lead: float = option(
+        2.0, "prefetch", "how many seconds of reading the prefetch window covers, at most a quarter of the cache",
+        metavar="SECONDS", parse=float)
+    # -- namespace
+    meta: str | None = option(
+        None, "namespace", "metadata store: redis://HOST:PORT/DB to load the snapshot published by 'epochfs "
+        "import' (shared by every node; the source is never listed), or lmdb://PATH (default: LMDB in the cache "
+        "directory)", metavar="URL", parse=str, example='"redis://10.0.0.9:6379/0"')
+    meta_name: str | None = option(None, "namespace", "dataset name in a shared store (default: the source URL)",
+                                   metavar="NAME", parse=str, example='"imagenet"')
+    meta_poll: float = option(
+        0.0, "namespace", "check the store for a newer snapshot this often and switch to it (0: only on "
+        "'epochfs refresh')", metavar="SECONDS", parse=float)
+    refresh: bool = option(False, "namespace", "list the source again instead of reusing the stored snapshot")
+    snapshot_ttl: float = option(
+        0.0, "namespace", "list the source again when the stored snapshot is older than this (0: keep it until "
+        "--refresh)", metavar="SECONDS", parse=float)
+    # -- metrics
+    metrics_addr: str = option(
+        "127.0.0.1:9567", "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 "
+        "picks a free one (loopback only by default)", metavar="HOST:PORT", parse=str)
+    # -- mount
+    allow_other: bool = option(
+        False, "mount", "let other users read the mount, with the permissions the source gives them (needs "
+        "user_allow_other in /etc/fuse.conf unless root)")
+    file_mode: int | None = option(
+        None, "mount", "present every file with this mode (default: the source's for file://, 0444 for S3)",
+        metavar="OCTAL", parse=lambda t: parse_mode(t), example='"0444"')
+    dir_mode: int | None = option(
+        None, "mount", "present every directory with this mode (default: the source's for file://, 0555 for S3)",
+        metavar="OCTAL", parse=lambda t: parse_mode(t), example='"0555"')
+    uid: int | None = option(
+        None, "mount", "present every entry as owned by this user (default: the source's for file://, else the "
+        "daemon's)", metavar="N", parse=int, example="1000")
+    gid: int | None = option(None, "mount", "likewise for the group", metavar="N", parse=int, example="1000")
+    attr_timeout: float = option(3600.0, "mount", "how long the kernel may cache names and attributes",
+                                 metavar="SECONDS", parse=float)
+    fuse_options: tuple[str, ...] = option((), "mount", "extra FUSE mount option (repeatable)", flag="-o",
+                                           metavar="OPT", example='["max_read=1048576"]')
+    foreground: bool = option(False, "mount", "stay attached; unmount on SIGINT/SIGTERM")
+    log_file: Path | None = option(
+        None, "mount", "log here (default: stderr with --foreground, else <cache-dir>/epochfs.log)",
+        metavar="FILE", parse=Path, example='"/var/log/epochfs/data.log"')
+    debug: bool = option(False, "mount", "debug logging")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mountpoint", Path(os.path.abspath(self.mountpoint)))
+        cache_dir = Path(os.path.abspath(self.cache_dir)) if self.cache_dir else default_cache_dir(self.source)
+        object.__setattr__(self, "cache_dir", cache_dir)
+        object.__setattr__(self, "fuse_options", tuple(self.fuse_options))
+        if cache_dir == self.mountpoint or self.mountpoint in cache_dir.parents:
+            raise ConfigError("the cache directory cannot be inside the mount point")
         if self.block_size < 64 << 10 or self.block_size > 64 << 20:
             raise ConfigError("--block-size must be between 64K and 64M")
         if self.block_size % (64 << 10):
@@ -139,12 +227,14 @@ class Config:
             raise ConfigError("--backend-concurrency must be >= 1")
         if self.backend_timeout <= 0:
             raise ConfigError("--backend-timeout must be > 0")
+        if self.backend_attempts < 1:
+            raise ConfigError("--backend-attempts must be >= 1")
         if self.endpoint_url is not None:
             u = urlparse(self.endpoint_url)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ConfigError(f"--endpoint-url {self.endpoint_url!r}: expected http(s)://HOST[:PORT]")
-        if self.eviction not in ("manifest", "lru", "none"):
-            raise ConfigError(f"--eviction {self.eviction!r}: choose manifest, lru or none")
+        if self.eviction not in policies.names():
+            raise ConfigError(f"--eviction {self.eviction!r}: choose {', '.join(policies.names())}")
         for name in ("prefetch_bandwidth", "backend_bandwidth"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -155,8 +245,8 @@ class Config:
             raise ConfigError("--meta-poll must be >= 0")
         if self.snapshot_ttl < 0:
             raise ConfigError("--snapshot-ttl must be >= 0")
-        if self.backend_attempts < 1:
-            raise ConfigError("--backend-attempts must be >= 1")
+        if self.attr_timeout < 0:
+            raise ConfigError("--attr-timeout must be >= 0")
         for name in ("file_mode", "dir_mode"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 0o777:

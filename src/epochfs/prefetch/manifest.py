@@ -163,8 +163,15 @@ def shuffled(items: Sequence[T], seed: int, epoch: int) -> list[T]:
     return [items[i] for i in permutation(len(items), seed + epoch)]
 
 
-def epoch_order(paths: Sequence[str], *, seed: int | None, epoch: int, rank: int = 0,
-                world_size: int = 1) -> list[str]:
-    """The paths rank ``rank`` reads in ``epoch``: shuffled if a seed is given, then partitioned."""
-    order = shuffled(paths, seed, epoch) if seed is not None else list(paths)
-    return partition(order, rank, world_size)
+def epoch_order(items: Sequence[T], *, seed: int | None, epoch: int | None = None, rank: int = 0,
+                world_size: int = 1) -> list[T]:
+    """What rank ``rank`` reads in ``epoch``: ``items`` (the dataset in index order) shuffled as
+    ``DistributedSampler(shuffle=True, seed=seed)`` does if a seed is given, then partitioned. The one
+    definition of an epoch's order (the command line and the Python helpers use it)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ManifestError(f"rank {rank} is not in [0, world size {world_size})")
+    if seed is not None:
+        if epoch is None:
+            raise ManifestError("a shuffle (seed) needs the epoch number")
+        items = shuffled(items, seed, epoch)
+    return partition(items, rank, world_size)

@@ -1,0 +1,53 @@
+"""Command line: arguments -> calls, errors -> one line and an exit code. One module per command family:
+:mod:`.mount` (mount, umount), :mod:`.status` (status, stats), :mod:`.epoch` (prefetch, warmup, manifest,
+plan), :mod:`.stores` (import, refresh, fsck); :mod:`.options` derives the mount options from
+:class:`~epochfs.config.Config`.
+
+Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from epochfs import __version__
+from epochfs.cli import epoch, mount, status, stores
+from epochfs.cli.common import EPILOG
+from epochfs.errors import ConfigError, EpochfsError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epochfs",
+        description="Read-only FUSE mount of an S3 prefix or a slow shared directory, "
+        "served through a persistent, checksummed local block cache.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"epochfs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for family in (mount, epoch, stores, status):
+        family.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return args.run(args)
+    except ConfigError as exc:
+        print(f"epochfs: {exc}", file=sys.stderr)
+        return 2
+    except EpochfsError as exc:
+        print(f"epochfs: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `epochfs status | head`: the reader went away, which is fine
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

@@ -1,0 +1,218 @@
+"""The commands about an epoch's read order: ``prefetch`` and ``warmup`` (hand it to a daemon),
+``manifest`` (write it) and ``plan`` (predict what it will cost)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from epochfs.cli.common import human, mount_relative
+from epochfs.config import parse_size
+from epochfs.errors import ConfigError
+from epochfs.prefetch.manifest import Entry
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    order = argparse.ArgumentParser(add_help=False)
+    o = order.add_argument_group("epoch order")
+    o.add_argument("--seed", type=int, metavar="S",
+                   help="the manifest lists the dataset in index order; shuffle it as "
+                   "DistributedSampler(shuffle=True, seed=S) does for --epoch")
+    o.add_argument("--epoch", type=int, metavar="N", help="epoch number (with --seed: the shuffle; always: a label)")
+    o.add_argument("--rank", type=int, default=0, metavar="R", help="this rank (default: 0)")
+    o.add_argument("--world-size", type=int, default=1, metavar="W",
+                   help="number of ranks; rank R reads every W-th entry of the padded global order (default: 1)")
+
+    p = sub.add_parser(
+        "prefetch", parents=[order], help="hand the daemon an epoch manifest and return",
+        description="Hand the daemon serving MOUNTPOINT the order in which this rank will read files. The "
+        "daemon fetches ahead of the reader and (with --eviction manifest) evicts the block needed farthest "
+        "in the future. Returns at once; progress is in 'epochfs status'. A manifest handed over while an "
+        "epoch is still being read is queued after it.",
+    )
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--manifest", metavar="FILE",
+                     help="one path per line relative to the mount root (or JSON Lines with \"path\"), in read order")
+    src.add_argument("--stored", metavar="NAME", help="use the manifest published to the metadata store under NAME")
+    p.add_argument("--publish", metavar="NAME",
+                   help="also publish --manifest to the metadata store under NAME, for the other ranks' daemons")
+    p.add_argument("--replace", action="store_true", help="discard the current plan instead of queueing after it")
+    p.set_defaults(run=cmd_prefetch)
+
+    w = sub.add_parser("warmup", parents=[order], help="fill the cache now, with a progress bar",
+                       description="Fetch files (or everything a manifest names) into the cache now, without "
+                       "evicting anything; stops caching when the cache is full.")
+    w.add_argument("mountpoint", metavar="MOUNTPOINT")
+    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under the mount")
+    w.add_argument("--manifest", metavar="FILE", help="warm what this manifest names")
+    w.add_argument("--check", action="store_true", help="only report the fraction already cached")
+    w.set_defaults(run=cmd_warmup)
+
+    pl = sub.add_parser("plan", parents=[order], help="predict hit ratio and backend bytes of an epoch",
+                        description="Simulate the cache over the epoch's block sequence and report, for each "
+                        "eviction policy, the hit ratio and the bytes fetched from the backend.")
+    pl.add_argument("--manifest", required=True, metavar="FILE")
+    pl.add_argument("--cache-size", type=size_arg, required=True, metavar="SIZE")
+    pl.add_argument("--block-size", type=size_arg, default=4 << 20, metavar="SIZE")
+    pl.add_argument("--previous-manifest", metavar="FILE",
+                    help="the epoch read before this one (its blocks warm the cache; not counted)")
+    pl.add_argument("--previous-epoch", type=int, metavar="N",
+                    help="with --seed: the previous epoch is this shuffle of --previous-manifest (default: --epoch - 1)")
+    sizes = pl.add_mutually_exclusive_group()
+    sizes.add_argument("--mount", metavar="MOUNTPOINT", help="take file sizes from this mount")
+    sizes.add_argument("--root", metavar="DIR", help="take file sizes from this directory")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(run=cmd_plan)
+
+    mf = sub.add_parser("manifest", parents=[order], help="write an epoch manifest",
+                        description="Write the read order of an epoch: PATHS-FILE lists the dataset in index "
+                        "order (one path per line); with --seed the output is the shuffle DistributedSampler "
+                        "uses for --epoch; with --rank/--world-size only that rank's share.")
+    mf.add_argument("paths_file", metavar="PATHS-FILE")
+    mf.add_argument("-o", "--output", required=True, metavar="FILE")
+    mf.set_defaults(run=cmd_manifest)
+
+
+def _order(args: argparse.Namespace, manifest: str) -> list[Entry]:
+    """The entries this rank reads, from a manifest and the epoch-order flags."""
+    from epochfs.prefetch.manifest import epoch_order, read
+
+    if args.seed is not None and args.epoch is None:
+        raise ConfigError("--seed needs --epoch")
+    return epoch_order(read(manifest), seed=args.seed, epoch=args.epoch, rank=args.rank, world_size=args.world_size)
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from epochfs.control import request
+
+    manifest = args.manifest
+    if args.stored:
+        text = request(args.mountpoint, "get_manifest", name=args.stored)["text"]
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as tmp:
+            tmp.write(text)
+        manifest = tmp.name
+    try:
+        entries = _order(args, manifest)
+    finally:
+        if args.stored:
+            os.unlink(manifest)
+    if args.publish:
+        with open(args.manifest, encoding="utf-8") as f:
+            request(args.mountpoint, "publish_manifest", name=args.publish, text=f.read())
+        print(f"epochfs: published {args.manifest} as {args.publish!r}")
+    reply = request(args.mountpoint, "prefetch", entries=[[e.line, e.path] for e in entries],
+                    source=args.manifest or args.stored, epoch=args.epoch, replace=args.replace)
+    how = "queued after the current plan" if reply["appended"] else "loaded"
+    print(f"epochfs: {reply['files']} files ({human(reply['plan_bytes'])} in the plan) {how}")
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from epochfs.control import request
+
+    if args.manifest:
+        entries = [[e.line, e.path] for e in _order(args, args.manifest)]
+        source = args.manifest
+    elif args.paths:
+        entries = [[i, mount_relative(args.mountpoint, p)] for i, p in enumerate(args.paths, 1)]
+        source = "argument"
+    else:
+        raise ConfigError("name PATHs or --manifest")
+    if args.check:
+        r = request(args.mountpoint, "resident", entries=entries, source=source)
+        frac = r["resident_bytes"] / r["total_bytes"] if r["total_bytes"] else 1.0
+        print(f"{frac:.1%} cached: {human(r['resident_bytes'])} of {human(r['total_bytes'])}; "
+              f"{r['resident_files']} of {r['files']} files whole")
+        return 0
+    job = request(args.mountpoint, "warmup", entries=entries, source=source)
+    columns = (TextColumn("[bold]warmup"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+               TextColumn("{task.fields[files]}"), TimeRemainingColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task("warmup", total=job["total_bytes"], files="")
+        while True:
+            job = request(args.mountpoint, "job", id=job["id"])
+            progress.update(task, completed=job["done_bytes"] + job["skipped_bytes"],
+                            files=f"{job['done_files']}/{job['files']} files")
+            if job["finished"]:
+                break
+            time.sleep(0.2)
+    print(f"epochfs: warmed {human(job['done_bytes'])} of {human(job['total_bytes'])} "
+          f"in {job['elapsed']:.1f}s")
+    if job["skipped_bytes"]:
+        print(f"epochfs: the cache is full: {human(job['skipped_bytes'])} not cached", file=sys.stderr)
+    for err in job["errors"]:
+        print(f"epochfs: {err}", file=sys.stderr)
+    return 1 if job["errors"] else 0
+
+
+def _sizes(args: argparse.Namespace, entries: list[Entry], manifest: str) -> list[tuple[str, int]]:
+    out = []
+    for e in entries:
+        size = e.size
+        if size is None:
+            base = args.mount or args.root
+            if base is None:
+                raise ConfigError(f"{manifest}:{e.line}: no size; give --mount or --root, or use JSON Lines with \"size\"")
+            try:
+                size = os.stat(os.path.join(base, e.path)).st_size
+            except OSError as exc:
+                raise ConfigError(f"{manifest}:{e.line}: {e.path}: {exc.strerror}") from None
+        out.append((e.path, size))
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from epochfs.prefetch.simulate import block_sequence, simulate
+
+    current = block_sequence(_sizes(args, _order(args, args.manifest), args.manifest), args.block_size)
+    previous = []
+    if args.previous_manifest:
+        prev_args = argparse.Namespace(**vars(args))
+        if args.seed is not None:
+            prev_args.epoch = args.previous_epoch if args.previous_epoch is not None else args.epoch - 1
+        previous = block_sequence(_sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest),
+                                  args.block_size)
+    results = [simulate(current, args.cache_size, name, warmup=previous) for name in ("manifest", "lru", "none")]
+    total = sum(size for _, size in current)
+    if args.json:
+        print(json.dumps({"epoch_bytes": total, "cache_size": args.cache_size, "block_size": args.block_size,
+                          "policies": {r.policy: {"hit_ratio": r.hit_ratio, "backend_bytes": r.miss_bytes,
+                                                  "hits": r.hits, "reads": r.reads} for r in results}}, indent=2))
+        return 0
+    print(f"epoch: {len(current)} blocks, {human(total)}; cache {human(args.cache_size)}"
+          + (" (warm from the previous epoch)" if previous else " (cold)"))
+    print(f"{'policy':<10} {'hit ratio':>10} {'backend bytes':>15}")
+    for r in results:
+        print(f"{r.policy:<10} {r.hit_ratio:>10.1%} {human(r.miss_bytes):>15}")
+    return 0
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    from epochfs.prefetch.manifest import write
+
+    entries = _order(args, args.paths_file)
+    write(args.output, (e.path for e in entries))
+    print(f"epochfs: wrote {len(entries)} paths to {args.output}")
+    return 0

@@ -1,0 +1,168 @@
+"""``epochfs mount`` and ``epochfs umount``: start a daemon and wait until its mount answers (or say why
+it failed), and unmount and wait until the daemon has exited."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from epochfs.cli.common import EPILOG
+from epochfs.cli.options import add_mount_options, config_from
+from epochfs.config import Config, read_config_file
+from epochfs.errors import ConfigError, EpochfsError
+
+log = logging.getLogger("epochfs")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    m = sub.add_parser(
+        "mount", help="mount a dataset read-only",
+        description="Mount SOURCE (s3://BUCKET[/PREFIX] or file:///PATH) read-only at MOUNTPOINT. "
+        "Returns once the mount answers (exit 0) or failed (non-zero, with the reason); "
+        "with --foreground stays attached and unmounts on SIGINT/SIGTERM.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument("source", metavar="SOURCE", nargs="?", help="s3://BUCKET[/PREFIX] or file:///PATH")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?", help="an existing empty directory, e.g. /mnt/data")
+    m.add_argument("--config", metavar="FILE",
+                   help="TOML file with any of these options (keys like cache_size = \"500G\", plus source and "
+                   "mountpoint); command-line flags override it")
+    add_mount_options(m)
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(run=cmd_mount)
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to finish",
+                       description="Unmount MOUNTPOINT and wait until its daemon has exited. "
+                       "A dead mount (daemon killed) is cleared with a lazy unmount.")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?")
+    u.add_argument("--config", metavar="FILE", help="take the mount point from this config file")
+    u.add_argument("--lazy", action="store_true",
+                   help="detach at once even if busy, and succeed if nothing is mounted (for ExecStopPost)")
+    u.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long to wait for the daemon to exit (default: %(default)s)")
+    u.set_defaults(run=cmd_umount)
+
+
+def setup_logging(config: Config) -> None:
+    from epochfs.private import PrivateLogFile
+
+    handler: logging.Handler
+    if config.log_file is not None:
+        handler = PrivateLogFile(config.log_file, maxBytes=32 << 20, backupCount=3)
+    else:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if config.debug else logging.INFO)
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.INFO if config.debug else logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    if not config.foreground:
+        return _spawn_daemon(config, args.argv)
+
+    from epochfs import mount
+
+    setup_logging(config)
+    ready_fd = args.ready_fd
+    reported = False
+
+    def ready(error: str | None) -> None:
+        nonlocal reported
+        if reported:
+            return
+        reported = True
+        if error is not None:
+            log.error("%s", error)
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n" if error is None else error.encode() + b"\n")
+            os.close(ready_fd)
+
+    return mount.run(config, ready)
+
+
+def _spawn_daemon(config: Config, argv: list[str]) -> int:
+    """Start the daemon in its own session and wait for it to say the mount answers, or why not."""
+    from epochfs.private import open_private, private_dir
+
+    assert config.cache_dir is not None
+    log_file = config.log_file or config.cache_dir / "epochfs.log"
+    private_dir(config.cache_dir)  # checked before anything is written into it
+    log_fd = open_private(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "epochfs", *argv, "--foreground", "--ready-fd", str(write_fd),
+           "--log-file", str(log_file)]
+    try:
+        proc = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=log_fd)
+    finally:
+        os.close(write_fd)
+        os.close(log_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        answer = pipe.read().decode(errors="replace").strip()
+    if answer == "ok":
+        return 0
+    code = proc.wait()
+    if not answer:
+        answer = f"the daemon exited with status {code} before the mount was ready; see {log_file}"
+    print(f"epochfs: {answer}", file=sys.stderr)
+    return code or 1
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from epochfs.control import PID_XATTR
+    from epochfs.mount import is_dead_mount, lazy_unmount
+
+    mountpoint = args.mountpoint
+    if args.config:
+        mountpoint = mountpoint or read_config_file(args.config).get("mountpoint")
+    if not mountpoint:
+        raise ConfigError("give MOUNTPOINT (or --config with a mountpoint key)")
+    path = os.path.abspath(mountpoint)
+    if is_dead_mount(path):
+        lazy_unmount(path)
+        print(f"epochfs: cleared a dead mount at {path}", file=sys.stderr)
+        return 0
+    if not os.path.ismount(path):
+        if args.lazy:
+            return 0
+        raise ConfigError(f"{path} is not mounted")
+    if args.lazy:
+        lazy_unmount(path)
+        return 0
+    try:
+        pid = int(os.getxattr(path, PID_XATTR))
+    except (OSError, ValueError):
+        pid = None
+    result = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
+    if result.returncode != 0:
+        busy = " (files are open on it: close them, or detach now with 'epochfs umount --lazy')" \
+            if "busy" in result.stderr else ""
+        raise EpochfsError(f"unmount failed: {result.stderr.strip()}{busy}")
+    deadline = time.monotonic() + args.timeout
+    while pid is not None and _alive(pid):
+        if time.monotonic() > deadline:
+            raise EpochfsError(f"unmounted, but daemon pid {pid} is still running after {args.timeout}s")
+        time.sleep(0.05)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

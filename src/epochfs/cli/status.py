@@ -1,0 +1,133 @@
+"""``epochfs status`` (one-shot, plain or JSON) and ``epochfs stats`` (a live view): renderings of the
+daemon's ``status`` reply."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from epochfs.cli.common import human
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser("stats", help="live view of a mount (refreshing)",
+                        description="Refreshing terminal view of MOUNTPOINT: hit ratio, throughput from the cache "
+                        "and from the backend, read latency, cache fill, prefetch lead. Ctrl-C to quit.")
+    st.add_argument("mountpoint", metavar="MOUNTPOINT")
+    st.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period (default: 1)")
+    st.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
+    st.set_defaults(run=cmd_stats)
+
+    s = sub.add_parser("status", help="one-shot state of a mount",
+                       description="Print the state of the daemon serving MOUNTPOINT: snapshot, cache use, "
+                       "hits and misses, backend requests.")
+    s.add_argument("mountpoint", metavar="MOUNTPOINT")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(run=cmd_status)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from epochfs.control import request
+
+    status = request(args.mountpoint, "status")
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def stats_table(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> Any:
+    """The rows of one ``epochfs stats`` refresh, from two status snapshots ``seconds`` apart."""
+    from rich.table import Table
+
+    from epochfs.stats import HistogramSnapshot
+
+    c0, c1, s1, p1 = prev["cache"], cur["cache"], cur["store"], cur["prefetch"]
+    hit = c1["hit_bytes"] - c0["hit_bytes"]
+    miss = c1["miss_bytes"] - c0["miss_bytes"]
+    backend = (c1["demand_bytes"] + c1["prefetch_bytes"]) - (c0["demand_bytes"] + c0["prefetch_bytes"])
+    lat = HistogramSnapshot.from_dict(cur["read_seconds"]).minus(HistogramSnapshot.from_dict(prev["read_seconds"]))
+    reads = lat.count
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else ("> 30 s" if v == float("inf") else f"{v * 1000:.2f} ms")
+
+    t = Table(title=f"epochfs {cur['mountpoint']}  <-  {cur['source']}", show_header=True, expand=False)
+    t.add_column("", style="bold")
+    t.add_column("now", justify="right")
+    t.add_column("since start", justify="right")
+    total_hit, total_miss = c1["hit_bytes"], c1["miss_bytes"]
+    t.add_row("hit ratio (bytes)", f"{hit / (hit + miss):.1%}" if hit + miss else "-",
+              f"{total_hit / (total_hit + total_miss):.1%}" if total_hit + total_miss else "-")
+    t.add_row("from cache", f"{human(hit / seconds)}/s", human(total_hit))
+    t.add_row("from backend", f"{human(backend / seconds)}/s", human(c1["demand_bytes"] + c1["prefetch_bytes"]))
+    t.add_row("reads", f"{reads / seconds:.0f}/s", str(c1["hits"] + c1["misses"]))
+    t.add_row("read latency p50 / p99", f"{ms(lat.quantile(0.5))} / {ms(lat.quantile(0.99))}", "")
+    t.add_row("cache", f"{s1['used_bytes'] / s1['capacity_bytes']:.1%} full",
+              f"{human(s1['used_bytes'])} of {human(s1['capacity_bytes'])}")
+    t.add_row("evictions", f"{(s1['evictions'] - prev['store']['evictions']) / seconds:.1f}/s", str(s1["evictions"]))
+    if p1["blocks"]:
+        lead = f"{p1['lead_seconds']:.1f} s" if p1["lead_seconds"] is not None else "-"
+        t.add_row("prefetch lead", lead, human(p1["lead_bytes"]))
+        t.add_row("manifest", f"file {p1['file_position'] + 1} of {p1['files']}", f"{human(p1['queued_bytes'])} queued")
+    else:
+        t.add_row("prefetch", "no manifest", "")
+    errors = sum(cur["errors"].values()) + s1["fill_errors"]
+    t.add_row("errors / corrupt blocks", str(errors), str(s1["corrupt_blocks"]))
+    return t
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from epochfs.control import request
+
+    console = Console()
+    prev, when = request(args.mountpoint, "status"), time.monotonic()
+    frames = 0
+    with Live(console=console, auto_refresh=False, transient=False) as live:
+        try:
+            while args.count is None or frames < args.count:
+                time.sleep(args.interval)
+                cur, now = request(args.mountpoint, "status"), time.monotonic()
+                live.update(stats_table(prev, cur, now - when), refresh=True)
+                prev, when = cur, now
+                frames += 1
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def format_status(s: dict[str, Any]) -> str:
+    c, st, snap = s["cache"], s["store"], s["snapshot"]
+    reads = c["hit_bytes"] + c["miss_bytes"]
+    ratio = f"{c['hit_bytes'] / reads:.1%}" if reads else "n/a"
+    return "\n".join([
+        f"mount      {s['mountpoint']}  <-  {s['source']}  (pid {s['pid']})",
+        f"snapshot   version {snap['version']}: {snap['files']} files, {snap['directories']} directories, "
+        f"{human(snap['bytes'])}; store {s['meta']['url']}"
+        + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})"),
+        f"cache      {human(st['used_bytes'])} of {human(st['capacity_bytes'])} in {st['blocks']} blocks "
+        f"({s['cache_dir']})",
+        f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
+        f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
+        f"{c['inflight']} in flight",
+        f"evictions  {st['evictions']} ({s['eviction']}); corrupt blocks {st['corrupt_blocks']}; "
+        f"fill errors {st['fill_errors']}",
+        format_prefetch(s["prefetch"]),
+    ])
+
+
+def format_prefetch(p: dict[str, Any]) -> str:
+    if not p["blocks"]:
+        return "prefetch   no manifest (epochfs prefetch MOUNTPOINT --manifest FILE)"
+    lead = f"{p['lead_seconds']:.1f}s" if p["lead_seconds"] is not None else "n/a"
+    epoch = f"epoch {p['epoch']}, " if p["epoch"] is not None else ""
+    return (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
+            f"({human(p['position_bytes'])} of {human(p['plan_bytes'])}); "
+            f"lead {human(p['lead_bytes'])} = {lead}; queued {human(p['queued_bytes'])}; "
+            f"{p['inflight']} in flight" + ("" if p["active"] else "; done"))
