@@ -32,6 +32,14 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+@pytest.fixture
+def private_s3(tmp_path: Path):
+    """An S3 endpoint of this test's own, which the test may stop (the endpoint going away)."""
+    server = LocalS3(tmp_path / "own-s3").start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def s3_client(s3: LocalS3):
     return s3.client()

@@ -1,4 +1,5 @@
-"""Test helpers: real mounts in a subprocess, with a wait for readiness and a lazy unmount."""
+"""Test helpers: real mounts in a subprocess (with a wait for readiness and a lazy unmount), and the fakes
+and references the tests without a mount share."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from epochfs.backend.base import Backend, BackendStats
 from epochfs.control import request
+from epochfs.sample import pattern
 
 EPOCHFS = [sys.executable, "-m", "epochfs"]
 
@@ -142,3 +146,55 @@ class FakeCache:
 
     def open_stream(self, obj: Any) -> FakeStream:
         return FakeStream(self, obj)
+
+
+BS = 64 << 10  # the block size of the tests that run the cache without a mount
+
+
+class MemoryBackend(Backend):
+    source_id = "mem://test/"
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.calls: Counter[tuple[str, int]] = Counter()
+        self.fail: Exception | None = None
+        self._lock = threading.Lock()
+
+    def list_objects(self):
+        return iter(())
+
+    def read_range(self, key, etag, start, length):
+        with self._lock:
+            self.calls[(key, start)] += 1
+        time.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return pattern(key, 0, start, length)
+
+    def statistics(self):
+        return BackendStats()
+
+
+def offline_min_misses(seq: list[bytes], capacity: int) -> int:
+    """Belady's MIN with bypass for unit-size blocks, by brute force: on a miss with a full cache, drop
+    whichever of (the resident blocks and the new one) is next used farthest in the future."""
+    def next_use(b: bytes, after: int) -> int:
+        for j in range(after + 1, len(seq)):
+            if seq[j] == b:
+                return j
+        return len(seq) + 1
+
+    cache: set[bytes] = set()
+    misses = 0
+    for i, b in enumerate(seq):
+        if b in cache:
+            continue
+        misses += 1
+        if len(cache) < capacity:
+            cache.add(b)
+            continue
+        far = max(cache | {b}, key=lambda x: next_use(x, i))
+        if far != b:
+            cache.remove(far)
+            cache.add(b)
+    return misses

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 
 import pytest
 import trio
 
-from epochfs.backend.base import Backend, BackendStats
 from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
@@ -17,31 +15,7 @@ from epochfs.errors import BackendUnavailable, ObjectChanged
 from epochfs.records import ObjectInfo
 from epochfs.sample import pattern
 
-BS = 64 << 10
-
-
-class MemoryBackend(Backend):
-    source_id = "mem://test/"
-
-    def __init__(self, delay: float = 0.0):
-        self.delay = delay
-        self.calls: Counter[tuple[str, int]] = Counter()
-        self.fail: Exception | None = None
-        self._lock = threading.Lock()
-
-    def list_objects(self):
-        return iter(())
-
-    def read_range(self, key, etag, start, length):
-        with self._lock:
-            self.calls[(key, start)] += 1
-        time.sleep(self.delay)
-        if self.fail is not None:
-            raise self.fail
-        return pattern(key, 0, start, length)
-
-    def statistics(self):
-        return BackendStats()
+from .helpers import BS, MemoryBackend
 
 
 def run_with_cache(tmp_path, backend, fn, capacity=1 << 30, readahead=0):

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from epochfs.cache.keys import block_id, block_relpath
-from epochfs.devserver import LocalS3
 from epochfs.sample import SampleFile, pattern, sample_layout, upload, write_tree
 
 from .conftest import requires_fuse
@@ -143,18 +142,15 @@ def test_warm_pass_makes_no_data_requests(s3, s3_client, fresh_bucket, mount_fac
             cold["cache"]["demand_fetches"] + cold["cache"]["prefetch_fetches"]
 
 
-def test_remount_serves_warm_data_with_the_endpoint_stopped(tmp_path, mount_factory):
+def test_remount_serves_warm_data_with_the_endpoint_stopped(private_s3, mount_factory):
     files = sample_layout(small=40, large=1, large_mib=6, seed=5)
-    server = LocalS3(tmp_path / "own-s3").start()
-    try:
-        upload(server.client(), "warm", "ds/", files)
-        m = mount_factory("s3://warm/ds", "--endpoint-url", server.endpoint, env=server.env())
-        with m:
-            for f in files:
-                assert read_all(m.path(f.key)) == f.content()
-            wait_idle(m)
-    finally:
-        server.stop()
+    upload(private_s3.client(), "warm", "ds/", files)
+    m = mount_factory("s3://warm/ds", "--endpoint-url", private_s3.endpoint, env=private_s3.env())
+    with m:
+        for f in files:
+            assert read_all(m.path(f.key)) == f.content()
+        wait_idle(m)
+    private_s3.stop()
     with m:  # same cache dir, endpoint down: the snapshot and every block come from the cache
         for f in files:
             assert read_all(m.path(f.key)) == f.content()
@@ -348,17 +344,14 @@ def test_unsafe_keys_are_hidden_and_large_directories_page(s3_client, fresh_buck
         assert not any(p.name.endswith(".txt") for p in m.cache_dir.rglob("*"))
 
 
-def test_unreachable_backend_gives_eio_within_the_deadline(tmp_path, mount_factory):
+def test_unreachable_backend_gives_eio_within_the_deadline(private_s3, mount_factory):
     files = sample_layout(small=5, large=1, large_mib=3, seed=11)
-    server = LocalS3(tmp_path / "dying-s3").start()
-    try:
-        upload(server.client(), "dying", "", files)
-        m = mount_factory("s3://dying", "--endpoint-url", server.endpoint, "--backend-timeout", "6",
-                          "--backend-attempts", "3", env=server.env())
-        m.start()
-        assert read_all(m.path(files[5].key)) == files[5].content()
-    finally:
-        server.stop()
+    upload(private_s3.client(), "dying", "", files)
+    m = mount_factory("s3://dying", "--endpoint-url", private_s3.endpoint, "--backend-timeout", "6",
+                      "--backend-attempts", "3", env=private_s3.env())
+    m.start()
+    assert read_all(m.path(files[5].key)) == files[5].content()
+    private_s3.stop()
     f = files[3]  # never read: not cached
     started = time.monotonic()
     with pytest.raises(OSError) as info:

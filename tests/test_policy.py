@@ -6,37 +6,14 @@ import random
 
 import pytest
 
-from epochfs.cache.policies import make_policy
+from epochfs.cache.policies import make_policy, names
 from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.policies.manifest import NEVER, ManifestPolicy
 from epochfs.cache.policies.none import NoEvictionPolicy
 from epochfs.prefetch.manifest import shuffled
 from epochfs.prefetch.simulate import block_sequence, simulate
 
-
-def offline_min_misses(seq: list[bytes], capacity: int) -> int:
-    """Belady's MIN with bypass for unit-size blocks, by brute force: on a miss with a full cache, drop
-    whichever of (the resident blocks and the new one) is next used farthest in the future."""
-    def next_use(b: bytes, after: int) -> int:
-        for j in range(after + 1, len(seq)):
-            if seq[j] == b:
-                return j
-        return len(seq) + 1
-
-    cache: set[bytes] = set()
-    misses = 0
-    for i, b in enumerate(seq):
-        if b in cache:
-            continue
-        misses += 1
-        if len(cache) < capacity:
-            cache.add(b)
-            continue
-        far = max(cache | {b}, key=lambda x: next_use(x, i))
-        if far != b:
-            cache.remove(far)
-            cache.add(b)
-    return misses
+from .helpers import offline_min_misses
 
 
 def reshuffled_epochs(n_items: int, epochs: int, seed: int) -> list[bytes]:
@@ -144,9 +121,30 @@ def test_manifest_policy_advance_and_next_use():
 
 
 def test_make_policy():
-    assert {make_policy(n).name for n in ("lru", "manifest", "none")} == {"lru", "manifest", "none"}
+    assert names() == ["manifest", "lru", "none"]  # every module of the package, the default first
+    assert {make_policy(n).name for n in names()} == {"lru", "manifest", "none"}
     with pytest.raises(ValueError, match="unknown eviction policy"):
         make_policy("random")
+
+
+def test_a_registered_policy_is_usable_everywhere_without_other_changes(tmp_path):
+    from epochfs.cache import policies
+    from epochfs.cli import build_parser
+    from epochfs.cli.options import config_from
+
+    @policies.register("fifo-test", "evict the oldest block")
+    class Fifo(LruPolicy):
+        def accessed(self, bid: bytes) -> None:
+            pass  # insertion order only
+
+    try:
+        assert "fifo-test" in names() and "fifo-test: evict the oldest block" in policies.describe()
+        cfg = config_from(build_parser().parse_args(["mount", "s3://b", str(tmp_path), "--eviction", "fifo-test"]))
+        assert make_policy(cfg.eviction).name == "fifo-test"
+        seq = [bytes([i % 5]) for i in range(40)]
+        assert simulate([(b, 1) for b in seq], 3, "fifo-test").reads == 40
+    finally:
+        policies._REGISTRY.pop("fifo-test")
 
 
 def test_block_sequence():

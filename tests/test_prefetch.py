@@ -15,8 +15,7 @@ from epochfs.prefetch.manifest import shuffled
 from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS, drop_all_caches, wait_idle
-from .test_policy import offline_min_misses
+from .helpers import EPOCHFS, drop_all_caches, offline_min_misses, wait_idle
 
 pytestmark = requires_fuse
 KiB, MiB = 1 << 10, 1 << 20

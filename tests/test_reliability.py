@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from epochfs.cache.keys import block_id, block_relpath
-from epochfs.devserver import LocalS3
 from epochfs.sample import SampleFile, pattern, sample_layout, upload, write_tree
 
 from .conftest import requires_fuse
@@ -155,43 +154,41 @@ def test_kill_9_during_cold_fills_repeatedly(s3, s3_client, fresh_bucket, mount_
 # -- 3. cache corruption, with the backend up and down -------------------------------------------
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete", "swap"])
-def test_damaged_blocks_with_the_backend_up_then_down(tmp_path, mount_factory, damage):
+def test_damaged_blocks_with_the_backend_up_then_down(private_s3, mount_factory, damage):
     files = [SampleFile(f"k{i}.bin", 300 * KiB + i) for i in range(4)]
-    server = LocalS3(tmp_path / "own-s3").start()
-    try:
-        upload(server.client(), "dmg", "", files)
-        etags = {f.key: server.client().head_object(Bucket="dmg", Key=f.key)["ETag"] for f in files}
-        m = mount_factory("s3://dmg", "--endpoint-url", server.endpoint, "--backend-timeout", "5",
-                          "--backend-attempts", "2", env=server.env())
-        m.start()
-        verify_all(m, files)
-        wait_idle(m)
-        paths = [m.cache_dir / "blocks" / block_relpath(block_id("s3://dmg/", f.key, etags[f.key], 0, block_size=4 * MiB)) for f in files]
+    upload(private_s3.client(), "dmg", "", files)
+    etags = {f.key: private_s3.client().head_object(Bucket="dmg", Key=f.key)["ETag"] for f in files}
+    m = mount_factory("s3://dmg", "--endpoint-url", private_s3.endpoint, "--backend-timeout", "5",
+                      "--backend-attempts", "2", env=private_s3.env())
+    m.start()
+    verify_all(m, files)
+    wait_idle(m)
+    paths = [m.cache_dir / "blocks" / block_relpath(block_id("s3://dmg/", f.key, etags[f.key], 0, block_size=4 * MiB))
+             for f in files]
 
-        def hurt(i: int) -> None:
-            p = paths[i]
-            if damage == "flip":
-                raw = bytearray(p.read_bytes())
-                raw[len(raw) // 2] ^= 0x10
-                p.write_bytes(raw)
-            elif damage == "truncate":
-                os.truncate(p, 100)
-            elif damage == "empty":
-                os.truncate(p, 0)
-            elif damage == "delete":
-                p.unlink()
-            else:  # swap with the next file's block
-                q, tmp = paths[i + 1], p.with_suffix(".swap")
-                os.rename(p, tmp)
-                os.rename(q, p)
-                os.rename(tmp, q)
+    def hurt(i: int) -> None:
+        p = paths[i]
+        if damage == "flip":
+            raw = bytearray(p.read_bytes())
+            raw[len(raw) // 2] ^= 0x10
+            p.write_bytes(raw)
+        elif damage == "truncate":
+            os.truncate(p, 100)
+        elif damage == "empty":
+            os.truncate(p, 0)
+        elif damage == "delete":
+            p.unlink()
+        else:  # swap with the next file's block
+            q, tmp = paths[i + 1], p.with_suffix(".swap")
+            os.rename(p, tmp)
+            os.rename(q, p)
+            os.rename(tmp, q)
 
-        hurt(0)
-        drop_all_caches()
-        verify_all(m, files[:1])  # refetched from the backend
-        assert m.status()["store"]["corrupt_blocks"] == 1
-    finally:
-        server.stop()
+    hurt(0)
+    drop_all_caches()
+    verify_all(m, files[:1])  # refetched from the backend
+    assert m.status()["store"]["corrupt_blocks"] == 1
+    private_s3.stop()
     hurt(2)
     drop_all_caches()
     with pytest.raises(OSError) as info:  # damaged and the backend is down: EIO, not wrong bytes

@@ -13,7 +13,7 @@ from epochfs.cache.store import BlockStore
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.records import ObjectInfo
 
-from .test_cache_service import BS, MemoryBackend
+from .helpers import BS, MemoryBackend
 
 
 def objs(n: int, size: int = BS, prefix: str = "f") -> list[ObjectInfo]:

@@ -32,10 +32,17 @@ def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int
     return h.digest()
 
 
+_FANOUT = ((0, 2), (2, 4))  # directory levels: slices of the block id's hex name
+
+
 def block_relpath(bid: bytes) -> str:
     """Where a block lives under the cache's ``blocks/`` directory: two levels of 256 fan-out."""
     name = bid.hex()
-    return os.path.join(name[0:2], name[2:4], name)
+    return os.path.join(*(name[a:b] for a, b in _FANOUT), name)
+
+
+#: The glob that matches every path :func:`block_relpath` gives (for walks over the block files).
+BLOCK_GLOB = "/".join("*" * (len(_FANOUT) + 1))
 
 
 def block_count(file_size: int, block_size: int) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 import lmdb
 import xxhash
 
-from epochfs.cache.keys import CHUNK_SIZE, block_relpath, chunk_span
+from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, block_relpath, chunk_span
 from epochfs.cache.policies import EvictionPolicy, make_room
 from epochfs.errors import CacheUnreadable, ConfigError
 from epochfs.private import open_private, private_dir, private_subdir, touch_private
@@ -227,7 +227,7 @@ class BlockStore:
         """Walk the block files: the sizes of those in ``known``, and (path, size) of the others."""
         sizes: dict[bytes, int] = {}
         orphans: list[tuple[Path, int]] = []
-        for path in self.blocks_dir.glob("*/*/*"):
+        for path in self.blocks_dir.glob(BLOCK_GLOB):
             try:
                 bid = bytes.fromhex(path.name)
             except ValueError:

@@ -104,6 +104,13 @@ class ControlServer:
         uid = peer_uid(stream.socket)  # type: ignore[arg-type]
         if uid not in self._allowed:
             log.warning("control: refused a request from uid %d", uid)
+            # Take (a bounded part of) the request first, so the client reads the refusal rather than a
+            # broken pipe.
+            with trio.move_on_after(5):
+                try:
+                    await _receive_line(stream, limit=1 << 16)
+                except BadRequest:
+                    pass
             await _try_send(stream, {"ok": False, "error": "permission denied: only root or the mount's owner"})
             return
         try:
@@ -133,15 +140,15 @@ class ControlServer:
             return {"ok": False, "error": f"internal error: {type(exc).__name__}; see the daemon's log"}
 
 
-async def _receive_line(stream: trio.SocketStream) -> bytes:
+async def _receive_line(stream: trio.SocketStream, limit: int = MAX_REQUEST) -> bytes:
     buf = bytearray()
     while not buf.endswith(b"\n"):
         chunk = await stream.receive_some(1 << 16)
         if not chunk:
             break
         buf += chunk
-        if len(buf) > MAX_REQUEST:
-            raise BadRequest(f"request larger than {MAX_REQUEST} bytes")
+        if len(buf) > limit:
+            raise BadRequest(f"request larger than {limit} bytes")
     return bytes(buf)
 
 
