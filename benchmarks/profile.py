@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--size-kib", type=int, default=100, help="size of each file (e.g. 262144: large files)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--warm", action="store_true", help="profile a second pass, from the block cache")
+    ap.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL (CPU in Python)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -76,7 +77,8 @@ def main() -> int:
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
         raw = work / "samples.txt"
         spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "200",
-                                     "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     "--threads", *(["--gil"] if args.gil else [])],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
         start = time.perf_counter()
         with ThreadPoolExecutor(args.threads) as pool:
@@ -90,7 +92,8 @@ def main() -> int:
     mib_s = rate * args.size_kib / 1024
     lines = [f"{'warm' if args.warm else 'cold'} read of {args.files} x {args.size_kib} KiB files with {args.threads} "
              f"threads: {rate:.0f} files/s, {mib_s:.0f} MiB/s",
-             "share of the daemon's (non-idle) samples in which each function appears:"]
+             f"share of the daemon's ({'GIL-holding' if args.gil else 'non-idle'}) samples in which each "
+             "function appears:"]
     lines += [f"{share:6.1%}  {name}" for share, name in summarise(raw, args.top)]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -11,7 +11,8 @@ import pytest
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.backend.local import file_etag
 from epochfs.config import Source
-from epochfs.errors import ConfigError, ObjectChanged
+from epochfs.devserver import LocalS3
+from epochfs.errors import AccessDenied, ConfigError, ObjectChanged
 from epochfs.sample import pattern
 
 
@@ -67,6 +68,32 @@ def test_block_gets_address_keys_that_need_escaping(s3, s3_client, fresh_bucket,
     assert set(listed) == set(keys)
     for key in keys:
         assert backend.read_range(key, listed[key].etag, 65_535, 4_466) == pattern(key, 0, 65_535, 4_466), key
+
+
+def test_block_gets_are_signed_correctly_for_an_endpoint_that_checks(tmp_path, monkeypatch):
+    """Against an endpoint that verifies every signature: block GETs (signed by libcurl) of keys that
+    need escaping are accepted; a wrong secret is EACCES at once, not retried."""
+    server = LocalS3(tmp_path / "verifying-s3", verify_signatures=True).start()
+    try:
+        for k, v in server.env().items():
+            if k.startswith("AWS_"):
+                monkeypatch.setenv(k, v)
+        keys = ["plain.bin", "a b/c+d.bin", "unicode/\u00e9t\u00e9 \u6f22.bin", "100%/x?y#z"]
+        client = server.client()
+        client.create_bucket(Bucket="signed")
+        for key in keys:
+            client.put_object(Bucket="signed", Key="p/" + key, Body=pattern(key, 0, 0, 200_000))
+        backend = s3_backend(server, "signed", "p")
+        listed = {o.key: o for o in backend.list_objects()}
+        for key in keys:
+            assert backend.read_range(key, listed[key].etag, 1, 150_000) == pattern(key, 0, 1, 150_000), key
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+        wrong = s3_backend(server, "signed", "p")
+        with pytest.raises(AccessDenied):
+            wrong.read_range("plain.bin", listed["plain.bin"].etag, 0, 10)
+        assert wrong.statistics().requests == {("get", "denied"): 1}
+    finally:
+        server.stop()
 
 
 def test_missing_credentials_are_a_clear_error(s3, fresh_bucket, s3_env, monkeypatch):

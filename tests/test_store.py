@@ -24,7 +24,7 @@ def make(tmp_path, capacity=1 << 30, ratio=0.0) -> BlockStore:
 def put(store: BlockStore, b: bytes, data: bytes) -> bool:
     if not store.reserve(b, len(data)):
         return False
-    store.commit(b, store.write_file(b, data))
+    store.install(b, *store.write_temp(b, data))
     return True
 
 
@@ -152,19 +152,21 @@ def test_garbage_index_is_rebuilt(tmp_path):
     assert bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"r" * 10
 
 
-def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", ["write", "replace"])
+def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing):
     s = make(tmp_path)
     assert s.reserve(bid(1), 100)
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        s.write_file(bid(1), b"a" * 100)
+        with monkeypatch.context() as m:
+            m.setattr(os, failing, boom)
+            s.install(bid(1), *s.write_temp(bid(1), b"a" * 100))
     s.release(100)
-    assert not any(s.tmp_dir.iterdir())
-    assert s.statistics().fill_errors == 1 and s.pending == 0
+    assert not any(s.tmp_dir.iterdir()) and not any(p.is_file() for p in s.blocks_dir.rglob("*"))
+    assert s.statistics().fill_errors == 1 and s.pending == 0 and s.lookup(bid(1)) is None
 
 
 def test_fsck_finds_damage_and_orphans_and_repairs_them(tmp_path):

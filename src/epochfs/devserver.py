@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -54,9 +55,11 @@ def client_for(endpoint: str):  # type: ignore[no-untyped-def]
 
 
 class LocalS3:
-    """A SeaweedFS server with the S3 gateway. Any credentials are accepted."""
+    """A SeaweedFS server with the S3 gateway. Any credentials are accepted, unless ``verify_signatures``:
+    then only the development credentials, and every request's signature is checked."""
 
-    def __init__(self, data_dir: Path, log_file: Path | None = None) -> None:
+    def __init__(self, data_dir: Path, log_file: Path | None = None, verify_signatures: bool = False) -> None:
+        self.verify_signatures = verify_signatures
         self.data_dir = Path(data_dir)
         self.log_file = log_file or self.data_dir / "weed.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -82,6 +85,12 @@ class LocalS3:
             "-volume.preStopSeconds=0", "-volume.max=1000", "-master.volumeSizeLimitMB=256",
             f"-metricsPort={metrics}", "-metricsIp=127.0.0.1",
         ]
+        if self.verify_signatures:
+            config = self.data_dir / "s3-identities.json"
+            config.write_text(json.dumps({"identities": [{
+                "name": "dev", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+            cmd.append(f"-s3.config={config}")
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                          start_new_session=True)

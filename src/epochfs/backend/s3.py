@@ -1,25 +1,23 @@
-"""S3 (and S3-compatible: MinIO, SeaweedFS, Ceph RGW) backend on boto3.
+"""S3 (and S3-compatible: MinIO, SeaweedFS, Ceph RGW) backend.
 
 Listing goes through the boto3 client, with botocore's "standard" retry mode and a hook that makes it
 wait at least as long as a ``Retry-After`` header asks.
 
-Block GETs are the hot path, and a full client call costs about twice the CPU of the request itself
-(parameter validation, event hooks, response parsing). So a block GET is built here and signed with
-botocore's own SigV4 signer and credentials, then sent on the client's own HTTP session (its connection
-pool, TLS verification, proxies and timeouts). The answer is checked completely (status, ETag,
-Content-Range, length); throttling, 5xx and transport failures are retried by
-:func:`~epochfs.backend.base.retry` within one overall deadline, honouring ``Retry-After``. Every ranged
-GET carries ``If-Match`` with the snapshot's ETag, so a block of a different version can never be
-returned.
+Block GETs are the hot path. They go through libcurl (pycurl), which signs them itself (AWS SigV4 with
+the credentials of boto3's chain, re-read on every request so refreshed ones are used), sends them and
+reads the body with the GIL released: a cold small file costs a fraction of the CPU of a botocore
+request, and the whole request, headers and body included, is bounded by ``CURLOPT_TIMEOUT`` (a server
+that drips its answer cannot hold a read). Each worker thread keeps its own connection. The answer is
+checked completely (status, ETag, Content-Range, length; never more than the range is buffered);
+throttling, 5xx and transport failures are retried by :func:`~epochfs.backend.base.retry` within one
+overall deadline, honouring ``Retry-After``. Every ranged GET carries ``If-Match`` with the snapshot's
+ETag, so a block of a different version can never be returned.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import re
-import socket
 import threading
 import time
 import urllib.parse
@@ -27,11 +25,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import boto3
-import botocore.auth
-import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
-import urllib3.exceptions
+import botocore.httpsession
+import pycurl
 
 from epochfs.backend.base import (
     Backend,
@@ -57,55 +54,34 @@ _PROBE_KEY = "epochfs-probe"
 _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
 
 
-class Watchdog:
-    """One thread that shuts down the sockets of requests whose deadline has passed; the blocked reader
-    then fails at once (and the request is not retried: its deadline is gone)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, socket.socket]] = []
-        self._live: set[int] = set()
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, deadline: float, sock: socket.socket) -> int:
-        token = next(self._ids)
-        with self._cond:
-            self._live.add(token)
-            heapq.heappush(self._heap, (deadline, token, sock))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="epochfs-deadlines", daemon=True)
-                self._thread.start()
-            elif self._heap[0][1] == token:
-                self._cond.notify()
-        return token
-
-    def release(self, token: int) -> None:
-        with self._cond:
-            self._live.discard(token)
-
-    def _run(self) -> None:
-        with self._cond:
-            while True:
-                while self._heap and self._heap[0][1] not in self._live:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cond.wait()
-                    continue
-                deadline, token, sock = self._heap[0]
-                wait = deadline - time.monotonic()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-                self._live.discard(token)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # already closed
+_TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
 
 
-_WATCHDOG = Watchdog()
+class _Answer:
+    """Collects one answer: headers (lower-case names) and a body of at most ``limit`` bytes."""
+
+    __slots__ = ("headers", "body", "limit", "overflow")
+
+    def __init__(self, limit: int) -> None:
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
+        self.limit = limit
+        self.overflow = False
+
+    def header(self, line: bytes) -> None:
+        if line.startswith(b"HTTP/"):
+            self.headers = {}  # a new answer (after a 100 Continue, say)
+            return
+        name, sep, value = line.partition(b":")
+        if sep:
+            self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+
+    def write(self, chunk: bytes) -> int | None:
+        if len(self.body) + len(chunk) > self.limit:
+            self.overflow = True
+            return 0  # stops the transfer
+        self.body += chunk
+        return None
 
 
 class S3Backend(Backend):
@@ -130,7 +106,9 @@ class S3Backend(Backend):
         )
         self._client.meta.events.register_first("needs-retry.s3", self._honour_retry_after)
         self._session = session
-        self._http = self._client._endpoint.http_session  # the client's pool, TLS and proxy settings
+        verify = self._client._endpoint.http_session._verify  # the client's TLS setting (AWS_CA_BUNDLE, ...)
+        self._cainfo = botocore.httpsession.get_cert_path(True) if verify is True else verify
+        self._local = threading.local()  # each worker thread's curl handle (and so its connection)
         self._region = self._client.meta.region_name or "us-east-1"
         self._credentials: Any = None
         # Where objects live, as the client addresses them (path or virtual-host style, custom endpoints).
@@ -162,7 +140,7 @@ class S3Backend(Backend):
     def _retry_after(self, headers: Any) -> float | None:
         """The wait a ``Retry-After`` header (in seconds) asks for, capped at half the deadline."""
         try:
-            delay = float(headers.get("Retry-After", ""))
+            delay = float(headers.get("Retry-After", headers.get("retry-after", "")))
         except ValueError:
             return None
         if delay != delay:  # NaN
@@ -217,71 +195,78 @@ class S3Backend(Backend):
         return self._base_url + urllib.parse.quote((self.prefix + key).encode("utf-8", "surrogateescape"),
                                                    safe="/~")
 
-    def _signed(self, key: str, headers: dict[str, str]) -> botocore.awsrequest.AWSPreparedRequest:
+    def _curl(self) -> pycurl.Curl:
+        curl = getattr(self._local, "curl", None)
+        if curl is None:
+            curl = self._local.curl = pycurl.Curl()
+            curl.setopt(pycurl.NOSIGNAL, 1)
+            curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
+            curl.setopt(pycurl.AWS_SIGV4, f"aws:amz:{self._region}:s3")
+            curl.setopt(pycurl.BUFFERSIZE, 512 << 10)  # fewer write callbacks per block
+            if self._cainfo is False:
+                curl.setopt(pycurl.SSL_VERIFYPEER, 0)
+                curl.setopt(pycurl.SSL_VERIFYHOST, 0)
+            elif self._cainfo:
+                curl.setopt(pycurl.CAINFO, str(self._cainfo))
+        return curl
+
+    def _frozen_credentials(self) -> Any:
         if self._credentials is None:
             self._credentials = self._session.get_credentials()
             if self._credentials is None:
                 raise AccessDenied(_NO_CREDENTIALS)
-        request = botocore.awsrequest.AWSRequest("GET", self._url(key), headers=headers)
-        botocore.auth.S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(request)
-        return request.prepare()
+        return self._credentials.get_frozen_credentials()  # refreshed by botocore when they expire
 
     def _get_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> bytes:
         started = time.monotonic()
-        request = self._signed(key, {"Range": f"bytes={start}-{start + length - 1}", "If-Match": etag})
-        request.stream_output = True  # the body is read below, in one call rather than 64 KiB pieces
+        remaining_ms = int((deadline - started) * 1000)
+        if remaining_ms <= 0:
+            raise TemporaryFailure("deadline passed")
+        creds = self._frozen_credentials()
+        headers = [f"Range: bytes={start}-{start + length - 1}", f"If-Match: {etag}",
+                   "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
+        if creds.token:
+            headers.append(f"x-amz-security-token: {creds.token}")
+        answer = _Answer(max(length, 1 << 16))  # never buffer more than was asked for (or an error page)
+        curl = self._curl()
+        curl.setopt(pycurl.URL, self._url(key))
+        curl.setopt(pycurl.HTTPHEADER, headers)
+        curl.setopt(pycurl.USERNAME, creds.access_key)
+        curl.setopt(pycurl.PASSWORD, creds.secret_key)
+        curl.setopt(pycurl.TIMEOUT_MS, remaining_ms)  # the whole request, headers and body
+        curl.setopt(pycurl.CONNECTTIMEOUT_MS, min(5000, remaining_ms))
+        curl.setopt(pycurl.HEADERFUNCTION, answer.header)
+        curl.setopt(pycurl.WRITEFUNCTION, answer.write)
         try:
-            resp = self._http.send(request)
-        except botocore.exceptions.BotoCoreError as exc:  # connection refused/reset, timeouts
+            curl.perform()
+        except pycurl.error as exc:
+            code, message = exc.args[0], exc.args[1] if len(exc.args) > 1 else ""
+            if answer.overflow:
+                self._stats.record("get", "retry")
+                raise TemporaryFailure(f"answer longer than the {length}-byte range (Range ignored?)") from None
+            if code in _TLS_FAILURES:
+                self._stats.record("get", "error")
+                raise BackendUnavailable(f"{key}: TLS: {message}") from None
             self._stats.record("get", "retry")
-            raise TemporaryFailure(f"{type(exc).__name__}: {exc}") from None
-        raw = resp.raw
-        reusable = False
-        conn = getattr(raw, "connection", None)
-        # The deadline covers the body too: a server that drips bytes has its connection shut down
-        # when the deadline passes (a per-read timeout alone would let it hold the read forever).
-        watch = _WATCHDOG.watch(deadline, conn.sock) if conn is not None and conn.sock is not None else None
-        try:
-            data = self._checked_body(resp, key, etag, start, length)
-            reusable = True
-        finally:
-            if watch is not None:
-                _WATCHDOG.release(watch)
-            # A connection goes back to the pool only after a complete, correct answer: anything else
-            # (an error, a body cut short or longer than asked for) may leave bytes unread on it.
-            if reusable:
-                raw.release_conn()
-            else:
-                raw.close()
+            raise TemporaryFailure(f"curl error {code}: {message}") from None
+        data = self._checked(curl.getinfo(pycurl.RESPONSE_CODE), answer, key, etag, start, length)
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data
 
-    def _checked_body(self, resp: Any, key: str, etag: str, start: int, length: int) -> bytes:
+    def _checked(self, status: int, answer: _Answer, key: str, etag: str, start: int, length: int) -> bytes:
         """The body of an answer to a ranged GET, if it is exactly the asked-for bytes of the version."""
-        status, headers = resp.status_code, resp.headers
+        headers, data = answer.headers, answer.body
         end = start + length - 1
-        limit = length if status in (200, 206) else 1 << 16  # never buffer more than was asked for
-        declared = headers.get("Content-Length", "")
-        if declared.isdigit() and int(declared) > limit:
-            if status not in (200, 206):
-                raise self._failure(key, etag, status, headers, b"")
-            self._stats.record("get", "retry")
-            raise TemporaryFailure(f"{declared}-byte answer to a {length}-byte range (Range ignored?)")
-        try:
-            data = resp.raw.read(limit + 1)
-        except (urllib3.exceptions.HTTPError, OSError) as exc:  # reset, cut short, read timeout mid-body
-            self._stats.record("get", "retry")
-            raise TemporaryFailure(f"body: {type(exc).__name__}: {exc}") from None
         if status not in (200, 206):
-            raise self._failure(key, etag, status, headers, data)
-        sent = headers.get("ETag")
+            raise self._failure(key, etag, status, headers, bytes(data))
+        sent = headers.get("etag")
         if sent is None:  # the version of these bytes cannot be checked: never cache them
             self._stats.record("get", "retry")
             raise TemporaryFailure("answer without an ETag")
         if sent != etag:
             self._stats.record("get", "changed")
             raise ObjectChanged(f"{key}: server sent version {sent}, expected {etag}")
-        content_range = headers.get("Content-Range")
+        content_range = headers.get("content-range")
         if status == 206:
             m = _CONTENT_RANGE.match(content_range or "")
             if not m or int(m.group(1)) != start or int(m.group(2)) != end:
@@ -294,7 +279,7 @@ class S3Backend(Backend):
         if len(data) != length:
             self._stats.record("get", "retry")
             raise TemporaryFailure(f"body of {len(data)} bytes for a range of {length}")
-        return data
+        return bytes(data)
 
     def _failure(self, key: str, etag: str, status: int, headers: Any, body: bytes) -> Exception:
         """The error for a non-2xx answer: retry, changed object, denied, or a permanent failure."""

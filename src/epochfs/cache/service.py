@@ -5,9 +5,10 @@ Concurrency contract (all on the trio thread unless noted):
 - **Single flight.** At most one backend fetch per block id is in flight; every reader of that block
   waits on the same :class:`Fetch`. A flight runs in the service's own nursery, so a reader that goes
   away does not cancel a fetch other readers wait on.
-- **Write-behind.** A fetched block is handed to its readers first and then written to the store
-  (in a worker thread); until that commit the flight stays registered and serves later readers from
-  memory, so a block is never fetched twice while its fill is running.
+- **Write-behind.** One worker-thread job fetches a block, hands it to its readers at once and then
+  writes it to a temporary file; the trio thread moves it into place and indexes it. Until then the
+  flight stays registered and serves later readers from memory, so a block is never fetched twice
+  while its fill is running. Room is reserved before the fetch, so the eviction policy decides then.
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
@@ -67,11 +68,6 @@ class Fetch:
         self.error: EpochfsError | None = None
         self.demand = demand
 
-    @property
-    def done(self) -> bool:
-        """The bytes (or the error) are here; the block's fill has reserved its room or been refused."""
-        return self.event.is_set()
-
     async def wait(self) -> EpochfsError | None:
         """Wait for the fetch; its error, or None when the bytes arrived."""
         await self.event.wait()
@@ -101,7 +97,6 @@ class BlockCache:
         self._flights: dict[bytes, Fetch] = {}
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
-        self._io_limiter = trio.CapacityLimiter(4)
         self._read_limiter = trio.CapacityLimiter(16)
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
@@ -252,40 +247,75 @@ class BlockCache:
             raise BackendUnavailable("the cache service is not running (shutting down)")
         flight = Fetch(demand)
         self._flights[bid] = flight
-        self._nursery.start_soon(self._fetch_and_fill, obj, index, bid, flight)
+        start, length = block_bounds(index, obj.size, self.block_size)
+        # Room is reserved now (the policy decides whether the block is cached), so what the store
+        # reports as free already accounts for every fetch started.
+        admitted = self.store.reserve(bid, length, in_use=demand)
+        self._nursery.start_soon(self._fetch_and_fill, obj, start, length, bid, flight, admitted)
         return flight
 
-    async def _fetch_and_fill(self, obj: ObjectInfo, index: int, bid: bytes, flight: Fetch) -> None:
-        start, length = block_bounds(index, obj.size, self.block_size)
+    async def _fetch_and_fill(self, obj: ObjectInfo, start: int, length: int, bid: bytes, flight: Fetch,
+                              admitted: bool) -> None:
+        """One worker-thread job per block: fetch it, hand the bytes to the readers at once (from the
+        thread), write them to a temporary file if ``admitted``; then, back on the trio thread, install
+        and index it."""
         limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
+        installed = False
+        token = trio.lowlevel.current_trio_token()
+
+        def job() -> tuple[str, BlockMeta] | OSError | None:
+            data = self.backend.read_range(obj.key, obj.etag, start, length)
+            token.run_sync_soon(self._deliver, flight, data)
+            if not admitted:
+                return None
+            try:
+                return self.store.write_temp(bid, data)
+            except OSError as exc:
+                return exc
+
         try:
             try:
-                data = None
+                written: tuple[str, BlockMeta] | OSError | None = None
+                done = False
                 # The backend bounds its own requests; this bounds what it cannot (a server that drips
                 # its headers): the readers get their error in time, the thread is left to finish.
                 with trio.move_on_after(self.fetch_timeout):
-                    data = await trio.to_thread.run_sync(
-                        self.backend.read_range, obj.key, obj.etag, start, length, limiter=limiter,
-                        abandon_on_cancel=True,
-                    )
-                if data is None:
+                    written = await trio.to_thread.run_sync(job, limiter=limiter, abandon_on_cancel=True)
+                    done = True
+                if not done:
                     raise BackendUnavailable(f"{obj.key}: no complete answer within {self.fetch_timeout:g}s")
             except EpochfsError as exc:
                 flight.error = exc
             except Exception as exc:  # a bug or an unexpected library error: fail the read, not the mount
-                log.exception("unexpected error fetching %r block %d", obj.key, index)
+                log.exception("unexpected error fetching %r at %d", obj.key, start)
                 flight.error = BackendUnavailable(f"{obj.key}: {exc}")
-            else:
-                flight.data = data
-                self._fetches[flight.demand] += 1
-                self._fetched_bytes[flight.demand] += length
-            flight.event.set()
-            if flight.data is not None:
-                await self._fill(bid, flight.data, flight.demand)
+            if flight.error is not None:
+                flight.event.set()
+            elif isinstance(written, tuple):
+                try:
+                    self.store.install(bid, *written)
+                    installed = True
+                except OSError as exc:
+                    written = exc
+            if isinstance(written, OSError):
+                log.warning("could not cache a block (%s); reading through", written)
+            if flight.data is not None and not admitted and flight.demand:
+                self._uncached[bid] = flight.data
+                while len(self._uncached) > self._uncached_max:
+                    self._uncached.popitem(last=False)
         finally:
+            if admitted and not installed:
+                self.store.release(length, failed=isinstance(written, OSError))
             del self._flights[bid]
             if not self._flights:
                 self._idle.set()
+
+    def _deliver(self, flight: Fetch, data: bytes) -> None:
+        """The bytes of a fetch arrived (called on the trio thread from the worker): release the readers."""
+        flight.data = data
+        self._fetches[flight.demand] += 1
+        self._fetched_bytes[flight.demand] += len(data)
+        flight.event.set()
 
     async def wait_idle(self) -> None:
         """Return once no fetch or fill is in flight."""
@@ -293,23 +323,6 @@ class BlockCache:
             if self._idle.is_set():
                 self._idle = trio.Event()
             await self._idle.wait()
-
-    async def _fill(self, bid: bytes, data: bytes, demand: bool) -> None:
-        if not self.store.reserve(bid, len(data), in_use=demand):
-            if demand:
-                self._uncached[bid] = data
-                while len(self._uncached) > self._uncached_max:
-                    self._uncached.popitem(last=False)
-            return
-        # A started write is not abandoned on cancellation, and there is no checkpoint between its return
-        # and commit(): a fill is indexed even at shutdown, so a clean stop leaves no unknown block file.
-        try:
-            meta = await trio.to_thread.run_sync(self.store.write_file, bid, data, limiter=self._io_limiter)
-        except OSError as exc:
-            self.store.release(len(data))
-            log.warning("could not cache a block (%s); reading through", exc)
-            return
-        self.store.commit(bid, meta)
 
     def statistics(self) -> CacheStats:
         return CacheStats(

@@ -8,10 +8,10 @@ Layout under the cache directory::
     tmp/                 fills in progress; emptied at start-up
     index/               LMDB: block id -> (sequence, length, xxh3-64 per 64 KiB chunk)
 
-Concurrency contract: every method except :meth:`BlockStore.write_file` and :meth:`BlockStore.pread_range`
+Concurrency contract: every method except :meth:`BlockStore.write_temp` and :meth:`BlockStore.pread_range`
 runs on the trio thread, so the index, the byte accounting and the policy are never touched
-concurrently. ``write_file`` runs in a worker thread and only creates the block file; the index entry is
-written afterwards by :meth:`BlockStore.commit` on the trio thread. ``pread_range`` only reads; its bytes
+concurrently. ``write_temp`` runs in a worker thread and only creates a file under ``tmp/``; it is moved
+into place and indexed by :meth:`BlockStore.install` on the trio thread, with no checkpoint in between. ``pread_range`` only reads; its bytes
 are verified by :meth:`BlockStore.finish_read` on the trio thread. Reads verify the checksum of every
 chunk they return.
 """
@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import struct
-import uuid
 from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +96,8 @@ class BlockStore:
         self.blocks_dir = self.cache_dir / "blocks"
         self.tmp_dir = self.cache_dir / "tmp"
         self.index_dir = self.cache_dir / "index"
+        self._blocks, self._tmp = str(self.blocks_dir), str(self.tmp_dir)
+        self._dirs: set[str] = set()  # block subdirectories known to exist
         self.used = 0
         self.pending = 0
         self._count = 0
@@ -248,6 +249,7 @@ class BlockStore:
             self._env = None
         shutil.rmtree(self.index_dir, ignore_errors=True)
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
+        self._dirs.clear()
         private_subdir(self.cache_dir, "index")
         private_subdir(self.cache_dir, "blocks")
         self.used = self._count = self._seq = 0
@@ -305,7 +307,7 @@ class BlockStore:
     def advise(self, bid: bytes) -> None:
         """Ask the kernel to start reading a block file into memory (a sequential reader comes next)."""
         try:
-            fd = os.open(self.blocks_dir / block_relpath(bid), _READ_FLAGS)
+            fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         except OSError:
             return
         try:
@@ -314,7 +316,7 @@ class BlockStore:
             os.close(fd)
 
     def _pread(self, bid: bytes, start: int, end: int, nowait: bool) -> bytes | bytearray | None:
-        fd = os.open(self.blocks_dir / block_relpath(bid), _READ_FLAGS)
+        fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         try:
             if nowait and self._nowait_works:
                 buf = bytearray(end - start)
@@ -419,35 +421,53 @@ class BlockStore:
         self._remove(bid, meta.length if meta else 0)
         self._evictions += 1
 
-    def release(self, nbytes: int) -> None:
-        """Give back a reservation whose fill failed."""
+    def release(self, nbytes: int, failed: bool = True) -> None:
+        """Give back a reservation that will not be filled (``failed``: because writing it failed)."""
         self.pending -= nbytes
-        self._fill_errors += 1
+        self._fill_errors += failed
 
-    def write_file(self, bid: bytes, data: bytes) -> BlockMeta:
-        """Write a block file atomically (worker thread). Raises OSError; leaves no temp file behind."""
-        tmp = self.tmp_dir / f"{bid.hex()}.{uuid.uuid4().hex[:8]}"
-        final = self.blocks_dir / block_relpath(bid)
+    def write_temp(self, bid: bytes, data: bytes | bytearray) -> tuple[str, BlockMeta]:
+        """Write a block to a new file under ``tmp/`` and checksum it (worker thread: touches no state).
+        Raises OSError and then leaves no file behind. :meth:`install` puts it in place."""
+        tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with open(fd, "wb") as f:
-                f.write(data)
-            for parent in (final.parent.parent, final.parent):
-                try:
-                    os.mkdir(parent, 0o700)
-                except FileExistsError:
-                    pass
-            os.replace(tmp, final)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         except BaseException:
+            os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        return tmp, BlockMeta(len(data), checksums(data))
+
+    def install(self, bid: bytes, tmp: str, meta: BlockMeta) -> None:
+        """Move a block written by :meth:`write_temp` into place and index it, consuming its reservation
+        (trio thread; no checkpoint: a block file is never left in place unindexed). Raises OSError, and
+        then removes the temporary file (the caller releases the reservation)."""
+        rel = block_relpath(bid)
+        try:
+            parent = rel.rsplit("/", 1)[0]
+            if parent not in self._dirs:
+                top = parent.split("/", 1)[0]
+                for level in (top, parent):
+                    try:
+                        os.mkdir(f"{self._blocks}/{level}", 0o700)
+                    except FileExistsError:
+                        pass
+                self._dirs.add(parent)
+            os.replace(tmp, f"{self._blocks}/{rel}")
+        except OSError:
             try:
-                tmp.unlink()
+                os.unlink(tmp)
             except FileNotFoundError:
                 pass
             raise
-        return BlockMeta(len(data), checksums(data))
+        self.commit(bid, meta)
 
     def commit(self, bid: bytes, meta: BlockMeta) -> None:
-        """Record a block written by :meth:`write_file`, consuming its reservation."""
+        """Index a block whose file is in place, consuming its reservation."""
         assert self._env is not None
         self._seq += 1
         with self._env.begin(write=True) as txn:
@@ -462,7 +482,7 @@ class BlockStore:
         with self._env.begin(write=True) as txn:
             existed = txn.delete(bid)
         try:
-            os.unlink(self.blocks_dir / block_relpath(bid))
+            os.unlink(f"{self._blocks}/{block_relpath(bid)}")
         except FileNotFoundError:
             pass
         if existed:

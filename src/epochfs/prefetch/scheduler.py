@@ -263,10 +263,6 @@ class Prefetcher:
     async def _run_warmup(self, job: WarmupJob, objs: list[ObjectInfo]) -> None:
         slots = trio.Semaphore(self.max_inflight)
         bs = self.cache.block_size
-        # Blocks being fetched, and their sizes. Once a fetch is done its fill has reserved its room in
-        # the store (or been refused), so only fetches still waiting for data count here.
-        active: dict[Fetch, int] = {}
-
         async def one(obj: ObjectInfo, fetch: Fetch, size: int) -> None:
             try:
                 error = await fetch.wait()
@@ -275,7 +271,6 @@ class Prefetcher:
                 else:
                     job.done_bytes += size
             finally:
-                active.pop(fetch, None)
                 slots.release()
 
         async with trio.open_nursery() as nursery:
@@ -287,8 +282,7 @@ class Prefetcher:
                         job.done_bytes += size
                         continue
                     await slots.acquire()
-                    unfilled = sum(n for f, n in active.items() if not f.done)
-                    if not self.cache.has_room(size + unfilled):
+                    if not self.cache.has_room(size):  # (a started fetch has reserved its room)
                         slots.release()
                         job.skipped_bytes += size
                         continue
@@ -297,7 +291,6 @@ class Prefetcher:
                         slots.release()
                         job.done_bytes += size
                         continue
-                    active[fetch] = size
                     nursery.start_soon(one, obj, fetch, size)
                 job.done_files += 1
         await self.cache.wait_idle()

@@ -1,0 +1,82 @@
+"""The floor of our stack: a minimal pyfuse3 daemon that serves a local directory read-only with a plain
+``pread`` per request (lookup, getattr, readdir, open, read; long kernel timeouts, keep_cache). What
+epochfs's warm reads are compared with: no cache, no checksums, no metrics, only pyfuse3 + trio.
+
+    python benchmarks/floor.py SOURCE_DIR MOUNTPOINT      # stays in the foreground
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import sys
+
+import pyfuse3
+import trio
+
+
+class Floor(pyfuse3.Operations):
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.paths = {pyfuse3.ROOT_INODE: root}
+        self.inodes: dict[str, int] = {root: pyfuse3.ROOT_INODE}
+        self.fds: dict[int, int] = {}
+
+    def _attr(self, path: str) -> pyfuse3.EntryAttributes:
+        st = os.lstat(path)
+        a = pyfuse3.EntryAttributes()
+        ino = self.inodes.get(path)
+        if ino is None:
+            ino = self.inodes[path] = len(self.paths) + 1
+            self.paths[ino] = path
+        a.st_ino, a.st_mode, a.st_size, a.st_nlink = ino, st.st_mode, st.st_size, st.st_nlink
+        a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = st.st_mtime_ns
+        a.entry_timeout = a.attr_timeout = 3600
+        return a
+
+    async def lookup(self, parent, name, ctx):
+        try:
+            return self._attr(os.path.join(self.paths[parent], os.fsdecode(name)))
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+
+    async def getattr(self, inode, ctx):
+        return self._attr(self.paths[inode])
+
+    async def opendir(self, inode, ctx):
+        return inode
+
+    async def readdir(self, inode, start, token):
+        names = sorted(os.listdir(self.paths[inode]))
+        for i in range(start, len(names)):
+            attr = self._attr(os.path.join(self.paths[inode], names[i]))
+            if not pyfuse3.readdir_reply(token, os.fsencode(names[i]), attr, i + 1):
+                break
+
+    async def open(self, inode, flags, ctx):
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        fd = os.open(self.paths[inode], os.O_RDONLY)
+        self.fds[fd] = fd
+        return pyfuse3.FileInfo(fh=fd, keep_cache=True)
+
+    async def read(self, fh, off, size):
+        return os.pread(fh, size, off)
+
+    async def release(self, fh):
+        os.close(self.fds.pop(fh))
+
+
+def main() -> None:
+    src, mnt = sys.argv[1], sys.argv[2]
+    assert stat.S_ISDIR(os.stat(src).st_mode)
+    pyfuse3.init(Floor(src), mnt, set(pyfuse3.default_options) | {"fsname=floor", "ro"})
+    try:
+        trio.run(pyfuse3.main)
+    finally:
+        pyfuse3.close(unmount=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The small-file path, side by side in one run: raw boto3 GETs, epochfs (cold: empty cache; warm: block
+cache on disk, page cache dropped) and the floor of our stack (a minimal pyfuse3 daemon over the same
+bytes on local disk, benchmarks/floor.py). Reports files/s at 1 and 16 reader threads, the daemon's CPU
+per file, and one cold large-file stream against 8 parallel ranged GETs. ``--cores 1`` runs everything
+(the S3 server too) pinned to one core, to show how the numbers scale from 1 to 2 cores.
+
+    sudo .venv/bin/python benchmarks/smallfiles.py [--files 1000] [--reps 3] [--cores 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contenders import proc_usage, wait_mounted  # noqa: E402
+from workloads import boto_parallel, boto_small_rate, drop_page_cache, small_files_rate  # noqa: E402
+
+from epochfs.devserver import LocalS3  # noqa: E402
+from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def seq_read(path: Path) -> float:
+    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads."""
+    start, n = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(MiB):
+            n += len(chunk)
+    return n / (time.perf_counter() - start)
+
+
+class Mounted:
+    """A FUSE daemon under test: epochfs or the floor; its pid for CPU accounting."""
+
+    def __init__(self, work: Path, name: str) -> None:
+        self.mnt, self.cache, self.name = work / f"{name}-mnt", work / f"{name}-cache", name
+        self.pid: int | None = None
+
+    def unmount(self) -> None:
+        if self.mnt.exists() and os.path.ismount(self.mnt):
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
+            deadline = time.monotonic() + 30
+            while self.pid and Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.pid = None
+
+    def cpu(self) -> float:
+        return proc_usage(self.pid)["cpu"]
+
+
+def mount_epochfs(m: Mounted, server: LocalS3, cold: bool, extra: list[str]) -> None:
+    m.unmount()
+    if cold:
+        shutil.rmtree(m.cache, ignore_errors=True)
+    m.mnt.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://bench/ds", str(m.mnt), "--endpoint-url",
+                    server.endpoint, "--cache-dir", str(m.cache), "--metrics-addr", "off", "--cache-size", "20G",
+                    *extra], env=server.env(), check=True)
+    m.pid = int(os.getxattr(m.mnt, "user.epochfs.pid"))
+
+
+def mount_floor(m: Mounted, raw: Path) -> None:
+    m.unmount()
+    m.mnt.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(HERE / "floor.py"), str(raw), str(m.mnt)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_mounted(m.mnt)
+    m.pid = proc.pid
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=1000)
+    ap.add_argument("--large-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="pin everything to this many cores")
+    ap.add_argument("--epochfs-args", default="", help="extra mount flags for epochfs")
+    ap.add_argument("--work", type=Path, default=HERE / "work" / "smallfiles")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
+        return 2
+    os.sched_setaffinity(0, set(range(args.cores)))  # inherited by the S3 server and the daemons
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if str(args.work) in line:
+            subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
+    large = SampleFile("large/shard.tar", args.large_mib * MiB)
+    keys = [f.key for f in small]
+    rows: dict[tuple[str, str], list[float]] = {}
+
+    def record(who: str, what: str, value: float) -> None:
+        rows.setdefault((who, what), []).append(value)
+        log(f"{who:10s} {what:40s} {value:9.2f}")
+
+    server = LocalS3(args.work / "s3").start()
+    epochfs, floor = Mounted(args.work, "epochfs"), Mounted(args.work, "floor")
+    extra = args.epochfs_args.split()
+    try:
+        client = server.client()
+        upload(client, "bench", "ds/", [*small, large])
+        raw = args.work / "raw"
+        write_tree(str(raw), [*small, large])
+        for rep in range(args.reps):
+            log(f"repetition {rep + 1} of {args.reps}")
+            for threads in (1, 16):
+                record("raw boto3", f"cold files/s, {threads} thr", boto_small_rate(client, "bench",
+                                                                                     ["ds/" + k for k in keys], threads))
+            record("raw boto3", "cold large MiB/s (8 x 8 MiB ranged)",
+                   boto_parallel(client, "bench", [("ds/" + large.key, large.size)], 8, 8 * MiB) / MiB)
+            for threads in (1, 16):
+                mount_epochfs(epochfs, server, cold=True, extra=extra)
+                drop_page_cache()
+                before = epochfs.cpu()
+                record("epochfs", f"cold files/s, {threads} thr", small_files_rate(epochfs.mnt, keys, threads))
+                record("epochfs", f"cold daemon CPU ms/file, {threads} thr", (epochfs.cpu() - before) * 1000 / len(keys))
+                time.sleep(1)  # fills written behind the readers land
+                drop_page_cache()
+                before = epochfs.cpu()
+                record("epochfs", f"warm files/s, {threads} thr", small_files_rate(epochfs.mnt, keys, threads))
+                record("epochfs", f"warm daemon CPU ms/file, {threads} thr", (epochfs.cpu() - before) * 1000 / len(keys))
+            mount_epochfs(epochfs, server, cold=True, extra=extra)
+            drop_page_cache()
+            record("epochfs", "cold large MiB/s (1 stream)", seq_read(epochfs.mnt / large.key) / MiB)
+            time.sleep(1)
+            drop_page_cache()
+            record("epochfs", "warm large MiB/s (1 stream)", seq_read(epochfs.mnt / large.key) / MiB)
+            epochfs.unmount()
+            mount_floor(floor, raw)
+            for threads in (1, 16):
+                drop_page_cache()
+                before = floor.cpu()
+                record("floor", f"warm files/s, {threads} thr", small_files_rate(floor.mnt, keys, threads))
+                record("floor", f"warm daemon CPU ms/file, {threads} thr", (floor.cpu() - before) * 1000 / len(keys))
+            drop_page_cache()
+            record("floor", "warm large MiB/s (1 stream)", seq_read(floor.mnt / large.key) / MiB)
+            floor.unmount()
+    finally:
+        for m in (epochfs, floor):
+            m.unmount()
+        server.stop()
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
+        return f"{med[a] / med[b]:.2f}x" if a in med and b in med and med[b] else "-"
+
+    lines = [f"# Small-file path, {datetime.date.today().isoformat()}: {args.files} x 100 KiB, one "
+             f"{args.large_mib} MiB file; {args.cores} core(s); medians of {args.reps}",
+             "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
+             "| measurement | raw boto3 | epochfs | floor | epochfs / reference |", "|---|---|---|---|---|"]
+    for what, ref in [("cold files/s, 1 thr", "raw boto3"), ("cold files/s, 16 thr", "raw boto3"),
+                      ("cold daemon CPU ms/file, 1 thr", None), ("cold daemon CPU ms/file, 16 thr", None),
+                      ("warm files/s, 1 thr", "floor"), ("warm files/s, 16 thr", "floor"),
+                      ("warm daemon CPU ms/file, 1 thr", "floor"), ("warm daemon CPU ms/file, 16 thr", "floor"),
+                      ("cold large MiB/s", "raw boto3"), ("warm large MiB/s (1 stream)", "floor")]:
+        def cell(who: str, what: str = what) -> str:
+            key = next((k for k in med if k[0] == who and k[1].startswith(what)), None)
+            return f"{med[key]:.2f}" if key else ""
+
+        mine = next((k for k in med if k[0] == "epochfs" and k[1].startswith(what)), None)
+        other = next((k for k in med if ref and k[0] == ref and k[1].startswith(what)), None)
+        lines.append(f"| {what} | {cell('raw boto3')} | {cell('epochfs')} | {cell('floor')} | "
+                     f"{ratio(mine, other) if mine and other else ''} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{datetime.date.today().isoformat()}-smallfiles-{args.cores}core"
+    Path(f"{stem}.md").write_text(text)
+    Path(f"{stem}.json").write_text(json.dumps({"files": args.files, "cores": args.cores, "reps": args.reps,
+                                                "epochfs_args": args.epochfs_args,
+                                                "rows": [{"who": k[0], "what": k[1], "values": v}
+                                                         for k, v in rows.items()]}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
