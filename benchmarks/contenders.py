@@ -136,6 +136,7 @@ class Epochfs(Contender):
         self.eviction = eviction or ("manifest" if manifest else "lru")
         self.name = name or ("epochfs+manifest" if manifest else f"epochfs {self.eviction}")
         self.block_size = block_size
+        self.extra: list[str] = []  # more mount flags
         self.tuning = (f"--block-size {block_size} --readahead 4 --kernel-readahead 4M --backend-concurrency 16 "
                        f"--eviction {self.eviction}"
                        + (", epoch manifest handed over before each pass" if manifest else ", no manifest"))
@@ -146,7 +147,7 @@ class Epochfs(Contender):
             [str(VENV_BIN / "epochfs"), "mount", f"s3://{self.bucket}/{self.prefix}", str(self.root),
              "--endpoint-url", self.endpoint, "--cache-dir", str(self.cache), "--cache-size", str(self.cache_size),
              "--block-size", self.block_size, "--metrics-addr", "off",
-             "--eviction", self.eviction],
+             "--eviction", self.eviction, *self.extra],
             env=self.backend_env(), check=True)
         self.pid = int(os.getxattr(self.root, "user.epochfs.pid"))
 

@@ -78,3 +78,13 @@ def test_chunk_span():
     assert chunk_span(3 * CHUNK_SIZE + 5, 3 * CHUNK_SIZE + 9, 3 * CHUNK_SIZE + 10) == (3 * CHUNK_SIZE, 3 * CHUNK_SIZE + 10)
     with pytest.raises(ValueError):
         chunk_span(5, 5, 10)
+
+
+def test_the_block_glob_matches_every_block_path():
+    from fnmatch import fnmatchcase
+
+    from epochfs.cache.keys import BLOCK_GLOB
+
+    for n in range(50):
+        path = block_relpath(block_id("s", f"k{n}", "e", n, block_size=1 << 20))
+        assert fnmatchcase(path, BLOCK_GLOB) and path.count("/") == BLOCK_GLOB.count("/")

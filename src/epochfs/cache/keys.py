@@ -9,7 +9,6 @@ nothing under the cache directory is named by the dataset.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 
 #: Checksums are kept per chunk of a block, so a read verifies only the chunks it touches.
@@ -32,17 +31,14 @@ def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int
     return h.digest()
 
 
-_FANOUT = ((0, 2), (2, 4))  # directory levels: slices of the block id's hex name
-
-
 def block_relpath(bid: bytes) -> str:
     """Where a block lives under the cache's ``blocks/`` directory: two levels of 256 fan-out."""
     name = bid.hex()
-    return os.path.join(*(name[a:b] for a, b in _FANOUT), name)
+    return f"{name[0:2]}/{name[2:4]}/{name}"
 
 
 #: The glob that matches every path :func:`block_relpath` gives (for walks over the block files).
-BLOCK_GLOB = "/".join("*" * (len(_FANOUT) + 1))
+BLOCK_GLOB = "*/*/*"
 
 
 def block_count(file_size: int, block_size: int) -> int:

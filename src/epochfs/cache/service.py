@@ -19,6 +19,7 @@ Concurrency contract (all on the trio thread unless noted):
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class BlockCache:
         self.block_size = block_size
         self.readahead_blocks = readahead_blocks
         self._source = backend.source_id
+        self._block_id = functools.lru_cache(maxsize=1 << 16)(self._compute_block_id)  # hot files' ids
         self._flights: dict[bytes, Fetch] = {}
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
@@ -120,7 +122,10 @@ class BlockCache:
     # -- reading ---------------------------------------------------------------------------------------
 
     def block_id(self, obj: ObjectInfo, index: int) -> bytes:
-        return block_id(self._source, obj.key, obj.etag, index, block_size=self.block_size)
+        return self._block_id(obj.key, obj.etag, index)
+
+    def _compute_block_id(self, key: str, etag: str, index: int) -> bytes:
+        return block_id(self._source, key, etag, index, block_size=self.block_size)
 
     async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview:
         """Bytes [offset, offset + size) of ``obj``, clipped to its size."""

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 import xxhash
@@ -46,10 +46,11 @@ _HEAD = struct.Struct("<QI")  # sequence number, block length
 _SUM = 8  # bytes of one xxh3-64 digest
 
 
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
+class BlockMeta(NamedTuple):
+    """An index entry: the block's length and one xxh3-64 digest per CHUNK_SIZE chunk."""
+
     length: int
-    sums: bytes  # one xxh3-64 digest per CHUNK_SIZE chunk
+    sums: bytes
     seq: int = 0
 
     def encode(self) -> bytes:

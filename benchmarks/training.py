@@ -1,0 +1,152 @@
+"""The first epoch of the training simulation (MLPerf Storage style, benchmarks/workloads.py::train) with
+and without an epoch manifest, beside raw boto3 GETs from the same readers, behind a latency proxy.
+The manifest is handed over at the start of each epoch (as a job would from its sampler), not before.
+
+    sudo .venv/bin/python benchmarks/training.py [--latency-ms 20 50] [--accelerators 1 2 4] [--compute-ms 40]
+
+Demand is set by the compute time per batch: 8 x 100 KiB per step per accelerator. The backend's
+capacity at the prefetcher's concurrency is measured in the same run (16 parallel GETs through the
+proxy), so each row says what fraction of it the job asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contenders import Epochfs  # noqa: E402
+from latency_proxy import LatencyProxy  # noqa: E402
+from workloads import boto_small_rate, drop_page_cache, train  # noqa: E402
+
+from epochfs.devserver import LocalS3, client_for  # noqa: E402
+from epochfs.prefetch.manifest import partition, shuffled  # noqa: E402
+from epochfs.sample import SampleFile, upload  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def boto_train(client: Any, keys: list[str], *, accelerators: int, batch: int, compute: float, workers: int,
+               seed: int) -> float:
+    """First-epoch AU of the same simulation reading with boto3 GETs (no file system, no cache)."""
+    order = shuffled(keys, seed, 0)
+    aus: list[float] = []
+
+    def accelerator(rank: int) -> None:
+        share = partition(order, rank, accelerators)
+        batches = [share[i:i + batch] for i in range(0, len(share), batch)]
+        with ThreadPoolExecutor(workers) as pool:
+            def load(b: list[str]) -> int:
+                return sum(len(client.get_object(Bucket="bench", Key="ds/" + k)["Body"].read()) for k in b)
+
+            pending = [pool.submit(load, b) for b in batches[:2]]
+            nxt, first = 2, None
+            for _ in batches:
+                pending.pop(0).result()
+                if nxt < len(batches):
+                    pending.append(pool.submit(load, batches[nxt]))
+                    nxt += 1
+                time.sleep(compute)
+                if first is None:
+                    first = time.perf_counter()
+            wall = time.perf_counter() - first
+        steps = len(batches) - 1
+        aus.append(min(1.0, steps * compute / wall) if steps and wall > 0 else 1.0)
+
+    threads = [threading.Thread(target=accelerator, args=(r,)) for r in range(accelerators)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(aus) / len(aus)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=1000)
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[20.0])
+    ap.add_argument("--accelerators", type=int, nargs="+", default=[4])
+    ap.add_argument("--demand", type=float, nargs="+", default=[0.5, 0.78, 3.9],
+                    help="demand as fractions of what the backend gives 16 parallel GETs (sets the compute time)")
+    ap.add_argument("--epochfs-args", default="")
+    ap.add_argument("--work", type=Path, default=HERE / "work" / "training")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if str(args.work) in line:
+            subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    files = [SampleFile(f"small/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
+    keys = [f.key for f in files]
+    batch, workers = 8, 4
+    rows: list[dict[str, Any]] = []
+    server = LocalS3(args.work / "s3").start()
+    try:
+        upload(server.client(), "bench", "ds/", files)
+        for latency in args.latency_ms:
+            proxy = LatencyProxy(server.port, latency / 1000).start()
+            client = client_for(proxy.endpoint)
+            capacity = boto_small_rate(client, "bench", ["ds/" + k for k in keys[:400]], 16)
+            log(f"{latency:g} ms: the backend gives {capacity:.0f} files/s to 16 parallel GETs")
+            for n, fraction in ((n, f) for n in args.accelerators for f in args.demand):
+                demand = fraction * capacity
+                compute = n * batch / demand
+                row: dict[str, Any] = {"latency_ms": latency, "accelerators": n, "demand_files_s": demand,
+                                       "backend_files_s": capacity, "demand_over_backend": fraction,
+                                       "compute_ms": compute * 1000}
+                row["raw boto3"] = boto_train(client, keys, accelerators=n, batch=batch, compute=compute,
+                                              workers=workers, seed=42)
+                for manifest in (False, True):
+                    c = Epochfs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", 1 << 34,
+                                manifest=manifest)
+                    c.extra = args.epochfs_args.split()
+                    c.mount()
+                    drop_page_cache()
+                    before = c.usage()["cpu"]
+                    (au,) = train(c.root, keys, accelerators=n, batch=batch, compute=compute, workers=workers,
+                                  epochs=1, seed=42, before_epoch=c.before_epoch)
+                    row[c.name] = au
+                    row[f"{c.name} daemon CPU ms/file"] = (c.usage()["cpu"] - before) * 1000 / len(keys)
+                    c.unmount()
+                log(f"{latency:g} ms, {n} accelerators ({demand / capacity:.0%} of the backend): " +
+                    ", ".join(f"{k} {v:.1%}" for k, v in row.items() if k in ("raw boto3", "epochfs lru",
+                                                                                "epochfs+manifest")))
+                rows.append(row)
+            proxy.stop()
+    finally:
+        server.stop()
+    lines = [f"# First-epoch AU, {datetime.date.today().isoformat()}: {args.files} x 100 KiB, batch {batch}, "
+             f"{workers} readers per accelerator; the manifest handed over at the start of the epoch",
+             "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
+             "| latency | accelerators | demand / backend | raw boto3 | epochfs lru | epochfs+manifest | "
+             "daemon CPU ms/file (lru / manifest) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['latency_ms']:g} ms | {r['accelerators']} | {r['demand_over_backend']:.0%} | "
+                     f"{r['raw boto3']:.1%} | {r['epochfs lru']:.1%} | {r['epochfs+manifest']:.1%} | "
+                     f"{r['epochfs lru daemon CPU ms/file']:.2f} / {r['epochfs+manifest daemon CPU ms/file']:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{datetime.date.today().isoformat()}-training"
+    Path(f"{stem}.md").write_text(text)
+    Path(f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
