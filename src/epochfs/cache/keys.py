@@ -32,13 +32,15 @@ def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int
 
 
 def block_relpath(bid: bytes) -> str:
-    """Where a block lives under the cache's ``blocks/`` directory: two levels of 256 fan-out."""
+    """Where a block lives under the cache's ``blocks/`` directory: one level of 256 directories. (Two
+    levels would put each block of a small cache in a directory of its own: one more directory to read
+    from disk per block when the kernel's caches are cold.)"""
     name = bid.hex()
-    return f"{name[0:2]}/{name[2:4]}/{name}"
+    return f"{name[0:2]}/{name}"
 
 
 #: The glob that matches every path :func:`block_relpath` gives (for walks over the block files).
-BLOCK_GLOB = "*/*/*"
+BLOCK_GLOB = "*/*"
 
 
 def block_count(file_size: int, block_size: int) -> int:

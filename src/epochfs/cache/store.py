@@ -4,7 +4,7 @@ Layout under the cache directory::
 
     lock                 flock held by the one daemon that owns this directory
     clean                present while no daemon runs, if the last one shut down cleanly
-    blocks/ab/cd/<id>    one file per block, named by its id (see :mod:`epochfs.cache.keys`)
+    blocks/ab/<id>       one file per block, named by its id (see :mod:`epochfs.cache.keys`)
     tmp/                 fills in progress; emptied at start-up
     index/               LMDB: block id -> (sequence, length, xxh3-64 per 64 KiB chunk)
 
@@ -39,7 +39,7 @@ from epochfs.private import open_private, private_dir, private_subdir, touch_pri
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = b"1"
+INDEX_FORMAT = b"2"  # 2: block ids bound to the block size, one level of block directories
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
 _HEAD = struct.Struct("<QI")  # sequence number, block length
@@ -191,7 +191,7 @@ class BlockStore:
         for key in bad:  # and their files, if the key can name one
             if len(key) == 16:
                 try:
-                    os.unlink(self.blocks_dir / block_relpath(key))
+                    os.unlink(f"{self._blocks}/{block_relpath(key)}")
                 except FileNotFoundError:
                     pass
         if bad:
@@ -451,12 +451,10 @@ class BlockStore:
         try:
             parent = rel.rsplit("/", 1)[0]
             if parent not in self._dirs:
-                top = parent.split("/", 1)[0]
-                for level in (top, parent):
-                    try:
-                        os.mkdir(f"{self._blocks}/{level}", 0o700)
-                    except FileExistsError:
-                        pass
+                try:
+                    os.mkdir(f"{self._blocks}/{parent}", 0o700)
+                except FileExistsError:
+                    pass
                 self._dirs.add(parent)
             os.replace(tmp, f"{self._blocks}/{rel}")
         except OSError:
