@@ -22,7 +22,7 @@ WRONG_VALUES = [None, True, False, 0, -1, 1 << 64, 1.5, float("nan"), "", "x", "
 def test_valid_requests_parse_to_typed_requests():
     line = p.encode({"op": "prefetch", "entries": [[1, "a/b.jpg"], [2, "c"]], "source": "m.txt", "epoch": 3,
                      "replace": True})
-    assert p.parse(line) == p.Prefetch(((1, "a/b.jpg"), (2, "c")), "m.txt", 3, True)
+    assert p.parse(line) == p.Prefetch(((1, "a/b.jpg"), (2, "c")), "m.txt", 3, True, None)
     assert p.parse(p.encode({"op": "warmup", "entries": []})) == p.Warmup((), "manifest")
     assert p.parse(p.encode({"op": "job", "id": 7})) == p.Job(7)
     assert p.parse(p.encode({"op": "status"})) == p.Status()
@@ -47,6 +47,7 @@ VALID = {  # what the protocol documents for each field
     "source": lambda v: _is_text(v, 4096),
     "epoch": lambda v: v is None or _is_int(v, -p.MAX_INT, p.MAX_INT),
     "replace": lambda v: isinstance(v, bool),
+    "rank": lambda v: v is None or _is_int(v, 0, 1 << 20),
     "id": lambda v: _is_int(v, 0, p.MAX_INT),
     "name": lambda v: _is_text(v, 255) and not any(ord(c) < 32 for c in v),
     "text": lambda v: _is_text(v, p.MAX_REQUEST, empty=True),
@@ -56,7 +57,8 @@ VALID = {  # what the protocol documents for each field
 @pytest.mark.parametrize("op", p.OPERATIONS)
 def test_every_field_of_every_operation_refuses_every_wrong_type(op):
     required, optional = p._FIELDS[op]
-    good = {"entries": [[1, "a"]], "source": "s", "epoch": 1, "replace": False, "id": 1, "name": "n", "text": "t"}
+    good = {"entries": [[1, "a"]], "source": "s", "epoch": 1, "replace": False, "rank": 0, "id": 1, "name": "n",
+            "text": "t"}
     base = {"op": op, **{f: good[f] for f in required}}
     assert p.parse(p.encode(base)) is not None
     for field in (*required, *optional):

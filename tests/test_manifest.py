@@ -42,11 +42,12 @@ def test_against_the_real_distributed_sampler_if_torch_is_installed():
         for world in (1, 2, 4, 8):
             for epoch in (0, 5):
                 for rank in range(world):
-                    sampler = DistributedSampler(Sized(n), num_replicas=world, rank=rank, shuffle=True, seed=11,
-                                                 drop_last=False)
-                    sampler.set_epoch(epoch)
-                    assert list(sampler) == epoch_order(list(range(n)), seed=11, epoch=epoch, rank=rank,
-                                                        world_size=world)
+                    for drop_last in (False, True):
+                        sampler = DistributedSampler(Sized(n), num_replicas=world, rank=rank, shuffle=True,
+                                                     seed=11, drop_last=drop_last)
+                        sampler.set_epoch(epoch)
+                        assert list(sampler) == epoch_order(list(range(n)), seed=11, epoch=epoch, rank=rank,
+                                                            world_size=world, drop_last=drop_last)
     assert torch.randperm(20, generator=torch.Generator().manual_seed(2024)).tolist() == permutation(20, 2024)
 
 
@@ -77,14 +78,14 @@ def test_partition_rejects_bad_ranks():
 def test_parse_plain_and_json_lines():
     text = "# epoch 3\n\na/b.jpg\n/c/d.jpg\n{\"path\": \"e.bin\", \"size\": 12, \"etag\": \"x\"}\n"
     entries = parse(text)
-    assert [(e.line, e.path, e.size) for e in entries] == [(3, "a/b.jpg", None), (4, "c/d.jpg", None),
+    assert [(e.line, e.path, e.size) for e in entries] == [(3, "a/b.jpg", None), (4, "/c/d.jpg", None),
                                                             (5, "e.bin", 12)]
 
 
 @pytest.mark.parametrize("text,line,what", [
     ("ok\n{\"path\": 3}\n", 2, "path"),
     ("ok\nfine\n{broken\n", 3, "invalid JSON"),
-    ("a/../b\n", 1, "not a path"),
+    ("a/../b\n", 1, "not a clean path"),
     ("x\n{\"path\": \"y\", \"size\": -1}\n", 2, "size"),
     ("# only comments\n\n", None, "no paths"),
 ])
@@ -95,3 +96,22 @@ def test_parse_errors_name_the_line(text, line, what):
     assert what in message
     if line is not None:
         assert f"epoch3.txt:{line}:" in message
+
+
+def test_paths_absolute_under_the_mount_point_or_relative_to_its_root():
+    from epochfs.prefetch.manifest import mount_relative
+
+    assert mount_relative("/mnt/data", "/mnt/data/train/a.jpg") == "train/a.jpg"
+    assert mount_relative("/mnt/data/", "train/a.jpg") == "train/a.jpg"
+    assert mount_relative("/mnt/data", "/mnt/data") == ""
+    for outside in ("/mnt/other/a.jpg", "/etc/passwd", "/mnt/data/../x"):
+        with pytest.raises(ManifestError, match="not under the mount point"):
+            mount_relative("/mnt/data", outside)
+
+
+@pytest.mark.parametrize("n,world", [(10, 3), (8, 4), (5, 8), (13, 4)])
+def test_drop_last_partitions_cut_the_tail_instead_of_padding(n, world):
+    items = list(range(n))
+    shares = [partition(items, r, world, drop_last=True) for r in range(world)]
+    assert all(len(s) == n // world for s in shares)
+    assert sorted(x for s in shares for x in s) == items[: (n // world) * world]

@@ -130,3 +130,27 @@ def test_warmup_fills_without_evicting(tmp_path):
     job, store = with_prefetcher(tmp_path, fn, capacity=6 * BS)
     assert job.done_bytes == 6 * BS and job.skipped_bytes == 4 * BS
     assert store.evictions == 0 and store.used_bytes == 6 * BS
+
+
+def test_hand_overs_of_several_ranks_for_one_epoch_are_merged_side_by_side(tmp_path):
+    """Each rank's sampler hands over its own share: the node's plan reads them interleaved, as the
+    ranks do, and a rank that hands over late does not move the reader back."""
+    r0, r1 = objs(6, size=100, prefix="a"), objs(6, size=100, prefix="b")
+    nxt = objs(4, size=100, prefix="c")
+
+    async def fn(cache, pf, backend):
+        out = []
+        await pf.load(r0, epoch=3, rank=0)
+        cache.open_stream(r0[2])  # rank 0 has started reading
+        reply = await pf.load(r1, epoch=3, rank=1)
+        plan = pf._plan
+        out.append([f.obj.key for f in plan.files])
+        out.append((reply["merged"], pf.statistics().file_position, plan.files[pf.statistics().file_position].obj.key))
+        reply = await pf.load(nxt, epoch=4, rank=0)  # the next epoch of rank 0: a segment of its own
+        out.append((reply["merged"], pf.statistics().files))
+        return out
+
+    keys, merged, nxt_epoch = with_prefetcher(tmp_path, fn)
+    assert keys == [k for pair in zip([o.key for o in r0], [o.key for o in r1], strict=True) for k in pair]
+    assert merged == (True, 4, r0[2].key)  # still at rank 0's third file, now position 4
+    assert nxt_epoch == (False, 16)

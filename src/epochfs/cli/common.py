@@ -1,10 +1,6 @@
-"""What the command modules share: the epilog, byte formatting, paths relative to a mount."""
+"""What the command modules share: the epilog and byte formatting."""
 
 from __future__ import annotations
-
-import os
-
-from epochfs.errors import ConfigError
 
 EPILOG = """\
 Credentials come from the standard AWS chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
@@ -19,12 +15,3 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-
-
-def mount_relative(mountpoint: str, path: str) -> str:
-    """``path`` (absolute, or relative to the mount root) as a path relative to the mount root."""
-    full = os.path.abspath(path if os.path.isabs(path) else os.path.join(mountpoint, path))
-    rel = os.path.relpath(full, os.path.abspath(mountpoint))
-    if rel.startswith(".."):
-        raise ConfigError(f"{path} is not under {mountpoint}")
-    return "" if rel == "." else rel

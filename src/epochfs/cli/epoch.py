@@ -9,10 +9,10 @@ import os
 import sys
 import time
 
-from epochfs.cli.common import human, mount_relative
+from epochfs.cli.common import human
 from epochfs.config import parse_size
 from epochfs.errors import ConfigError
-from epochfs.prefetch.manifest import Entry
+from epochfs.prefetch.manifest import Entry, mount_relative
 
 
 def size_arg(text: str) -> int:
@@ -30,6 +30,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    "DistributedSampler(shuffle=True, seed=S) does for --epoch")
     o.add_argument("--epoch", type=int, metavar="N", help="epoch number (with --seed: the shuffle; always: a label)")
     o.add_argument("--rank", type=int, default=0, metavar="R", help="this rank (default: 0)")
+    o.add_argument("--drop-last", action="store_true",
+                   help="as DistributedSampler(drop_last=True): cut the order to a multiple of W instead of padding")
     o.add_argument("--world-size", type=int, default=1, metavar="W",
                    help="number of ranks; rank R reads every W-th entry of the padded global order (default: 1)")
 
@@ -90,7 +92,8 @@ def _order(args: argparse.Namespace, manifest: str) -> list[Entry]:
 
     if args.seed is not None and args.epoch is None:
         raise ConfigError("--seed needs --epoch")
-    return epoch_order(read(manifest), seed=args.seed, epoch=args.epoch, rank=args.rank, world_size=args.world_size)
+    return epoch_order(read(manifest), seed=args.seed, epoch=args.epoch, rank=args.rank, world_size=args.world_size,
+                       drop_last=args.drop_last)
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
@@ -113,7 +116,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         with open(args.manifest, encoding="utf-8") as f:
             request(args.mountpoint, "publish_manifest", name=args.publish, text=f.read())
         print(f"epochfs: published {args.manifest} as {args.publish!r}")
-    reply = request(args.mountpoint, "prefetch", entries=[[e.line, e.path] for e in entries],
+    reply = request(args.mountpoint, "prefetch",
+                    entries=[[e.line, mount_relative(args.mountpoint, e.path)] for e in entries],
                     source=args.manifest or args.stored, epoch=args.epoch, replace=args.replace)
     how = "queued after the current plan" if reply["appended"] else "loaded"
     print(f"epochfs: {reply['files']} files ({human(reply['plan_bytes'])} in the plan) {how}")
@@ -133,7 +137,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from epochfs.control import request
 
     if args.manifest:
-        entries = [[e.line, e.path] for e in _order(args, args.manifest)]
+        entries = [[e.line, mount_relative(args.mountpoint, e.path)] for e in _order(args, args.manifest)]
         source = args.manifest
     elif args.paths:
         entries = [[i, mount_relative(args.mountpoint, p)] for i, p in enumerate(args.paths, 1)]

@@ -89,7 +89,7 @@ class ControlHandlers:
 
     async def prefetch(self, request: p.Prefetch) -> dict[str, Any]:
         objs = await self._objects(request, expand_dirs=False)
-        return await self.prefetcher.load(objs, epoch=request.epoch, replace=request.replace)
+        return await self.prefetcher.load(objs, epoch=request.epoch, replace=request.replace, rank=request.rank)
 
     async def warmup(self, request: p.Warmup) -> dict[str, Any]:
         objs = await self._objects(request, expand_dirs=True)

@@ -9,7 +9,8 @@ Operations and fields:
 
 ====================  ==========================================================================
 ``status``            (none)
-``prefetch``          ``entries``, ``source``, ``epoch`` (int or null), ``replace`` (bool)
+``prefetch``          ``entries``, ``source``, ``epoch`` (int or null), ``replace`` (bool), ``rank`` (int
+                      or null: the hand-overs of several ranks for one epoch are merged)
 ``warmup``            ``entries``, ``source``
 ``resident``          ``entries``, ``source``
 ``job``               ``id`` (int): a warmup job's progress
@@ -64,6 +65,7 @@ class Entries:
 class Prefetch(Entries):
     epoch: int | None
     replace: bool
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,7 @@ def _entries(value: Any) -> tuple[tuple[int, str], ...]:
 _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "status": ((), {}),
     "refresh": ((), {}),
-    "prefetch": (("entries",), {"source": "manifest", "epoch": None, "replace": False}),
+    "prefetch": (("entries",), {"source": "manifest", "epoch": None, "replace": False, "rank": None}),
     "warmup": (("entries",), {"source": "manifest"}),
     "resident": (("entries",), {"source": "manifest"}),
     "job": (("id",), {}),
@@ -185,7 +187,8 @@ def parse(line: bytes) -> Request:
         epoch = None if f["epoch"] is None else _int(f["epoch"], "epoch", -MAX_INT)
         if not isinstance(f["replace"], bool):
             raise BadRequest("'replace' must be true or false")
-        return Prefetch(entries, source, epoch, f["replace"])
+        rank = None if f["rank"] is None else _int(f["rank"], "rank", 0, 1 << 20)
+        return Prefetch(entries, source, epoch, f["replace"], rank)
     return Warmup(entries, source) if op == "warmup" else Resident(entries, source)
 
 

@@ -1,13 +1,13 @@
 """Epoch manifests: the order in which a training job will read files. Pure: no I/O but the helpers
 that read and write manifest files.
 
-Format (UTF-8): one path per line, relative to the mount root, in read order; blank lines and lines
-starting with ``#`` are ignored. JSON Lines are accepted too: ``{"path": "a/b.jpg", "size": 1234}`` per
+Format (UTF-8): one path per line, relative to the mount root or absolute under the mount point (what
+a dataset's list of samples holds), in read order; blank lines and lines starting with ``#`` are ignored. JSON Lines are accepted too: ``{"path": "a/b.jpg", "size": 1234}`` per
 line (extra fields are kept but not required).
 
-Rank partitions follow PyTorch's ``DistributedSampler(shuffle=..., drop_last=False)``: the global order
-is padded by wrapping around to a multiple of the world size, then rank ``r`` takes every
-``world_size``-th entry starting at ``r``. :func:`permutation` reproduces ``torch.randperm(n,
+Rank partitions follow PyTorch's ``DistributedSampler(shuffle=..., drop_last=...)``: the global order
+is padded by wrapping around to a multiple of the world size (with ``drop_last``, cut down to one),
+then rank ``r`` takes every ``world_size``-th entry starting at ``r``. :func:`permutation` reproduces ``torch.randperm(n,
 generator=torch.Generator().manual_seed(seed + epoch))`` exactly, without PyTorch, so
 ``shuffled(paths, seed, epoch)`` is the order ``DistributedSampler(shuffle=True, seed=seed)`` uses
 after ``set_epoch(epoch)``.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -62,11 +63,23 @@ def parse(text: str, *, source: str = "manifest") -> list[Entry]:
             raise ManifestError(f"{source}:{n}: NUL in path")
         clean = path.strip("/")
         if not clean or any(part in ("", ".", "..") for part in clean.split("/")):
-            raise ManifestError(f"{source}:{n}: not a path relative to the mount root: {path!r}")
-        entries.append(Entry(n, clean, size))
+            raise ManifestError(f"{source}:{n}: not a clean path: {path!r}")
+        entries.append(Entry(n, "/" + clean if path.startswith("/") else clean, size))
     if not entries:
         raise ManifestError(f"{source}: no paths")
     return entries
+
+
+def mount_relative(mountpoint: str | os.PathLike[str], path: str) -> str:
+    """``path`` (absolute under ``mountpoint``, or relative to its root) relative to the mount root; ""
+    for the root itself."""
+    if not os.path.isabs(path):
+        return path.strip("/")
+    root = os.path.abspath(mountpoint)
+    rel = os.path.relpath(os.path.abspath(path), root)
+    if rel.startswith(".."):
+        raise ManifestError(f"{path} is not under the mount point {root}")
+    return "" if rel == "." else rel
 
 
 def read(path: str) -> list[Entry]:
@@ -86,9 +99,10 @@ def write(path: str, paths: Iterable[str]) -> None:
             f.write(p + "\n")
 
 
-def partition(items: Sequence[T], rank: int, world_size: int) -> list[T]:
-    """Rank ``rank``'s share as ``DistributedSampler(drop_last=False)`` gives it: pad by wrapping to a
-    multiple of ``world_size``, then every ``world_size``-th item starting at ``rank``."""
+def partition(items: Sequence[T], rank: int, world_size: int, drop_last: bool = False) -> list[T]:
+    """Rank ``rank``'s share as ``DistributedSampler(drop_last=...)`` gives it: pad by wrapping to a
+    multiple of ``world_size`` (or, with ``drop_last``, cut the tail down to one), then every
+    ``world_size``-th item starting at ``rank``."""
     if world_size < 1:
         raise ValueError("world size must be >= 1")
     if not 0 <= rank < world_size:
@@ -96,6 +110,9 @@ def partition(items: Sequence[T], rank: int, world_size: int) -> list[T]:
     n = len(items)
     if n == 0:
         return []
+    if drop_last:
+        total = (n // world_size) * world_size
+        return list(items[rank:total:world_size])
     total = math.ceil(n / world_size) * world_size
     padded = list(items)
     padding = total - n
@@ -164,7 +181,7 @@ def shuffled(items: Sequence[T], seed: int, epoch: int) -> list[T]:
 
 
 def epoch_order(items: Sequence[T], *, seed: int | None, epoch: int | None = None, rank: int = 0,
-                world_size: int = 1) -> list[T]:
+                world_size: int = 1, drop_last: bool = False) -> list[T]:
     """What rank ``rank`` reads in ``epoch``: ``items`` (the dataset in index order) shuffled as
     ``DistributedSampler(shuffle=True, seed=seed)`` does if a seed is given, then partitioned. The one
     definition of an epoch's order (the command line and the Python helpers use it)."""
@@ -174,4 +191,4 @@ def epoch_order(items: Sequence[T], *, seed: int | None, epoch: int | None = Non
         if epoch is None:
             raise ManifestError("a shuffle (seed) needs the epoch number")
         items = shuffled(items, seed, epoch)
-    return partition(items, rank, world_size)
+    return partition(items, rank, world_size, drop_last)

@@ -89,8 +89,12 @@ class Plan:
         i = bisect_left(occurrences, from_file)
         return occurrences[i] if i < len(occurrences) else None
 
-    def tail(self, from_file: int) -> list[tuple[ObjectInfo, int | None, int]]:
-        return [(f.obj, f.epoch, f.segment) for f in self.files[from_file:]]
+    def locate_in_segment(self, key: str, segment: int) -> int | None:
+        """Index of the first file of ``segment`` with ``key``."""
+        for i in self._by_key.get(key, ()):
+            if self.files[i].segment == segment:
+                return i
+        return None
 
     def segment_start(self, segment: int) -> int:
         return next(i for i, f in enumerate(self.files) if f.segment == segment)

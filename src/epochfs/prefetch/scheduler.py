@@ -77,6 +77,22 @@ class PrefetchStats:
 
 
 @dataclass
+class Handover:
+    """The files handed over for one segment of the plan: one reader's, or (``parts`` by rank) those of
+    the ranks of one epoch, read side by side."""
+
+    segment: int
+    epoch: int | None
+    parts: dict[int | None, list[ObjectInfo]] = field(default_factory=dict)
+
+    def files(self) -> list[ObjectInfo]:
+        if len(self.parts) == 1:
+            return next(iter(self.parts.values()))
+        shares = [self.parts[r] for r in sorted(self.parts, key=lambda r: -1 if r is None else r)]
+        return [share[i] for i in range(max(map(len, shares))) for share in shares if i < len(share)]
+
+
+@dataclass
 class WarmupJob:
     id: int
     total_bytes: int
@@ -126,28 +142,48 @@ class Prefetcher:
         self._nursery: trio.Nursery | None = None
         self._jobs: dict[int, WarmupJob] = {}
         self._loading = trio.Lock()
+        self._handovers: list[Handover] = []
         self._job_ids = itertools.count(1)
 
     # -- plan hand-over ------------------------------------------------------------------------------
 
-    async def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None,
-                   replace: bool = False) -> dict[str, Any]:
-        """Hand over a manifest's files in read order (already partitioned for this rank). The plan is
-        built in a worker thread; hand-overs are applied one at a time, in the order they arrive."""
+    async def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None, replace: bool = False,
+                   rank: int | None = None) -> dict[str, Any]:
+        """Hand over the files one reader will read, in order (already partitioned for its rank).
+
+        A hand-over is queued after the ones not yet read (or replaces them all). Hand-overs that name
+        a ``rank`` and the same ``epoch`` are merged into one segment, their files interleaved rank by
+        rank: the ranks of one node read their shares side by side. The plan is built in a worker
+        thread; hand-overs are applied one at a time, in the order they arrive."""
         async with self._loading:
             plan = self._plan
-            keep = [] if plan is None or replace or self._finished() else plan.tail(self._file_pos)
-            segment = next(self._segments)
-            built = await trio.to_thread.run_sync(
-                Plan, keep + [(o, epoch, segment) for o in objs], self.cache.block_size, self.cache.block_id)
+            current = None if plan is None or replace or self._finished() else plan.files[self._file_pos]
+            if current is None:
+                self._handovers = []
+            else:  # forget the hand-overs the reader has finished
+                self._handovers = [h for h in self._handovers if h.segment >= current.segment]
+            merged = rank is not None and any(h.epoch == epoch and rank is not None and None not in h.parts
+                                              for h in self._handovers)
+            target = next((h for h in self._handovers if merged and h.epoch == epoch and None not in h.parts),
+                          None)
+            if target is None:
+                target = Handover(next(self._segments), epoch)
+                self._handovers.append(target)
+            target.parts[rank] = list(objs)
+            entries = [(o, h.epoch, h.segment) for h in self._handovers for o in h.files()]
+            built = await trio.to_thread.run_sync(Plan, entries, self.cache.block_size, self.cache.block_id)
+            file_pos = built.locate_in_segment(current.obj.key, current.segment) if current is not None else None
             self._plan = built
-            self._file_pos = self._position = self._cursor = 0
+            self._file_pos = file_pos or 0
+            self._position = self._cursor = built.files[self._file_pos].first if built.files else 0
             self.policy.plan(built.blocks, built.uses)
+            self.policy.advance(self._position)
             self._wake.set()
-        log.info("prefetch plan: %d files (%d blocks, %d bytes) %s", len(objs), len(self._plan) - 0,
-                 self._plan.total_bytes, "appended" if keep else "loaded")
-        return {"files": len(objs), "queued_files": len(self._plan.files), "appended": bool(keep),
-                "plan_bytes": self._plan.total_bytes}
+        how = "merged with the other ranks' shares" if merged else "appended" if current else "loaded"
+        log.info("prefetch plan: %d files %s (%d files, %d blocks, %d bytes in the plan)", len(objs), how,
+                 len(built.files), len(built), built.total_bytes)
+        return {"files": len(objs), "queued_files": len(built.files), "appended": current is not None,
+                "merged": merged, "plan_bytes": built.total_bytes}
 
     def _finished(self) -> bool:
         return self._plan is None or self._position >= len(self._plan) - 1
