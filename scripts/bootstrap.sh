@@ -38,10 +38,14 @@ if [ ! -x .venv/bin/python ]; then
   echo "bootstrap: creating .venv"
   python3 -m venv .venv
 fi
-stamp=.venv/.epochfs-installed
+extras=test
+# EPOCHFS_TORCH=1 (CI sets it) adds PyTorch, for the tests of the sampler wrapper (epochfs.torch): a few
+# minutes and a few GB, so the quick start does without it.
+[ "${EPOCHFS_TORCH:-0}" = 1 ] && extras=test,torch
+stamp=.venv/.epochfs-installed-$extras
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "bootstrap: installing Python packages into .venv"
+  echo "bootstrap: installing Python packages into .venv ($extras)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi

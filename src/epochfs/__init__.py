@@ -1,3 +1,20 @@
-"""epochfs: a read-only FUSE cache for training data in object storage."""
+"""epochfs: a read-only FUSE cache for training data in object storage.
+
+``epochfs.Client(mountpoint)`` is the Python API (:mod:`epochfs.client`); ``epochfs.torch.EpochfsSampler``
+hands each epoch's order to the daemon from a PyTorch sampler (:mod:`epochfs.torch`).
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:  # imported on first use: the command line does not pay for it
+    if name == "Client":
+        from epochfs.client import Client
+
+        return Client
+    raise AttributeError(f"module 'epochfs' has no attribute {name!r}")
+
+
+__all__ = ["Client", "__version__"]

@@ -153,22 +153,29 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     job = request(args.mountpoint, "warmup", entries=entries, source=source)
     columns = (TextColumn("[bold]warmup"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
                TextColumn("{task.fields[files]}"), TimeRemainingColumn())
-    with Progress(*columns, transient=False) as progress:
-        task = progress.add_task("warmup", total=job["total_bytes"], files="")
-        while True:
-            job = request(args.mountpoint, "job", id=job["id"])
-            progress.update(task, completed=job["done_bytes"] + job["skipped_bytes"],
-                            files=f"{job['done_files']}/{job['files']} files")
-            if job["finished"]:
-                break
-            time.sleep(0.2)
+    try:
+        with Progress(*columns, transient=False) as progress:
+            task = progress.add_task("warmup", total=job["total_bytes"], files="")
+            while True:
+                job = request(args.mountpoint, "job", id=job["id"])
+                progress.update(task, completed=job["done_bytes"],
+                                files=f"{job['done_files']}/{job['files']} files")
+                if job["finished"]:
+                    break
+                time.sleep(0.2)
+    except KeyboardInterrupt:
+        job = request(args.mountpoint, "cancel", id=job["id"])
+        print(f"epochfs: warmup cancelled after {human(job['done_bytes'])} of {human(job['total_bytes'])}; "
+              "fetches in flight finish", file=sys.stderr)
+        return 130
     print(f"epochfs: warmed {human(job['done_bytes'])} of {human(job['total_bytes'])} "
           f"in {job['elapsed']:.1f}s")
     if job["skipped_bytes"]:
-        print(f"epochfs: the cache is full: {human(job['skipped_bytes'])} not cached", file=sys.stderr)
+        print(f"epochfs: the cache is full: {human(job['skipped_bytes'])} not cached (grow --cache-size, or "
+              "warm less)", file=sys.stderr)
     for err in job["errors"]:
         print(f"epochfs: {err}", file=sys.stderr)
-    return 1 if job["errors"] else 0
+    return 1 if job["errors"] or job["skipped_bytes"] else 0
 
 
 def _sizes(args: argparse.Namespace, entries: list[Entry], manifest: str) -> list[tuple[str, int]]:

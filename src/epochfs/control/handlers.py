@@ -72,7 +72,7 @@ class ControlHandlers:
     def table(self) -> dict[type, Handler]:
         return {
             p.Status: self.status, p.Refresh: self.refresh, p.Prefetch: self.prefetch, p.Warmup: self.warmup,
-            p.Resident: self.resident, p.Job: self.job, p.PublishManifest: self.publish_manifest,
+            p.Resident: self.resident, p.Job: self.job, p.Cancel: self.cancel, p.PublishManifest: self.publish_manifest,
             p.GetManifest: self.get_manifest,
         }
 
@@ -101,6 +101,12 @@ class ControlHandlers:
 
     async def job(self, request: p.Job) -> dict[str, Any]:
         job = self.prefetcher.job(request.id)
+        if job is None:
+            raise ManifestError(f"no warmup job {request.id}")
+        return job.as_dict()
+
+    async def cancel(self, request: p.Cancel) -> dict[str, Any]:
+        job = self.prefetcher.cancel(request.id)
         if job is None:
             raise ManifestError(f"no warmup job {request.id}")
         return job.as_dict()

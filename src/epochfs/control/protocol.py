@@ -14,6 +14,7 @@ Operations and fields:
 ``warmup``            ``entries``, ``source``
 ``resident``          ``entries``, ``source``
 ``job``               ``id`` (int): a warmup job's progress
+``cancel``            ``id`` (int): stop a warmup job
 ``refresh``           (none)
 ``publish_manifest``  ``name``, ``text``: publish a manifest to the metadata store
 ``get_manifest``      ``name``
@@ -84,6 +85,11 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class Cancel:
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
 class PublishManifest:
     name: str
     text: str
@@ -94,7 +100,7 @@ class GetManifest:
     name: str
 
 
-Request = Status | Refresh | Prefetch | Warmup | Resident | Job | PublishManifest | GetManifest
+Request = Status | Refresh | Prefetch | Warmup | Resident | Job | Cancel | PublishManifest | GetManifest
 
 
 def _int(value: Any, field: str, lo: int = 0, hi: int = MAX_INT) -> int:
@@ -145,6 +151,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "warmup": (("entries",), {"source": "manifest"}),
     "resident": (("entries",), {"source": "manifest"}),
     "job": (("id",), {}),
+    "cancel": (("id",), {}),
     "publish_manifest": (("name", "text"), {}),
     "get_manifest": (("name",), {}),
 }
@@ -178,6 +185,8 @@ def parse(line: bytes) -> Request:
         return Refresh()
     if op == "job":
         return Job(_int(f["id"], "id"))
+    if op == "cancel":
+        return Cancel(_int(f["id"], "id"))
     if op == "publish_manifest":
         return PublishManifest(_name(f["name"]), _text(f["text"], "text", MAX_REQUEST, empty=True))
     if op == "get_manifest":

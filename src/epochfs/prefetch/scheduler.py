@@ -102,6 +102,7 @@ class WarmupJob:
     skipped_bytes: int = 0  # not cached: the cache is full
     errors: list[str] = field(default_factory=list)
     finished: bool = False
+    cancelled: bool = False
     started: float = field(default_factory=time.monotonic)
     done: trio.Event = field(default_factory=trio.Event, repr=False)
 
@@ -109,7 +110,7 @@ class WarmupJob:
         return {
             "id": self.id, "total_bytes": self.total_bytes, "files": self.files, "done_bytes": self.done_bytes,
             "done_files": self.done_files, "skipped_bytes": self.skipped_bytes, "errors": self.errors[:20],
-            "finished": self.finished, "elapsed": time.monotonic() - self.started,
+            "finished": self.finished, "cancelled": self.cancelled, "elapsed": time.monotonic() - self.started,
         }
 
 
@@ -118,6 +119,7 @@ class Prefetcher:
     MIN_INFLIGHT = 2
     MIN_LEAD = 0.25  # seconds of reading kept ahead, at the least
     LATENCY_LEADS = 20  # the lead in fetch latencies: a fast backend needs little lead
+
     def __init__(self, cache: BlockCache, *, capacity: int, max_inflight: int,
                  bandwidth: float | None = None, lead: float = 2.0) -> None:
         self.cache = cache
@@ -318,6 +320,13 @@ class Prefetcher:
     def job(self, job_id: int) -> WarmupJob | None:
         return self._jobs.get(job_id)
 
+    def cancel(self, job_id: int) -> WarmupJob | None:
+        """Stop a warmup job: no new fetch is started; those in flight finish."""
+        job = self._jobs.get(job_id)
+        if job is not None and not job.finished:
+            job.cancelled = True
+        return job
+
     async def _run_warmup(self, job: WarmupJob, objs: list[ObjectInfo]) -> None:
         slots = trio.Semaphore(self.max_inflight)
         bs = self.cache.block_size
@@ -333,8 +342,12 @@ class Prefetcher:
 
         async with trio.open_nursery() as nursery:
             for obj in objs:
+                if job.cancelled:
+                    break
                 for index, size in file_blocks(obj.size, bs):
                     await trio.lowlevel.checkpoint()  # a long run of cached blocks must not hold the loop
+                    if job.cancelled:
+                        break
                     bid = self.cache.block_id(obj, index)
                     if self.cache.is_cached(bid):
                         job.done_bytes += size
@@ -344,6 +357,7 @@ class Prefetcher:
                         slots.release()
                         job.skipped_bytes += size
                         continue
+                    await self._throttle(size)  # --prefetch-bandwidth caps warmup too
                     fetch = self.cache.fetch(obj, index, bid)
                     if fetch is None:  # cached meanwhile
                         slots.release()

@@ -1,0 +1,80 @@
+"""The Python API: training code talks to the daemon serving a mount point, without a subprocess.
+
+    from epochfs import Client
+
+    client = Client("/mnt/data")
+    client.prefetch(paths, seed=42, epoch=3, rank=1, world_size=8)   # DistributedSampler's order
+    client.hand_over(order, epoch=3)                                  # or any exact order
+    client.warmup(["/mnt/data/val"])                                   # fill the cache now
+    client.status()
+
+Paths may be absolute (under the mount point: what a dataset's list of samples holds) or relative to
+the mount root; an item may also be a ``(path, target)`` pair as in ``ImageFolder.samples``. Errors
+are :class:`~epochfs.errors.EpochfsError` with the daemon's message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from epochfs.control.client import request
+from epochfs.prefetch.manifest import epoch_order, mount_relative
+
+PathItem = str | os.PathLike[str] | Sequence[Any]  # a path, or a (path, target) sample
+
+
+def _path(item: PathItem) -> str:
+    if isinstance(item, (str, os.PathLike)):
+        return os.fspath(item)
+    return os.fspath(item[0])
+
+
+class Client:
+    def __init__(self, mountpoint: str | os.PathLike[str], *, timeout: float = 60.0) -> None:
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.timeout = timeout
+
+    def _request(self, op: str, **args: Any) -> dict[str, Any]:
+        return request(self.mountpoint, op, timeout=self.timeout, **args)
+
+    def _entries(self, paths: Iterable[PathItem]) -> list[list[Any]]:
+        return [[i, mount_relative(self.mountpoint, _path(p))] for i, p in enumerate(paths, 1)]
+
+    def status(self) -> dict[str, Any]:
+        """The daemon's state (what ``epochfs status --json`` prints)."""
+        return self._request("status")
+
+    def prefetch(self, paths: Sequence[PathItem], *, seed: int | None = None, epoch: int = 0, rank: int = 0,
+                 world_size: int = 1, drop_last: bool = False, replace: bool = False) -> dict[str, Any]:
+        """Hand over the order in which this rank reads ``paths`` in ``epoch``: the dataset in index order,
+        shuffled as ``DistributedSampler(shuffle=True, seed=seed, drop_last=drop_last)`` does when a
+        seed is given (else read as given), and partitioned for ``rank`` of ``world_size``."""
+        order = epoch_order(list(paths), seed=seed, epoch=epoch, rank=rank, world_size=world_size,
+                            drop_last=drop_last)
+        return self.hand_over(order, epoch=epoch, rank=rank if world_size > 1 else None, replace=replace)
+
+    def hand_over(self, order: Iterable[PathItem], *, epoch: int | None = None, rank: int | None = None,
+                  replace: bool = False) -> dict[str, Any]:
+        """Hand over an exact read order. It is queued after the plan being read (``replace``: instead
+        of it); the orders of several ranks of one epoch (``rank`` given) are merged side by side."""
+        return self._request("prefetch", entries=self._entries(order), source="python", epoch=epoch,
+                             replace=replace, rank=rank)
+
+    def warmup(self, paths: Iterable[PathItem], *, wait: bool = True,
+               progress: Callable[[dict[str, Any]], None] | None = None, poll: float = 0.2) -> dict[str, Any]:
+        """Fill the cache with ``paths`` (files or directories) now, without evicting anything; with
+        ``wait``, return when done (``progress`` is called with the job's state as it goes)."""
+        job = self._request("warmup", entries=self._entries(paths), source="python")
+        while wait and not job["finished"]:
+            time.sleep(poll)
+            job = self._request("job", id=job["id"])
+            if progress is not None:
+                progress(job)
+        return job
+
+    def cancel(self, job_id: int) -> dict[str, Any]:
+        """Stop a warmup job (what is in flight finishes; nothing more is fetched)."""
+        return self._request("cancel", id=job_id)

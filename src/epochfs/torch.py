@@ -1,0 +1,100 @@
+"""PyTorch integration: a sampler wrapper that hands each epoch's exact read order to the daemon.
+
+Two lines change in a training script::
+
+    sampler = EpochfsSampler(DistributedSampler(dataset, shuffle=True, seed=42), dataset.samples, "/mnt/data")
+    loader = DataLoader(dataset, batch_size=256, sampler=sampler, num_workers=8)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)          # hands this epoch's order to the daemon
+        for batch in loader: ...
+
+The wrapper draws the inner sampler's order once per epoch, hands exactly that order (as the
+dataset's paths) to the daemon, and yields the same indices to the DataLoader: the order the daemon
+prefetches is the order the DataLoader reads, by construction, for any sampler (a ``RandomSampler``
+without a seed too). The ranks of a ``DistributedSampler`` on one node are merged side by side by the
+daemon. A daemon that cannot be reached never stops training: the wrapper warns once and goes on.
+
+Imported only when PyTorch is installed (``import epochfs.torch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import Sampler
+
+from epochfs.client import Client, PathItem
+from epochfs.errors import EpochfsError
+
+log = logging.getLogger(__name__)
+
+
+class EpochfsSampler(Sampler[int]):
+    """Wraps ``sampler``; ``paths[i]`` is the file sample ``i`` reads (a path absolute under the mount
+    point or relative to its root, or a ``(path, target)`` pair as in ``ImageFolder.samples``)."""
+
+    def __init__(self, sampler: Sampler[int], paths: Sequence[PathItem], mountpoint: str | os.PathLike[str], *,
+                 client: Client | None = None, background: bool = True) -> None:
+        self.sampler = sampler
+        self.paths = paths
+        self.client = client or Client(mountpoint)
+        self.background = background
+        self.epoch = 0
+        self._order: list[int] | None = None
+        self._warned = False
+        self._sender: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the inner sampler's epoch, draw that epoch's order and hand it to the daemon."""
+        self.epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        self._order = list(iter(self.sampler))
+        self._hand_over(self._order, epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order
+        self._order = None
+        if order is None:  # no set_epoch() this time: draw the order now
+            order = list(iter(self.sampler))
+            self._hand_over(order, self.epoch)
+            self.epoch += 1
+        return iter(order)
+
+    def _rank(self) -> int | None:
+        replicas = getattr(self.sampler, "num_replicas", 1)
+        return getattr(self.sampler, "rank", None) if isinstance(replicas, int) and replicas > 1 else None
+
+    def _hand_over(self, order: list[int], epoch: int) -> None:
+        paths = [self.paths[i] for i in order]
+        if self._sender is not None:
+            self._sender.join()  # one hand-over at a time, in epoch order
+        if self.background:  # the training loop does not wait for the daemon
+            self._sender = threading.Thread(target=self._send, args=(paths, epoch), name="epochfs-hand-over",
+                                            daemon=True)
+            self._sender.start()
+        else:
+            self._send(paths, epoch)
+
+    def _send(self, paths: list[Any], epoch: int) -> None:
+        try:
+            self.client.hand_over(paths, epoch=epoch, rank=self._rank())
+        except EpochfsError as exc:
+            if not self._warned:
+                warnings.warn(f"epochfs: could not hand epoch {epoch}'s order to the daemon ({exc}); "
+                              "training goes on without prefetch", RuntimeWarning, stacklevel=2)
+                self._warned = True
+            log.debug("hand-over of epoch %d failed: %s", epoch, exc)
+
+    def wait(self) -> None:
+        """Wait until the last hand-over reached the daemon (tests, or a script that wants to know)."""
+        if self._sender is not None:
+            self._sender.join()

@@ -1,0 +1,169 @@
+"""The training engineer's side, against real mounts: the Python API (epochfs.Client) and the PyTorch
+sampler wrapper (epochfs.torch), whose hand-over must be exactly what the DataLoader reads."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from epochfs.client import Client
+from epochfs.errors import EpochfsError
+from epochfs.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+from .helpers import drop_all_caches, wait_idle
+
+pytestmark = requires_fuse
+KiB = 1 << 10
+
+# Class folders as ImageFolder sees them: "sea" and "sea-lion" sort differently as directory names
+# ("sea" < "sea-lion") and as path prefixes ("sea-lion/..." < "sea/..."): a sorted `find` is not
+# ImageFolder's order, the dataset's own list of samples is.
+CLASSES = ["cat", "sea", "sea-lion", "zebra"]
+
+
+def image_folder(n_per_class: int = 6) -> list[SampleFile]:
+    return [SampleFile(f"train/{c}/{i:03d}.jpg", 20 * KiB + 7 * i) for c in CLASSES for i in range(n_per_class)]
+
+
+def samples_like_image_folder(root: str) -> list[tuple[str, int]]:
+    """torchvision.datasets.ImageFolder's samples: classes sorted by name, files sorted within each."""
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    out = []
+    for target, c in enumerate(classes):
+        for dirpath, _, names in sorted(os.walk(os.path.join(root, c), followlinks=True)):
+            for name in sorted(names):
+                out.append((os.path.join(dirpath, name), target))
+    return out
+
+
+@pytest.fixture
+def dataset_mount(s3_client, fresh_bucket, mount_factory):
+    files = image_folder()
+    upload(s3_client, fresh_bucket, "", files)
+    m = mount_factory(f"s3://{fresh_bucket}", "--block-size", "256K")
+    m.start()
+    yield m, files
+    m.stop()
+
+
+def test_client_prefetch_takes_absolute_and_relative_paths_and_the_sampler_order(dataset_mount):
+    m, files = dataset_mount
+    client = Client(m.mountpoint)
+    samples = samples_like_image_folder(str(m.path("train")))
+    reply = client.prefetch(samples, seed=7, epoch=2, rank=1, world_size=3)  # (path, target) pairs, absolute
+    assert reply["files"] == -(-len(samples) // 3) and reply["merged"] is False
+    relative = [os.path.relpath(p, m.mountpoint) for p, _ in samples]
+    reply = client.prefetch(relative, seed=7, epoch=2, rank=0, world_size=3)
+    assert reply["merged"] is True  # two ranks of one epoch on one node: one plan, side by side
+    assert client.status()["prefetch"]["files"] == 2 * reply["files"]
+    with pytest.raises(EpochfsError, match="not under the mount point"):
+        client.hand_over(["/etc/passwd"])
+    with pytest.raises(EpochfsError, match="not in the snapshot"):
+        client.hand_over(["train/cat/missing.jpg"])
+
+
+def test_client_warmup_fills_and_can_be_cancelled(dataset_mount):
+    m, files = dataset_mount
+    client = Client(m.mountpoint)
+    seen = []
+    job = client.warmup([m.path("train/cat"), "train/zebra"], progress=seen.append)
+    assert job["finished"] and not job["errors"] and job["files"] == 12
+    assert job["done_bytes"] == sum(f.size for f in files if "/cat/" in f.key or "/zebra/" in f.key)
+    job = client.warmup(["train"], wait=False)
+    cancelled = client.cancel(job["id"])
+    assert cancelled["cancelled"] or cancelled["finished"]
+    with pytest.raises(EpochfsError, match="no warmup job"):
+        client.cancel(10_000)
+
+
+def needs_torch() -> None:
+    pytest.importorskip("torch", reason="the sampler wrapper needs PyTorch (CI installs it)")
+
+
+class Recording(Client):
+    """A real client that also remembers what it handed over."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.handed: list[list[str]] = []
+
+    def hand_over(self, order, **kwargs):  # type: ignore[no-untyped-def]
+        order = list(order)
+        self.handed.append([p if isinstance(p, str) else p[0] for p in order])
+        return super().hand_over(order, **kwargs)
+
+
+class Files:
+    """Reads sample i's file through the mount and returns its path, recording the order of reads."""
+
+    def __init__(self, samples: list[tuple[str, int]]) -> None:
+        self.samples = samples
+        self.read: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> str:
+        path, _ = self.samples[i]
+        with open(path, "rb") as f:
+            f.read()
+        self.read.append(path)
+        return path
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_sampler_hands_over_exactly_what_the_dataloader_reads(dataset_mount, drop_last):
+    needs_torch()
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from epochfs.torch import EpochfsSampler
+
+    m, files = dataset_mount
+    dataset = Files(samples_like_image_folder(str(m.path("train"))))
+    world = 3
+    for rank in (0, 2):
+        client = Recording(m.mountpoint)
+        inner = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=42, drop_last=drop_last)
+        sampler = EpochfsSampler(inner, dataset.samples, m.mountpoint, client=client)
+        loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=0)
+        for epoch in (0, 1):
+            dataset.read.clear()
+            sampler.set_epoch(epoch)
+            sampler.wait()
+            drop_all_caches()
+            for _ in loader:
+                pass
+            assert client.handed[-1] == dataset.read, f"rank {rank} epoch {epoch}: the daemon prefetched another order"
+            expected = len(dataset) // world if drop_last else -(-len(dataset) // world)
+            assert len(dataset.read) == expected
+        assert client.handed[0] != client.handed[1], "each epoch hands over its own shuffle"
+    status = wait_idle(m)
+    assert status["prefetch"]["fetched_blocks"] > 0
+
+
+def test_a_sampler_without_an_epoch_and_an_unreachable_daemon(dataset_mount, tmp_path):
+    needs_torch()
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from epochfs.torch import EpochfsSampler
+
+    m, files = dataset_mount
+    dataset = Files(samples_like_image_folder(str(m.path("train"))))
+    client = Recording(m.mountpoint)
+    sampler = EpochfsSampler(RandomSampler(dataset), [p for p, _ in dataset.samples], m.mountpoint, client=client,
+                             background=False)
+    for _ in range(2):  # a RandomSampler draws a new order every time: the wrapper draws it once
+        dataset.read.clear()
+        list(DataLoader(dataset, batch_size=5, sampler=sampler))
+        assert client.handed[-1] == dataset.read
+    gone = EpochfsSampler(RandomSampler(dataset), dataset.samples, tmp_path, background=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            dataset.read.clear()
+            list(DataLoader(dataset, batch_size=5, sampler=gone))
+            assert len(dataset.read) == len(dataset)  # training goes on
+    assert len([w for w in caught if "could not hand" in str(w.message)]) == 1  # warned once
