@@ -16,6 +16,8 @@ every N-th, or a seeded rate), in which case the proxy answers with the chosen f
     drip_headers   the status line and headers one byte every ``stall`` seconds
     no_etag        the answer without its ETag header
     other_etag     the answer with another ETag than the one asked for
+    region         301 PermanentRedirect with ``x-amz-bucket-region: <region>`` for a request signed for
+                   another region (as S3 answers a wrong --region); requests signed for it pass
 
 Only the requests that match ``methods`` (and, if ``ranged_only``, carry a Range header) are counted.
 """
@@ -33,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("error500", "slowdown", "throttle429", "reset", "stall_headers", "stall_body", "truncate",
-         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "no_etag", "other_etag")
+         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "no_etag", "other_etag", "region")
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Fault:
     ranged_only: bool = True
     retry_after: float = 1.0
     stall: float = 30.0
+    region: str = "eu-north-1"
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, self.kind
@@ -66,6 +69,7 @@ class FaultProxy:
         self.fault: Fault | None = None
         self.matching = 0
         self.injected = 0
+        self.redirects = 0  # answers of the "region" kind that were redirects
         self.log: list[tuple[float, str, str, str]] = []  # (time, method, path, what happened)
         self._lock = threading.Lock()
         proxy = self
@@ -137,6 +141,17 @@ class FaultProxy:
         if kind == "stall_headers":
             time.sleep(fault.stall if fault else 30)
             h.close_connection = True
+            return
+        if kind == "region" and fault and f"/{fault.region}/s3/" not in h.headers.get("Authorization", ""):
+            with self._lock:
+                self.redirects += 1
+            xml = b"<?xml version='1.0'?><Error><Code>PermanentRedirect</Code><Message>injected</Message></Error>"
+            h.send_response(301)
+            h.send_header("x-amz-bucket-region", fault.region)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(xml)))
+            h.end_headers()
+            h.wfile.write(xml)
             return
         if kind in ("error500", "slowdown", "throttle429", "denied403"):
             status, code = {"error500": (500, "InternalError"), "slowdown": (503, "SlowDown"),

@@ -53,7 +53,7 @@ def test_example_config_is_generated_from_the_options_and_flags_override_it(tmp_
     cfg = parse_mount(["mount", "--config", str(EXAMPLE)])
     assert cfg.source.url == "s3://training-data/imagenet/" and str(cfg.mountpoint) == "/mnt/data"
     assert str(cfg.cache_dir) == "/var/cache/epochfs/data" and cfg.allow_other
-    assert cfg.eviction == "manifest" and cfg.metrics_addr == "127.0.0.1:9567" and cfg.cache_size == 10 << 30
+    assert cfg.eviction == "manifest" and cfg.metrics_addr is None and cfg.cache_size == 10 << 30
     cfg = parse_mount(["mount", "--config", str(EXAMPLE), "--cache-size", "1G", "--eviction", "lru"])
     assert cfg.cache_size == 1 << 30 and cfg.eviction == "lru"
     # every mount option has a key in the example (set or commented out), and uncommenting the
@@ -175,3 +175,19 @@ def test_fstab_line_mounts_and_unmounts(tmp_path, s3, sample_bucket, sample_file
         subprocess.run(["fusermount3", "-uz", str(tmp_path / "fstab-mnt")], capture_output=True)
         if installed:
             helper.unlink()
+
+
+def test_install_gives_each_instance_its_own_metrics_port(tmp_path):
+    env = dict(os.environ, EPOCHFS_ETC=str(tmp_path / "etc"))
+    ports = []
+    for name in ("data", "val", "ckpt"):
+        r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", name], env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        cfg = parse_mount(["mount", "--config", str(tmp_path / "etc" / f"{name}.toml")])
+        assert str(cfg.mountpoint) == f"/mnt/{name}" and str(cfg.cache_dir) == f"/var/cache/epochfs/{name}"
+        ports.append(cfg.metrics_addr)
+    assert ports == ["127.0.0.1:9567", "127.0.0.1:9568", "127.0.0.1:9569"]
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "val"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "left as it is" in r.stdout  # an existing config is never overwritten

@@ -139,3 +139,13 @@ def test_an_answer_without_the_asked_for_etag_is_never_served_or_cached(faulty_m
     assert status["store"]["blocks"] == 0, "an unverifiable answer was cached"
     proxy.set(None)
     read_checked(faulty_mount)
+
+
+def test_a_wrong_region_is_corrected_from_the_answer_not_eio(faulty_mount, proxy):
+    """A bucket in another region than --region (or the configured default): S3 answers 301 with the
+    bucket's region; the daemon signs for that region from then on and the read succeeds."""
+    proxy.set(Fault("region", rate=1.0, region="eu-north-1"))
+    read_checked(faulty_mount)
+    # only requests already on their way when the first answer came were signed for the wrong region
+    assert 1 <= proxy.redirects <= 16 and proxy.matching > proxy.redirects
+    assert "bucket " in faulty_mount.log() and "is in region eu-north-1" in faulty_mount.log()

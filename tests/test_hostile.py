@@ -290,10 +290,10 @@ def test_an_absurd_prefetch_is_refused_and_the_mount_stays_responsive(tmp_path, 
         started = time.monotonic()
         r = subprocess.run([*EPOCHFS, "prefetch", str(m.mountpoint), "--manifest", str(manifest)],
                            capture_output=True, text=True, timeout=60)
-        assert r.returncode == 1 and "blocks is more than one hand-over may hold" in r.stderr, r.stderr
+        assert r.returncode == 2 and "blocks is more than one hand-over may hold" in r.stderr, r.stderr
         r = subprocess.run([*EPOCHFS, "warmup", str(m.mountpoint), "huge.bin"], capture_output=True, text=True,
                            timeout=60)
-        assert r.returncode == 1 and "blocks is more than" in r.stderr, r.stderr
+        assert r.returncode == 2 and "blocks is more than" in r.stderr, r.stderr
         assert time.monotonic() - started < 20
         run_with_deadline(lambda: os.stat(m.path("small.bin")), 2)
         assert m.path("small.bin").read_bytes() == b"x" * 1000

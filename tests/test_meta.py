@@ -157,7 +157,7 @@ def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mo
         import urllib.request
 
         with urllib.request.urlopen(f"http://{status['metrics_addr']}/metrics") as resp:
-            assert "epochfs_meta_reachable 0.0" in resp.read().decode()
+            assert f'epochfs_meta_reachable{{mountpoint="{m.mountpoint}"}} 0.0' in resp.read().decode()
         assert "metadata store unreachable" in m.log()
         r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True)
         assert r.returncode == 1 and "unreachable" in r.stderr
@@ -199,7 +199,7 @@ def test_manifests_published_to_the_store_reach_other_daemons(s3, s3_client, fre
         assert a.status()["prefetch"]["files"] == b.status()["prefetch"]["files"] == 8
         r = subprocess.run([*EPOCHFS, "prefetch", str(b.mountpoint), "--stored", "missing"], capture_output=True,
                            text=True)
-        assert r.returncode == 1 and "no manifest named 'missing'" in r.stderr
+        assert r.returncode == 2 and "no manifest named 'missing'" in r.stderr
 
 
 @requires_fuse

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS, drop_all_caches, read_all, wait_idle
+from .helpers import EPOCHFS, Mount, drop_all_caches, read_all, wait_idle
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"
@@ -40,11 +40,13 @@ def scrape_text(m) -> str:
 
 
 def scrape(m) -> dict[str, float]:
-    """Samples by name with sorted labels, e.g. 'epochfs_backend_bytes_total{purpose="demand"}'."""
+    """Samples by name with sorted labels but the mount point's, e.g.
+    'epochfs_backend_bytes_total{purpose="demand"}'; every sample carries that mount point."""
     out = {}
     for fam in text_string_to_metric_families(scrape_text(m)):
         for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            assert s.labels.get("mountpoint") == str(m.mountpoint), s
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "mountpoint")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 
@@ -126,8 +128,35 @@ def test_exporter_binds_to_loopback_and_warns_when_exposed(mount_factory, sample
 def test_the_default_metrics_address_is_loopback():
     from epochfs.cli import build_parser
     from epochfs.cli.options import config_from
+    from epochfs.metrics import DEFAULT_ADDR
 
-    assert config_from(build_parser().parse_args(["mount", "s3://b", "/mnt/data"])).metrics_addr == "127.0.0.1:9567"
+    assert config_from(build_parser().parse_args(["mount", "s3://b", "/mnt/data"])).metrics_addr is None
+    assert DEFAULT_ADDR == "127.0.0.1:9567"
+
+
+@requires_fuse
+def test_three_mounts_on_one_node_come_up_with_default_options(s3, sample_bucket, tmp_path):
+    """The default metrics port taken by the first mount, the next ones take the next free ports and
+    say so; an address given explicitly that is taken stays an error."""
+    mounts = [Mount(f"s3://{sample_bucket}/data", tmp_path / f"m{i}", tmp_path / f"c{i}", s3.env(),
+                    "--endpoint-url", s3.endpoint) for i in range(3)]
+    try:
+        for m in mounts:
+            m.start()
+        addrs = [m.status()["metrics_addr"] for m in mounts]
+        ports = [int(a.rsplit(":", 1)[1]) for a in addrs]
+        assert all(a.startswith("127.0.0.1:") for a in addrs) and len(set(ports)) == 3
+        assert all(9567 <= p < 9667 for p in ports)
+        assert sum("is taken (another mount?)" in m.log() for m in mounts) >= 2
+        for m in mounts:
+            assert scrape(m)  # each answers for itself, labelled with its mount point
+        clash = Mount(f"s3://{sample_bucket}/data", tmp_path / "clash", tmp_path / "c-clash", s3.env(),
+                      "--endpoint-url", s3.endpoint, "--metrics-addr", addrs[0])
+        r = clash.start(expect_ok=False)
+        assert r.returncode == 2 and "Address already in use" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        for m in mounts:
+            m.stop()
 
 
 def promtool() -> str:
@@ -182,5 +211,6 @@ def test_stats_view_refreshes(mount_factory, sample_bucket, sample_files):
         result = subprocess.run([*EPOCHFS, "stats", str(m.mountpoint), "--count", "2", "--interval", "0.3"],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
-        for row in ("hit ratio (bytes)", "from backend", "read latency p50 / p99", "prefetch"):
+        for row in ("hit ratio (bytes)", "backend, on demand", "backend, prefetched", "read latency p50 / p99",
+                    "prefetch"):
             assert row in result.stdout

@@ -126,10 +126,15 @@ def test_malformed_manifest_is_rejected_with_the_line_and_the_mount_keeps_workin
     unknown = tmp_path / "unknown.txt"
     unknown.write_text(f"{sample_files[0].key}\n# comment\nno/such/file.bin\n")
     with mount_factory(f"s3://{sample_bucket}/data") as m:
-        r = epochfs("prefetch", str(m.mountpoint), "--manifest", str(bad_json), check=False)
-        assert r.returncode == 1 and f"{bad_json}:2:" in r.stderr
+        # the same manifest error is the same exit code (2: an input error) from every command
+        for cmd in (["prefetch", str(m.mountpoint)], ["warmup", str(m.mountpoint)],
+                    ["plan", "--cache-size", "1G", "--mount", str(m.mountpoint)]):
+            r = epochfs(*cmd, "--manifest", str(bad_json), check=False)
+            assert r.returncode == 2 and f"{bad_json}:2:" in r.stderr, (cmd, r.stderr)
         r = epochfs("prefetch", str(m.mountpoint), "--manifest", str(unknown), check=False)
-        assert r.returncode == 1 and f"{unknown}:3:" in r.stderr and "not in the snapshot" in r.stderr
+        assert r.returncode == 2 and f"{unknown}:3:" in r.stderr and "not in the snapshot" in r.stderr
+        r = epochfs("warmup", str(m.mountpoint), "--manifest", str(unknown), check=False)
+        assert r.returncode == 2 and "not in the snapshot" in r.stderr
         assert m.status()["prefetch"]["blocks"] == 0
         f = sample_files[30]
         assert m.path(f.key).read_bytes() == f.content()

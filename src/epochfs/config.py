@@ -129,6 +129,9 @@ class Config:
         None, "object store", "the bucket's S3 region (default: from the AWS configuration); block reads are "
         "signed for this region, so on AWS it must be the bucket's own", metavar="REGION", parse=str,
         example='"us-east-1"')
+    profile: str | None = option(
+        None, "object store", "AWS profile whose credentials to use (default: the standard chain: environment, "
+        "AWS_PROFILE, ~/.aws/credentials, instance role)", metavar="NAME", parse=str, example='"training"')
     backend_concurrency: int = option(16, "object store", "parallel backend requests", metavar="N", parse=int)
     backend_timeout: float = option(
         30.0, "object store", "deadline of one block fetch, retries and the whole body included; past it the "
@@ -179,9 +182,10 @@ class Config:
         0.0, "namespace", "list the source again when the stored snapshot is older than this (0: keep it until "
         "--refresh)", metavar="SECONDS", parse=float)
     # -- metrics
-    metrics_addr: str = option(
-        "127.0.0.1:9567", "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 "
-        "picks a free one (loopback only by default)", metavar="HOST:PORT", parse=str)
+    metrics_addr: str | None = option(
+        None, "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "
+        "one; an address given here that is taken is an error (default: 127.0.0.1:9567, or the next free "
+        "port when another mount has it)", metavar="HOST:PORT", parse=str, example='"127.0.0.1:9567"')
     # -- mount
     allow_other: bool = option(
         False, "mount", "let other users read the mount, with the permissions the source gives them (needs "
@@ -196,6 +200,8 @@ class Config:
         None, "mount", "present every entry as owned by this user (default: the source's for file://, else the "
         "daemon's)", metavar="N", parse=int, example="1000")
     gid: int | None = option(None, "mount", "likewise for the group", metavar="N", parse=int, example="1000")
+    allow_non_empty: bool = option(
+        False, "mount", "mount even if MOUNTPOINT is not empty (its files are hidden while mounted)")
     attr_timeout: float = option(3600.0, "mount", "how long the kernel may cache names and attributes",
                                  metavar="SECONDS", parse=float)
     fuse_options: tuple[str, ...] = option((), "mount", "extra FUSE mount option (repeatable)", flag="-o",

@@ -8,6 +8,7 @@ read on the thread that owns them). No object keys ever appear in labels.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 from collections.abc import Callable, Iterator
@@ -120,35 +121,42 @@ def sample_of(c: Collected) -> Sample:
 
 
 class DaemonCollector(Collector):
-    def __init__(self, collect: Callable[[], Collected]) -> None:
+    """Every series of one mount, each labelled ``mountpoint`` so one Prometheus tells a node's mounts
+    apart."""
+
+    def __init__(self, collect: Callable[[], Collected], mountpoint: str) -> None:
         self._collect = collect
+        self._mountpoint = mountpoint
+
+    def _family(self, short: str, labels: list[str]) -> Metric:
+        kind, help_text = METRICS[short]
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        return cls(PREFIX + short, help_text, labels=["mountpoint", *labels])
 
     def collect(self) -> Iterator[Metric]:
-        s = sample_of(self._collect())
+        s, mp = sample_of(self._collect()), self._mountpoint
         for short, value in s.values.items():
-            kind, help_text = METRICS[short]
-            if kind == "counter":
-                yield CounterMetricFamily(PREFIX + short, help_text, value=value)
-            else:
-                yield GaugeMetricFamily(PREFIX + short, help_text, value=value)
-        fam = CounterMetricFamily(PREFIX + "backend_requests", METRICS["backend_requests"][1], labels=["op", "outcome"])
-        for (op, outcome), n in sorted(s.backend_requests.items()):
-            fam.add_metric([op, outcome], n)
-        yield fam
-        fam = CounterMetricFamily(PREFIX + "backend_bytes", METRICS["backend_bytes"][1], labels=["purpose"])
-        for purpose, n in sorted(s.backend_bytes.items()):
-            fam.add_metric([purpose], n)
-        yield fam
-        fam = CounterMetricFamily(PREFIX + "errors", METRICS["errors"][1], labels=["kind"])
-        for kind, n in sorted(s.errors.items()):
-            fam.add_metric([kind], n)
-        yield fam
+            fam = self._family(short, [])
+            fam.add_metric([mp], value)
+            yield fam
+        for short, label, series in (("backend_requests", ["op", "outcome"], s.backend_requests.items()),
+                                     ("backend_bytes", ["purpose"], s.backend_bytes.items()),
+                                     ("errors", ["kind"], s.errors.items())):
+            fam = self._family(short, label)
+            for key, n in sorted(series):
+                fam.add_metric([mp, *(key if isinstance(key, tuple) else (key,))], n)
+            yield fam
         for short, h in s.histograms.items():
             cumulative, buckets = 0, []
             for bound, n in zip((*h.bounds, float("inf")), h.counts, strict=True):
                 cumulative += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            yield HistogramMetricFamily(PREFIX + short, METRICS[short][1], buckets=buckets, sum_value=h.total)
+            fam = HistogramMetricFamily(PREFIX + short, METRICS[short][1], labels=["mountpoint"])
+            fam.add_metric([mp], buckets=buckets, sum_value=h.total)
+            yield fam
+
+
+DEFAULT_ADDR = "127.0.0.1:9567"
 
 
 def parse_addr(text: str) -> tuple[str, int] | None:
@@ -174,21 +182,41 @@ def is_loopback(host: str) -> bool:
 class MetricsServer:
     """A minimal HTTP server for ``GET /metrics`` on the trio loop."""
 
-    def __init__(self, host: str, port: int, collect: Callable[[], Collected]) -> None:
+    #: With the default address, ports tried after the default one when it is taken (another mount).
+    FALLBACK_PORTS = 100
+
+    def __init__(self, host: str, port: int, collect: Callable[[], Collected], mountpoint: str, *,
+                 fallback: bool = False) -> None:
         self.host, self.port = host, port
+        self.fallback = fallback
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DaemonCollector(collect))
+        self.registry.register(DaemonCollector(collect, mountpoint))
         self._slots = trio.Semaphore(MAX_CONNECTIONS)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    async def _listen(self) -> list[trio.SocketListener]:
+        """Listen on the address; with the default one, on the next free port when it is taken."""
+        wanted = self.port
+        tries = self.FALLBACK_PORTS if self.fallback and wanted else 1
+        for port in range(wanted, min(wanted + tries, 65536)):
+            try:
+                listeners = await trio.open_tcp_listeners(port, host=self.host)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and port + 1 < wanted + tries:
+                    continue
+                hint = " (the default port and the next ones are taken)" if tries > 1 else ""
+                raise ConfigError(f"--metrics-addr {self.host}:{port}: {exc.strerror}{hint}; choose another "
+                                  "HOST:PORT or 'off'") from None
+            if port != wanted:
+                log.warning("metrics port %d is taken (another mount?); serving metrics at %s:%d instead",
+                            wanted, self.host, port)
+            return listeners
+        raise AssertionError("unreachable")
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
-        except OSError as exc:
-            raise ConfigError(f"--metrics-addr {self.host}:{self.port}: {exc.strerror}; choose another "
-                              "HOST:PORT or 'off'") from None
+        listeners = await self._listen()
         self.port = listeners[0].socket.getsockname()[1]
         if not is_loopback(self.host):
             log.warning("metrics are exposed on %s:%d (not loopback): anyone who can reach it can read them",

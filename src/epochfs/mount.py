@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pyfuse3
 import trio
@@ -37,12 +37,14 @@ from epochfs.fs import Operations, Presentation
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
-from epochfs.metrics import Collected, MetricsServer, parse_addr
+from epochfs.metrics import DEFAULT_ADDR, Collected, MetricsServer, parse_addr
 from epochfs.prefetch.scheduler import Prefetcher
 
 log = logging.getLogger(__name__)
 
-Ready = Callable[[str | None], None]  # called once: None when mounted, else the error message
+# Called once: (None, warnings) when mounted (things the user should know: an empty source, say), else
+# (the error message, []).
+Ready = Callable[[str | None, Sequence[str]], None]
 
 
 def is_dead_mount(path: str) -> bool:
@@ -95,7 +97,7 @@ def raise_descriptor_limit() -> None:
             log.info("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
 
 
-def check_mountpoint(path: str) -> None:
+def check_mountpoint(path: str, allow_non_empty: bool = False) -> None:
     if is_dead_mount(path):
         log.warning("%s holds a dead FUSE mount (a daemon died); clearing it", path)
         lazy_unmount(path)
@@ -103,6 +105,31 @@ def check_mountpoint(path: str) -> None:
         raise ConfigError(f"mount point {path} does not exist or is not a directory")
     if os.path.ismount(path):
         raise ConfigError(f"{path} is already a mount point")
+    if not allow_non_empty:
+        try:
+            entries = len(os.listdir(path))
+        except OSError as exc:
+            raise ConfigError(f"mount point {path}: {exc.strerror}") from None
+        if entries:
+            raise ConfigError(f"mount point {path} is not empty ({entries} entries): the mount would hide them; "
+                              "use an empty directory, or --allow-non-empty")
+
+
+def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:
+    """What the user should hear about a mount that is otherwise fine."""
+    warnings = []
+    if not snapshot_objects:
+        warnings.append(f"{config.source.url} lists no objects: the mount is empty. Check the bucket and prefix; "
+                        "the empty listing is not kept (the next mount lists again)")
+    try:
+        st = os.statvfs(config.cache_dir)
+    except OSError:
+        return warnings
+    usable = int(st.f_blocks * st.f_frsize * (1 - config.free_space_ratio))
+    if config.cache_size > usable:
+        warnings.append(f"--cache-size {config.cache_size} bytes is more than the cache file system can hold "
+                        f"({usable} bytes, keeping {config.free_space_ratio:.0%} free): the disk bounds the cache")
+    return warnings
 
 
 class Daemon:
@@ -110,10 +137,11 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        metrics_addr = parse_addr(config.metrics_addr)  # a malformed address fails before the cache is locked
+        # A malformed address fails before the cache is locked.
+        metrics_addr = parse_addr(config.metrics_addr or DEFAULT_ADDR)
         self.backend = open_backend(BackendSettings(
             config.source, endpoint_url=config.endpoint_url, region=config.region, timeout=config.backend_timeout,
-            attempts=config.backend_attempts, concurrency=config.backend_concurrency))
+            attempts=config.backend_attempts, concurrency=config.backend_concurrency, profile=config.profile))
         self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio,
                                 make_policy(config.eviction))
         self.store.open()
@@ -138,7 +166,8 @@ class Daemon:
                                      max_inflight=config.backend_concurrency,
                                      bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
         self.cache.observer = self.prefetcher
-        self.metrics = MetricsServer(*metrics_addr, self.collect) if metrics_addr else None
+        self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint),
+                                     fallback=config.metrics_addr is None) if metrics_addr else None
         info = MountInfo(
             source=config.source.url, mountpoint=str(config.mountpoint), cache_dir=str(config.cache_dir),
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),
@@ -158,6 +187,7 @@ class Daemon:
                                       uid=config.uid, gid=config.gid),
         )
         self.snapshots.on_switch = self._switch
+        self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options) | {"fsname=epochfs", "subtype=epochfs", "ro", "noatime",
@@ -204,13 +234,15 @@ class Daemon:
     async def _announce(self, ready: Ready) -> None:
         st = await trio.to_thread.run_sync(os.stat, self.config.mountpoint)
         if st.st_ino != pyfuse3.ROOT_INODE:
-            ready(f"{self.config.mountpoint} did not answer as an epochfs mount")
+            ready(f"{self.config.mountpoint} did not answer as an epochfs mount", [])
             pyfuse3.terminate()
             return
         if self.config.kernel_readahead:
             set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
         log.info("mounted %s at %s", self.config.source.url, self.config.mountpoint)
-        ready(None)
+        for warning in self.warnings:
+            log.warning("%s", warning)
+        ready(None, self.warnings)
         sd_notify(f"READY=1\nSTATUS=serving {self.config.source.url} at {self.config.mountpoint}\n"
                   f"MAINPID={os.getpid()}")
 
@@ -250,21 +282,21 @@ def run(config: Config, ready: Ready) -> int:
     """Mount and serve until unmounted. Calls ``ready`` exactly once. Returns the exit code."""
     mountpoint = str(config.mountpoint)
     try:
-        check_mountpoint(mountpoint)
+        check_mountpoint(mountpoint, config.allow_non_empty)
         raise_descriptor_limit()
         daemon = Daemon(config)
     except EpochfsError as exc:
-        ready(str(exc))
+        ready(str(exc), [])
         return 2 if isinstance(exc, ConfigError) else 1
     except Exception as exc:
         log.exception("start-up failed")
-        ready(f"start-up failed: {type(exc).__name__}: {exc}")
+        ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
         return 1
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
     except RuntimeError as exc:
         daemon.close()
-        ready(f"cannot mount {mountpoint}: {exc}")
+        ready(f"cannot mount {mountpoint}: {exc}", [])
         return 1
     try:
         trio.run(daemon.run, ready)
@@ -274,7 +306,7 @@ def run(config: Config, ready: Ready) -> int:
             log.exception("daemon failed")
         pyfuse3.close(unmount=True)
         daemon.close()
-        ready(str(known) if known else f"daemon failed: {exc!r}; see the log")
+        ready(str(known) if known else f"daemon failed: {exc!r}; see the log", [])
         return 2 if isinstance(known, ConfigError) else 1
     pyfuse3.close(unmount=True)
     daemon.close()

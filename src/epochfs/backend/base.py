@@ -48,6 +48,7 @@ class BackendSettings:
     timeout: float = 30.0  # deadline of one block fetch, retries and body included
     attempts: int = 5  # attempts per request
     concurrency: int = 16  # parallel requests the caller will make (sizes the connection pool)
+    profile: str | None = None  # a profile of the AWS configuration (default: the standard chain)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ _RETRY_CODES = {"RequestTimeout", "ExpiredToken", "TokenRefreshRequired", "Reque
                 "InternalError", "ServiceUnavailable"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
+_REGION = re.compile(rb"<Region>([a-z0-9-]{2,40})</Region>")
 _PROBE_KEY = "epochfs-probe"
 _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
 
@@ -92,20 +93,12 @@ class S3Backend(Backend):
         self._timeout = settings.timeout
         self._attempts = settings.attempts
         self._stats = StatsRecorder()
-        boto_config = botocore.config.Config(
-            retries={"mode": "standard", "max_attempts": settings.attempts},
-            max_pool_connections=2 * settings.concurrency + 4,  # demand and prefetch each have theirs
-            connect_timeout=5,
-            read_timeout=max(2.0, settings.timeout / settings.attempts),
-            s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
-            user_agent_extra="epochfs",
-        )
-        session = boto3.session.Session()
-        self._client = session.client(
-            "s3", endpoint_url=settings.endpoint_url, region_name=settings.region or None, config=boto_config
-        )
-        self._client.meta.events.register_first("needs-retry.s3", self._honour_retry_after)
-        self._session = session
+        self._settings = settings
+        try:
+            self._session = boto3.session.Session(profile_name=settings.profile)
+        except botocore.exceptions.ProfileNotFound:
+            raise ConfigError(f"--profile {settings.profile!r}: no such profile in the AWS configuration") from None
+        self._client = self._make_client(settings.region)
         verify = self._client._endpoint.http_session._verify  # the client's TLS setting (AWS_CA_BUNDLE, ...)
         self._cainfo = botocore.httpsession.get_cert_path(True) if verify is True else verify
         self._local = threading.local()  # each worker thread's curl handle (and so its connection)
@@ -120,6 +113,20 @@ class S3Backend(Backend):
         if not probe.path.endswith("/" + _PROBE_KEY):
             raise ConfigError(f"cannot address objects of bucket {self.bucket!r} at {probe.netloc}")
         self._base_url = f"{probe.scheme}://{probe.netloc}{probe.path[:-len(_PROBE_KEY)]}"
+
+    def _make_client(self, region: str | None) -> Any:
+        s = self._settings
+        client = self._session.client("s3", endpoint_url=s.endpoint_url, region_name=region or None,
+                                      config=botocore.config.Config(
+            retries={"mode": "standard", "max_attempts": s.attempts},
+            max_pool_connections=4,  # listing only: block GETs go through libcurl
+            connect_timeout=5,
+            read_timeout=max(2.0, s.timeout / s.attempts),
+            s3={"addressing_style": "path" if s.endpoint_url else "auto"},
+            user_agent_extra="epochfs",
+        ))
+        client.meta.events.register_first("needs-retry.s3", self._honour_retry_after)
+        return client
 
     def _honour_retry_after(self, response: Any = None, attempts: int = 0, **kwargs: Any) -> float | None:
         """botocore hook: wait at least what a throttling server asks for (``Retry-After``).
@@ -201,7 +208,6 @@ class S3Backend(Backend):
             curl = self._local.curl = pycurl.Curl()
             curl.setopt(pycurl.NOSIGNAL, 1)
             curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
-            curl.setopt(pycurl.AWS_SIGV4, f"aws:amz:{self._region}:s3")
             curl.setopt(pycurl.BUFFERSIZE, 512 << 10)  # fewer write callbacks per block
             if self._cainfo is False:
                 curl.setopt(pycurl.SSL_VERIFYPEER, 0)
@@ -229,6 +235,7 @@ class S3Backend(Backend):
             headers.append(f"x-amz-security-token: {creds.token}")
         answer = _Answer(max(length, 1 << 16))  # never buffer more than was asked for (or an error page)
         curl = self._curl()
+        curl.setopt(pycurl.AWS_SIGV4, f"aws:amz:{self._region}:s3")
         curl.setopt(pycurl.URL, self._url(key))
         curl.setopt(pycurl.HTTPHEADER, headers)
         curl.setopt(pycurl.USERNAME, creds.access_key)
@@ -285,6 +292,16 @@ class S3Backend(Backend):
         """The error for a non-2xx answer: retry, changed object, denied, or a permanent failure."""
         m = _ERROR_CODE.search(body[:4096])
         code = m.group(1).decode("utf-8", "replace") if m else ""
+        m = _REGION.search(body[:4096])
+        region = headers.get("x-amz-bucket-region") or (m.group(1).decode("ascii", "replace") if m else None)
+        if region and region != self._region and status in (301, 307, 400, 403):
+            # Signed for another region than the bucket's (a wrong or missing --region): the answer says
+            # which; sign for that one from now on, and retry at once.
+            log.warning("bucket %s is in region %s, not %s: signing for %s", self.bucket, region, self._region,
+                        region)
+            self._region = region
+            self._stats.record("get", "retry")
+            return TemporaryFailure(f"HTTP {status}: the bucket is in region {region}", retry_after=0.0)
         if status in _RETRY_STATUS or code in _RETRY_CODES:
             self._stats.record("get", "retry")
             after = self._retry_after(headers)
@@ -298,6 +315,4 @@ class S3Backend(Backend):
             self._stats.record("get", "denied")
             return AccessDenied(f"{key}: {code or status}")
         self._stats.record("get", "error")
-        region = headers.get("x-amz-bucket-region")
-        hint = f"; the bucket is in region {region}: set --region {region}" if region else ""
-        return BackendUnavailable(f"{key}: HTTP {status} {code}{hint}".strip())
+        return BackendUnavailable(f"{key}: HTTP {status} {code}".strip())

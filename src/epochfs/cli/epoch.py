@@ -82,7 +82,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "order (one path per line); with --seed the output is the shuffle DistributedSampler "
                         "uses for --epoch; with --rank/--world-size only that rank's share.")
     mf.add_argument("paths_file", metavar="PATHS-FILE")
-    mf.add_argument("-o", "--output", required=True, metavar="FILE")
+    mf.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write it ('-': standard output)")
     mf.set_defaults(run=cmd_manifest)
 
 
@@ -125,14 +125,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from epochfs.control import request
 
@@ -151,14 +144,15 @@ def cmd_warmup(args: argparse.Namespace) -> int:
               f"{r['resident_files']} of {r['files']} files whole")
         return 0
     job = request(args.mountpoint, "warmup", entries=entries, source=source)
-    columns = (TextColumn("[bold]warmup"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-               TextColumn("{task.fields[files]}"), TimeRemainingColumn())
+    columns = (TextColumn("[bold]warmup"), BarColumn(), DownloadColumn(binary_units=True),
+               TextColumn("{task.fields[speed]}"), TextColumn("{task.fields[files]}"), TimeRemainingColumn())
     try:
         with Progress(*columns, transient=False) as progress:
-            task = progress.add_task("warmup", total=job["total_bytes"], files="")
+            task = progress.add_task("warmup", total=job["total_bytes"], files="", speed="")
             while True:
                 job = request(args.mountpoint, "job", id=job["id"])
-                progress.update(task, completed=job["done_bytes"],
+                speed = f"{human(job['done_bytes'] / job['elapsed'])}/s" if job["elapsed"] > 0 else ""
+                progress.update(task, completed=job["done_bytes"], speed=speed,
                                 files=f"{job['done_files']}/{job['files']} files")
                 if job["finished"]:
                     break
@@ -205,25 +199,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
             prev_args.epoch = args.previous_epoch if args.previous_epoch is not None else args.epoch - 1
         previous = block_sequence(_sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest),
                                   args.block_size)
-    results = [simulate(current, args.cache_size, name, warmup=previous) for name in ("manifest", "lru", "none")]
+    from epochfs.cache.policies import names
+
+    results = [simulate(current, args.cache_size, name, warmup=previous) for name in names()]
     total = sum(size for _, size in current)
     if args.json:
         print(json.dumps({"epoch_bytes": total, "cache_size": args.cache_size, "block_size": args.block_size,
+                          "note": PLAN_NOTE,
                           "policies": {r.policy: {"hit_ratio": r.hit_ratio, "backend_bytes": r.miss_bytes,
                                                   "hits": r.hits, "reads": r.reads} for r in results}}, indent=2))
         return 0
     print(f"epoch: {len(current)} blocks, {human(total)}; cache {human(args.cache_size)}"
           + (" (warm from the previous epoch)" if previous else " (cold)"))
-    print(f"{'policy':<10} {'hit ratio':>10} {'backend bytes':>15}")
+    print(f"{'policy':<10} {'fetched from the backend':>26} {'cached when the epoch begins':>30}")
     for r in results:
-        print(f"{r.policy:<10} {r.hit_ratio:>10.1%} {human(r.miss_bytes):>15}")
+        print(f"{r.policy:<10} {human(r.miss_bytes):>26} {r.hit_ratio:>30.1%}")
+    print(PLAN_NOTE)
     return 0
+
+
+PLAN_NOTE = ("The second column is what the epoch must fetch from the backend with each eviction policy; the "
+             "third, the share of its reads whose blocks are cached before the epoch begins. With a manifest "
+             "handed over, the daemon fetches the rest ahead of the reader: those reads become hits too "
+             "(the hit-ratio metric) whenever the backend keeps up with the reader, so this predicts backend "
+             "traffic, not the hit ratio a prefetched epoch shows.")
 
 
 def cmd_manifest(args: argparse.Namespace) -> int:
     from epochfs.prefetch.manifest import write
 
     entries = _order(args, args.paths_file)
+    if args.output == "-":
+        for e in entries:
+            sys.stdout.write(e.path + "\n")
+        return 0
     write(args.output, (e.path for e in entries))
     print(f"epochfs: wrote {len(entries)} paths to {args.output}")
     return 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 from epochfs.cli.common import EPILOG
 from epochfs.cli.options import add_mount_options, config_from
@@ -74,7 +76,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     ready_fd = args.ready_fd
     reported = False
 
-    def ready(error: str | None) -> None:
+    def ready(error: str | None, warnings: Sequence[str]) -> None:
         nonlocal reported
         if reported:
             return
@@ -82,7 +84,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if error is not None:
             log.error("%s", error)
         if ready_fd is not None:
-            os.write(ready_fd, b"ok\n" if error is None else error.encode() + b"\n")
+            answer = "ok\n" + "".join(f"warning: {w}\n" for w in warnings) if error is None else error + "\n"
+            os.write(ready_fd, answer.encode())
             os.close(ready_fd)
 
     return mount.run(config, ready)
@@ -94,6 +97,7 @@ def _spawn_daemon(config: Config, argv: list[str]) -> int:
 
     assert config.cache_dir is not None
     log_file = config.log_file or config.cache_dir / "epochfs.log"
+    created = not config.cache_dir.exists()
     private_dir(config.cache_dir)  # checked before anything is written into it
     log_fd = open_private(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     read_fd, write_fd = os.pipe()
@@ -106,12 +110,15 @@ def _spawn_daemon(config: Config, argv: list[str]) -> int:
         os.close(write_fd)
         os.close(log_fd)
     with os.fdopen(read_fd, "rb") as pipe:
-        answer = pipe.read().decode(errors="replace").strip()
-    if answer == "ok":
+        lines = pipe.read().decode(errors="replace").strip().splitlines()
+    if lines and lines[0] == "ok":
+        for line in lines[1:]:
+            print(f"epochfs: {line}", file=sys.stderr)
         return 0
     code = proc.wait()
-    if not answer:
-        answer = f"the daemon exited with status {code} before the mount was ready; see {log_file}"
+    if lines and created and config.log_file is None:
+        shutil.rmtree(config.cache_dir, ignore_errors=True)  # a failed first mount leaves nothing behind
+    answer = "\n".join(lines) or f"the daemon exited with status {code} before the mount was ready; see {log_file}"
     print(f"epochfs: {answer}", file=sys.stderr)
     return code or 1
 

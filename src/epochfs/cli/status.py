@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from epochfs.cli.common import human
+from epochfs.errors import EpochfsError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +32,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from epochfs.control import request
 
-    status = request(args.mountpoint, "status")
+    try:
+        status = request(args.mountpoint, "status")
+    except EpochfsError as exc:
+        if not args.json:
+            raise
+        print(json.dumps({"error": str(exc)}))  # scripts parse stdout: the error is JSON there too
+        return 1
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
     else:
@@ -48,8 +55,10 @@ def stats_table(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> An
     c0, c1, s1, p1 = prev["cache"], cur["cache"], cur["store"], cur["prefetch"]
     hit = c1["hit_bytes"] - c0["hit_bytes"]
     miss = c1["miss_bytes"] - c0["miss_bytes"]
-    backend = (c1["demand_bytes"] + c1["prefetch_bytes"]) - (c0["demand_bytes"] + c0["prefetch_bytes"])
-    lat = HistogramSnapshot.from_dict(cur["read_seconds"]).minus(HistogramSnapshot.from_dict(prev["read_seconds"]))
+    demand = c1["demand_bytes"] - c0["demand_bytes"]
+    prefetched = c1["prefetch_bytes"] - c0["prefetch_bytes"]
+    overall = HistogramSnapshot.from_dict(cur["read_seconds"])
+    lat = overall.minus(HistogramSnapshot.from_dict(prev["read_seconds"]))
     reads = lat.count
 
     def ms(v: float | None) -> str:
@@ -62,16 +71,18 @@ def stats_table(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> An
     total_hit, total_miss = c1["hit_bytes"], c1["miss_bytes"]
     t.add_row("hit ratio (bytes)", f"{hit / (hit + miss):.1%}" if hit + miss else "-",
               f"{total_hit / (total_hit + total_miss):.1%}" if total_hit + total_miss else "-")
-    t.add_row("from cache", f"{human(hit / seconds)}/s", human(total_hit))
-    t.add_row("from backend", f"{human(backend / seconds)}/s", human(c1["demand_bytes"] + c1["prefetch_bytes"]))
+    t.add_row("read from cache", f"{human(hit / seconds)}/s", human(total_hit))
+    t.add_row("backend, on demand", f"{human(demand / seconds)}/s", human(c1["demand_bytes"]))
+    t.add_row("backend, prefetched", f"{human(prefetched / seconds)}/s", human(c1["prefetch_bytes"]))
     t.add_row("reads", f"{reads / seconds:.0f}/s", str(c1["hits"] + c1["misses"]))
-    t.add_row("read latency p50 / p99", f"{ms(lat.quantile(0.5))} / {ms(lat.quantile(0.99))}", "")
+    t.add_row("read latency p50 / p99", f"{ms(lat.quantile(0.5))} / {ms(lat.quantile(0.99))}",
+              f"{ms(overall.quantile(0.5))} / {ms(overall.quantile(0.99))}")
     t.add_row("cache", f"{s1['used_bytes'] / s1['capacity_bytes']:.1%} full",
               f"{human(s1['used_bytes'])} of {human(s1['capacity_bytes'])}")
     t.add_row("evictions", f"{(s1['evictions'] - prev['store']['evictions']) / seconds:.1f}/s", str(s1["evictions"]))
     if p1["blocks"]:
         lead = f"{p1['lead_seconds']:.1f} s" if p1["lead_seconds"] is not None else "-"
-        t.add_row("prefetch lead", lead, human(p1["lead_bytes"]))
+        t.add_row("prefetch lead", lead, human(p1["lead_bytes"]) + " cached ahead")
         t.add_row("manifest", f"file {p1['file_position'] + 1} of {p1['files']}", f"{human(p1['queued_bytes'])} queued")
     else:
         t.add_row("prefetch", "no manifest", "")
@@ -102,14 +113,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def format_status(s: dict[str, Any]) -> str:
     c, st, snap = s["cache"], s["store"], s["snapshot"]
     reads = c["hit_bytes"] + c["miss_bytes"]
     ratio = f"{c['hit_bytes'] / reads:.1%}" if reads else "n/a"
     return "\n".join([
-        f"mount      {s['mountpoint']}  <-  {s['source']}  (pid {s['pid']})",
-        f"snapshot   version {snap['version']}: {snap['files']} files, {snap['directories']} directories, "
-        f"{human(snap['bytes'])}; store {s['meta']['url']}"
+        f"mount      {s['mountpoint']}  <-  {s['source']}  (pid {s['pid']}; metrics "
+        f"{s['metrics_addr'] or 'off'})",
+        f"snapshot   version {snap['version']}, taken {age(snap['age_seconds'])} ago: {snap['files']} files, "
+        f"{snap['directories']} directories, {human(snap['bytes'])}; store {s['meta']['url']}"
         + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})"),
         f"cache      {human(st['used_bytes'])} of {human(st['capacity_bytes'])} in {st['blocks']} blocks "
         f"({s['cache_dir']})",
@@ -124,10 +143,14 @@ def format_status(s: dict[str, Any]) -> str:
 
 def format_prefetch(p: dict[str, Any]) -> str:
     if not p["blocks"]:
-        return "prefetch   no manifest (epochfs prefetch MOUNTPOINT --manifest FILE)"
-    lead = f"{p['lead_seconds']:.1f}s" if p["lead_seconds"] is not None else "n/a"
+        return "prefetch   no manifest (hand one over: epochfs.torch.EpochfsSampler, or epochfs prefetch)"
     epoch = f"epoch {p['epoch']}, " if p["epoch"] is not None else ""
-    return (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
-            f"({human(p['position_bytes'])} of {human(p['plan_bytes'])}); "
-            f"lead {human(p['lead_bytes'])} = {lead}; queued {human(p['queued_bytes'])}; "
-            f"{p['inflight']} in flight" + ("" if p["active"] else "; done"))
+    where = (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
+             f"({human(p['position_bytes'])} of {human(p['plan_bytes'])}); ")
+    if not p["active"]:
+        return where + "done"
+    if not p["queued_bytes"] and not p["inflight"]:
+        return where + f"everything ahead is cached ({human(p['lead_bytes'])})"
+    lead = f" = {p['lead_seconds']:.1f} s of reading" if p["lead_seconds"] is not None else ""
+    return where + (f"cached ahead {human(p['lead_bytes'])}{lead}; queued {human(p['queued_bytes'])}; "
+                    f"{p['inflight']} in flight")

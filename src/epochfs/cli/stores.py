@@ -21,7 +21,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     im.add_argument("--meta", required=True, metavar="URL", help="redis://HOST:PORT/DB or lmdb://PATH")
     im.add_argument("--name", metavar="NAME", help="dataset name in the store (default: the source URL)")
     im.add_argument("--endpoint-url", metavar="URL")
-    im.add_argument("--region")
+    im.add_argument("--region", help="the bucket's region (default: from the AWS configuration, or as the "
+                    "endpoint says)")
+    im.add_argument("--profile", metavar="NAME", help="AWS profile whose credentials to use")
     im.set_defaults(run=cmd_import)
 
     fk = sub.add_parser("fsck", help="check a cache directory (while it is not mounted)",
@@ -46,7 +48,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     from epochfs.meta import open_meta
 
     source = Source.parse(args.source)
-    backend = open_backend(BackendSettings(source, endpoint_url=args.endpoint_url, region=args.region))
+    backend = open_backend(BackendSettings(source, endpoint_url=args.endpoint_url, region=args.region,
+                                           profile=args.profile))
     store = open_meta(args.meta, Path("."), args.name)
     started = time.monotonic()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed:,} objects"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from epochfs.control.protocol import encode
 from epochfs.control.server import peer_uid
-from epochfs.errors import EpochfsError
+from epochfs.errors import ConfigError, EpochfsError
 
 CONTROL_XATTR = "user.epochfs.control"
 PID_XATTR = "user.epochfs.pid"
@@ -68,5 +68,6 @@ def request(mountpoint: str | os.PathLike[str], op: str, timeout: float = 30.0, 
     if not isinstance(reply, dict):
         raise EpochfsError(f"the daemon's answer to {op!r} is not readable")
     if not reply.pop("ok", False):
-        raise EpochfsError(str(reply.get("error", "request failed")))
+        error = ConfigError if reply.get("kind") == "config" else EpochfsError
+        raise error(str(reply.get("error", "request failed")))
     return reply

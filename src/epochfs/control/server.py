@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from epochfs.control.protocol import MAX_REQUEST, BadRequest, Request, encode, parse
-from epochfs.errors import EpochfsError
+from epochfs.errors import ConfigError, EpochfsError
 from epochfs.private import private_dir
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class ControlServer:
         except trio.TooSlowError:
             reply = {"ok": False, "error": f"no complete request within {RECEIVE_TIMEOUT:.0f}s"}
         except BadRequest as exc:
-            reply = {"ok": False, "error": f"malformed request: {exc}"}
+            reply = {"ok": False, "error": f"malformed request: {exc}", "kind": "config"}
         await _try_send(stream, reply)
 
     async def dispatch(self, request: Request) -> dict[str, Any]:
@@ -133,8 +133,8 @@ class ControlServer:
             return {"ok": False, "error": f"{type(request).__name__.lower()} is not supported by this daemon"}
         try:
             return {"ok": True, **await handler(request)}
-        except EpochfsError as exc:
-            return {"ok": False, "error": str(exc)}
+        except EpochfsError as exc:  # "config": the request's input is wrong (the CLI exits with 2)
+            return {"ok": False, "error": str(exc), "kind": "config" if isinstance(exc, ConfigError) else "error"}
         except Exception as exc:  # a bug must fail the request, never the daemon
             log.exception("control: %s failed", type(request).__name__)
             return {"ok": False, "error": f"internal error: {type(exc).__name__}; see the daemon's log"}

@@ -114,6 +114,9 @@ class Snapshots:
         if snapshot is not None and self.settings.ttl and time.time() - snapshot.created > self.settings.ttl:
             log.info("snapshot version %d is older than the TTL; listing the source again", snapshot.version)
             snapshot = None
+        if snapshot is not None and not snapshot.objects:  # a mistyped prefix, or data not there yet
+            log.info("the stored snapshot of %s is empty; listing the source again", source)
+            snapshot = None
         if snapshot is not None:
             log.info("using snapshot version %d of %s (%d objects)", snapshot.version, snapshot.source,
                      len(snapshot.objects))

@@ -22,13 +22,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from epochfs.errors import EpochfsError
+from epochfs.errors import ConfigError
 
 T = TypeVar("T")
 
 
-class ManifestError(EpochfsError):
-    """A manifest that cannot be used; the message names the line."""
+class ManifestError(ConfigError):
+    """A manifest (or a list of paths) that cannot be used; the message names the line. An input error:
+    the command line exits with 2 for it, wherever it is found (here, or by the daemon)."""
 
 
 @dataclass(frozen=True, slots=True)

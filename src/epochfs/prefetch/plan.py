@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from epochfs.cache.keys import block_count, file_blocks
-from epochfs.errors import EpochfsError
+from epochfs.errors import ConfigError
 from epochfs.records import ObjectInfo
 
 
@@ -24,7 +24,7 @@ class PlanFile:
 MAX_PLAN_BLOCKS = 1 << 23
 
 
-class PlanTooLarge(EpochfsError):
+class PlanTooLarge(ConfigError):
     """A hand-over whose plan would exceed :data:`MAX_PLAN_BLOCKS`."""
 
 
