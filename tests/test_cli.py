@@ -1,0 +1,161 @@
+"""Careless input through the real command line: every one gets a clear message (no traceback), an exit
+code that says whose fault it is (2: the input, 1: the world), and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, Mount, read_all
+
+pytestmark = requires_fuse
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def epochfs(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([*EPOCHFS, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    return r
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mounted = []
+
+    def make(name: str, *options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("size=16m", *options)), "tmpfs", str(path)],
+                       check=True)
+        mounted.append(path)
+        return path
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_cache_dir_on_a_read_only_file_system(tmpfs, tmp_path, s3, sample_bucket):
+    ro = tmpfs("ro", "ro")
+    (tmp_path / "mnt").mkdir()
+    r = epochfs("mount", f"s3://{sample_bucket}/data", str(tmp_path / "mnt"), "--endpoint-url", s3.endpoint,
+                "--cache-dir", str(ro / "cache"), env=s3.env())
+    assert r.returncode == 2 and "Read-only file system" in r.stderr and str(ro / "cache") in r.stderr
+    rw = tmpfs("was-rw")
+    (rw / "cache").mkdir(mode=0o700)
+    subprocess.run(["mount", "-o", "remount,ro", str(rw)], check=True)  # the cache exists; the disk went read-only
+    r = epochfs("mount", f"s3://{sample_bucket}/data", str(tmp_path / "mnt"), "--endpoint-url", s3.endpoint,
+                "--cache-dir", str(rw / "cache"), env=s3.env())
+    assert r.returncode == 2 and "Read-only file system" in r.stderr
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_a_non_empty_mount_point_is_refused_unless_asked(tmp_path, s3, sample_bucket):
+    m = Mount(f"s3://{sample_bucket}/data", tmp_path / "mnt", tmp_path / "cache", s3.env(), "--endpoint-url",
+              s3.endpoint, "--metrics-addr", "off")
+    (m.mountpoint / "precious.txt").write_text("mine")
+    r = m.start(expect_ok=False)
+    assert r.returncode == 2 and "is not empty (1 entries)" in r.stderr and "--allow-non-empty" in r.stderr
+    assert not os.path.ismount(m.mountpoint) and not m.cache_dir.exists(), "a failed first mount left its cache"
+    m.start("--allow-non-empty")
+    try:
+        assert "precious.txt" not in os.listdir(m.mountpoint)
+    finally:
+        m.stop()
+    assert (m.mountpoint / "precious.txt").read_text() == "mine"
+
+
+def test_an_empty_prefix_warns_and_is_not_remembered(s3, s3_client, fresh_bucket, tmp_path):
+    m = Mount(f"s3://{fresh_bucket}/typo", tmp_path / "mnt", tmp_path / "cache", s3.env(), "--endpoint-url",
+              s3.endpoint, "--metrics-addr", "off")
+    r = m.start()
+    assert "lists no objects" in r.stderr and "Check the bucket and prefix" in r.stderr
+    text = epochfs("status", str(m.mountpoint)).stdout
+    assert "0 files" in text and "taken" in text and " ago" in text
+    assert epochfs("status", str(m.mountpoint), "--json").stdout.count('"age_seconds"') == 1
+    m.stop()
+    upload(s3_client, fresh_bucket, "typo/", [SampleFile("a.bin", 1000)])  # the data arrives
+    r = m.start()
+    try:
+        assert "lists no objects" not in r.stderr
+        assert read_all(m.path("a.bin")) == SampleFile("a.bin", 1000).content()
+    finally:
+        m.stop()
+
+
+def test_warmup_into_a_small_cache_fails_and_ctrl_c_cancels_it_in_the_daemon(s3, s3_client, fresh_bucket, tmp_path):
+    files = [SampleFile(f"w/{i}.bin", 256 * KiB) for i in range(16)]
+    upload(s3_client, fresh_bucket, "", files)
+    small = Mount(f"s3://{fresh_bucket}", tmp_path / "small", tmp_path / "c-small", s3.env(), "--endpoint-url",
+                  s3.endpoint, "--metrics-addr", "off", "--block-size", "256K", "--cache-size", "1M",
+                  "--free-space-ratio", "0")
+    with small:
+        r = epochfs("warmup", str(small.mountpoint), "w")
+        assert r.returncode == 1 and "the cache is full" in r.stderr and "not cached" in r.stderr
+    slow = Mount(f"s3://{fresh_bucket}", tmp_path / "slow", tmp_path / "c-slow", s3.env(), "--endpoint-url",
+                 s3.endpoint, "--metrics-addr", "off", "--block-size", "256K", "--prefetch-bandwidth", "512K")
+    with slow:
+        proc = subprocess.Popen([*EPOCHFS, "warmup", str(slow.mountpoint), "w"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(2.5)  # --prefetch-bandwidth caps warmup: 4 MiB take about 8 s
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "warmup cancelled" in err, err
+        time.sleep(1.5)
+        fetched = slow.status()["cache"]["prefetch_fetches"]
+        assert 2 <= fetched <= 8, f"{fetched} blocks: the bandwidth cap was not applied"
+        time.sleep(2)
+        assert slow.status()["cache"]["prefetch_fetches"] == fetched, "the daemon went on fetching"
+
+
+def test_small_things(s3, sample_bucket, sample_files, tmp_path):
+    paths = tmp_path / "paths.txt"
+    paths.write_text("".join(f.key + "\n" for f in sample_files[:10]))
+    r = epochfs("manifest", str(paths), "--seed", "3", "--epoch", "1", "-o", "-")
+    assert r.returncode == 0 and sorted(r.stdout.split()) == sorted(f.key for f in sample_files[:10])
+    assert not Path("-").exists()
+    r = epochfs("status", str(tmp_path), "--json")
+    assert r.returncode == 1 and "not an epochfs mount" in json.loads(r.stdout)["error"]
+    m = Mount(f"s3://{sample_bucket}/data", tmp_path / "mnt", tmp_path / "cache", s3.env(), "--endpoint-url",
+              s3.endpoint, "--metrics-addr", "off", "--cache-size", "100T")
+    r = m.start()
+    assert "more than the cache file system can hold" in r.stderr
+    try:
+        piped = subprocess.run(f"{' '.join(EPOCHFS)} status {m.mountpoint} | head -1", shell=True,
+                               capture_output=True, text=True)
+        assert piped.stdout.startswith("mount") and not piped.stderr
+        with open(m.path(sample_files[0].key), "rb"):
+            r = epochfs("umount", str(m.mountpoint))
+            assert r.returncode == 1 and "--lazy" in r.stderr
+    finally:
+        m.stop()
+    r = epochfs("mount", "s3://no-such-bucket-anywhere/x", str(tmp_path / "mnt"), "--endpoint-url", s3.endpoint,
+                "--cache-dir", str(tmp_path / "fresh-cache"), "--metrics-addr", "off", env=s3.env())
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    assert not (tmp_path / "fresh-cache").exists(), "a failed first mount left a cache directory behind"
+
+
+def test_credentials_from_a_named_profile(s3, sample_bucket, sample_files, tmp_path):
+    from epochfs.devserver import ACCESS_KEY, SECRET_KEY
+
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[training]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    env = {k: v for k, v in s3.env().items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(creds), AWS_CONFIG_FILE="/nonexistent", AWS_EC2_METADATA_DISABLED="true")
+    m = Mount(f"s3://{sample_bucket}/data", tmp_path / "mnt", tmp_path / "cache", env, "--endpoint-url", s3.endpoint,
+              "--metrics-addr", "off")
+    r = m.start("--profile", "nope", expect_ok=False)
+    assert r.returncode == 2 and "--profile 'nope': no such profile" in r.stderr
+    with Mount(f"s3://{sample_bucket}/data", tmp_path / "mnt", tmp_path / "cache", env, "--endpoint-url",
+               s3.endpoint, "--metrics-addr", "off", "--profile", "training") as m:
+        f = sample_files[3]
+        assert read_all(m.path(f.key)) == f.content()
