@@ -117,6 +117,19 @@ def test_warmup_into_a_small_cache_fails_and_ctrl_c_cancels_it_in_the_daemon(s3,
         assert slow.status()["cache"]["prefetch_fetches"] == fetched, "the daemon went on fetching"
 
 
+def test_messages_say_what_is_wrong_without_python_or_errno_noise(tmp_path):
+    for args, expect in [
+        (["mount", "s3://b", str(tmp_path), "--backend-concurrency", "lots"], "is not a whole number"),
+        (["mount", "s3://b", str(tmp_path), "--cache-size", "huge"], "not a size"),
+        (["prefetch", str(tmp_path), "--manifest", str(tmp_path / "nope.txt")], "No such file or directory"),
+        (["status", str(tmp_path / "nope")], "not an epochfs mount"),
+        (["fsck", "--cache-dir", str(tmp_path / "nope")], "not an epochfs cache directory"),
+    ]:
+        r = epochfs(*args)
+        assert r.returncode == (1 if args[0] == "status" else 2) and expect in r.stderr, (args, r.stderr)
+        assert "[Errno" not in r.stderr and "invalid literal" not in r.stderr, r.stderr
+
+
 def test_small_things(s3, sample_bucket, sample_files, tmp_path):
     paths = tmp_path / "paths.txt"
     paths.write_text("".join(f.key + "\n" for f in sample_files[:10]))

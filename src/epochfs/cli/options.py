@@ -39,8 +39,9 @@ class MountOption:
         assert self.option.parse is not None
         try:
             return self.option.parse(text)
-        except ValueError as exc:
-            raise ConfigError(f"{self.flag}: {text!r}: {exc}") from None
+        except ValueError:  # int() or float(): ConfigError carries its own message
+            kind = "a whole number" if self.option.parse is int else "a number"
+            raise ConfigError(f"{self.flag}: {text!r} is not {kind}") from None
 
     def shown(self) -> str:
         if self.option.shown is not None:

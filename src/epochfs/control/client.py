@@ -7,6 +7,7 @@ connected: another local user cannot stand in for the daemon.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -26,8 +27,13 @@ def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
     try:
         path = os.getxattr(mountpoint, CONTROL_XATTR).decode("utf-8", "replace")
     except OSError as exc:
-        raise EpochfsError(f"{os.fspath(mountpoint)} is not an epochfs mount (or its daemon is not answering): "
-                           f"{exc.strerror}") from None
+        where = os.fspath(mountpoint)
+        if exc.errno == errno.ENOTCONN:
+            raise EpochfsError(f"the daemon of {where} is gone (the mount is dead): clear it with "
+                               f"'epochfs umount {where}' and mount again") from None
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
+            raise EpochfsError(f"{where} is not an epochfs mount") from None
+        raise EpochfsError(f"{where}: {exc.strerror}") from None
     trusted = {0, os.geteuid()}
     try:
         st = os.lstat(path)

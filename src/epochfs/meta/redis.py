@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 import urllib.parse
 from collections.abc import Iterable
@@ -34,6 +35,13 @@ class MetaUnavailable(BackendUnavailable):
 
 
 _BATCH = 64  # chunks fetched per round trip
+
+
+def _plain(exc: Exception) -> str:
+    """redis-py's message without its errno prefix ("Error 111 connecting to ...")."""
+    text = str(exc).rstrip(".")
+    m = re.match(r"Error \d+ connecting to \S+\.\s*(.*)", text)
+    return m.group(1) if m and m.group(1) else re.sub(r"^Error \d+ ", "", text)
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,12 @@ class RedisMetaStore:
     def _call(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
             return fn(*args)
+        except redis.exceptions.TimeoutError:
+            raise MetaUnavailable(f"metadata store {self.url} did not answer in time") from None
         except redis.exceptions.ConnectionError as exc:
-            raise MetaUnavailable(f"metadata store {self.url} is unreachable: {exc}") from None
-        except redis.exceptions.TimeoutError as exc:
-            raise MetaUnavailable(f"metadata store {self.url} timed out: {exc}") from None
+            raise MetaUnavailable(f"metadata store {self.url} is unreachable: {_plain(exc)}") from None
         except redis.exceptions.RedisError as exc:  # an error answer (WRONGTYPE, OOM, ...)
-            raise MetaUnavailable(f"metadata store {self.url}: {exc}") from None
+            raise MetaUnavailable(f"metadata store {self.url}: {_plain(exc)}") from None
 
     def current_version(self, source: str) -> int | None:
         raw = self._call(self._redis.get, self._prefix(source) + "current")
