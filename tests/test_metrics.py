@@ -214,3 +214,17 @@ def test_stats_view_refreshes(mount_factory, sample_bucket, sample_files):
         for row in ("hit ratio (bytes)", "backend, on demand", "backend, prefetched", "read latency p50 / p99",
                     "prefetch"):
             assert row in result.stdout
+
+
+def test_status_lines_say_what_the_prefetch_state_is():
+    from epochfs.cli.status import format_prefetch
+
+    base = {"blocks": 10, "epoch": 2, "file_position": 3, "files": 10, "position_bytes": 3 << 20,
+            "plan_bytes": 10 << 20, "lead_bytes": 7 << 20, "lead_seconds": None, "queued_bytes": 0, "inflight": 0,
+            "active": True}
+    assert format_prefetch(base).endswith("everything ahead is cached (7.0 MiB)")
+    line = format_prefetch({**base, "queued_bytes": 1 << 20, "inflight": 2, "lead_seconds": 1.5})
+    assert "cached ahead 7.0 MiB = 1.5 s of reading; queued 1.0 MiB; 2 in flight" in line
+    assert "n/a" not in format_prefetch({**base, "queued_bytes": 1 << 20, "inflight": 1})
+    assert format_prefetch({**base, "active": False}).endswith("done")
+    assert "no manifest" in format_prefetch({**base, "blocks": 0})

@@ -169,6 +169,10 @@ def test_warmup_check_and_plan(tmp_path, s3_client, fresh_bucket, mount_factory)
         pol = plan["policies"]
         assert pol["manifest"]["backend_bytes"] <= pol["lru"]["backend_bytes"]
         assert 0 < pol["manifest"]["hit_ratio"] < 1
+        r = epochfs("plan", "--manifest", str(manifest), "--cache-size", "6M", "--block-size", "1M",
+                    "--mount", str(m.mountpoint))  # a cold epoch: the prediction says what it means
+        assert "fetched from the backend" in r.stdout and "cached when the epoch begins" in r.stdout
+        assert "predicts backend traffic, not the hit ratio a prefetched epoch shows" in r.stdout.replace("\n", " ")
 
 
 def test_manifest_helper_writes_rank_shares(tmp_path):
