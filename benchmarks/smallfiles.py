@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import proc_usage, wait_mounted  # noqa: E402
-from workloads import boto_parallel, boto_small_rate, drop_page_cache, small_files_rate  # noqa: E402
+from workloads import boto_parallel, boto_small_rate, drop_page_cache, fresh_workdir, small_files_rate  # noqa: E402
 
 from epochfs.devserver import LocalS3  # noqa: E402
 from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
@@ -98,11 +98,7 @@ def main() -> int:
         print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
         return 2
     os.sched_setaffinity(0, set(range(args.cores)))  # inherited by the S3 server and the daemons
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        if str(args.work) in line:
-            subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    fresh_workdir(args.work)
     small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
     large = SampleFile("large/shard.tar", args.large_mib * MiB)
     keys = [f.key for f in small]

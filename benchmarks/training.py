@@ -14,12 +14,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import shutil
-import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Epochfs  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
-from workloads import boto_small_rate, drop_page_cache, train  # noqa: E402
+from workloads import boto_small_rate, drop_page_cache, fresh_workdir, simulate, train  # noqa: E402
 
 from epochfs.devserver import LocalS3, client_for  # noqa: E402
-from epochfs.prefetch.manifest import partition, shuffled  # noqa: E402
 from epochfs.sample import SampleFile, upload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -43,36 +38,12 @@ def log(msg: str) -> None:
 def boto_train(client: Any, keys: list[str], *, accelerators: int, batch: int, compute: float, workers: int,
                seed: int) -> float:
     """First-epoch AU of the same simulation reading with boto3 GETs (no file system, no cache)."""
-    order = shuffled(keys, seed, 0)
-    aus: list[float] = []
+    def read(key: str) -> int:
+        return len(client.get_object(Bucket="bench", Key="ds/" + key)["Body"].read())
 
-    def accelerator(rank: int) -> None:
-        share = partition(order, rank, accelerators)
-        batches = [share[i:i + batch] for i in range(0, len(share), batch)]
-        with ThreadPoolExecutor(workers) as pool:
-            def load(b: list[str]) -> int:
-                return sum(len(client.get_object(Bucket="bench", Key="ds/" + k)["Body"].read()) for k in b)
-
-            pending = [pool.submit(load, b) for b in batches[:2]]
-            nxt, first = 2, None
-            for _ in batches:
-                pending.pop(0).result()
-                if nxt < len(batches):
-                    pending.append(pool.submit(load, batches[nxt]))
-                    nxt += 1
-                time.sleep(compute)
-                if first is None:
-                    first = time.perf_counter()
-            wall = time.perf_counter() - first
-        steps = len(batches) - 1
-        aus.append(min(1.0, steps * compute / wall) if steps and wall > 0 else 1.0)
-
-    threads = [threading.Thread(target=accelerator, args=(r,)) for r in range(accelerators)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(aus) / len(aus)
+    (au,) = simulate(read, keys, accelerators=accelerators, batch=batch, compute=compute, workers=workers,
+                     epochs=1, seed=seed)
+    return au
 
 
 def main() -> int:
@@ -86,11 +57,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / "work" / "training")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        if str(args.work) in line:
-            subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
+    fresh_workdir(args.work)
     files = [SampleFile(f"small/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
     keys = [f.key for f in files]
     batch, workers = 8, 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import threading
@@ -111,14 +112,29 @@ def boto_ttfb(client: Any, bucket: str, keys: list[str]) -> float:
 
 def train(root: Path, keys: list[str], *, accelerators: int, batch: int, compute: float, workers: int,
           epochs: int, seed: int, before_epoch: Callable[[list[str], int], None]) -> list[float]:
+    """AU per epoch reading files under ``root``, with the page cache dropped before every epoch (as
+    for a dataset larger than memory: every epoch reaches the file system). See :func:`simulate`."""
+    def read(key: str) -> int:
+        return len((root / key).read_bytes())
+
+    def epoch_start(order: list[str], epoch: int) -> None:
+        drop_page_cache()
+        before_epoch(order, epoch)
+
+    return simulate(read, keys, accelerators=accelerators, batch=batch, compute=compute, workers=workers,
+                    epochs=epochs, seed=seed, before_epoch=epoch_start)
+
+
+def simulate(read: Callable[[str], int], keys: list[str], *, accelerators: int, batch: int, compute: float,
+             workers: int, epochs: int, seed: int,
+             before_epoch: Callable[[list[str], int], None] = lambda order, epoch: None) -> list[float]:
     """AU per epoch: compute time / wall time of each simulated accelerator (first step excluded),
-    averaged over accelerators. Each accelerator reads its DistributedSampler share of a fresh seeded
-    shuffle in batches through a pool of ``workers`` readers that keeps two batches ahead, then
-    'computes' (sleeps) for ``compute`` seconds per batch."""
+    averaged over accelerators. Each accelerator reads (``read(key)``) its DistributedSampler share of a
+    fresh seeded shuffle in batches through a pool of ``workers`` readers that keeps two batches ahead,
+    then 'computes' (sleeps) for ``compute`` seconds per batch."""
     results = []
     for epoch in range(epochs):
         order = shuffled(keys, seed, epoch)
-        drop_page_cache()  # as for a dataset larger than memory: every epoch reaches the file system
         before_epoch(order, epoch)
         aus: list[float] = []
 
@@ -127,7 +143,7 @@ def train(root: Path, keys: list[str], *, accelerators: int, batch: int, compute
             batches = [share[i:i + batch] for i in range(0, len(share), batch)]
             with ThreadPoolExecutor(workers) as pool:
                 def load(b: list[str]) -> int:
-                    return sum(len((root / k).read_bytes()) for k in b)
+                    return sum(read(k) for k in b)
 
                 pending = [pool.submit(load, b) for b in batches[:2]]
                 nxt = 2
@@ -151,3 +167,12 @@ def train(root: Path, keys: list[str], *, accelerators: int, batch: int, compute
             t.join()
         results.append(sum(aus) / len(aus))
     return results
+
+
+def fresh_workdir(work: Path) -> None:
+    """Clear what a previous run left under ``work`` (its mounts too) and create it again."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if str(work) in line:
+            subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
