@@ -167,6 +167,15 @@ class Config:
     prefetch_lead: float = option(
         2.0, "prefetch", "how many seconds of reading the prefetch window covers, at most a quarter of the cache",
         metavar="SECONDS", parse=float)
+    # -- write-back
+    writeback: bool = option(
+        False, "write-back", "accept new files (checkpoints): written to the cache disk at local speed, uploaded "
+        "in the background from a crash-safe journal; 'epochfs sync' waits for them (S3 sources)")
+    upload_bandwidth: float | None = option(
+        None, "write-back", "cap on upload traffic, e.g. 400MB or 2Gbit (per second)", metavar="RATE",
+        parse=lambda t: parse_rate(t), example='"2Gbit"')
+    upload_concurrency: int = option(2, "write-back", "files uploaded at once (each large one in 4 parallel parts)",
+                                     metavar="N", parse=int)
     # -- namespace
     meta: str | None = option(
         None, "namespace", "metadata store: redis://HOST:PORT/DB to load the snapshot published by 'epochfs "
@@ -191,10 +200,12 @@ class Config:
         False, "mount", "let other users read the mount, with the permissions the source gives them (needs "
         "user_allow_other in /etc/fuse.conf unless root)")
     file_mode: int | None = option(
-        None, "mount", "present every file with this mode (default: the source's for file://, 0444 for S3)",
+        None, "mount", "present every file with this mode (default: the source's for file://, 0444 for S3, 0644 "
+        "with --writeback)",
         metavar="OCTAL", parse=lambda t: parse_mode(t), example='"0444"')
     dir_mode: int | None = option(
-        None, "mount", "present every directory with this mode (default: the source's for file://, 0555 for S3)",
+        None, "mount", "present every directory with this mode (default: the source's for file://, 0555 for S3, "
+        "0755 with --writeback)",
         metavar="OCTAL", parse=lambda t: parse_mode(t), example='"0555"')
     uid: int | None = option(
         None, "mount", "present every entry as owned by this user (default: the source's for file://, else the "
@@ -241,7 +252,11 @@ class Config:
                 raise ConfigError(f"--endpoint-url {self.endpoint_url!r}: expected http(s)://HOST[:PORT]")
         if self.eviction not in policies.names():
             raise ConfigError(f"--eviction {self.eviction!r}: choose {', '.join(policies.names())}")
-        for name in ("prefetch_bandwidth", "backend_bandwidth"):
+        if self.upload_concurrency < 1:
+            raise ConfigError("--upload-concurrency must be >= 1")
+        if self.writeback and self.source.scheme != "s3":
+            raise ConfigError(f"--writeback needs an S3 source; {self.source.url} is read-only")
+        for name in ("prefetch_bandwidth", "backend_bandwidth", "upload_bandwidth"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")

@@ -40,6 +40,23 @@ class NotFound(EpochfsError):
     """A name or inode that the snapshot does not contain."""
 
 
+class UploadCancelled(BackendError):
+    """An upload stopped because its file changed meanwhile (write-back); nothing was left behind."""
+
+
+class NoSpace(EpochfsError):
+    """Written data not yet uploaded would not fit in the cache (ENOSPC): it is never evicted."""
+
+
+class Refused(EpochfsError):
+    """An operation the mount does not do on this entry; ``errno`` says which (EROFS, EEXIST, ENOTEMPTY,
+    EXDEV, EISDIR, ENOTDIR, EOPNOTSUPP, EPERM)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class CacheUnreadable(EpochfsError):
     """A cached block could not be read (out of descriptors or memory, a disk error). Not evidence of
     damage: the block is kept, the reader gets EIO."""
@@ -47,6 +64,7 @@ class CacheUnreadable(EpochfsError):
 
 _ERRNO: tuple[tuple[type[BaseException], int], ...] = (
     (NotFound, errno.ENOENT),
+    (NoSpace, errno.ENOSPC),
     (ObjectChanged, errno.ESTALE),
     (AccessDenied, errno.EACCES),
     (BackendError, errno.EIO),
@@ -56,6 +74,8 @@ _ERRNO: tuple[tuple[type[BaseException], int], ...] = (
 
 def errno_for(exc: BaseException) -> int:
     """The errno a reader sees for ``exc``; anything unexpected is EIO."""
+    if isinstance(exc, Refused):
+        return exc.code
     for cls, code in _ERRNO:
         if isinstance(exc, cls):
             return code

@@ -8,7 +8,10 @@ Differences from a plain read-only filesystem:
 - the namespace is an immutable snapshot, so entries and attributes carry long kernel timeouts and
   open files keep the kernel page cache (``keep_cache``);
 - extended attributes ``user.epochfs.*`` on the root describe the daemon (pid, control socket,
-  snapshot version) for the command-line tools.
+  snapshot version) for the command-line tools;
+- with write-back (:class:`~epochfs.writeback.service.WriteBack`), the tree is the snapshot with this
+  node's changes on top (:class:`~epochfs.writeback.tree.Tree`), and the write operations go to the
+  write-back service; without it they answer EROFS.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from epochfs.cache.service import BlockCache, ReadStream
-from epochfs.errors import EpochfsError, NotFound, errno_for
+from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, File, Namespace
 from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
+from epochfs.writeback.service import WriteBack
+from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ def _translated(fn: F) -> F:
             code = errno_for(exc)
             if not isinstance(exc, NotFound):
                 self.errors[errno.errorcode.get(code, str(code))] += 1
-            log.log(logging.DEBUG if isinstance(exc, NotFound) else logging.WARNING,
+            log.log(logging.DEBUG if isinstance(exc, (NotFound, Refused)) else logging.WARNING,
                     "%s: %s (%s)", fn.__name__, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
         except Exception:
@@ -76,8 +81,10 @@ class Presentation:
     """How entries are presented: the source's permission bits and owners where it has them (a
     ``file://`` source), the kernel then enforcing them (``default_permissions``); uniform
     ``file_mode``/``dir_mode``/``uid``/``gid`` where it has none (S3) or where they are given.
-    Set-id and sticky bits are never presented."""
+    Set-id and sticky bits are never presented. A write-back mount presents objects without modes as
+    0644 and directories as 0755 (writable by their owner), otherwise 0444 and 0555."""
 
+    writable: bool = False
     file_mode: int | None = None
     dir_mode: int | None = None
     uid: int | None = None
@@ -112,9 +119,13 @@ class Operations(pyfuse3.Operations):
         attr_timeout: float,
         root_xattrs: Mapping[bytes, Callable[[], bytes]],
         presentation: Presentation | None = None,
+        tree: Tree | None = None,
+        writeback: WriteBack | None = None,
     ) -> None:
         super().__init__()
-        self.namespace = namespace
+        self.tree = tree or Tree(namespace)
+        self.tree.namespace = namespace
+        self.writeback = writeback
         self.cache = cache
         self.attr_timeout = attr_timeout
         self.root_xattrs = dict(root_xattrs)
@@ -122,12 +133,22 @@ class Operations(pyfuse3.Operations):
         self.errors: Counter[str] = Counter()
         self.read_latency = Histogram()
         self._streams: dict[int, ReadStream] = {}
-        self._dirs: dict[int, tuple[Namespace, Dir]] = {}
+        self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
+        self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir]] = {}
         self._next_fh = 1
+        self._file_default, self._dir_default = (0o644, 0o755) if self.present.writable else (0o444, 0o555)
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.tree.namespace
+
+    @namespace.setter
+    def namespace(self, namespace: Namespace) -> None:
+        self.tree.namespace = namespace
 
     # -- attributes ------------------------------------------------------------------------------------
 
-    def _attrs(self, node: Dir | File) -> pyfuse3.EntryAttributes:
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = node.inode
         attr.generation = 0
@@ -135,33 +156,49 @@ class Operations(pyfuse3.Operations):
         attr.attr_timeout = self.attr_timeout
         attr.st_blksize = 128 << 10
         p = self.present
-        if isinstance(node, File):
+        if isinstance(node, (File, Stored)):
             info: ObjectInfo | None = node.obj
-            attr.st_mode = stat.S_IFREG | p.mode(node.obj, p.file_mode, 0o444)
+            attr.st_mode = stat.S_IFREG | p.mode(node.obj, p.file_mode, self._file_default)
             attr.st_nlink = 1
             attr.st_size = node.obj.size
             attr.st_blocks = -(-node.obj.size // 512)
             mtime = node.obj.mtime_ns
+        elif isinstance(node, LocalFile):
+            info = ObjectInfo(node.path, node.size, node.mtime_ns, "", node.mode, node.uid, node.gid)
+            attr.st_mode = stat.S_IFREG | p.mode(info, p.file_mode, self._file_default)
+            attr.st_nlink = 1
+            attr.st_size = node.size
+            attr.st_blocks = -(-node.size // 512)
+            mtime = node.mtime_ns
         else:
-            info = node.info
-            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, 0o555)
+            info = node.info if isinstance(node, Dir) else None
+            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, self._dir_default)
             attr.st_nlink = 2
             attr.st_size = 0
-            mtime = info.mtime_ns if info is not None else self.namespace.mtime_ns
+            mtime = (node.mtime_ns if isinstance(node, LocalDir)
+                     else info.mtime_ns if info is not None else self.namespace.mtime_ns)
         attr.st_uid = p.owner(info.uid if info is not None else None, p.uid, p.default_uid)
         attr.st_gid = p.owner(info.gid if info is not None else None, p.gid, p.default_gid)
         attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime
         return attr
 
-    def _node(self, inode: int) -> Dir | File:
+    def _node(self, inode: int) -> Node:
         try:
-            return self.namespace.node(inode)
+            return self.tree.node(inode)
         except KeyError:
             raise NotFound(f"inode {inode}") from None
 
+    def _writer(self) -> WriteBack:
+        if self.writeback is None:
+            raise Refused("read-only mount (mount with --writeback to write)", errno.EROFS)
+        return self.writeback
+
     @_translated
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = self.namespace.lookup(parent_inode, name)
+        if self.tree.overlay is None:
+            node: Node | None = self.namespace.lookup(parent_inode, name)
+        else:
+            node = self.tree.lookup(self._node(parent_inode), name)
         if node is None:
             raise NotFound(name.decode(errors="replace"))
         return self._attrs(node)
@@ -178,15 +215,29 @@ class Operations(pyfuse3.Operations):
     @_translated
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         node = self._node(inode)
-        if not isinstance(node, Dir):
+        if not isinstance(node, (Dir, LocalDir)):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self._new_fh()
-        self._dirs[fh] = (self.namespace, node)  # a listing reads the snapshot it was opened on
+        # A listing reads the tree it was opened on: the snapshot's directory as it is (cheap), or, with
+        # this node's changes on top, the names as they are now.
+        if self.tree.overlay and (isinstance(node, LocalDir) or node.path in self.tree.overlay.children
+                                  or self.tree.overlay.hidden):
+            self._dirs[fh] = self.tree.listing(node)
+        else:
+            assert isinstance(node, Dir)
+            self._dirs[fh] = (self.namespace, node)
         return fh
 
     @_translated
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        namespace, node = self._dirs[fh]
+        listing = self._dirs[fh]
+        if isinstance(listing, list):
+            for i in range(start_id, len(listing)):
+                name, child = listing[i]
+                if not pyfuse3.readdir_reply(token, name, self._attrs(child), i + 1):
+                    break
+            return
+        namespace, node = listing
         names = node.names
         for i in range(start_id, len(names)):
             child = namespace.node(node.children[names[i]])
@@ -202,11 +253,12 @@ class Operations(pyfuse3.Operations):
     @_translated
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self._node(inode)
-        if flags & _WRITE_FLAGS:
-            raise pyfuse3.FUSEError(errno.EROFS)
-        if not isinstance(node, File):
+        if isinstance(node, (Dir, LocalDir)):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = self._new_fh()
+        if isinstance(node, LocalFile) or flags & _WRITE_FLAGS:
+            self._local[fh] = self._writer().open(node, flags)
+            return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
         self._streams[fh] = self.cache.open_stream(node.obj)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
@@ -214,13 +266,78 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         started = time.perf_counter()
         try:
-            return await self._streams[fh].read(off, size)
+            stream = self._streams.get(fh)
+            if stream is None:
+                return self._writer().read(self._local[fh], off, size)
+            return await stream.read(off, size)
         finally:
             self.read_latency.observe(time.perf_counter() - started)
 
     @_translated
     async def release(self, fh: int) -> None:
         self._streams.pop(fh, None)
+        local = self._local.pop(fh, None)
+        if local is not None:
+            self._writer().release(local)
+
+    # -- writing (write-back mounts) -------------------------------------------------------------------
+
+    @_translated
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        handle, f = self._writer().create(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid)
+        fh = self._new_fh()
+        self._local[fh] = handle
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
+
+    @_translated
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return self._writer().write(self._local[fh], off, buf)
+
+    @_translated
+    async def flush(self, fh: int) -> None:
+        local = self._local.get(fh)
+        if local is not None:
+            self._writer().flush(local)
+
+    @_translated
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        local = self._local.get(fh)
+        if local is not None:
+            await self._writer().fsync(local)
+
+    @_translated
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        wb = self._writer()
+        node = self._node(inode)
+        if fields.update_size:
+            wb.truncate(node, attr.st_size)
+            node = self._node(inode)  # an object truncated to 0 is a new local file
+        if fields.update_mode or fields.update_uid or fields.update_gid or fields.update_mtime:
+            wb.set_attrs(node, mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+                         mode=attr.st_mode if fields.update_mode else None,
+                         uid=attr.st_uid if fields.update_uid else None,
+                         gid=attr.st_gid if fields.update_gid else None)
+        return self._attrs(node)
+
+    @_translated
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self._writer().mkdir(self._node(parent_inode), name))
+
+    @_translated
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._writer().rmdir(self._node(parent_inode), name)
+
+    @_translated
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self._writer().unlink(self._node(parent_inode), name)
+
+    @_translated
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self._writer().rename(self._node(parent_inode_old), name_old, self._node(parent_inode_new), name_new, flags)
 
     def _new_fh(self) -> int:
         fh = self._next_fh
@@ -238,6 +355,10 @@ class Operations(pyfuse3.Operations):
         st.f_bsize = st.f_frsize = 4096
         st.f_blocks = -(-self.namespace.total_bytes // 4096)
         st.f_bfree = st.f_bavail = 0
+        if self.writeback is not None:  # what may still be written: the cache not held by pending data
+            free = self.writeback.room() // 4096
+            st.f_blocks += free
+            st.f_bfree = st.f_bavail = free
         st.f_files = len(self.namespace)
         st.f_ffree = st.f_favail = 0
         st.f_namemax = 255

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from epochfs.fs import FsStats
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.prefetch.scheduler import PrefetchStats
+    from epochfs.writeback.service import WritebackStats
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,15 @@ METRICS: dict[str, tuple[str, str]] = {
     "manifest_position": ("gauge", "Index of the reader's current file in the manifest plan."),
     "manifest_files": ("gauge", "Files in the manifest plan (current and queued epochs)."),
     "errors": ("counter", "Errors by kind: errno answered to readers, cache_write / cache_read for failed "
-               "cache fills / reads of cached blocks."),
+               "cache fills / reads of cached blocks, upload for failed uploads and deletes (retried)."),
     "snapshot_version": ("gauge", "Version of the namespace snapshot being served."),
     "snapshot_objects": ("gauge", "Objects in the namespace snapshot."),
     "meta_reachable": ("gauge", "1 if the metadata store answered the last request, else 0 (serving the loaded snapshot)."),
+    "writeback_pending_bytes": ("gauge", "Bytes written through the mount and not yet in the backend (--writeback)."),
+    "writeback_pending_files": ("gauge", "Files written through the mount and not yet in the backend."),
+    "writeback_oldest_pending_seconds": ("gauge", "How long the oldest closed file not yet in the backend has waited."),
+    "writeback_uploaded_bytes": ("counter", "Bytes of written files uploaded to the backend."),
+    "writeback_uploaded_files": ("counter", "Written files uploaded to the backend."),
 }
 
 
@@ -80,6 +86,7 @@ class Collected:
     prefetch: PrefetchStats
     snapshot: SnapshotStats
     backend_bandwidth: float | None = None
+    writeback: WritebackStats | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,14 @@ def sample_of(c: Collected) -> Sample:
     errors = dict(c.fs.errors)
     errors["cache_write"] = store.fill_errors
     errors["cache_read"] = store.read_errors
+    wb = c.writeback
+    if wb is not None:
+        values.update({
+            "writeback_pending_bytes": wb.pending_bytes, "writeback_pending_files": wb.pending_files,
+            "writeback_oldest_pending_seconds": wb.oldest_pending_seconds,
+            "writeback_uploaded_bytes": wb.uploaded_bytes, "writeback_uploaded_files": wb.uploaded_files,
+        })
+        errors["upload"] = wb.upload_errors
     histograms = {"read_seconds": c.fs.read_seconds}
     if c.backend.request_seconds is not None:
         histograms["backend_request_seconds"] = c.backend.request_seconds

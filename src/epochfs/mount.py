@@ -39,6 +39,9 @@ from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
 from epochfs.metrics import DEFAULT_ADDR, Collected, MetricsServer, parse_addr
 from epochfs.prefetch.scheduler import Prefetcher
+from epochfs.writeback.journal import Journal
+from epochfs.writeback.service import WriteBack
+from epochfs.writeback.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def check_mountpoint(path: str, allow_non_empty: bool = False) -> None:
 def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:
     """What the user should hear about a mount that is otherwise fine."""
     warnings = []
-    if not snapshot_objects:
+    if not snapshot_objects and not config.writeback:  # a write-back mount often starts empty
         warnings.append(f"{config.source.url} lists no objects: the mount is empty. Check the bucket and prefix; "
                         "the empty listing is not kept (the next mount lists again)")
     try:
@@ -166,6 +169,11 @@ class Daemon:
                                      max_inflight=config.backend_concurrency,
                                      bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
         self.cache.observer = self.prefetcher
+        self.tree = Tree(self.snapshots.namespace)
+        self.journal: Journal | None = None
+        self.writeback: WriteBack | None = None
+        if config.writeback:
+            self._open_writeback()
         self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint),
                                      fallback=config.metrics_addr is None) if metrics_addr else None
         info = MountInfo(
@@ -183,15 +191,33 @@ class Daemon:
                 PID_XATTR.encode(): lambda: str(os.getpid()).encode(),
                 b"user.epochfs.snapshot": lambda: str(self.snapshots.snapshot.version).encode(),
             },
-            presentation=Presentation(file_mode=config.file_mode, dir_mode=config.dir_mode,
-                                      uid=config.uid, gid=config.gid),
+            presentation=Presentation(writable=config.writeback, file_mode=config.file_mode,
+                                      dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
+            tree=self.tree, writeback=self.writeback,
         )
         self.snapshots.on_switch = self._switch
         self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
 
+    def _open_writeback(self) -> None:
+        """The write-back journal and service; what an earlier run left owed is taken up before the mount
+        answers."""
+        if not self.backend.writable:
+            raise ConfigError(f"--writeback: {self.config.source.url} cannot be written")
+        try:
+            self.journal = Journal(self.config.cache_dir)
+            self.writeback = WriteBack(
+                self.journal, self.store, self.backend, self.tree, bandwidth=self.config.upload_bandwidth,
+                concurrency=self.config.upload_concurrency, demand_waiting=self.cache.demand_waiting,
+                publish=self.snapshots.apply)
+            self.writeback.recover()
+        except BaseException:
+            self.close()
+            raise
+
     def fuse_options(self) -> set[str]:
-        opts = set(pyfuse3.default_options) | {"fsname=epochfs", "subtype=epochfs", "ro", "noatime",
-                                               "nosuid", "nodev"}
+        opts = set(pyfuse3.default_options) | {"fsname=epochfs", "subtype=epochfs", "noatime", "nosuid", "nodev"}
+        if not self.config.writeback:
+            opts.add("ro")
         if self.config.allow_other:
             opts.add("allow_other")
         opts.update(self.config.fuse_options)
@@ -204,7 +230,8 @@ class Daemon:
         return Collected(cache=self.cache.statistics(), store=self.store.statistics(),
                          backend=self.backend.statistics(), fs=self.ops.statistics(),
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
-                         backend_bandwidth=self.config.backend_bandwidth)
+                         backend_bandwidth=self.config.backend_bandwidth,
+                         writeback=self.writeback.statistics() if self.writeback else None)
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
@@ -216,6 +243,8 @@ class Daemon:
             await nursery.start(self.cache.run)
             await nursery.start(self.prefetcher.run)
             await nursery.start(self.snapshots.run)
+            if self.writeback is not None:
+                await nursery.start(self.writeback.run)
             await nursery.start(self.control.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.run)
@@ -247,6 +276,12 @@ class Daemon:
                   f"MAINPID={os.getpid()}")
 
     def close(self) -> None:
+        if self.writeback is not None:
+            self.writeback.close()
+            self.writeback = None
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         self.store.close()
         self.snapshots.close()
         self.backend.close()

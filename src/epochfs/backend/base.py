@@ -139,3 +139,22 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+    # -- writing (write-back mounts; optional) -------------------------------------------------------------
+
+    writable = False  #: whether the methods below are implemented
+
+    def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
+                    cancelled: threading.Event | None = None) -> ObjectInfo:
+        """Put the file at ``path`` under ``key``, atomically (the object appears whole or not at all),
+        and return the new object. Raises :class:`~epochfs.errors.BackendError`; ``cancelled`` stops it
+        (nothing is left behind)."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        """Delete ``key`` (done if it is already gone)."""
+        raise NotImplementedError
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        """Copy ``src`` to ``dst`` within the backend and return the new object."""
+        raise NotImplementedError

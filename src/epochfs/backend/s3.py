@@ -17,6 +17,7 @@ ETag, so a block of a different version can never be returned.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import boto3
+import boto3.exceptions
 import botocore.config
 import botocore.exceptions
 import botocore.httpsession
@@ -38,7 +40,7 @@ from epochfs.backend.base import (
     TemporaryFailure,
     retry,
 )
-from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
+from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged, UploadCancelled
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ class S3Backend(Backend):
         except botocore.exceptions.ProfileNotFound:
             raise ConfigError(f"--profile {settings.profile!r}: no such profile in the AWS configuration") from None
         self._client = self._make_client(settings.region)
+        self._upload_client: Any = None
         verify = self._client._endpoint.http_session._verify  # the client's TLS setting (AWS_CA_BUNDLE, ...)
         self._cainfo = botocore.httpsession.get_cert_path(True) if verify is True else verify
         self._local = threading.local()  # each worker thread's curl handle (and so its connection)
@@ -157,8 +160,84 @@ class S3Backend(Backend):
     def statistics(self) -> BackendStats:
         return self._stats.snapshot()
 
+    # -- writing -----------------------------------------------------------------------------------------
+
+    writable = True
+    PART_SIZE = 16 << 20
+    MULTIPART_THRESHOLD = 64 << 20
+
+    def _uploader(self) -> Any:
+        if self._upload_client is None:
+            s = self._settings
+            self._upload_client = self._session.client(
+                "s3", endpoint_url=s.endpoint_url, region_name=self._region, config=botocore.config.Config(
+                    retries={"mode": "standard", "max_attempts": s.attempts}, max_pool_connections=32,
+                    connect_timeout=5, read_timeout=60,
+                    s3={"addressing_style": "path" if s.endpoint_url else "auto"}, user_agent_extra="epochfs"))
+        return self._upload_client
+
+    def _denied_or_unavailable(self, what: str, exc: Exception) -> Exception:
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "") if hasattr(exc, "response") else ""
+        if code in _DENIED_CODES or "AccessDenied" in str(exc):
+            return AccessDenied(f"{what}: {code or exc}")
+        return BackendUnavailable(f"{what}: {code or exc}")
+
+    def _head(self, key: str) -> ObjectInfo:
+        head = self._uploader().head_object(Bucket=self.bucket, Key=self.prefix + key)
+        return ObjectInfo(key=key, size=int(head["ContentLength"]), etag=head["ETag"],
+                          mtime_ns=int(head["LastModified"].timestamp() * 1_000_000_000))
+
+    def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
+                    cancelled: threading.Event | None = None) -> ObjectInfo:
+        import boto3.s3.transfer
+
+        size = os.path.getsize(path)
+        config = boto3.s3.transfer.TransferConfig(
+            multipart_threshold=self.MULTIPART_THRESHOLD, max_concurrency=4,
+            multipart_chunksize=max(self.PART_SIZE, -(-size // 9000)),  # S3 allows 10,000 parts
+            max_bandwidth=int(bandwidth) if bandwidth else None)
+        try:
+            with boto3.s3.transfer.create_transfer_manager(self._uploader(), config) as manager:
+                future = manager.upload(path, self.bucket, self.prefix + key)
+                while not future.done():
+                    if cancelled is None:
+                        time.sleep(0.05)
+                    elif cancelled.wait(0.05):
+                        future.cancel()  # a multipart upload is aborted: no partial object stays
+                        break
+                if cancelled is not None and cancelled.is_set():
+                    raise UploadCancelled(f"upload of {key} cancelled")
+                future.result()
+            info = self._head(key)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
+                boto3.exceptions.S3UploadFailedError) as exc:
+            self._stats.record("put", "error")
+            raise self._denied_or_unavailable(f"upload of {key}", exc) from None
+        self._stats.record("put", "ok")
+        return info
+
+    def delete(self, key: str) -> None:
+        try:
+            self._uploader().delete_object(Bucket=self.bucket, Key=self.prefix + key)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            self._stats.record("delete", "error")
+            raise self._denied_or_unavailable(f"delete of {key}", exc) from None
+        self._stats.record("delete", "ok")
+
+    def copy(self, src: str, dst: str) -> ObjectInfo:
+        try:
+            self._uploader().copy({"Bucket": self.bucket, "Key": self.prefix + src}, self.bucket, self.prefix + dst)
+            info = self._head(dst)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            self._stats.record("copy", "error")
+            raise self._denied_or_unavailable(f"copy of {src} to {dst}", exc) from None
+        self._stats.record("copy", "ok")
+        return info
+
     def close(self) -> None:
         self._client.close()
+        if self._upload_client is not None:
+            self._upload_client.close()
 
     def list_objects(self) -> Iterator[ObjectInfo]:
         paginator = self._client.get_paginator("list_objects_v2")

@@ -82,6 +82,7 @@ class StoreStats:
     fill_errors: int
     read_errors: int
     not_admitted: int
+    pinned_bytes: int
 
 
 class CacheLocked(ConfigError):
@@ -101,6 +102,7 @@ class BlockStore:
         self._dirs: set[str] = set()  # block subdirectories known to exist
         self.used = 0
         self.pending = 0
+        self.pinned = 0  # written data not yet uploaded (write-back): never evicted
         self._count = 0
         self._seq = 0
         self._evictions = 0
@@ -393,7 +395,24 @@ class BlockStore:
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit now without evicting anything."""
-        return self.used + self.pending + nbytes <= self.capacity and not self._disk_low(nbytes)
+        return self.used + self.pending + self.pinned + nbytes <= self.capacity and not self._disk_low(nbytes)
+
+    def pin(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` of written data that may not be evicted (write-back, until uploaded):
+        cached blocks are evicted for it, as the policy orders them. False when even that is not enough."""
+        if self.used + self.pending + self.pinned + nbytes > self.capacity and \
+                self.pending + self.pinned + nbytes > self.capacity:
+            return False
+        while not self.has_room(nbytes):
+            victim = self.policy.victim()
+            if victim is None:
+                return False
+            self._evict(victim)
+        self.pinned += nbytes
+        return True
+
+    def unpin(self, nbytes: int) -> None:
+        self.pinned = max(0, self.pinned - nbytes)
 
     def would_admit(self, bid: bytes, nbytes: int) -> bool:
         """Whether :meth:`reserve` would cache this block now (it may evict to do so). No side effects."""
@@ -510,4 +529,5 @@ class BlockStore:
             fill_errors=self._fill_errors,
             read_errors=self._read_errors,
             not_admitted=self._not_admitted,
+            pinned_bytes=self.pinned,
         )

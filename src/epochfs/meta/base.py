@@ -80,6 +80,14 @@ def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
     return objects
 
 
+def merged(objects: Iterable[ObjectInfo], added: dict[str, ObjectInfo], removed: set[str]) -> list[ObjectInfo]:
+    """A listing with objects put (``added``, by key) and deleted (``removed``): the next version of a
+    snapshot after a node's own writes."""
+    out = {o.key: o for o in objects if o.key not in removed}
+    out.update(added)
+    return list(out.values())
+
+
 Progress = Callable[[int], None]  # called with the number of objects written so far
 
 
@@ -98,6 +106,10 @@ class MetaStore(Protocol):
 
     def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
         """Publish a new version atomically and return it."""
+
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Snapshot:
+        """Publish the current version with objects put and deleted (write-back), atomically with
+        respect to other nodes doing the same; return the new version."""
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         """Publish a manifest under ``name`` for every node to fetch."""

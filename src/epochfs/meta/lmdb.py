@@ -21,7 +21,15 @@ from pathlib import Path
 import lmdb as _lmdb
 
 from epochfs.errors import EpochfsError
-from epochfs.meta.base import MAX_OBJECTS, Progress, Snapshot, SnapshotInvalid, decode_objects, encode_objects
+from epochfs.meta.base import (
+    MAX_OBJECTS,
+    Progress,
+    Snapshot,
+    SnapshotInvalid,
+    decode_objects,
+    encode_objects,
+    merged,
+)
 from epochfs.private import private_dir
 from epochfs.records import ObjectInfo
 
@@ -144,6 +152,12 @@ class LmdbMetaStore:
                 "objects": len(listed), "chunks": chunks,
             }).encode())
         return Snapshot(source, version, created, listed)
+
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Snapshot:
+        """The stored version with ``added`` and ``removed`` applied (one daemon owns this store: its
+        cache directory is locked)."""
+        current = self.load(source)
+        return self.save(source, merged(current.objects if current else (), added, removed))
 
     def keep(self, key: str, snapshot: Snapshot) -> None:
         """Keep a copy of a snapshot loaded from another (shared) store under ``key``, with its version

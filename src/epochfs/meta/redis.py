@@ -20,7 +20,15 @@ from dataclasses import dataclass
 import redis
 
 from epochfs.errors import BackendUnavailable, ConfigError
-from epochfs.meta.base import MAX_OBJECTS, Progress, Snapshot, SnapshotInvalid, decode_objects, encode_objects
+from epochfs.meta.base import (
+    MAX_OBJECTS,
+    Progress,
+    Snapshot,
+    SnapshotInvalid,
+    decode_objects,
+    encode_objects,
+    merged,
+)
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -170,6 +178,22 @@ class RedisMetaStore:
             if keys:
                 self._call(self._redis.delete, *keys)
         return Snapshot(source, version, created, listed)
+
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Snapshot:
+        """The current version with ``added`` and ``removed`` applied, under a lock that the nodes
+        publishing their writes take in turn (it expires if its holder dies)."""
+        lock = self._redis.lock(self._prefix(source) + "update-lock", timeout=120, blocking_timeout=60)
+        if not self._call(lock.acquire):
+            raise MetaUnavailable(f"metadata store {self.url}: another node held the update lock of {source} "
+                                  "for a minute")
+        try:
+            current = self.load(source)
+            return self.save(source, merged(current.objects if current else (), added, removed))
+        finally:
+            try:
+                lock.release()
+            except redis.exceptions.RedisError:
+                pass  # expired (its timeout bounds any hold)
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         self._call(self._redis.set, f"{self._prefix(source)}manifest:{name}", text.encode())

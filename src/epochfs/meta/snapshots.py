@@ -173,14 +173,25 @@ class Snapshots:
                 if loaded is None:
                     return {"changed": False, "version": self.snapshot.version}
                 snapshot = loaded
-            old = self.namespace
-            new, (entries, inodes) = await trio.to_thread.run_sync(_build_and_diff, snapshot, old)
-            self.namespace, self.snapshot, self.latest_version = new, snapshot, snapshot.version
-            if self.on_switch is not None:
-                await self.on_switch(new, entries, inodes)
-            log.info("now serving snapshot version %d (%d entries changed)", snapshot.version, len(entries))
-            self._changed.set()
-            return {"changed": True, "version": snapshot.version, "changed_entries": len(entries)}
+            return await self._switch_to(snapshot)
+
+    async def _switch_to(self, snapshot: Snapshot) -> dict[str, Any]:
+        old = self.namespace
+        new, (entries, inodes) = await trio.to_thread.run_sync(_build_and_diff, snapshot, old)
+        self.namespace, self.snapshot, self.latest_version = new, snapshot, snapshot.version
+        if self.on_switch is not None:
+            await self.on_switch(new, entries, inodes)
+        log.info("now serving snapshot version %d (%d entries changed)", snapshot.version, len(entries))
+        self._changed.set()
+        return {"changed": True, "version": snapshot.version, "changed_entries": len(entries)}
+
+    async def apply(self, added: dict[str, ObjectInfo], removed: set[str]) -> None:
+        """Publish this node's writes (objects uploaded, objects deleted) as a new version of the
+        store's snapshot, and serve it. Raises :class:`EpochfsError` if the store cannot take it (the
+        caller tries again later)."""
+        async with self._switching:
+            snapshot = await self._call(self.store.update, self.settings.source_id, added, removed)
+            await self._switch_to(snapshot)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Poll the store (if asked to) and keep this node's local copy (if the store wants one)."""

@@ -1,0 +1,651 @@
+"""Checkpoint write-back: files written through the mount are saved at local-disk speed and uploaded in
+the background. Concurrency contract: every method runs on the trio thread, except the uploads and
+deletes themselves, which run in worker threads and touch no state.
+
+**Writing.** A new file (``create``, or an existing object opened with ``O_TRUNC``) is a
+:class:`~epochfs.writeback.tree.LocalFile` whose bytes go to a data file in the cache directory; its
+journal record is written at once. Its bytes are pinned in the block store (never evicted; cached
+blocks make room for them), and a write that cannot be pinned gets ENOSPC. ``close`` and ``fsync``
+return as soon as the bytes are in the data file (``fsync`` also makes it and the journal durable).
+A closed file reads at local speed from its data file until it is uploaded.
+
+**Uploading.** A file closed for ``SETTLE`` seconds (the time a write-then-rename needs) is uploaded
+under its final key: whole, multipart and parallel for large files, capped by ``--upload-bandwidth``,
+started only while no demand read waits for the backend. The object appears under its key only when
+complete. A file changed, renamed or removed while it uploads has its upload cancelled, or, if the
+upload finished first, the stale object deleted. A failed upload is retried with backoff; nothing is
+lost meanwhile (the journal keeps it across restarts). Once uploaded, the file becomes an entry of the
+object (``Stored``), its data file goes and its bytes are unpinned.
+
+**Publishing.** Uploaded objects and deletes are published to the metadata store every
+``PUBLISH_INTERVAL`` seconds (a new snapshot version: other nodes see them on refresh or poll); then
+the overlay entries give way to the snapshot's.
+
+What the mount does not do (it says so with an errno): modify an existing object in place (open it
+with ``O_TRUNC`` to replace it: EOPNOTSUPP), rename an object that is already in the backend or a
+directory that holds one (EXDEV: ``mv`` then copies), hard links, symlinks.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import trio
+
+from epochfs.backend.base import Backend
+from epochfs.cache.store import BlockStore
+from epochfs.errors import BackendError, EpochfsError, NoSpace, NotFound, Refused
+from epochfs.meta.namespace import NAME_MAX, Dir, File, unsafe_reason
+from epochfs.records import MAX_OBJECT_SIZE, ObjectInfo
+from epochfs.writeback.journal import FileRecord, Journal
+from epochfs.writeback.tree import LocalDir, LocalFile, Node, Overlay, Stored, Tree, parent_of
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[dict[str, ObjectInfo], set[str]], Awaitable[None]]
+
+
+@dataclass
+class WritebackStats:
+    pending_files: int
+    pending_bytes: int
+    oldest_pending_seconds: float
+    uploading: int
+    uploaded_files: int
+    uploaded_bytes: int
+    upload_errors: int
+    deletes_pending: int
+    unpublished: int
+
+
+@dataclass(frozen=True, order=True)
+class Pending:
+    key: str
+    bytes: int
+    state: str  # open for writing, waiting, uploading, retrying, to delete, to publish
+
+
+@dataclass
+class Handle:
+    file: LocalFile
+    fd: int
+    writable: bool
+
+
+def _path(parent: Node, name: bytes) -> str:
+    try:
+        text = name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Refused("names must be UTF-8", errno.EINVAL) from None
+    if len(name) > NAME_MAX:
+        raise Refused("name too long", errno.ENAMETOOLONG)
+    path = f"{parent.path}/{text}" if parent.path else text
+    if unsafe_reason(path):
+        raise Refused(f"{path!r} cannot be an object key ({unsafe_reason(path)})", errno.EINVAL)
+    return path
+
+
+class WriteBack:
+    SETTLE = 1.0  # seconds a closed file waits before its upload starts: a rename usually follows
+    PUBLISH_INTERVAL = 2.0
+    RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
+
+    def __init__(self, journal: Journal, store: BlockStore, backend: Backend, tree: Tree, *,
+                 bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
+                 publish: Publish) -> None:
+        self.journal = journal
+        self.store = store
+        self.backend = backend
+        self.tree = tree
+        self.overlay = tree.overlay = Overlay()
+        self.bandwidth = bandwidth
+        self.concurrency = max(1, concurrency)
+        self.demand_waiting = demand_waiting
+        self.publish = publish
+        self._handles: dict[int, Handle] = {}
+        self._files: dict[str, LocalFile] = {}  # id -> file, every file not yet uploaded
+        self._uploaded: dict[str, ObjectInfo] = {}  # key -> object, not yet published
+        self._deletes: dict[str, float] = {}  # key -> not before (monotonic): to delete in the backend
+        self._deleted: set[str] = set()  # deleted in the backend, not yet published
+        self._retry: dict[str, float] = {}  # file id -> backoff of its failed upload
+        self._not_before: dict[str, float] = {}  # file id -> when to try its upload again (monotonic)
+        self._cancels: dict[str, threading.Event] = {}
+        self._wake = trio.Event()  # replaced on each kick: a waiter takes it before looking for work
+        self._changed = trio.Event()
+        self._publish_now = trio.Event()
+        self._uploaded_files = self._uploaded_bytes = self._errors = 0
+
+    # -- start-up -------------------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Take up what the journal owes: closed files (uploaded next), uploaded entries (published next),
+        deletes. Files that were still being written when the daemon died are dropped."""
+        files, uploaded, deletes = self.journal.load()
+        for rec in files:
+            path = self.journal.data_path(rec.id)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                size = -1
+            if not rec.closed or size != rec.size:
+                why = "was being written when the daemon stopped" if not rec.closed else "has lost its data"
+                log.warning("dropping %r from the write-back journal: it %s", rec.key, why)
+                self.journal.drop_file(rec.id)
+                self.journal.remove_data(rec.id)
+                continue
+            self.store.pinned += rec.size  # owed: pinned even past the capacity (it was admitted before)
+            f = LocalFile(self.overlay.new_inode(), rec.key, rec.id, rec.size, rec.mtime_ns, rec.mode, rec.uid,
+                          rec.gid, since=time.monotonic() - self.SETTLE, closed=True)
+            self._add_parents(rec.key)
+            self.overlay.put(f)
+            self._files[f.id] = f
+        for key, obj in uploaded.items():
+            self._add_parents(key)
+            self.overlay.put(Stored(self.overlay.new_inode(), key, obj))
+            self._uploaded[key] = obj
+        for key in deletes:
+            self.overlay.hidden.add(key)
+            self._deletes[key] = 0.0
+        for name in os.listdir(self.journal.data_dir):  # data files no record owns (a crash mid-create)
+            if name not in self._files:
+                self.journal.remove_data(name)
+        if files or uploaded or deletes:
+            log.info("write-back: %d files to upload, %d uploads to publish, %d deletes from the journal",
+                     len(self._files), len(uploaded), len(deletes))
+
+    def _add_parents(self, key: str) -> None:
+        """Directories of a key that the snapshot does not have yet."""
+        parent, _ = parent_of(key)
+        missing = []
+        while parent and self.tree.resolve(parent) is None:
+            missing.append(parent)
+            parent, _ = parent_of(parent)
+        for path in reversed(missing):
+            self.overlay.put(LocalDir(self.overlay.new_inode(), path, time.time_ns()))
+
+    # -- the file system's operations ---------------------------------------------------------------------
+
+    def node(self, inode: int) -> Node:
+        try:
+            return self.tree.node(inode)
+        except KeyError:
+            raise NotFound(f"inode {inode}") from None
+
+    def _new_file(self, path: str, mode: int, uid: int, gid: int, inode: int | None = None) -> LocalFile:
+        f = LocalFile(self.overlay.new_inode() if inode is None else inode, path, uuid.uuid4().hex, 0, time.time_ns(),
+                      mode & 0o777, uid, gid)
+        fd = os.open(self.journal.data_path(f.id), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        self._files[f.id] = f
+        self._save(f, closed=False)
+        return f
+
+    def _save(self, f: LocalFile, *, closed: bool) -> None:
+        f.closed = closed
+        self.journal.put_file(FileRecord(f.id, f.path, f.size, f.mtime_ns, f.mode, f.uid, f.gid, closed, time.time()))
+
+    def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, LocalFile]:
+        """A new file (or an existing one replaced), open for writing: (handle, file)."""
+        path = _path(parent, name)
+        existing = self.tree.resolve(path)
+        if isinstance(existing, (Dir, LocalDir)):
+            raise Refused(f"{path} is a directory", errno.EISDIR)
+        if isinstance(existing, LocalFile):
+            return self.open(existing, os.O_WRONLY | os.O_TRUNC), existing
+        f = self._new_file(path, mode, uid, gid)
+        self._replace(path, f)
+        return self._open_handle(f, writable=True), f
+
+    def open(self, node: Node, flags: int) -> int:
+        """A handle on a file this node wrote (reading or writing), or on an existing object replaced
+        (``O_TRUNC``)."""
+        write = bool(flags & (os.O_WRONLY | os.O_RDWR))
+        if isinstance(node, LocalFile):
+            if flags & os.O_TRUNC:
+                self._truncate(node, 0)
+            return self._open_handle(node, writable=write)
+        if not isinstance(node, (File, Stored)):
+            raise Refused(f"{node.path} is a directory", errno.EISDIR)
+        if not write:
+            raise Refused(f"{node.path} is read through the cache", errno.EINVAL)  # the adapter does this
+        if not flags & os.O_TRUNC:
+            raise Refused(f"{node.path}: an object in the backend can be replaced (open it with O_TRUNC), "
+                          "not modified", errno.EOPNOTSUPP)
+        return self._open_handle(self._replace_object(node), writable=True)
+
+    def _replace_object(self, node: File | Stored) -> LocalFile:
+        """An empty local file in place of an object (it keeps the inode number the kernel knows)."""
+        mode = node.obj.mode & 0o777 if node.obj.mode is not None else 0o644
+        f = self._new_file(node.path, mode, os.getuid(), os.getgid(), inode=node.inode)
+        self._replace(node.path, f)
+        return f
+
+    def _replace(self, path: str, f: LocalFile) -> None:
+        old = self.overlay.entries.get(path)
+        if isinstance(old, Stored):
+            self._uploaded.pop(path, None)  # the new file's upload replaces it
+        self._add_parents(path)
+        self.overlay.put(f)
+        self._touch()
+
+    def _open_handle(self, f: LocalFile, *, writable: bool) -> int:
+        fd = os.open(self.journal.data_path(f.id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        if writable:
+            f.writers += 1
+            f.generation += 1
+            self._cancel_upload(f)
+        self._handles[fd] = Handle(f, fd, writable)
+        return fd
+
+    def is_local(self, fh: int) -> bool:
+        return fh in self._handles
+
+    def write(self, fh: int, offset: int, data: bytes) -> int:
+        h = self._handles[fh]
+        if not h.writable:
+            raise Refused("not open for writing", errno.EBADF)
+        if h.file.closed:  # written again after a flush: a crash from now on leaves it unfinished
+            self._save(h.file, closed=False)
+        end = offset + len(data)
+        if end > MAX_OBJECT_SIZE:
+            raise Refused("file too large", errno.EFBIG)
+        f = h.file
+        if end > f.size:
+            if not self.store.pin(end - f.size):
+                raise NoSpace(f"{f.path}: the cache holds {self.store.pinned} bytes not yet uploaded and has no "
+                              "room for more; they drain as they upload")
+            f.size = end
+        written = os.pwrite(fh, data, offset)
+        f.mtime_ns = time.time_ns()
+        f.generation += 1
+        return written
+
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        return os.pread(fh, size, offset)
+
+    def truncate(self, node: Node, size: int) -> None:
+        if isinstance(node, (File, Stored)) and size == 0:
+            self._replace_object(node)  # open(O_TRUNC) by a kernel that truncates before it opens
+            return
+        if not isinstance(node, LocalFile):
+            raise Refused(f"{node.path}: an object in the backend can be replaced, not truncated",
+                          errno.EISDIR if isinstance(node, (Dir, LocalDir)) else errno.EOPNOTSUPP)
+        self._truncate(node, size)
+
+    def _truncate(self, f: LocalFile, size: int) -> None:
+        if size > f.size and not self.store.pin(size - f.size):
+            raise NoSpace(f"{f.path}: no room in the cache for {size} bytes")
+        if size < f.size:
+            self.store.unpin(f.size - size)
+        os.truncate(self.journal.data_path(f.id), size)
+        f.size, f.mtime_ns = size, time.time_ns()
+        f.generation += 1
+        self._cancel_upload(f)
+        self._save(f, closed=f.writers == 0)
+        f.since = time.monotonic()
+
+    def set_attrs(self, node: Node, *, mtime_ns: int | None = None, mode: int | None = None,
+                  uid: int | None = None, gid: int | None = None) -> None:
+        if not isinstance(node, LocalFile):
+            raise Refused(f"{node.path}: only files written here can change", errno.EPERM)
+        node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
+        node.mode = mode & 0o777 if mode is not None else node.mode
+        node.uid = uid if uid is not None else node.uid
+        node.gid = gid if gid is not None else node.gid
+
+    async def fsync(self, fh: int) -> None:
+        """Make a written file's bytes and its journal record durable (worker thread)."""
+        h = self._handles[fh]
+        self._save(h.file, closed=h.file.closed)
+        await trio.to_thread.run_sync(os.fsync, fh)
+        await trio.to_thread.run_sync(self.journal.sync)
+
+    def flush(self, fh: int) -> None:
+        """``close()`` of a descriptor (sent before it returns): the file as it is now is what its writer
+        meant, and a crash from now on keeps it (the release that ends the handle comes later)."""
+        h = self._handles.get(fh)
+        if h is not None and h.writable and self._files.get(h.file.id) is h.file:
+            self._save(h.file, closed=True)
+
+    def release(self, fh: int) -> None:
+        h = self._handles.pop(fh, None)
+        if h is None:
+            return
+        os.close(fh)
+        f = h.file
+        if not h.writable:
+            return
+        f.writers -= 1
+        if f.writers == 0 and self._files.get(f.id) is f:
+            f.since = time.monotonic()
+            self._save(f, closed=True)
+            self._kick()
+
+    def mkdir(self, parent: Node, name: bytes) -> LocalDir:
+        path = _path(parent, name)
+        if self.tree.resolve(path) is not None:
+            raise Refused(f"{path} exists", errno.EEXIST)
+        d = LocalDir(self.overlay.new_inode(), path, time.time_ns())
+        self.overlay.hidden.discard(path)
+        self.overlay.put(d)
+        return d
+
+    def rmdir(self, parent: Node, name: bytes) -> None:
+        path = _path(parent, name)
+        node = self.tree.resolve(path)
+        if node is None:
+            raise NotFound(path)
+        if not isinstance(node, (Dir, LocalDir)):
+            raise Refused(f"{path} is not a directory", errno.ENOTDIR)
+        if not self.tree.is_empty_dir(node):
+            raise Refused(f"{path} is not empty", errno.ENOTEMPTY)
+        self.overlay.remove(path)
+        if isinstance(node, Dir):
+            self.overlay.hidden.add(path)
+        self._touch()
+
+    def unlink(self, parent: Node, name: bytes) -> None:
+        path = _path(parent, name)
+        node = self.tree.resolve(path)
+        if node is None:
+            raise NotFound(path)
+        if isinstance(node, (Dir, LocalDir)):
+            raise Refused(f"{path} is a directory", errno.EISDIR)
+        self._remove_file(path, node)
+        self._touch()
+
+    def _remove_file(self, path: str, node: Node) -> None:
+        """Forget the file at ``path``: its local bytes, and the object in the backend if there is one."""
+        self.overlay.remove(path)
+        if isinstance(node, LocalFile):
+            self._drop_local(node)
+        in_backend = isinstance(node, (File, Stored)) or self.tree.namespace.resolve(path) is not None
+        if in_backend:
+            self._uploaded.pop(path, None)
+            self.overlay.hidden.add(path)
+            self.journal.put_delete(path)
+            self._deletes[path] = 0.0
+            self._kick()
+
+    def _drop_local(self, f: LocalFile) -> None:
+        self._cancel_upload(f)
+        f.generation += 1
+        self._files.pop(f.id, None)
+        self.store.unpin(f.size)
+        self.journal.drop_file(f.id)
+        self.journal.remove_data(f.id)  # open handles keep reading the unlinked data file
+
+    def rename(self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, flags: int) -> None:
+        src_path, dst_path = _path(old_parent, old_name), _path(new_parent, new_name)
+        src = self.tree.resolve(src_path)
+        if src is None:
+            raise NotFound(src_path)
+        if flags & ~1:  # RENAME_NOREPLACE (1) is supported; RENAME_EXCHANGE is not
+            raise Refused("rename flags not supported", errno.EINVAL)
+        if src_path == dst_path:
+            return
+        if dst_path.startswith(src_path + "/"):
+            raise Refused("cannot move a directory into itself", errno.EINVAL)
+        dst = self.tree.resolve(dst_path)
+        if dst is not None and flags & 1:
+            raise Refused(f"{dst_path} exists", errno.EEXIST)
+        if isinstance(src, LocalFile):
+            if isinstance(dst, (Dir, LocalDir)):
+                raise Refused(f"{dst_path} is a directory", errno.EISDIR)
+            if dst is not None:
+                self._replaced_by_rename(dst_path, dst)
+            self._move(src, dst_path)
+        elif isinstance(src, LocalDir):
+            moved = [e for p, e in self.overlay.entries.items() if p.startswith(src_path + "/")]
+            if any(not isinstance(e, (LocalDir, LocalFile)) for e in moved):
+                raise Refused(f"{src_path} holds objects already in the backend", errno.EXDEV)
+            if dst is not None:
+                if not isinstance(dst, (Dir, LocalDir)) or not self.tree.is_empty_dir(dst):
+                    raise Refused(f"{dst_path} exists", errno.ENOTEMPTY if isinstance(dst, (Dir, LocalDir))
+                                  else errno.ENOTDIR)
+                self.overlay.remove(dst_path)
+            for e in sorted([src, *moved], key=lambda e: e.path.count("/")):
+                self._move(e, dst_path + e.path[len(src_path):])
+        else:
+            raise Refused(f"{src_path} is already in the backend: it cannot be renamed there", errno.EXDEV)
+        self._touch()
+
+    def _replaced_by_rename(self, path: str, dst: Node) -> None:
+        if isinstance(dst, LocalFile):
+            self.overlay.remove(path)
+            self._drop_local(dst)
+        # an object in the backend under that key is overwritten by the upload of the renamed file
+        self._uploaded.pop(path, None)
+
+    def _move(self, e: LocalDir | LocalFile, path: str) -> None:
+        self.overlay.remove(e.path)
+        old = e.path
+        e.path = path
+        self._add_parents(path)
+        self.overlay.put(e)
+        if isinstance(e, LocalFile):
+            e.generation += 1
+            self._cancel_upload(e)
+            self._save(e, closed=e.closed)
+            self._kick()
+        log.debug("renamed %s to %s", old, path)
+
+    def _touch(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _kick(self) -> None:
+        """Wake the upload and delete workers: there may be work."""
+        self._wake.set()
+        self._wake = trio.Event()
+
+    def _cancel_upload(self, f: LocalFile) -> None:
+        cancel = self._cancels.get(f.id)
+        if cancel is not None:
+            cancel.set()
+
+    # -- uploads, deletes, publishing ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.concurrency):
+                nursery.start_soon(self._upload_worker)
+            nursery.start_soon(self._delete_worker)
+            nursery.start_soon(self._publisher)
+            task_status.started()
+
+    def _ready(self) -> tuple[LocalFile | None, float]:
+        """The next file to upload (oldest first), or how long until one may be."""
+        now, best, wait = time.monotonic(), None, 3600.0
+        for f in self._files.values():
+            if f.writers or f.uploading:
+                continue
+            at = max(f.since + self.SETTLE, self._not_before.get(f.id, 0.0))
+            if at <= now:
+                if best is None or f.since < best.since:
+                    best = f
+            else:
+                wait = min(wait, at - now)
+        return best, wait
+
+    async def _upload_worker(self) -> None:
+        while True:
+            wake = self._wake
+            f, wait = self._ready()
+            if f is None or self.demand_waiting():  # demand reads go first on the backend link
+                with trio.move_on_after(wait if f is None else 0.01):
+                    await wake.wait()
+                continue
+            await self._upload(f)
+
+    async def _upload(self, f: LocalFile) -> None:
+        f.uploading = True
+        generation, key, size = f.generation, f.path, f.size
+        cancel = self._cancels[f.id] = threading.Event()
+        try:
+            obj = await trio.to_thread.run_sync(
+                lambda: self.backend.upload_file(self.journal.data_path(f.id), key, bandwidth=self.bandwidth,
+                                                 cancelled=cancel), abandon_on_cancel=True)
+        except BackendError as exc:
+            if not cancel.is_set():
+                self._errors += 1
+                backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * self._retry.get(f.id, 0.5)))
+                self._retry[f.id] = backoff
+                self._not_before[f.id] = time.monotonic() + backoff
+                log.warning("upload of %s failed (%s); retrying in %.0f s", key, exc, backoff)
+            return
+        except Exception:
+            self._errors += 1
+            log.exception("upload of %s failed", key)
+            self._not_before[f.id] = time.monotonic() + self.RETRY_MAX
+            return
+        finally:
+            f.uploading = False
+            self._cancels.pop(f.id, None)
+        self._retry.pop(f.id, None)
+        self._not_before.pop(f.id, None)
+        current = self._files.get(f.id) is f and f.generation == generation and f.path == key
+        if not current:
+            # Renamed, removed or written again while it uploaded: the object under the old key is stale
+            # unless the file (or another one) still owns that key; the file itself is uploaded again.
+            if self.tree.resolve(key) is None or isinstance(self.tree.resolve(key), (Dir, LocalDir)):
+                self.journal.put_delete(key)
+                self._deletes[key] = 0.0
+            self._kick()
+            return
+        self.journal.put_uploaded(obj, f.id)
+        self.journal.remove_data(f.id)
+        self._files.pop(f.id, None)
+        self.store.unpin(size)
+        stored = Stored(f.inode, key, obj)  # the same inode: the kernel's view of it stays valid
+        self.overlay.put(stored)
+        self._uploaded[key] = obj
+        self._uploaded_files += 1
+        self._uploaded_bytes += size
+        self._publish_now.set()
+        self._touch()
+        log.info("uploaded %s (%d bytes)", key, size)
+
+    async def _delete_worker(self) -> None:
+        while True:
+            wake = self._wake
+            now = time.monotonic()
+            due = [k for k, at in self._deletes.items() if at <= now]
+            if not due:
+                later = min((at - now for at in self._deletes.values()), default=3600.0)
+                with trio.move_on_after(later):
+                    await wake.wait()
+                continue
+            for key in due:
+                try:
+                    await trio.to_thread.run_sync(self.backend.delete, key, abandon_on_cancel=True)
+                except BackendError as exc:
+                    self._errors += 1
+                    self._deletes[key] = time.monotonic() + self.RETRY_MAX / 4
+                    log.warning("delete of %s failed (%s); retrying", key, exc)
+                    continue
+                if key in self._deletes:
+                    del self._deletes[key]
+                    self._deleted.add(key)
+                    self._publish_now.set()
+                    self._touch()
+
+    async def _publisher(self) -> None:
+        while True:
+            await self._publish_now.wait()
+            await trio.sleep(self.PUBLISH_INTERVAL)
+            self._publish_now = trio.Event()
+            await self.publish_pending()
+
+    async def publish_pending(self) -> None:
+        """Publish uploads and deletes to the metadata store; keep them for the next try if it fails."""
+        added, removed = dict(self._uploaded), set(self._deleted)
+        if not added and not removed:
+            return
+        try:
+            await self.publish(added, removed)
+        except EpochfsError as exc:
+            log.warning("could not publish %d uploads and %d deletes (%s); retrying", len(added), len(removed), exc)
+            self._publish_now.set()
+            return
+        self.journal.published(set(added), removed)
+        for key, obj in added.items():
+            if self._uploaded.get(key) is obj:
+                del self._uploaded[key]
+                entry = self.overlay.entries.get(key)
+                if isinstance(entry, Stored) and entry.obj is obj:
+                    self.overlay.remove(key)
+                    self.overlay.by_inode[entry.inode] = entry  # open handles and the kernel may still name it
+        for key in removed:
+            self._deleted.discard(key)
+            if self.tree.namespace.resolve(key) is None:
+                self.overlay.hidden.discard(key)
+        self._touch()
+
+    # -- waiting for uploads ---------------------------------------------------------------------------------
+
+    def pending(self, prefixes: Iterable[str] = ()) -> list[Pending]:
+        """What is not yet in the backend (under ``prefixes``, if given), by key."""
+        wanted = [p.strip("/") for p in prefixes]
+
+        def under(key: str) -> bool:
+            return not wanted or any(w == "" or key == w or key.startswith(w + "/") for w in wanted)
+
+        def state(f: LocalFile) -> str:
+            if f.writers:
+                return "open for writing"
+            if f.uploading:
+                return "uploading"
+            return "retrying" if f.id in self._retry else "waiting"
+
+        out = [Pending(f.path, f.size, state(f)) for f in self._files.values() if under(f.path)]
+        out += [Pending(k, 0, "to delete") for k in self._deletes if under(k)]
+        out += [Pending(k, 0, "to publish") for k in (*self._uploaded, *self._deleted) if under(k)]
+        return sorted(out)
+
+    async def sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
+        """Wait until nothing under ``prefixes`` is owed to the backend (and what was uploaded is
+        published), at most ``seconds``; what is still pending. Files closed but settling are uploaded
+        at once."""
+        with trio.move_on_after(seconds):
+            while self.pending(prefixes):
+                changed = self._changed
+                for f in self._files.values():
+                    f.since = min(f.since, time.monotonic() - self.SETTLE)
+                self._kick()
+                await changed.wait()
+            if self._uploaded or self._deleted:
+                await self.publish_pending()
+        return self.pending(prefixes)
+
+    def room(self) -> int:
+        """Bytes that may still be written before writers get ENOSPC."""
+        st = self.store
+        return max(0, st.capacity - st.pinned - st.pending)
+
+    def statistics(self) -> WritebackStats:
+        now = time.monotonic()
+        closed = [f for f in self._files.values() if not f.writers]
+        return WritebackStats(
+            pending_files=len(self._files),
+            pending_bytes=sum(f.size for f in self._files.values()),
+            oldest_pending_seconds=max((now - f.since for f in closed), default=0.0),
+            uploading=sum(f.uploading for f in self._files.values()),
+            uploaded_files=self._uploaded_files,
+            uploaded_bytes=self._uploaded_bytes,
+            upload_errors=self._errors,
+            deletes_pending=len(self._deletes),
+            unpublished=len(self._uploaded) + len(self._deleted),
+        )
+
+    def close(self) -> None:
+        for fh in list(self._handles):
+            self.release(fh)
+

@@ -1,0 +1,169 @@
+"""The tree a write-back mount shows: the snapshot's namespace with the node's own changes on top. Pure.
+
+The snapshot (:class:`~epochfs.meta.namespace.Namespace`) is immutable; the :class:`Overlay` holds what
+this node changed since: directories made here (:class:`LocalDir`), files written here and not yet
+uploaded (:class:`LocalFile`), files uploaded but not yet in a snapshot (:class:`Stored`), and the
+snapshot paths hidden by an unlink or a rename. :class:`Tree` answers lookups, listings and paths over
+both. An entry that replaces a snapshot file keeps its inode number (the kernel opens a file it has
+just truncated by that number); new entries have numbers of their own (from ``1 << 48``), so they
+never meet the snapshot's.
+
+Paths are relative to the source root, ``/``-separated, as in the namespace.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from epochfs.meta.namespace import Dir, File, Namespace
+from epochfs.records import ObjectInfo
+
+OVERLAY_INODES = 1 << 48
+
+
+@dataclass(slots=True)
+class LocalDir:
+    inode: int
+    path: str
+    mtime_ns: int
+
+
+@dataclass(slots=True)
+class LocalFile:
+    """A file written on this node: its bytes are in the data file ``id`` until uploaded."""
+
+    inode: int
+    path: str
+    id: str
+    size: int
+    mtime_ns: int
+    mode: int
+    uid: int
+    gid: int
+    writers: int = 0  # open handles that may write
+    generation: int = 0  # bumped by every change: an upload of an older generation is stale
+    since: float = 0.0  # when it was last closed (its bytes pending since then)
+    uploading: bool = False
+    closed: bool = False  # as the journal has it: flushed by its writer since its last change
+
+
+@dataclass(slots=True)
+class Stored:
+    """Uploaded from this node, not yet in the snapshot being served."""
+
+    inode: int
+    path: str
+    obj: ObjectInfo
+
+
+Entry = LocalDir | LocalFile | Stored
+Node = Dir | File | Entry
+
+
+def parent_of(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition("/")
+    return parent, name
+
+
+@dataclass
+class Overlay:
+    entries: dict[str, Entry] = field(default_factory=dict)
+    hidden: set[str] = field(default_factory=set)  # snapshot paths unlinked or renamed away
+    by_inode: dict[int, Entry] = field(default_factory=dict)
+    children: dict[str, set[str]] = field(default_factory=dict)  # dir path -> names of entries here
+    _inodes: Iterator[int] = field(default_factory=lambda: itertools.count(OVERLAY_INODES))
+
+    def new_inode(self) -> int:
+        return next(self._inodes)
+
+    def put(self, entry: Entry) -> None:
+        old = self.entries.get(entry.path)
+        if old is not None:
+            self.by_inode.pop(old.inode, None)
+        self.entries[entry.path] = entry
+        self.by_inode[entry.inode] = entry
+        parent, name = parent_of(entry.path)
+        self.children.setdefault(parent, set()).add(name)
+
+    def remove(self, path: str) -> Entry | None:
+        entry = self.entries.pop(path, None)
+        if entry is not None:
+            self.by_inode.pop(entry.inode, None)
+            parent, name = parent_of(path)
+            names = self.children.get(parent)
+            if names is not None:
+                names.discard(name)
+                if not names:
+                    del self.children[parent]
+        return entry
+
+    def __bool__(self) -> bool:
+        return bool(self.entries or self.hidden)
+
+
+class Tree:
+    """Lookups over the snapshot with the overlay on top."""
+
+    def __init__(self, namespace: Namespace, overlay: Overlay | None = None) -> None:
+        self.namespace = namespace
+        self.overlay = overlay
+
+    def node(self, inode: int) -> Node:
+        o = self.overlay
+        if o is not None:
+            entry = o.by_inode.get(inode)
+            if entry is not None:
+                return entry
+            if inode >= OVERLAY_INODES:
+                raise KeyError(inode)
+        node = self.namespace.node(inode)
+        if o is not None and (node.path in o.hidden or node.path in o.entries):
+            raise KeyError(inode)  # replaced or removed here
+        return node
+
+    def resolve(self, path: str) -> Node | None:
+        path = path.strip("/")
+        o = self.overlay
+        if o is not None:
+            entry = o.entries.get(path)
+            if entry is not None:
+                return entry
+            if path in o.hidden:
+                return None
+        return self.namespace.resolve(path)
+
+    def lookup(self, parent: Node, name: bytes) -> Node | None:
+        if not isinstance(parent, (Dir, LocalDir)):
+            return None
+        o = self.overlay
+        if o is None or isinstance(parent, Dir) and parent.path not in o.children and not o.hidden:
+            return self.namespace.lookup(parent.inode, name) if isinstance(parent, Dir) else None
+        try:
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return self.resolve(f"{parent.path}/{text}" if parent.path else text)
+
+    def listing(self, parent: Dir | LocalDir) -> list[tuple[bytes, Node]]:
+        """The names in a directory, sorted, with their nodes: the snapshot's directory at that path
+        (a directory made here may have been published since) and the overlay's entries."""
+        o = self.overlay
+        out: dict[bytes, Node] = {}
+        snap = parent if isinstance(parent, Dir) else self.namespace.resolve(parent.path)
+        if isinstance(snap, Dir):
+            if o is None or (isinstance(parent, Dir) and parent.path not in o.children and not o.hidden):
+                return [(name, self.namespace.node(snap.children[name])) for name in snap.names]
+            for name in snap.names:
+                node = self.namespace.node(snap.children[name])
+                if node.path not in o.hidden and node.path not in o.entries:
+                    out[name] = node
+        if o is not None:
+            prefix = parent.path + "/" if parent.path else ""
+            for text in o.children.get(parent.path, ()):
+                out[text.encode("utf-8")] = o.entries[prefix + text]
+        return sorted(out.items())
+
+    def is_empty_dir(self, node: Dir | LocalDir) -> bool:
+        return not self.listing(node)
