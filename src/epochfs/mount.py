@@ -182,7 +182,7 @@ class Daemon:
             metrics_addr=lambda: f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
         )
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,
-                                   prefetcher=self.prefetcher)
+                                   prefetcher=self.prefetcher, writeback=self.writeback)
         self.control = ControlServer(socket_path(config.cache_dir), handlers.table())
         self.ops = Operations(
             self.snapshots.namespace, self.cache, attr_timeout=config.attr_timeout,

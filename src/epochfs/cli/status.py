@@ -138,7 +138,18 @@ def format_status(s: dict[str, Any]) -> str:
         f"evictions  {st['evictions']} ({s['eviction']}); corrupt blocks {st['corrupt_blocks']}; "
         f"fill errors {st['fill_errors']}",
         format_prefetch(s["prefetch"]),
+        *([format_writeback(s["writeback"])] if s.get("writeback") else []),
     ])
+
+
+def format_writeback(w: dict[str, Any]) -> str:
+    pending = (f"{w['pending_files']} files ({human(w['pending_bytes'])}) not yet in the backend, oldest "
+               f"waiting {age(w['oldest_pending_seconds'])}; {w['uploading']} uploading"
+               if w["pending_files"] else "nothing pending")
+    more = f"; {w['deletes_pending']} deletes pending" if w["deletes_pending"] else ""
+    errors = f"; {w['upload_errors']} failed attempts (retried)" if w["upload_errors"] else ""
+    return (f"write-back {pending}{more}; uploaded {w['uploaded_files']} files ({human(w['uploaded_bytes'])})"
+            f"{errors}")
 
 
 def format_prefetch(p: dict[str, Any]) -> str:

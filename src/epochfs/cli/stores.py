@@ -1,5 +1,6 @@
 """Commands about the stores rather than one epoch: ``import`` (publish a snapshot), ``refresh``
-(switch a mount to the newest one) and ``fsck`` (check a cache directory offline)."""
+(switch a mount to the newest one), ``sync`` (wait until what was written is in the backend) and
+``fsck`` (check a cache directory offline)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "or fail with ESTALE; they never mix versions.")
     rf.add_argument("mountpoint", metavar="MOUNTPOINT")
     rf.set_defaults(run=cmd_refresh)
+
+    sy = sub.add_parser("sync", help="wait until what was written through a --writeback mount is in the backend",
+                        description="Block until every file written through MOUNTPOINT (or under each PATH) is "
+                        "uploaded and published, then exit 0. Files still open for writing are waited for too. "
+                        "Exit 1 naming what is still pending when --timeout passes (nothing is lost: the uploads "
+                        "go on), 2 for a usage error. A read-only mount has nothing to sync.")
+    sy.add_argument("mountpoint", metavar="MOUNTPOINT")
+    sy.add_argument("paths", nargs="*", metavar="PATH", help="files or directories, absolute or relative to the "
+                    "mount root (default: everything)")
+    sy.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long (default: wait "
+                    "as long as it takes)")
+    sy.add_argument("--quiet", "-q", action="store_true", help="no progress line")
+    sy.set_defaults(run=cmd_sync)
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -96,3 +110,46 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     print(f"{r['blocks']} blocks ({human(r['used_bytes'])}): {r['damaged']} damaged, {r['orphans']} orphan files "
           f"({human(r['orphan_bytes'])})" + ("; repaired" if args.repair and problems else ""))
     return 0 if args.repair or not problems else 1
+
+
+SYNC_ROUND = 10.0  # seconds one sync request waits in the daemon before the command asks again
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    import sys
+
+    from epochfs.control import request
+    from epochfs.prefetch.manifest import mount_relative
+
+    if args.timeout is not None and not args.timeout >= 0:
+        raise ConfigError("--timeout must be a number of seconds >= 0")
+    paths = [mount_relative(args.mountpoint, p) for p in args.paths]
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    show = not args.quiet and sys.stderr.isatty()
+    while True:
+        wait = SYNC_ROUND if deadline is None else max(0.0, min(SYNC_ROUND, deadline - time.monotonic()))
+        try:
+            reply = request(args.mountpoint, "sync", timeout=wait + 30, paths=paths, wait=wait)
+        except KeyboardInterrupt:
+            print("\nepochfs sync: interrupted; the uploads go on", file=sys.stderr)
+            return 130
+        if not reply["pending_total"]:
+            if show:
+                print("\r\033[K", end="", file=sys.stderr)
+            if not reply["writeback"]:
+                print(f"{args.mountpoint} is read-only: nothing to sync", file=sys.stderr)
+            return 0
+        if deadline is not None and time.monotonic() >= deadline:
+            if show:
+                print("\r\033[K", end="", file=sys.stderr)
+            print(f"epochfs sync: {reply['pending_total']} still pending ({human(reply['pending_bytes'])}) after "
+                  f"{args.timeout:g}s; they are kept and uploaded as the backend allows:", file=sys.stderr)
+            for item in reply["pending"]:
+                size = f" {human(item['bytes'])}" if item["bytes"] else ""
+                print(f"  {item['key']}{size} ({item['state']})", file=sys.stderr)
+            if reply["pending_total"] > len(reply["pending"]):
+                print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)
+            return 1
+        if show:
+            print(f"\rwaiting for {reply['pending_total']} uploads ({human(reply['pending_bytes'])})\033[K",
+                  end="", file=sys.stderr, flush=True)

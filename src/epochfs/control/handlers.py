@@ -7,6 +7,7 @@ the event loop (:func:`epochfs.prefetch.plan.count_blocks`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import trio
 from epochfs import __version__
 from epochfs.control import protocol as p
 from epochfs.control.server import Handler
+from epochfs.errors import ConfigError
 from epochfs.meta.namespace import File, Namespace
 from epochfs.meta.snapshots import Snapshots
 from epochfs.metrics import Collected
@@ -25,6 +27,10 @@ from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.plan import count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.records import ObjectInfo
+from epochfs.writeback.service import WriteBack
+
+#: Pending entries named in one ``sync`` reply (the total is always given).
+MAX_PENDING_LISTED = 1000
 
 
 @dataclass(frozen=True)
@@ -63,17 +69,18 @@ def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, bloc
 
 class ControlHandlers:
     def __init__(self, *, info: MountInfo, collect: Callable[[], Collected], snapshots: Snapshots,
-                 prefetcher: Prefetcher) -> None:
+                 prefetcher: Prefetcher, writeback: WriteBack | None = None) -> None:
         self.info = info
         self.collect = collect
         self.snapshots = snapshots
         self.prefetcher = prefetcher
+        self.writeback = writeback
 
     def table(self) -> dict[type, Handler]:
         return {
             p.Status: self.status, p.Refresh: self.refresh, p.Prefetch: self.prefetch, p.Warmup: self.warmup,
             p.Resident: self.resident, p.Job: self.job, p.Cancel: self.cancel, p.PublishManifest: self.publish_manifest,
-            p.GetManifest: self.get_manifest,
+            p.GetManifest: self.get_manifest, p.Sync: self.sync,
         }
 
     async def _objects(self, request: p.Entries, *, expand_dirs: bool) -> list[ObjectInfo]:
@@ -122,6 +129,18 @@ class ControlHandlers:
         return {"text": text}
 
 
+    async def sync(self, request: p.Sync) -> dict[str, Any]:
+        wb = self.writeback
+        if wb is None:  # a read-only mount owes the backend nothing
+            return {"writeback": False, "pending": [], "pending_total": 0, "pending_bytes": 0}
+        for path in request.paths:
+            if path and wb.tree.resolve(path) is None and not wb.pending([path]):
+                raise ConfigError(f"{path!r} is not in the mount")
+        left = await wb.sync(list(request.paths), request.wait)
+        return {"writeback": True, "pending": [dataclasses.asdict(x) for x in left[:MAX_PENDING_LISTED]],
+                "pending_total": len(left), "pending_bytes": sum(x.bytes for x in left)}
+
+
 def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
     """The reply to ``status`` (``epochfs status --json`` prints it)."""
     snap = c.snapshot
@@ -149,4 +168,5 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
             "requests": {f"{op}/{outcome}": n for (op, outcome), n in sorted(c.backend.requests.items())},
             "bytes": c.backend.bytes_read,
         },
+        "writeback": vars(c.writeback) if c.writeback is not None else None,
     }

@@ -18,6 +18,8 @@ Operations and fields:
 ``refresh``           (none)
 ``publish_manifest``  ``name``, ``text``: publish a manifest to the metadata store
 ``get_manifest``      ``name``
+``sync``              ``paths`` (list of paths relative to the mount root; empty: everything), ``wait``
+                      (seconds, at most 60): wait until what was written under them is in the backend
 ====================  ==========================================================================
 
 ``entries`` is a list of ``[line, path]`` pairs (the line number in the user's manifest, for error
@@ -38,6 +40,8 @@ MAX_PATH_BYTES = 4096
 MAX_NAME = 255
 MAX_SOURCE = 4096
 MAX_INT = (1 << 63) - 1
+MAX_SYNC_WAIT = 60.0
+MAX_SYNC_PATHS = 4096
 
 
 class BadRequest(EpochfsError):
@@ -100,7 +104,13 @@ class GetManifest:
     name: str
 
 
-Request = Status | Refresh | Prefetch | Warmup | Resident | Job | Cancel | PublishManifest | GetManifest
+@dataclass(frozen=True, slots=True)
+class Sync:
+    paths: tuple[str, ...]
+    wait: float
+
+
+Request = Status | Refresh | Prefetch | Warmup | Resident | Job | Cancel | PublishManifest | GetManifest | Sync
 
 
 def _int(value: Any, field: str, lo: int = 0, hi: int = MAX_INT) -> int:
@@ -143,6 +153,24 @@ def _entries(value: Any) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+def _paths(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_SYNC_PATHS:
+        raise BadRequest(f"'paths' must be a list of at most {MAX_SYNC_PATHS} paths")
+    out = []
+    for i, item in enumerate(value):
+        path = _text(item, f"paths[{i}]", MAX_PATH_BYTES, empty=True)
+        if "\x00" in path:
+            raise BadRequest(f"'paths'[{i}] contains NUL")
+        out.append(path.strip("/"))
+    return tuple(out)
+
+
+def _seconds(value: Any, field: str, hi: float) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= hi:
+        raise BadRequest(f"{field!r} must be a number of seconds in [0, {hi:g}]")
+    return float(value)
+
+
 # op -> (required fields, optional fields with defaults)
 _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "status": ((), {}),
@@ -154,6 +182,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "cancel": (("id",), {}),
     "publish_manifest": (("name", "text"), {}),
     "get_manifest": (("name",), {}),
+    "sync": ((), {"paths": [], "wait": 10.0}),
 }
 OPERATIONS = tuple(_FIELDS)
 
@@ -191,6 +220,8 @@ def parse(line: bytes) -> Request:
         return PublishManifest(_name(f["name"]), _text(f["text"], "text", MAX_REQUEST, empty=True))
     if op == "get_manifest":
         return GetManifest(_name(f["name"]))
+    if op == "sync":
+        return Sync(_paths(f["paths"]), _seconds(f["wait"], "wait", MAX_SYNC_WAIT))
     entries, source = _entries(f["entries"]), _text(f["source"], "source", MAX_SOURCE)
     if op == "prefetch":
         epoch = None if f["epoch"] is None else _int(f["epoch"], "epoch", -MAX_INT)

@@ -615,7 +615,7 @@ class WriteBack:
         published), at most ``seconds``; what is still pending. Files closed but settling are uploaded
         at once."""
         with trio.move_on_after(seconds):
-            while self.pending(prefixes):
+            while any(p.state != "to publish" for p in self.pending(prefixes)):
                 changed = self._changed
                 for f in self._files.values():
                     f.since = min(f.since, time.monotonic() - self.SETTLE)
