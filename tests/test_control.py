@@ -51,6 +51,9 @@ VALID = {  # what the protocol documents for each field
     "id": lambda v: _is_int(v, 0, p.MAX_INT),
     "name": lambda v: _is_text(v, 255) and not any(ord(c) < 32 for c in v),
     "text": lambda v: _is_text(v, p.MAX_REQUEST, empty=True),
+    "paths": lambda v: isinstance(v, list) and len(v) <= p.MAX_SYNC_PATHS and all(
+        _is_text(e, 4096, empty=True) and "\x00" not in e for e in v),
+    "wait": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= p.MAX_SYNC_WAIT,
 }
 
 
