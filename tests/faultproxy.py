@@ -178,6 +178,9 @@ class FaultProxy:
             conn.request(h.command, h.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
+        except ConnectionRefusedError:  # the endpoint behind is down: so is the proxy, to the client
+            h.close_connection = True
+            return
         finally:
             conn.close()
         if kind == "drip_headers":

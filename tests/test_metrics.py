@@ -29,6 +29,8 @@ REQUIRED = {  # from the product contract: name -> type
     "epochfs_cache_capacity_bytes": "gauge", "epochfs_cache_evictions": "counter",
     "epochfs_cache_corrupt_blocks": "counter", "epochfs_prefetch_queued_bytes": "gauge",
     "epochfs_prefetch_lead_seconds": "gauge", "epochfs_manifest_position": "gauge", "epochfs_errors": "counter",
+    "epochfs_writeback_pending_bytes": "gauge", "epochfs_writeback_pending_files": "gauge",
+    "epochfs_writeback_oldest_pending_seconds": "gauge", "epochfs_writeback_uploaded_bytes": "counter",
 }
 
 
@@ -94,7 +96,7 @@ def test_counters_move_by_exactly_what_was_read(s3_client, fresh_bucket, mount_f
 
 @requires_fuse
 def test_exposition_types_help_and_no_object_keys_in_labels(mount_factory, sample_bucket, sample_files):
-    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit") as m:
+    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit", "--writeback") as m:
         read_all(m.path(sample_files[9].key))
         families = {f.name: f for f in text_string_to_metric_families(scrape_text(m))}
     for name, kind in REQUIRED.items():
@@ -186,7 +188,7 @@ def dashboard_metric_names() -> set[str]:
 
 @requires_fuse
 def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_bucket, sample_files):
-    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit") as m:
+    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit", "--writeback") as m:
         read_all(m.path(sample_files[12].key))
         exported = set()
         for fam in text_string_to_metric_families(scrape_text(m)):

@@ -101,7 +101,10 @@ class LocalS3:
                 raise RuntimeError(f"SeaweedFS exited with {self.proc.returncode}; see {self.log_file}")
             try:
                 client.list_buckets()
-                client.create_bucket(Bucket="epochfs-ready-probe")
+                try:
+                    client.create_bucket(Bucket="epochfs-ready-probe")
+                except client.exceptions.BucketAlreadyOwnedByYou:
+                    pass  # a restart on the same data directory: the probe of the first start is there
                 return self
             except Exception as exc:
                 if time.monotonic() > deadline:

@@ -335,6 +335,24 @@ class Operations(pyfuse3.Operations):
         self._writer().unlink(self._node(parent_inode), name)
 
     @_translated
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._writer()
+        raise Refused("objects cannot be hard-linked", errno.EPERM)
+
+    @_translated
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._writer()
+        raise Refused("the mount holds files and directories only", errno.EPERM)
+
+    @_translated
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        self._writer()
+        raise Refused("the mount holds files and directories only", errno.EPERM)
+
+    @_translated
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: pyfuse3.RequestContext) -> None:
         self._writer().rename(self._node(parent_inode_old), name_old, self._node(parent_inode_new), name_new, flags)

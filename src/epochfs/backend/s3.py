@@ -177,7 +177,8 @@ class S3Backend(Backend):
         return self._upload_client
 
     def _denied_or_unavailable(self, what: str, exc: Exception) -> Exception:
-        code = getattr(exc, "response", {}).get("Error", {}).get("Code", "") if hasattr(exc, "response") else ""
+        response = getattr(exc, "response", None)  # None on connection errors, even on a ClientError
+        code = response.get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
         if code in _DENIED_CODES or "AccessDenied" in str(exc):
             return AccessDenied(f"{what}: {code or exc}")
         return BackendUnavailable(f"{what}: {code or exc}")

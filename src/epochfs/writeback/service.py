@@ -23,7 +23,7 @@ the overlay entries give way to the snapshot's.
 
 What the mount does not do (it says so with an errno): modify an existing object in place (open it
 with ``O_TRUNC`` to replace it: EOPNOTSUPP), rename an object that is already in the backend or a
-directory that holds one (EXDEV: ``mv`` then copies), hard links, symlinks.
+directory that holds one (EXDEV: ``mv`` then copies), hard links, symlinks, special files (EPERM).
 """
 
 from __future__ import annotations
@@ -613,7 +613,10 @@ class WriteBack:
     async def sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
         """Wait until nothing under ``prefixes`` is owed to the backend (and what was uploaded is
         published), at most ``seconds``; what is still pending. Files closed but settling are uploaded
-        at once."""
+        at once, and failed ones retried at once (once per request: a caller waiting in rounds retries
+        at the pace of its rounds, not faster)."""
+        for f in self._files.values():
+            self._not_before.pop(f.id, None)
         with trio.move_on_after(seconds):
             while any(p.state != "to publish" for p in self.pending(prefixes)):
                 changed = self._changed
