@@ -44,14 +44,37 @@ class FileRecord:
     since: float  # when it was closed (pending since)
 
 
-def _valid(rec: dict[str, Any]) -> FileRecord | None:
+def _is_int(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value < hi
+
+
+def _is_key(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and 0 < len(value.encode("utf-8")) <= MAX_KEY_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _valid(rec: Any) -> FileRecord | None:
     try:
         out = FileRecord(**rec)
     except TypeError:
         return None
     ok = (isinstance(out.id, str) and len(out.id) == 32 and all(c in "0123456789abcdef" for c in out.id)
-          and isinstance(out.key, str) and 0 < len(out.key.encode("utf-8", "replace")) <= MAX_KEY_BYTES
-          and isinstance(out.size, int) and 0 <= out.size < MAX_OBJECT_SIZE)
+          and _is_key(out.key) and _is_int(out.size, 0, MAX_OBJECT_SIZE) and _is_int(out.mtime_ns, -2**63, 2**63)
+          and _is_int(out.mode, 0, 0o10000) and _is_int(out.uid, 0, 2**32) and _is_int(out.gid, 0, 2**32)
+          and isinstance(out.closed, bool) and isinstance(out.since, (int, float)))
+    return out if ok else None
+
+
+def _valid_object(key: str, rec: Any) -> ObjectInfo | None:
+    try:
+        out = ObjectInfo(**rec)
+    except TypeError:
+        return None
+    ok = (out.key == key and _is_key(out.key) and _is_int(out.size, 0, MAX_OBJECT_SIZE)
+          and _is_int(out.mtime_ns, -2**63, 2**63) and isinstance(out.etag, str) and 0 < len(out.etag) <= 1024
+          and out.mode is None and out.uid is None and out.gid is None)
     return out if ok else None
 
 
@@ -90,8 +113,13 @@ class Journal:
                             raise ValueError("malformed file record")
                         files.append(rec)
                     elif key.startswith(b"u/"):
-                        uploaded[key[2:].decode()] = ObjectInfo(**value)
+                        obj = _valid_object(key[2:].decode(), value)
+                        if obj is None:
+                            raise ValueError("malformed upload record")
+                        uploaded[obj.key] = obj
                     elif key.startswith(b"x/"):
+                        if not _is_key(key[2:].decode()):
+                            raise ValueError("malformed delete record")
                         deletes.add(key[2:].decode())
                     else:
                         raise ValueError("unknown record")
