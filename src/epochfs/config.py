@@ -190,6 +190,23 @@ class Config:
     snapshot_ttl: float = option(
         0.0, "namespace", "list the source again when the stored snapshot is older than this (0: keep it until "
         "--refresh)", metavar="SECONDS", parse=float)
+    # -- cluster cache tier
+    peer_listen: str | None = option(
+        None, "cluster cache", "join the cluster cache tier of this dataset and answer other members' block "
+        "requests on HOST:PORT (needs --meta redis://... and --peer-token-file); each block then crosses the "
+        "backend link once per cluster", metavar="HOST:PORT", parse=str, example='"10.0.0.21:9570"')
+    peer_advertise: str | None = option(
+        None, "cluster cache", "address other members reach this node at (default: --peer-listen; required when "
+        "that is a wildcard such as 0.0.0.0)", metavar="HOST:PORT", parse=str, example='"10.0.0.21:9570"')
+    peer_token_file: Path | None = option(
+        None, "cluster cache", "file holding the secret shared by the members (mode 0600; e.g. openssl rand "
+        "-hex 32): requests are signed with it", metavar="FILE", parse=Path, example='"/etc/epochfs/peer-token"')
+    peer_cache: str = option(
+        "all", "cluster cache", "'all': keep every block read here too (later epochs are local); 'owned': keep "
+        "only the blocks this node owns, so the members' caches add up to one", metavar="MODE", parse=str)
+    peer_timeout: float = option(
+        5.0, "cluster cache", "a block request to a member that takes longer is given up and the block read from "
+        "the backend", metavar="SECONDS", parse=float)
     # -- metrics
     metrics_addr: str | None = option(
         None, "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "
@@ -268,6 +285,7 @@ class Config:
             raise ConfigError("--snapshot-ttl must be >= 0")
         if self.attr_timeout < 0:
             raise ConfigError("--attr-timeout must be >= 0")
+        self._check_peer()
         for name in ("file_mode", "dir_mode"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 0o777:
@@ -276,6 +294,40 @@ class Config:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 0xFFFFFFFF:
                 raise ConfigError(f"--{name} must be a user or group number")
+
+
+    def _check_peer(self) -> None:
+        from epochfs.peer.wire import is_wildcard, split_addr
+
+        if self.peer_listen is None:
+            for name in ("peer_advertise", "peer_token_file"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"--{name.replace('_', '-')} needs --peer-listen")
+            return
+        listen = split_addr(self.peer_listen, any_port=True)
+        if listen is None:
+            raise ConfigError(f"--peer-listen {self.peer_listen!r}: expected HOST:PORT (an address of this node)")
+        if self.peer_advertise is not None:
+            advertised = split_addr(self.peer_advertise)
+            if advertised is None or is_wildcard(advertised[0]):
+                raise ConfigError(f"--peer-advertise {self.peer_advertise!r}: expected the HOST:PORT other nodes "
+                                  "reach this one at")
+            if listen[1] == 0:
+                raise ConfigError("--peer-listen with port 0 picks a port at start-up: --peer-advertise cannot "
+                                  "know it; give the port")
+        elif is_wildcard(listen[0]):
+            raise ConfigError(f"--peer-listen {self.peer_listen}: other nodes cannot reach a wildcard address; "
+                              "give --peer-advertise HOST:PORT")
+        if not (self.meta or "").startswith(("redis://", "rediss://")):
+            raise ConfigError("--peer-listen needs a shared store: --meta redis://HOST:PORT/DB (the members "
+                              "find each other there)")
+        if self.peer_token_file is None:
+            raise ConfigError("--peer-listen needs --peer-token-file: members sign their requests with a "
+                              "shared secret")
+        if self.peer_cache not in ("all", "owned"):
+            raise ConfigError(f"--peer-cache {self.peer_cache!r}: choose all or owned")
+        if not 0 < self.peer_timeout <= 300:
+            raise ConfigError("--peer-timeout must be in (0, 300] seconds")
 
 
 def parse_mode(text: str) -> int:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from epochfs.cache.store import StoreStats
     from epochfs.fs import FsStats
     from epochfs.meta.snapshots import SnapshotStats
+    from epochfs.peer.tier import PeerStats
     from epochfs.prefetch.scheduler import PrefetchStats
     from epochfs.writeback.service import WritebackStats
 
@@ -42,7 +43,8 @@ MAX_CONNECTIONS = 16  # concurrent scrapes; more are closed at once
 METRICS: dict[str, tuple[str, str]] = {
     "cache_hits": ("counter", "Block reads by the reader served without waiting for the backend."),
     "cache_misses": ("counter", "Block reads by the reader that waited for (or were fetched by) the backend."),
-    "cache_hit_bytes": ("counter", "Bytes returned to readers from the cache or a completed prefetch."),
+    "cache_hit_bytes": ("counter", "Bytes returned to readers without waiting for the backend: from the cache, a "
+                        "completed prefetch, or a peer's cache (cluster tier)."),
     "cache_miss_bytes": ("counter", "Bytes returned to readers that had to come from the backend on demand."),
     "backend_requests": ("counter", "Requests to the backend by operation and outcome."),
     "backend_bytes": ("counter", "Bytes fetched from the backend, by purpose (demand or prefetch)."),
@@ -71,6 +73,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "writeback_oldest_pending_seconds": ("gauge", "How long the oldest closed file not yet in the backend has waited."),
     "writeback_uploaded_bytes": ("counter", "Bytes of written files uploaded to the backend."),
     "writeback_uploaded_files": ("counter", "Written files uploaded to the backend."),
+    "peer_bytes": ("counter", "Block bytes exchanged with members of the cluster cache tier: in (fetched from "
+                   "an owner instead of the backend), out (served to a member)."),
+    "peer_requests": ("counter", "Block requests of the cluster cache tier by outcome: ok, unavailable, bad, "
+                      "declined (asked by this node); served, rejected (answered by it)."),
+    "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
 }
 
 
@@ -87,6 +94,7 @@ class Collected:
     snapshot: SnapshotStats
     backend_bandwidth: float | None = None
     writeback: WritebackStats | None = None
+    peer: PeerStats | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,8 @@ class Sample:
     backend_bytes: dict[str, int]
     errors: dict[str, int]
     histograms: dict[str, HistogramSnapshot]
+    peer_bytes: dict[str, int] | None = None
+    peer_requests: dict[str, int] | None = None
 
 
 def sample_of(c: Collected) -> Sample:
@@ -131,8 +141,13 @@ def sample_of(c: Collected) -> Sample:
     histograms = {"read_seconds": c.fs.read_seconds}
     if c.backend.request_seconds is not None:
         histograms["backend_request_seconds"] = c.backend.request_seconds
+    peer = c.peer
+    if peer is not None:
+        values["peer_members"] = len(peer.members)
     return Sample(values, c.backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},
-                  errors, histograms)
+                  errors, histograms,
+                  peer_bytes={"in": peer.bytes_in, "out": peer.bytes_out} if peer else None,
+                  peer_requests=dict(peer.requests) if peer else None)
 
 
 class DaemonCollector(Collector):
@@ -154,9 +169,12 @@ class DaemonCollector(Collector):
             fam = self._family(short, [])
             fam.add_metric([mp], value)
             yield fam
-        for short, label, series in (("backend_requests", ["op", "outcome"], s.backend_requests.items()),
-                                     ("backend_bytes", ["purpose"], s.backend_bytes.items()),
-                                     ("errors", ["kind"], s.errors.items())):
+        labelled = [("backend_requests", ["op", "outcome"], s.backend_requests.items()),
+                    ("backend_bytes", ["purpose"], s.backend_bytes.items()), ("errors", ["kind"], s.errors.items())]
+        if s.peer_bytes is not None and s.peer_requests is not None:
+            labelled += [("peer_bytes", ["direction"], s.peer_bytes.items()),
+                         ("peer_requests", ["outcome"], s.peer_requests.items())]
+        for short, label, series in labelled:
             fam = self._family(short, label)
             for key, n in sorted(series):
                 fam.add_metric([mp, *(key if isinstance(key, tuple) else (key,))], n)

@@ -38,6 +38,11 @@ from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
 from epochfs.metrics import DEFAULT_ADDR, Collected, MetricsServer, parse_addr
+from epochfs.peer.client import PeerClient
+from epochfs.peer.members import Membership
+from epochfs.peer.server import PeerServer
+from epochfs.peer.tier import PeerTier
+from epochfs.peer.wire import load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack
@@ -160,18 +165,25 @@ class Daemon:
                 meta.close()
             self.store.close()
             raise
+        self.journal: Journal | None = None
+        self.writeback: WriteBack | None = None
+        self.peer: PeerTier | None = None
+        self.peer_server: PeerServer | None = None
+        if config.peer_listen:
+            self._open_peer()
         self.cache = BlockCache(
             self.store, self.backend, block_size=config.block_size,
             concurrency=config.backend_concurrency, readahead_blocks=config.readahead_blocks,
-            fetch_timeout=config.backend_timeout + 2.0,
+            fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
+            source=self.peer,
         )
+        if self.peer is not None:
+            self.peer.cache = self.cache
         self.prefetcher = Prefetcher(self.cache, capacity=config.cache_size,
                                      max_inflight=config.backend_concurrency,
                                      bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
         self.cache.observer = self.prefetcher
         self.tree = Tree(self.snapshots.namespace)
-        self.journal: Journal | None = None
-        self.writeback: WriteBack | None = None
         if config.writeback:
             self._open_writeback()
         self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint),
@@ -197,6 +209,22 @@ class Daemon:
         )
         self.snapshots.on_switch = self._switch
         self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
+
+    def _open_peer(self) -> None:
+        """The cluster cache tier: membership in the shared store, the peer port, the block source."""
+        config = self.config
+        assert config.peer_listen is not None and config.peer_token_file is not None
+        try:
+            token = load_token(config.peer_token_file)
+            host, port = split_addr(config.peer_listen, any_port=True) or ("", 0)
+            members = Membership(self.snapshots.store, self.backend.source_id,
+                                 config.peer_advertise or config.peer_listen)
+            self.peer = PeerTier(self.backend, members, PeerClient(token, config.peer_timeout),
+                                 mode=config.peer_cache, namespace=lambda: self.snapshots.namespace)
+            self.peer_server = self.peer.server = PeerServer(host, port, token, self.peer.serve)
+        except BaseException:
+            self.close()
+            raise
 
     def _open_writeback(self) -> None:
         """The write-back journal and service; what an earlier run left owed is taken up before the mount
@@ -231,7 +259,8 @@ class Daemon:
                          backend=self.backend.statistics(), fs=self.ops.statistics(),
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
                          backend_bandwidth=self.config.backend_bandwidth,
-                         writeback=self.writeback.statistics() if self.writeback else None)
+                         writeback=self.writeback.statistics() if self.writeback else None,
+                         peer=self.peer.statistics() if self.peer else None)
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
@@ -241,6 +270,11 @@ class Daemon:
     async def run(self, ready: Ready) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.cache.run)
+            if self.peer is not None and self.peer_server is not None:
+                await nursery.start(self.peer_server.run)
+                if self.config.peer_advertise is None:  # port 0: the one the system gave
+                    self.peer.members.rename(f"{self.peer_server.host}:{self.peer_server.port}")
+                await nursery.start(self.peer.members.run)
             await nursery.start(self.prefetcher.run)
             await nursery.start(self.snapshots.run)
             if self.writeback is not None:

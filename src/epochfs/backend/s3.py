@@ -40,6 +40,7 @@ from epochfs.backend.base import (
     TemporaryFailure,
     retry,
 )
+from epochfs.curlio import Answer
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged, UploadCancelled
 from epochfs.records import ObjectInfo
 
@@ -58,33 +59,6 @@ _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or 
 
 
 _TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
-
-
-class _Answer:
-    """Collects one answer: headers (lower-case names) and a body of at most ``limit`` bytes."""
-
-    __slots__ = ("headers", "body", "limit", "overflow")
-
-    def __init__(self, limit: int) -> None:
-        self.headers: dict[str, str] = {}
-        self.body = bytearray()
-        self.limit = limit
-        self.overflow = False
-
-    def header(self, line: bytes) -> None:
-        if line.startswith(b"HTTP/"):
-            self.headers = {}  # a new answer (after a 100 Continue, say)
-            return
-        name, sep, value = line.partition(b":")
-        if sep:
-            self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-
-    def write(self, chunk: bytes) -> int | None:
-        if len(self.body) + len(chunk) > self.limit:
-            self.overflow = True
-            return 0  # stops the transfer
-        self.body += chunk
-        return None
 
 
 class S3Backend(Backend):
@@ -313,7 +287,7 @@ class S3Backend(Backend):
                    "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
         if creds.token:
             headers.append(f"x-amz-security-token: {creds.token}")
-        answer = _Answer(max(length, 1 << 16))  # never buffer more than was asked for (or an error page)
+        answer = Answer(max(length, 1 << 16))  # never buffer more than was asked for (or an error page)
         curl = self._curl()
         curl.setopt(pycurl.AWS_SIGV4, f"aws:amz:{self._region}:s3")
         curl.setopt(pycurl.URL, self._url(key))
@@ -340,7 +314,7 @@ class S3Backend(Backend):
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data
 
-    def _checked(self, status: int, answer: _Answer, key: str, etag: str, start: int, length: int) -> bytes:
+    def _checked(self, status: int, answer: Answer, key: str, etag: str, start: int, length: int) -> bytes:
         """The body of an answer to a ranged GET, if it is exactly the asked-for bytes of the version."""
         headers, data = answer.headers, answer.body
         end = start + length - 1

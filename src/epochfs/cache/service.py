@@ -12,9 +12,12 @@ Concurrency contract (all on the trio thread unless noted):
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
-- **Accounting.** A block read is a *hit* when it is served without waiting for the backend and the
-  bytes were not fetched on demand: from the disk cache, or from a completed readahead/prefetch. Every
-  other block read is a *miss*.
+- **Accounting.** A block read is a *hit* when it is served without waiting for the backend: from the
+  disk cache, a completed readahead/prefetch, or a peer's cache (the cluster tier). Every other block
+  read is a *miss*. Fetched bytes are counted by where they came from: the backend or a peer.
+- **Sources.** Every fetch goes through a :class:`BlockSource`: the backend itself, or the cluster tier
+  (which asks the block's owner and falls back to the backend). A source may say a block is not kept
+  here (another member owns it); such a block is read through, never cached.
 """
 
 from __future__ import annotations
@@ -45,9 +48,36 @@ class CacheStats:
     miss_bytes: int
     demand_fetches: int
     prefetch_fetches: int
-    demand_bytes: int
-    prefetch_bytes: int
+    demand_bytes: int  # from the backend
+    prefetch_bytes: int  # from the backend
     inflight: int
+    peer_bytes: int = 0  # fetched from peers (demand and prefetch)
+
+
+class BlockSource(Protocol):
+    """Where fetches get their bytes (blocking; called from worker threads)."""
+
+    def keeps(self, bid: bytes) -> bool:
+        """Whether this node caches the block."""
+
+    def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
+                   warm: bool) -> tuple[bytes | None, bool]:
+        """The block's bytes and whether they came from a peer. ``direct``: from the backend only.
+        ``warm``: a prefetch of a block not kept here: only make sure its owner has it (may return None)."""
+
+
+class BackendSource:
+    """Every block from the backend, every block kept."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def keeps(self, bid: bytes) -> bool:
+        return True
+
+    def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
+                   warm: bool) -> tuple[bytes | None, bool]:
+        return self.backend.read_range(obj.key, obj.etag, start, length), False
 
 
 class ReadObserver(Protocol):
@@ -61,13 +91,16 @@ class ReadObserver(Protocol):
 class Fetch:
     """One block being fetched (single flight: every reader of the block waits on the same one)."""
 
-    __slots__ = ("event", "data", "error", "demand")
+    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "from_peer")
 
-    def __init__(self, demand: bool) -> None:
+    def __init__(self, demand: bool, direct: bool = False, warm: bool = False) -> None:
         self.event = trio.Event()
         self.data: bytes | None = None
         self.error: EpochfsError | None = None
         self.demand = demand
+        self.direct = direct  # for a peer: from the backend, never another peer
+        self.warm = warm  # a prefetch that only warms the block's owner: no bytes for readers
+        self.from_peer = False
 
     async def wait(self) -> EpochfsError | None:
         """Wait for the fetch; its error, or None when the bytes arrived."""
@@ -88,8 +121,10 @@ class BlockCache:
         concurrency: int,
         readahead_blocks: int,
         fetch_timeout: float = 60.0,
+        source: BlockSource | None = None,
     ) -> None:
         self.store = store
+        self.source: BlockSource = source or BackendSource(backend)
         self.fetch_timeout = fetch_timeout
         self.backend = backend
         self.block_size = block_size
@@ -109,6 +144,7 @@ class BlockCache:
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
+        self._peer_bytes = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -127,6 +163,10 @@ class BlockCache:
     def _compute_block_id(self, key: str, etag: str, index: int) -> bytes:
         return block_id(self._source, key, etag, index, block_size=self.block_size)
 
+    def block_length(self, obj: ObjectInfo, index: int) -> int:
+        """Length of block ``index`` of ``obj`` (ValueError if it has no such block)."""
+        return block_bounds(index, obj.size, self.block_size)[1]
+
     async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview:
         """Bytes [offset, offset + size) of ``obj``, clipped to its size."""
         parts = []
@@ -136,16 +176,27 @@ class BlockCache:
             return parts[0]
         return b"".join(parts)
 
-    async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int) -> bytes | memoryview:
+    async def read_for_peer(self, obj: ObjectInfo, index: int, warm: bool) -> bytes | None:
+        """Block ``index`` of ``obj`` for another member: from the store, or fetched from the backend
+        (never from a peer); ``warm``: only make sure it is here. Not counted as a read of this node."""
+        length = self.block_length(obj, index)
+        if warm and self.store.lookup(self.block_id(obj, index)) is not None:
+            return None
+        data = await self._read_block(obj, index, length, 0, length, for_peer=True)
+        return None if warm else bytes(data)
+
+    async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int, *,
+                          for_peer: bool = False) -> bytes | memoryview:
         """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``."""
         bid = self.block_id(obj, index)
-        if self.observer is not None:
+        if self.observer is not None and not for_peer:
             self.observer.touched(obj, index)
+        count = self._ignore if for_peer else self._count
         flight = self._flights.get(bid)
         if flight is None:
             kept = self._uncached.get(bid)
             if kept is not None:
-                self._count(False, hi - lo)
+                count(True, hi - lo)
                 return memoryview(kept)[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None and meta.length != length:
@@ -162,17 +213,22 @@ class BlockCache:
                     if data is WOULD_BLOCK:
                         data = await self._read_from_disk(bid, meta, lo, hi)
                 if data is not None:
-                    self._count(True, hi - lo)
+                    count(True, hi - lo)
                     return data
                 flight = self._flights.get(bid)  # another reader may have started it meanwhile
             if flight is None:
-                flight = self._start(obj, index, bid, demand=True)
+                flight = self._start(obj, index, bid, demand=True, direct=for_peer)
         hit = flight.event.is_set() and not flight.demand
         await flight.event.wait()
-        self._count(hit, hi - lo)
+        if flight.error is None and flight.data is None:  # a warm-only prefetch: fetch the bytes now
+            flight = self._flights.get(bid) or self._start(obj, index, bid, demand=True, direct=for_peer)
+            hit = False
+            await flight.event.wait()
+        count(hit or flight.from_peer, hi - lo)
         if flight.error is not None:
             raise flight.error
-        assert flight.data is not None
+        if flight.data is None:
+            raise BackendUnavailable(f"{obj.key}: block {index} could not be read")
         return memoryview(flight.data)[lo:hi]
 
     async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
@@ -182,6 +238,9 @@ class BlockCache:
         if self.store.lookup(bid) != meta:
             return None  # evicted (or evicted and refilled) meanwhile: not damage, a miss
         return self.store.finish_read(bid, meta, lo, hi, raw)
+
+    def _ignore(self, hit: bool, nbytes: int) -> None:
+        pass
 
     def _count(self, hit: bool, nbytes: int) -> None:
         if hit:
@@ -247,20 +306,21 @@ class BlockCache:
 
     # -- fetching --------------------------------------------------------------------------------------
 
-    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool) -> Fetch:
+    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool, direct: bool = False) -> Fetch:
         if self._nursery is None:
             raise BackendUnavailable("the cache service is not running (shutting down)")
-        flight = Fetch(demand)
+        keep = direct or self.source.keeps(bid)
+        flight = Fetch(demand, direct, warm=not keep and not demand)
         self._flights[bid] = flight
         start, length = block_bounds(index, obj.size, self.block_size)
         # Room is reserved now (the policy decides whether the block is cached), so what the store
         # reports as free already accounts for every fetch started.
-        admitted = self.store.reserve(bid, length, in_use=demand)
-        self._nursery.start_soon(self._fetch_and_fill, obj, start, length, bid, flight, admitted)
+        admitted = keep and self.store.reserve(bid, length, in_use=demand)
+        self._nursery.start_soon(self._fetch_and_fill, obj, index, start, length, bid, flight, admitted)
         return flight
 
-    async def _fetch_and_fill(self, obj: ObjectInfo, start: int, length: int, bid: bytes, flight: Fetch,
-                              admitted: bool) -> None:
+    async def _fetch_and_fill(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes,
+                              flight: Fetch, admitted: bool) -> None:
         """One worker-thread job per block: fetch it, hand the bytes to the readers at once (from the
         thread), write them to a temporary file if ``admitted``; then, back on the trio thread, install
         and index it."""
@@ -269,9 +329,10 @@ class BlockCache:
         token = trio.lowlevel.current_trio_token()
 
         def job() -> tuple[str, BlockMeta] | OSError | None:
-            data = self.backend.read_range(obj.key, obj.etag, start, length)
-            token.run_sync_soon(self._deliver, flight, data)
-            if not admitted:
+            data, from_peer = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
+                                                     warm=flight.warm)
+            token.run_sync_soon(self._deliver, flight, data, from_peer)
+            if not admitted or data is None:
                 return None
             try:
                 return self.store.write_temp(bid, data)
@@ -315,11 +376,15 @@ class BlockCache:
             if not self._flights:
                 self._idle.set()
 
-    def _deliver(self, flight: Fetch, data: bytes) -> None:
+    def _deliver(self, flight: Fetch, data: bytes | None, from_peer: bool) -> None:
         """The bytes of a fetch arrived (called on the trio thread from the worker): release the readers."""
         flight.data = data
+        flight.from_peer = from_peer
         self._fetches[flight.demand] += 1
-        self._fetched_bytes[flight.demand] += len(data)
+        if from_peer:
+            self._peer_bytes += len(data or b"")
+        else:
+            self._fetched_bytes[flight.demand] += len(data or b"")
         flight.event.set()
 
     async def wait_idle(self) -> None:
@@ -340,6 +405,7 @@ class BlockCache:
             demand_bytes=self._fetched_bytes[True],
             prefetch_bytes=self._fetched_bytes[False],
             inflight=len(self._flights),
+            peer_bytes=self._peer_bytes,
         )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from epochfs.config import Config, Option, Source, read_config_file
 from epochfs.errors import ConfigError
 
-GROUPS = ("object store", "cache", "prefetch", "write-back", "namespace", "metrics", "mount")
+GROUPS = ("object store", "cache", "prefetch", "write-back", "namespace", "cluster cache", "metrics", "mount")
 NOT_IN_FILES = {"foreground"}  # the unit passes --foreground itself
 
 

@@ -139,7 +139,21 @@ def format_status(s: dict[str, Any]) -> str:
         f"fill errors {st['fill_errors']}",
         format_prefetch(s["prefetch"]),
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
+        *(format_peer(s["peer"]) if s.get("peer") else []),
     ])
+
+
+def format_peer(p: dict[str, Any]) -> list[str]:
+    r = p["requests"]
+    failed = r["unavailable"] + r["bad"] + r["declined"]
+    lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks; this node {p['me']}"
+             + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
+             f"           from peers {human(p['bytes_in'])} in {r['ok']} blocks ({failed} requests fell back to the "
+             f"backend); served {human(p['bytes_out'])} in {r['served']} blocks, rejected {r['rejected']}"]
+    for member in p["members"]:
+        mark = " (this node)" if member == p["me"] else " (bypassed: not answering)" if member in p["down"] else ""
+        lines.append(f"           member {member}{mark}")
+    return lines
 
 
 def format_writeback(w: dict[str, Any]) -> str:

@@ -169,4 +169,6 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
             "bytes": c.backend.bytes_read,
         },
         "writeback": vars(c.writeback) if c.writeback is not None else None,
+        "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down)}
+        if c.peer is not None else None,
     }

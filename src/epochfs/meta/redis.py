@@ -195,6 +195,23 @@ class RedisMetaStore:
             except redis.exceptions.RedisError:
                 pass  # expired (its timeout bounds any hold)
 
+    # -- cluster members (the peer tier) --------------------------------------------------------------
+
+    def heartbeat(self, source: str, member: str, ttl: float, limit: int) -> list[bytes]:
+        """Renew ``member`` for ``ttl`` seconds (by the store's clock, so the nodes' clocks do not matter),
+        forget members whose time ran out, and return the live ones (at most ``limit``), unchecked."""
+        key = self._prefix(source) + "peers"
+        seconds, micros = self._call(self._redis.time)
+        now = seconds + micros / 1e6
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.zadd(key, {member: now + ttl})
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.zrangebyscore(key, now, "+inf", start=0, num=limit)
+        return list(self._call(pipe.execute)[2])
+
+    def leave(self, source: str, member: str) -> None:
+        self._call(self._redis.zrem, self._prefix(source) + "peers", member)
+
     def put_manifest(self, source: str, name: str, text: str) -> None:
         self._call(self._redis.set, f"{self._prefix(source)}manifest:{name}", text.encode())
 
