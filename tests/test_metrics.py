@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from epochfs.devserver import LocalRedis
 from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
@@ -187,12 +188,23 @@ def dashboard_metric_names() -> set[str]:
 
 
 @requires_fuse
-def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_bucket, sample_files):
-    with mount_factory(f"s3://{sample_bucket}/data", "--backend-bandwidth", "1Gbit", "--writeback") as m:
-        read_all(m.path(sample_files[12].key))
-        exported = set()
-        for fam in text_string_to_metric_families(scrape_text(m)):
-            exported |= {s.name for s in fam.samples}
+def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_bucket, sample_files, s3, tmp_path):
+    redis_server = LocalRedis(tmp_path / "redis").start()  # every optional part on: write-back, cluster tier
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    source = f"s3://{sample_bucket}/data"
+    try:
+        subprocess.run([*EPOCHFS, "import", source, "--meta", redis_server.url, "--endpoint-url", s3.endpoint],
+                       check=True, capture_output=True, env=s3.env())
+        with mount_factory(source, "--backend-bandwidth", "1Gbit", "--writeback", "--meta", redis_server.url,
+                           "--peer-listen", "127.0.0.1:0", "--peer-token-file", str(token)) as m:
+            read_all(m.path(sample_files[12].key))
+            exported = set()
+            for fam in text_string_to_metric_families(scrape_text(m)):
+                exported |= {s.name for s in fam.samples}
+    finally:
+        redis_server.stop()
     missing = dashboard_metric_names() - exported
     assert not missing, f"the dashboard queries series the daemon does not export: {missing}"
 

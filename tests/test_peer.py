@@ -65,7 +65,7 @@ class Cluster:
         n = len(self.nodes)
         port = port or free_ports(1)[0]
         m = self.make(self.dataset, "--meta", self.redis_url, "--peer-listen", f"127.0.0.1:{port}",
-                      "--peer-token-file", str(self.token_file), "--block-size", "1M", "--readahead", "0",
+                      "--peer-token-file", str(self.token_file), "--block-size", "1M",
                       *args, name=f"n{n}", cache_dir=self.tmp / f"c{n}")
         m.peer_addr = f"127.0.0.1:{port}"
         if start:
@@ -141,6 +141,28 @@ def test_owned_caches_add_up(cluster):
     assert second <= 0.05 * TOTAL, (second, TOTAL)
     for m in nodes:
         assert m.status()["store"]["used_bytes"] <= int(cache)
+
+
+def test_owned_warmup_by_manifest_warms_the_owners(cluster, tmp_path):
+    cache = str(int(TOTAL * 0.6) // MiB * MiB)
+    nodes = [cluster.node("--peer-cache", "owned", "--cache-size", cache) for _ in range(3)]
+    cluster.wait_members(3)
+    a = nodes[0]
+    manifest = tmp_path / "epoch0.txt"
+    manifest.write_text("".join(f.key + "\n" for f in FILES))
+    result = subprocess.run([*EPOCHFS, "warmup", str(a.mountpoint), "--manifest", str(manifest)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    others = [m.status()["peer"] for m in nodes[1:]]
+    assert all(p["requests"]["served"] > 0 for p in others)  # the owners were asked ...
+    assert sum(p["bytes_out"] for p in others) == 0  # ... only to warm: no bytes came back
+    warmed = sum(backend_bytes(m) for m in nodes)
+    assert TOTAL <= warmed <= 1.1 * TOTAL  # the whole epoch is in the cluster's caches
+    assert a.status()["store"]["used_bytes"] < 0.6 * TOTAL  # a kept only its own share
+    read_everything(a, 0)  # byte-exact, and nothing more from the backend
+    assert sum(backend_bytes(m) for m in nodes) == warmed
+    out = sum(m.status()["peer"]["bytes_out"] for m in nodes[1:])
+    assert a.status()["peer"]["bytes_in"] == out > 0  # the blocks of the others came from them
 
 
 def test_a_member_killed_mid_read_is_bypassed_in_bounded_time(cluster):

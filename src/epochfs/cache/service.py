@@ -139,7 +139,8 @@ class BlockCache:
         self._idle = trio.Event()
         self.observer: ReadObserver | None = None
         # Demand-fetched blocks the policy chose not to cache, kept for the reader's next requests.
-        self._uncached: OrderedDict[bytes, bytes] = OrderedDict()
+        # Each with whether reading it counts as a hit (it was read ahead, or came from a peer).
+        self._uncached: OrderedDict[bytes, tuple[bytes, bool]] = OrderedDict()
         self._uncached_max = max(4, concurrency)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
@@ -196,8 +197,8 @@ class BlockCache:
         if flight is None:
             kept = self._uncached.get(bid)
             if kept is not None:
-                count(True, hi - lo)
-                return memoryview(kept)[lo:hi]
+                count(kept[1], hi - lo)
+                return memoryview(kept[0])[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None and meta.length != length:
                 # Not the block this request needs (damage): a corrupt block, dropped and fetched again.
@@ -220,8 +221,10 @@ class BlockCache:
                 flight = self._start(obj, index, bid, demand=True, direct=for_peer)
         hit = flight.event.is_set() and not flight.demand
         await flight.event.wait()
-        if flight.error is None and flight.data is None:  # a warm-only prefetch: fetch the bytes now
-            flight = self._flights.get(bid) or self._start(obj, index, bid, demand=True, direct=for_peer)
+        if flight.error is None and flight.data is None:  # a prefetch that only warmed the owner
+            again = self._flights.get(bid)
+            flight = again if again is not None and not again.warm else self._start(
+                obj, index, bid, demand=True, direct=for_peer)
             hit = False
             await flight.event.wait()
         count(hit or flight.from_peer, hi - lo)
@@ -283,7 +286,7 @@ class BlockCache:
             return flight
         if self.store.lookup(bid) is not None or self._nursery is None:
             return None
-        return self._start(obj, index, bid, demand=False)
+        return self._start(obj, index, bid, demand=False, warm_ok=True)
 
     def prefetch(self, obj: ObjectInfo, indices: range) -> int:
         """Start background fetches of those blocks that are neither cached nor in flight."""
@@ -306,11 +309,14 @@ class BlockCache:
 
     # -- fetching --------------------------------------------------------------------------------------
 
-    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool, direct: bool = False) -> Fetch:
+    def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool, direct: bool = False,
+               warm_ok: bool = False) -> Fetch:
+        """A fetch of the block; ``warm_ok`` (the manifest prefetcher, far ahead of the reader): of a
+        block this node does not keep, only warm its owner."""
         if self._nursery is None:
             raise BackendUnavailable("the cache service is not running (shutting down)")
         keep = direct or self.source.keeps(bid)
-        flight = Fetch(demand, direct, warm=not keep and not demand)
+        flight = Fetch(demand, direct, warm=warm_ok and not keep and not demand)
         self._flights[bid] = flight
         start, length = block_bounds(index, obj.size, self.block_size)
         # Room is reserved now (the policy decides whether the block is cached), so what the store
@@ -365,14 +371,15 @@ class BlockCache:
                     written = exc
             if isinstance(written, OSError):
                 log.warning("could not cache a block (%s); reading through", written)
-            if flight.data is not None and not admitted and flight.demand:
-                self._uncached[bid] = flight.data
+            if flight.data is not None and not admitted:  # read through (demand or readahead): kept briefly
+                self._uncached[bid] = (flight.data, flight.from_peer or not flight.demand)
                 while len(self._uncached) > self._uncached_max:
                     self._uncached.popitem(last=False)
         finally:
             if admitted and not installed:
                 self.store.release(length, failed=isinstance(written, OSError))
-            del self._flights[bid]
+            if self._flights.get(bid) is flight:  # (a warm flight may have been replaced by a real one)
+                del self._flights[bid]
             if not self._flights:
                 self._idle.set()
 

@@ -128,10 +128,10 @@ class PeerServer:
             self.stats.rejected += 1
             await self._send(conn, stream, 500, b"internal error", [])
             return
-        if data is None:
+        self.stats.served += 1
+        if data is None:  # a warm request: the block is here now
             await self._send(conn, stream, 204, b"", [])
             return
-        self.stats.served += 1
         self.stats.served_bytes += len(data)
         await self._send(conn, stream, 200, data, [(wire.SUM_HEADER, wire.checksum(data))])
 
