@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, proc_usage, wait_mounted  # noqa: E402
-from workloads import drop_page_cache, fresh_workdir  # noqa: E402
+from workloads import drop_page_cache, start_run  # noqa: E402
 
 from epochfs.devserver import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
 
@@ -150,10 +150,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / "work" / "checkpoint")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
+    if not start_run(args.work):
         return 2
-    fresh_workdir(args.work)
     size = int(args.gib * (1 << 30)) // CHUNK * CHUNK
     data = memoryview(os.urandom(size))
     digest = hashlib.blake2b(data).hexdigest()

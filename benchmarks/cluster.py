@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, wait_mounted  # noqa: E402
-from workloads import drop_page_cache, fresh_workdir  # noqa: E402
+from workloads import drop_page_cache, start_run  # noqa: E402
 
 from epochfs.control import request  # noqa: E402
 from epochfs.devserver import LocalRedis, LocalS3, free_ports  # noqa: E402
@@ -106,10 +106,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / "work" / "cluster")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
+    if not start_run(args.work):
         return 2
-    fresh_workdir(args.work)
     counts = [int(n) for n in args.nodes.split(",")]
     # A mix like an image dataset's shards: mostly 2-16 MiB files.
     rng = random.Random(1)

@@ -8,6 +8,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -176,3 +177,12 @@ def fresh_workdir(work: Path) -> None:
             subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+
+
+def start_run(work: Path) -> bool:
+    """A benchmark's preamble: it needs root (FUSE mounts, dropping the page cache); a fresh ``work``."""
+    if os.geteuid() != 0:
+        print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
+        return False
+    fresh_workdir(work)
+    return True

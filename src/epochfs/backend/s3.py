@@ -40,7 +40,7 @@ from epochfs.backend.base import (
     TemporaryFailure,
     retry,
 )
-from epochfs.curlio import Answer
+from epochfs.curlio import Answer, new_handle
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged, UploadCancelled
 from epochfs.records import ObjectInfo
 
@@ -259,10 +259,7 @@ class S3Backend(Backend):
     def _curl(self) -> pycurl.Curl:
         curl = getattr(self._local, "curl", None)
         if curl is None:
-            curl = self._local.curl = pycurl.Curl()
-            curl.setopt(pycurl.NOSIGNAL, 1)
-            curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
-            curl.setopt(pycurl.BUFFERSIZE, 512 << 10)  # fewer write callbacks per block
+            curl = self._local.curl = new_handle()
             if self._cainfo is False:
                 curl.setopt(pycurl.SSL_VERIFYPEER, 0)
                 curl.setopt(pycurl.SSL_VERIFYHOST, 0)

@@ -13,7 +13,7 @@ import time
 
 import pycurl
 
-from epochfs.curlio import Answer
+from epochfs.curlio import Answer, new_handle
 from epochfs.peer import wire
 
 
@@ -39,10 +39,7 @@ class PeerClient:
     def _curl(self) -> pycurl.Curl:
         curl = getattr(self._local, "curl", None)
         if curl is None:
-            curl = self._local.curl = pycurl.Curl()
-            curl.setopt(pycurl.NOSIGNAL, 1)
-            curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
-            curl.setopt(pycurl.BUFFERSIZE, 512 << 10)
+            curl = self._local.curl = new_handle()
             curl.setopt(pycurl.PROXY, "")  # peers are on the cluster network, never behind a proxy
             curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(self.CONNECT_TIMEOUT * 1000))
         return curl
