@@ -12,6 +12,11 @@ Contenders, each on the same local S3 endpoint:
 "In backend" is measured by polling HEAD for the full size (and for epochfs by `epochfs sync`); every
 object is read back once and compared with what was written.
 
+Then the accelerators' side of the upload: the training simulation (benchmarks/workloads.py::simulate,
+4 accelerators, cold cache) reads small files through an epochfs --writeback mount while nothing is
+saved, while a checkpoint is saved and uploaded through the same mount, and the same with
+--upload-bandwidth: accelerator utilisation (AU) of each.
+
     sudo .venv/bin/python benchmarks/checkpoint.py [--gib 1] [--reps 3]
 """
 
@@ -26,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,9 +39,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, proc_usage, wait_mounted  # noqa: E402
-from workloads import drop_page_cache, start_run  # noqa: E402
+from workloads import drop_page_cache, simulate, start_run  # noqa: E402
 
 from epochfs.devserver import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
+from epochfs.sample import SampleFile, upload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -106,10 +113,12 @@ class Fs:
 
 
 class EpochfsWb(Fs):
+    extra: tuple[str, ...] = ()  # more mount flags
+
     def _mount(self, server: LocalS3, prefix: str) -> None:
         subprocess.run([str(VENV_BIN / "epochfs"), "mount", f"s3://ckpt/{prefix}", str(self.mnt), "--writeback",
                         "--endpoint-url", server.endpoint, "--cache-dir", str(self.cache), "--cache-size", "40G",
-                        "--metrics-addr", "off"], env=server.env(), check=True)
+                        "--metrics-addr", "off", *self.extra], env=server.env(), check=True)
         self.pid = int(os.getxattr(self.mnt, "user.epochfs.pid"))
 
     def durable(self, client: Any, key: str, size: int) -> None:
@@ -142,11 +151,46 @@ class RcloneWrites(Fs):
                        env=env, check=True)
 
 
+def au_during_upload(server: LocalS3, work: Path, data: memoryview, cases: list[tuple[str, list[str]]],
+                     compute: float) -> dict[str, float]:
+    """AU of the training simulation reading through a --writeback mount, per case: (name, extra mount
+    flags); a case named "idle" saves nothing, the others save ``data`` and sync while training runs."""
+    files = [SampleFile(f"data/{i % 16:02d}/{i:05d}.jpg", 100 * 1024) for i in range(2000)]
+    upload(server.client(), "ckpt", "job/", files)
+    keys = [f.key for f in files]
+    out: dict[str, float] = {}
+    for name, extra in cases:
+        fs = EpochfsWb(work, "au-" + name.split(",")[0])
+        fs.extra = tuple(extra)
+        fs.mount(server, "job")
+        drop_page_cache()
+        saver = None
+        if name != "idle":
+            def save_and_sync(fs: Fs = fs) -> None:
+                time.sleep(0.5)
+                save(fs.mnt / "ckpt.pt", data)
+                subprocess.run([str(VENV_BIN / "epochfs"), "sync", str(fs.mnt)], check=True)
+
+            saver = threading.Thread(target=save_and_sync)
+            saver.start()
+        au = simulate(lambda key, root=fs.mnt: len((root / key).read_bytes()), keys, accelerators=4, batch=8,
+                      compute=compute, workers=8, epochs=1, seed=1)[0]
+        if saver is not None:
+            saver.join()
+        out[name] = au
+        log(f"AU {name:34s} {au:.1%}")
+        fs.unmount()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="checkpoint size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    ap.add_argument("--au-compute-ms", type=float, default=60.0,
+                    help="compute time per batch of the training simulation (0: skip the AU part)")
+    ap.add_argument("--au-upload-bandwidth", default="400MB", help="the capped case's --upload-bandwidth")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "checkpoint")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
@@ -202,6 +246,10 @@ def main() -> int:
                     record(name, "daemon CPU (s)", proc_usage(fs.pid)["cpu"] - before)
                 fs.unmount()
                 check(client, "ckpt", f"{prefix}/ckpt.pt", digest)
+        aus = au_during_upload(server, args.work, data, [
+            ("idle", []), ("saving", []),
+            (f"saving, --upload-bandwidth {args.au_upload_bandwidth}", ["--upload-bandwidth", args.au_upload_bandwidth])],
+            args.au_compute_ms / 1000) if args.au_compute_ms > 0 else {}
     finally:
         for fs in mounts.values():
             fs.unmount()
@@ -220,12 +268,16 @@ def main() -> int:
             continue
         lines.append(f"| {who} | {ret:.2f} | {ret / floor_ret:.2f}x | " + (f"{up:.2f} | {up / floor_up:.2f}x | "
                      if up is not None and floor_up else "| | ") + (f"{cpu:.2f} |" if cpu is not None else "|"))
+    if aus:
+        lines += ["", f"Training simulation (4 accelerators, 8 x 100 KiB per step, {args.au_compute_ms:g} ms compute, "
+                  "cold cache) through the same --writeback mount:", "", "| during the epoch | AU |", "|---|---|"]
+        lines += [f"| {name} | {au:.1%} |" for name, au in aus.items()]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{datetime.date.today().isoformat()}-checkpoint"
     Path(f"{stem}.md").write_text(text)
-    Path(f"{stem}.json").write_text(json.dumps({"bytes": size, "reps": args.reps, "rows": [
+    Path(f"{stem}.json").write_text(json.dumps({"bytes": size, "reps": args.reps, "au": aus, "rows": [
         {"who": k[0], "what": k[1], "values": v} for k, v in rows.items()]}, indent=2) + "\n")
     return 0
 
