@@ -275,7 +275,7 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{datetime.date.today().isoformat()}-checkpoint"
+    stem = args.out / f"{datetime.date.today().isoformat()}-checkpoint-{args.gib:g}gib"
     Path(f"{stem}.md").write_text(text)
     Path(f"{stem}.json").write_text(json.dumps({"bytes": size, "reps": args.reps, "au": aus, "rows": [
         {"who": k[0], "what": k[1], "values": v} for k, v in rows.items()]}, indent=2) + "\n")
