@@ -154,6 +154,11 @@ class Journal:
             txn.put(b"x/" + key.encode(), b"{}")
             txn.delete(b"u/" + key.encode())
 
+    def cancel_delete(self, key: str) -> None:
+        """A pending delete is void: a new file took the key."""
+        with self._env.begin(write=True) as txn:
+            txn.delete(b"x/" + key.encode())
+
     def published(self, keys: set[str], deleted: set[str]) -> None:
         """Entries now in a snapshot (uploads) or gone from it (deletes, done in the backend)."""
         with self._env.begin(write=True) as txn:

@@ -113,6 +113,7 @@ class WriteBack:
         self._files: dict[str, LocalFile] = {}  # id -> file, every file not yet uploaded
         self._uploaded: dict[str, ObjectInfo] = {}  # key -> object, not yet published
         self._deletes: dict[str, float] = {}  # key -> not before (monotonic): to delete in the backend
+        self._deleting: set[str] = set()  # deletes in flight: no upload of those keys starts meanwhile
         self._deleted: set[str] = set()  # deleted in the backend, not yet published
         self._retry: dict[str, float] = {}  # file id -> backoff of its failed upload
         self._not_before: dict[str, float] = {}  # file id -> when to try its upload again (monotonic)
@@ -228,12 +229,29 @@ class WriteBack:
         return f
 
     def _replace(self, path: str, f: LocalFile) -> None:
-        old = self.overlay.entries.get(path)
-        if isinstance(old, Stored):
-            self._uploaded.pop(path, None)  # the new file's upload replaces it
+        # An object already under that key stays what other nodes see until the new file's upload
+        # replaces it; a delete of the key still pending is void (the upload overwrites the key).
+        self._cancel_delete(path)
+        self.overlay.hidden.discard(path)  # (unlinked before: the new file's object will be listed)
         self._add_parents(path)
         self.overlay.put(f)
         self._touch()
+
+    def _in_backend(self, path: str) -> bool:
+        """Whether the backend holds (or is about to publish) an object under ``path``."""
+        return path in self._uploaded or isinstance(self.tree.namespace.resolve(path), File)
+
+    def _delete_key(self, path: str) -> None:
+        """The object under ``path`` is gone for this mount: hidden now, deleted in the backend next."""
+        self._uploaded.pop(path, None)
+        self.overlay.hidden.add(path)
+        self.journal.put_delete(path)
+        self._deletes[path] = 0.0
+        self._kick()
+
+    def _cancel_delete(self, path: str) -> None:
+        if self._deletes.pop(path, None) is not None:
+            self.journal.cancel_delete(path)
 
     def _open_handle(self, f: LocalFile, *, writable: bool) -> int:
         fd = os.open(self.journal.data_path(f.id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
@@ -366,13 +384,8 @@ class WriteBack:
         self.overlay.remove(path)
         if isinstance(node, LocalFile):
             self._drop_local(node)
-        in_backend = isinstance(node, (File, Stored)) or self.tree.namespace.resolve(path) is not None
-        if in_backend:
-            self._uploaded.pop(path, None)
-            self.overlay.hidden.add(path)
-            self.journal.put_delete(path)
-            self._deletes[path] = 0.0
-            self._kick()
+        if isinstance(node, (File, Stored)) or self._in_backend(path):
+            self._delete_key(path)
 
     def _drop_local(self, f: LocalFile) -> None:
         self._cancel_upload(f)
@@ -422,7 +435,6 @@ class WriteBack:
             self.overlay.remove(path)
             self._drop_local(dst)
         # an object in the backend under that key is overwritten by the upload of the renamed file
-        self._uploaded.pop(path, None)
 
     def _move(self, e: LocalDir | LocalFile, path: str) -> None:
         self.overlay.remove(e.path)
@@ -430,7 +442,11 @@ class WriteBack:
         e.path = path
         self._add_parents(path)
         self.overlay.put(e)
+        self.overlay.hidden.discard(path)
         if isinstance(e, LocalFile):
+            self._cancel_delete(path)
+            if self._in_backend(old):  # it had replaced an object: that one goes with the old name
+                self._delete_key(old)
             e.generation += 1
             self._cancel_upload(e)
             self._save(e, closed=e.closed)
@@ -465,7 +481,7 @@ class WriteBack:
         """The next file to upload (oldest first), or how long until one may be."""
         now, best, wait = time.monotonic(), None, 3600.0
         for f in self._files.values():
-            if f.writers or f.uploading:
+            if f.writers or f.uploading or f.path in self._deleting:
                 continue
             at = max(f.since + self.SETTLE, self._not_before.get(f.id, 0.0))
             if at <= now:
@@ -527,6 +543,7 @@ class WriteBack:
         stored = Stored(f.inode, key, obj)  # the same inode: the kernel's view of it stays valid
         self.overlay.put(stored)
         self._uploaded[key] = obj
+        self._deleted.discard(key)  # a delete done before this upload is superseded by it
         self._uploaded_files += 1
         self._uploaded_bytes += size
         self._publish_now.set()
@@ -544,13 +561,20 @@ class WriteBack:
                     await wake.wait()
                 continue
             for key in due:
+                if key not in self._deletes:
+                    continue  # void meanwhile: a new file took the key
+                self._deleting.add(key)
                 try:
                     await trio.to_thread.run_sync(self.backend.delete, key, abandon_on_cancel=True)
                 except BackendError as exc:
                     self._errors += 1
-                    self._deletes[key] = time.monotonic() + self.RETRY_MAX / 4
+                    if key in self._deletes:
+                        self._deletes[key] = time.monotonic() + self.RETRY_MAX / 4
                     log.warning("delete of %s failed (%s); retrying", key, exc)
                     continue
+                finally:
+                    self._deleting.discard(key)
+                    self._kick()
                 if key in self._deletes:
                     del self._deletes[key]
                     self._deleted.add(key)
