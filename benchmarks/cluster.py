@@ -71,6 +71,15 @@ class Node:
         return len(peer["members"]) if peer else 1
 
 
+def mount_all(group: list[Node], server: LocalS3, redis_url: str, token: Path, cache_size: int,
+              peer: str | None) -> None:
+    """Mount every node of ``group``; with the tier, wait until each sees all of them."""
+    for node in group:
+        node.mount(server, redis_url, token, cache_size, peer)
+    while peer and any(node.members() != len(group) for node in group):
+        time.sleep(0.2)
+
+
 def read_pass(nodes: list[Node], keys: list[str], seed: int) -> float:
     """Every node reads every file, all at once, each in its own order; seconds until the last is done."""
     errors: list[BaseException] = []
@@ -134,10 +143,7 @@ def main() -> int:
                 if peer and n == 1:
                     continue
                 group = nodes[:n]
-                for node in group:
-                    node.mount(server, redis.url, token, big, peer)
-                while peer and any(node.members() != n for node in group):
-                    time.sleep(0.2)
+                mount_all(group, server, redis.url, token, big, peer)
                 drop_page_cache()
                 seconds = read_pass(group, keys, seed=1)
                 fetched = sum(node.backend_bytes() for node in group)
@@ -151,10 +157,7 @@ def main() -> int:
             small = int(total * 0.4)
             for peer in (None, "owned"):
                 group = nodes[:n]
-                for node in group:
-                    node.mount(server, redis.url, token, small, peer)
-                while peer and any(node.members() != n for node in group):
-                    time.sleep(0.2)
+                mount_all(group, server, redis.url, token, small, peer)
                 drop_page_cache()
                 read_pass(group, keys, seed=2)
                 first = sum(node.backend_bytes() for node in group)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import h11
 import trio
 
+from epochfs.errors import ConfigError
 from epochfs.peer import wire
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ class PeerServer:
         try:
             self._listeners = await trio.open_tcp_listeners(self.port, host=self.host.strip("[]"))
         except OSError as exc:
-            from epochfs.errors import ConfigError
-
             raise ConfigError(f"--peer-listen {self.host}:{self.port}: {exc.strerror or exc}") from None
         self.port = self._listeners[0].socket.getsockname()[1]
         log.info("peer port listening on %s:%d", self.host, self.port)

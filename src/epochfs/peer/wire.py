@@ -34,8 +34,8 @@ MAX_TARGET = 16 << 10  # longest request target accepted (a 4096-byte key, perce
 MAX_BLOCK = 1 << 30
 TIME_HEADER, AUTH_HEADER, SUM_HEADER = "x-epochfs-time", "x-epochfs-auth", "x-epochfs-checksum"
 MIN_TOKEN, MAX_TOKEN = 16, 4096
-_HOSTNAME = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # (fullmatch)
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
 class Rejected(Exception):

@@ -262,9 +262,6 @@ class WriteBack:
         self._handles[fd] = Handle(f, fd, writable)
         return fd
 
-    def is_local(self, fh: int) -> bool:
-        return fh in self._handles
-
     def write(self, fh: int, offset: int, data: bytes) -> int:
         h = self._handles[fh]
         if not h.writable:
