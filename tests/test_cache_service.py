@@ -163,10 +163,10 @@ def test_a_fill_in_progress_at_shutdown_leaves_no_unknown_block_file(tmp_path, m
     writing = threading.Event()
     real_write = BlockStore.write_temp
 
-    def slow_write(self, bid, data):
+    def slow_write(self, bid, data, around=False):
         writing.set()
         time.sleep(0.3)
-        return real_write(self, bid, data)
+        return real_write(self, bid, data, around)
 
     monkeypatch.setattr(BlockStore, "write_temp", slow_write)
 
@@ -185,3 +185,42 @@ def test_a_fill_in_progress_at_shutdown_leaves_no_unknown_block_file(tmp_path, m
         store.close()
     assert report["blocks"] == 0 and report["orphans"] == 0, report
     assert not any((tmp_path / "c" / "blocks").rglob("*.*"))
+
+
+def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cache(tmp_path, monkeypatch):
+    """A block fetched for a reader (on demand or read ahead) serves its next requests from memory, not
+    from its block file, and the file is written with O_DIRECT; a block the manifest prefetcher fetches
+    ahead goes through the page cache (its reader comes later). Hits are counted as before."""
+    backend = MemoryBackend()
+    arounds = []
+    real_write = BlockStore.write_temp
+
+    def recording_write(self, bid, data, around=False):
+        arounds.append(around)
+        return real_write(self, bid, data, around)
+
+    monkeypatch.setattr(BlockStore, "write_temp", recording_write)
+    disk_reads = []
+
+    async def fn(cache):
+        real_read = cache.store.read
+
+        def counting_read(*a, **k):
+            disk_reads.append(a[0])
+            return real_read(*a, **k)
+
+        cache.store.read = counting_read
+        first = bytes(await cache.read(OBJ, 0, 1000))  # a miss: fetched on demand
+        await cache.wait_idle()
+        rest = bytes(await cache.read(OBJ, 1000, BS - 1000))  # the same block, after its fill
+        stats = cache.statistics()
+        flight = cache.fetch(OBJ, 3, cache.block_id(OBJ, 3))  # the manifest prefetcher's kind of fetch
+        await flight.wait()
+        await cache.wait_idle()
+        return first + rest, stats
+
+    (data, stats), cache = run_with_cache(tmp_path, backend, fn)
+    assert data == pattern(OBJ.key, 0, 0, BS)
+    assert disk_reads == []  # the second request never touched the block file
+    assert stats.misses == 1 and stats.hits == 1  # the re-read did not wait for the backend
+    assert arounds == [True, False]

@@ -152,8 +152,9 @@ def test_garbage_index_is_rebuilt(tmp_path):
     assert bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"r" * 10
 
 
-@pytest.mark.parametrize("failing", ["write", "replace"])
-def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing):
+@pytest.mark.parametrize("failing, around", [("write", False), ("pwrite", True), ("replace", False),
+                                             ("replace", True)])
+def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing, around):
     s = make(tmp_path)
     assert s.reserve(bid(1), 100)
 
@@ -163,7 +164,7 @@ def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing):
     with pytest.raises(OSError):
         with monkeypatch.context() as m:
             m.setattr(os, failing, boom)
-            s.install(bid(1), *s.write_temp(bid(1), b"a" * 100))
+            s.install(bid(1), *s.write_temp(bid(1), b"a" * 100, around=around))
     s.release(100)
     assert not any(s.tmp_dir.iterdir()) and not any(p.is_file() for p in s.blocks_dir.rglob("*"))
     assert s.statistics().fill_errors == 1 and s.pending == 0 and s.lookup(bid(1)) is None
@@ -300,3 +301,64 @@ def test_malformed_index_entries_are_dropped_with_their_files(tmp_path):
     assert s.lookup(bid(2)) is None and s.lookup(bid(1)) is not None
     assert not (tmp_path / "cache" / "blocks" / block_relpath(bid(2))).exists()
     assert s.statistics().blocks == 1 and s.statistics().used_bytes == 5000
+
+
+def _in_page_cache(path) -> bool:
+    """Whether the first page of a file is in memory (a non-blocking read says)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT) == 1
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 100 * 1024 + 3, 5 << 20])
+def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, size):
+    s = make(tmp_path)
+    data = os.urandom(size)
+    assert s.reserve(bid(1), size)
+    tmp, meta = s.write_temp(bid(1), data, around=True)
+    assert os.path.getsize(tmp) == size
+    assert not _in_page_cache(tmp)  # O_DIRECT: no page-cache copy was made
+    s.install(bid(1), tmp, meta)
+    assert bytes(s.read(bid(1), s.lookup(bid(1)), 0, size)) == data
+    assert bytes(s.read(bid(1), s.lookup(bid(1)), size // 3, size)) == data[size // 3:]
+
+
+def test_buffered_writes_stay_in_the_page_cache(tmp_path):
+    s = make(tmp_path)
+    tmp, _ = s.write_temp(bid(1), b"x" * 10000)
+    assert _in_page_cache(tmp)
+
+
+@pytest.mark.parametrize("where", ["open", "write"])
+def test_a_file_system_without_direct_writes_falls_back_to_the_page_cache(tmp_path, monkeypatch, where):
+    """tmpfs and some network file systems refuse O_DIRECT at open, others at the first unaligned write:
+    the block is written anyway, and later blocks do not try again."""
+    import epochfs.cache.store as store_mod
+
+    s = make(tmp_path)
+    tries = []
+    real_open = os.open
+
+    def no_direct_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            tries.append(path)
+            if where == "open":
+                raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    def no_direct_pwrite(fd, data, offset):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(store_mod.os, "open", no_direct_open)
+    if where == "write":
+        monkeypatch.setattr(store_mod.os, "pwrite", no_direct_pwrite)
+    for n in (1, 2):
+        data = os.urandom(9000 + n)
+        assert s.reserve(bid(n), len(data))
+        s.install(bid(n), *s.write_temp(bid(n), data, around=True))
+        assert bytes(s.read(bid(n), s.lookup(bid(n)), 0, len(data))) == data
+    assert len(tries) == 1

@@ -130,8 +130,9 @@ class Backend(abc.ABC):
         """Every object under the source root, keys relative to it, in any order."""
 
     @abc.abstractmethod
-    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
-        """Exactly ``length`` bytes at ``start`` of the version ``etag`` of ``key``."""
+    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes | bytearray:
+        """Exactly ``length`` bytes at ``start`` of the version ``etag`` of ``key`` (never written to
+        after it is returned)."""
 
     @abc.abstractmethod
     def statistics(self) -> BackendStats:

@@ -240,7 +240,7 @@ class S3Backend(Backend):
             self._stats.record("list", "error")
             raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: {exc}") from None
 
-    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
+    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes | bytearray:
         if length == 0:
             return b""
         what = f"GET {key} [{start}, {start + length})"
@@ -274,7 +274,7 @@ class S3Backend(Backend):
                 raise AccessDenied(_NO_CREDENTIALS)
         return self._credentials.get_frozen_credentials()  # refreshed by botocore when they expire
 
-    def _get_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> bytes:
+    def _get_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> bytearray:
         started = time.monotonic()
         remaining_ms = int((deadline - started) * 1000)
         if remaining_ms <= 0:
@@ -311,7 +311,7 @@ class S3Backend(Backend):
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data
 
-    def _checked(self, status: int, answer: Answer, key: str, etag: str, start: int, length: int) -> bytes:
+    def _checked(self, status: int, answer: Answer, key: str, etag: str, start: int, length: int) -> bytearray:
         """The body of an answer to a ranged GET, if it is exactly the asked-for bytes of the version."""
         headers, data = answer.headers, answer.body
         end = start + length - 1
@@ -337,7 +337,7 @@ class S3Backend(Backend):
         if len(data) != length:
             self._stats.record("get", "retry")
             raise TemporaryFailure(f"body of {len(data)} bytes for a range of {length}")
-        return bytes(data)
+        return data  # not copied into a bytes object: nothing writes to it from here on
 
     def _failure(self, key: str, etag: str, status: int, headers: Any, body: bytes) -> Exception:
         """The error for a non-2xx answer: retry, changed object, denied, or a permanent failure."""

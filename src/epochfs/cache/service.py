@@ -9,6 +9,11 @@ Concurrency contract (all on the trio thread unless noted):
   writes it to a temporary file; the trio thread moves it into place and indexes it. Until then the
   flight stays registered and serves later readers from memory, so a block is never fetched twice
   while its fill is running. Room is reserved before the fetch, so the eviction policy decides then.
+- **Recent blocks in memory.** The last blocks fetched for a reader (on demand or read ahead) stay in
+  memory, up to ``recent_max`` bytes, until their last byte is read, and its next requests are served
+  from there; their block files are written around the page cache (``O_DIRECT``), which costs far
+  less CPU than filling new page-cache pages. Blocks the manifest prefetcher fetches ahead are written through the page cache:
+  the reader comes later and finds them in memory there.
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
@@ -91,16 +96,18 @@ class ReadObserver(Protocol):
 class Fetch:
     """One block being fetched (single flight: every reader of the block waits on the same one)."""
 
-    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "from_peer")
+    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "read_to_end")
 
-    def __init__(self, demand: bool, direct: bool = False, warm: bool = False) -> None:
+    def __init__(self, demand: bool, direct: bool = False, warm: bool = False, near: bool = True) -> None:
         self.event = trio.Event()
         self.data: bytes | None = None
         self.error: EpochfsError | None = None
         self.demand = demand
         self.direct = direct  # for a peer: from the backend, never another peer
         self.warm = warm  # a prefetch that only warms the block's owner: no bytes for readers
+        self.near = near  # a reader is at or right behind this block: keep it in memory, write it around
         self.from_peer = False
+        self.read_to_end = False  # a reader read the block's last byte (it has moved on)
 
     async def wait(self) -> EpochfsError | None:
         """Wait for the fetch; its error, or None when the bytes arrived."""
@@ -138,10 +145,12 @@ class BlockCache:
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self.observer: ReadObserver | None = None
-        # Demand-fetched blocks the policy chose not to cache, kept for the reader's next requests.
-        # Each with whether reading it counts as a hit (it was read ahead, or came from a peer).
-        self._uncached: OrderedDict[bytes, tuple[bytes, bool]] = OrderedDict()
-        self._uncached_max = max(4, concurrency)
+        # Blocks just fetched for a reader (cached or not), kept for its next requests; each with whether
+        # reading it counts as a hit (cached, read ahead, or from a peer; not a demand read-through) and
+        # whether it is in the store (then it leaves memory once its last byte was read).
+        self._recent: OrderedDict[bytes, tuple[bytes, bool, bool]] = OrderedDict()
+        self._recent_bytes = 0
+        self.recent_max = max((concurrency + readahead_blocks) * block_size, 16 << 20)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
@@ -195,10 +204,13 @@ class BlockCache:
         count = self._ignore if for_peer else self._count
         flight = self._flights.get(bid)
         if flight is None:
-            kept = self._uncached.get(bid)
+            kept = self._recent.get(bid)
             if kept is not None:
-                count(kept[1], hi - lo)
-                return memoryview(kept[0])[lo:hi]
+                data, hit, stored = kept
+                count(hit, hi - lo)
+                if stored and hi == len(data):  # the reader is past this block: the store has it
+                    self._recent_bytes -= len(self._recent.pop(bid)[0])
+                return memoryview(data)[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None and meta.length != length:
                 # Not the block this request needs (damage): a corrupt block, dropped and fetched again.
@@ -232,6 +244,8 @@ class BlockCache:
             raise flight.error
         if flight.data is None:
             raise BackendUnavailable(f"{obj.key}: block {index} could not be read")
+        if hi == length:
+            flight.read_to_end = True
         return memoryview(flight.data)[lo:hi]
 
     async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
@@ -286,7 +300,7 @@ class BlockCache:
             return flight
         if self.store.lookup(bid) is not None or self._nursery is None:
             return None
-        return self._start(obj, index, bid, demand=False, warm_ok=True)
+        return self._start(obj, index, bid, demand=False, warm_ok=True, near=False)
 
     def prefetch(self, obj: ObjectInfo, indices: range) -> int:
         """Start background fetches of those blocks that are neither cached nor in flight."""
@@ -310,13 +324,13 @@ class BlockCache:
     # -- fetching --------------------------------------------------------------------------------------
 
     def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool, direct: bool = False,
-               warm_ok: bool = False) -> Fetch:
+               warm_ok: bool = False, near: bool = True) -> Fetch:
         """A fetch of the block; ``warm_ok`` (the manifest prefetcher, far ahead of the reader): of a
-        block this node does not keep, only warm its owner."""
+        block this node does not keep, only warm its owner; ``near``: a reader is at or right behind it."""
         if self._nursery is None:
             raise BackendUnavailable("the cache service is not running (shutting down)")
         keep = direct or self.source.keeps(bid)
-        flight = Fetch(demand, direct, warm=warm_ok and not keep and not demand)
+        flight = Fetch(demand, direct, warm=warm_ok and not keep and not demand, near=near)
         self._flights[bid] = flight
         start, length = block_bounds(index, obj.size, self.block_size)
         # Room is reserved now (the policy decides whether the block is cached), so what the store
@@ -341,7 +355,7 @@ class BlockCache:
             if not admitted or data is None:
                 return None
             try:
-                return self.store.write_temp(bid, data)
+                return self.store.write_temp(bid, data, around=flight.near)
             except OSError as exc:
                 return exc
 
@@ -371,10 +385,8 @@ class BlockCache:
                     written = exc
             if isinstance(written, OSError):
                 log.warning("could not cache a block (%s); reading through", written)
-            if flight.data is not None and not admitted:  # read through (demand or readahead): kept briefly
-                self._uncached[bid] = (flight.data, flight.from_peer or not flight.demand)
-                while len(self._uncached) > self._uncached_max:
-                    self._uncached.popitem(last=False)
+            if flight.data is not None and (not installed or flight.near and not flight.read_to_end):
+                self._keep_recent(bid, flight.data, installed or flight.from_peer or not flight.demand, installed)
         finally:
             if admitted and not installed:
                 self.store.release(length, failed=isinstance(written, OSError))
@@ -382,6 +394,15 @@ class BlockCache:
                 del self._flights[bid]
             if not self._flights:
                 self._idle.set()
+
+    def _keep_recent(self, bid: bytes, data: bytes, hit: bool, stored: bool) -> None:
+        old = self._recent.pop(bid, None)
+        if old is not None:
+            self._recent_bytes -= len(old[0])
+        self._recent[bid] = (data, hit, stored)
+        self._recent_bytes += len(data)
+        while self._recent_bytes > self.recent_max:
+            self._recent_bytes -= len(self._recent.popitem(last=False)[1][0])
 
     def _deliver(self, flight: Fetch, data: bytes | None, from_peer: bool) -> None:
         """The bytes of a fetch arrived (called on the trio thread from the worker): release the readers."""

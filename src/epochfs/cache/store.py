@@ -21,9 +21,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,36 @@ def checksums(data: bytes | memoryview) -> bytes:
     return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE]) for i in range(0, len(view), CHUNK_SIZE))
 
 
+_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size
+_aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
+
+
+def _write_direct(fd: int, data: bytes | bytearray) -> None:
+    """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: through an aligned buffer, the
+    length rounded up to the alignment, then truncated to the true length."""
+    n = len(data)
+    padded = -(-n // _ALIGN) * _ALIGN
+    buf: mmap.mmap | None = getattr(_aligned, "buf", None)
+    if buf is None or len(buf) < padded:
+        if buf is not None:
+            buf.close()
+        buf = _aligned.buf = mmap.mmap(-1, max(padded, 4 << 20))  # page-aligned by construction
+    buf[:n] = data
+    if padded > n:
+        buf[n:padded] = bytes(padded - n)
+    with memoryview(buf) as whole:
+        view = whole[:padded]
+        written = 0
+        while written < padded:
+            done = os.pwrite(fd, view[written:], written)
+            if done <= 0 or done % _ALIGN:  # a short direct write cannot be continued aligned
+                raise OSError(errno.EIO, f"short direct write ({done} of {padded - written} bytes)")
+            written += done
+        view.release()
+    if padded > n:
+        os.ftruncate(fd, n)
+
+
 @dataclass(frozen=True)
 class StoreStats:
     used_bytes: int
@@ -113,6 +145,7 @@ class BlockStore:
         self._lock_fd: int | None = None
         self._consistent = False  # the index and the block files agree (checked or shut down cleanly)
         self._nowait_works = True
+        self._direct_works = True
         self._env: lmdb.Environment | None = None
 
     # -- life cycle ------------------------------------------------------------------------------------
@@ -446,12 +479,37 @@ class BlockStore:
         self.pending -= nbytes
         self._fill_errors += failed
 
-    def write_temp(self, bid: bytes, data: bytes | bytearray) -> tuple[str, BlockMeta]:
+    def write_temp(self, bid: bytes, data: bytes | bytearray, around: bool = False) -> tuple[str, BlockMeta]:
         """Write a block to a new file under ``tmp/`` and checksum it (worker thread: touches no state).
-        Raises OSError and then leaves no file behind. :meth:`install` puts it in place."""
+        Raises OSError and then leaves no file behind. :meth:`install` puts it in place.
+
+        ``around``: the reader has the bytes already (it is served from memory), so write around the
+        page cache (``O_DIRECT``): filling new page-cache pages costs more CPU than the rest of a cold
+        read, and the mount keeps its own copy in the page cache anyway."""
         tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        direct = around and self._direct_works
         try:
+            fd = os.open(tmp, flags | os.O_DIRECT if direct else flags, 0o600)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            log.info("the cache file system does not support O_DIRECT (%s); writing through the page cache", exc)
+            self._direct_works = False
+            direct = False
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            if direct:
+                try:
+                    _write_direct(fd, data)
+                    return tmp, BlockMeta(len(data), checksums(data))
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:  # EINVAL: the file system takes O_DIRECT but not our alignment
+                        raise
+                    log.info("direct writes fail on the cache file system (%s); writing through the page cache", exc)
+                    self._direct_works = False
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    os.ftruncate(fd, 0)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
