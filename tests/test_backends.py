@@ -176,3 +176,54 @@ def test_directory_backend_version_changes_with_an_in_place_rewrite_that_restore
     assert os.stat(path).st_mtime_ns == before.st_mtime_ns
     with pytest.raises(ObjectChanged):
         backend.read_range("f.bin", f.etag, 0, 1000)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("size, stopped", [(1000, False), (4096, False), (4097, True), (1 << 20, True)])
+def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked):
+    """libcurl fills the body and stops at the limit itself, with a Content-Length or without one."""
+    import http.server
+    import threading
+
+    import pycurl
+
+    from epochfs.curlio import Answer, new_handle
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            body = pattern("x", 0, 0, size)
+            self.send_response(200)
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(0, size, 1000):
+                    part = body[i:i + 1000]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        curl = new_handle()
+        answer = Answer(4096)
+        answer.attach(curl)
+        curl.setopt(pycurl.URL, f"http://127.0.0.1:{server.server_port}/")
+        curl.setopt(pycurl.PROXY, "")
+        try:
+            curl.perform()
+        except pycurl.error as exc:
+            assert stopped and Answer.overflowed(exc)
+            assert len(answer.body) <= 4096
+        else:
+            assert not stopped and bytes(answer.body) == pattern("x", 0, 0, size)
+    finally:
+        server.shutdown()

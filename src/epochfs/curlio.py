@@ -16,15 +16,29 @@ def new_handle() -> pycurl.Curl:
 
 
 class Answer:
-    """Collects one answer: headers (lower-case names) and a body of at most ``limit`` bytes."""
+    """Collects one answer: headers (lower-case names) and a body of at most ``limit`` bytes.
 
-    __slots__ = ("headers", "body", "limit", "overflow")
+    The body goes straight into a bytearray (libcurl calls ``bytearray.extend``, no Python frame per
+    16 KiB chunk) and libcurl itself stops a transfer that would exceed ``limit``
+    (``CURLOPT_MAXFILESIZE_LARGE``, which also applies to answers of unknown length)."""
+
+    __slots__ = ("headers", "body", "limit")
 
     def __init__(self, limit: int) -> None:
         self.headers: dict[str, str] = {}
         self.body = bytearray()
         self.limit = limit
-        self.overflow = False
+
+    def attach(self, curl: pycurl.Curl) -> None:
+        """Have ``curl``'s next transfer fill this answer."""
+        curl.setopt(pycurl.HEADERFUNCTION, self.header)
+        curl.setopt(pycurl.WRITEFUNCTION, self.body.extend)
+        curl.setopt(pycurl.MAXFILESIZE_LARGE, self.limit)
+
+    @staticmethod
+    def overflowed(exc: pycurl.error) -> bool:
+        """Whether a failed transfer was stopped for being longer than the limit."""
+        return bool(exc.args) and exc.args[0] == pycurl.E_FILESIZE_EXCEEDED
 
     def header(self, line: bytes) -> None:
         if line.startswith(b"HTTP/"):
@@ -33,10 +47,3 @@ class Answer:
         name, sep, value = line.partition(b":")
         if sep:
             self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-
-    def write(self, chunk: bytes) -> int | None:
-        if len(self.body) + len(chunk) > self.limit:
-            self.overflow = True
-            return 0  # stops the transfer
-        self.body += chunk
-        return None

@@ -293,13 +293,12 @@ class S3Backend(Backend):
         curl.setopt(pycurl.PASSWORD, creds.secret_key)
         curl.setopt(pycurl.TIMEOUT_MS, remaining_ms)  # the whole request, headers and body
         curl.setopt(pycurl.CONNECTTIMEOUT_MS, min(5000, remaining_ms))
-        curl.setopt(pycurl.HEADERFUNCTION, answer.header)
-        curl.setopt(pycurl.WRITEFUNCTION, answer.write)
+        answer.attach(curl)
         try:
             curl.perform()
         except pycurl.error as exc:
             code, message = exc.args[0], exc.args[1] if len(exc.args) > 1 else ""
-            if answer.overflow:
+            if answer.overflowed(exc):
                 self._stats.record("get", "retry")
                 raise TemporaryFailure(f"answer longer than the {length}-byte range (Range ignored?)") from None
             if code in _TLS_FAILURES:

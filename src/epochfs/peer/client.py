@@ -52,12 +52,11 @@ class PeerClient:
         curl.setopt(pycurl.URL, f"http://{member}{target}")
         curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in wire.headers(self.token, target, time.time()).items()])
         curl.setopt(pycurl.TIMEOUT_MS, max(1, int(self.timeout * 1000)))
-        curl.setopt(pycurl.HEADERFUNCTION, answer.header)
-        curl.setopt(pycurl.WRITEFUNCTION, answer.write)
+        answer.attach(curl)
         try:
             curl.perform()
         except pycurl.error as exc:
-            if answer.overflow:
+            if answer.overflowed(exc):
                 raise PeerFailure("bad", f"{member}: answer longer than the block") from None
             message = exc.args[1] if len(exc.args) > 1 else str(exc)
             raise PeerFailure("unavailable", f"{member}: {message}") from None
