@@ -18,14 +18,18 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contenders import wait_mounted  # noqa: E402
+
 from epochfs.control import request
 from epochfs.devserver import LocalS3
-from epochfs.sample import SampleFile, upload
+from epochfs.sample import SampleFile, upload, write_tree
 
 HERE = Path(__file__).resolve().parent
 
 
-def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
+def summarise(raw: Path, top: int) -> tuple[int, list[tuple[float, str]]]:
     inclusive: Counter[str] = Counter()
     total = 0
     for line in raw.read_text().splitlines():
@@ -34,7 +38,7 @@ def summarise(raw: Path, top: int) -> list[tuple[float, str]]:
         total += n
         for frame in {f.split(" (")[0] for f in stack.split(";")}:
             inclusive[frame] += n
-    return [(n / total, name) for name, n in inclusive.most_common(top)]
+    return total, [(n / total, name) for name, n in inclusive.most_common(top)]
 
 
 def main() -> int:
@@ -45,6 +49,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--warm", action="store_true", help="profile a second pass, from the block cache")
     ap.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL (CPU in Python)")
+    ap.add_argument("--floor", action="store_true",
+                    help="profile the floor of our stack instead (benchmarks/floor.py over the same files on local disk)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -56,10 +62,17 @@ def main() -> int:
     try:
         files = [SampleFile(f"s/{i:05d}.jpg", args.size_kib * 1024) for i in range(args.files)]
         upload(server.client(), "profile", "", files)
-        subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://profile", str(work / "mnt"), "--endpoint-url",
-                        server.endpoint, "--cache-dir", str(work / "cache"), "--metrics-addr", "off"],
-                       env=server.env(), check=True)
-        pid = int(os.getxattr(work / "mnt", "user.epochfs.pid"))
+        if args.floor:
+            write_tree(str(work / "raw"), files)
+            floor = subprocess.Popen([sys.executable, str(HERE / "floor.py"), str(work / "raw"), str(work / "mnt")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_mounted(work / "mnt")
+            pid = floor.pid
+        else:
+            subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://profile", str(work / "mnt"),
+                            "--endpoint-url", server.endpoint, "--cache-dir", str(work / "cache"), "--metrics-addr",
+                            "off"], env=server.env(), check=True)
+            pid = int(os.getxattr(work / "mnt", "user.epochfs.pid"))
 
         def read(f: SampleFile) -> int:
             n = 0
@@ -71,7 +84,8 @@ def main() -> int:
         if args.warm:
             with ThreadPoolExecutor(args.threads) as pool:
                 list(pool.map(read, files))
-            request(work / "mnt", "status")  # the daemon answers: fills are written behind, let them land
+            if not args.floor:
+                request(work / "mnt", "status")  # the daemon answers: fills are written behind, let them land
             time.sleep(2)
             os.sync()
             Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -86,15 +100,21 @@ def main() -> int:
         rate = len(files) / (time.perf_counter() - start)
         spy_proc.send_signal(2)
         spy_proc.wait()
-        subprocess.run([sys.executable, "-m", "epochfs", "umount", str(work / "mnt")], check=True)
+        if args.floor:
+            subprocess.run(["fusermount3", "-u", str(work / "mnt")], check=True)
+            floor.wait(30)
+        else:
+            subprocess.run([sys.executable, "-m", "epochfs", "umount", str(work / "mnt")], check=True)
     finally:
         server.stop()
     mib_s = rate * args.size_kib / 1024
-    lines = [f"{'warm' if args.warm else 'cold'} read of {args.files} x {args.size_kib} KiB files with {args.threads} "
+    lines = [f"{'the floor: ' if args.floor else ''}{'warm' if args.warm else 'cold'} read of {args.files} x {args.size_kib} KiB files with {args.threads} "
              f"threads: {rate:.0f} files/s, {mib_s:.0f} MiB/s",
              f"share of the daemon's ({'GIL-holding' if args.gil else 'non-idle'}) samples in which each "
              "function appears:"]
-    lines += [f"{share:6.1%}  {name}" for share, name in summarise(raw, args.top)]
+    total, shares = summarise(raw, args.top)
+    lines[-1] = lines[-1].replace("samples", f"samples ({total} at 200 Hz)", 1)
+    lines += [f"{share:6.1%}  {name}" for share, name in shares]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

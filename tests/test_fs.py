@@ -102,3 +102,16 @@ def test_reads_and_errors_through_the_one_errno_table():
     assert run(ops.getxattr, ROOT_INODE, b"user.x", CTX) == b"v"
     with pytest.raises(pyfuse3.FUSEError):
         run(ops.getxattr, inode, b"user.x", CTX)
+
+
+def test_a_read_only_mount_declines_flush_so_the_kernel_stops_sending_it():
+    """close() on a read-only mount has nothing to do: ENOSYS once, and the kernel sends no FLUSH for
+    the rest of the mount (one request less per file read). Not counted as an error."""
+    tree = ns(ObjectInfo("a", 5, 0, "e"))
+    ops = ops_for(tree, {"a": b"hello"})
+    fi = run(ops.open, run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino, os.O_RDONLY, CTX)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.flush, fi.fh)
+    assert info.value.errno == errno.ENOSYS
+    assert ops.statistics().errors == {}
+    run(ops.release, fi.fh)
