@@ -155,6 +155,9 @@ def test_garbage_index_is_rebuilt(tmp_path):
 @pytest.mark.parametrize("failing, around", [("write", False), ("pwrite", True), ("replace", False),
                                              ("replace", True)])
 def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing, around):
+    import epochfs.cache.store as store_mod
+
+    monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)
     s = make(tmp_path)
     assert s.reserve(bid(1), 100)
 
@@ -315,7 +318,10 @@ def _in_page_cache(path) -> bool:
 
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 100 * 1024 + 3, 5 << 20])
-def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, size):
+def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, monkeypatch, size):
+    import epochfs.cache.store as store_mod
+
+    monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)  # every size, to find alignment bugs
     s = make(tmp_path)
     data = os.urandom(size)
     assert s.reserve(bid(1), size)
@@ -328,9 +334,14 @@ def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, size):
 
 
 def test_buffered_writes_stay_in_the_page_cache(tmp_path):
+    """Blocks for a later reader, and small blocks (a direct write costs them more), go through the page
+    cache; large blocks for a reader at hand around it."""
+    from epochfs.cache.store import DIRECT_MIN
+
     s = make(tmp_path)
-    tmp, _ = s.write_temp(bid(1), b"x" * 10000)
-    assert _in_page_cache(tmp)
+    assert _in_page_cache(s.write_temp(bid(1), b"x" * DIRECT_MIN)[0])
+    assert _in_page_cache(s.write_temp(bid(2), b"x" * (DIRECT_MIN - 4096), around=True)[0])
+    assert not _in_page_cache(s.write_temp(bid(3), b"x" * DIRECT_MIN, around=True)[0])
 
 
 @pytest.mark.parametrize("where", ["open", "write"])
@@ -356,6 +367,7 @@ def test_a_file_system_without_direct_writes_falls_back_to_the_page_cache(tmp_pa
     monkeypatch.setattr(store_mod.os, "open", no_direct_open)
     if where == "write":
         monkeypatch.setattr(store_mod.os, "pwrite", no_direct_pwrite)
+    monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)
     for n in (1, 2):
         data = os.urandom(9000 + n)
         assert s.reserve(bid(n), len(data))

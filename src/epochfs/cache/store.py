@@ -74,6 +74,7 @@ def checksums(data: bytes | memoryview) -> bytes:
     return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE]) for i in range(0, len(view), CHUNK_SIZE))
 
 
+DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
 _ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 
@@ -483,12 +484,14 @@ class BlockStore:
         """Write a block to a new file under ``tmp/`` and checksum it (worker thread: touches no state).
         Raises OSError and then leaves no file behind. :meth:`install` puts it in place.
 
-        ``around``: the reader has the bytes already (it is served from memory), so write around the
-        page cache (``O_DIRECT``): filling new page-cache pages costs more CPU than the rest of a cold
-        read, and the mount keeps its own copy in the page cache anyway."""
+        ``around``: the reader has the bytes already (it is served from memory), so a block of at least
+        :data:`DIRECT_MIN` bytes is written around the page cache (``O_DIRECT``): for large blocks,
+        filling new page-cache pages costs more CPU than the rest of a cold read, and the mount keeps its
+        own copy in the page cache anyway. (A small block costs more CPU written directly: a
+        synchronous device write per block.)"""
         tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        direct = around and self._direct_works
+        direct = around and self._direct_works and len(data) >= DIRECT_MIN
         try:
             fd = os.open(tmp, flags | os.O_DIRECT if direct else flags, 0o600)
         except OSError as exc:
