@@ -136,6 +136,9 @@ class FakeStream:
             raise self.cache.error
         return self.cache.data[self.obj.key][offset:offset + size]
 
+    def close(self) -> None:
+        pass
+
 
 class FakeCache:
     """Stands in for BlockCache under fs.Operations: bytes from a dict, or the error set in ``error``."""

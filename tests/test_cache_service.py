@@ -224,3 +224,47 @@ def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cac
     assert disk_reads == []  # the second request never touched the block file
     assert stats.misses == 1 and stats.hits == 1  # the re-read did not wait for the backend
     assert arounds == [True, False]
+
+
+def test_a_small_object_is_read_whole_once_per_handle(tmp_path, monkeypatch):
+    """The kernel may ask for a small file in pieces (its first page, then the rest): the handle reads
+    the one block once, verified, and serves its later requests from it; statistics count what was
+    asked for; the bytes are given back when the handle closes, and past the budget handles read as
+    asked."""
+    small = ObjectInfo("small.bin", 100 * 1024 // 2, 0, '"v1"')  # one block of the tests' 64 KiB
+    backend = MemoryBackend()
+    store_reads = []
+
+    async def fn(cache):
+        real_read = cache.store.read
+
+        def counting_read(*a, **k):
+            store_reads.append(a[0])
+            return real_read(*a, **k)
+
+        cache.store.read = counting_read
+        await cache.read(small, 0, small.size)  # cached
+        await cache.wait_idle()
+        cache._recent.clear()
+        cache._recent_bytes = 0
+        before = cache.statistics()
+        stream = cache.open_stream(small)
+        pieces = [(0, 4096), (4096, 20000), (24096, 1 << 20), (7, 3), (small.size, 10)]
+        got = [bytes(await stream.read(off, size)) for off, size in pieces]
+        held = cache.whole_held
+        stream.close()
+        after = cache.statistics()
+        monkeypatch.setattr(BlockCache, "WHOLE_BUDGET", small.size - 1)
+        other = cache.open_stream(small)
+        again = bytes(await other.read(100, 50))
+        other.close()
+        return got, held, cache.whole_held, before, after, again
+
+    (got, held, released, before, after, again), _ = run_with_cache(tmp_path, backend, fn)
+    for (off, size), data in zip([(0, 4096), (4096, 20000), (24096, 1 << 20), (7, 3), (small.size, 10)], got, strict=True):
+        assert data == pattern(small.key, 0, off, max(0, min(size, small.size - off)))
+    assert len(store_reads) == 2  # one for the handle, one for the handle past the budget
+    assert held == small.size and released == 0
+    assert after.hits - before.hits == 5 and after.misses == before.misses
+    assert after.hit_bytes - before.hit_bytes == small.size + 3
+    assert again == pattern(small.key, 0, 100, 50)

@@ -275,7 +275,9 @@ class Operations(pyfuse3.Operations):
 
     @_translated
     async def release(self, fh: int) -> None:
-        self._streams.pop(fh, None)
+        stream = self._streams.pop(fh, None)
+        if stream is not None:
+            stream.close()
         local = self._local.pop(fh, None)
         if local is not None:
             self._writer().release(local)

@@ -118,6 +118,8 @@ class Fetch:
 class BlockCache:
     #: Reads of cached bytes at least this large that are not in memory go to a worker thread.
     THREADED_READ = 512 << 10
+    #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
+    WHOLE_BUDGET = 64 << 20
 
     def __init__(
         self,
@@ -155,6 +157,7 @@ class BlockCache:
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
         self._peer_bytes = 0
+        self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -196,12 +199,16 @@ class BlockCache:
         return None if warm else bytes(data)
 
     async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int, *,
-                          for_peer: bool = False) -> bytes | memoryview:
-        """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``."""
+                          for_peer: bool = False, asked: int | None = None) -> bytes | memoryview:
+        """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``; ``asked``: how many of
+        them the reader asked for (what the statistics count; default all)."""
         bid = self.block_id(obj, index)
         if self.observer is not None and not for_peer:
             self.observer.touched(obj, index)
         count = self._ignore if for_peer else self._count
+        if asked is not None:
+            lo_count = count
+            count = lambda hit, _n: lo_count(hit, asked)  # noqa: E731
         flight = self._flights.get(bid)
         if flight is None:
             kept = self._recent.get(bid)
@@ -321,6 +328,18 @@ class BlockCache:
             self.observer.opened(obj)
         return ReadStream(self, obj)
 
+    async def read_whole(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
+        """All of a one-block object, verified, for a handle to keep (the statistics count the ``size``
+        bytes at ``offset`` asked for); None if the handles already hold :attr:`WHOLE_BUDGET` bytes."""
+        if self.whole_held + obj.size > self.WHOLE_BUDGET:
+            return None
+        asked = max(0, min(offset + size, obj.size) - offset)
+        return await self._read_block(obj, 0, obj.size, 0, obj.size, asked=asked)
+
+    def count_hit(self, nbytes: int) -> None:
+        """A read served from bytes a handle keeps (see :class:`ReadStream`)."""
+        self._count(True, nbytes)
+
     # -- fetching --------------------------------------------------------------------------------------
 
     def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool, direct: bool = False,
@@ -438,7 +457,15 @@ class BlockCache:
 
 
 class ReadStream:
-    """One open file: detects sequential reading and keeps ``readahead_blocks`` blocks in flight ahead."""
+    """One open file: detects sequential reading and keeps ``readahead_blocks`` blocks in flight ahead.
+
+    An object of at most :attr:`WHOLE` bytes in one block is read whole on the first request, verified,
+    and later requests on the handle are served from those bytes until it is closed: with a large
+    kernel readahead window the kernel asks for a small file in two requests (its first page, then the
+    rest), and the second then costs no lookup, block file read or checksum. Bounded in total by
+    :attr:`BlockCache.WHOLE_BUDGET`."""
+
+    WHOLE = 1 << 20
 
     #: A read starting this close to where the previous one ended still counts as sequential
     #: (the kernel may deliver concurrent readahead requests slightly out of order).
@@ -450,9 +477,29 @@ class ReadStream:
         self._next = 0
         self._sequential = 0
         self._ahead_from = 0  # first block index not yet handed to readahead
+        self._whole: bytes | memoryview | None = None
+        self._small = obj.size <= self.WHOLE and obj.size <= cache.block_size
+
+    def close(self) -> None:
+        if self._whole is not None:
+            self.cache.whole_held -= len(self._whole)
+            self._whole = None
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         cache = self.cache
+        if self._small:
+            whole = self._whole
+            if whole is None:
+                whole = await cache.read_whole(self.obj, offset, size)
+                if whole is None:  # the budget is spent: read as asked
+                    return await cache.read(self.obj, offset, size)
+                if self._whole is None:  # (another request of this handle may have kept it meanwhile)
+                    self._whole = whole
+                    cache.whole_held += len(whole)
+                return whole[offset:offset + size]
+            part = whole[offset:offset + size]
+            cache.count_hit(len(part))
+            return part
         if abs(offset - self._next) <= self.SLACK:
             self._sequential += 1
         else:
