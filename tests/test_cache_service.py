@@ -39,6 +39,17 @@ def run_with_cache(tmp_path, backend, fn, capacity=1 << 30, readahead=0):
 OBJ = ObjectInfo("f.bin", 5 * BS + 777, 0, '"v1"')
 
 
+def record_store_reads(cache, into: list) -> None:
+    """Append the block id of every read from the block store (disk) to ``into``."""
+    real_read = cache.store.read
+
+    def recording_read(*a, **k):
+        into.append(a[0])
+        return real_read(*a, **k)
+
+    cache.store.read = recording_read
+
+
 def test_reads_across_block_boundaries(tmp_path):
     backend = MemoryBackend()
 
@@ -203,13 +214,7 @@ def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cac
     disk_reads = []
 
     async def fn(cache):
-        real_read = cache.store.read
-
-        def counting_read(*a, **k):
-            disk_reads.append(a[0])
-            return real_read(*a, **k)
-
-        cache.store.read = counting_read
+        record_store_reads(cache, disk_reads)
         first = bytes(await cache.read(OBJ, 0, 1000))  # a miss: fetched on demand
         await cache.wait_idle()
         rest = bytes(await cache.read(OBJ, 1000, BS - 1000))  # the same block, after its fill
@@ -236,13 +241,7 @@ def test_a_small_object_is_read_whole_once_per_handle(tmp_path, monkeypatch):
     store_reads = []
 
     async def fn(cache):
-        real_read = cache.store.read
-
-        def counting_read(*a, **k):
-            store_reads.append(a[0])
-            return real_read(*a, **k)
-
-        cache.store.read = counting_read
+        record_store_reads(cache, store_reads)
         await cache.read(small, 0, small.size)  # cached
         await cache.wait_idle()
         cache._recent.clear()
