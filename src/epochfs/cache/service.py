@@ -206,15 +206,13 @@ class BlockCache:
         if self.observer is not None and not for_peer:
             self.observer.touched(obj, index)
         count = self._ignore if for_peer else self._count
-        if asked is not None:
-            lo_count = count
-            count = lambda hit, _n: lo_count(hit, asked)  # noqa: E731
+        nbytes = hi - lo if asked is None else asked
         flight = self._flights.get(bid)
         if flight is None:
             kept = self._recent.get(bid)
             if kept is not None:
                 data, hit, stored = kept
-                count(hit, hi - lo)
+                count(hit, nbytes)
                 if stored and hi == len(data):  # the reader is past this block: the store has it
                     self._recent_bytes -= len(self._recent.pop(bid)[0])
                 return memoryview(data)[lo:hi]
@@ -233,7 +231,7 @@ class BlockCache:
                     if data is WOULD_BLOCK:
                         data = await self._read_from_disk(bid, meta, lo, hi)
                 if data is not None:
-                    count(True, hi - lo)
+                    count(True, nbytes)
                     return data
                 flight = self._flights.get(bid)  # another reader may have started it meanwhile
             if flight is None:
@@ -246,7 +244,7 @@ class BlockCache:
                 obj, index, bid, demand=True, direct=for_peer)
             hit = False
             await flight.event.wait()
-        count(hit or flight.from_peer, hi - lo)
+        count(hit or flight.from_peer, nbytes)
         if flight.error is not None:
             raise flight.error
         if flight.data is None:
