@@ -249,8 +249,11 @@ class BlockCache:
             raise flight.error
         if flight.data is None:
             raise BackendUnavailable(f"{obj.key}: block {index} could not be read")
-        if hi == length:
+        if hi == length:  # the reader is past this block: the store has it (or will, once filled)
             flight.read_to_end = True
+            kept = self._recent.get(bid)
+            if kept is not None and kept[2]:  # the fill finished before this reader woke up
+                self._recent_bytes -= len(self._recent.pop(bid)[0])
         return memoryview(flight.data)[lo:hi]
 
     async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
