@@ -11,9 +11,10 @@ Concurrency contract (all on the trio thread unless noted):
   while its fill is running. Room is reserved before the fetch, so the eviction policy decides then.
 - **Recent blocks in memory.** The last blocks fetched for a reader (on demand or read ahead) stay in
   memory, up to ``recent_max`` bytes, until their last byte is read, and its next requests are served
-  from there; their block files are written around the page cache (``O_DIRECT``), which costs far
-  less CPU than filling new page-cache pages. Blocks the manifest prefetcher fetches ahead are written through the page cache:
-  the reader comes later and finds them in memory there.
+  from there; those of at least ``store.DIRECT_MIN`` bytes are written around the page cache
+  (``O_DIRECT``), which costs far less CPU than filling new page-cache pages. Blocks the manifest
+  prefetcher fetches ahead are written through the page cache: the reader comes later and finds them
+  in memory there.
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
@@ -213,8 +214,8 @@ class BlockCache:
             if kept is not None:
                 data, hit, stored = kept
                 count(hit, nbytes)
-                if stored and hi == len(data):  # the reader is past this block: the store has it
-                    self._recent_bytes -= len(self._recent.pop(bid)[0])
+                if hi == len(data):
+                    self._passed(bid)
                 return memoryview(data)[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None and meta.length != length:
@@ -249,11 +250,9 @@ class BlockCache:
             raise flight.error
         if flight.data is None:
             raise BackendUnavailable(f"{obj.key}: block {index} could not be read")
-        if hi == length:  # the reader is past this block: the store has it (or will, once filled)
-            flight.read_to_end = True
-            kept = self._recent.get(bid)
-            if kept is not None and kept[2]:  # the fill finished before this reader woke up
-                self._recent_bytes -= len(self._recent.pop(bid)[0])
+        if hi == length:
+            flight.read_to_end = True  # (if its fill is still running, it will not keep the block)
+            self._passed(bid)  # (if the fill finished before this reader woke up and kept it)
         return memoryview(flight.data)[lo:hi]
 
     async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
@@ -414,6 +413,13 @@ class BlockCache:
                 del self._flights[bid]
             if not self._flights:
                 self._idle.set()
+
+    def _passed(self, bid: bytes) -> None:
+        """A reader read the block to its end: if the store has it, it leaves memory (later reads go to
+        the verified block file)."""
+        kept = self._recent.get(bid)
+        if kept is not None and kept[2]:
+            self._recent_bytes -= len(self._recent.pop(bid)[0])
 
     def _keep_recent(self, bid: bytes, data: bytes, hit: bool, stored: bool) -> None:
         old = self._recent.pop(bid, None)

@@ -502,26 +502,31 @@ class BlockStore:
             direct = False
             fd = os.open(tmp, flags, 0o600)
         try:
-            if direct:
-                try:
-                    _write_direct(fd, data)
-                    return tmp, BlockMeta(len(data), checksums(data))
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:  # EINVAL: the file system takes O_DIRECT but not our alignment
-                        raise
-                    log.info("direct writes fail on the cache file system (%s); writing through the page cache", exc)
-                    self._direct_works = False
-                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                    os.ftruncate(fd, 0)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            if not (direct and self._wrote_direct(fd, data)):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
         except BaseException:
             os.unlink(tmp)
             raise
         finally:
             os.close(fd)
         return tmp, BlockMeta(len(data), checksums(data))
+
+    def _wrote_direct(self, fd: int, data: bytes | bytearray) -> bool:
+        """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
+        still empty, if the file system takes O_DIRECT but not our alignment (EINVAL)."""
+        try:
+            _write_direct(fd, data)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            log.info("direct writes fail on the cache file system (%s); writing through the page cache", exc)
+        self._direct_works = False
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        os.ftruncate(fd, 0)
+        return False
 
     def install(self, bid: bytes, tmp: str, meta: BlockMeta) -> None:
         """Move a block written by :meth:`write_temp` into place and index it, consuming its reservation
