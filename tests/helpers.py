@@ -201,3 +201,50 @@ def offline_min_misses(seq: list[bytes], capacity: int) -> int:
             cache.remove(far)
             cache.add(b)
     return misses
+
+
+def damage_block(where: tuple[Path, int, int], how: str, other: tuple[Path, int, int] | None = None) -> None:
+    """Damage a cached block in place, wherever it is (``where``: file, offset, length as
+    :func:`epochfs.cache.store.locate` gives): ``flip`` a bit in its middle; ``truncate`` it after 100
+    bytes; ``empty`` it; ``delete`` it; ``swap`` its bytes with the block at ``other``. A block in a
+    file of its own is truncated, emptied or deleted as a file; one in a pack file (shared with other
+    blocks) has that range zeroed instead, as a hole punched by another program would read."""
+    path, offset, length = where
+    packed = path.parent.name == "packs"
+    if how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(offset + length // 2)
+            byte = f.read(1)[0]
+            f.seek(offset + length // 2)
+            f.write(bytes([byte ^ 0x10]))
+    elif how in ("truncate", "empty", "delete"):
+        keep = 100 if how == "truncate" else 0
+        if packed:
+            with open(path, "r+b") as f:
+                f.seek(offset + keep)
+                f.write(bytes(length - keep))
+        elif how == "delete":
+            path.unlink()
+        else:
+            os.truncate(path, keep)
+    elif how == "swap":
+        assert other is not None
+        if packed:
+            opath, ooff, olen = other
+            with open(path, "r+b") as f, open(opath, "r+b") as g:
+                n = min(length, olen)
+                f.seek(offset)
+                mine = f.read(n)
+                g.seek(ooff)
+                theirs = g.read(n)
+                f.seek(offset)
+                f.write(theirs)
+                g.seek(ooff)
+                g.write(mine)
+        else:
+            tmp = path.with_suffix(".swap")
+            os.rename(path, tmp)
+            os.rename(other[0], path)
+            os.rename(tmp, other[0])
+    else:
+        raise ValueError(how)

@@ -7,17 +7,23 @@ import pytest
 
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath
 from epochfs.cache.policies.lru import LruPolicy
-from epochfs.cache.store import BlockStore, CacheLocked
+from epochfs.cache.store import PACK_BELOW, BlockStore, CacheLocked
 from epochfs.errors import CacheUnreadable, ConfigError
+
+from .helpers import damage_block
 
 
 def bid(n: int) -> bytes:
     return n.to_bytes(16, "big")
 
 
-def make(tmp_path, capacity=1 << 30, ratio=0.0) -> BlockStore:
+def make(tmp_path, capacity=1 << 30, ratio=0.0, packing=True) -> BlockStore:
+    """A store; ``packing=False``: every block in a file of its own (as on a file system that cannot
+    punch holes)."""
     s = BlockStore(tmp_path / "cache", capacity, ratio, LruPolicy())
     s.open()
+    assert s.packing, "the test file system punches holes"
+    s.packing = packing
     return s
 
 
@@ -39,55 +45,161 @@ def test_roundtrip_and_partial_reads(tmp_path):
     assert s.statistics().used_bytes == len(data)
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "file"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete"])
-def test_damaged_block_is_dropped_not_served(tmp_path, damage):
-    s = make(tmp_path)
+def test_damaged_block_is_dropped_not_served(tmp_path, damage, packing):
+    s = make(tmp_path, packing=packing)
     data = os.urandom(2 * CHUNK_SIZE)
     put(s, bid(1), data)
-    path = s.blocks_dir / block_relpath(bid(1))
-    if damage == "flip":
-        raw = bytearray(path.read_bytes())
-        raw[CHUNK_SIZE + 17] ^= 0x01
-        path.write_bytes(raw)
-    elif damage == "truncate":
-        os.truncate(path, CHUNK_SIZE + 10)
-    elif damage == "empty":
-        os.truncate(path, 0)
-    else:
-        path.unlink()
+    put(s, bid(2), os.urandom(5000))  # a neighbour (in the same pack when packed)
+    where = s.block_location(bid(1))
+    assert (where[0].parent.name == "packs") == packing
+    damage_block(where, damage)
     meta = s.lookup(bid(1))
     assert s.read(bid(1), meta, 0, len(data)) is None
     st = s.statistics()
-    assert st.corrupt_blocks == 1 and st.used_bytes == 0 and st.blocks == 0
-    assert s.lookup(bid(1)) is None and not path.exists()
+    assert st.corrupt_blocks == 1 and st.used_bytes == 5000 and st.blocks == 1
+    assert s.lookup(bid(1)) is None and s.block_location(bid(1)) is None
+    assert packing or not where[0].exists()
+    assert bytes(s.read(bid(2), s.lookup(bid(2)), 0, 5000)) == s.block_location(bid(2))[0].read_bytes()[
+        s.block_location(bid(2))[1]:s.block_location(bid(2))[1] + 5000]
+
+
+def test_a_deleted_pack_drops_its_blocks_not_others(tmp_path, monkeypatch):
+    import epochfs.cache.store as store_mod
+
+    monkeypatch.setattr(store_mod, "PACK_SIZE", 3 * 4096)  # three 4 KiB blocks per pack
+    s = make(tmp_path)
+    blocks = {n: os.urandom(4000) for n in range(6)}
+    for n, data in blocks.items():
+        put(s, bid(n), data)
+    first = s.block_location(bid(0))[0]
+    assert s.block_location(bid(3))[0] != first and len(list(s.packs_dir.iterdir())) == 2
+    first.unlink()
+    for n, data in blocks.items():
+        got = s.read(bid(n), s.lookup(bid(n)), 0, 4000)
+        assert (got is None) if n < 3 else (bytes(got) == data)
+    assert s.statistics().corrupt_blocks == 3 and s.statistics().blocks == 3
 
 
 def test_flipped_byte_in_an_unread_chunk_is_not_noticed_until_read(tmp_path):
     s = make(tmp_path)
     data = os.urandom(2 * CHUNK_SIZE)
     put(s, bid(1), data)
-    path = s.blocks_dir / block_relpath(bid(1))
+    path, offset, _ = s.block_location(bid(1))
     raw = bytearray(path.read_bytes())
-    raw[CHUNK_SIZE + 1] ^= 0xFF
+    raw[offset + CHUNK_SIZE + 1] ^= 0xFF
     path.write_bytes(raw)
     meta = s.lookup(bid(1))
     assert bytes(s.read(bid(1), meta, 0, 100)) == data[:100]  # first chunk is intact and verified
     assert s.read(bid(1), meta, CHUNK_SIZE, CHUNK_SIZE + 1) is None
 
 
-def test_swapped_block_files_are_detected(tmp_path):
-    s = make(tmp_path)
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "file"])
+def test_swapped_blocks_are_detected(tmp_path, packing):
+    s = make(tmp_path, packing=packing)
     a, b = os.urandom(1000), os.urandom(1000)
     put(s, bid(1), a)
     put(s, bid(2), b)
-    pa, pb = s.blocks_dir / block_relpath(bid(1)), s.blocks_dir / block_relpath(bid(2))
-    tmp = pa.with_suffix(".x")
-    os.rename(pa, tmp)
-    os.rename(pb, pa)
-    os.rename(tmp, pb)
+    damage_block(s.block_location(bid(1)), "swap", s.block_location(bid(2)))
     assert s.read(bid(1), s.lookup(bid(1)), 0, 1000) is None
     assert s.read(bid(2), s.lookup(bid(2)), 0, 1000) is None
     assert s.statistics().corrupt_blocks == 2
+
+
+def _allocated(path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_small_blocks_share_packs_and_evicted_ones_free_their_space(tmp_path, monkeypatch):
+    """Blocks below PACK_BELOW go to pack files at aligned offsets, larger ones to files of their own;
+    an evicted packed block's range is punched out, and a pack with no block left is deleted."""
+    import epochfs.cache.store as store_mod
+
+    monkeypatch.setattr(store_mod, "PACK_SIZE", 4 * 40960)  # four blocks of 40000 bytes per pack
+    s = make(tmp_path, capacity=8 * 40000 + PACK_BELOW)
+    big = os.urandom(PACK_BELOW)
+    put(s, bid(100), big)
+    assert s.block_location(bid(100)) == (s.blocks_dir / block_relpath(bid(100)), 0, PACK_BELOW)
+    small = {n: os.urandom(40000) for n in range(8)}
+    for n, data in small.items():
+        put(s, bid(n), data)
+    where = {n: s.block_location(bid(n)) for n in small}
+    packs = sorted({w[0] for w in where.values()})
+    assert len(packs) == 2 and all(w[1] % 4096 == 0 for w in where.values())
+    assert sorted(w[1] for w in where.values() if w[0] == packs[0]) == [0, 40960, 81920, 122880]
+    for n, data in small.items():
+        assert bytes(s.read(bid(n), s.lookup(bid(n)), 0, 40000)) == data
+    before = _allocated(packs[0])
+    put(s, bid(50), os.urandom(PACK_BELOW))  # the cache is full: the oldest block (the large one) goes
+    put(s, bid(51), os.urandom(40000))  # ... then small block 0, the first of the first pack
+    assert s.lookup(bid(100)) is None and s.lookup(bid(0)) is None and s.lookup(bid(1)) is not None
+    assert _allocated(packs[0]) <= before - 40960, "the evicted block's disk space was not freed"
+    for n in (1, 2, 3):
+        s._evict(bid(n))
+    assert not packs[0].exists(), "a pack with no block left is deleted"
+    assert packs[1].exists() and bytes(s.read(bid(7), s.lookup(bid(7)), 0, 40000)) == small[7]
+
+
+def test_concurrent_packed_writes_get_their_own_ranges(tmp_path, monkeypatch):
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    import epochfs.cache.store as store_mod
+
+    monkeypatch.setattr(store_mod, "PACK_SIZE", 1 << 20)  # several packs, rolled over by the writers
+    s = make(tmp_path)
+    rng = random.Random(5)
+    blocks = {bid(n): rng.randbytes(rng.randrange(1, 200_000)) for n in range(200)}
+    for b, data in blocks.items():
+        assert s.reserve(b, len(data))
+    with ThreadPoolExecutor(8) as pool:
+        written = list(pool.map(lambda item: (item[0], s.write_temp(*item)), blocks.items()))
+    for b, fill in written:
+        s.install(b, *fill)
+    spans = sorted((w[0].name, w[1], w[1] + w[2]) for w in map(s.block_location, blocks))
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:], strict=False)), "two blocks share bytes"
+    assert len({name for name, _, _ in spans}) > 1
+    for b, data in blocks.items():
+        assert bytes(s.read(b, s.lookup(b), 0, len(data))) == data
+    s.close()
+    s = make(tmp_path)  # after a restart new blocks go to a new pack: nothing is overwritten
+    put(s, bid(999), b"new" * 1000)
+    for b, data in blocks.items():
+        assert bytes(s.read(b, s.lookup(b), 0, len(data))) == data
+
+
+def test_a_file_system_that_cannot_punch_holes_gets_one_file_per_block(tmp_path, monkeypatch):
+    import epochfs.cache.store as store_mod
+
+    def unsupported(*a):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(store_mod, "punch_hole", unsupported)
+    s = BlockStore(tmp_path / "cache", 1 << 30, 0.0, LruPolicy())
+    s.open()
+    assert not s.packing
+    put(s, bid(1), b"x" * 1000)
+    assert s.block_location(bid(1))[0] == s.blocks_dir / block_relpath(bid(1))
+    assert bytes(s.read(bid(1), s.lookup(bid(1)), 0, 1000)) == b"x" * 1000
+
+
+def test_a_failed_packed_write_indexes_nothing_and_the_next_one_works(tmp_path, monkeypatch):
+    s = make(tmp_path)
+    assert s.reserve(bid(1), 5000)
+    real = os.pwrite
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError):
+        s.write_temp(bid(1), b"a" * 5000)
+    s.release(5000)
+    monkeypatch.setattr(os, "pwrite", real)
+    assert s.lookup(bid(1)) is None and s.pending == 0 and s.statistics().fill_errors == 1
+    put(s, bid(2), b"b" * 5000)
+    assert bytes(s.read(bid(2), s.lookup(bid(2)), 0, 5000)) == b"b" * 5000
 
 
 def test_capacity_is_enforced_by_lru_eviction(tmp_path):
@@ -158,7 +270,7 @@ def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing, around)
     import epochfs.cache.store as store_mod
 
     monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)
-    s = make(tmp_path)
+    s = make(tmp_path, packing=False)
     assert s.reserve(bid(1), 100)
 
     def boom(*a, **k):
@@ -180,9 +292,7 @@ def test_fsck_finds_damage_and_orphans_and_repairs_them(tmp_path):
     s = make(tmp_path)
     for n in range(4):
         put(s, bid(n), bytes([n]) * 100_000)
-    raw = bytearray((s.blocks_dir / block_relpath(bid(1))).read_bytes())
-    raw[99_999] ^= 1
-    (s.blocks_dir / block_relpath(bid(1))).write_bytes(raw)
+    damage_block(s.block_location(bid(1)), "flip")
     orphan = s.blocks_dir / block_relpath(bid(77))
     orphan.parent.mkdir(parents=True, exist_ok=True)
     orphan.write_bytes(b"left by a crash between rename and index entry")
@@ -217,9 +327,11 @@ def test_a_file_system_without_nowait_reads_is_not_taken_for_damage(tmp_path, mo
     assert s.statistics().corrupt_blocks == 0
 
 
-def test_unclean_shutdown_is_reconciled_at_the_next_open(tmp_path):
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "file"])
+def test_unclean_shutdown_is_reconciled_at_the_next_open(tmp_path, packing):
     """A daemon killed between a fill's rename and its index entry leaves a block file the index does not
-    know; one whose page cache was lost leaves an entry without its file. Both are cleaned up at start."""
+    know (or a range of a pack no entry refers to); one whose page cache was lost leaves an entry without
+    its file (or a pack cut short). All are cleaned up at start."""
     import subprocess
     import sys
     import textwrap
@@ -230,21 +342,30 @@ def test_unclean_shutdown_is_reconciled_at_the_next_open(tmp_path):
         from tests.test_store import make, put, bid
         from pathlib import Path
         from epochfs.cache.keys import block_relpath
-        s = make(Path({str(tmp_path)!r}))
+        s = make(Path({str(tmp_path)!r}), packing={packing})
         for n in range(3):
             put(s, bid(n), bytes([n]) * 70_000)
         orphan = s.blocks_dir / block_relpath(bid(9))
         orphan.parent.mkdir(parents=True, exist_ok=True)
         orphan.write_bytes(b"renamed, never indexed")
-        (s.blocks_dir / block_relpath(bid(2))).unlink()
+        path, offset, _ = s.block_location(bid(2))
+        if {packing}:
+            s.write_temp(bid(8), b"written, never indexed" * 10_000)  # after block 2 in the pack
+            open(s.packs_dir / "7fffffff", "wb").write(b"a pack no entry refers to")
+            os.truncate(path, offset + 100)  # block 2 (and the unindexed block) cut short
+        else:
+            path.unlink()
         os._exit(0)  # no close(): as if killed
     """)
     subprocess.run([sys.executable, "-c", crash], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
-    s = make(tmp_path)
+    s = make(tmp_path, packing=packing)
     assert not (s.blocks_dir / block_relpath(bid(9))).exists()
+    assert not (s.packs_dir / "7fffffff").exists()
     assert s.lookup(bid(2)) is None
     st = s.statistics()
     assert st.blocks == 2 and st.used_bytes == 2 * 70_000
+    if packing:  # nothing of the pack is allocated but the two blocks left
+        assert _allocated(s.block_location(bid(0))[0]) <= 2 * 73_728
     assert bytes(s.read(bid(1), s.lookup(bid(1)), 0, 70_000)) == bytes([1]) * 70_000
     s.close()
     assert (tmp_path / "cache" / "clean").exists()
@@ -262,7 +383,7 @@ def test_a_read_error_that_is_not_damage_keeps_the_block(tmp_path, monkeypatch, 
     real_open = os.open
 
     def failing_open(path, flags, *args, **kwargs):
-        if "blocks" in str(path):
+        if "blocks" in str(path) or "packs" in str(path):
             raise OSError(code, os.strerror(code))
         return real_open(path, flags, *args, **kwargs)
 
@@ -322,7 +443,7 @@ def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, monkey
     import epochfs.cache.store as store_mod
 
     monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)  # every size, to find alignment bugs
-    s = make(tmp_path)
+    s = make(tmp_path, packing=False)
     data = os.urandom(size)
     assert s.reserve(bid(1), size)
     tmp, meta = s.write_temp(bid(1), data, around=True)
@@ -338,7 +459,7 @@ def test_buffered_writes_stay_in_the_page_cache(tmp_path):
     cache; large blocks for a reader at hand around it."""
     from epochfs.cache.store import DIRECT_MIN
 
-    s = make(tmp_path)
+    s = make(tmp_path, packing=False)
     assert _in_page_cache(s.write_temp(bid(1), b"x" * DIRECT_MIN)[0])
     assert _in_page_cache(s.write_temp(bid(2), b"x" * (DIRECT_MIN - 4096), around=True)[0])
     assert not _in_page_cache(s.write_temp(bid(3), b"x" * DIRECT_MIN, around=True)[0])
@@ -350,7 +471,7 @@ def test_a_file_system_without_direct_writes_falls_back_to_the_page_cache(tmp_pa
     the block is written anyway, and later blocks do not try again."""
     import epochfs.cache.store as store_mod
 
-    s = make(tmp_path)
+    s = make(tmp_path, packing=False)
     tries = []
     real_open = os.open
 

@@ -1,12 +1,21 @@
-"""The on-disk block store: block files plus an LMDB index, bounded in size.
+"""The on-disk block store: block files and pack files plus an LMDB index, bounded in size.
 
 Layout under the cache directory::
 
     lock                 flock held by the one daemon that owns this directory
     clean                present while no daemon runs, if the last one shut down cleanly
-    blocks/ab/<id>       one file per block, named by its id (see :mod:`epochfs.cache.keys`)
-    tmp/                 fills in progress; emptied at start-up
-    index/               LMDB: block id -> (sequence, length, xxh3-64 per 64 KiB chunk)
+    blocks/ab/<id>       one file per block of at least PACK_BELOW bytes, named by its id
+                         (see :mod:`epochfs.cache.keys`)
+    packs/<n>            smaller blocks, appended at 4 KiB-aligned offsets to the current pack file;
+                         an evicted block's range is punched out (its disk space freed at once), and a
+                         pack that holds no block any more is deleted
+    tmp/                 fills of block files in progress; emptied at start-up
+    index/               LMDB: block id -> (sequence, length, pack, offset, xxh3-64 per 64 KiB chunk)
+
+Why packs: a small block in a file of its own costs a file creation and a rename to fill, and an open,
+a directory block and an inode to read when the kernel's caches are cold; in a pack it costs one
+``pwrite`` and one ``pread`` on a file whose inode stays in memory. Packing is used only where the
+cache file system can punch holes (``fallocate``); elsewhere every block gets a file.
 
 Concurrency contract: every method except :meth:`BlockStore.write_temp` and :meth:`BlockStore.pread_range`
 runs on the trio thread, so the index, the byte accounting and the policy are never touched
@@ -18,6 +27,7 @@ chunk they return.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -26,7 +36,7 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Container
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -41,32 +51,37 @@ from epochfs.private import open_private, private_dir, private_subdir, touch_pri
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = b"2"  # 2: block ids bound to the block size, one level of block directories
+INDEX_FORMAT = b"3"  # 3: small blocks in pack files (2: one file per block)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
-_HEAD = struct.Struct("<QI")  # sequence number, block length
+_HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: a block file), offset in it
 _SUM = 8  # bytes of one xxh3-64 digest
 
 
 class BlockMeta(NamedTuple):
-    """An index entry: the block's length and one xxh3-64 digest per CHUNK_SIZE chunk."""
+    """An index entry: the block's length, one xxh3-64 digest per CHUNK_SIZE chunk, and where it is:
+    in pack ``pack`` at ``offset``, or (``pack`` 0) in a block file of its own."""
 
     length: int
     sums: bytes
     seq: int = 0
+    pack: int = 0
+    offset: int = 0
 
     def encode(self) -> bytes:
-        return _HEAD.pack(self.seq, self.length) + self.sums
+        return _HEAD.pack(self.seq, self.length, self.pack, self.offset) + self.sums
 
     @classmethod
     def decode(cls, raw: bytes) -> BlockMeta | None:
         if len(raw) < _HEAD.size:
             return None
-        seq, length = _HEAD.unpack_from(raw)
+        seq, length, pack, offset = _HEAD.unpack_from(raw)
         sums = bytes(raw[_HEAD.size:])
         if length <= 0 or len(sums) != _SUM * -(-length // CHUNK_SIZE):
             return None
-        return cls(length, sums, seq)
+        if pack and (length >= PACK_BELOW or offset % _ALIGN):
+            return None
+        return cls(length, sums, seq, pack, offset)
 
 
 def checksums(data: bytes | memoryview) -> bytes:
@@ -75,7 +90,25 @@ def checksums(data: bytes | memoryview) -> bytes:
 
 
 DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
-_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size
+PACK_BELOW = DIRECT_MIN  # blocks smaller than this go to pack files
+PACK_SIZE = 64 << 20  # a pack file takes blocks until this long, then the next one is started
+_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size;
+#                packed blocks start at multiples of it (a punched hole frees whole pages)
+_PACK_FDS = 64  # pack files kept open for reads
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the disk space of [offset, offset + length) of a file, keeping its size (reads give zeros)."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 
 
@@ -131,7 +164,8 @@ class BlockStore:
         self.blocks_dir = self.cache_dir / "blocks"
         self.tmp_dir = self.cache_dir / "tmp"
         self.index_dir = self.cache_dir / "index"
-        self._blocks, self._tmp = str(self.blocks_dir), str(self.tmp_dir)
+        self.packs_dir = self.cache_dir / "packs"
+        self._blocks, self._tmp, self._packs = str(self.blocks_dir), str(self.tmp_dir), str(self.packs_dir)
         self._dirs: set[str] = set()  # block subdirectories known to exist
         self.used = 0
         self.pending = 0
@@ -148,6 +182,16 @@ class BlockStore:
         self._nowait_works = True
         self._direct_works = True
         self._env: lmdb.Environment | None = None
+        # Packs. Counts and the write position are shared with the worker threads that write blocks
+        # (under _pack_lock); read descriptors and deletions belong to the trio thread.
+        self.packing = False  # set by open(): the file system can punch holes
+        self._pack_lock = threading.Lock()
+        self._pack_live: dict[int, int] = {}  # pack -> indexed blocks in it
+        self._pack_pending: dict[int, int] = {}  # pack -> blocks written to it, not yet indexed
+        self._write_pack = 0  # the pack new blocks go to (0: none yet)
+        self._write_off = 0
+        self._last_pack = 0  # the newest pack a block was installed in (to notice when it rolls over)
+        self._pack_fds: OrderedDict[int, int] = OrderedDict()
 
     # -- life cycle ------------------------------------------------------------------------------------
 
@@ -157,7 +201,7 @@ class BlockStore:
         ``fsck`` reports the differences instead)."""
         private_dir(self.cache_dir)
         self._lock()
-        for name in ("blocks", "tmp", "index"):
+        for name in ("blocks", "tmp", "index", "packs"):
             private_subdir(self.cache_dir, name)
         shutil.rmtree(self.tmp_dir)
         private_subdir(self.cache_dir, "tmp")
@@ -171,10 +215,48 @@ class BlockStore:
             log.warning("cache index in %s is damaged (%s); discarding the cached blocks", self.index_dir, exc)
             self._reset()
             known = self._open_index()
+        self.packing = self._can_punch()
         if not self._consistent and reconcile:
             self._reconcile(known)
+        for pack in self._pack_files():
+            if reconcile and pack not in self._pack_live:  # no indexed block (all evicted, or none indexed)
+                os.unlink(self._pack_path(pack))
+            self._write_pack = max(self._write_pack, pack)
+        self._write_off = PACK_SIZE  # the next block starts a new pack
+
+    def _can_punch(self) -> bool:
+        probe = f"{self._tmp}/punch-probe"
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, bytes(2 * _ALIGN), 0)
+            punch_hole(fd, 0, _ALIGN)
+            return True
+        except OSError as exc:
+            log.info("the cache file system cannot punch holes (%s): one file per block", exc)
+            return False
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
+    def _pack_path(self, pack: int) -> str:
+        return f"{self._packs}/{pack:08x}"
+
+    def _pack_files(self) -> list[int]:
+        packs = []
+        for name in os.listdir(self._packs):
+            try:
+                packs.append(int(name, 16))
+            except ValueError:
+                os.unlink(f"{self._packs}/{name}")  # not ours
+        return packs
 
     def close(self) -> None:
+        if self._env is not None:
+            pack, self._write_pack = self._write_pack, 0
+            self._drop_pack_if_empty(pack)
+        for fd in self._pack_fds.values():
+            os.close(fd)
+        self._pack_fds.clear()
         if self._env is not None:
             self._env.sync(True)
             self._env.close()
@@ -200,13 +282,13 @@ class BlockStore:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
 
-    def _open_index(self) -> dict[bytes, int]:
-        """Open the index and load it into the policy; return block id -> length."""
+    def _open_index(self) -> dict[bytes, BlockMeta]:
+        """Open the index and load it into the policy; return block id -> entry."""
         self._env = lmdb.open(
             str(self.index_dir), map_size=1 << 36, subdir=True, max_dbs=0, sync=False, metasync=False,
             readahead=False, lock=True, mode=0o600,
         )
-        loaded: list[tuple[int, bytes, int]] = []
+        loaded: list[tuple[int, bytes, BlockMeta]] = []
         bad: list[bytes] = []
         with self._env.begin() as txn:
             fmt = txn.get(b"\x00format")
@@ -219,7 +301,7 @@ class BlockStore:
                 if len(key) != 16 or meta is None:
                     bad.append(bytes(key))
                 else:
-                    loaded.append((meta.seq, bytes(key), meta.length))
+                    loaded.append((meta.seq, bytes(key), meta))
         with self._env.begin(write=True) as txn:
             txn.put(b"\x00format", INDEX_FORMAT)
             for key in bad:
@@ -233,18 +315,21 @@ class BlockStore:
         if bad:
             log.warning("dropped %d malformed cache index entries and their files", len(bad))
         loaded.sort()
-        for seq, bid, length in loaded:
-            self.policy.inserted(bid, length)
-            self.used += length
+        for seq, bid, meta in loaded:
+            self.policy.inserted(bid, meta.length)
+            self.used += meta.length
             self._seq = max(self._seq, seq)
+            if meta.pack:
+                self._pack_live[meta.pack] = self._pack_live.get(meta.pack, 0) + 1
         self._count = len(loaded)
         log.info("cache %s: %d blocks, %d bytes of %d", self.cache_dir, self._count, self.used, self.capacity)
-        return {bid: length for _, bid, length in loaded}
+        return {bid: meta for _, bid, meta in loaded}
 
-    def _reconcile(self, known: dict[bytes, int]) -> None:
+    def _reconcile(self, known: dict[bytes, BlockMeta]) -> None:
         """After an unclean shutdown: drop index entries whose block file is missing or of the wrong
-        length, and delete block files the index does not know (a crash between a fill's rename and its
-        index entry, or index writes lost with the page cache). Runs before anything is served."""
+        length (or whose pack is missing or too short), delete block files the index does not know (a
+        crash between a fill's rename and its index entry, or index writes lost with the page cache)
+        and free the ranges of packs no entry refers to. Runs before anything is served."""
         on_disk, orphans = self._scan(known)
         for path, _ in orphans:
             try:
@@ -254,17 +339,58 @@ class BlockStore:
         if orphans:
             log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
                         "unclean shutdown", len(orphans), sum(size for _, size in orphans))
-        lost = [bid for bid, length in known.items() if on_disk.get(bid) != length]
+        lost = [bid for bid, meta in known.items() if on_disk.get(bid) != meta.length]
         for bid in lost:
-            self._remove(bid, known[bid])
+            self._remove(bid, known[bid].length)
         if lost:
             log.warning("dropped %d cache index entries whose block file was missing or short", len(lost))
+        gone = set(lost)
+        self._free_unreferenced({bid: meta for bid, meta in known.items() if meta.pack and bid not in gone})
         self._consistent = True
 
-    def _scan(self, known: Container[bytes]) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
-        """Walk the block files: the sizes of those in ``known``, and (path, size) of the others."""
+    def _free_unreferenced(self, packed: dict[bytes, BlockMeta]) -> None:
+        """Punch out every range of the packs that no entry of ``packed`` refers to (blocks written
+        but never indexed before a crash)."""
+        used: dict[int, list[tuple[int, int]]] = {}
+        for meta in packed.values():
+            used.setdefault(meta.pack, []).append((meta.offset, meta.offset + _padded(meta.length)))
+        for pack, ranges in used.items():
+            try:
+                fd = os.open(self._pack_path(pack), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                at, size = 0, os.fstat(fd).st_size
+                for lo, hi in sorted(ranges) + [(size, size)]:
+                    if lo > at:
+                        punch_hole(fd, at, lo - at)
+                    at = max(at, hi)
+            except OSError as exc:
+                log.warning("could not free unused space of pack %08x: %s", pack, exc)
+            finally:
+                os.close(fd)
+
+    def _scan(self, known: dict[bytes, BlockMeta]) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
+        """Walk the block files and packs: the lengths present of the blocks in ``known`` (a packed
+        block counts as present if its pack is long enough), and (path, size) of block files and packs
+        that hold no block of ``known``."""
         sizes: dict[bytes, int] = {}
         orphans: list[tuple[Path, int]] = []
+        pack_sizes: dict[int, int] = {}
+        for pack in self._pack_files():
+            try:
+                pack_sizes[pack] = os.stat(self._pack_path(pack)).st_size
+            except OSError:
+                continue
+        referenced: set[int] = set()
+        for bid, meta in known.items():
+            if meta.pack:
+                referenced.add(meta.pack)
+                if pack_sizes.get(meta.pack, -1) >= meta.offset + meta.length:
+                    sizes[bid] = meta.length
+        for pack, size in pack_sizes.items():
+            if pack not in referenced:
+                orphans.append((Path(self._pack_path(pack)), size))
         for path in self.blocks_dir.glob(BLOCK_GLOB):
             try:
                 bid = bytes.fromhex(path.name)
@@ -274,7 +400,8 @@ class BlockStore:
                 size = path.stat().st_size
             except OSError:
                 size = -1
-            if bid in known:
+            meta = known.get(bid)
+            if meta is not None and not meta.pack:
                 sizes[bid] = size
             else:
                 orphans.append((path, max(0, size)))
@@ -286,9 +413,12 @@ class BlockStore:
             self._env = None
         shutil.rmtree(self.index_dir, ignore_errors=True)
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
+        shutil.rmtree(self.packs_dir, ignore_errors=True)
+        self._pack_live.clear()
         self._dirs.clear()
         private_subdir(self.cache_dir, "index")
         private_subdir(self.cache_dir, "blocks")
+        private_subdir(self.cache_dir, "packs")
         self.used = self._count = self._seq = 0
 
     # -- reads -----------------------------------------------------------------------------------------
@@ -306,7 +436,7 @@ class BlockStore:
         :meth:`finish_read`), so the event loop never waits for the disk."""
         start, end = chunk_span(lo, hi, meta.length)
         try:
-            data = self._pread(bid, start, end, nowait)
+            data = self._pread(bid, meta, start, end, nowait)
         except BlockingIOError:
             return WOULD_BLOCK
         except OSError as exc:
@@ -316,10 +446,11 @@ class BlockStore:
         return self.finish_read(bid, meta, lo, hi, data)
 
     def pread_range(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> bytes | OSError:
-        """The raw chunks covering [lo, hi), unverified (worker thread: no state is touched)."""
+        """The raw chunks covering [lo, hi), unverified (worker thread: no state is touched; a packed
+        block is read through a descriptor of its own, never one the trio thread may close)."""
         start, end = chunk_span(lo, hi, meta.length)
         try:
-            data = self._pread(bid, start, end, False)
+            data = self._pread(bid, meta, start, end, False, shared=False)
         except OSError as exc:
             return exc
         assert data is not None
@@ -342,8 +473,14 @@ class BlockStore:
         return memoryview(data)[lo - start:hi - start]
 
     def advise(self, bid: bytes) -> None:
-        """Ask the kernel to start reading a block file into memory (a sequential reader comes next)."""
+        """Ask the kernel to start reading a block into memory (a sequential reader comes next)."""
+        meta = self.lookup(bid)
+        if meta is None:
+            return
         try:
+            if meta.pack:
+                os.posix_fadvise(self._pack_fd(meta.pack), meta.offset, meta.length, os.POSIX_FADV_WILLNEED)
+                return
             fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         except OSError:
             return
@@ -352,13 +489,36 @@ class BlockStore:
         finally:
             os.close(fd)
 
-    def _pread(self, bid: bytes, start: int, end: int, nowait: bool) -> bytes | bytearray | None:
-        fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
+    def _pack_fd(self, pack: int) -> int:
+        """A descriptor of a pack (trio thread), kept open for the next reads: the pack's inode stays in
+        memory, and a read costs no open."""
+        fd = self._pack_fds.get(pack)
+        if fd is not None:
+            self._pack_fds.move_to_end(pack)
+            return fd
+        fd = os.open(self._pack_path(pack), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # blocks are read whole: no readahead past them
+        self._pack_fds[pack] = fd
+        if len(self._pack_fds) > _PACK_FDS:
+            os.close(self._pack_fds.popitem(last=False)[1])
+        return fd
+
+    def _pread(self, bid: bytes, meta: BlockMeta, start: int, end: int, nowait: bool,
+               shared: bool = True) -> bytes | bytearray | None:
+        if meta.pack:
+            at = meta.offset
+            if shared:
+                fd = self._pack_fd(meta.pack)
+            else:
+                fd = os.open(self._pack_path(meta.pack), _READ_FLAGS)
+        else:
+            at, shared = 0, False
+            fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         try:
             if nowait and self._nowait_works:
                 buf = bytearray(end - start)
                 try:
-                    n = os.preadv(fd, [buf], start, os.RWF_NOWAIT)
+                    n = os.preadv(fd, [buf], at + start, os.RWF_NOWAIT)
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                         raise
@@ -368,9 +528,10 @@ class BlockStore:
                     self._nowait_works = False
                 else:
                     return buf if n == len(buf) else None
-            return os.pread(fd, end - start, start)
+            return os.pread(fd, end - start, at + start)
         finally:
-            os.close(fd)
+            if not shared:
+                os.close(fd)
 
     @staticmethod
     def _verify(meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | FileNotFoundError) -> str:
@@ -395,7 +556,7 @@ class BlockStore:
         assert self._env is not None
         with self._env.begin() as txn:
             entries = [(bytes(k), BlockMeta.decode(bytes(v))) for k, v in txn.cursor() if len(k) == 16]
-        known = {bid for bid, _ in entries}
+        known = {bid: meta for bid, meta in entries if meta is not None}
         damaged = unreadable = 0
         for bid, meta in entries:
             assert meta is not None  # malformed entries were dropped when the index was opened
@@ -481,14 +642,18 @@ class BlockStore:
         self._fill_errors += failed
 
     def write_temp(self, bid: bytes, data: bytes | bytearray, around: bool = False) -> tuple[str, BlockMeta]:
-        """Write a block to a new file under ``tmp/`` and checksum it (worker thread: touches no state).
-        Raises OSError and then leaves no file behind. :meth:`install` puts it in place.
+        """Write a block to a new file under ``tmp/``, or a block smaller than :data:`PACK_BELOW` to the
+        current pack (then the path returned is ""), and checksum it (worker thread: touches no state
+        but the packs' write position and counts). Raises OSError and then leaves nothing behind.
+        :meth:`install` puts it in place and indexes it.
 
         ``around``: the reader has the bytes already (it is served from memory), so a block of at least
         :data:`DIRECT_MIN` bytes is written around the page cache (``O_DIRECT``): for large blocks,
         filling new page-cache pages costs more CPU than the rest of a cold read, and the mount keeps its
         own copy in the page cache anyway. (A small block costs more CPU written directly: a
         synchronous device write per block.)"""
+        if self.packing and len(data) < PACK_BELOW:
+            return "", self._write_packed(data)
         tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = around and self._direct_works and len(data) >= DIRECT_MIN
@@ -513,6 +678,38 @@ class BlockStore:
             os.close(fd)
         return tmp, BlockMeta(len(data), checksums(data))
 
+    def _write_packed(self, data: bytes | bytearray) -> BlockMeta:
+        """Append a block to the current pack (starting a new one when it is full) at an aligned
+        offset; the range is the writer's alone, so writers do not wait for each other's bytes."""
+        padded = _padded(len(data))
+        with self._pack_lock:
+            if self._write_off + padded > PACK_SIZE:
+                pack = self._write_pack + 1
+                os.close(os.open(self._pack_path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600))
+                self._write_pack, self._write_off = pack, 0
+            pack, offset = self._write_pack, self._write_off
+            self._write_off += padded
+            self._pack_pending[pack] = self._pack_pending.get(pack, 0) + 1
+        meta = BlockMeta(len(data), checksums(data), 0, pack, offset)
+        try:
+            fd = os.open(self._pack_path(pack), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                view, at = memoryview(data), offset
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+            except BaseException:
+                punch_hole(fd, offset, padded)
+                raise
+            finally:
+                os.close(fd)
+        except BaseException:
+            with self._pack_lock:
+                self._pack_pending[pack] -= 1
+            raise
+        return meta
+
     def _wrote_direct(self, fd: int, data: bytes | bytearray) -> bool:
         """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
         still empty, if the file system takes O_DIRECT but not our alignment (EINVAL)."""
@@ -532,6 +729,19 @@ class BlockStore:
         """Move a block written by :meth:`write_temp` into place and index it, consuming its reservation
         (trio thread; no checkpoint: a block file is never left in place unindexed). Raises OSError, and
         then removes the temporary file (the caller releases the reservation)."""
+        if meta.pack:
+            with self._pack_lock:
+                self._pack_pending[meta.pack] -= 1
+                self._pack_live[meta.pack] = self._pack_live.get(meta.pack, 0) + 1
+            try:
+                self.commit(bid, meta)
+            except BaseException:
+                self._free_packed(meta)
+                raise
+            if meta.pack != self._last_pack:  # the pack rolled over: the last one may be empty already
+                self._drop_pack_if_empty(self._last_pack)
+                self._last_pack = meta.pack
+            return
         rel = block_relpath(bid)
         try:
             parent = rel.rsplit("/", 1)[0]
@@ -555,7 +765,7 @@ class BlockStore:
         assert self._env is not None
         self._seq += 1
         with self._env.begin(write=True) as txn:
-            txn.put(bid, BlockMeta(meta.length, meta.sums, self._seq).encode())
+            txn.put(bid, meta._replace(seq=self._seq).encode())
         self.pending -= meta.length
         self.used += meta.length
         self._count += 1
@@ -564,15 +774,51 @@ class BlockStore:
     def _remove(self, bid: bytes, length: int) -> None:
         assert self._env is not None
         with self._env.begin(write=True) as txn:
-            existed = txn.delete(bid)
-        try:
-            os.unlink(f"{self._blocks}/{block_relpath(bid)}")
-        except FileNotFoundError:
-            pass
+            raw = txn.pop(bid)
+        existed = raw is not None
+        meta = BlockMeta.decode(bytes(raw)) if existed else None
+        if meta is not None and meta.pack:
+            self._free_packed(meta)
+        else:
+            try:
+                os.unlink(f"{self._blocks}/{block_relpath(bid)}")
+            except FileNotFoundError:
+                pass
         if existed:
             self.used -= length
             self._count -= 1
         self.policy.removed(bid)
+
+    def _free_packed(self, meta: BlockMeta) -> None:
+        """A packed block leaves its pack (trio thread): its range is punched out; the pack is deleted
+        once no block is in it or being written to it."""
+        with self._pack_lock:
+            self._pack_live[meta.pack] = self._pack_live.get(meta.pack, 0) - 1
+        try:
+            punch_hole(self._pack_fd(meta.pack), meta.offset, _padded(meta.length))
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("could not free the space of a block in pack %08x: %s", meta.pack, exc)
+        self._drop_pack_if_empty(meta.pack)
+
+    def _drop_pack_if_empty(self, pack: int) -> None:
+        with self._pack_lock:
+            if (not pack or pack == self._write_pack or self._pack_live.get(pack, 0) > 0
+                    or self._pack_pending.get(pack, 0) > 0):
+                return
+            self._pack_live.pop(pack, None)
+            self._pack_pending.pop(pack, None)
+        fd = self._pack_fds.pop(pack, None)
+        if fd is not None:
+            os.close(fd)
+        try:
+            os.unlink(self._pack_path(pack))
+        except FileNotFoundError:
+            pass
+
+    def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
+        """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
+        return _where(self.cache_dir, bid, self.lookup(bid))
 
     def _disk_low(self, nbytes: int) -> bool:
         if self.free_space_ratio <= 0:
@@ -597,3 +843,25 @@ class BlockStore:
             not_admitted=self._not_admitted,
             pinned_bytes=self.pinned,
         )
+
+
+def locate(cache_dir: Path, bid: bytes) -> tuple[Path, int, int] | None:
+    """Where block ``bid`` is in the cache directory ``cache_dir`` (file, offset, length), read from its
+    index without taking the directory's lock (LMDB readers may share it with the running daemon);
+    None if it is not cached. For inspection and tests."""
+    cache_dir = Path(cache_dir)
+    env = lmdb.open(str(cache_dir / "index"), subdir=True, readonly=True, lock=True, max_dbs=0)
+    try:
+        with env.begin() as txn:
+            raw = txn.get(bid)
+    finally:
+        env.close()
+    return _where(cache_dir, bid, BlockMeta.decode(raw) if raw is not None else None)
+
+
+def _where(cache_dir: Path, bid: bytes, meta: BlockMeta | None) -> tuple[Path, int, int] | None:
+    if meta is None:
+        return None
+    if meta.pack:
+        return cache_dir / "packs" / f"{meta.pack:08x}", meta.offset, meta.length
+    return cache_dir / "blocks" / block_relpath(bid), 0, meta.length
