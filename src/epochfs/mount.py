@@ -94,6 +94,28 @@ def set_kernel_readahead(dev: int, nbytes: int) -> None:
         log.info("could not set the kernel readahead (%s): %s", path, exc)
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+BACKGROUND_REQUESTS = 64  # the kernel's default is 12, congested from 9
+
+
+def set_background_requests(dev: int, requests: int = BACKGROUND_REQUESTS) -> None:
+    """Let the kernel keep ``requests`` read requests of the mount in flight in the background before
+    it counts the mount as congested (three quarters of that). A congested FUSE mount drops readahead
+    that lies wholly ahead of the reader, and with a large readahead window that is all of a small
+    file's: the kernel then asks for its first page alone and the rest after it (16 readers of 100 KiB
+    files: 1.7 requests per file at the default, 1.0 at 64). Needs root and the fusectl file system
+    (mounted here if it is not)."""
+    conn = f"{FUSECTL}/{os.minor(dev)}"
+    if not os.path.isdir(conn) and os.geteuid() == 0 and os.path.isdir(FUSECTL) and not os.path.ismount(FUSECTL):
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", FUSECTL], capture_output=True, check=False)
+    try:
+        for name, value in (("max_background", requests), ("congestion_threshold", requests * 3 // 4)):
+            with open(f"{conn}/{name}", "w") as f:
+                f.write(str(value))
+    except OSError as exc:
+        log.info("could not raise the mount's background requests (%s): %s", conn, exc)
+
+
 def raise_descriptor_limit() -> None:
     """Use the hard limit of open files: clients of the metrics and control sockets, readers and
     backend connections all take descriptors, and running out of them fails reads."""
@@ -302,6 +324,7 @@ class Daemon:
             return
         if self.config.kernel_readahead:
             set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
+            set_background_requests(st.st_dev)
         log.info("mounted %s at %s", self.config.source.url, self.config.mountpoint)
         for warning in self.warnings:
             log.warning("%s", warning)
