@@ -495,3 +495,20 @@ def test_a_file_system_without_direct_writes_falls_back_to_the_page_cache(tmp_pa
         s.install(bid(n), *s.write_temp(bid(n), data, around=True))
         assert bytes(s.read(bid(n), s.lookup(bid(n)), 0, len(data))) == data
     assert len(tries) == 1
+
+
+def test_an_index_of_another_version_is_discarded_with_its_blocks(tmp_path, caplog):
+    import lmdb
+
+    s = make(tmp_path, packing=False)
+    put(s, bid(1), b"a" * 5000)
+    s.close()
+    env = lmdb.open(str(tmp_path / "cache" / "index"))
+    with env.begin(write=True) as txn:
+        txn.put(b"\x00format", b"2")  # one file per block, entries without pack and offset
+    env.close()
+    s = make(tmp_path)
+    assert s.statistics().blocks == 0 and s.lookup(bid(1)) is None
+    assert not (s.blocks_dir / block_relpath(bid(1))).exists()
+    assert "is of another version (it has format 2, this version uses 3)" in caplog.text
+    assert put(s, bid(1), b"b" * 10) and bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"b" * 10

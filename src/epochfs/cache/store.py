@@ -151,6 +151,10 @@ class StoreStats:
     pinned_bytes: int
 
 
+class _OtherFormat(lmdb.InvalidError):
+    """The index was written by a version of epochfs with another layout."""
+
+
 class CacheLocked(ConfigError):
     """Another process owns the cache directory."""
 
@@ -212,7 +216,8 @@ class BlockStore:
         try:
             known = self._open_index()
         except lmdb.Error as exc:
-            log.warning("cache index in %s is damaged (%s); discarding the cached blocks", self.index_dir, exc)
+            log.warning("cache index in %s %s (%s); discarding the cached blocks", self.index_dir,
+                        "is of another version" if isinstance(exc, _OtherFormat) else "is damaged", exc)
             self._reset()
             known = self._open_index()
         self.packing = self._can_punch()
@@ -293,7 +298,8 @@ class BlockStore:
         with self._env.begin() as txn:
             fmt = txn.get(b"\x00format")
             if fmt is not None and fmt != INDEX_FORMAT:
-                raise lmdb.InvalidError(f"index format {fmt!r}, expected {INDEX_FORMAT!r}")
+                raise _OtherFormat(f"it has format {fmt.decode(errors='replace')}, this version uses "
+                                   f"{INDEX_FORMAT.decode()}")
             for key, raw in txn.cursor():
                 if key == b"\x00format":
                     continue
