@@ -196,6 +196,7 @@ class BlockStore:
         self._write_off = 0
         self._last_pack = 0  # the newest pack a block was installed in (to notice when it rolls over)
         self._pack_fds: OrderedDict[int, int] = OrderedDict()
+        self._closed = False
 
     # -- life cycle ------------------------------------------------------------------------------------
 
@@ -259,6 +260,8 @@ class BlockStore:
         if self._env is not None:
             pack, self._write_pack = self._write_pack, 0
             self._drop_pack_if_empty(pack)
+            with self._pack_lock:
+                self._closed = True
         for fd in self._pack_fds.values():
             os.close(fd)
         self._pack_fds.clear()
@@ -689,6 +692,8 @@ class BlockStore:
         offset; the range is the writer's alone, so writers do not wait for each other's bytes."""
         padded = _padded(len(data))
         with self._pack_lock:
+            if self._closed:  # a fill abandoned at shutdown, finishing after close(): nothing lands
+                raise OSError(errno.ESHUTDOWN, "the block store is closed")
             if self._write_off + padded > PACK_SIZE:
                 pack = self._write_pack + 1
                 os.close(os.open(self._pack_path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
