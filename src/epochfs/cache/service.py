@@ -316,8 +316,9 @@ class BlockCache:
             bid = self.block_id(obj, index)
             if bid in self._flights:
                 continue
-            if self.store.lookup(bid) is not None:
-                self.store.advise(bid)  # cached: have the kernel read it from disk ahead of the reader
+            meta = self.store.lookup(bid)
+            if meta is not None:
+                self.store.advise(bid, meta)  # cached: have the kernel read it from disk ahead of the reader
                 continue
             self._start(obj, index, bid, demand=False)
             started += 1

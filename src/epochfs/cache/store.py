@@ -108,7 +108,15 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 
 
 def _padded(n: int) -> int:
+    """``n`` rounded up to the alignment."""
     return -(-n // _ALIGN) * _ALIGN
+
+
+def pack_name(pack: int) -> str:
+    """The file name of pack ``pack`` under ``packs/``."""
+    return f"{pack:08x}"
+
+
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 
 
@@ -116,7 +124,7 @@ def _write_direct(fd: int, data: bytes | bytearray) -> None:
     """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: through an aligned buffer, the
     length rounded up to the alignment, then truncated to the true length."""
     n = len(data)
-    padded = -(-n // _ALIGN) * _ALIGN
+    padded = _padded(n)
     buf: mmap.mmap | None = getattr(_aligned, "buf", None)
     if buf is None or len(buf) < padded:
         if buf is not None:
@@ -245,7 +253,7 @@ class BlockStore:
             os.unlink(probe)
 
     def _pack_path(self, pack: int) -> str:
-        return f"{self._packs}/{pack:08x}"
+        return f"{self._packs}/{pack_name(pack)}"
 
     def _pack_files(self) -> list[int]:
         packs = []
@@ -262,10 +270,9 @@ class BlockStore:
             self._drop_pack_if_empty(pack)
             with self._pack_lock:
                 self._closed = True
-        for fd in self._pack_fds.values():
-            os.close(fd)
-        self._pack_fds.clear()
-        if self._env is not None:
+            for fd in self._pack_fds.values():
+                os.close(fd)
+            self._pack_fds.clear()
             self._env.sync(True)
             self._env.close()
             self._env = None
@@ -481,11 +488,9 @@ class BlockStore:
         assert not isinstance(data, OSError)
         return memoryview(data)[lo - start:hi - start]
 
-    def advise(self, bid: bytes) -> None:
-        """Ask the kernel to start reading a block into memory (a sequential reader comes next)."""
-        meta = self.lookup(bid)
-        if meta is None:
-            return
+    def advise(self, bid: bytes, meta: BlockMeta) -> None:
+        """Ask the kernel to start reading a resident block into memory (a sequential reader comes
+        next)."""
         try:
             if meta.pack:
                 os.posix_fadvise(self._pack_fd(meta.pack), meta.offset, meta.length, os.POSIX_FADV_WILLNEED)
@@ -874,5 +879,5 @@ def _where(cache_dir: Path, bid: bytes, meta: BlockMeta | None) -> tuple[Path, i
     if meta is None:
         return None
     if meta.pack:
-        return cache_dir / "packs" / f"{meta.pack:08x}", meta.offset, meta.length
+        return cache_dir / "packs" / pack_name(meta.pack), meta.offset, meta.length
     return cache_dir / "blocks" / block_relpath(bid), 0, meta.length
