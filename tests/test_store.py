@@ -505,10 +505,10 @@ def test_an_index_of_another_version_is_discarded_with_its_blocks(tmp_path, capl
     s.close()
     env = lmdb.open(str(tmp_path / "cache" / "index"))
     with env.begin(write=True) as txn:
-        txn.put(b"\x00format", b"2")  # one file per block, entries without pack and offset
+        txn.put(b"\x00format", b"3")  # checksums not bound to the block id
     env.close()
     s = make(tmp_path)
     assert s.statistics().blocks == 0 and s.lookup(bid(1)) is None
     assert not (s.blocks_dir / block_relpath(bid(1))).exists()
-    assert "is of another version (it has format 2, this version uses 3)" in caplog.text
+    assert "is of another version (it has format 3, this version uses 4)" in caplog.text
     assert put(s, bid(1), b"b" * 10) and bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"b" * 10

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from epochfs.cache import policies
+from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from epochfs.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -247,7 +248,7 @@ class Config:
         object.__setattr__(self, "fuse_options", tuple(self.fuse_options))
         if cache_dir == self.mountpoint or self.mountpoint in cache_dir.parents:
             raise ConfigError("the cache directory cannot be inside the mount point")
-        if self.block_size < 64 << 10 or self.block_size > 64 << 20:
+        if self.block_size < MIN_BLOCK_SIZE or self.block_size > MAX_BLOCK_SIZE:
             raise ConfigError("--block-size must be between 64K and 64M")
         if self.block_size % (64 << 10):
             raise ConfigError("--block-size must be a multiple of 64K")

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 #: Checksums are kept per chunk of a block, so a read verifies only the chunks it touches.
 CHUNK_SIZE = 64 << 10
+#: The block sizes a cache can be filled at.
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 64 << 10, 64 << 20
 
 
 def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int) -> bytes:

@@ -44,18 +44,19 @@ from typing import Any, NamedTuple
 import lmdb
 import xxhash
 
-from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, block_relpath, chunk_span
+from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
 from epochfs.cache.policies import EvictionPolicy, make_room
 from epochfs.errors import CacheUnreadable, ConfigError
 from epochfs.private import open_private, private_dir, private_subdir, touch_private
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = b"3"  # 3: small blocks in pack files (2: one file per block)
+INDEX_FORMAT = b"4"  # 4: checksums bound to the block id; 3: small blocks in packs; 2: a file per block
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
 _HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: a block file), offset in it
 _SUM = 8  # bytes of one xxh3-64 digest
+_MAX_SEQ = 1 << 62  # an entry's sequence number (fills in order) is below this; no cache comes near it
 
 
 class BlockMeta(NamedTuple):
@@ -73,25 +74,37 @@ class BlockMeta(NamedTuple):
 
     @classmethod
     def decode(cls, raw: bytes) -> BlockMeta | None:
+        """The entry, or None if ``raw`` is not one this version could have written."""
         if len(raw) < _HEAD.size:
             return None
         seq, length, pack, offset = _HEAD.unpack_from(raw)
         sums = bytes(raw[_HEAD.size:])
-        if length <= 0 or len(sums) != _SUM * -(-length // CHUNK_SIZE):
+        if not 0 < length <= MAX_BLOCK_SIZE or len(sums) != _SUM * -(-length // CHUNK_SIZE) or seq > _MAX_SEQ:
             return None
-        if pack and (length >= PACK_BELOW or offset % _ALIGN):
+        if pack and (length >= PACK_BELOW or offset % _ALIGN or offset + length > PACK_SIZE or pack > MAX_PACK):
+            return None
+        if not pack and offset:
             return None
         return cls(length, sums, seq, pack, offset)
 
 
-def checksums(data: bytes | memoryview) -> bytes:
-    view = memoryview(data)
-    return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE]) for i in range(0, len(view), CHUNK_SIZE))
+def _seed(bid: bytes) -> int:
+    """The checksum seed of a block: all of its id, folded to 64 bits."""
+    return int.from_bytes(bid[:8], "little") ^ int.from_bytes(bid[8:16], "little")
+
+
+def checksums(bid: bytes, data: bytes | memoryview) -> bytes:
+    """One xxh3-64 digest per chunk of block ``bid``'s bytes, seeded with the block id: the bytes and
+    checksums of one block never verify as another's (an index entry copied under another id, block
+    files swapped together with their entries)."""
+    view, seed = memoryview(data), _seed(bid)
+    return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE], seed) for i in range(0, len(view), CHUNK_SIZE))
 
 
 DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
 PACK_BELOW = DIRECT_MIN  # blocks smaller than this go to pack files
 PACK_SIZE = 64 << 20  # a pack file takes blocks until this long, then the next one is started
+MAX_PACK = 0xFFFFFFFE  # pack numbers are 1 to this (an index entry holds 32 bits)
 _ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size;
 #                packed blocks start at multiples of it (a punched hole frees whole pages)
 _PACK_FDS = 64  # pack files kept open for reads
@@ -105,6 +118,29 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+_NOT_A_FILE = {errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR}  # where a block should be
+
+
+def _missing(exc: OSError) -> bool:
+    """Whether a failed open or read says the block's file is not there (or is not a plain file: a
+    link, a directory), which is damage; any other error (EMFILE, EIO, ENOMEM) says nothing of it."""
+    return exc.errno in _NOT_A_FILE
+
+
+def _discard(path: str) -> None:
+    """Remove what is at ``path`` in the cache directory (a file, a link, or a directory that should
+    not be there); a failure is logged, never raised."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.EPERM) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            log.warning("could not remove %s: %s", path, exc)
 
 
 def _padded(n: int) -> int:
@@ -218,6 +254,10 @@ class BlockStore:
             private_subdir(self.cache_dir, name)
         shutil.rmtree(self.tmp_dir)
         private_subdir(self.cache_dir, "tmp")
+        with os.scandir(self._blocks) as entries:  # block subdirectories; nothing else belongs there
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    _discard(entry.path)
         clean = self.cache_dir / "clean"
         self._consistent = os.path.lexists(clean)
         if self._consistent:
@@ -234,9 +274,12 @@ class BlockStore:
             self._reconcile(known)
         for pack in self._pack_files():
             if reconcile and pack not in self._pack_live:  # no indexed block (all evicted, or none indexed)
-                os.unlink(self._pack_path(pack))
+                _discard(self._pack_path(pack))
             self._write_pack = max(self._write_pack, pack)
-        self._write_off = PACK_SIZE  # the next block starts a new pack
+        # The next block starts a new pack, numbered past every pack on disk or named by the index (an
+        # entry whose pack is gone must not come to point into a new one).
+        self._write_pack = max(self._write_pack, *self._pack_live, 0)
+        self._write_off = PACK_SIZE
 
     def _can_punch(self) -> bool:
         probe = f"{self._tmp}/punch-probe"
@@ -256,12 +299,19 @@ class BlockStore:
         return f"{self._packs}/{pack_name(pack)}"
 
     def _pack_files(self) -> list[int]:
+        """The packs in ``packs/``; anything else there (another name, a link, a directory) is not
+        ours and is removed."""
         packs = []
-        for name in os.listdir(self._packs):
-            try:
-                packs.append(int(name, 16))
-            except ValueError:
-                os.unlink(f"{self._packs}/{name}")  # not ours
+        with os.scandir(self._packs) as entries:
+            for entry in entries:
+                try:
+                    pack = int(entry.name, 16)
+                except ValueError:
+                    pack = 0
+                if 0 < pack <= MAX_PACK and entry.name == pack_name(pack) and entry.is_file(follow_symlinks=False):
+                    packs.append(pack)
+                else:
+                    _discard(entry.path)
         return packs
 
     def close(self) -> None:
@@ -324,10 +374,7 @@ class BlockStore:
                 txn.delete(key)
         for key in bad:  # and their files, if the key can name one
             if len(key) == 16:
-                try:
-                    os.unlink(f"{self._blocks}/{block_relpath(key)}")
-                except FileNotFoundError:
-                    pass
+                _discard(f"{self._blocks}/{block_relpath(key)}")
         if bad:
             log.warning("dropped %d malformed cache index entries and their files", len(bad))
         loaded.sort()
@@ -348,10 +395,7 @@ class BlockStore:
         and free the ranges of packs no entry refers to. Runs before anything is served."""
         on_disk, orphans = self._scan(known)
         for path, _ in orphans:
-            try:
-                path.unlink()
-            except OSError as exc:
-                log.warning("could not remove %s: %s", path, exc)
+            _discard(str(path))
         if orphans:
             log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
                         "unclean shutdown", len(orphans), sum(size for _, size in orphans))
@@ -478,10 +522,10 @@ class BlockStore:
         wrong length or a checksum mismatch). Any other read error (EMFILE, EIO, ENOMEM) says nothing
         about the block: it raises :class:`CacheUnreadable` and the block stays."""
         start, _ = chunk_span(lo, hi, meta.length)
-        if isinstance(data, OSError) and not isinstance(data, FileNotFoundError):
+        if isinstance(data, OSError) and not _missing(data):
             self._read_errors += 1
             raise CacheUnreadable(f"cannot read cached block {bid.hex()}: {data.strerror or data}")
-        why = self._verify(meta, lo, hi, data)
+        why = self._verify(bid, meta, lo, hi, data)
         if why:
             return self.drop_corrupt(bid, meta, why)
         self.policy.accessed(bid)
@@ -548,18 +592,18 @@ class BlockStore:
                 os.close(fd)
 
     @staticmethod
-    def _verify(meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | FileNotFoundError) -> str:
-        """What is wrong with ``data`` read for [lo, hi) of a block described by ``meta``, or ""."""
+    def _verify(bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
+        """What is wrong with ``data`` read for [lo, hi) of block ``bid`` described by ``meta``, or ""."""
         start, end = chunk_span(lo, hi, meta.length)
-        if isinstance(data, FileNotFoundError):
-            return "block file is missing"
+        if isinstance(data, OSError):
+            return f"its file is missing or not a file ({data.strerror or data})"
         if len(data) != end - start:
             return f"short read: {len(data)} of {end - start} bytes"
-        view = memoryview(data)
+        view, seed = memoryview(data), _seed(bid)
         first = start // CHUNK_SIZE
         for n, off in enumerate(range(0, len(view), CHUNK_SIZE)):
             expected = meta.sums[(first + n) * _SUM:(first + n + 1) * _SUM]
-            if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE]) != expected:
+            if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE], seed) != expected:
                 return f"checksum mismatch in chunk {first + n}"
         return ""
 
@@ -575,11 +619,11 @@ class BlockStore:
         for bid, meta in entries:
             assert meta is not None  # malformed entries were dropped when the index was opened
             data = self.pread_range(bid, meta, 0, meta.length)
-            if isinstance(data, OSError) and not isinstance(data, FileNotFoundError):
+            if isinstance(data, OSError) and not _missing(data):
                 unreadable += 1  # not evidence of damage: reported, never deleted
                 log.warning("block %s: cannot read it: %s", bid.hex(), data)
                 continue
-            why = self._verify(meta, 0, meta.length, data)
+            why = self._verify(bid, meta, 0, meta.length, data)
             if why:
                 damaged += 1
                 log.warning("block %s: %s", bid.hex(), why)
@@ -588,7 +632,7 @@ class BlockStore:
         _, orphans = self._scan(known)
         if repair:
             for path, _ in orphans:
-                path.unlink(missing_ok=True)
+                _discard(str(path))
             self._consistent = True
         return {"blocks": len(entries), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
                 "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used}
@@ -667,7 +711,7 @@ class BlockStore:
         own copy in the page cache anyway. (A small block costs more CPU written directly: a
         synchronous device write per block.)"""
         if self.packing and len(data) < PACK_BELOW:
-            return "", self._write_packed(data)
+            return "", self._write_packed(bid, data)
         tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = around and self._direct_works and len(data) >= DIRECT_MIN
@@ -690,9 +734,9 @@ class BlockStore:
             raise
         finally:
             os.close(fd)
-        return tmp, BlockMeta(len(data), checksums(data))
+        return tmp, BlockMeta(len(data), checksums(bid, data))
 
-    def _write_packed(self, data: bytes | bytearray) -> BlockMeta:
+    def _write_packed(self, bid: bytes, data: bytes | bytearray) -> BlockMeta:
         """Append a block to the current pack (starting a new one when it is full) at an aligned
         offset; the range is the writer's alone, so writers do not wait for each other's bytes."""
         padded = _padded(len(data))
@@ -700,14 +744,11 @@ class BlockStore:
             if self._closed:  # a fill abandoned at shutdown, finishing after close(): nothing lands
                 raise OSError(errno.ESHUTDOWN, "the block store is closed")
             if self._write_off + padded > PACK_SIZE:
-                pack = self._write_pack + 1
-                os.close(os.open(self._pack_path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, 0o600))
-                self._write_pack, self._write_off = pack, 0
+                self._write_pack, self._write_off = self._new_pack(), 0
             pack, offset = self._write_pack, self._write_off
             self._write_off += padded
             self._pack_pending[pack] = self._pack_pending.get(pack, 0) + 1
-        meta = BlockMeta(len(data), checksums(data), 0, pack, offset)
+        meta = BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
         try:
             fd = os.open(self._pack_path(pack), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -725,6 +766,22 @@ class BlockStore:
                 self._pack_pending[pack] -= 1
             raise
         return meta
+
+    def _new_pack(self) -> int:
+        """Create the pack after the current one (under the pack lock): the next number that no pack
+        on disk or in the index has, from 1 again after :data:`MAX_PACK`."""
+        pack = self._write_pack
+        for _ in range(64):
+            pack = pack + 1 if pack < MAX_PACK else 1
+            if pack in self._pack_live or pack in self._pack_pending:
+                continue
+            try:
+                os.close(os.open(self._pack_path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600))
+            except FileExistsError:
+                continue
+            return pack
+        raise OSError(errno.EEXIST, "no free pack number after the current one")
 
     def _wrote_direct(self, fd: int, data: bytes | bytearray) -> bool:
         """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
@@ -796,10 +853,7 @@ class BlockStore:
         if meta is not None and meta.pack:
             self._free_packed(meta)
         else:
-            try:
-                os.unlink(f"{self._blocks}/{block_relpath(bid)}")
-            except FileNotFoundError:
-                pass
+            _discard(f"{self._blocks}/{block_relpath(bid)}")
         if existed:
             self.used -= length
             self._count -= 1
@@ -827,10 +881,7 @@ class BlockStore:
         fd = self._pack_fds.pop(pack, None)
         if fd is not None:
             os.close(fd)
-        try:
-            os.unlink(self._pack_path(pack))
-        except FileNotFoundError:
-            pass
+        _discard(self._pack_path(pack))
 
     def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
