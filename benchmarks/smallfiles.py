@@ -1,7 +1,9 @@
 """The small-file path, side by side in one run: raw boto3 GETs, epochfs (cold: empty cache; warm: block
 cache on disk, page cache dropped) and the floor of our stack (a minimal pyfuse3 daemon over the same
 bytes on local disk, benchmarks/floor.py). Reports files/s at 1 and 16 reader threads, the daemon's CPU
-per file, and one cold large-file stream against 8 parallel ranged GETs. ``--cores 1`` runs everything
+per file, and one cold large-file stream against 8 parallel ranged GETs. The contenders run in
+alternating order from one repetition to the next, and each ratio is the median of the ratios within
+a repetition (with their range), so a drift of the machine's speed does not favour one. ``--cores 1`` runs everything
 (the S3 server too) pinned to one core, to show how the numbers scale from 1 to 2 cores.
 
     sudo .venv/bin/python benchmarks/smallfiles.py [--files 1000] [--reps 3] [--cores 2]
@@ -116,8 +118,8 @@ def main() -> int:
         upload(client, "bench", "ds/", [*small, large])
         raw = args.work / "raw"
         write_tree(str(raw), [*small, large])
-        for rep in range(args.reps):
-            log(f"repetition {rep + 1} of {args.reps}")
+
+        def run_boto() -> None:
             # Every cold run starts with the page cache dropped, raw boto3's too: the S3 server then
             # reads the objects from its disk for both, as it does for a dataset it has not served lately.
             for threads in (1, 16):
@@ -127,6 +129,8 @@ def main() -> int:
             drop_page_cache()
             record("raw boto3", "cold large MiB/s (8 x 8 MiB ranged)",
                    boto_parallel(client, "bench", [("ds/" + large.key, large.size)], 8, 8 * MiB) / MiB)
+
+        def run_epochfs() -> None:
             for threads in (1, 16):
                 mount_epochfs(epochfs, server, cold=True, extra=extra)
                 drop_page_cache()
@@ -145,6 +149,8 @@ def main() -> int:
             drop_page_cache()
             record("epochfs", "warm large MiB/s (1 stream)", seq_read(epochfs.mnt / large.key) / MiB)
             epochfs.unmount()
+
+        def run_floor() -> None:
             mount_floor(floor, raw)
             for threads in (1, 16):
                 drop_page_cache()
@@ -154,6 +160,14 @@ def main() -> int:
             drop_page_cache()
             record("floor", "warm large MiB/s (1 stream)", seq_read(floor.mnt / large.key) / MiB)
             floor.unmount()
+
+        for rep in range(args.reps):
+            # The order alternates, so a drift of the machine's speed during the run (a VM's neighbours)
+            # does not always favour the same contender; ratios are taken within a repetition.
+            order = [run_boto, run_epochfs, run_floor]
+            log(f"repetition {rep + 1} of {args.reps}")
+            for run in order if rep % 2 == 0 else order[::-1]:
+                run()
     finally:
         for m in (epochfs, floor):
             m.unmount()
@@ -161,12 +175,14 @@ def main() -> int:
 
     med = {k: statistics.median(v) for k, v in rows.items()}
 
-    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
-        return f"{med[a] / med[b]:.2f}x" if a in med and b in med and med[b] else "-"
+    def find(who: str, what: str) -> tuple[str, str] | None:
+        return next((k for k in med if k[0] == who and k[1].startswith(what)), None)
 
     lines = [f"# Small-file path, {datetime.date.today().isoformat()}: {args.files} x 100 KiB, one "
              f"{args.large_mib} MiB file; {args.cores} core(s); medians of {args.reps}",
              "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
+             "Ratios are the median of the ratios within each repetition (range in brackets); contenders "
+             "ran in alternating order.", "",
              "| measurement | raw boto3 | epochfs | floor | epochfs / reference |", "|---|---|---|---|---|"]
     for what, ref in [("cold files/s, 1 thr", "raw boto3"), ("cold files/s, 16 thr", "raw boto3"),
                       ("cold daemon CPU ms/file, 1 thr", None), ("cold daemon CPU ms/file, 16 thr", None),
@@ -174,13 +190,15 @@ def main() -> int:
                       ("warm daemon CPU ms/file, 1 thr", "floor"), ("warm daemon CPU ms/file, 16 thr", "floor"),
                       ("cold large MiB/s", "raw boto3"), ("warm large MiB/s (1 stream)", "floor")]:
         def cell(who: str, what: str = what) -> str:
-            key = next((k for k in med if k[0] == who and k[1].startswith(what)), None)
+            key = find(who, what)
             return f"{med[key]:.2f}" if key else ""
 
-        mine = next((k for k in med if k[0] == "epochfs" and k[1].startswith(what)), None)
-        other = next((k for k in med if ref and k[0] == ref and k[1].startswith(what)), None)
-        lines.append(f"| {what} | {cell('raw boto3')} | {cell('epochfs')} | {cell('floor')} | "
-                     f"{ratio(mine, other) if mine and other else ''} |")
+        mine, other = find("epochfs", what), find(ref, what) if ref else None
+        ratio = ""
+        if mine and other:
+            ratios = sorted(a / b for a, b in zip(rows[mine], rows[other], strict=True) if b)
+            ratio = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+        lines.append(f"| {what} | {cell('raw boto3')} | {cell('epochfs')} | {cell('floor')} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
