@@ -310,6 +310,70 @@ def test_fsck_finds_damage_and_orphans_and_repairs_them(tmp_path):
     assert s.lookup(bid(1)) is None and bytes(s.read(bid(2), s.lookup(bid(2)), 0, 10)) == bytes([2]) * 10
 
 
+def _tree(root) -> dict[str, bytes]:
+    """Every path under ``root`` with its contents (the lock file and LMDB's reader table aside)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if rel in ("lock", "index/lock.mdb"):
+            continue
+        out[rel] = b"<dir>" if p.is_dir() and not p.is_symlink() else os.readlink(p).encode() if p.is_symlink() \
+            else p.read_bytes()
+    return out
+
+
+def test_fsck_without_repair_changes_nothing_and_reports_what_a_mount_would_remove(tmp_path):
+    import subprocess
+    import sys
+
+    s = make(tmp_path)
+    for n in range(3):
+        put(s, bid(n), bytes([n]) * 5000)
+    with s._env.begin(write=True) as txn:
+        txn.put(bid(9), b"\x01\x02garbage")  # a malformed entry
+    s.close()
+    (tmp_path / "cache" / "packs" / "not-a-pack").write_bytes(b"x")
+    (tmp_path / "cache" / "packs" / "0badc0de").mkdir()
+    (tmp_path / "cache" / "tmp" / "leftover").write_bytes(b"y")
+    cache = tmp_path / "cache"
+    before = _tree(cache)
+    check = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", str(cache)], capture_output=True,
+                           text=True)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "3 blocks" in check.stdout and "1 malformed index entries, 2 entries that are not cache files" \
+        in check.stdout
+    assert _tree(cache) == before
+    fix = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", str(cache), "--repair"],
+                         capture_output=True, text=True)
+    assert fix.returncode == 0 and "repaired" in fix.stdout
+    again = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", str(cache)], capture_output=True,
+                           text=True)
+    assert again.returncode == 0 and "malformed" not in again.stdout and "not cache files" not in again.stdout
+    assert sorted(p.name for p in (cache / "packs").iterdir()) == ["00000001"]  # the one pack of the blocks
+
+
+def test_fsck_without_repair_keeps_an_index_a_mount_would_discard(tmp_path):
+    import subprocess
+    import sys
+
+    import lmdb
+
+    s = make(tmp_path)
+    put(s, bid(1), b"a" * 5000)
+    s.close()
+    env = lmdb.open(str(tmp_path / "cache" / "index"))
+    with env.begin(write=True) as txn:
+        txn.put(b"\x00format", b"3")
+    env.close()
+    before = _tree(tmp_path / "cache")
+    check = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", str(tmp_path / "cache")],
+                           capture_output=True, text=True)
+    assert check.returncode == 2 and "is of another version" in check.stderr and "nothing was changed" in check.stderr
+    assert _tree(tmp_path / "cache") == before
+    s = make(tmp_path)  # a mount then starts empty, as the message says
+    assert s.statistics().blocks == 0
+
+
 def test_a_file_system_without_nowait_reads_is_not_taken_for_damage(tmp_path, monkeypatch):
     import errno as errno_
 

@@ -241,35 +241,49 @@ class BlockStore:
         self._last_pack = 0  # the newest pack a block was installed in (to notice when it rolls over)
         self._pack_fds: OrderedDict[int, int] = OrderedDict()
         self._closed = False
+        self._inspect = False  # open(inspect=True): nothing in the directory is changed
+        self.malformed = 0  # index entries dropped when loaded (only counted when inspecting)
+        self.strays: set[str] = set()  # entries in blocks/ or packs/ that are not ours (removed unless inspecting)
 
     # -- life cycle ------------------------------------------------------------------------------------
 
-    def open(self, reconcile: bool = True) -> None:
+    def open(self, reconcile: bool = True, inspect: bool = False) -> None:
         """Lock the directory, clear leftovers of interrupted fills, open and load the index. After an
         unclean shutdown, also reconcile the index with the block files (unless ``reconcile`` is False:
-        ``fsck`` reports the differences instead)."""
+        ``fsck`` reports the differences instead).
+
+        ``inspect`` (``fsck`` without ``--repair``): change nothing in the directory. An index that
+        cannot be used raises :class:`ConfigError` instead of being discarded; malformed entries and
+        entries that do not belong in ``blocks/`` or ``packs/`` are counted (:attr:`malformed`,
+        :attr:`strays`), not removed."""
+        self._inspect = inspect
         private_dir(self.cache_dir)
         self._lock()
         for name in ("blocks", "tmp", "index", "packs"):
             private_subdir(self.cache_dir, name)
-        shutil.rmtree(self.tmp_dir)
-        private_subdir(self.cache_dir, "tmp")
+        if not inspect:
+            shutil.rmtree(self.tmp_dir)
+            private_subdir(self.cache_dir, "tmp")
         with os.scandir(self._blocks) as entries:  # block subdirectories; nothing else belongs there
             for entry in entries:
                 if not entry.is_dir(follow_symlinks=False):
-                    _discard(entry.path)
+                    self._stray(entry.path)
         clean = self.cache_dir / "clean"
         self._consistent = os.path.lexists(clean)
-        if self._consistent:
+        if self._consistent and not inspect:
             clean.unlink()
         try:
             known = self._open_index()
         except lmdb.Error as exc:
-            log.warning("cache index in %s %s (%s); discarding the cached blocks", self.index_dir,
-                        "is of another version" if isinstance(exc, _OtherFormat) else "is damaged", exc)
+            why = "is of another version" if isinstance(exc, _OtherFormat) else "is damaged"
+            if inspect:
+                self.close()
+                raise ConfigError(f"cache index in {self.index_dir} {why} ({exc}): a mount (or fsck --repair) "
+                                  "discards it with the cached blocks and starts empty; nothing was changed") from None
+            log.warning("cache index in %s %s (%s); discarding the cached blocks", self.index_dir, why, exc)
             self._reset()
             known = self._open_index()
-        self.packing = self._can_punch()
+        self.packing = not inspect and self._can_punch()
         if not self._consistent and reconcile:
             self._reconcile(known)
         for pack in self._pack_files():
@@ -298,6 +312,13 @@ class BlockStore:
     def _pack_path(self, pack: int) -> str:
         return f"{self._packs}/{pack_name(pack)}"
 
+    def _stray(self, path: str) -> None:
+        """Something that does not belong where it is in the cache directory: removed (counted only
+        when inspecting)."""
+        self.strays.add(path)
+        if not self._inspect:
+            _discard(path)
+
     def _pack_files(self) -> list[int]:
         """The packs in ``packs/``; anything else there (another name, a link, a directory) is not
         ours and is removed."""
@@ -311,7 +332,7 @@ class BlockStore:
                 if 0 < pack <= MAX_PACK and entry.name == pack_name(pack) and entry.is_file(follow_symlinks=False):
                     packs.append(pack)
                 else:
-                    _discard(entry.path)
+                    self._stray(entry.path)
         return packs
 
     def close(self) -> None:
@@ -323,10 +344,11 @@ class BlockStore:
             for fd in self._pack_fds.values():
                 os.close(fd)
             self._pack_fds.clear()
-            self._env.sync(True)
+            if not self._inspect:
+                self._env.sync(True)
             self._env.close()
             self._env = None
-            if self._consistent:
+            if self._consistent and not self._inspect:
                 touch_private(self.cache_dir / "clean")
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -351,7 +373,7 @@ class BlockStore:
         """Open the index and load it into the policy; return block id -> entry."""
         self._env = lmdb.open(
             str(self.index_dir), map_size=1 << 36, subdir=True, max_dbs=0, sync=False, metasync=False,
-            readahead=False, lock=True, mode=0o600,
+            readahead=False, lock=True, mode=0o600, readonly=self._inspect,
         )
         loaded: list[tuple[int, bytes, BlockMeta]] = []
         bad: list[bytes] = []
@@ -368,15 +390,17 @@ class BlockStore:
                     bad.append(bytes(key))
                 else:
                     loaded.append((meta.seq, bytes(key), meta))
-        with self._env.begin(write=True) as txn:
-            txn.put(b"\x00format", INDEX_FORMAT)
-            for key in bad:
-                txn.delete(key)
-        for key in bad:  # and their files, if the key can name one
-            if len(key) == 16:
-                _discard(f"{self._blocks}/{block_relpath(key)}")
-        if bad:
-            log.warning("dropped %d malformed cache index entries and their files", len(bad))
+        self.malformed = len(bad)
+        if not self._inspect:
+            with self._env.begin(write=True) as txn:
+                txn.put(b"\x00format", INDEX_FORMAT)
+                for key in bad:
+                    txn.delete(key)
+            for key in bad:  # and their files, if the key can name one
+                if len(key) == 16:
+                    _discard(f"{self._blocks}/{block_relpath(key)}")
+            if bad:
+                log.warning("dropped %d malformed cache index entries and their files", len(bad))
         loaded.sort()
         for seq, bid, meta in loaded:
             self.policy.inserted(bid, meta.length)
@@ -610,14 +634,14 @@ class BlockStore:
     def fsck(self, repair: bool) -> dict[str, int]:
         """Verify every indexed block in full and look for block files the index does not know
         (left by a crash between a fill's rename and its index entry). With ``repair``, drop damaged
-        blocks and delete orphans. Run only while no daemon owns the directory (the lock ensures it)."""
-        assert self._env is not None
+        blocks and delete orphans (not on a store opened to inspect). Run only while no daemon owns the
+        directory (the lock ensures it)."""
+        assert self._env is not None and not (repair and self._inspect)
         with self._env.begin() as txn:
             entries = [(bytes(k), BlockMeta.decode(bytes(v))) for k, v in txn.cursor() if len(k) == 16]
-        known = {bid: meta for bid, meta in entries if meta is not None}
+        known = {bid: meta for bid, meta in entries if meta is not None}  # (malformed ones are counted)
         damaged = unreadable = 0
-        for bid, meta in entries:
-            assert meta is not None  # malformed entries were dropped when the index was opened
+        for bid, meta in known.items():
             data = self.pread_range(bid, meta, 0, meta.length)
             if isinstance(data, OSError) and not _missing(data):
                 unreadable += 1  # not evidence of damage: reported, never deleted
@@ -634,8 +658,9 @@ class BlockStore:
             for path, _ in orphans:
                 _discard(str(path))
             self._consistent = True
-        return {"blocks": len(entries), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
-                "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used}
+        return {"blocks": len(known), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
+                "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used,
+                "malformed": self.malformed, "strays": len(self.strays)}
 
     def drop_corrupt(self, bid: bytes, meta: BlockMeta, why: str) -> None:
         """Drop a damaged block (counted as corrupt); the next read fetches it again."""

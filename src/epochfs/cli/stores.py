@@ -29,9 +29,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     fk = sub.add_parser("fsck", help="check a cache directory (while it is not mounted)",
                         description="Verify the checksum of every cached block and look for block files the index "
-                        "does not know. Exit 0 if the cache is clean (or was repaired), 1 if problems remain.")
+                        "does not know, malformed index entries and entries that are not cache files. Without "
+                        "--repair nothing in the directory is changed (a cache whose index a mount would discard, "
+                        "damaged or of another version, is reported as an error). Exit 0 if the cache is clean "
+                        "(or was repaired), 1 if problems remain.")
     fk.add_argument("--cache-dir", required=True, type=Path, metavar="DIR")
-    fk.add_argument("--repair", action="store_true", help="drop damaged blocks and delete orphan files")
+    fk.add_argument("--repair", action="store_true",
+                    help="drop damaged blocks and malformed entries, delete orphan and stray files (an index a "
+                    "mount would discard is discarded)")
     fk.set_defaults(run=cmd_fsck)
 
     rf = sub.add_parser("refresh", help="switch a mount to the newest snapshot without unmounting",
@@ -101,14 +106,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     if not (args.cache_dir / "index").is_dir():
         raise ConfigError(f"{args.cache_dir} is not an epochfs cache directory")
     store = BlockStore(args.cache_dir, 1 << 62, 0.0, make_policy("lru"))
-    store.open(reconcile=False)
+    store.open(reconcile=False, inspect=not args.repair)  # without --repair, nothing is changed
     try:
         r = store.fsck(args.repair)
     finally:
         store.close()
-    problems = r["damaged"] + r["orphans"]
+    problems = r["damaged"] + r["orphans"] + r["malformed"] + r["strays"]
+    extra = "".join(f", {r[k]} {what}" for k, what in (("malformed", "malformed index entries"),
+                                                         ("strays", "entries that are not cache files")) if r[k])
     print(f"{r['blocks']} blocks ({human(r['used_bytes'])}): {r['damaged']} damaged, {r['orphans']} orphan files "
-          f"({human(r['orphan_bytes'])})" + ("; repaired" if args.repair and problems else ""))
+          f"({human(r['orphan_bytes'])}){extra}" + ("; repaired" if args.repair and problems else ""))
     return 0 if args.repair or not problems else 1
 
 
