@@ -202,6 +202,43 @@ def test_a_fill_in_progress_at_shutdown_leaves_no_unknown_block_file(tmp_path, m
     assert not any((tmp_path / "c" / "blocks").rglob("*.*"))
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "file"])
+def test_a_fill_abandoned_at_its_deadline_undoes_its_write_when_it_finishes(tmp_path, packing):
+    """A fetch that answers after the fill's deadline: the reader gets its error in time; the worker
+    thread finishes later and its write is undone (the temporary file deleted, or the pack range freed),
+    nothing stays counted as being written, and the next read fetches the block again."""
+    import os
+
+    backend = MemoryBackend(delay=0.6)
+    store = BlockStore(tmp_path / "c", 1 << 30, 0.0, LruPolicy())
+    store.open()
+    store.packing = packing
+    cache = BlockCache(store, backend, block_size=BS, concurrency=8, readahead_blocks=0, fetch_timeout=0.2)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            with pytest.raises(BackendUnavailable, match="no complete answer"):
+                await cache.read(OBJ, 0, 100)
+            await trio.sleep(1.0)  # the worker thread finishes; its write is undone on this thread
+            packs = list((tmp_path / "c" / "packs").iterdir())
+            state = (dict(store._pack_pending), store.pending, store.used, list((tmp_path / "c" / "tmp").iterdir()),
+                     sum(os.stat(p).st_blocks for p in packs), len(packs))
+            backend.delay = 0
+            data = bytes(await cache.read(OBJ, 0, 100))
+            nursery.cancel_scope.cancel()
+        return state, data
+
+    try:
+        (pending, reserved, used, tmp, allocated, packs), data = trio.run(main)
+    finally:
+        store.close()
+    assert all(n == 0 for n in pending.values()) and reserved == 0 and used == 0
+    assert tmp == [] and allocated == 0 and packs == (1 if packing else 0)
+    assert data == pattern(OBJ.key, 0, 0, 100)
+    assert backend.calls[(OBJ.key, 0)] == 2
+
+
 def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cache(tmp_path, monkeypatch):
     """A block fetched for a reader (on demand or read ahead) serves its next requests from memory, not
     from its block file, and the file is written with O_DIRECT; a block the manifest prefetcher fetches

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -114,6 +115,34 @@ class Fetch:
         """Wait for the fetch; its error, or None when the bytes arrived."""
         await self.event.wait()
         return self.error
+
+
+class _Handoff:
+    """What a fill's worker thread wrote, passed to the trio thread exactly once: taken by the fill if
+    it still waits, or, if the fill gave up (its deadline passed, or the service stopped), left to the
+    worker thread, which then has the write undone."""
+
+    __slots__ = ("_lock", "_result", "_closed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._result: tuple[str, BlockMeta] | OSError | None = None
+        self._closed = False
+
+    def give(self, result: tuple[str, BlockMeta] | OSError) -> bool:
+        """(Worker thread) hand the result over; False if the fill no longer takes it."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._result = result
+            return True
+
+    def take(self) -> tuple[str, BlockMeta] | OSError | None:
+        """(Trio thread) the result if the worker has given it (None if not yet); from now on it gives
+        nothing."""
+        with self._lock:
+            self._closed = True
+            return self._result
 
 
 class BlockCache:
@@ -367,27 +396,36 @@ class BlockCache:
         limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
         installed = False
         token = trio.lowlevel.current_trio_token()
+        handoff = _Handoff()
 
-        def job() -> tuple[str, BlockMeta] | OSError | None:
+        def job() -> None:
             data, from_peer = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
                                                      warm=flight.warm)
             token.run_sync_soon(self._deliver, flight, data, from_peer)
             if not admitted or data is None:
-                return None
+                return
             try:
-                return self.store.write_temp(bid, data, around=flight.near)
+                result: tuple[str, BlockMeta] | OSError = self.store.write_temp(bid, data, around=flight.near)
             except OSError as exc:
-                return exc
+                result = exc
+            if not handoff.give(result) and isinstance(result, tuple):
+                try:  # the fill gave up waiting: nobody installs this block; undo its write
+                    token.run_sync_soon(self.store.abandon, *result)
+                except trio.RunFinishedError:
+                    pass  # shut down: what it wrote is cleared at the next start
 
         try:
+            written: tuple[str, BlockMeta] | OSError | None = None
             try:
-                written: tuple[str, BlockMeta] | OSError | None = None
                 done = False
                 # The backend bounds its own requests; this bounds what it cannot (a server that drips
                 # its headers): the readers get their error in time, the thread is left to finish.
-                with trio.move_on_after(self.fetch_timeout):
-                    written = await trio.to_thread.run_sync(job, limiter=limiter, abandon_on_cancel=True)
-                    done = True
+                try:
+                    with trio.move_on_after(self.fetch_timeout):
+                        await trio.to_thread.run_sync(job, limiter=limiter, abandon_on_cancel=True)
+                        done = True
+                finally:
+                    written = handoff.take()
                 if not done:
                     raise BackendUnavailable(f"{obj.key}: no complete answer within {self.fetch_timeout:g}s")
             except EpochfsError as exc:
@@ -408,6 +446,8 @@ class BlockCache:
             if flight.data is not None and (not installed or flight.near and not flight.read_to_end):
                 self._keep_recent(bid, flight.data, installed or flight.from_peer or not flight.demand, installed)
         finally:
+            if isinstance(written, tuple) and not installed:
+                self.store.abandon(*written)  # written, but the fill gave up (deadline, error, shutdown)
             if admitted and not installed:
                 self.store.release(length, failed=isinstance(written, OSError))
             if self._flights.get(bid) is flight:  # (a warm flight may have been replaced by a real one)

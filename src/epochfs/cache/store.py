@@ -341,6 +341,9 @@ class BlockStore:
             self._drop_pack_if_empty(pack)
             with self._pack_lock:
                 self._closed = True
+                # A packed write still running (a fill abandoned at shutdown) may land in a pack unindexed:
+                # then the next start reconciles, which frees the ranges no entry refers to.
+                self._consistent = self._consistent and not any(n > 0 for n in self._pack_pending.values())
             for fd in self._pack_fds.values():
                 os.close(fd)
             self._pack_fds.clear()
@@ -823,6 +826,14 @@ class BlockStore:
         os.ftruncate(fd, 0)
         return False
 
+    def abandon(self, tmp: str, meta: BlockMeta) -> None:
+        """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): delete the
+        temporary file, or free the pack range (trio thread). The caller releases the reservation."""
+        if meta.pack:
+            self._free_packed(meta, self._pack_pending)
+        else:
+            _discard(tmp)
+
     def install(self, bid: bytes, tmp: str, meta: BlockMeta) -> None:
         """Move a block written by :meth:`write_temp` into place and index it, consuming its reservation
         (trio thread; no checkpoint: a block file is never left in place unindexed). Raises OSError, and
@@ -884,11 +895,15 @@ class BlockStore:
             self._count -= 1
         self.policy.removed(bid)
 
-    def _free_packed(self, meta: BlockMeta) -> None:
-        """A packed block leaves its pack (trio thread): its range is punched out; the pack is deleted
-        once no block is in it or being written to it."""
+    def _free_packed(self, meta: BlockMeta, counts: dict[int, int] | None = None) -> None:
+        """A packed block leaves its pack (trio thread), counted out of ``counts`` (the pack's indexed
+        blocks by default, or those being written): its range is punched out; the pack is deleted once
+        no block is in it or being written to it."""
+        counts = self._pack_live if counts is None else counts
         with self._pack_lock:
-            self._pack_live[meta.pack] = self._pack_live.get(meta.pack, 0) - 1
+            counts[meta.pack] = counts.get(meta.pack, 0) - 1
+            if self._closed:
+                return  # (a write abandoned at shutdown: the store was closed unclean, see close())
         try:
             punch_hole(self._pack_fd(meta.pack), meta.offset, _padded(meta.length))
         except OSError as exc:
