@@ -137,8 +137,8 @@ def _charts(results: dict[str, Any], cells: Any, contenders: list[str], stem: Pa
     plt.close(fig)
 
     tr = results.get("training")
-    if tr:
-        runs = [r for r in tr["runs"] if "au_per_epoch" in r]
+    runs = [r for r in tr["runs"] if "au_per_epoch" in r] if tr else []
+    if runs:  # (none when run with --latency-ms and no values)
         latencies = sorted({r["latency_ms"] for r in runs})
         fig, axes = plt.subplots(1, len(latencies), figsize=(7 * len(latencies), 4.5), squeeze=False)
         for ax, lat in zip(axes[0], latencies, strict=True):
