@@ -240,3 +240,29 @@ def test_a_block_file_replaced_by_a_link_or_a_directory_is_damage_not_a_lasting_
         assert s.read(bid(n), s.lookup(bid(n)), 0, 5000) is None
     assert s.statistics().corrupt_blocks == 2 and s.statistics().read_errors == 0
     assert not os.path.lexists(path) and not os.path.lexists(other) and target.exists()
+
+
+def test_decoding_random_index_entries_never_raises_and_keeps_the_bounds():
+    """Whatever bytes an index entry holds, decoding gives None or an entry within the bounds every
+    reader relies on (a length a block can have, checksums for each chunk, a range inside a pack)."""
+    rng = random.Random(7)
+    goods = [BlockMeta(100_000, bytes(8 * 2), 5, 3, 8192).encode(),  # packed
+             BlockMeta(3 << 20, bytes(8 * 48), 9).encode()]  # in a file of its own
+    for n in range(20_000):
+        if n % 2:
+            raw = bytearray(rng.choice(goods))
+            for _ in range(rng.randrange(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            raw = bytes(raw[:rng.randrange(len(raw) + 1)]) if rng.random() < 0.2 else bytes(raw)
+        else:
+            raw = rng.randbytes(rng.randrange(0, 80))
+        meta = BlockMeta.decode(raw)
+        if meta is None:
+            continue
+        assert 0 < meta.length <= 64 << 20 and len(meta.sums) == 8 * -(-meta.length // CHUNK_SIZE)
+        if meta.pack:
+            assert meta.length < store_mod.PACK_BELOW and meta.offset % 4096 == 0
+            assert meta.offset + meta.length <= store_mod.PACK_SIZE and meta.pack <= store_mod.MAX_PACK
+        else:
+            assert meta.offset == 0
+        assert BlockMeta.decode(meta.encode()) == meta
