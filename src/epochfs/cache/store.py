@@ -242,7 +242,7 @@ class BlockStore:
         self._pack_fds: OrderedDict[int, int] = OrderedDict()
         self._closed = False
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
-        self.malformed = 0  # index entries dropped when loaded (only counted when inspecting)
+        self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
         self.strays: set[str] = set()  # entries in blocks/ or packs/ that are not ours (removed unless inspecting)
 
     # -- life cycle ------------------------------------------------------------------------------------
@@ -286,13 +286,13 @@ class BlockStore:
         self.packing = not inspect and self._can_punch()
         if not self._consistent and reconcile:
             self._reconcile(known)
-        for pack in self._pack_files():
+        packs = self._pack_files()
+        for pack in packs:
             if reconcile and pack not in self._pack_live:  # no indexed block (all evicted, or none indexed)
                 _discard(self._pack_path(pack))
-            self._write_pack = max(self._write_pack, pack)
         # The next block starts a new pack, numbered past every pack on disk or named by the index (an
         # entry whose pack is gone must not come to point into a new one).
-        self._write_pack = max(self._write_pack, *self._pack_live, 0)
+        self._write_pack = max([*packs, *self._pack_live], default=0)
         self._write_off = PACK_SIZE
 
     def _can_punch(self) -> bool:
@@ -313,8 +313,8 @@ class BlockStore:
         return f"{self._packs}/{pack_name(pack)}"
 
     def _stray(self, path: str) -> None:
-        """Something that does not belong where it is in the cache directory: removed (counted only
-        when inspecting)."""
+        """Something that does not belong where it is in the cache directory: counted, and removed
+        unless inspecting."""
         self.strays.add(path)
         if not self._inspect:
             _discard(path)
