@@ -47,6 +47,7 @@ class Hostile:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
 
             def do_GET(self) -> None:
                 m = _RANGE.fullmatch(self.headers.get("Range", ""))
@@ -165,3 +166,76 @@ def test_random_answers_give_the_exact_bytes_or_an_error_within_the_deadline(cre
         backend.close()
         endpoint.stop()
     assert served and failed  # the loop exercised both outcomes
+
+
+def _listing_entry(r: random.Random, i: int) -> tuple[str, bool]:
+    """One <Contents> of a listing under prefix ``p/``, and whether an honest reader keeps it."""
+    fields = {"Key": f"p/k{i}", "Size": str(r.randrange(10**6)), "ETag": f'"{i:032x}"',
+              "LastModified": "2026-01-01T00:00:00.000Z"}
+    keep = True
+    for _ in range(r.choice([0, 0, 1, 2])):
+        name = r.choice(list(fields))
+        value = r.choice([None, "", "-1", str(1 << 47), "abc", "1e3", _junk(r, 30), "x" * 5000,
+                          "9999-12-31T23:59:59.000Z", "0001-01-01T00:00:00.000Z", "other/k", "p/"])
+        if value is None:
+            del fields[name]
+        else:
+            fields[name] = value.replace("<", "").replace("&", "")
+        keep = False  # whether it is still servable is the code's to decide; it must not break the rest
+    body = "".join(f"<{k}>{v}</{k}>" for k, v in fields.items())
+    return f"<Contents>{body}</Contents>", keep
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_listings_give_servable_objects_or_an_error(credentials, seed):
+    """A listing's entries reach the stores only within their bounds; an answer that is not a listing
+    is an error of epochfs's own (a mount reports it, a refresh keeps the snapshot it has)."""
+    from epochfs.backend.base import listing_problem
+    from epochfs.meta.base import decode_objects, encode_objects
+    from epochfs.meta.namespace import Namespace
+
+    rng = random.Random(seed)
+    state = {"xml": ""}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
+
+        def do_GET(self) -> None:
+            body = state["xml"].encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    backend = S3Backend(BackendSettings(Source.parse("s3://bucket/p/"), endpoint_url=f"http://127.0.0.1:{server.server_port}",
+                                        timeout=2.0, attempts=1))
+    outcomes = {"listed": 0, "refused": 0}
+    try:
+        for _ in range(150):
+            entries = [_listing_entry(rng, i) for i in range(rng.randrange(1, 6))]
+            state["xml"] = ('<?xml version="1.0"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+                            "<Name>bucket</Name><Prefix>p/</Prefix><IsTruncated>false</IsTruncated>"
+                            + "".join(e for e, _ in entries) + "</ListBucketResult>")
+            try:
+                objects = list(backend.list_objects())
+            except EpochfsError:
+                outcomes["refused"] += 1
+                continue
+            outcomes["listed"] += 1
+            keys = {o.key for o in objects}
+            assert {f"k{i}" for i, (_, keep) in enumerate(entries) if keep} <= keys  # nothing honest lost
+            for o in objects:
+                assert listing_problem(o) is None and -(1 << 63) <= o.mtime_ns < 1 << 63
+            assert decode_objects(encode_objects(objects)) == objects  # every store can hold them
+            Namespace.build(objects)
+    finally:
+        backend.close()
+        server.shutdown()
+    assert outcomes["listed"] and outcomes["refused"]

@@ -22,7 +22,7 @@ import stat
 import time
 from collections.abc import Iterator
 
-from epochfs.backend.base import Backend, BackendSettings, BackendStats, StatsRecorder
+from epochfs.backend.base import Backend, BackendSettings, BackendStats, StatsRecorder, servable
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
 from epochfs.records import ObjectInfo
 
@@ -73,6 +73,9 @@ class LocalBackend(Backend):
         return self._stats.snapshot()
 
     def list_objects(self) -> Iterator[ObjectInfo]:
+        return servable(self._listing())
+
+    def _listing(self) -> Iterator[ObjectInfo]:
         if not os.path.isdir(self.root):
             raise ConfigError(f"source directory {self.root} does not exist or is not a directory")
         stack = [""]

@@ -39,6 +39,7 @@ from epochfs.backend.base import (
     StatsRecorder,
     TemporaryFailure,
     retry,
+    servable,
 )
 from epochfs.curlio import Answer, new_handle
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged, UploadCancelled
@@ -216,16 +217,23 @@ class S3Backend(Backend):
             self._upload_client.close()
 
     def list_objects(self) -> Iterator[ObjectInfo]:
+        return servable(self._listing())
+
+    def _listing(self) -> Iterator[ObjectInfo]:
         paginator = self._client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
                 self._stats.record("list", "ok")
                 for obj in page.get("Contents", ()):
+                    key = obj["Key"]
+                    if not key.startswith(self.prefix):
+                        log.warning("skipping listed object %r: not under the prefix %r", key[:300], self.prefix)
+                        continue
                     yield ObjectInfo(
-                        key=obj["Key"][len(self.prefix):],
+                        key=key[len(self.prefix):],
                         size=int(obj["Size"]),
                         mtime_ns=int(obj["LastModified"].timestamp() * 1_000_000_000),
-                        etag=obj["ETag"],
+                        etag=obj.get("ETag", ""),
                     )
         except botocore.exceptions.NoCredentialsError:
             raise ConfigError(_NO_CREDENTIALS) from None
@@ -240,6 +248,11 @@ class S3Backend(Backend):
         except botocore.exceptions.BotoCoreError as exc:
             self._stats.record("list", "error")
             raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: {exc}") from None
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RuntimeError) as exc:
+            # An answer that parsed as XML but is not a listing (a field missing, a size that is no number).
+            self._stats.record("list", "error")
+            raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: malformed answer "
+                                     f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def read_range(self, key: str, etag: str, start: int, length: int) -> bytes | bytearray:
         if length == 0:
