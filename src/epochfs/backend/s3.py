@@ -54,8 +54,8 @@ _RETRY_CODES = {"RequestTimeout", "ExpiredToken", "TokenRefreshRequired", "Reque
                 "InternalError", "ServiceUnavailable"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
-_REGION = re.compile(rb"<Region>([a-z0-9-]{2,40})</Region>")
-_REGION_NAME = re.compile(r"[a-z0-9-]{2,40}")  # what a region named in an answer must look like
+_REGION = re.compile(rb"<Region>([a-z0-9-]{2,40})</Region>")  # only what looks like a region name
+_REGION_NAME = re.compile(r"[a-z0-9-]{2,40}")
 _PROBE_KEY = "epochfs-probe"
 _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
 
@@ -357,9 +357,10 @@ class S3Backend(Backend):
         m = _ERROR_CODE.search(body[:4096])
         code = m.group(1).decode("utf-8", "replace") if m else ""
         m = _REGION.search(body[:4096])
-        region = headers.get("x-amz-bucket-region") or (m.group(1).decode("ascii", "replace") if m else None)
+        region = headers.get("x-amz-bucket-region")
         if region is not None and not _REGION_NAME.fullmatch(region):
             region = None  # not a region name: never sign for it (every later request would fail)
+        region = region or (m.group(1).decode("ascii") if m else None)
         if region and region != self._region and status in (301, 307, 400, 403):
             # Signed for another region than the bucket's (a wrong or missing --region): the answer says
             # which; sign for that one from now on, and retry at once.
