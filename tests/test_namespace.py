@@ -55,3 +55,27 @@ def test_file_and_directory_of_the_same_name(caplog):
 def test_unsafe_reason_accepts_ordinary_names():
     for key in ("a", "a/b.c", "with space/ü.bin", "...", "..hidden", "a.", "dir/"):
         assert unsafe_reason(key) is None, key
+
+
+def test_unsafe_reason_agrees_with_the_rules_on_random_keys():
+    """The rules of the module docstring, stated plainly, against random keys built from the parts that
+    break them (and ordinary ones, which take the one-step check)."""
+    import random
+
+    rng = random.Random(7)
+    parts = ["a", "b.c", "a b", ".", "..", "", "...", ".x", "x" * 255, "x" * 256, "é" * 127, "é" * 128,
+             "c\x00", "\x1f", "\x7f", "\udc80", "ü", "d" * 1000]
+
+    def safe(key: str) -> bool:
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        comps = (key[:-1] if key.endswith("/") else key).split("/")
+        return (len(raw) <= 4000 and not any(ord(c) < 32 or ord(c) == 127 for c in key)
+                and all(c not in ("", ".", "..") and len(c.encode("utf-8")) <= 255 for c in comps))
+
+    for _ in range(20000):
+        key = "/".join(rng.choice(parts) for _ in range(rng.randrange(1, 7)))
+        key = rng.choice(["", "/"]) * (rng.random() < 0.1) + key + "/" * (rng.random() < 0.2)
+        assert (unsafe_reason(key) is None) == safe(key), repr(key)
