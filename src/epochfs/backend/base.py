@@ -19,7 +19,6 @@ caller only ever sees a permanent domain error from :mod:`epochfs.errors`:
 from __future__ import annotations
 
 import abc
-import dataclasses
 import logging
 import random
 import threading
@@ -67,7 +66,7 @@ def servable(objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
             log.warning("skipping listed object %r: %s", obj.key[:300], problem)
             continue
         if not _NS_MIN <= obj.mtime_ns <= _NS_MAX:
-            obj = dataclasses.replace(obj, mtime_ns=min(max(obj.mtime_ns, _NS_MIN), _NS_MAX))
+            obj = obj._replace(mtime_ns=min(max(obj.mtime_ns, _NS_MIN), _NS_MAX))
         yield obj
 
 

@@ -56,27 +56,31 @@ def encode_objects(objects: Iterable[ObjectInfo]) -> bytes:
 
 def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
     """The records of one chunk, every field checked; :class:`SnapshotInvalid` for the first bad one."""
-    view = memoryview(raw)
-    objects, pos, head = [], 0, _RECORD.size
-    while pos < len(view):
-        if pos + head > len(view):
+    data = bytes(raw)
+    objects: list[ObjectInfo] = []
+    append, unpack, head, end, pos = objects.append, _RECORD.unpack_from, _RECORD.size, len(data), 0
+    while pos < end:
+        if pos + head > end:
             raise SnapshotInvalid(f"record at byte {pos} is cut short")
-        size, mtime_ns, klen, elen, mode, uid, gid = _RECORD.unpack_from(view, pos)
-        pos += head
-        if klen > MAX_KEY_BYTES or elen > MAX_ETAG_BYTES or pos + klen + elen > len(view):
-            raise SnapshotInvalid(f"record at byte {pos - head}: key or ETag length out of range")
+        size, mtime_ns, klen, elen, mode, uid, gid = unpack(data, pos)
+        at, pos = pos, pos + head
+        if klen > MAX_KEY_BYTES or elen > MAX_ETAG_BYTES or pos + klen + elen > end:
+            raise SnapshotInvalid(f"record at byte {at}: key or ETag length out of range")
         if size > MAX_OBJECT_SIZE:
-            raise SnapshotInvalid(f"record at byte {pos - head}: size {size} is larger than {MAX_OBJECT_SIZE}")
+            raise SnapshotInvalid(f"record at byte {at}: size {size} is larger than {MAX_OBJECT_SIZE}")
         if mode != _NONE and mode > 0o7777:
-            raise SnapshotInvalid(f"record at byte {pos - head}: mode {mode:o} is not a permission mode")
+            raise SnapshotInvalid(f"record at byte {at}: mode {mode:o} is not a permission mode")
         try:
-            key = str(view[pos:pos + klen], "utf-8")
-            etag = str(view[pos + klen:pos + klen + elen], "utf-8")
+            key = data[pos:pos + klen].decode()
+            etag = data[pos + klen:pos + klen + elen].decode()
         except UnicodeDecodeError:
-            raise SnapshotInvalid(f"record at byte {pos - head}: key or ETag is not UTF-8") from None
+            raise SnapshotInvalid(f"record at byte {at}: key or ETag is not UTF-8") from None
         pos += klen + elen
-        objects.append(ObjectInfo(key, size, mtime_ns, etag, None if mode == _NONE else mode,
-                                  None if uid == _NONE else uid, None if gid == _NONE else gid))
+        if mode == _NONE and uid == _NONE and gid == _NONE:  # an S3 object: no owner or mode
+            append(ObjectInfo(key, size, mtime_ns, etag))
+        else:
+            append(ObjectInfo(key, size, mtime_ns, etag, None if mode == _NONE else mode,
+                              None if uid == _NONE else uid, None if gid == _NONE else gid))
     return objects
 
 
