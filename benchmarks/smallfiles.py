@@ -80,23 +80,22 @@ def mount_epochfs(m: Mounted, server: LocalS3, cold: bool, extra: list[str]) -> 
     m.pid = int(os.getxattr(m.mnt, "user.epochfs.pid"))
 
 
-def mount_floor(m: Mounted, raw: Path) -> None:
+def start_daemon(m: Mounted, argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Mount ``m`` with a floor daemon (a script here, in the foreground) and note its pid."""
     m.unmount()
     m.mnt.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(HERE / "floor.py"), str(raw), str(m.mnt)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_mounted(m.mnt)
     m.pid = proc.pid
+
+
+def mount_floor(m: Mounted, raw: Path) -> None:
+    start_daemon(m, [str(HERE / "floor.py"), str(raw), str(m.mnt)])
 
 
 def mount_cold_floor(m: Mounted, server: LocalS3) -> None:
-    m.unmount()
-    m.mnt.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(HERE / "floor_s3.py"), "s3://bench/ds", str(m.mnt),
-                             "--endpoint-url", server.endpoint], env=server.env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_mounted(m.mnt)
-    m.pid = proc.pid
+    start_daemon(m, [str(HERE / "floor_s3.py"), "s3://bench/ds", str(m.mnt), "--endpoint-url", server.endpoint],
+                 env=server.env())
 
 
 def main() -> int:

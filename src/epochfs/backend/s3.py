@@ -54,8 +54,8 @@ _RETRY_CODES = {"RequestTimeout", "ExpiredToken", "TokenRefreshRequired", "Reque
                 "InternalError", "ServiceUnavailable"}
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _ERROR_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
-_REGION = re.compile(rb"<Region>([a-z0-9-]{2,40})</Region>")  # only what looks like a region name
-_REGION_NAME = re.compile(r"[a-z0-9-]{2,40}")
+_REGION_NAME = re.compile(r"[a-z0-9-]{2,40}")  # what a region named in an answer must look like
+_REGION = re.compile(rb"<Region>(" + _REGION_NAME.pattern.encode() + rb")</Region>")
 _PROBE_KEY = "epochfs-probe"
 _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
 

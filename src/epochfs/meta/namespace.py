@@ -75,12 +75,13 @@ class File(NamedTuple):  # immutable; a tuple builds in a fraction of a frozen d
 class Namespace:
     """Immutable after :meth:`build`. Lookups by inode and by (parent inode, name)."""
 
-    def __init__(self, nodes: list[Dir | File | None], total_bytes: int, mtime_ns: int):
+    def __init__(self, nodes: list[Dir | File | None], total_bytes: int, mtime_ns: int, file_count: int,
+                 dir_count: int):
         self._nodes = nodes
         self.total_bytes = total_bytes
         self.mtime_ns = mtime_ns
-        self.file_count = sum(isinstance(n, File) for n in nodes)
-        self.dir_count = sum(isinstance(n, Dir) for n in nodes)
+        self.file_count = file_count
+        self.dir_count = dir_count
         self._by_path: dict[str, int] | None = None
 
     @classmethod
@@ -142,7 +143,7 @@ class Namespace:
             d.names = sorted(d.children)
         total = sum(f.size for f in files.values())
         newest = max((f.mtime_ns for f in files.values()), default=mtime_ns)
-        return cls(nodes, total, mtime_ns or newest)
+        return cls(nodes, total, mtime_ns or newest, len(files), len(dir_of))
 
     @property
     def max_inode(self) -> int:
