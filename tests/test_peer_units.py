@@ -46,42 +46,78 @@ def test_ownership_is_even_and_a_change_moves_only_one_share():
 
 
 TOKEN = b"s3cret-token-of-enough-length"
-
-
-def signed(req: wire.BlockRequest, token: bytes = TOKEN, now: float | None = None) -> tuple[str, dict[str, str]]:
-    target = req.target()
-    return target, wire.headers(token, target, time.time() if now is None else now)
+KEYS = wire.Keys(TOKEN)
+ME = "10.0.0.1:9570"
 
 
 def test_a_signed_request_round_trips_and_any_change_is_refused():
     req = wire.BlockRequest(bytes(range(16)), "train/a b/ü?&=.jpg", '"abc-3"', 7, 1 << 20)
-    target, h = signed(req)
+    target = req.target()
     now = time.time()
-    wire.verify(TOKEN, target, h[wire.TIME_HEADER], h[wire.AUTH_HEADER], now)
+    h, mac = KEYS.headers(ME, target, now)
+    got_mac, nonce, sent = KEYS.verify(ME, target, h[wire.TIME_HEADER], h[wire.NONCE_HEADER], h[wire.AUTH_HEADER], now)
+    assert got_mac == mac and nonce == h[wire.NONCE_HEADER] and sent == int(now)
     assert wire.parse_target(target.encode()) == req
-    tampered = target.replace("i=7", "i=8")
-    for args in [(b"another-token-of-enough-length", target, h[wire.TIME_HEADER], h[wire.AUTH_HEADER]),
-                 (TOKEN, tampered, h[wire.TIME_HEADER], h[wire.AUTH_HEADER]),
-                 (TOKEN, target, str(int(h[wire.TIME_HEADER]) + 1), h[wire.AUTH_HEADER]),
-                 (TOKEN, target, None, h[wire.AUTH_HEADER]), (TOKEN, target, h[wire.TIME_HEADER], None),
-                 (TOKEN, target, "-5", h[wire.AUTH_HEADER]), (TOKEN, target, "1e9", h[wire.AUTH_HEADER]),
-                 (TOKEN, target, h[wire.TIME_HEADER], "ü")]:
+    other = wire.Keys(b"another-token-of-enough-length")
+    t, n, a = h[wire.TIME_HEADER], h[wire.NONCE_HEADER], h[wire.AUTH_HEADER]
+    for keys, args in [(other, (ME, target, t, n, a)),
+                       (KEYS, (ME, target.replace("i=7", "i=8"), t, n, a)),
+                       (KEYS, ("10.0.0.2:9570", target, t, n, a)),  # made for another member
+                       (KEYS, (ME, target, str(int(t) + 1), n, a)),
+                       (KEYS, (ME, target, t, n[:-1] + ("0" if n[-1] != "0" else "1"), a)),
+                       (KEYS, (ME, target, None, n, a)), (KEYS, (ME, target, t, None, a)),
+                       (KEYS, (ME, target, t, n, None)), (KEYS, (ME, target, "-5", n, a)),
+                       (KEYS, (ME, target, "1e9", n, a)), (KEYS, (ME, target, t, "zz" * 16, a)),
+                       (KEYS, (ME, target, t, n, "ü"))]:
         with pytest.raises(wire.Rejected) as exc:
-            wire.verify(*args, now)
+            keys.verify(*args, now)
         assert exc.value.status == 401
-    old_target, old = signed(req, now=now - wire.CLOCK_SKEW - 5)
+    old, _ = KEYS.headers(ME, target, now - wire.CLOCK_SKEW - 5)
     with pytest.raises(wire.Rejected, match="off this node's clock"):
-        wire.verify(TOKEN, old_target, old[wire.TIME_HEADER], old[wire.AUTH_HEADER], now)
+        KEYS.verify(ME, target, old[wire.TIME_HEADER], old[wire.NONCE_HEADER], old[wire.AUTH_HEADER], now)
+
+
+def test_an_answer_is_bound_to_its_request_its_status_and_its_body():
+    now = time.time()
+    _, mac = KEYS.headers(ME, "/v2/hello", now)
+    _, other_mac = KEYS.headers(ME, "/v2/hello", now)  # the same request again: another nonce
+    body = os.urandom(70_001)
+    good = KEYS.answer_mac(mac, 200, body)
+    assert KEYS.answer_ok(mac, 200, body, good) and KEYS.answer_ok(mac, 200, bytearray(body), good)
+    flipped = bytearray(body)
+    flipped[12345] ^= 1
+    for args in [(other_mac, 200, body, good), (mac, 204, body, good), (mac, 200, bytes(flipped), good),
+                 (mac, 200, body[:-1], good), (mac, 200, body, None), (mac, 200, body, "0" * 32),
+                 (mac, 200, body, good.upper())]:
+        assert not KEYS.answer_ok(*args)
+    assert not wire.Keys(b"another-token-of-enough-length").answer_ok(mac, 200, body, good)
+
+
+def test_a_request_is_accepted_once_and_the_memory_of_nonces_is_bounded():
+    replays = wire.Replays(capacity=3)
+    now = 1_000_000.0
+    replays.admit("a" * 32, int(now), now)
+    with pytest.raises(wire.Rejected, match="replayed") as exc:
+        replays.admit("a" * 32, int(now), now + 10)
+    assert exc.value.status == 401
+    replays.admit("b" * 32, int(now), now)
+    replays.admit("c" * 32, int(now), now)
+    with pytest.raises(wire.Rejected) as exc:
+        replays.admit("d" * 32, int(now), now)
+    assert exc.value.status == 503 and len(replays) == 3
+    later = now + wire.CLOCK_SKEW + 2  # the signatures have expired: their nonces are forgotten
+    replays.admit("d" * 32, int(later), later)
+    assert len(replays) == 1
 
 
 @pytest.mark.parametrize("target,status", [
-    (b"/", 404), (b"/d/00.bin", 404), (b"/v1/block/xyz", 404), (b"/v1/block/" + b"AB" * 16, 404),
-    (b"/v1/block/" + b"ab" * 16, 400), (b"/v1/block/" + b"ab" * 16 + b"?k=a&e=b&i=0", 400),
-    (b"/v1/block/" + b"ab" * 16 + b"?k=a&e=b&i=-1&n=1", 400), (b"/v1/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=1&z=1", 400),
-    (b"/v1/block/" + b"ab" * 16 + b"?k=a&k=b&e=b&i=0&n=1", 400), (b"/v1/block/" + b"ab" * 16 + b"?k=&e=b&i=0&n=1", 400),
-    (b"/v1/block/" + b"ab" * 16 + b"?k=%00&e=b&i=0&n=1", 400), (b"/v1/block/" + b"ab" * 16 + b"?k=%ff&e=b&i=0&n=1", 400),
-    (b"/v1/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=99999999999", 400), (b"/v1/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=1&w=2", 400),
-    (b"/v1/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=1\xff", 400), (b"/v1/block/" + b"a" * 20_000, 414),
+    (b"/", 404), (b"/d/00.bin", 404), (b"/v1/block/xyz", 404), (b"/v2/block/" + b"AB" * 16, 404),
+    (b"/v2/block/" + b"ab" * 16, 400), (b"/v2/block/" + b"ab" * 16 + b"?k=a&e=b&i=0", 400),
+    (b"/v2/block/" + b"ab" * 16 + b"?k=a&e=b&i=-1&n=1", 400), (b"/v2/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=1&z=1", 400),
+    (b"/v2/block/" + b"ab" * 16 + b"?k=a&k=b&e=b&i=0&n=1", 400), (b"/v2/block/" + b"ab" * 16 + b"?k=&e=b&i=0&n=1", 400),
+    (b"/v2/block/" + b"ab" * 16 + b"?k=%00&e=b&i=0&n=1", 400), (b"/v2/block/" + b"ab" * 16 + b"?k=%ff&e=b&i=0&n=1", 400),
+    (b"/v2/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=99999999999", 400), (b"/v2/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=1&w=2", 400),
+    (b"/v2/block/" + b"ab" * 16 + b"?k=a&e=b&i=0&n=1\xff", 400), (b"/v2/block/" + b"a" * 20_000, 414),
 ])
 def test_malformed_targets_are_refused_with_a_status(target, status):
     with pytest.raises(wire.Rejected) as exc:
@@ -120,6 +156,12 @@ def test_member_addresses():
     for bad in ["", ":1", "host", "host:", "host:65536", "host:-1", "ho st:1", "[zz]:1", "a/b:1", "ü:1",
                 "host:1\n", "-host:1", "x" * 300 + ":1", "host:١٢"]:
         assert wire.split_addr(bad) is None, bad
+    for good in ["10.0.0.1:9570", "127.0.0.2:1", "[fd00::1]:9570", "[::1]:65535"]:
+        assert wire.member_addr(good) == good
+    for bad in ["gpu-17:9570", "localhost:9570", "1.2.3.4.5:99", "010.0.0.1:9570", "10.0.0.1:09570",
+                "0.0.0.0:9570", "[::]:9570", "224.0.0.1:9570", "[FD00::1]:9570", "[fd00:0::1]:9570",
+                "10.0.0.1:0", "10.0.0.1", "fd00::1:9570", "10.0.0.1:9570\n", " 10.0.0.1:9570", "١.٢.٣.٤:1"]:
+        assert wire.member_addr(bad) is None, bad
 
 
 class FakeStore:
@@ -136,26 +178,67 @@ class FakeStore:
         self.left.append(member)
 
 
-def test_the_member_list_from_the_store_is_checked():
+def test_the_member_list_from_the_store_is_checked_and_every_member_proven():
     store = FakeStore([b"10.0.0.2:9570", b"10.0.0.3:9570", b"evil\n:1", b"\xff\xfe:1", b"x" * 400, b"host:99999",
-                       b"10.0.0.4:9570"])
-    m = Membership(store, "s3://b/p/", "10.0.0.1:9570")
+                       b"gpu-7:9570", b"[fd00::9]:9570", b"10.0.0.4:9570", b"10.0.0.5:9570", b"10.0.0.1:9570"])
+    asked = []
+
+    def prove(member):
+        asked.append(member)
+        if member == "10.0.0.5:9570":
+            raise RuntimeError("HTTP 404 to a hello")
+
+    m = Membership(store, "s3://b/p/", ME, prove)
 
     async def main():
         await m.beat()
-        assert m.ring.members == ("10.0.0.1:9570", "10.0.0.2:9570", "10.0.0.3:9570", "10.0.0.4:9570")
+        assert m.ring.members == (ME,)  # nobody is asked for a block before it proved itself
+        await m.prove_due()
+        assert sorted(asked) == ["10.0.0.2:9570", "10.0.0.3:9570", "10.0.0.4:9570", "10.0.0.5:9570"]
+        assert m.ring.members == (ME, "10.0.0.2:9570", "10.0.0.3:9570", "10.0.0.4:9570")
+        assert m.down() == ("10.0.0.5:9570",)
+        asked.clear()
+        await m.prove_due()
+        assert asked == []  # the failed one waits out its backoff; the proven ones are not asked again
+        m.distrust("10.0.0.3:9570", "an answer not authenticated")
+        assert "10.0.0.3:9570" not in m.ring and m.down() == ("10.0.0.3:9570", "10.0.0.5:9570")
+        m._retry["10.0.0.3:9570"] = (0.0, m.RETRY_MIN)  # its backoff is over
+        await m.prove_due()
+        assert asked == ["10.0.0.3:9570"] and "10.0.0.3:9570" in m.ring
         store.answer = BackendUnavailable("redis is down")
         await m.beat()
         assert not m.reachable and len(m.ring) == 4  # the last list is kept
         store.answer = []
         await m.beat()
-        assert m.reachable and m.ring.members == ("10.0.0.1:9570",)  # never without itself
+        assert m.reachable and m.ring.members == (ME,) and m.down() == ()  # never without itself
         async with trio.open_nursery() as nursery:
             await nursery.start(m.run)
             nursery.cancel_scope.cancel()
-        assert store.left == ["10.0.0.1:9570"]
+        assert store.left == [ME]
 
     trio.run(main)
+
+
+def test_proofs_that_never_answer_do_not_hold_up_the_heartbeat():
+    store = FakeStore([f"10.0.1.{i}:9570".encode() for i in range(1, 101)])
+    beats = []
+    store.heartbeat = lambda *a: beats.append(1) or store.answer
+
+    def prove(member):
+        time.sleep(1.0)
+        raise TimeoutError("no answer")
+
+    m = Membership(store, "s3://b/p/", ME, prove)
+    m.HEARTBEAT = 0.1
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(m.run)
+            await trio.sleep(1.5)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(beats) >= 8 and m.ring.members == (ME,) and len(m.down()) == 100
 
 
 def test_the_token_file_must_be_private_and_long_enough(tmp_path):
@@ -175,6 +258,11 @@ def test_the_token_file_must_be_private_and_long_enough(tmp_path):
     os.symlink(path, tmp_path / "link")
     with pytest.raises(ConfigError):
         wire.load_token(tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo", 0o600)  # opened, it would wait for a writer forever
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        wire.load_token(tmp_path / "fifo")
+    assert time.monotonic() - start < 2
 
 
 def config(**kw):
@@ -190,6 +278,8 @@ def config(**kw):
     (dict(peer_listen="10.0.0.1"), "expected HOST:PORT"),
     (dict(peer_listen="10.0.0.1:9570", peer_advertise="0.0.0.0:1"), "--peer-advertise"),
     (dict(peer_listen="10.0.0.1:0", peer_advertise="10.0.0.1:1"), "port 0"),
+    (dict(peer_listen="10.0.0.1:9570", peer_advertise="gpu-7.cluster:9570"), "literal"),
+    (dict(peer_listen="gpu-7.cluster:9570"), "literal IP"),
     (dict(peer_listen="10.0.0.1:9570", peer_cache="some"), "choose all or owned"),
     (dict(peer_listen="10.0.0.1:9570", peer_timeout=0), "--peer-timeout"),
     (dict(peer_advertise="10.0.0.1:9570"), "needs --peer-listen"),

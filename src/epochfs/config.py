@@ -197,11 +197,12 @@ class Config:
         "requests on HOST:PORT (needs --meta redis://... and --peer-token-file); each block then crosses the "
         "backend link once per cluster", metavar="HOST:PORT", parse=str, example='"10.0.0.21:9570"')
     peer_advertise: str | None = option(
-        None, "cluster cache", "address other members reach this node at (default: --peer-listen; required when "
-        "that is a wildcard such as 0.0.0.0)", metavar="HOST:PORT", parse=str, example='"10.0.0.21:9570"')
+        None, "cluster cache", "literal IP address other members reach this node at (default: --peer-listen; "
+        "required when that is a wildcard such as 0.0.0.0 or a name)", metavar="IP:PORT", parse=str, example='"10.0.0.21:9570"')
     peer_token_file: Path | None = option(
         None, "cluster cache", "file holding the secret shared by the members (mode 0600; e.g. openssl rand "
-        "-hex 32): requests are signed with it", metavar="FILE", parse=Path, example='"/etc/epochfs/peer-token"')
+        "-hex 32): members prove they hold it before they are asked, and every request and answer is "
+        "authenticated with it", metavar="FILE", parse=Path, example='"/etc/epochfs/peer-token"')
     peer_cache: str = option(
         "all", "cluster cache", "'all': keep every block read here too (later epochs are local); 'owned': keep "
         "only the blocks this node owns, so the members' caches add up to one", metavar="MODE", parse=str)
@@ -298,7 +299,7 @@ class Config:
 
 
     def _check_peer(self) -> None:
-        from epochfs.peer.wire import is_wildcard, split_addr
+        from epochfs.peer.wire import is_wildcard, member_addr, split_addr
 
         if self.peer_listen is None:
             for name in ("peer_advertise", "peer_token_file"):
@@ -309,16 +310,19 @@ class Config:
         if listen is None:
             raise ConfigError(f"--peer-listen {self.peer_listen!r}: expected HOST:PORT (an address of this node)")
         if self.peer_advertise is not None:
-            advertised = split_addr(self.peer_advertise)
-            if advertised is None or is_wildcard(advertised[0]):
-                raise ConfigError(f"--peer-advertise {self.peer_advertise!r}: expected the HOST:PORT other nodes "
-                                  "reach this one at")
+            if member_addr(self.peer_advertise) is None:
+                raise ConfigError(f"--peer-advertise {self.peer_advertise!r}: expected the IP:PORT other nodes "
+                                  "reach this one at (a literal address such as 10.0.0.5:9570 or [fd00::5]:9570; "
+                                  "members never look up names)")
             if listen[1] == 0:
                 raise ConfigError("--peer-listen with port 0 picks a port at start-up: --peer-advertise cannot "
                                   "know it; give the port")
         elif is_wildcard(listen[0]):
             raise ConfigError(f"--peer-listen {self.peer_listen}: other nodes cannot reach a wildcard address; "
-                              "give --peer-advertise HOST:PORT")
+                              "give --peer-advertise IP:PORT")
+        elif member_addr(f"{listen[0]}:{listen[1] or 1}") is None:
+            raise ConfigError(f"--peer-listen {self.peer_listen}: other members reach this node at a literal IP "
+                              "address (members never look up names): give one, or --peer-advertise IP:PORT")
         if not (self.meta or "").startswith(("redis://", "rediss://")):
             raise ConfigError("--peer-listen needs a shared store: --meta redis://HOST:PORT/DB (the members "
                               "find each other there)")

@@ -42,7 +42,7 @@ from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerTier
-from epochfs.peer.wire import load_token, split_addr
+from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack
@@ -237,13 +237,15 @@ class Daemon:
         config = self.config
         assert config.peer_listen is not None and config.peer_token_file is not None
         try:
-            token = load_token(config.peer_token_file)
+            keys = Keys(load_token(config.peer_token_file))
             host, port = split_addr(config.peer_listen, any_port=True) or ("", 0)
+            client = PeerClient(keys, config.peer_timeout)
             members = Membership(self.snapshots.store, self.backend.source_id,
-                                 config.peer_advertise or config.peer_listen)
-            self.peer = PeerTier(self.backend, members, PeerClient(token, config.peer_timeout),
-                                 mode=config.peer_cache, namespace=lambda: self.snapshots.namespace)
-            self.peer_server = self.peer.server = PeerServer(host, port, token, self.peer.serve)
+                                 config.peer_advertise or config.peer_listen,
+                                 prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)))
+            self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache,
+                                 namespace=lambda: self.snapshots.namespace)
+            self.peer_server = self.peer.server = PeerServer(host, port, keys, lambda: members.me, self.peer.serve)
         except BaseException:
             self.close()
             raise

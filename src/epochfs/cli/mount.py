@@ -51,13 +51,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def setup_logging(config: Config) -> None:
     from epochfs.private import PrivateLogFile
+    from epochfs.text import SafeFormatter
 
     handler: logging.Handler
     if config.log_file is not None:
         handler = PrivateLogFile(config.log_file, maxBytes=32 << 20, backupCount=3)
     else:
         handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if config.debug else logging.INFO)

@@ -11,6 +11,7 @@ from pathlib import Path
 from epochfs.cli.common import EPILOG, human
 from epochfs.config import Source
 from epochfs.errors import ConfigError
+from epochfs.text import printable
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -153,7 +154,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
                   f"{args.timeout:g}s; they are kept and uploaded as the backend allows:", file=sys.stderr)
             for item in reply["pending"]:
                 size = f" {human(item['bytes'])}" if item["bytes"] else ""
-                print(f"  {item['key']}{size} ({item['state']})", file=sys.stderr)
+                print(f"  {printable(str(item['key']))}{size} ({printable(str(item['state']))})", file=sys.stderr)
             if reply["pending_total"] > len(reply["pending"]):
                 print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)
             return 1

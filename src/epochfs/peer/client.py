@@ -1,9 +1,11 @@
-"""Asking an owner for a block (blocking; called from the cache's fetch worker threads).
+"""Asking an owner for a block (blocking; called from the cache's fetch worker threads and the
+membership's proofs).
 
 libcurl (pycurl), one handle per thread, connections kept alive per peer. The whole request is bounded
 by the tier's timeout, the connection by ``CONNECT_TIMEOUT`` (a refused connection fails at once). An
-answer is used only if it is complete and checks out: status 200, exactly the block's length, and the
-XXH3-128 checksum the owner computed over the bytes it sent.
+answer is used only if it is complete and authenticated: its MAC (made with the cluster's token, bound
+to this request) fits the status and the body, and a block is exactly the block's length. Anything
+else is a :class:`PeerFailure` and nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pycurl
 
 from epochfs.curlio import Answer, new_handle
 from epochfs.peer import wire
+from epochfs.text import printable
 
 
 class PeerFailure(Exception):
@@ -31,8 +34,8 @@ class PeerFailure(Exception):
 class PeerClient:
     CONNECT_TIMEOUT = 0.5
 
-    def __init__(self, token: bytes, timeout: float) -> None:
-        self.token = token
+    def __init__(self, keys: wire.Keys, timeout: float) -> None:
+        self.keys = keys
         self.timeout = timeout
         self._local = threading.local()
 
@@ -46,12 +49,36 @@ class PeerClient:
 
     def get(self, member: str, req: wire.BlockRequest) -> bytes | None:
         """The block's bytes (None for a warm request, once the owner has it); :class:`PeerFailure`."""
-        target = req.target()
-        answer = Answer(max(req.length, 4096))
+        status, data = self._ask(member, req.target(), max(req.length, 4096), self.timeout)
+        if req.warm and status == 204:
+            return None
+        if status != 200:
+            reason = bytes(data[:200]).decode("utf-8", "replace")
+            raise PeerFailure("declined", f"{member}: HTTP {status} {printable(reason)}".strip(), status)
+        if len(data) != req.length:
+            raise PeerFailure("bad", f"{member}: {len(data)} bytes for a block of {req.length}")
+        return bytes(data)
+
+    def hello(self, member: str, timeout: float) -> None:
+        """Have ``member`` prove that it holds the cluster's token; :class:`PeerFailure` if it does not."""
+        status, _ = self._ask(member, wire.HELLO, 4096, timeout)
+        if status != 204:
+            raise PeerFailure("declined", f"{member}: HTTP {status} to a hello", status)
+
+    def _ask(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
+        try:
+            return self._exchange(member, target, limit, timeout)
+        except PeerFailure:
+            self._local.curl = None  # its connection may hold the rest of a bad answer: start afresh
+            raise
+
+    def _exchange(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
+        headers, mac = self.keys.headers(member, target, time.time())
+        answer = Answer(limit)
         curl = self._curl()
         curl.setopt(pycurl.URL, f"http://{member}{target}")
-        curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in wire.headers(self.token, target, time.time()).items()])
-        curl.setopt(pycurl.TIMEOUT_MS, max(1, int(self.timeout * 1000)))
+        curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in headers.items()])
+        curl.setopt(pycurl.TIMEOUT_MS, max(1, int(timeout * 1000)))
         answer.attach(curl)
         try:
             curl.perform()
@@ -61,14 +88,8 @@ class PeerClient:
             message = exc.args[1] if len(exc.args) > 1 else str(exc)
             raise PeerFailure("unavailable", f"{member}: {message}") from None
         status = curl.getinfo(pycurl.RESPONSE_CODE)
-        if req.warm and status == 204:
-            return None
-        if status != 200:
-            reason = bytes(answer.body[:200]).decode("utf-8", "replace")
-            raise PeerFailure("declined", f"{member}: HTTP {status} {reason}".strip(), status)
-        data = bytes(answer.body)
-        if len(data) != req.length:
-            raise PeerFailure("bad", f"{member}: {len(data)} bytes for a block of {req.length}")
-        if answer.headers.get(wire.SUM_HEADER) != wire.checksum(data):
-            raise PeerFailure("bad", f"{member}: the block's checksum does not match")
-        return data
+        if not self.keys.answer_ok(mac, status, answer.body, answer.headers.get(wire.ANSWER_HEADER)):
+            hint = " (does it have another --peer-token-file?)" if status == 401 else ""
+            raise PeerFailure("bad", f"{member}: an answer (HTTP {status}) not authenticated with the "
+                                     f"cluster's token{hint}", status)
+        return status, answer.body

@@ -2,45 +2,71 @@
 
 Each member renews itself in a sorted set every ``HEARTBEAT`` seconds, with an expiry ``TTL`` seconds
 ahead by the store's clock; a member that stops renewing (killed, partitioned) drops out of every node's
-view within ``TTL`` plus one heartbeat. Concurrency contract: :meth:`Membership.run` is a trio task; the
-Redis calls run in a worker thread; :attr:`Membership.ring` is replaced whole (readers in worker threads
-see the old ring or the new one).
+view within ``TTL`` plus one heartbeat.
 
-What the store returns is validated here: a member that is not ``HOST:PORT`` is ignored (and logged
-once), at most ``MAX_MEMBERS`` are taken.
+Anyone who can write to the store can add an entry, so an entry is only a candidate. It must be a
+literal IP address and port of this node's address family (nothing is resolved by name), and it must
+prove that it holds the cluster's token (a hello whose answer is authenticated, bound to a fresh
+request for that address) before it is asked for a block. A candidate that fails its proof is tried
+again after a backoff (``RETRY_MIN`` doubling to ``RETRY_MAX``); a member whose answers fail later (no
+answer, an unauthenticated one, errors) is distrusted at once (:meth:`Membership.distrust`) and must
+prove itself again. The ring holds this node and the proven members only.
+
+Concurrency contract: :meth:`Membership.run` is a trio task (heartbeats and proofs); the Redis calls and
+the proofs run in worker threads; :meth:`distrust` may be called from any thread; :attr:`ring` is
+replaced whole under a lock (readers in worker threads see the old ring or the new one).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
 
 from epochfs.errors import BackendUnavailable
 from epochfs.peer.ring import Ring
-from epochfs.peer.wire import split_addr
+from epochfs.peer.wire import member_addr, same_family
+from epochfs.text import printable
 
 log = logging.getLogger(__name__)
 
 MAX_MEMBERS = 10_000
+
+
 class MemberStore(Protocol):
     def heartbeat(self, source: str, member: str, ttl: float, limit: int) -> list[bytes]: ...
 
     def leave(self, source: str, member: str) -> None: ...
 
 
+Prove = Callable[[str], None]  # raises (with the reason) unless the member proved it holds the token
+
+
 class Membership:
     HEARTBEAT = 2.0
     TTL = 6.0
+    RETRY_MIN, RETRY_MAX = 5.0, 300.0  # backoff of a candidate that failed its proof
+    PROOFS_AT_ONCE = 16
+    PROOF_INTERVAL = 0.5  # how often the prover looks for candidates due
 
-    def __init__(self, store: MemberStore, source: str, me: str) -> None:
+    def __init__(self, store: MemberStore, source: str, me: str, prove: Prove) -> None:
         self.store = store
         self.source = source
         self.me = me
+        self.prove = prove
         self.ring = Ring([me])
         self.reachable = True
+        self._lock = threading.Lock()
+        self._listed: frozenset[str] = frozenset()  # valid candidates in the store's list, not this node
+        self._proven: set[str] = set()
+        self._retry: dict[str, tuple[float, float]] = {}  # member -> (not before (monotonic), backoff)
+        self._proving: set[str] = set()
         self._ignored: set[bytes] = set()
+        self._wake = trio.Event()
 
     def rename(self, me: str) -> None:
         """This member's address, once it is known (a port the system picked); before :meth:`run`."""
@@ -49,16 +75,19 @@ class Membership:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.beat()
-        task_status.started()
         try:
-            while True:
-                await trio.sleep(self.HEARTBEAT)
-                await self.beat()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._prover)
+                task_status.started()
+                while True:
+                    await trio.sleep(self.HEARTBEAT)
+                    await self.beat()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await trio.to_thread.run_sync(self._leave, abandon_on_cancel=True)
 
     async def beat(self) -> None:
+        """Renew this node's entry and take the store's list of candidates."""
         try:
             raw = await trio.to_thread.run_sync(self.store.heartbeat, self.source, self.me, self.TTL, MAX_MEMBERS)
         except BackendUnavailable as exc:
@@ -69,12 +98,78 @@ class Membership:
         if not self.reachable:
             log.info("peer membership: the store answers again")
         self.reachable = True
-        members = {self.me}
-        for item in raw:
-            member = self._checked(item)
-            if member is not None:
-                members.add(member)
-        ring = Ring(members)
+        listed = frozenset(m for m in map(self._checked, raw) if m is not None and m != self.me)
+        with self._lock:
+            self._listed = listed
+            self._proven &= listed
+            for member in [m for m in self._retry if m not in listed]:
+                del self._retry[member]
+            self._rebuild()
+        self._wake.set()
+
+    async def _prover(self) -> None:
+        while True:
+            self._wake = trio.Event()
+            await self.prove_due()
+            with trio.move_on_after(self.PROOF_INTERVAL):
+                await self._wake.wait()
+
+    async def prove_due(self) -> None:
+        """Ask every candidate that is due for its proof (at most ``PROOFS_AT_ONCE`` at a time); returns
+        when they have answered or timed out."""
+        now = time.monotonic()
+        with self._lock:
+            due = [m for m in self._listed if m not in self._proven and m not in self._proving
+                   and self._retry.get(m, (0.0, 0.0))[0] <= now]
+            self._proving.update(due)
+        if not due:
+            return
+        limiter = trio.CapacityLimiter(self.PROOFS_AT_ONCE)
+        async with trio.open_nursery() as nursery:
+            for member in due:
+                nursery.start_soon(self._prove, member, limiter)
+
+    async def _prove(self, member: str, limiter: trio.CapacityLimiter) -> None:
+        try:
+            await trio.to_thread.run_sync(self.prove, member, limiter=limiter, abandon_on_cancel=True)
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed proof
+            self._failed(member, str(exc))
+        else:
+            with self._lock:
+                if member in self._listed:
+                    self._proven.add(member)
+                    self._retry.pop(member, None)
+                    self._rebuild()
+        finally:
+            self._proving.discard(member)
+
+    def _failed(self, member: str, why: str) -> None:
+        with self._lock:
+            _, backoff = self._retry.get(member, (0.0, 0.0))
+            backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * backoff))
+            self._retry[member] = (time.monotonic() + backoff, backoff)
+            first = backoff == self.RETRY_MIN
+        if first:
+            log.warning("peer %s not trusted, asked again in %.0fs: %s", member, backoff, printable(why))
+
+    def distrust(self, member: str, why: str) -> None:
+        """``member`` answered wrongly or not at all: out of the ring until it proves itself again."""
+        with self._lock:
+            if member not in self._proven:
+                return
+            self._proven.discard(member)
+            self._retry[member] = (time.monotonic() + self.RETRY_MIN, self.RETRY_MIN)
+            self._rebuild()
+        log.warning("peer %s bypassed, asked to prove itself again in %.0fs: %s", member, self.RETRY_MIN,
+                    printable(why))
+
+    def down(self) -> tuple[str, ...]:
+        """Listed members that are not (or no longer) trusted: bypassed."""
+        with self._lock:
+            return tuple(sorted(self._listed - self._proven))
+
+    def _rebuild(self) -> None:  # (under the lock)
+        ring = Ring({self.me, *self._proven})
         if ring != self.ring:
             joined, left = set(ring.members) - set(self.ring.members), set(self.ring.members) - set(ring.members)
             log.info("peer members: %d (%s)", len(ring), ", ".join(
@@ -83,15 +178,16 @@ class Membership:
 
     def _checked(self, item: object) -> str | None:
         text = None
-        if isinstance(item, bytes) and len(item) <= 300:
+        if isinstance(item, bytes) and len(item) <= 64:
             try:
-                text = item.decode("ascii")
+                text = member_addr(item.decode("ascii"))
             except UnicodeDecodeError:
                 pass
-        if text is None or split_addr(text) is None:
+        if text is None or not same_family(text, self.me):
             if isinstance(item, bytes) and item not in self._ignored and len(self._ignored) < 1000:
                 self._ignored.add(item)
-                log.warning("peer membership: ignoring %r in the member list (not HOST:PORT)", item[:80])
+                log.warning("peer membership: ignoring %r in the member list (not a literal IP:PORT of this "
+                            "node's address family)", item[:80])
             return None
         return text
 

@@ -1,10 +1,14 @@
 """The peer port: answers other members' block requests (HTTP/1.1 over TCP, parsed by h11).
 
-Concurrency contract: one trio task per connection, at most ``MAX_CONNECTIONS`` at once (more are closed
-at once); a connection that sends nothing for ``IDLE`` seconds, or takes longer than ``REQUEST_TIMEOUT``
-to send its request, is closed; an answer that cannot be sent within ``SEND_TIMEOUT`` closes the
-connection. Nothing a client sends can end the server: every request is checked by
-:mod:`epochfs.peer.wire` (signature first), anything else is answered with an error status or a close.
+Concurrency contract: one trio task per connection, at most ``MAX_CONNECTIONS`` at once. A connection
+earns its slot with its first request: until a request of it has been authenticated it has
+``REQUEST_TIMEOUT`` seconds to send one, and when the slots are full a new connection closes the oldest
+of those that have not (so connections without the token cannot hold the port shut); a request that
+fails authentication is answered and its connection closed. An authenticated connection that sends
+nothing for ``IDLE`` seconds is closed; an answer that cannot be sent within ``SEND_TIMEOUT`` closes
+the connection. Nothing a client sends can end the server: every request is checked by
+:mod:`epochfs.peer.wire` (signature and freshness first), anything else is answered with an error
+status or a close. Every answer to an authenticated request carries its answer MAC.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import h11
 import trio
@@ -33,17 +37,27 @@ class ServerStats:
     connections: int = 0
 
 
+@dataclass(eq=False)
+class _Slot:
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    trusted: bool = False  # has sent an authenticated request
+
+
 class PeerServer:
     MAX_CONNECTIONS = 128
     IDLE = 60.0
-    REQUEST_TIMEOUT = 10.0
+    REQUEST_TIMEOUT = 5.0
     SEND_TIMEOUT = 30.0
+    MAC_IN_THREAD = 256 << 10  # bodies from this size have their MAC computed in a worker thread
 
-    def __init__(self, host: str, port: int, token: bytes, serve: Serve) -> None:
+    def __init__(self, host: str, port: int, keys: wire.Keys, me: Callable[[], str], serve: Serve) -> None:
         self.host, self.port = host, port
-        self.token = token
+        self.keys = keys
+        self.me = me  # this member's address as the member list has it: requests must be made for it
         self.serve = serve
         self.stats = ServerStats()
+        self.replays = wire.Replays()
+        self._slots: dict[_Slot, None] = {}  # insertion order: the oldest first
         self._listeners: list[trio.SocketListener] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -67,31 +81,45 @@ class PeerServer:
                     log.warning("peer port: accept failed: %s", exc)
                     await trio.sleep(0.5)
                     continue
-                if self.stats.connections >= self.MAX_CONNECTIONS:
-                    await stream.aclose()
+                if len(self._slots) >= self.MAX_CONNECTIONS and not self._evict_untrusted():
+                    await stream.aclose()  # every slot holds an authenticated connection
                     continue
-                nursery.start_soon(self._connection, stream)
+                slot = _Slot()
+                self._slots[slot] = None
+                nursery.start_soon(self._connection, stream, slot)
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    def _evict_untrusted(self) -> bool:
+        """Close the oldest connection that has not authenticated a request; whether there was one."""
+        for slot in self._slots:
+            if not slot.trusted:
+                del self._slots[slot]
+                slot.scope.cancel()
+                return True
+        return False
+
+    async def _connection(self, stream: trio.SocketStream, slot: _Slot) -> None:
         self.stats.connections += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=wire.MAX_TARGET + 8192)
         try:
-            while True:
-                with trio.move_on_after(self.IDLE) as idle:
-                    request = await self._next(conn, stream)
-                if idle.cancelled_caught or not isinstance(request, h11.Request):
-                    return  # idle, or closed
-                with trio.move_on_after(self.REQUEST_TIMEOUT) as late:
-                    end = await self._next(conn, stream)
-                if late.cancelled_caught:
-                    return
-                if not isinstance(end, h11.EndOfMessage):
-                    raise h11.RemoteProtocolError("a block request has no body", 400)
-                with trio.move_on_after(self.SEND_TIMEOUT) as slow:
-                    await self._answer(conn, stream, request)
-                if slow.cancelled_caught or h11.MUST_CLOSE in (conn.our_state, conn.their_state):
-                    return
-                conn.start_next_cycle()
+            with slot.scope:
+                while True:
+                    with trio.move_on_after(self.IDLE if slot.trusted else self.REQUEST_TIMEOUT) as idle:
+                        request = await self._next(conn, stream)
+                    if idle.cancelled_caught or not isinstance(request, h11.Request):
+                        return  # idle, or closed
+                    with trio.move_on_after(self.REQUEST_TIMEOUT) as late:
+                        end = await self._next(conn, stream)
+                    if late.cancelled_caught:
+                        return
+                    if not isinstance(end, h11.EndOfMessage):
+                        raise h11.RemoteProtocolError("a block request has no body", 400)
+                    with trio.move_on_after(self.SEND_TIMEOUT) as slow:
+                        trusted = await self._answer(conn, stream, request)
+                    if (not trusted or slow.cancelled_caught
+                            or h11.MUST_CLOSE in (conn.our_state, conn.their_state)):
+                        return
+                    slot.trusted = True
+                    conn.start_next_cycle()
         except h11.RemoteProtocolError as exc:
             self.stats.rejected += 1
             await self._try_error(conn, stream, exc.error_status_hint, str(exc))
@@ -99,6 +127,7 @@ class PeerServer:
             pass
         finally:
             self.stats.connections -= 1
+            self._slots.pop(slot, None)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -110,33 +139,50 @@ class PeerServer:
                 return event
             conn.receive_data(await stream.receive_some(65536))
 
-    async def _answer(self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request) -> None:
+    async def _answer(self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request) -> bool:
+        """Answer one request; whether it was authenticated (a connection that sent one that was not
+        is closed after the answer)."""
+        target = request.target.decode("latin-1")
+        try:
+            fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+            now = time.time()
+            mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
+                                                fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
+            self.replays.admit(nonce, sent, now)
+        except wire.Rejected as exc:
+            self.stats.rejected += 1
+            await self._send(conn, stream, exc.status, str(exc).encode(), None)
+            return False
+        status, body, hello = 204, b"", target == wire.HELLO
         try:
             if request.method != b"GET":
                 raise wire.Rejected(405, "only GET")
-            fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
-            wire.verify(self.token, request.target.decode("latin-1"), fields.get(wire.TIME_HEADER),
-                        fields.get(wire.AUTH_HEADER), time.time())
-            data = await self.serve(wire.parse_target(request.target))
+            if not hello:
+                data = await self.serve(wire.parse_target(request.target))
+                status, body = (204, b"") if data is None else (200, data)
         except wire.Rejected as exc:
             self.stats.rejected += 1
-            await self._send(conn, stream, exc.status, str(exc).encode(), [])
-            return
+            status, body = exc.status, str(exc).encode()
         except Exception:  # a bug must not end the port: answer 500, keep serving
             log.exception("peer port: serving %r failed", request.target[:200])
             self.stats.rejected += 1
-            await self._send(conn, stream, 500, b"internal error", [])
-            return
-        self.stats.served += 1
-        if data is None:  # a warm request: the block is here now
-            await self._send(conn, stream, 204, b"", [])
-            return
-        self.stats.served_bytes += len(data)
-        await self._send(conn, stream, 200, data, [(wire.SUM_HEADER, wire.checksum(data))])
+            status, body = 500, b"internal error"
+        else:
+            if not hello:
+                self.stats.served += 1
+                self.stats.served_bytes += len(body)
+        if len(body) >= self.MAC_IN_THREAD:
+            answer = await trio.to_thread.run_sync(self.keys.answer_mac, mac, status, body)
+        else:
+            answer = self.keys.answer_mac(mac, status, body)
+        await self._send(conn, stream, status, body, answer)
+        return True
 
     async def _send(self, conn: h11.Connection, stream: trio.SocketStream, status: int, body: bytes,
-                    extra: list[tuple[str, str]]) -> None:
-        headers = [("content-length", str(len(body))), ("content-type", "application/octet-stream"), *extra]
+                    answer_mac: str | None) -> None:
+        headers = [("content-length", str(len(body))), ("content-type", "application/octet-stream")]
+        if answer_mac is not None:
+            headers.append((wire.ANSWER_HEADER, answer_mac))
         await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
         if body:
             for chunk in conn.send_with_data_passthrough(h11.Data(data=body)):
@@ -148,7 +194,7 @@ class PeerServer:
             return
         with trio.move_on_after(2):
             try:
-                await self._send(conn, stream, status, reason.encode()[:200], [])
+                await self._send(conn, stream, status, reason.encode()[:200], None)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.LocalProtocolError):
                 pass
 

@@ -1,13 +1,15 @@
 """The cluster cache tier: the block source the cache fetches through, and the answers to other members.
 
 **Fetching** (worker threads, one per block fetch). The owner of a block is its rendezvous choice among
-the live members not marked down. If that is this node (or it is alone), the block comes from the
-backend. Otherwise the owner is asked; it serves the block from its cache or fetches it from the backend
-once (its own single flight serves every member asking at the same time). If the owner cannot be
-reached, times out or answers something that does not check out, it is marked down for ``DOWN_FOR``
-seconds (its blocks go to their next choice meanwhile) and this block comes from the backend at once.
-An owner that answers with an error (it does not have the object in its snapshot, its backend failed)
-is not marked down; the block comes from the backend.
+the members that proved they hold the cluster's token (:mod:`.members`). If that is this node (or it is
+alone), the block comes from the backend. Otherwise the owner is asked; it serves the block from its
+cache or fetches it from the backend once (its own single flight serves every member asking at the
+same time). Only an authenticated answer (:mod:`.wire`) of exactly the block's length is used. If the
+owner cannot be reached, times out, answers something unauthenticated or fails (a 5xx, a refusal),
+it is distrusted: out of the ring until it proves itself again (its blocks go to their next choice
+meanwhile), and this block comes from the backend at once. An owner that says it does not have this
+object version (404, 409, 412) keeps its place unless it says so ``DECLINES_IN_A_ROW`` times in a row;
+the block comes from the backend.
 
 **Keeping.** With ``mode="all"`` a node caches every block it reads, so later epochs are local. With
 ``mode="owned"`` it caches only the blocks it owns, and the members' caches add up to one cache; blocks
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ class PeerCache(Protocol):
 
 
 class PeerTier:
-    DOWN_FOR = 10.0
+    DECLINES_IN_A_ROW = 8
+    OBJECT_STATUSES = (404, 409, 412)  # "not this object version here": no fault of the member
 
     def __init__(self, backend: Backend, members: Membership, client: PeerClient, *, mode: str,
                  namespace: Callable[[], Namespace]) -> None:
@@ -85,23 +87,15 @@ class PeerTier:
         self.cache: PeerCache | None = None  # set by the composition root once the cache exists
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._down: dict[str, float] = {}
+        self._declines: Counter[str] = Counter()
         self._outcomes: Counter[str] = Counter()
         self._bytes_in = 0
 
     # -- the block source (worker threads) ---------------------------------------------------------------
 
-    def _excluded(self) -> frozenset[str]:
-        now = time.monotonic()
-        with self._lock:
-            for member in [m for m, until in self._down.items() if until <= now]:
-                del self._down[member]
-                log.info("peer %s: trying it again", member)
-            return frozenset(self._down)
-
     def owner(self, bid: bytes) -> str | None:
         ring = self.members.ring
-        return ring.owner(bid, self._excluded()) if len(ring) > 1 else None
+        return ring.owner(bid) if len(ring) > 1 else None
 
     def keeps(self, bid: bytes) -> bool:
         """Whether this node caches ``bid`` (always, unless ``owned`` and another member owns it)."""
@@ -123,21 +117,24 @@ class PeerTier:
             else:
                 with self._lock:
                     self._outcomes["ok"] += 1
+                    self._declines.pop(owner, None)
                     self._bytes_in += len(data) if data else 0
                 return data, True
         return self.backend.read_range(obj.key, obj.etag, start, length), False
 
     def _failed(self, owner: str, exc: PeerFailure) -> None:
-        down = exc.kind in ("unavailable", "bad") or exc.status == 401
         with self._lock:
             self._outcomes[exc.kind] += 1
-            was_down = owner in self._down
-            if down:
-                self._down[owner] = time.monotonic() + self.DOWN_FOR
-        if down and not was_down:
-            log.warning("peer %s bypassed for %.0fs: %s%s", owner, self.DOWN_FOR, exc,
-                        " (is --peer-token-file the same on every node?)" if exc.status == 401 else "")
-        elif not down:
+            if exc.kind == "declined" and exc.status in self.OBJECT_STATUSES:
+                self._declines[owner] += 1
+                distrust = self._declines[owner] >= self.DECLINES_IN_A_ROW
+            else:
+                distrust = True
+            if distrust:
+                self._declines.pop(owner, None)
+        if distrust:
+            self.members.distrust(owner, str(exc))
+        else:
             log.debug("peer %s: %s; reading from the backend", owner, exc)
 
     # -- answering other members (trio thread) -----------------------------------------------------------
@@ -167,11 +164,10 @@ class PeerTier:
         served = self.server.stats if self.server else None
         with self._lock:
             outcomes = {**dict.fromkeys(OUTCOMES, 0), **self._outcomes}
-            down = tuple(sorted(self._down))
             bytes_in = self._bytes_in
         if served is not None:
             outcomes["served"] = served.served
             outcomes["rejected"] = served.rejected
-        return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=down,
+        return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=self.members.down(),
                          store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
                          bytes_out=served.served_bytes if served else 0)

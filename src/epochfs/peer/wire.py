@@ -1,18 +1,30 @@
-"""The peer protocol, pure: HTTP/1.1 requests for one block by id, signed with the cluster's shared
-token, and the checks both ends make.
+"""The peer protocol, pure: HTTP/1.1 requests for one block by id, authenticated both ways with the
+cluster's shared token, and the checks both ends make.
 
-Request: ``GET /v1/block/<block id hex>?k=<key>&e=<etag>&i=<index>&n=<length>[&w=1]`` with headers
-``X-Epochfs-Time`` (Unix seconds) and ``X-Epochfs-Auth`` (HMAC-SHA256 of ``"<time>\\n<target>"`` under the
-token, hex): the token itself never crosses the network, and a signature is good for
-``CLOCK_SKEW`` seconds. The owner answers ``200`` with the block's bytes and ``X-Epochfs-Checksum``
-(XXH3-128 of the body, hex), or ``204`` to a warm request (``w=1``: make sure you have it, send nothing),
-or an error status with a one-line reason. The key, ETag and index let the owner fetch a block it does
-not have; it serves only objects of its own snapshot, and only if the block id it derives from them is
-the one asked for: the port hands out blocks of the dataset by id, never paths or listings.
+Keys: the token never crosses the network; a 32-byte key is derived from it (BLAKE3 ``derive_key``) and
+every MAC below is keyed BLAKE3 over length-prefixed fields.
+
+Request: ``GET /v2/block/<block id hex>?k=<key>&e=<etag>&i=<index>&n=<length>[&w=1]`` (or
+``GET /v2/hello``, the proof a member gives before it is asked for anything) with headers
+``X-Epochfs-Time`` (Unix seconds), ``X-Epochfs-Nonce`` (16 random bytes, hex) and ``X-Epochfs-Auth``
+(the request MAC over ``to``, time, nonce and target). ``to`` is the member address the request is sent
+to, as the member list has it: a request is good only at the member it was made for, only within
+``CLOCK_SKEW`` seconds of its time, and only once (the owner remembers the nonces it has seen).
+
+Answer: ``200`` with the block's bytes, ``204`` to a warm request (``w=1``: make sure you have it, send
+nothing) or to a hello, or an error status with a one-line reason; every answer carries
+``X-Epochfs-Answer``, the answer MAC over the request's MAC, the status and the body. Only a member that
+holds the token can make it, and only for that request: a recorded answer does not fit another request,
+and a body changed on the way does not fit its MAC. Nothing that fails these checks is used.
+
+The key, ETag and index let the owner fetch a block it does not have; it serves only objects of its own
+snapshot, and only if the block id it derives from them is the one asked for: the port hands out blocks
+of the dataset by id, never paths or listings.
 """
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import ipaddress
 import os
@@ -20,22 +32,25 @@ import re
 import stat
 import urllib.parse
 from dataclasses import dataclass
-from hashlib import sha256
 from pathlib import Path
 
-import xxhash
+import blake3
 
 from epochfs.errors import ConfigError
 from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE
 
-PREFIX = "/v1/block/"
+PREFIX = "/v2/block/"
+HELLO = "/v2/hello"
 CLOCK_SKEW = 300  # seconds a signature stays good (the nodes' clocks must agree this well)
 MAX_TARGET = 16 << 10  # longest request target accepted (a 4096-byte key, percent-encoded)
 MAX_BLOCK = 1 << 30
-TIME_HEADER, AUTH_HEADER, SUM_HEADER = "x-epochfs-time", "x-epochfs-auth", "x-epochfs-checksum"
+TIME_HEADER, NONCE_HEADER, AUTH_HEADER = "x-epochfs-time", "x-epochfs-nonce", "x-epochfs-auth"
+ANSWER_HEADER = "x-epochfs-answer"
 MIN_TOKEN, MAX_TOKEN = 16, 4096
+_KEY_CONTEXT = "epochfs 2026-12-01 peer protocol v2 MAC key"
 _HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # (fullmatch)
                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+_HEX = frozenset("0123456789abcdef")
 
 
 class Rejected(Exception):
@@ -61,25 +76,90 @@ class BlockRequest:
         return f"{PREFIX}{self.bid.hex()}?{query}"
 
 
-def sign(token: bytes, target: str, now: int) -> str:
-    return hmac.new(token, f"{now}\n{target}".encode(), sha256).hexdigest()
+def _field(mac: blake3.blake3, data: bytes) -> None:
+    mac.update(len(data).to_bytes(8, "little"))
+    mac.update(data)
 
 
-def headers(token: bytes, target: str, now: float) -> dict[str, str]:
-    t = int(now)
-    return {TIME_HEADER: str(t), AUTH_HEADER: sign(token, target, t)}
+class Keys:
+    """The MACs of one cluster token. Immutable; safe to share between threads."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, token: bytes) -> None:
+        self._key = blake3.blake3(token, derive_key_context=_KEY_CONTEXT).digest()
+
+    def _mac(self, kind: bytes, *fields: bytes) -> blake3.blake3:
+        mac = blake3.blake3(key=self._key, max_threads=1)
+        _field(mac, kind)
+        for data in fields:
+            _field(mac, data)
+        return mac
+
+    def request_mac(self, to: str, sent: int, nonce: str, target: str) -> str:
+        return self._mac(b"request", to.encode(), str(sent).encode(), nonce.encode(), target.encode()).hexdigest(16)
+
+    def answer_mac(self, request_mac: str, status: int, body: bytes | bytearray | memoryview) -> str:
+        mac = self._mac(b"answer", request_mac.encode(), str(status).encode())
+        mac.update(len(body).to_bytes(8, "little"))
+        mac.update(body)  # (releases the GIL for large bodies)
+        return mac.hexdigest(16)
+
+    def headers(self, to: str, target: str, now: float) -> tuple[dict[str, str], str]:
+        """The headers of a request to member ``to`` and its MAC (which its answer must be bound to)."""
+        sent, nonce = int(now), os.urandom(16).hex()
+        auth = self.request_mac(to, sent, nonce, target)
+        return {TIME_HEADER: str(sent), NONCE_HEADER: nonce, AUTH_HEADER: auth}, auth
+
+    def verify(self, to: str, target: str, sent_time: str | None, nonce: str | None, sent_auth: str | None,
+               now: float) -> tuple[str, str, int]:
+        """(MAC, nonce, time) of a request made for member ``to`` with these keys within the skew;
+        :class:`Rejected` (401) otherwise. Whether the nonce is fresh is the caller's (:class:`Replays`)."""
+        if sent_time is None or nonce is None or sent_auth is None:
+            raise Rejected(401, "unsigned request")
+        if not (sent_time.isascii() and sent_time.isdigit() and len(sent_time) <= 12):
+            raise Rejected(401, "malformed time")
+        if len(nonce) != 32 or not _HEX.issuperset(nonce):
+            raise Rejected(401, "malformed nonce")
+        sent = int(sent_time)
+        if abs(sent - now) > CLOCK_SKEW:
+            raise Rejected(401, f"signature time is more than {CLOCK_SKEW}s off this node's clock")
+        expected = self.request_mac(to, sent, nonce, target)
+        if not hmac_equal(expected, sent_auth):
+            raise Rejected(401, "bad signature (another token, or a request made for another member)")
+        return expected, nonce, sent
+
+    def answer_ok(self, request_mac: str, status: int, body: bytes | bytearray | memoryview,
+                  sent_mac: str | None) -> bool:
+        return sent_mac is not None and hmac_equal(self.answer_mac(request_mac, status, body), sent_mac)
 
 
-def verify(token: bytes, target: str, sent_time: str | None, sent_auth: str | None, now: float) -> None:
-    """Raise :class:`Rejected` (401) unless the request was signed with ``token`` within the skew."""
-    if sent_time is None or sent_auth is None:
-        raise Rejected(401, "unsigned request")
-    if not (sent_time.isascii() and sent_time.isdigit() and len(sent_time) <= 12):
-        raise Rejected(401, "malformed time")
-    if abs(int(sent_time) - now) > CLOCK_SKEW:
-        raise Rejected(401, f"signature time is more than {CLOCK_SKEW}s off this node's clock")
-    if not hmac.compare_digest(sign(token, target, int(sent_time)).encode(), sent_auth.encode("ascii", "replace")):
-        raise Rejected(401, "bad signature")
+def hmac_equal(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode("ascii", "replace"), b.encode("ascii", "replace"))
+
+
+class Replays:
+    """The nonces of the requests an owner accepted, kept until their signatures expire: a request
+    seen once is refused again. Bounded: past ``capacity`` live nonces new requests are refused (503)
+    until old ones expire. Not thread-safe (the peer port's trio thread owns it)."""
+
+    def __init__(self, capacity: int = 500_000) -> None:
+        self.capacity = capacity
+        self._seen: set[str] = set()
+        self._expiry: list[tuple[int, str]] = []
+
+    def admit(self, nonce: str, sent: int, now: float) -> None:
+        while self._expiry and self._expiry[0][0] < now:
+            self._seen.discard(heapq.heappop(self._expiry)[1])
+        if nonce in self._seen:
+            raise Rejected(401, "a request already seen (replayed)")
+        if len(self._seen) >= self.capacity:
+            raise Rejected(503, "too many requests inside the signature window; try again")
+        self._seen.add(nonce)
+        heapq.heappush(self._expiry, (sent + CLOCK_SKEW + 1, nonce))
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 def _int(query: dict[str, list[str]], name: str, hi: int) -> int:
@@ -134,14 +214,11 @@ def parse_target(raw: bytes) -> BlockRequest:
                         _int(query, "i", MAX_OBJECT_SIZE), _int(query, "n", MAX_BLOCK), warm)
 
 
-def checksum(data: bytes | memoryview) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
 def load_token(path: Path) -> bytes:
     """The shared token from ``path``: a regular file of this user that nobody else can read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted there must not hang the mount (it is refused below, not read)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as exc:
         raise ConfigError(f"--peer-token-file {path}: {exc.strerror}") from None
     try:
@@ -176,6 +253,31 @@ def split_addr(text: str, *, any_port: bool = False) -> tuple[str, int] | None:
     if not host.isascii() or not _HOSTNAME.fullmatch(host):
         return None
     return host, int(port)
+
+
+def member_addr(text: str) -> str | None:
+    """``text`` if it is a member address as the member list holds them: a literal IP address and a
+    port (``10.0.0.1:9570``, ``[fd00::1]:9570``), written the one canonical way; None otherwise. Host
+    names are never taken from the shared store (nothing there is resolved or connected to by name)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit() or len(port) > 5 or not 1 <= int(port) < 65536:
+        return None
+    try:
+        if host.startswith("[") and host.endswith("]"):
+            ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv6Address(host[1:-1])
+            canonical = f"[{ip}]:{int(port)}"
+        else:
+            ip = ipaddress.IPv4Address(host)
+            canonical = f"{ip}:{int(port)}"
+    except ValueError:
+        return None
+    if ip.is_unspecified or ip.is_multicast or canonical != text:
+        return None
+    return text
+
+
+def same_family(a: str, b: str) -> bool:
+    return a.startswith("[") == b.startswith("[")
 
 
 def is_wildcard(host: str) -> bool:

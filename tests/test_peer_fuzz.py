@@ -1,0 +1,169 @@
+"""Fuzz loops over the peer wire: what a member answers, and what the shared store lists as members.
+
+A peer without the token (or a man in the middle) answers block requests and hellos with random
+mutations of an authenticated answer: statuses, MACs (dropped, of another request, another body,
+another token), bodies (flipped, cut, extended) and framings. Whatever it sends, the client returns
+exactly the block's bytes only for an untouched authenticated answer, and otherwise raises
+:class:`PeerFailure` within its timeout: nothing unauthenticated reaches the cache. Member entries of
+random bytes are either a canonical literal IP:PORT of this node's family or ignored."""
+
+from __future__ import annotations
+
+import http.server
+import random
+import threading
+import time
+
+import pytest
+import trio
+
+from epochfs.peer import wire
+from epochfs.peer.client import PeerClient, PeerFailure
+from epochfs.peer.members import Membership
+
+TOKEN = b"fuzzing-token-of-enough-length"
+KEYS = wire.Keys(TOKEN)
+OTHER = wire.Keys(b"another-token-of-enough-length")
+BLOCK = bytes(random.Random(0).getrandbits(8) for _ in range(70_001))
+
+
+class Hostile:
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.honest = False
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                with outer.lock:
+                    status, headers, body, close = outer.answer(self)
+                try:
+                    self.send_response_only(status)
+                    for name, value in headers:
+                        self.send_header(name, value)
+                    self.end_headers()
+                    self.wfile.write(body)
+                    if close:
+                        self.close_connection = True
+                except OSError:
+                    pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.addr = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, h: http.server.BaseHTTPRequestHandler) -> tuple[int, list[tuple[str, str]], bytes, bool]:
+        mac, _, _ = KEYS.verify(self.addr, h.path, h.headers.get(wire.TIME_HEADER), h.headers.get(wire.NONCE_HEADER),
+                                h.headers.get(wire.AUTH_HEADER), time.time())
+        hello = h.path == wire.HELLO
+        status, body = (204, b"") if hello else (200, BLOCK)
+        if self.honest:
+            return status, [("Content-Length", str(len(body))), (wire.ANSWER_HEADER, KEYS.answer_mac(mac, status, body))], \
+                body, False
+        rng = self.rng
+        signed_status, signed_body, keys, signed_mac = status, body, KEYS, mac
+        what = rng.randrange(9)
+        if what == 0:
+            status = rng.choice([200, 204, 206, 301, 401, 404, 409, 412, 500, 503])
+        elif what == 1 and body:
+            b = bytearray(body)
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            body = bytes(b)
+        elif what == 2 and body:
+            body = body[:rng.randrange(len(body))]
+        elif what == 3:
+            body = body + bytes(rng.randrange(1, 100))
+        elif what == 4:
+            keys = OTHER
+        elif what == 5:
+            _, signed_mac = KEYS.headers(self.addr, h.path, time.time())  # the MAC of another request
+        elif what == 6:
+            signed_status = rng.choice([200, 204, 404])
+            signed_body = rng.choice([b"", BLOCK, BLOCK[:-1]])
+        headers = [("Content-Length", str(len(body)))]
+        answer = keys.answer_mac(signed_mac, signed_status, signed_body)
+        if what == 7:
+            answer = rng.choice(["", "0" * 32, answer.upper(), answer[:-1], answer + "0", "\u00ff" * 32])
+        if what != 8:
+            headers.append((wire.ANSWER_HEADER, answer))
+        honest = (status, body, signed_status, signed_body, keys, signed_mac) == \
+            ((204, b"") if hello else (200, BLOCK)) + ((204, b"") if hello else (200, BLOCK)) + (KEYS, mac) \
+            and what != 7 and what != 8
+        return status, headers, body, not honest and rng.random() < 0.3
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_only_authenticated_answers_are_taken(seed):
+    peer = Hostile(seed)
+    client = PeerClient(KEYS, timeout=2.0)
+    req = wire.BlockRequest(b"\x07" * 16, "d/x.bin", '"e1"', 0, len(BLOCK))
+    taken = refused = 0
+    try:
+        for _ in range(300):
+            start = time.monotonic()
+            try:
+                data = client.get(peer.addr, req)
+            except PeerFailure:
+                refused += 1
+            else:
+                assert data == BLOCK
+                taken += 1
+            try:
+                client.hello(peer.addr, 2.0)
+            except PeerFailure:
+                refused += 1
+            assert time.monotonic() - start < 5
+        peer.honest = True  # nothing a hostile answer did keeps the client from an honest one (a kept
+        try:  # connection may still hold the rest of the last hostile answer: that costs one request)
+            client.hello(peer.addr, 2.0)
+        except PeerFailure:
+            pass
+        for _ in range(3):
+            assert client.get(peer.addr, req) == BLOCK
+            client.hello(peer.addr, 2.0)
+    finally:
+        peer.close()
+    assert refused > 400 and taken > 0  # (most answers are mutated; some are left alone)
+
+
+def test_random_member_entries_are_literal_addresses_of_the_family_or_ignored():
+    rng = random.Random(5)
+    pieces = [b"10.0.0.1", b"127.0.0.1", b"[::1]", b"[fd00::1]", b"localhost", b"0.0.0.0", b"1.2.3.4.5", b":",
+              b"9570", b"0", b"65536", b"\n", b"\x9b", b"\xff", b"-", b"[", b"]", b"01", b" ", b"%", b"\x00"]
+    entries = []
+    for _ in range(5000):
+        if rng.random() < 0.5:
+            entries.append(b"".join(rng.choice(pieces) for _ in range(rng.randrange(1, 6))))
+        else:
+            entries.append(bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 80))))
+    entries += [b"10.0.0.2:9570", b"[fd00::2]:9570"]
+
+    class Store:
+        def heartbeat(self, *args: object) -> list[object]:
+            return [*entries, 7, None, "10.0.0.3:9570"]  # (not bytes: as a broken store might answer)
+
+        def leave(self, *args: object) -> None:
+            pass
+
+    for me, family_member in (("10.0.0.1:9570", "10.0.0.2:9570"), ("[fd00::1]:9570", "[fd00::2]:9570")):
+        m = Membership(Store(), "s3://b/p/", me, lambda member: None)
+
+        async def main(m: Membership = m) -> None:
+            await m.beat()
+            await m.prove_due()
+
+        trio.run(main)
+        assert family_member in m.ring
+        for member in m.ring.members:
+            assert wire.member_addr(member) == member and wire.same_family(member, me)
