@@ -177,6 +177,10 @@ class Config:
         parse=lambda t: parse_rate(t), example='"2Gbit"')
     upload_concurrency: int = option(2, "write-back", "files uploaded at once (each large one in 4 parallel parts)",
                                      metavar="N", parse=int)
+    writeback_user_quota: int | None = option(
+        None, "write-back", "most bytes one user's files may hold in the cache before they are uploaded (past "
+        "it that user's writes fail with EDQUOT; default: only the cache size bounds them)", metavar="SIZE",
+        parse=lambda t: parse_size(t), example='"20G"')
     # -- namespace
     meta: str | None = option(
         None, "namespace", "metadata store: redis://HOST:PORT/DB to load the snapshot published by 'epochfs "
@@ -224,7 +228,7 @@ class Config:
         metavar="OCTAL", parse=lambda t: parse_mode(t), example='"0444"')
     dir_mode: int | None = option(
         None, "mount", "present every directory with this mode (default: the source's for file://, 0555 for S3, "
-        "0755 with --writeback)",
+        "0755 with --writeback; 1777 lets every user create files and keeps them from removing each other's)",
         metavar="OCTAL", parse=lambda t: parse_mode(t), example='"0555"')
     uid: int | None = option(
         None, "mount", "present every entry as owned by this user (default: the source's for file://, else the "
@@ -288,10 +292,13 @@ class Config:
         if self.attr_timeout < 0:
             raise ConfigError("--attr-timeout must be >= 0")
         self._check_peer()
-        for name in ("file_mode", "dir_mode"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 0o777:
-                raise ConfigError(f"--{name.replace('_', '-')} must be an octal mode from 000 to 777")
+        if self.writeback_user_quota is not None and self.writeback_user_quota <= 0:
+            raise ConfigError("--writeback-user-quota must be a size above 0")
+        if self.file_mode is not None and not 0 <= self.file_mode <= 0o777:
+            raise ConfigError("--file-mode must be an octal mode from 000 to 777")
+        if self.dir_mode is not None and not 0 <= self.dir_mode <= 0o1777:
+            raise ConfigError("--dir-mode must be an octal mode from 000 to 1777 (1777: anyone may create, only "
+                              "owners may remove or rename, as in /tmp)")
         for name in ("uid", "gid"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 0xFFFFFFFF:
@@ -341,8 +348,8 @@ def parse_mode(text: str) -> int:
         mode = int(str(text), 8)
     except ValueError:
         raise ConfigError(f"not an octal mode: {text!r} (examples: 0444, 755)") from None
-    if not 0 <= mode <= 0o777:
-        raise ConfigError(f"not a permission mode: {text!r} (000 to 777)")
+    if not 0 <= mode <= 0o1777:
+        raise ConfigError(f"not a permission mode: {text!r} (000 to 777, or 1777 with the sticky bit)")
     return mode
 
 

@@ -81,8 +81,10 @@ class Presentation:
     """How entries are presented: the source's permission bits and owners where it has them (a
     ``file://`` source), the kernel then enforcing them (``default_permissions``); uniform
     ``file_mode``/``dir_mode``/``uid``/``gid`` where it has none (S3) or where they are given.
-    Set-id and sticky bits are never presented. A write-back mount presents objects without modes as
-    0644 and directories as 0755 (writable by their owner), otherwise 0444 and 0555."""
+    Set-id bits are never presented; the sticky bit only on directories. A write-back mount presents
+    objects without modes as 0644 and directories as 0755 (writable by their owner), otherwise 0444
+    and 0555; there an entry's own mode and owner (what its writer made, or set with chmod and chown)
+    win over the uniform ones, so a file written private stays private."""
 
     writable: bool = False
     file_mode: int | None = None
@@ -92,19 +94,16 @@ class Presentation:
     default_uid: int = field(default_factory=os.getuid)
     default_gid: int = field(default_factory=os.getgid)
 
-    @staticmethod
-    def mode(info: ObjectInfo | None, forced: int | None, default: int) -> int:
-        if forced is not None:
-            return forced & 0o777
-        if info is not None and info.mode is not None:
-            return info.mode & 0o777
-        return default
+    def mode(self, info: ObjectInfo | None, forced: int | None, default: int, *, directory: bool = False) -> int:
+        bits = 0o1777 if directory else 0o777
+        if info is not None and info.mode is not None and (forced is None or self.writable):
+            return info.mode & bits
+        return forced & bits if forced is not None else default
 
-    @staticmethod
-    def owner(own: int | None, forced: int | None, default: int) -> int:
-        if forced is not None:
-            return forced
-        return own if own is not None else default
+    def owner(self, own: int | None, forced: int | None, default: int) -> int:
+        if own is not None and (forced is None or self.writable):
+            return own
+        return forced if forced is not None else default
 
 
 class Operations(pyfuse3.Operations):
@@ -171,8 +170,12 @@ class Operations(pyfuse3.Operations):
             attr.st_blocks = -(-node.size // 512)
             mtime = node.mtime_ns
         else:
-            info = node.info if isinstance(node, Dir) else None
-            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, self._dir_default)
+            if isinstance(node, Dir):
+                info = node.info
+            else:
+                info = None if node.mode is None else ObjectInfo(node.path, 0, node.mtime_ns, "", node.mode,
+                                                                 node.uid, node.gid)
+            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, self._dir_default, directory=True)
             attr.st_nlink = 2
             attr.st_size = 0
             mtime = (node.mtime_ns if isinstance(node, LocalDir)
@@ -330,7 +333,7 @@ class Operations(pyfuse3.Operations):
     @_translated
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self._writer().mkdir(self._node(parent_inode), name))
+        return self._attrs(self._writer().mkdir(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid))
 
     @_translated
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:

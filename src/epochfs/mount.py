@@ -260,7 +260,7 @@ class Daemon:
             self.writeback = WriteBack(
                 self.journal, self.store, self.backend, self.tree, bandwidth=self.config.upload_bandwidth,
                 concurrency=self.config.upload_concurrency, demand_waiting=self.cache.demand_waiting,
-                publish=self.snapshots.apply)
+                publish=self.snapshots.apply, user_quota=self.config.writeback_user_quota)
             self.writeback.recover()
         except BaseException:
             self.close()

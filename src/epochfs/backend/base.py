@@ -178,10 +178,17 @@ class Backend(abc.ABC):
     writable = False  #: whether the methods below are implemented
 
     def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
-                    cancelled: threading.Event | None = None) -> ObjectInfo:
+                    cancelled: threading.Event | None = None, metadata: dict[str, str] | None = None,
+                    multipart_started: Callable[[str], None] | None = None) -> ObjectInfo:
         """Put the file at ``path`` under ``key``, atomically (the object appears whole or not at all),
-        and return the new object. Raises :class:`~epochfs.errors.BackendError`; ``cancelled`` stops it
-        (nothing is left behind)."""
+        with ``metadata`` (user metadata of the object), and return the new object. Raises
+        :class:`~epochfs.errors.BackendError`; ``cancelled`` stops it (nothing is left behind).
+        ``multipart_started`` is called (from another thread) with the id of each multipart upload this
+        starts, so that one cut off by a crash can be aborted later (:meth:`abort_multipart`)."""
+        raise NotImplementedError
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Abort a multipart upload of ``key`` (done if it was completed or aborted already)."""
         raise NotImplementedError
 
     def delete(self, key: str) -> None:

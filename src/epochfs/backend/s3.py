@@ -22,7 +22,7 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import boto3
@@ -78,6 +78,8 @@ class S3Backend(Backend):
             raise ConfigError(f"--profile {settings.profile!r}: no such profile in the AWS configuration") from None
         self._client = self._make_client(settings.region)
         self._upload_client: Any = None
+        self._watch_lock = threading.Lock()
+        self._multipart_watchers: dict[str, list[Callable[[str], None]]] = {}  # full key -> callbacks
         verify = self._client._endpoint.http_session._verify  # the client's TLS setting (AWS_CA_BUNDLE, ...)
         self._cainfo = botocore.httpsession.get_cert_path(True) if verify is True else verify
         self._local = threading.local()  # each worker thread's curl handle (and so its connection)
@@ -150,7 +152,17 @@ class S3Backend(Backend):
                     retries={"mode": "standard", "max_attempts": s.attempts}, max_pool_connections=32,
                     connect_timeout=5, read_timeout=60,
                     s3={"addressing_style": "path" if s.endpoint_url else "auto"}, user_agent_extra="epochfs"))
+            self._upload_client.meta.events.register("after-call.s3.CreateMultipartUpload", self._multipart_started)
         return self._upload_client
+
+    def _multipart_started(self, parsed: Any = None, **_: Any) -> None:
+        """A multipart upload was created (an s3transfer thread): tell the upload of that key its id."""
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("UploadId"), str):
+            return
+        with self._watch_lock:
+            watchers = list(self._multipart_watchers.get(str(parsed.get("Key")), ()))
+        for started in watchers:
+            started(parsed["UploadId"])
 
     def _denied_or_unavailable(self, what: str, exc: Exception) -> Exception:
         response = getattr(exc, "response", None)  # None on connection errors, even on a ClientError
@@ -165,7 +177,24 @@ class S3Backend(Backend):
                           mtime_ns=int(head["LastModified"].timestamp() * 1_000_000_000))
 
     def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
-                    cancelled: threading.Event | None = None) -> ObjectInfo:
+                    cancelled: threading.Event | None = None, metadata: dict[str, str] | None = None,
+                    multipart_started: Callable[[str], None] | None = None) -> ObjectInfo:
+        if multipart_started is None:
+            return self._upload(path, key, bandwidth, cancelled, metadata)
+        full = self.prefix + key
+        with self._watch_lock:
+            self._multipart_watchers.setdefault(full, []).append(multipart_started)
+        try:
+            return self._upload(path, key, bandwidth, cancelled, metadata)
+        finally:
+            with self._watch_lock:
+                watchers = self._multipart_watchers[full]
+                watchers.remove(multipart_started)
+                if not watchers:
+                    del self._multipart_watchers[full]
+
+    def _upload(self, path: str, key: str, bandwidth: float | None, cancelled: threading.Event | None,
+                metadata: dict[str, str] | None) -> ObjectInfo:
         import boto3.s3.transfer
 
         size = os.path.getsize(path)
@@ -175,7 +204,8 @@ class S3Backend(Backend):
             max_bandwidth=int(bandwidth) if bandwidth else None)
         try:
             with boto3.s3.transfer.create_transfer_manager(self._uploader(), config) as manager:
-                future = manager.upload(path, self.bucket, self.prefix + key)
+                future = manager.upload(path, self.bucket, self.prefix + key,
+                                        extra_args={"Metadata": metadata} if metadata else None)
                 while not future.done():
                     if cancelled is None:
                         time.sleep(0.05)
@@ -192,6 +222,19 @@ class S3Backend(Backend):
             raise self._denied_or_unavailable(f"upload of {key}", exc) from None
         self._stats.record("put", "ok")
         return info
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            self._uploader().abort_multipart_upload(Bucket=self.bucket, Key=self.prefix + key, UploadId=upload_id)
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchUpload", "404"):
+                return  # completed or aborted already
+            self._stats.record("abort", "error")
+            raise self._denied_or_unavailable(f"abort of an upload of {key}", exc) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            self._stats.record("abort", "error")
+            raise self._denied_or_unavailable(f"abort of an upload of {key}", exc) from None
+        self._stats.record("abort", "ok")
 
     def delete(self, key: str) -> None:
         try:

@@ -89,7 +89,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
             os.write(ready_fd, answer.encode())
             os.close(ready_fd)
 
-    return mount.run(config, ready)
+    code = mount.run(config, ready)
+    # Upload threads that did not stop when cancelled must not keep the process (and a second daemon
+    # out of the cache directory): they die with it, the journal keeps what is owed, and a multipart
+    # upload cut off is aborted at the next start.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _spawn_daemon(config: Config, argv: list[str]) -> int:

@@ -120,6 +120,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     return 0 if args.repair or not problems else 1
 
 
+def _list_pending(reply: dict) -> None:
+    import sys
+
+    for item in reply["pending"]:
+        size = f" {human(item['bytes'])}" if item["bytes"] else ""
+        print(f"  {printable(str(item['key']))}{size} ({printable(str(item['state']))})", file=sys.stderr)
+    if reply["pending_total"] > len(reply["pending"]):
+        print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)
+
+
 SYNC_ROUND = 10.0  # seconds one sync request waits in the daemon before the command asks again
 
 
@@ -147,16 +157,20 @@ def cmd_sync(args: argparse.Namespace) -> int:
             if not reply["writeback"]:
                 print(f"{args.mountpoint} is read-only: nothing to sync", file=sys.stderr)
             return 0
+        failed = reply.get("failed_total", 0)
+        if failed and failed == reply["pending_total"]:
+            if show:
+                print("\r\033[K", end="", file=sys.stderr)
+            print(f"epochfs sync: {failed} files will not be uploaded: a write of each failed, so none is a "
+                  "finished file (write it again from the start, or remove it):", file=sys.stderr)
+            _list_pending(reply)
+            return 1
         if deadline is not None and time.monotonic() >= deadline:
             if show:
                 print("\r\033[K", end="", file=sys.stderr)
             print(f"epochfs sync: {reply['pending_total']} still pending ({human(reply['pending_bytes'])}) after "
                   f"{args.timeout:g}s; they are kept and uploaded as the backend allows:", file=sys.stderr)
-            for item in reply["pending"]:
-                size = f" {human(item['bytes'])}" if item["bytes"] else ""
-                print(f"  {printable(str(item['key']))}{size} ({printable(str(item['state']))})", file=sys.stderr)
-            if reply["pending_total"] > len(reply["pending"]):
-                print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)
+            _list_pending(reply)
             return 1
         if show:
             print(f"\rwaiting for {reply['pending_total']} uploads ({human(reply['pending_bytes'])})\033[K",

@@ -137,8 +137,11 @@ class ControlHandlers:
             if path and wb.tree.resolve(path) is None and not wb.pending([path]):
                 raise ConfigError(f"{path!r} is not in the mount")
         left = await wb.sync(list(request.paths), request.wait)
+        failed = [x for x in left if x.state.startswith("not uploaded")]
+        left = failed + [x for x in left if x not in failed]  # what will never upload is listed first
         return {"writeback": True, "pending": [dataclasses.asdict(x) for x in left[:MAX_PENDING_LISTED]],
-                "pending_total": len(left), "pending_bytes": sum(x.bytes for x in left)}
+                "pending_total": len(left), "pending_bytes": sum(x.bytes for x in left),
+                "failed_total": len(failed)}
 
 
 def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:

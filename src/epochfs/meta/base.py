@@ -11,7 +11,7 @@ never a mix. Stores are blocking; the daemon calls them from worker threads.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -90,6 +90,22 @@ def merged(objects: Iterable[ObjectInfo], added: dict[str, ObjectInfo], removed:
     out = {o.key: o for o in objects if o.key not in removed}
     out.update(added)
     return list(out.values())
+
+
+def kept_attributes(listed: Iterable[ObjectInfo], previous: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
+    """The listing, each object without permission bits taking the owner and mode the previous snapshot
+    had for the same key and version. S3 listings carry none, so without this a file written private
+    through a write-back mount would turn readable at the next relist. (The map of the previous
+    attributes is built only if the listing has an object without them.)"""
+    kept: dict[str, ObjectInfo] | None = None
+    for o in listed:
+        if o.mode is None:
+            if kept is None:
+                kept = {p.key: p for p in previous if p.mode is not None}
+            p = kept.get(o.key)
+            if p is not None and p.etag == o.etag:
+                o = o._replace(mode=p.mode, uid=p.uid, gid=p.gid)
+        yield o
 
 
 Progress = Callable[[int], None]  # called with the number of objects written so far

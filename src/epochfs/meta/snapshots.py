@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import trio
 
 from epochfs.errors import BackendUnavailable, ConfigError, EpochfsError
-from epochfs.meta.base import MetaStore, Snapshot, SnapshotInvalid
+from epochfs.meta.base import MetaStore, Snapshot, SnapshotInvalid, kept_attributes
 from epochfs.meta.lmdb import LmdbMetaStore
 from epochfs.meta.namespace import Namespace, diff
 from epochfs.records import ObjectInfo
@@ -110,7 +110,8 @@ class Snapshots:
             log.info("loaded snapshot version %d of %s from %s (%d objects)", snapshot.version, snapshot.source,
                      self.store.url, len(snapshot.objects))
             return snapshot, None
-        snapshot = None if self.settings.refresh else self.store.load(source)
+        stored = self.store.load(source)
+        snapshot = None if self.settings.refresh else stored
         if snapshot is not None and self.settings.ttl and time.time() - snapshot.created > self.settings.ttl:
             log.info("snapshot version %d is older than the TTL; listing the source again", snapshot.version)
             snapshot = None
@@ -123,7 +124,7 @@ class Snapshots:
             return snapshot, None
         started = time.monotonic()
         log.info("listing %s", source)
-        snapshot = self.store.save(source, self.list_source())
+        snapshot = self.store.save(source, kept_attributes(self.list_source(), stored.objects if stored else ()))
         log.info("listed %d objects in %.1fs; snapshot version %d", len(snapshot.objects),
                  time.monotonic() - started, snapshot.version)
         return snapshot, None
@@ -159,7 +160,9 @@ class Snapshots:
         async with self._switching:
             source = self.settings.source_id
             if not self.store.shared:
-                snapshot = await trio.to_thread.run_sync(lambda: self.store.save(source, self.list_source()))
+                previous = self.snapshot.objects
+                snapshot = await trio.to_thread.run_sync(
+                    lambda: self.store.save(source, kept_attributes(self.list_source(), previous)))
             else:
                 latest = await self._call(self.store.current_version, source)
                 if latest is None or latest == self.snapshot.version:

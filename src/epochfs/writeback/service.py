@@ -4,10 +4,23 @@ deletes themselves, which run in worker threads and touch no state.
 
 **Writing.** A new file (``create``, or an existing object opened with ``O_TRUNC``) is a
 :class:`~epochfs.writeback.tree.LocalFile` whose bytes go to a data file in the cache directory; its
-journal record is written at once. Its bytes are pinned in the block store (never evicted; cached
-blocks make room for them), and a write that cannot be pinned gets ENOSPC. ``close`` and ``fsync``
-return as soon as the bytes are in the data file (``fsync`` also makes it and the journal durable).
-A closed file reads at local speed from its data file until it is uploaded.
+journal record is written at once, with its creator's uid, gid and mode. Its bytes are pinned in the
+block store (never evicted; cached blocks make room for them), and a write that cannot be pinned gets
+ENOSPC (EDQUOT past ``--writeback-user-quota`` for its owner). ``close`` and ``fsync`` return as soon
+as the bytes are in the data file (``fsync`` also makes it and the journal durable). A closed file reads
+at local speed from its data file until it is uploaded.
+
+**When a file is done.** Only the release of its last writable handle ends a write: a ``close()`` of one
+descriptor (FLUSH) is not the end when the description is shared (a writer that forked, a ``dup``), so
+a file whose writer is cut off after a child's close is still unfinished and is dropped at recovery,
+never uploaded half-written. A file a write of which failed (no space, a disk error) is not a finished
+file either: it stays readable here and is never uploaded (``sync`` says so and fails) until it is
+written again from the start (``O_TRUNC``) or removed.
+
+**Who may do what.** The kernel checks permissions against what the mount presents
+(``default_permissions``): files and directories made here have their creator's uid, gid and mode, the
+sticky bit works, and the owner (or root) may chmod and chown them; uploaded files keep their owner and
+mode in the journal, the snapshot and the object's metadata.
 
 **Uploading.** A file closed for ``SETTLE`` seconds (the time a write-then-rename needs) is uploaded
 under its final key: whole, multipart and parallel for large files, capped by ``--upload-bandwidth``,
@@ -34,6 +47,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -44,7 +58,7 @@ from epochfs.cache.store import BlockStore
 from epochfs.errors import BackendError, EpochfsError, NoSpace, NotFound, Refused
 from epochfs.meta.namespace import NAME_MAX, Dir, File, unsafe_reason
 from epochfs.records import MAX_OBJECT_SIZE, ObjectInfo
-from epochfs.writeback.journal import FileRecord, Journal
+from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Overlay, Stored, Tree, parent_of
 
 log = logging.getLogger(__name__)
@@ -99,7 +113,7 @@ class WriteBack:
 
     def __init__(self, journal: Journal, store: BlockStore, backend: Backend, tree: Tree, *,
                  bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
-                 publish: Publish) -> None:
+                 publish: Publish, user_quota: int | None = None) -> None:
         self.journal = journal
         self.store = store
         self.backend = backend
@@ -122,13 +136,26 @@ class WriteBack:
         self._changed = trio.Event()
         self._publish_now = trio.Event()
         self._uploaded_files = self._uploaded_bytes = self._errors = 0
+        self.user_quota = user_quota
+        self._owed_by_uid: Counter[int] = Counter()  # uid -> bytes of its files not yet uploaded
+        self._aborts: dict[str, str] = {}  # multipart upload id -> key: to abort in the backend
+        self._uploads_running = 0  # upload threads still running (abandoned ones included)
+        self._uploads_done = threading.Condition()
 
     # -- start-up -------------------------------------------------------------------------------------------
 
     def recover(self) -> None:
         """Take up what the journal owes: closed files (uploaded next), uploaded entries (published next),
         deletes. Files that were still being written when the daemon died are dropped."""
-        files, uploaded, deletes = self.journal.load()
+        owed = self.journal.load()
+        files, uploaded, deletes = owed.files, owed.uploaded, owed.deletes
+        for d in sorted(owed.dirs.values(), key=lambda d: d.path.count("/")):
+            existing = self.tree.resolve(d.path)
+            if existing is not None and not isinstance(existing, (Dir, LocalDir)):
+                self.journal.drop_dir(d.path)  # a file took the name meanwhile (another node's)
+                continue
+            self._add_parents(d.path)
+            self.overlay.put(LocalDir(self.overlay.new_inode(), d.path, d.mtime_ns, d.mode, d.uid, d.gid))
         for rec in files:
             path = self.journal.data_path(rec.id)
             try:
@@ -142,8 +169,9 @@ class WriteBack:
                 self.journal.remove_data(rec.id)
                 continue
             self.store.pinned += rec.size  # owed: pinned even past the capacity (it was admitted before)
+            self._owed_by_uid[rec.uid] += rec.size
             f = LocalFile(self.overlay.new_inode(), rec.key, rec.id, rec.size, rec.mtime_ns, rec.mode, rec.uid,
-                          rec.gid, since=time.monotonic() - self.SETTLE, closed=True)
+                          rec.gid, since=time.monotonic() - self.SETTLE, closed=True, failed=rec.failed)
             self._add_parents(rec.key)
             self.overlay.put(f)
             self._files[f.id] = f
@@ -154,12 +182,14 @@ class WriteBack:
         for key in deletes:
             self.overlay.hidden.add(key)
             self._deletes[key] = 0.0
+        self._aborts = dict(owed.multipart)  # cut off by the crash: nobody will complete them
         for name in os.listdir(self.journal.data_dir):  # data files no record owns (a crash mid-create)
             if name not in self._files:
                 self.journal.remove_data(name)
-        if files or uploaded or deletes:
-            log.info("write-back: %d files to upload, %d uploads to publish, %d deletes from the journal",
-                     len(self._files), len(uploaded), len(deletes))
+        if files or uploaded or deletes or self._aborts:
+            log.info("write-back: %d files to upload, %d uploads to publish, %d deletes, %d unfinished multipart "
+                     "uploads to abort from the journal", len(self._files), len(uploaded), len(deletes),
+                     len(self._aborts))
 
     def _add_parents(self, key: str) -> None:
         """Directories of a key that the snapshot does not have yet."""
@@ -182,15 +212,15 @@ class WriteBack:
     def _new_file(self, path: str, mode: int, uid: int, gid: int, inode: int | None = None) -> LocalFile:
         f = LocalFile(self.overlay.new_inode() if inode is None else inode, path, uuid.uuid4().hex, 0, time.time_ns(),
                       mode & 0o777, uid, gid)
-        fd = os.open(self.journal.data_path(f.id), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+        os.close(self.journal.open_data(f.id, os.O_RDWR | os.O_CREAT | os.O_EXCL))
         self._files[f.id] = f
         self._save(f, closed=False)
         return f
 
     def _save(self, f: LocalFile, *, closed: bool) -> None:
         f.closed = closed
-        self.journal.put_file(FileRecord(f.id, f.path, f.size, f.mtime_ns, f.mode, f.uid, f.gid, closed, time.time()))
+        self.journal.put_file(FileRecord(f.id, f.path, f.size, f.mtime_ns, f.mode, f.uid, f.gid, closed, time.time(),
+                                         f.failed))
 
     def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, LocalFile]:
         """A new file (or an existing one replaced), open for writing: (handle, file)."""
@@ -254,7 +284,7 @@ class WriteBack:
             self.journal.cancel_delete(path)
 
     def _open_handle(self, f: LocalFile, *, writable: bool) -> int:
-        fd = os.open(self.journal.data_path(f.id), (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        fd = self.journal.open_data(f.id, os.O_RDWR if writable else os.O_RDONLY)
         if writable:
             f.writers += 1
             f.generation += 1
@@ -266,21 +296,62 @@ class WriteBack:
         h = self._handles[fh]
         if not h.writable:
             raise Refused("not open for writing", errno.EBADF)
-        if h.file.closed:  # written again after a flush: a crash from now on leaves it unfinished
-            self._save(h.file, closed=False)
+        f = h.file
         end = offset + len(data)
         if end > MAX_OBJECT_SIZE:
             raise Refused("file too large", errno.EFBIG)
-        f = h.file
-        if end > f.size:
-            if not self.store.pin(end - f.size):
-                raise NoSpace(f"{f.path}: the cache holds {self.store.pinned} bytes not yet uploaded and has no "
-                              "room for more; they drain as they upload")
-            f.size = end
-        written = os.pwrite(fh, data, offset)
+        old_size = f.size
+        grow = max(0, end - old_size)
+        if grow:
+            self._reserve(f, grow)
+        if f.closed:  # written again through a handle opened after its release
+            self._save(f, closed=False)
+        try:
+            written = os.pwrite(fh, data, offset)
+        except OSError as exc:
+            self._unreserve(f, grow)
+            self._fail(f, f"a write failed: {exc.strerror or exc}")
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(f"{f.path}: the cache disk is full") from None
+            raise Refused(f"{f.path}: {exc.strerror or exc}", exc.errno or errno.EIO) from None
+        reached = offset + written
+        if grow and reached < end:  # a short write: only what was written counts
+            self._unreserve(f, end - max(old_size, reached))
+        f.size = max(old_size, reached)
         f.mtime_ns = time.time_ns()
         f.generation += 1
         return written
+
+    def _reserve(self, f: LocalFile, size: int) -> None:
+        """Pin ``size`` more bytes for ``f`` (its owner's quota, then the cache), or fail the file."""
+        if self.user_quota is not None and self._owed_by_uid[f.uid] + size > self.user_quota:
+            self._fail(f, "its owner's write-back quota is full")
+            raise Refused(f"{f.path}: user {f.uid} holds {self._owed_by_uid[f.uid]} bytes not yet uploaded "
+                          f"(--writeback-user-quota {self.user_quota})", errno.EDQUOT)
+        if not self.store.pin(size):
+            self._fail(f, "the cache had no room for it")
+            raise NoSpace(f"{f.path}: the cache holds {self.store.pinned} bytes not yet uploaded and has no "
+                          "room for more; they drain as they upload")
+        self._owed_by_uid[f.uid] += size
+
+    def _unreserve(self, f: LocalFile, size: int) -> None:
+        if size:
+            self.store.unpin(size)
+            self._owed_by_uid[f.uid] -= size
+            if self._owed_by_uid[f.uid] <= 0:
+                del self._owed_by_uid[f.uid]
+
+    def _fail(self, f: LocalFile, why: str) -> None:
+        """A write of ``f`` failed: it is not a finished file and is never uploaded as it is."""
+        if not f.failed:
+            log.warning("%s will not be uploaded: %s (write it again from the start, or remove it)", f.path, why)
+        f.failed = why
+        f.generation += 1
+        self._cancel_upload(f)
+        try:
+            self._save(f, closed=f.closed)
+        except EpochfsError as exc:  # (a full disk: the record stays "not closed", dropped at recovery)
+            log.warning("could not record that %s failed: %s", f.path, exc)
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
         return os.pread(fh, size, offset)
@@ -295,11 +366,17 @@ class WriteBack:
         self._truncate(node, size)
 
     def _truncate(self, f: LocalFile, size: int) -> None:
-        if size > f.size and not self.store.pin(size - f.size):
-            raise NoSpace(f"{f.path}: no room in the cache for {size} bytes")
-        if size < f.size:
-            self.store.unpin(f.size - size)
-        os.truncate(self.journal.data_path(f.id), size)
+        if size > f.size:
+            self._reserve(f, size - f.size)
+        else:
+            self._unreserve(f, f.size - size)
+        fd = self.journal.open_data(f.id, os.O_RDWR)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        if size == 0:
+            f.failed = ""  # written again from the start: what failed before is gone
         f.size, f.mtime_ns = size, time.time_ns()
         f.generation += 1
         self._cancel_upload(f)
@@ -308,26 +385,48 @@ class WriteBack:
 
     def set_attrs(self, node: Node, *, mtime_ns: int | None = None, mode: int | None = None,
                   uid: int | None = None, gid: int | None = None) -> None:
+        """chmod, chown and utimes of a file or directory made here (the kernel has checked that the
+        caller may); objects and directories of the backend cannot change."""
+        if isinstance(node, LocalDir):
+            node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
+            node.mode = mode & 0o1777 if mode is not None else node.mode if node.mode is not None else 0o755
+            node.uid = uid if uid is not None else node.uid if node.uid is not None else os.getuid()
+            node.gid = gid if gid is not None else node.gid if node.gid is not None else os.getgid()
+            self._save_dir(node)
+            return
         if not isinstance(node, LocalFile):
-            raise Refused(f"{node.path}: only files written here can change", errno.EPERM)
+            raise Refused(f"{node.path}: only files and directories made here can change", errno.EPERM)
         node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
         node.mode = mode & 0o777 if mode is not None else node.mode
+        if uid is not None and uid != node.uid and self._files.get(node.id) is node:
+            owed = node.size
+            self._owed_by_uid[node.uid] -= owed
+            if self._owed_by_uid[node.uid] <= 0:
+                del self._owed_by_uid[node.uid]
+            self._owed_by_uid[uid] += owed
         node.uid = uid if uid is not None else node.uid
         node.gid = gid if gid is not None else node.gid
+        if self._files.get(node.id) is node:
+            self._save(node, closed=node.closed)
+
+    def _save_dir(self, d: LocalDir) -> None:
+        if d.mode is not None and d.uid is not None and d.gid is not None:
+            self.journal.put_dir(DirRecord(d.path, d.mode, d.uid, d.gid, d.mtime_ns))
 
     async def fsync(self, fh: int) -> None:
         """Make a written file's bytes and its journal record durable (worker thread)."""
         h = self._handles[fh]
         self._save(h.file, closed=h.file.closed)
-        await trio.to_thread.run_sync(os.fsync, fh)
+        try:
+            await trio.to_thread.run_sync(os.fsync, fh)
+        except OSError as exc:
+            self._fail(h.file, f"fsync failed: {exc.strerror or exc}")
+            raise Refused(f"{h.file.path}: {exc.strerror or exc}", exc.errno or errno.EIO) from None
         await trio.to_thread.run_sync(self.journal.sync)
 
     def flush(self, fh: int) -> None:
-        """``close()`` of a descriptor (sent before it returns): the file as it is now is what its writer
-        meant, and a crash from now on keeps it (the release that ends the handle comes later)."""
-        h = self._handles.get(fh)
-        if h is not None and h.writable and self._files.get(h.file.id) is h.file:
-            self._save(h.file, closed=True)
+        """``close()`` of one descriptor. It does not end the write: the description may be shared (a
+        forked writer, a ``dup``) and written on; only the last release does (:meth:`release`)."""
 
     def release(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
@@ -341,15 +440,17 @@ class WriteBack:
         if f.writers == 0 and self._files.get(f.id) is f:
             f.since = time.monotonic()
             self._save(f, closed=True)
-            self._kick()
+            if not f.failed:
+                self._kick()
 
-    def mkdir(self, parent: Node, name: bytes) -> LocalDir:
+    def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> LocalDir:
         path = _path(parent, name)
         if self.tree.resolve(path) is not None:
             raise Refused(f"{path} exists", errno.EEXIST)
-        d = LocalDir(self.overlay.new_inode(), path, time.time_ns())
+        d = LocalDir(self.overlay.new_inode(), path, time.time_ns(), mode & 0o1777, uid, gid)
         self.overlay.hidden.discard(path)
         self.overlay.put(d)
+        self._save_dir(d)
         return d
 
     def rmdir(self, parent: Node, name: bytes) -> None:
@@ -364,6 +465,8 @@ class WriteBack:
         self.overlay.remove(path)
         if isinstance(node, Dir):
             self.overlay.hidden.add(path)
+        else:
+            self.journal.drop_dir(path)
         self._touch()
 
     def unlink(self, parent: Node, name: bytes) -> None:
@@ -387,10 +490,10 @@ class WriteBack:
     def _drop_local(self, f: LocalFile) -> None:
         self._cancel_upload(f)
         f.generation += 1
-        self._files.pop(f.id, None)
-        self.store.unpin(f.size)
-        self.journal.drop_file(f.id)
-        self.journal.remove_data(f.id)  # open handles keep reading the unlinked data file
+        if self._files.pop(f.id, None) is not None:
+            self._unreserve(f, f.size)
+        self.journal.remove_data(f.id)  # first: on a full disk, that is what makes room for the commit
+        self.journal.drop_file(f.id)  # (open handles keep reading the unlinked data file)
 
     def rename(self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, flags: int) -> None:
         src_path, dst_path = _path(old_parent, old_name), _path(new_parent, new_name)
@@ -421,6 +524,7 @@ class WriteBack:
                     raise Refused(f"{dst_path} exists", errno.ENOTEMPTY if isinstance(dst, (Dir, LocalDir))
                                   else errno.ENOTDIR)
                 self.overlay.remove(dst_path)
+                self.journal.drop_dir(dst_path)
             for e in sorted([src, *moved], key=lambda e: e.path.count("/")):
                 self._move(e, dst_path + e.path[len(src_path):])
         else:
@@ -440,6 +544,9 @@ class WriteBack:
         self._add_parents(path)
         self.overlay.put(e)
         self.overlay.hidden.discard(path)
+        if isinstance(e, LocalDir):
+            self.journal.drop_dir(old)
+            self._save_dir(e)
         if isinstance(e, LocalFile):
             self._cancel_delete(path)
             if self._in_backend(old):  # it had replaced an object: that one goes with the old name
@@ -478,7 +585,7 @@ class WriteBack:
         """The next file to upload (oldest first), or how long until one may be."""
         now, best, wait = time.monotonic(), None, 3600.0
         for f in self._files.values():
-            if f.writers or f.uploading or f.path in self._deleting:
+            if f.writers or f.uploading or f.failed or f.path in self._deleting:
                 continue
             at = max(f.since + self.SETTLE, self._not_before.get(f.id, 0.0))
             if at <= now:
@@ -502,10 +609,36 @@ class WriteBack:
         f.uploading = True
         generation, key, size = f.generation, f.path, f.size
         cancel = self._cancels[f.id] = threading.Event()
+        started: list[str] = []  # multipart upload ids this upload created
+        attributes = {"epochfs-mode": f"{f.mode:04o}", "epochfs-uid": str(f.uid), "epochfs-gid": str(f.gid)}
+
+        def multipart_started(upload_id: str) -> None:  # (an s3transfer thread)
+            started.append(upload_id)
+            self.journal.put_multipart(upload_id, key)
+
+        def upload() -> ObjectInfo:
+            fd = self.journal.open_data(f.id, os.O_RDONLY)  # this very file, whatever is at its name later
+            try:
+                return self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
+                                                cancelled=cancel, metadata=attributes,
+                                                multipart_started=multipart_started)
+            finally:
+                os.close(fd)
+                with self._uploads_done:
+                    self._uploads_running -= 1
+                    self._uploads_done.notify_all()
+
+        with self._uploads_done:
+            self._uploads_running += 1
         try:
-            obj = await trio.to_thread.run_sync(
-                lambda: self.backend.upload_file(self.journal.data_path(f.id), key, bandwidth=self.bandwidth,
-                                                 cancelled=cancel), abandon_on_cancel=True)
+            try:
+                obj = await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
+            except BaseException:
+                for upload_id in started:  # s3transfer aborts what it cancels; make sure of it
+                    self._aborts[upload_id] = key
+                raise
+            for upload_id in started:
+                self.journal.drop_multipart(upload_id)
         except BackendError as exc:
             if not cancel.is_set():
                 self._errors += 1
@@ -513,6 +646,11 @@ class WriteBack:
                 self._retry[f.id] = backoff
                 self._not_before[f.id] = time.monotonic() + backoff
                 log.warning("upload of %s failed (%s); retrying in %.0f s", key, exc, backoff)
+            return
+        except OSError as exc:  # the data file itself: gone or replaced by something else
+            self._errors += 1
+            log.warning("upload of %s failed: %s; retrying", key, exc)
+            self._not_before[f.id] = time.monotonic() + self.RETRY_MAX
             return
         except Exception:
             self._errors += 1
@@ -522,6 +660,8 @@ class WriteBack:
         finally:
             f.uploading = False
             self._cancels.pop(f.id, None)
+            if self._aborts:
+                self._kick()
         self._retry.pop(f.id, None)
         self._not_before.pop(f.id, None)
         current = self._files.get(f.id) is f and f.generation == generation and f.path == key
@@ -533,10 +673,11 @@ class WriteBack:
                 self._deletes[key] = 0.0
             self._kick()
             return
+        obj = obj._replace(mode=f.mode, uid=f.uid, gid=f.gid)  # who may read it stays who could before
         self.journal.put_uploaded(obj, f.id)
         self.journal.remove_data(f.id)
         self._files.pop(f.id, None)
-        self.store.unpin(size)
+        self._unreserve(f, size)
         stored = Stored(f.inode, key, obj)  # the same inode: the kernel's view of it stays valid
         self.overlay.put(stored)
         self._uploaded[key] = obj
@@ -547,13 +688,29 @@ class WriteBack:
         self._touch()
         log.info("uploaded %s (%d bytes)", key, size)
 
+    async def _abort_unfinished(self) -> None:
+        """Abort the multipart uploads nobody will complete (cut off by a crash, failed, cancelled)."""
+        for upload_id, key in list(self._aborts.items()):
+            try:
+                await trio.to_thread.run_sync(self.backend.abort_multipart, key, upload_id, abandon_on_cancel=True)
+            except BackendError as exc:
+                log.warning("abort of an unfinished upload of %s failed (%s); retrying", key, exc)
+                continue
+            self._aborts.pop(upload_id, None)
+            self.journal.drop_multipart(upload_id)
+            log.info("aborted an unfinished multipart upload of %s", key)
+
     async def _delete_worker(self) -> None:
         while True:
             wake = self._wake
+            if self._aborts:
+                await self._abort_unfinished()
             now = time.monotonic()
             due = [k for k, at in self._deletes.items() if at <= now]
             if not due:
                 later = min((at - now for at in self._deletes.values()), default=3600.0)
+                if self._aborts:
+                    later = min(later, self.RETRY_MAX / 4)
                 with trio.move_on_after(later):
                     await wake.wait()
                 continue
@@ -620,6 +777,8 @@ class WriteBack:
             return not wanted or any(w == "" or key == w or key.startswith(w + "/") for w in wanted)
 
         def state(f: LocalFile) -> str:
+            if f.failed:
+                return f"not uploaded: {f.failed}"
             if f.writers:
                 return "open for writing"
             if f.uploading:
@@ -639,7 +798,8 @@ class WriteBack:
         for f in self._files.values():
             self._not_before.pop(f.id, None)
         with trio.move_on_after(seconds):
-            while any(p.state != "to publish" for p in self.pending(prefixes)):
+            while any(p.state != "to publish" and not p.state.startswith("not uploaded")
+                      for p in self.pending(prefixes)):
                 changed = self._changed
                 for f in self._files.values():
                     f.since = min(f.since, time.monotonic() - self.SETTLE)
@@ -669,7 +829,19 @@ class WriteBack:
             unpublished=len(self._uploaded) + len(self._deleted),
         )
 
-    def close(self) -> None:
-        for fh in list(self._handles):
-            self.release(fh)
+    def close(self, wait: float = 5.0) -> None:
+        """Stop: every upload is cancelled (the journal keeps what is owed; a multipart upload cut off is
+        aborted at the next start), and waited for at most ``wait`` seconds."""
+        for cancel in list(self._cancels.values()):
+            cancel.set()
+        deadline = time.monotonic() + wait
+        with self._uploads_done:
+            while self._uploads_running and time.monotonic() < deadline:
+                self._uploads_done.wait(max(0.01, deadline - time.monotonic()))
+            if self._uploads_running:
+                log.warning("%d uploads still running at shutdown; they resume at the next start",
+                            self._uploads_running)
+        for fh in list(self._handles):  # (a writer cut off by the shutdown has not finished its file)
+            os.close(fh)
+        self._handles.clear()
 

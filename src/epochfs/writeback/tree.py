@@ -25,9 +25,16 @@ OVERLAY_INODES = 1 << 48
 
 @dataclass(slots=True)
 class LocalDir:
+    """A directory made on this node: its creator's mode and owner, or None for one made implicitly
+    (the parent of a file whose directory the snapshot does not have yet), presented as the mount's
+    default."""
+
     inode: int
     path: str
     mtime_ns: int
+    mode: int | None = None
+    uid: int | None = None
+    gid: int | None = None
 
 
 @dataclass(slots=True)
@@ -46,7 +53,8 @@ class LocalFile:
     generation: int = 0  # bumped by every change: an upload of an older generation is stale
     since: float = 0.0  # when it was last closed (its bytes pending since then)
     uploading: bool = False
-    closed: bool = False  # as the journal has it: flushed by its writer since its last change
+    closed: bool = False  # as the journal has it: its last writable handle released since its last change
+    failed: str = ""  # why a write of it failed: never uploaded as it is
 
 
 @dataclass(slots=True)

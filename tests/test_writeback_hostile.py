@@ -1,0 +1,323 @@
+"""Write-back against its hostile cases, through real mounts: names at the limits of S3's key range, a
+writer that forks or dups its descriptor, writes that fail (a full cache, a full disk), two local users
+on one shared mount (ownership, modes, the sticky bit, a quota), a private file through upload, relist
+and remount, and an unmount or a crash in the middle of a multipart upload."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import requires_fuse
+from .faultproxy import Fault, FaultProxy
+from .helpers import EPOCHFS
+from .test_writeback import body, daemon_pid, keys_of, sync
+
+pytestmark = requires_fuse
+
+MiB = 1 << 20
+NOBODY = 65534
+
+
+def as_nobody(*cmd: str, umask: str = "022") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c", f'umask {umask}; exec "$@"', "sh", *cmd],
+                          capture_output=True, text=True, timeout=60, errors="replace")
+
+
+@pytest.fixture
+def shared_dir(request):
+    """A directory other users can traverse (pytest's own tmp dirs are private to root)."""
+    base = Path(tempfile.mkdtemp(prefix="epochfs-wb-shared-"))
+    os.chmod(base, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    return base
+
+
+def shared_mount(mount_factory, shared_dir: Path, source: str, *args: str, name: str = "m"):
+    m = mount_factory(source, "--writeback", "--allow-other", *args, cache_dir=shared_dir / f"cache-{name}",
+                      name=f"unused-{name}")
+    m.mountpoint = shared_dir / name
+    m.mountpoint.mkdir(exist_ok=True)
+    return m
+
+
+def kill_daemon(m) -> None:
+    os.kill(daemon_pid(m), signal.SIGKILL)
+    time.sleep(0.5)
+    subprocess.run(["fusermount3", "-uz", str(m.mountpoint)], capture_output=True)
+
+
+# -- names at the limits -------------------------------------------------------------------------------
+
+
+def test_names_past_lmdbs_key_limit_upload_delete_and_survive_a_restart(s3_client, fresh_bucket, mount_factory):
+    source = f"s3://{fresh_bucket}/ckpt"
+    long_key = "c" * 255 + "/" + "d" * 255 + "/" + "e" * 8  # 520 bytes, already in the bucket
+    s3_client.put_object(Bucket=fresh_bucket, Key=f"ckpt/{long_key}", Body=b"old")
+    m = mount_factory(source, "--writeback", name="mnt")
+    m.start()
+    d = m.path("a" * 255)
+    d.mkdir()
+    (d / ("b" * 252)).write_bytes(b"x\n")  # a 508-byte key; its parts are 255 and 252 bytes
+    (d / ("é" * 127)).write_bytes(b"y\n")  # 254 bytes of two-byte characters: 510 with the directory
+    assert sync(m).returncode == 0
+    os.unlink(m.path(long_key))
+    assert sync(m).returncode == 0
+    keys = keys_of(s3_client, fresh_bucket)
+    assert keys == {f"ckpt/{'a' * 255}/{'b' * 252}": 2, f"ckpt/{'a' * 255}/{'é' * 127}": 2}
+    assert m.status()["writeback"]["pending_files"] == 0  # (the daemon answers: it did not die)
+    m.stop()
+    again = mount_factory(source, "--writeback", name="mnt")
+    again.start()
+    assert (again.path("a" * 255) / ("b" * 252)).read_bytes() == b"x\n"
+    assert not again.path(long_key).exists()
+    assert sync(again).returncode == 0
+
+
+# -- when is a file done -----------------------------------------------------------------------------------
+
+
+def test_a_writer_that_forked_or_dupd_is_not_done_until_its_last_close(s3_client, fresh_bucket, mount_factory):
+    source = f"s3://{fresh_bucket}/ckpt"
+    m = mount_factory(source, "--writeback", name="mnt")
+    m.start()
+    half = random.Random(1).randbytes(8 * MiB)
+    whole = {}
+    fds = {}
+    for name in ("forked.pt", "dupd.pt", "finished.pt"):
+        fd = os.open(m.path(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, half)
+        if name == "dupd.pt":
+            os.close(os.dup(fd))  # a FLUSH for this description
+        else:
+            pid = os.fork()
+            if pid == 0:  # the child (a DataLoader worker, subprocess.run) closes everything and exits
+                os._exit(0)
+            os.waitpid(pid, 0)
+        fds[name] = fd
+    time.sleep(3.0)  # past the settle time: none of them may upload while its writer still writes
+    assert keys_of(s3_client, fresh_bucket) == {}
+    rest = random.Random(2).randbytes(3 * MiB + 5)
+    os.write(fds["finished.pt"], rest)
+    os.close(fds["finished.pt"])
+    whole["finished.pt"] = half + rest
+    assert sync(m, str(m.path("finished.pt"))).returncode == 0
+    assert body(s3_client, fresh_bucket, "ckpt/finished.pt") == whole["finished.pt"]
+    for name in ("forked.pt", "dupd.pt"):
+        os.write(fds[name], rest[:1000])  # still writing when the daemon dies
+    kill_daemon(m)
+    for fd in (fds["forked.pt"], fds["dupd.pt"]):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    again = mount_factory(source, "--writeback", name="mnt")
+    again.start()
+    assert sync(again).returncode == 0
+    assert keys_of(s3_client, fresh_bucket) == {"ckpt/finished.pt": len(whole["finished.pt"])}
+    assert "dropping 'forked.pt'" in again.log() and "dropping 'dupd.pt'" in again.log()
+
+
+def test_a_file_whose_write_failed_is_never_uploaded_and_sync_says_so(s3, s3_client, fresh_bucket, mount_factory):
+    source = f"s3://{fresh_bucket}/ckpt"
+    proxy = FaultProxy(s3.port).start()
+    try:
+        m = mount_factory(source, "--writeback", "--endpoint-url", proxy.endpoint, "--cache-size", "8M",
+                          "--backend-attempts", "1", name="mnt")
+        m.start()
+        proxy.set(Fault("error500", rate=1.0, methods=("PUT", "POST"), ranged_only=False))  # nothing drains
+        m.path("first.pt").write_bytes(b"f" * (5 * MiB))
+        with pytest.raises(OSError) as exc:  # torch.save raises; its file is cut short
+            m.path("second.pt").write_bytes(b"s" * (5 * MiB))
+        assert exc.value.errno == errno.ENOSPC
+        size = os.stat(m.path("second.pt")).st_size
+        assert 0 <= size < 5 * MiB and m.path("second.pt").read_bytes() == b"s" * size  # its size is its data
+        proxy.set(None)
+        result = sync(m, timeout=60)
+        assert result.returncode == 1, result.stderr
+        assert "second.pt" in result.stderr and "not uploaded" in result.stderr and "first.pt" not in result.stderr
+        assert keys_of(s3_client, fresh_bucket) == {"ckpt/first.pt": 5 * MiB}
+        m.stop()
+        again = mount_factory(source, "--writeback", name="mnt")  # the journal remembers it failed
+        again.start()
+        time.sleep(2.0)
+        assert sync(again, "--timeout", "10").returncode == 1
+        assert keys_of(s3_client, fresh_bucket) == {"ckpt/first.pt": 5 * MiB}
+        again.path("second.pt").write_bytes(b"t" * MiB)  # written again from the start: a new file
+        assert sync(again).returncode == 0
+        assert body(s3_client, fresh_bucket, "ckpt/second.pt") == b"t" * MiB
+    finally:
+        proxy.stop()
+
+
+def test_a_full_cache_disk_is_enospc_and_the_file_is_its_data(s3_client, fresh_bucket, mount_factory, tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M", "tmpfs", str(disk)], check=True)
+    try:
+        m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--writeback", "--cache-size", "1G",
+                          "--free-space-ratio", "0", cache_dir=disk / "cache", name="mnt")
+        m.start()
+        with pytest.raises(OSError) as exc:
+            with open(m.path("big.pt"), "wb") as f:
+                for _ in range(40):
+                    f.write(b"b" * MiB)
+        assert exc.value.errno == errno.ENOSPC, (exc.value, m.log()[-3000:])
+        size = os.stat(m.path("big.pt")).st_size
+        assert m.path("big.pt").read_bytes() == b"b" * size
+        os.unlink(m.path("big.pt"))
+        m.path("small.pt").write_bytes(b"fits")
+        assert sync(m).returncode == 0
+        assert keys_of(s3_client, fresh_bucket) == {"ckpt/small.pt": 4}
+        m.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+# -- two users on one mount ------------------------------------------------------------------------------
+
+
+def test_a_private_file_stays_private_through_upload_relist_and_remount(s3_client, fresh_bucket, mount_factory,
+                                                                        shared_dir):
+    source = f"s3://{fresh_bucket}/ckpt"
+    m = shared_mount(mount_factory, shared_dir, source, "--dir-mode", "1777")
+    m.start()
+    old = os.umask(0o077)
+    try:
+        m.path("private.pt").write_bytes(b"secret\n")
+    finally:
+        os.umask(old)
+    assert "Permission denied" in as_nobody("cat", str(m.path("private.pt"))).stderr
+    assert sync(m).returncode == 0
+    head = s3_client.head_object(Bucket=fresh_bucket, Key="ckpt/private.pt")
+    assert head["Metadata"] == {"epochfs-mode": "0600", "epochfs-uid": "0", "epochfs-gid": "0"}
+
+    def private() -> None:
+        st = os.stat(m.path("private.pt"))
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, 0)
+        denied = as_nobody("cat", str(m.path("private.pt")))
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr
+        assert m.path("private.pt").read_bytes() == b"secret\n"
+
+    private()
+    m.stop()
+    for extra in ((), ("--refresh",)):  # this node's snapshot, then the bucket listed again
+        m = shared_mount(mount_factory, shared_dir, source, "--dir-mode", "1777", *extra)
+        m.start()
+        private()
+        m.stop()
+
+
+def test_users_own_what_they_make_the_sticky_bit_holds_and_a_quota_bounds_them(s3_client, fresh_bucket,
+                                                                               mount_factory, shared_dir):
+    source = f"s3://{fresh_bucket}/ckpt"
+    args = ("--dir-mode", "1777", "--writeback-user-quota", "2M")
+    m = shared_mount(mount_factory, shared_dir, source, *args)
+    m.start()
+    assert stat.S_IMODE(os.stat(m.mountpoint).st_mode) == 0o1777
+    m.path("root.pt").write_bytes(b"root's")
+    mine = m.path("mine")
+    assert as_nobody("mkdir", str(mine)).returncode == 0
+    st = os.stat(mine)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o755, NOBODY, st.st_gid)
+    assert as_nobody("sh", "-c", f"echo hi > {mine}/a.pt").returncode == 0
+    # the sticky bit: another user's file in a shared directory can be neither removed nor replaced
+    for cmd in (["rm", "-f", str(m.path("root.pt"))], ["mv", "-f", f"{mine}/a.pt", str(m.path("root.pt"))]):
+        denied = as_nobody(*cmd)
+        assert denied.returncode != 0 and "not permitted" in denied.stderr, denied
+    assert m.path("root.pt").read_bytes() == b"root's" and (mine / "a.pt").exists()
+    # the owner may chmod; nobody else may, nor give a directory away
+    assert as_nobody("chmod", "700", str(mine)).returncode == 0
+    assert stat.S_IMODE(os.stat(mine).st_mode) == 0o700
+    assert as_nobody("chown", "0", str(mine)).returncode != 0
+    os.chmod(mine, 0o750)  # root may
+    os.chmod(mine, 0o700)
+    # a quota: one user cannot fill the cache for everyone
+    full = as_nobody("sh", "-c", f"head -c 3145728 /dev/zero > {mine}/big.pt")
+    assert full.returncode != 0 and "quota" in full.stderr.lower(), full
+    m.path("roots.pt").write_bytes(b"r" * (3 * MiB // 2))  # each user has a quota of their own
+    as_nobody("rm", "-f", f"{mine}/big.pt")
+    assert sync(m).returncode == 0
+    m.stop()
+    again = shared_mount(mount_factory, shared_dir, source, *args)  # what was made here keeps its owner
+    again.start()
+    st = os.stat(again.path("mine"))
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, NOBODY)
+    assert os.stat(again.path("mine") / "a.pt").st_uid == NOBODY
+    denied = as_nobody("rm", "-f", str(again.path("root.pt")))
+    assert denied.returncode != 0 and again.path("root.pt").exists()
+    again.stop()
+
+
+# -- stopping in the middle of an upload ------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie has exited)
+    except OSError:
+        return False
+
+
+def multipart_uploads(s3_client, bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def test_umount_during_a_large_upload_stops_at_once_and_the_next_mount_finishes_it(
+        s3_client, fresh_bucket, mount_factory):
+    source = f"s3://{fresh_bucket}/ckpt"
+    m = mount_factory(source, "--writeback", "--upload-bandwidth", "4M", name="mnt")
+    m.start()
+    data = random.Random(3).randbytes(80 * MiB)  # over the multipart threshold
+    m.path("big.pt").write_bytes(data)
+    deadline = time.monotonic() + 30
+    while not multipart_uploads(s3_client, fresh_bucket):
+        assert time.monotonic() < deadline, m.log()[-2000:]
+        time.sleep(0.2)
+    pid = daemon_pid(m)
+    start = time.monotonic()
+    result = subprocess.run([*EPOCHFS, "umount", str(m.mountpoint)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - start < 15
+    assert not alive(pid)  # the daemon is gone: no second one races it for the cache directory
+    assert "ckpt/big.pt" not in keys_of(s3_client, fresh_bucket)
+    again = mount_factory(source, "--writeback", name="mnt")
+    again.start()
+    assert sync(again, timeout=180).returncode == 0
+    assert body(s3_client, fresh_bucket, "ckpt/big.pt") == data
+    assert multipart_uploads(s3_client, fresh_bucket) == []
+
+
+def test_a_multipart_upload_cut_off_by_a_crash_is_aborted_at_the_next_start(s3_client, fresh_bucket,
+                                                                            mount_factory):
+    source = f"s3://{fresh_bucket}/ckpt"
+    m = mount_factory(source, "--writeback", "--upload-bandwidth", "4M", name="mnt")
+    m.start()
+    m.path("big.pt").write_bytes(random.Random(4).randbytes(70 * MiB))
+    deadline = time.monotonic() + 30
+    while not multipart_uploads(s3_client, fresh_bucket):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(0.5)  # (the journal has its id: it is written as the upload is created)
+    kill_daemon(m)
+    assert multipart_uploads(s3_client, fresh_bucket) == ["ckpt/big.pt"]
+    again = mount_factory(source, "--writeback", name="mnt")
+    again.start()
+    os.unlink(again.path("big.pt"))  # not wanted any more: nothing of it may stay billed
+    deadline = time.monotonic() + 30
+    while multipart_uploads(s3_client, fresh_bucket):
+        assert time.monotonic() < deadline, again.log()[-3000:]
+        time.sleep(0.2)
+    assert "aborted an unfinished multipart upload of big.pt" in again.log()
+    assert sync(again).returncode == 0 and keys_of(s3_client, fresh_bucket) == {}
