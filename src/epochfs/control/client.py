@@ -14,7 +14,7 @@ import socket
 import stat
 from typing import Any
 
-from epochfs.control.protocol import encode
+from epochfs.control.protocol import CHUNK_ENTRIES, encode
 from epochfs.control.server import peer_uid
 from epochfs.errors import ConfigError, EpochfsError
 
@@ -46,15 +46,27 @@ def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
 
 def request(mountpoint: str | os.PathLike[str], op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
     """Send ``op`` to the daemon serving ``mountpoint`` and return its reply (without ``ok``).
-    Raises :class:`EpochfsError` with the daemon's message, or with what went wrong on the way."""
+    Raises :class:`EpochfsError` with the daemon's message, or with what went wrong on the way.
+    ``entries`` longer than one chunk are streamed (the daemon takes them one chunk at a time)."""
     path = _socket_of(mountpoint)
+    entries = args.get("entries")
+    lines = [encode({"op": op, **args})]
+    if isinstance(entries, list) and len(entries) > CHUNK_ENTRIES:
+        lines = [encode({"op": op, **args, "entries": [], "follow": True})]
+        lines += [json.dumps(entries[i:i + CHUNK_ENTRIES]).encode() + b"\n"
+                  for i in range(0, len(entries), CHUNK_ENTRIES)]
+        lines.append(b"[]\n")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         try:
             sock.connect(path)
             if peer_uid(sock) not in {0, os.geteuid()}:
                 raise EpochfsError(f"control socket {path} is served by another user; refusing to use it")
-            sock.sendall(encode({"op": op, **args}))
+            try:
+                for line in lines:
+                    sock.sendall(line)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon refused the request before reading it all: its reply says why
             buf = bytearray()
             while not buf.endswith(b"\n") and len(buf) <= _MAX_REPLY:
                 chunk = sock.recv(1 << 16)

@@ -1,8 +1,9 @@
 """What each control request does: a validated request (:mod:`.protocol`) becomes component calls.
 
 Paths named by a request are resolved against the snapshot being served, in a worker thread (a
-manifest may name millions of files), and the hand-over's size is checked there before any work on
-the event loop (:func:`epochfs.prefetch.plan.count_blocks`).
+manifest may name millions of files), one chunk at a time for a streamed request; the hand-over's
+size is checked after each chunk (:func:`epochfs.prefetch.plan.count_blocks`), so an oversized one is
+refused before the rest of it is read or any work is done on the event loop.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +19,13 @@ import trio
 
 from epochfs import __version__
 from epochfs.control import protocol as p
-from epochfs.control.server import Handler
+from epochfs.control.server import Chunks, Handler
 from epochfs.errors import ConfigError
 from epochfs.meta.namespace import File, Namespace
 from epochfs.meta.snapshots import Snapshots
 from epochfs.metrics import Collected
 from epochfs.prefetch.manifest import ManifestError
-from epochfs.prefetch.plan import count_blocks
+from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.records import ObjectInfo
 from epochfs.writeback.service import WriteBack
@@ -46,12 +47,15 @@ class MountInfo:
     metrics_addr: Callable[[], str | None]
 
 
-def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, block_size: int) -> list[ObjectInfo]:
-    """The objects a request's entries name (directories expanded to their files if asked); errors name
-    the manifest lines. Runs in a worker thread: the namespace is immutable."""
+def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], source: str, *,
+                 expand_dirs: bool) -> tuple[list[ObjectInfo], list[str], int]:
+    """The objects ``entries`` name (directories expanded to their files if asked), what is missing (at
+    most six messages, naming the manifest lines) and how many are. Worker thread: the namespace is
+    immutable."""
     objs: list[ObjectInfo] = []
-    missing = []
-    for line, path in request.entries:
+    missing: list[str] = []
+    missed = 0
+    for line, path in entries:
         node = namespace.resolve(path)
         if isinstance(node, File):
             objs.append(node.obj)
@@ -59,12 +63,25 @@ def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, bloc
             prefix = node.path + "/" if node.path else ""
             objs.extend(f.obj for f in namespace.files() if f.path.startswith(prefix))
         else:
-            missing.append(f"{request.source}:{line}: {path!r} is {'a directory' if node else 'not in the snapshot'}")
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ManifestError("; ".join(missing[:5]) + more)
+            missed += 1
+            if len(missing) < 6:
+                missing.append(f"{source}:{line}: {path!r} is {'a directory' if node else 'not in the snapshot'}")
+    return objs, missing, missed
+
+
+def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, block_size: int) -> list[ObjectInfo]:
+    """The objects a request's (own) entries name; :class:`ManifestError` naming the lines of what is
+    missing, :class:`~epochfs.prefetch.plan.PlanTooLarge` past the hand-over limit."""
+    objs, missing, missed = resolve_some(namespace, request.entries, request.source, expand_dirs=expand_dirs)
+    _check_missing(missing, missed)
     count_blocks(objs, block_size)
     return objs
+
+
+def _check_missing(missing: list[str], missed: int) -> None:
+    if missed:
+        more = f" (and {missed - 5} more)" if missed > 5 else ""
+        raise ManifestError("; ".join(missing[:5]) + more)
 
 
 class ControlHandlers:
@@ -83,10 +100,31 @@ class ControlHandlers:
             p.GetManifest: self.get_manifest, p.Sync: self.sync,
         }
 
-    async def _objects(self, request: p.Entries, *, expand_dirs: bool) -> list[ObjectInfo]:
-        return await trio.to_thread.run_sync(
-            lambda: resolve(self.snapshots.namespace, request, expand_dirs=expand_dirs,
-                            block_size=self.info.block_size))
+    async def _objects(self, request: p.Entries, chunks: Chunks | None, *, expand_dirs: bool) -> list[ObjectInfo]:
+        namespace, block_size = self.snapshots.namespace, self.info.block_size  # one snapshot for all chunks
+        if chunks is None:
+            return await trio.to_thread.run_sync(
+                lambda: resolve(namespace, request, expand_dirs=expand_dirs, block_size=block_size))
+        objs: list[ObjectInfo] = []
+        missing: list[str] = []
+        missed = blocks = 0
+
+        def take(entries: tuple[tuple[int, str], ...]) -> None:  # (a worker thread)
+            nonlocal missed, blocks
+            got, miss, n = resolve_some(namespace, entries, request.source, expand_dirs=expand_dirs)
+            blocks += count_blocks(got, block_size)
+            if blocks > MAX_PLAN_BLOCKS:  # refused as it grows: the rest is never read
+                raise PlanTooLarge(f"more than {MAX_PLAN_BLOCKS} blocks in one hand-over; hand over a shorter "
+                                   "manifest (one epoch, one rank) or use a larger --block-size")
+            objs.extend(got)
+            missing.extend(miss[:6 - len(missing)])
+            missed += n
+
+        await trio.to_thread.run_sync(take, request.entries)
+        async for entries in chunks:
+            await trio.to_thread.run_sync(take, entries)
+        _check_missing(missing, missed)
+        return objs
 
     async def status(self, request: p.Status) -> dict[str, Any]:
         return status_of(self.info, self.collect())
@@ -94,16 +132,16 @@ class ControlHandlers:
     async def refresh(self, request: p.Refresh) -> dict[str, Any]:
         return await self.snapshots.refresh()
 
-    async def prefetch(self, request: p.Prefetch) -> dict[str, Any]:
-        objs = await self._objects(request, expand_dirs=False)
+    async def prefetch(self, request: p.Prefetch, chunks: Chunks | None = None) -> dict[str, Any]:
+        objs = await self._objects(request, chunks, expand_dirs=False)
         return await self.prefetcher.load(objs, epoch=request.epoch, replace=request.replace, rank=request.rank)
 
-    async def warmup(self, request: p.Warmup) -> dict[str, Any]:
-        objs = await self._objects(request, expand_dirs=True)
+    async def warmup(self, request: p.Warmup, chunks: Chunks | None = None) -> dict[str, Any]:
+        objs = await self._objects(request, chunks, expand_dirs=True)
         return self.prefetcher.warmup(objs).as_dict()
 
-    async def resident(self, request: p.Resident) -> dict[str, Any]:
-        objs = await self._objects(request, expand_dirs=True)
+    async def resident(self, request: p.Resident, chunks: Chunks | None = None) -> dict[str, Any]:
+        objs = await self._objects(request, chunks, expand_dirs=True)
         return await self.prefetcher.resident(objs)
 
     async def job(self, request: p.Job) -> dict[str, Any]:

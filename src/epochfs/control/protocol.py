@@ -24,6 +24,12 @@ Operations and fields:
 
 ``entries`` is a list of ``[line, path]`` pairs (the line number in the user's manifest, for error
 messages; the path relative to the mount root); ``source`` names where they came from.
+
+**Streamed entries.** A line is at most ``MAX_LINE`` bytes, checked before it is parsed, so no request
+holds the daemon (parsing holds the interpreter) for long. A longer manifest is streamed: the request
+line has ``"follow": true`` (and its own ``entries``, usually none), and chunk lines follow, each a JSON
+list of at most ``CHUNK_ENTRIES`` pairs, ended by an empty list ``[]``. The daemon parses and resolves
+one chunk at a time, and refuses the request as soon as it is over its limits, without reading on.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from typing import Any
 
 from epochfs.errors import EpochfsError
 
-#: Largest request line accepted (a manifest of about ten million paths).
-MAX_REQUEST = 256 << 20
+#: Longest line accepted, checked before it is parsed: a request, or one chunk of streamed entries.
+MAX_LINE = 32 << 20
+#: Entries per chunk line of a streamed request (about 4 MiB of JSON for ordinary paths).
+CHUNK_ENTRIES = 100_000
 MAX_PATH_BYTES = 4096
 MAX_NAME = 255
 MAX_SOURCE = 4096
@@ -64,12 +72,13 @@ class Entries:
 
     entries: tuple[tuple[int, str], ...]
     source: str
+    follow: bool = False  # more entries follow in chunk lines (a streamed request)
 
 
 @dataclass(frozen=True, slots=True)
 class Prefetch(Entries):
-    epoch: int | None
-    replace: bool
+    epoch: int | None = None
+    replace: bool = False
     rank: int | None = None
 
 
@@ -175,9 +184,10 @@ def _seconds(value: Any, field: str, hi: float) -> float:
 _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "status": ((), {}),
     "refresh": ((), {}),
-    "prefetch": (("entries",), {"source": "manifest", "epoch": None, "replace": False, "rank": None}),
-    "warmup": (("entries",), {"source": "manifest"}),
-    "resident": (("entries",), {"source": "manifest"}),
+    "prefetch": (("entries",), {"source": "manifest", "epoch": None, "replace": False, "rank": None,
+                                "follow": False}),
+    "warmup": (("entries",), {"source": "manifest", "follow": False}),
+    "resident": (("entries",), {"source": "manifest", "follow": False}),
     "job": (("id",), {}),
     "cancel": (("id",), {}),
     "publish_manifest": (("name", "text"), {}),
@@ -189,8 +199,8 @@ OPERATIONS = tuple(_FIELDS)
 
 def parse(line: bytes) -> Request:
     """The typed request in one line of the protocol; :class:`BadRequest` if it is not one."""
-    if len(line) > MAX_REQUEST:
-        raise BadRequest(f"request larger than {MAX_REQUEST} bytes")
+    if len(line) > MAX_LINE:
+        raise BadRequest(f"request larger than {MAX_LINE} bytes (stream long manifests in chunks)")
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
@@ -217,19 +227,34 @@ def parse(line: bytes) -> Request:
     if op == "cancel":
         return Cancel(_int(f["id"], "id"))
     if op == "publish_manifest":
-        return PublishManifest(_name(f["name"]), _text(f["text"], "text", MAX_REQUEST, empty=True))
+        return PublishManifest(_name(f["name"]), _text(f["text"], "text", MAX_LINE, empty=True))
     if op == "get_manifest":
         return GetManifest(_name(f["name"]))
     if op == "sync":
         return Sync(_paths(f["paths"]), _seconds(f["wait"], "wait", MAX_SYNC_WAIT))
     entries, source = _entries(f["entries"]), _text(f["source"], "source", MAX_SOURCE)
+    if not isinstance(f["follow"], bool):
+        raise BadRequest("'follow' must be true or false")
     if op == "prefetch":
         epoch = None if f["epoch"] is None else _int(f["epoch"], "epoch", -MAX_INT)
         if not isinstance(f["replace"], bool):
             raise BadRequest("'replace' must be true or false")
         rank = None if f["rank"] is None else _int(f["rank"], "rank", 0, 1 << 20)
-        return Prefetch(entries, source, epoch, f["replace"], rank)
-    return Warmup(entries, source) if op == "warmup" else Resident(entries, source)
+        return Prefetch(entries, source, f["follow"], epoch, f["replace"], rank)
+    return (Warmup if op == "warmup" else Resident)(entries, source, f["follow"])
+
+
+def parse_chunk(line: bytes) -> tuple[tuple[int, str], ...]:
+    """The entries of one chunk line of a streamed request (empty: the last); :class:`BadRequest`."""
+    if len(line) > MAX_LINE:
+        raise BadRequest(f"chunk larger than {MAX_LINE} bytes")
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"a chunk is not a JSON line: {exc}"[:200]) from None
+    if isinstance(value, list) and len(value) > CHUNK_ENTRIES:
+        raise BadRequest(f"a chunk holds at most {CHUNK_ENTRIES} entries")
+    return _entries(value)
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -2,10 +2,12 @@
 
 Only root and the user the daemon runs as may use it: the socket is mode 0600 in a private directory
 (the cache directory, or a checked private runtime directory when that path is too long for AF_UNIX),
-and the peer's credentials (SO_PEERCRED) are checked on every connection. Requests are parsed and
-validated by :mod:`.protocol` in a worker thread (a large manifest is not parsed on the event loop);
-a request that does not parse, or a handler that fails, gets an error reply: nothing a client sends
-can stop the daemon. Connections are bounded in number and in time.
+and the peer's credentials (SO_PEERCRED) are checked on every connection. Every line is bounded
+(``MAX_LINE``) before it is parsed, and parsed and validated by :mod:`.protocol` in a worker thread; a
+long manifest arrives as a stream of chunk lines, parsed and handed to the handler one at a time (a
+handler that refuses the request stops the reading). A request that does not parse, or a handler that
+fails, gets an error reply: nothing a client sends can stop the daemon. Connections are bounded in
+number and in time (``RECEIVE_TIMEOUT`` for each line).
 """
 
 from __future__ import annotations
@@ -15,19 +17,20 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from epochfs.control.protocol import MAX_REQUEST, BadRequest, Request, encode, parse
+from epochfs.control.protocol import MAX_LINE, BadRequest, Request, encode, parse, parse_chunk
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.private import private_dir
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any], Awaitable[dict[str, Any]]]
+Handler = Callable[..., Awaitable[dict[str, Any]]]  # (request) or, streamed, (request, chunks)
+Chunks = AsyncIterator[tuple[tuple[int, str], ...]]
 _SUN_PATH_MAX = 107
 MAX_CONNECTIONS = 32
 RECEIVE_TIMEOUT = 60.0  # seconds to deliver a whole request
@@ -108,16 +111,17 @@ class ControlServer:
             # broken pipe.
             with trio.move_on_after(5):
                 try:
-                    await _receive_line(stream, limit=1 << 16)
+                    await _Lines(stream).next(limit=1 << 16)
                 except BadRequest:
                     pass
             await _try_send(stream, {"ok": False, "error": "permission denied: only root or the mount's owner"})
             return
+        lines = _Lines(stream)
         try:
             with trio.fail_after(RECEIVE_TIMEOUT):
-                line = await _receive_line(stream)
+                line = await lines.next()
             request = await trio.to_thread.run_sync(parse, line)
-            reply = await self.dispatch(request)
+            reply = await self.dispatch(request, _chunks(lines) if getattr(request, "follow", False) else None)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         except trio.TooSlowError:
@@ -126,13 +130,14 @@ class ControlServer:
             reply = {"ok": False, "error": f"malformed request: {exc}", "kind": "config"}
         await _try_send(stream, reply)
 
-    async def dispatch(self, request: Request) -> dict[str, Any]:
-        """The reply to a parsed request. Never raises for a failure of the handler."""
+    async def dispatch(self, request: Request, chunks: Chunks | None = None) -> dict[str, Any]:
+        """The reply to a parsed request (whose further entries come from ``chunks``, if streamed).
+        Never raises for a failure of the handler."""
         handler = self.handlers.get(type(request))
         if handler is None:
             return {"ok": False, "error": f"{type(request).__name__.lower()} is not supported by this daemon"}
         try:
-            return {"ok": True, **await handler(request)}
+            return {"ok": True, **await (handler(request) if chunks is None else handler(request, chunks))}
         except EpochfsError as exc:  # "config": the request's input is wrong (the CLI exits with 2)
             return {"ok": False, "error": str(exc), "kind": "config" if isinstance(exc, ConfigError) else "error"}
         except Exception as exc:  # a bug must fail the request, never the daemon
@@ -140,16 +145,47 @@ class ControlServer:
             return {"ok": False, "error": f"internal error: {type(exc).__name__}; see the daemon's log"}
 
 
-async def _receive_line(stream: trio.SocketStream, limit: int = MAX_REQUEST) -> bytes:
-    buf = bytearray()
-    while not buf.endswith(b"\n"):
-        chunk = await stream.receive_some(1 << 16)
+class _Lines:
+    """Newline-ended lines from a stream, each at most ``limit`` bytes (refused once it is longer,
+    before anything of it is parsed)."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+
+    async def next(self, limit: int = MAX_LINE) -> bytes:
+        start = 0
+        while True:
+            end = self._buf.find(b"\n", start)
+            if end >= 0:
+                line = bytes(self._buf[:end + 1])
+                del self._buf[:end + 1]
+                return line
+            if len(self._buf) > limit:
+                raise BadRequest(f"line longer than {limit} bytes (stream long manifests in chunks)")
+            start = len(self._buf)
+            chunk = await self.stream.receive_some(1 << 16)
+            if not chunk:
+                line = bytes(self._buf)
+                self._buf.clear()
+                return line
+            self._buf += chunk
+
+
+async def _chunks(lines: _Lines) -> Chunks:
+    """The chunks of a streamed request, parsed one at a time in a worker thread, until the empty one."""
+    while True:
+        try:
+            with trio.fail_after(RECEIVE_TIMEOUT):
+                line = await lines.next()
+        except trio.TooSlowError:
+            raise BadRequest(f"no complete chunk within {RECEIVE_TIMEOUT:.0f}s") from None
+        if not line:
+            raise BadRequest("the stream of entries ended without its closing []")
+        chunk = await trio.to_thread.run_sync(parse_chunk, line)
         if not chunk:
-            break
-        buf += chunk
-        if len(buf) > limit:
-            raise BadRequest(f"request larger than {limit} bytes")
-    return bytes(buf)
+            return
+        yield chunk
 
 
 async def _try_send(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
