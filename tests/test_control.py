@@ -22,7 +22,7 @@ WRONG_VALUES = [None, True, False, 0, -1, 1 << 64, 1.5, float("nan"), "", "x", "
 def test_valid_requests_parse_to_typed_requests():
     line = p.encode({"op": "prefetch", "entries": [[1, "a/b.jpg"], [2, "c"]], "source": "m.txt", "epoch": 3,
                      "replace": True})
-    assert p.parse(line) == p.Prefetch(((1, "a/b.jpg"), (2, "c")), "m.txt", 3, True, None)
+    assert p.parse(line) == p.Prefetch(((1, "a/b.jpg"), (2, "c")), "m.txt", False, 3, True, None)
     assert p.parse(p.encode({"op": "warmup", "entries": []})) == p.Warmup((), "manifest")
     assert p.parse(p.encode({"op": "job", "id": 7})) == p.Job(7)
     assert p.parse(p.encode({"op": "status"})) == p.Status()
@@ -50,7 +50,8 @@ VALID = {  # what the protocol documents for each field
     "rank": lambda v: v is None or _is_int(v, 0, 1 << 20),
     "id": lambda v: _is_int(v, 0, p.MAX_INT),
     "name": lambda v: _is_text(v, 255) and not any(ord(c) < 32 for c in v),
-    "text": lambda v: _is_text(v, p.MAX_REQUEST, empty=True),
+    "text": lambda v: _is_text(v, p.MAX_LINE, empty=True),
+    "follow": lambda v: isinstance(v, bool),
     "paths": lambda v: isinstance(v, list) and len(v) <= p.MAX_SYNC_PATHS and all(
         _is_text(e, 4096, empty=True) and "\x00" not in e for e in v),
     "wait": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= p.MAX_SYNC_WAIT,

@@ -13,12 +13,14 @@ import socket
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from epochfs.backend.local import file_etag
+from epochfs.control import protocol as p
 from epochfs.control.protocol import OPERATIONS
 from epochfs.meta.lmdb import LmdbMetaStore
 from epochfs.records import ObjectInfo
@@ -140,8 +142,11 @@ def _raw_request(sock_path: str, payload: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(30)
         s.connect(sock_path)
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+        except BrokenPipeError:  # refused before it was all read: the reply says why
+            pass
         out = b""
         while chunk := s.recv(65536):
             out += chunk
@@ -157,9 +162,16 @@ def test_fuzzed_control_requests_get_error_replies_and_the_mount_stays_exact(s3_
         rng = random.Random(3)
         values = [None, True, 0, -5, 1 << 70, 2.5, "", "z/0.bin", "\udc80", [], [[0]], [["x", 1]],
                   [[1, "z/0.bin"]], [[1, "missing"]], [[1, "z"]], {"a": []}, "a" * 5000]
-        for i in range(400):
-            kind = i % 4
-            if kind == 0:
+        for i in range(500):
+            kind = i % 5
+            if kind == 4:  # a streamed request: a header, then chunk lines that may be anything
+                head = {"op": rng.choice(["prefetch", "warmup", "resident"]), "entries": [], "follow": True}
+                chunks = [rng.choice([b"[[1, \"z/0.bin\"]]\n", b"[[1, 2]]\n", b"{}\n", b"[" * 5000 + b"\n",
+                                      bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 100))) + b"\n",
+                                      json.dumps([[1, "z/1.bin"]] * (p.CHUNK_ENTRIES + 1)).encode() + b"\n"])
+                          for _ in range(rng.randrange(0, 4))]
+                payload = json.dumps(head).encode() + b"\n" + b"".join(chunks) + rng.choice([b"[]\n", b""])
+            elif kind == 0:
                 payload = bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 300))) + b"\n"
             elif kind == 1:
                 payload = rng.choice([b"[" * 50_000 + b"\n", b"{}\n", b"null\n", b'{"op": 7}\n', b"\xff\xfe\n",
@@ -297,3 +309,41 @@ def test_an_absurd_prefetch_is_refused_and_the_mount_stays_responsive(tmp_path, 
         assert time.monotonic() - started < 20
         run_with_deadline(lambda: os.stat(m.path("small.bin")), 2)
         assert m.path("small.bin").read_bytes() == b"x" * 1000
+        # streamed: the oversized object comes first, a long tail after it is never read
+        manifest.write_text("huge.bin\n" + "small.bin\n" * (3 * p.CHUNK_ENTRIES))
+        r = subprocess.run([*EPOCHFS, "prefetch", str(m.mountpoint), "--manifest", str(manifest)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "blocks" in r.stderr and "hand-over" in r.stderr, r.stderr
+        run_with_deadline(lambda: os.stat(m.path("small.bin")), 2)
+
+
+def test_a_long_manifest_is_streamed_and_the_mount_answers_meanwhile(tmp_path, s3, s3_client, fresh_bucket,
+                                                                     mount_factory):
+    """More entries than one line may hold (a line is bounded before it is parsed): the command streams
+    them, the daemon takes them one chunk at a time, and lookups on the mount go on meanwhile."""
+    etag = s3_client.put_object(Bucket=fresh_bucket, Key="f/0", Body=b"y" * 100)["ETag"]
+    n = 5 * p.CHUNK_ENTRIES // 2
+    cache = tmp_path / "cache"
+    source = f"s3://{fresh_bucket}/"
+    LmdbMetaStore(cache / "meta").save(source, [ObjectInfo(f"f/{i}", 100, 0, etag) for i in range(n)])
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("".join(f"f/{i}\n" for i in range(n - 1, -1, -1)))
+    with mount_factory(f"s3://{fresh_bucket}", cache_dir=cache) as m:
+        worst, stop = [0.0], [False]
+
+        def probe() -> None:
+            while not stop[0]:
+                t = time.monotonic()
+                os.stat(m.path(f"f/{random.randrange(n)}"))
+                worst[0] = max(worst[0], time.monotonic() - t)
+                time.sleep(0.01)
+
+        th = threading.Thread(target=probe, daemon=True)
+        th.start()
+        r = subprocess.run([*EPOCHFS, "prefetch", str(m.mountpoint), "--manifest", str(manifest)],
+                           capture_output=True, text=True, timeout=120)
+        stop[0] = True
+        th.join(10)
+        assert r.returncode == 0 and f"{n} files" in r.stdout, r.stderr
+        assert worst[0] < 1.0, worst[0]
+        assert m.path("f/0").read_bytes() == b"y" * 100

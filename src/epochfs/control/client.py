@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from epochfs.control.protocol import CHUNK_ENTRIES, encode
@@ -44,18 +45,24 @@ def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
     return path
 
 
+def _lines(op: str, args: dict[str, Any]) -> Iterator[bytes]:
+    """The request's lines: one, or a streamed request's header, its chunks and the closing ``[]``."""
+    entries = args.get("entries")
+    if not (isinstance(entries, list) and len(entries) > CHUNK_ENTRIES):
+        yield encode({"op": op, **args})
+        return
+    yield encode({"op": op, **args, "entries": [], "follow": True})
+    for i in range(0, len(entries), CHUNK_ENTRIES):
+        yield json.dumps(entries[i:i + CHUNK_ENTRIES]).encode() + b"\n"
+    yield b"[]\n"
+
+
 def request(mountpoint: str | os.PathLike[str], op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
     """Send ``op`` to the daemon serving ``mountpoint`` and return its reply (without ``ok``).
     Raises :class:`EpochfsError` with the daemon's message, or with what went wrong on the way.
     ``entries`` longer than one chunk are streamed (the daemon takes them one chunk at a time)."""
     path = _socket_of(mountpoint)
-    entries = args.get("entries")
-    lines = [encode({"op": op, **args})]
-    if isinstance(entries, list) and len(entries) > CHUNK_ENTRIES:
-        lines = [encode({"op": op, **args, "entries": [], "follow": True})]
-        lines += [json.dumps(entries[i:i + CHUNK_ENTRIES]).encode() + b"\n"
-                  for i in range(0, len(entries), CHUNK_ENTRIES)]
-        lines.append(b"[]\n")
+    lines = _lines(op, args)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
         try:

@@ -117,11 +117,13 @@ class ControlServer:
             await _try_send(stream, {"ok": False, "error": "permission denied: only root or the mount's owner"})
             return
         lines = _Lines(stream)
+        streamed = False
         try:
             with trio.fail_after(RECEIVE_TIMEOUT):
                 line = await lines.next()
             request = await trio.to_thread.run_sync(parse, line)
-            reply = await self.dispatch(request, _chunks(lines) if getattr(request, "follow", False) else None)
+            streamed = getattr(request, "follow", False)
+            reply = await self.dispatch(request, _chunks(lines) if streamed else None)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         except trio.TooSlowError:
@@ -129,6 +131,8 @@ class ControlServer:
         except BadRequest as exc:
             reply = {"ok": False, "error": f"malformed request: {exc}", "kind": "config"}
         await _try_send(stream, reply)
+        if streamed and not lines.ended:
+            await _discard_rest(stream)
 
     async def dispatch(self, request: Request, chunks: Chunks | None = None) -> dict[str, Any]:
         """The reply to a parsed request (whose further entries come from ``chunks``, if streamed).
@@ -152,6 +156,7 @@ class _Lines:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self._buf = bytearray()
+        self.ended = False  # the closing line of a streamed request was read
 
     async def next(self, limit: int = MAX_LINE) -> bytes:
         start = 0
@@ -184,8 +189,20 @@ async def _chunks(lines: _Lines) -> Chunks:
             raise BadRequest("the stream of entries ended without its closing []")
         chunk = await trio.to_thread.run_sync(parse_chunk, line)
         if not chunk:
+            lines.ended = True
             return
         yield chunk
+
+
+async def _discard_rest(stream: trio.SocketStream) -> None:
+    """Read and drop what a refused streamed request still sends (for a few seconds at most): a Unix
+    socket closed with unread data resets the connection, and the client would lose the reply."""
+    with trio.move_on_after(5):
+        try:
+            while await stream.receive_some(1 << 20):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 async def _try_send(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
