@@ -347,3 +347,26 @@ def test_a_long_manifest_is_streamed_and_the_mount_answers_meanwhile(tmp_path, s
         assert r.returncode == 0 and f"{n} files" in r.stdout, r.stderr
         assert worst[0] < 1.0, worst[0]
         assert m.path("f/0").read_bytes() == b"y" * 100
+
+
+def test_idle_connections_cannot_block_the_metrics_scrapes(s3_client, fresh_bucket, mount_factory):
+    """Any local user can connect to the metrics port; connections that send nothing give up their slot
+    to a scraper that asks."""
+    s3_client.put_object(Bucket=fresh_bucket, Key="a.bin", Body=b"a")
+    with mount_factory(f"s3://{fresh_bucket}") as m:
+        host, port = m.status()["metrics_addr"].rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(64)]
+        try:
+            ok = 0
+            for _ in range(30):
+                with socket.create_connection((host, int(port)), timeout=5) as s:
+                    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                    reply = b""
+                    while chunk := s.recv(65536):
+                        reply += chunk
+                ok += reply.startswith(b"HTTP/1.1 200") and b"epochfs_cache_hits_total" in reply
+                idle.append(socket.create_connection((host, int(port)), timeout=5))  # and more keep coming
+            assert ok == 30
+        finally:
+            for s in idle:
+                s.close()

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from epochfs.errors import ConfigError
+from epochfs.slots import Slot, Slots
 from epochfs.stats import HistogramSnapshot
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "epochfs_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MAX_CONNECTIONS = 16  # concurrent scrapes; more are closed at once
+MAX_CONNECTIONS = 16  # concurrent scrapes (a connection that has sent no request yields its slot)
+REQUEST_TIMEOUT = 5.0  # seconds a scraper has to send its request
 
 # name: (type, help). The name of a counter here is without its "_total" suffix.
 METRICS: dict[str, tuple[str, str]] = {
@@ -224,7 +226,7 @@ class MetricsServer:
         self.fallback = fallback
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(collect, mountpoint))
-        self._slots = trio.Semaphore(MAX_CONNECTIONS)
+        self._slots = Slots(MAX_CONNECTIONS)  # earned by a complete request
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -261,24 +263,26 @@ class MetricsServer:
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:
+            slot = self._slots.take()
+            if slot is None:
+                return  # every slot is answering a scrape: closed at once, so they cannot eat our descriptors
             try:
-                self._slots.acquire_nowait()
-            except trio.WouldBlock:
-                return  # too many scrapers at once: closed at once, so they cannot eat our descriptors
-            try:
-                await self._answer(stream)
+                with slot.scope:
+                    await self._answer(stream, slot)
             finally:
-                self._slots.release()
+                self._slots.release(slot)
 
-    async def _answer(self, stream: trio.SocketStream) -> None:
+    async def _answer(self, stream: trio.SocketStream, slot: Slot) -> None:
         try:
-            with trio.fail_after(10):
+            with trio.fail_after(REQUEST_TIMEOUT):
                 head = b""
                 while b"\r\n\r\n" not in head and len(head) < 16384:
                     chunk = await stream.receive_some(4096)
                     if not chunk:
                         return
                     head += chunk
+            slot.earned = True  # a whole request: no new connection takes this slot now
+            with trio.fail_after(10):
                 parts = head.split(b"\r\n", 1)[0].split()
                 if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
                     await self._reply(stream, 405, b"method not allowed\n", "text/plain")

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import h11
 import trio
 
 from epochfs.errors import ConfigError
 from epochfs.peer import wire
+from epochfs.slots import Slot, Slots
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,6 @@ class ServerStats:
     served_bytes: int = 0
     rejected: int = 0
     connections: int = 0
-
-
-@dataclass(eq=False)
-class _Slot:
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    trusted: bool = False  # has sent an authenticated request
 
 
 class PeerServer:
@@ -57,7 +52,7 @@ class PeerServer:
         self.serve = serve
         self.stats = ServerStats()
         self.replays = wire.Replays()
-        self._slots: dict[_Slot, None] = {}  # insertion order: the oldest first
+        self._slots = Slots(self.MAX_CONNECTIONS)  # earned by an authenticated request
         self._listeners: list[trio.SocketListener] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -81,29 +76,19 @@ class PeerServer:
                     log.warning("peer port: accept failed: %s", exc)
                     await trio.sleep(0.5)
                     continue
-                if len(self._slots) >= self.MAX_CONNECTIONS and not self._evict_untrusted():
+                slot = self._slots.take()
+                if slot is None:
                     await stream.aclose()  # every slot holds an authenticated connection
                     continue
-                slot = _Slot()
-                self._slots[slot] = None
                 nursery.start_soon(self._connection, stream, slot)
 
-    def _evict_untrusted(self) -> bool:
-        """Close the oldest connection that has not authenticated a request; whether there was one."""
-        for slot in self._slots:
-            if not slot.trusted:
-                del self._slots[slot]
-                slot.scope.cancel()
-                return True
-        return False
-
-    async def _connection(self, stream: trio.SocketStream, slot: _Slot) -> None:
+    async def _connection(self, stream: trio.SocketStream, slot: Slot) -> None:
         self.stats.connections += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=wire.MAX_TARGET + 8192)
         try:
             with slot.scope:
                 while True:
-                    with trio.move_on_after(self.IDLE if slot.trusted else self.REQUEST_TIMEOUT) as idle:
+                    with trio.move_on_after(self.IDLE if slot.earned else self.REQUEST_TIMEOUT) as idle:
                         request = await self._next(conn, stream)
                     if idle.cancelled_caught or not isinstance(request, h11.Request):
                         return  # idle, or closed
@@ -118,7 +103,7 @@ class PeerServer:
                     if (not trusted or slow.cancelled_caught
                             or h11.MUST_CLOSE in (conn.our_state, conn.their_state)):
                         return
-                    slot.trusted = True
+                    slot.earned = True
                     conn.start_next_cycle()
         except h11.RemoteProtocolError as exc:
             self.stats.rejected += 1
@@ -127,7 +112,7 @@ class PeerServer:
             pass
         finally:
             self.stats.connections -= 1
-            self._slots.pop(slot, None)
+            self._slots.release(slot)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 

@@ -1,0 +1,44 @@
+"""Connection slots a client must earn, for the servers that any local user (or the network) can reach.
+
+A server holds at most ``capacity`` connections. A new connection gets a slot at once; it *earns* it by
+what it sends (a complete request, an authenticated one). When the slots are full, a new connection
+takes the slot of the oldest one that has not earned its own, whose handler is cancelled; if every
+slot is earned, the new connection is refused. So connections that open and send nothing cannot hold
+a server shut: an honest client is served as soon as it asks. Not thread-safe (the trio thread owns it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+
+@dataclass(eq=False)
+class Slot:
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # the connection's handler runs in it
+    earned: bool = False
+
+
+class Slots:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: dict[Slot, None] = {}  # insertion order: the oldest first
+
+    def take(self) -> Slot | None:
+        """A slot for a new connection, or None when every slot is earned."""
+        if len(self._held) >= self.capacity:
+            oldest = next((s for s in self._held if not s.earned), None)
+            if oldest is None:
+                return None
+            del self._held[oldest]
+            oldest.scope.cancel()
+        slot = Slot()
+        self._held[slot] = None
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        self._held.pop(slot, None)
+
+    def __len__(self) -> int:
+        return len(self._held)
