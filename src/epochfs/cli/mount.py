@@ -156,6 +156,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
         pid = int(os.getxattr(path, PID_XATTR))
     except (OSError, ValueError):
         pid = None
+    pending = _pending_uploads(path)
     result = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
     if result.returncode != 0:
         busy = " (files are open on it: close them, or detach now with 'epochfs umount --lazy')" \
@@ -166,7 +167,24 @@ def cmd_umount(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             raise EpochfsError(f"unmounted, but daemon pid {pid} is still running after {args.timeout}s")
         time.sleep(0.05)
+    if pending:
+        print(f"epochfs: {pending[0]} written files ({pending[1]} bytes) were not uploaded yet; they stay in the "
+              "cache directory's journal and upload when it is mounted again ('epochfs sync' before "
+              "unmounting waits for them)", file=sys.stderr)
     return 0
+
+
+def _pending_uploads(path: str) -> tuple[int, int] | None:
+    """(files, bytes) a write-back mount has not uploaded yet, if it answers at once; None otherwise."""
+    from epochfs.control import request
+
+    try:
+        wb = request(path, "status", timeout=2).get("writeback")
+    except EpochfsError:
+        return None
+    if not isinstance(wb, dict) or not wb.get("pending_files"):
+        return None
+    return int(wb["pending_files"]), int(wb.get("pending_bytes", 0))
 
 
 def _alive(pid: int) -> bool:
