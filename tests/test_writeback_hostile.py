@@ -51,10 +51,16 @@ def shared_mount(mount_factory, shared_dir: Path, source: str, *args: str, name:
     return m
 
 
-def kill_daemon(m) -> None:
+def kill_daemon(m, open_fds: tuple[int, ...] = ()) -> None:
+    """kill -9 the daemon, clear its dead mount, and close what the writers still hold open on it."""
     os.kill(daemon_pid(m), signal.SIGKILL)
     time.sleep(0.5)
     subprocess.run(["fusermount3", "-uz", str(m.mountpoint)], capture_output=True)
+    for fd in open_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 # -- names at the limits -------------------------------------------------------------------------------
@@ -115,12 +121,7 @@ def test_a_writer_that_forked_or_dupd_is_not_done_until_its_last_close(s3_client
     assert body(s3_client, fresh_bucket, "ckpt/finished.pt") == whole["finished.pt"]
     for name in ("forked.pt", "dupd.pt"):
         os.write(fds[name], rest[:1000])  # still writing when the daemon dies
-    kill_daemon(m)
-    for fd in (fds["forked.pt"], fds["dupd.pt"]):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    kill_daemon(m, (fds["forked.pt"], fds["dupd.pt"]))
     again = mount_factory(source, "--writeback", name="mnt")
     again.start()
     assert sync(again).returncode == 0
@@ -376,13 +377,7 @@ def test_seeded_crash_points_with_forked_and_dupd_writers(s3_client, fresh_bucke
             os.close(fds[n].pop())
             released.add(n)
     time.sleep(rng.choice([0.0, 0.3, 1.5]))
-    kill_daemon(m)
-    for left in fds.values():
-        for fd in left:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    kill_daemon(m, tuple(fd for left in fds.values() for fd in left))
     again = mount_factory(source, "--writeback", name="mnt")
     again.start()
     assert sync(again).returncode == 0
