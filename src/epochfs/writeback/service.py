@@ -169,7 +169,7 @@ class WriteBack:
                 self.journal.remove_data(rec.id)
                 continue
             self.store.pinned += rec.size  # owed: pinned even past the capacity (it was admitted before)
-            self._owed_by_uid[rec.uid] += rec.size
+            self._owe(rec.uid, rec.size)
             f = LocalFile(self.overlay.new_inode(), rec.key, rec.id, rec.size, rec.mtime_ns, rec.mode, rec.uid,
                           rec.gid, since=time.monotonic() - self.SETTLE, closed=True, failed=rec.failed)
             self._add_parents(rec.key)
@@ -332,14 +332,18 @@ class WriteBack:
             self._fail(f, "the cache had no room for it")
             raise NoSpace(f"{f.path}: the cache holds {self.store.pinned} bytes not yet uploaded and has no "
                           "room for more; they drain as they upload")
-        self._owed_by_uid[f.uid] += size
+        self._owe(f.uid, size)
 
     def _unreserve(self, f: LocalFile, size: int) -> None:
         if size:
             self.store.unpin(size)
-            self._owed_by_uid[f.uid] -= size
-            if self._owed_by_uid[f.uid] <= 0:
-                del self._owed_by_uid[f.uid]
+            self._owe(f.uid, -size)
+
+    def _owe(self, uid: int, size: int) -> None:
+        """``uid``'s files not yet uploaded grew (or, negative, shrank) by ``size`` bytes."""
+        self._owed_by_uid[uid] += size
+        if self._owed_by_uid[uid] <= 0:
+            del self._owed_by_uid[uid]
 
     def _fail(self, f: LocalFile, why: str) -> None:
         """A write of ``f`` failed: it is not a finished file and is never uploaded as it is."""
@@ -399,11 +403,8 @@ class WriteBack:
         node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
         node.mode = mode & 0o777 if mode is not None else node.mode
         if uid is not None and uid != node.uid and self._files.get(node.id) is node:
-            owed = node.size
-            self._owed_by_uid[node.uid] -= owed
-            if self._owed_by_uid[node.uid] <= 0:
-                del self._owed_by_uid[node.uid]
-            self._owed_by_uid[uid] += owed
+            self._owe(node.uid, -node.size)  # what it owes moves to its new owner
+            self._owe(uid, node.size)
         node.uid = uid if uid is not None else node.uid
         node.gid = gid if gid is not None else node.gid
         if self._files.get(node.id) is node:
@@ -617,13 +618,15 @@ class WriteBack:
             self.journal.put_multipart(upload_id, key)
 
         def upload() -> ObjectInfo:
-            fd = self.journal.open_data(f.id, os.O_RDONLY)  # this very file, whatever is at its name later
             try:
-                return self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
-                                                cancelled=cancel, metadata=attributes,
-                                                multipart_started=multipart_started)
+                fd = self.journal.open_data(f.id, os.O_RDONLY)  # this very file, whatever is at its name later
+                try:
+                    return self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
+                                                    cancelled=cancel, metadata=attributes,
+                                                    multipart_started=multipart_started)
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
                 with self._uploads_done:
                     self._uploads_running -= 1
                     self._uploads_done.notify_all()
