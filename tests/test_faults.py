@@ -59,7 +59,8 @@ def test_every_other_request_failing_is_retried_to_correct_bytes(faulty_mount, p
     read_checked(faulty_mount)  # what was cached is right
 
 
-@pytest.mark.parametrize("kind", ["error500", "truncate", "wrong_range", "stall_body"])
+@pytest.mark.parametrize("kind", ["error500", "truncate", "wrong_range",
+                                  pytest.param("stall_body", marks=pytest.mark.slow)])
 def test_persistent_failure_is_eio_within_the_deadline_and_heals(faulty_mount, proxy, kind):
     proxy.set(Fault(kind, rate=1.0, stall=3.0))
     with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
@@ -111,7 +112,7 @@ def test_ten_percent_faults_of_every_kind_never_give_wrong_bytes(faulty_mount, p
         read_checked(faulty_mount)
 
 
-@pytest.mark.parametrize("kind", ["drip_body", "drip_headers"])
+@pytest.mark.parametrize("kind", ["drip_body", pytest.param("drip_headers", marks=pytest.mark.slow)])
 def test_a_dripping_endpoint_is_eio_within_the_deadline_and_unmount_does_not_wait(faulty_mount, proxy, kind):
     """--backend-timeout bounds the whole request: one byte every 1.5 s never resets it."""
     proxy.set(Fault(kind, rate=1.0, stall=1.5))

@@ -279,8 +279,8 @@ def wait_down(m, member: str, timeout: float = 20) -> dict:
     return p
 
 
-@pytest.mark.parametrize("behaviour", ["junk_with_checksum", "garbage", "slow", "refused_after_accept",
-                                       "not_found"])
+@pytest.mark.parametrize("behaviour", ["junk_with_checksum", "slow", "not_found",
+                                       *(pytest.param(b, marks=pytest.mark.slow) for b in ("garbage", "refused_after_accept"))])
 def test_a_member_without_the_token_is_never_asked_for_a_block(cluster, redis_url, behaviour):
     def answer(request: bytes) -> bytes:
         if behaviour == "junk_with_checksum":

@@ -52,7 +52,7 @@ def proxied(s3, s3_client, fresh_bucket, mount_factory):
     proxy.stop()
 
 
-@pytest.mark.parametrize("rate", [0.01, 0.1])
+@pytest.mark.parametrize("rate", [0.01, pytest.param(0.1, marks=pytest.mark.slow)])
 def test_low_fault_rates_of_every_kind_give_correct_bytes(proxied, rate):
     m, proxy, files = proxied
     for seed, kind in enumerate(["error500", "slowdown", "throttle429", "reset", "truncate", "wrong_range",

@@ -377,7 +377,7 @@ def test_another_node_finds_the_checkpoint_through_the_shared_store(s3_client, f
         redis_server.stop()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_random_operations_match_a_model(wb_mount, s3_client, fresh_bucket, mount_factory, tmp_path, seed):
     """A seeded run of creates, replacements, renames, deletes and directory changes (some of them on
     files already uploaded), each checked against a dict, then the backend and a fresh mount of the
