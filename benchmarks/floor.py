@@ -2,23 +2,27 @@
 ``pread`` per request (lookup, getattr, readdir, open, read; long kernel timeouts, keep_cache). What
 epochfs's warm reads are compared with: no cache, no checksums, no metrics, only pyfuse3 + trio.
 
-    python benchmarks/floor.py SOURCE_DIR MOUNTPOINT      # stays in the foreground
+    python benchmarks/floor.py SOURCE_DIR MOUNTPOINT [--blksize BYTES] [--readahead-kb KIB]   # foreground
+
+``--blksize`` is the ``st_blksize`` it reports (128 KiB by default, as epochfs does); ``--readahead-kb``
+sets the mount's readahead window as epochfs does (default: the kernel's 128 KiB).
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import stat
-import sys
 
 import pyfuse3
 import trio
 
 
 class Floor(pyfuse3.Operations):
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, blksize: int) -> None:
         super().__init__()
+        self.blksize = blksize
         self.paths = {pyfuse3.ROOT_INODE: root}
         self.inodes: dict[str, int] = {root: pyfuse3.ROOT_INODE}
         self.fds: dict[int, int] = {}
@@ -33,6 +37,7 @@ class Floor(pyfuse3.Operations):
         a.st_ino, a.st_mode, a.st_size, a.st_nlink = ino, st.st_mode, st.st_size, st.st_nlink
         a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = st.st_mtime_ns
         a.entry_timeout = a.attr_timeout = 3600
+        a.st_blksize = self.blksize
         return a
 
     async def lookup(self, parent, name, ctx):
@@ -69,9 +74,20 @@ class Floor(pyfuse3.Operations):
 
 
 def main() -> None:
-    src, mnt = sys.argv[1], sys.argv[2]
-    assert stat.S_ISDIR(os.stat(src).st_mode)
-    pyfuse3.init(Floor(src), mnt, set(pyfuse3.default_options) | {"fsname=floor", "ro"})
+    ap = argparse.ArgumentParser()
+    ap.add_argument("source")
+    ap.add_argument("mountpoint")
+    ap.add_argument("--blksize", type=int, default=128 << 10)
+    ap.add_argument("--readahead-kb", type=int, default=0)
+    args = ap.parse_args()
+    assert stat.S_ISDIR(os.stat(args.source).st_mode)
+    pyfuse3.init(Floor(args.source, args.blksize), args.mountpoint,
+                 set(pyfuse3.default_options) | {"fsname=floor", "ro"})
+    if args.readahead_kb:  # (the mount's device from mountinfo: a stat would wait for this daemon)
+        mnt = os.path.abspath(args.mountpoint)  # (not realpath: it would stat the mount)
+        dev = next(line.split()[2] for line in open("/proc/self/mountinfo") if line.split()[4] == mnt)
+        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
+            f.write(str(args.readahead_kb))
     try:
         trio.run(pyfuse3.main)
     finally:

@@ -147,7 +147,7 @@ class FakeCache:
         self.data = data
         self.error: BaseException | None = None
 
-    def open_stream(self, obj: Any) -> FakeStream:
+    def open_stream(self, obj: Any, inode: int = 0) -> FakeStream:
         return FakeStream(self, obj)
 
 

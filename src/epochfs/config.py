@@ -155,6 +155,9 @@ class Config:
                                      metavar="RATIO", parse=float)
     readahead_blocks: int = option(4, "cache", "blocks fetched ahead of a sequential reader (0 disables)",
                                    metavar="BLOCKS", parse=int, flag="--readahead")
+    push_ahead: int = option(
+        0, "cache", "blocks pushed into the kernel page cache ahead of a sequential reader, from worker "
+        "threads: the reader's reads of them never reach the daemon (0 disables)", metavar="BLOCKS", parse=int)
     kernel_readahead: int = option(
         4 << 20, "cache", "kernel readahead window of the mount: larger FUSE reads for sequential readers "
         "(0 keeps the kernel default of 128K; needs root)", metavar="SIZE", parse=lambda t: parse_size(t),
@@ -263,6 +266,8 @@ class Config:
             raise ConfigError("--free-space-ratio must be in [0, 1)")
         if self.readahead_blocks < 0:
             raise ConfigError("--readahead must be >= 0")
+        if not 0 <= self.push_ahead <= 64:
+            raise ConfigError("--push-ahead must be between 0 and 64 blocks")
         if self.backend_concurrency < 1:
             raise ConfigError("--backend-concurrency must be >= 1")
         if self.backend_timeout <= 0:

@@ -106,6 +106,26 @@ class Presentation:
         return forced if forced is not None else default
 
 
+class KernelPages:
+    """The page cache of the mount's files, for :class:`epochfs.cache.push.Pusher`."""
+
+    def __init__(self, ops: Operations) -> None:
+        self.ops = ops
+
+    def store(self, inode: int, offset: int, data: memoryview) -> None:
+        pyfuse3.notify_store(inode, offset, data)
+
+    def current(self, inode: int, obj: ObjectInfo) -> bool:
+        try:
+            node = self.ops.tree.node(inode)
+        except KeyError:
+            return False
+        return isinstance(node, (File, Stored)) and node.obj == obj
+
+    def forget(self, inode: int) -> None:
+        pyfuse3.invalidate_inode(inode)
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
@@ -262,7 +282,7 @@ class Operations(pyfuse3.Operations):
         if isinstance(node, LocalFile) or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
-        self._streams[fh] = self.cache.open_stream(node.obj)
+        self._streams[fh] = self.cache.open_stream(node.obj, inode)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     @_translated

@@ -48,6 +48,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "cache_hit_bytes": ("counter", "Bytes returned to readers without waiting for the backend: from the cache, a "
                         "completed prefetch, or a peer's cache (cluster tier)."),
     "cache_miss_bytes": ("counter", "Bytes returned to readers that had to come from the backend on demand."),
+    "kernel_pushed_bytes": ("counter", "Bytes pushed into the kernel page cache ahead of sequential readers (counted "
+                            "as cache hit bytes too: their reads never reach the daemon)."),
+    "kernel_push_failures": ("counter", "Pushes into the kernel page cache that failed (the reads then reach the "
+                             "daemon as usual)."),
     "backend_requests": ("counter", "Requests to the backend by operation and outcome."),
     "backend_bytes": ("counter", "Bytes fetched from the backend, by purpose (demand or prefetch)."),
     "backend_request_seconds": ("histogram", "Latency of successful backend data requests."),
@@ -118,6 +122,7 @@ def sample_of(c: Collected) -> Sample:
     values: dict[str, float] = {
         "cache_hits": cache.hits, "cache_misses": cache.misses,
         "cache_hit_bytes": cache.hit_bytes, "cache_miss_bytes": cache.miss_bytes,
+        "kernel_pushed_bytes": cache.pushed_bytes, "kernel_push_failures": cache.push_failures,
         "cache_used_bytes": store.used_bytes, "cache_capacity_bytes": store.capacity_bytes,
         "cache_blocks": store.blocks, "cache_evictions": store.evictions,
         "cache_corrupt_blocks": store.corrupt_blocks, "cache_not_admitted": store.not_admitted,

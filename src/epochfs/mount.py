@@ -27,13 +27,14 @@ import trio
 
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.cache.policies import make_policy
+from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
 from epochfs.control.handlers import ControlHandlers, MountInfo
 from epochfs.errors import ConfigError, EpochfsError
-from epochfs.fs import Operations, Presentation
+from epochfs.fs import KernelPages, Operations, Presentation
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
@@ -229,6 +230,8 @@ class Daemon:
                                       dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
             tree=self.tree, writeback=self.writeback,
         )
+        if config.push_ahead:
+            self.cache.pusher = Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead)
         self.snapshots.on_switch = self._switch
         self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
 

@@ -552,7 +552,7 @@ class BlockStore:
         if isinstance(data, OSError) and not _missing(data):
             self._read_errors += 1
             raise CacheUnreadable(f"cannot read cached block {bid.hex()}: {data.strerror or data}")
-        why = self._verify(bid, meta, lo, hi, data)
+        why = self.verify(bid, meta, lo, hi, data)
         if why:
             return self.drop_corrupt(bid, meta, why)
         self.policy.accessed(bid)
@@ -619,8 +619,9 @@ class BlockStore:
                 os.close(fd)
 
     @staticmethod
-    def _verify(bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
-        """What is wrong with ``data`` read for [lo, hi) of block ``bid`` described by ``meta``, or ""."""
+    def verify(bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
+        """What is wrong with ``data`` read for [lo, hi) of block ``bid`` described by ``meta``, or ""
+        (pure: any thread)."""
         start, end = chunk_span(lo, hi, meta.length)
         if isinstance(data, OSError):
             return f"its file is missing or not a file ({data.strerror or data})"
@@ -650,7 +651,7 @@ class BlockStore:
                 unreadable += 1  # not evidence of damage: reported, never deleted
                 log.warning("block %s: cannot read it: %s", bid.hex(), data)
                 continue
-            why = self._verify(bid, meta, 0, meta.length, data)
+            why = self.verify(bid, meta, 0, meta.length, data)
             if why:
                 damaged += 1
                 log.warning("block %s: %s", bid.hex(), why)

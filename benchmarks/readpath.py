@@ -1,0 +1,244 @@
+"""The read path against the peers, side by side in one run: one large file streamed (cold, warm, hot)
+and 100 KiB files read whole (warm at 1 and 16 readers, hot at 1, cold at 16), for epochfs, s3fs-fuse,
+rclone mount, the floor of our stack (benchmarks/floor.py: a minimal pyfuse3 daemon doing a plain
+``pread`` of the same bytes on local disk) and the raw local disk. Also the daemon's CPU seconds per GiB
+of the warm stream. *Cold*: fresh mount, empty cache; *warm*: cache filled, page cache dropped; *hot*:
+read again at once. Each contender runs in turn, in alternating order from one repetition to the next;
+each ratio is the median of the ratios within a repetition.
+
+    sudo .venv/bin/python benchmarks/readpath.py [--reps 3] [--latency-ms 20] [--cores 1] [--only epochfs,floor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contenders import Contender, Epochfs, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
+from latency_proxy import LatencyProxy  # noqa: E402
+from workloads import boto_parallel, drop_page_cache, fresh_workdir, small_files_rate  # noqa: E402
+
+from epochfs.devserver import LocalS3  # noqa: E402
+from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def seq_read(path: Path) -> float:
+    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads (what a shard loader does)."""
+    start, n = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(MiB):
+            n += len(chunk)
+    return n / (time.perf_counter() - start)
+
+
+class Floor(Contender):
+    """benchmarks/floor.py over the same bytes on local disk: warm reads only (it keeps nothing)."""
+
+    name = "floor"
+
+    def __init__(self, work: Path, *args, raw: Path, blksize: int, readahead_kb: int, name: str = "floor",  # type: ignore[no-untyped-def]
+                 **kw) -> None:
+        self.name, self.raw, self.blksize, self.readahead_kb = name, raw, blksize, readahead_kb
+        self.tuning = f"st_blksize {blksize}, read_ahead_kb {readahead_kb or 'kernel default'}"
+        super().__init__(work, *args, **kw)
+
+    def _mount(self) -> None:
+        argv = [sys.executable, str(HERE / "floor.py"), str(self.raw), str(self.root), "--blksize", str(self.blksize)]
+        if self.readahead_kb:
+            argv += ["--readahead-kb", str(self.readahead_kb)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_mounted(self.root)
+        self.pid = self.proc.pid
+
+
+class RawDisk(Contender):
+    name = "raw disk"
+    tuning = "the same files on the local disk"
+
+    def __init__(self, work: Path, *args, raw: Path, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(work, *args, **kw)
+        self.root = raw
+
+    def mount(self) -> None:
+        pass
+
+    def unmount(self) -> None:
+        pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=1000)
+    ap.add_argument("--large-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="added per request and new connection (a proxy)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="pin everything to this many cores")
+    ap.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    ap.add_argument("--epochfs-args", default="", help="extra mount flags for epochfs")
+    ap.add_argument("--variant", default="", help="also run epochfs with these extra mount flags (as 'epochfs variant')")
+    ap.add_argument("--work", type=Path, default=HERE / "work" / "readpath")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
+        return 2
+    os.sched_setaffinity(0, set(range(args.cores)))
+    fresh_workdir(args.work)
+    small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
+    large = SampleFile("large/shard.tar", args.large_mib * MiB)
+    keys = [f.key for f in small]
+    rows: dict[tuple[str, str], list[float]] = {}
+
+    def record(who: str, what: str, value: float) -> None:
+        rows.setdefault((who, what), []).append(value)
+        log(f"{who:18s} {what:34s} {value:10.2f}")
+
+    server = LocalS3(args.work / "s3").start()
+    proxy = LatencyProxy(server.port, args.latency_ms / 1000).start() if args.latency_ms else None
+    endpoint = proxy.endpoint if proxy else server.endpoint
+    raw = args.work / "raw"
+    common = dict(endpoint=endpoint, bucket="bench", prefix="ds/", cache_size=20 << 30)
+    epochfs = Epochfs(args.work, manifest=False, name="epochfs", **common)
+    epochfs.extra = args.epochfs_args.split()
+    contenders: list[Contender] = [
+        RawDisk(args.work, raw=raw, **common),
+        Floor(args.work, raw=raw, blksize=128 << 10, readahead_kb=0, **common),
+        Floor(args.work, raw=raw, blksize=MiB, readahead_kb=4096, name="floor-1M", **common),
+        epochfs, S3fs(args.work, **common), Rclone(args.work, **common)]
+    if args.variant:
+        variant = Epochfs(args.work, manifest=False, name="epochfs-variant", **common)
+        variant.extra = args.variant.split()
+        variant.tuning += " " + args.variant
+        contenders.insert(contenders.index(epochfs) + 1, variant)
+    if args.only:
+        wanted = set(args.only.split(","))
+        contenders = [c for c in contenders if c.name in wanted]
+    try:
+        client = server.client()
+        upload(client, "bench", "ds/", [*small, large])
+        write_tree(str(raw), [*small, large])
+
+        def measure(c: Contender) -> None:
+            fs = c.name not in ("raw disk", "floor", "floor-1M")
+            c.mount()
+            try:
+                if fs:  # cold: an empty cache
+                    drop_page_cache()
+                    record(c.name, "cold small files/s, 16 readers", small_files_rate(c.root, keys, 16))
+                    drop_page_cache()
+                    record(c.name, "cold large MiB/s", seq_read(c.root / large.key) / MiB)
+                    time.sleep(1)  # what was written behind the reader lands
+                    c.unmount()  # a fresh mount over the filled cache: nothing of the cold pass in memory
+                    c._mount()
+                    wait_mounted(c.root)
+                drop_page_cache()
+                before = proc_usage(c.pid)["cpu"]
+                record(c.name, "warm large MiB/s", seq_read(c.root / large.key) / MiB)
+                if c.pid:
+                    record(c.name, "daemon CPU s per warm GiB",
+                           (proc_usage(c.pid)["cpu"] - before) / (large.size / (1 << 30)))
+                record(c.name, "hot large MiB/s", seq_read(c.root / large.key) / MiB)
+                for threads in (1, 16):
+                    drop_page_cache()
+                    before = proc_usage(c.pid)["cpu"]
+                    record(c.name, f"warm small files/s, {threads} readers", small_files_rate(c.root, keys, threads))
+                    if c.pid:
+                        record(c.name, f"daemon CPU ms per warm file, {threads} readers",
+                               (proc_usage(c.pid)["cpu"] - before) * 1000 / len(keys))
+                small_files_rate(c.root, keys, 1)
+                record(c.name, "hot small files/s, 1 reader", small_files_rate(c.root, keys, 1))
+            finally:
+                c.unmount()
+
+        def boto() -> None:
+            drop_page_cache()
+            record("raw boto3", "cold large MiB/s",
+                   boto_parallel(client, "bench", [("ds/" + large.key, large.size)], 8, 8 * MiB) / MiB)
+
+        runs: list[Callable[[], None]] = [boto] + [lambda c=c: measure(c) for c in contenders]
+        for rep in range(args.reps):
+            log(f"repetition {rep + 1} of {args.reps}")
+            for run in runs if rep % 2 == 0 else runs[::-1]:
+                run()
+    finally:
+        for c in contenders:
+            c.unmount()
+        if proxy:
+            proxy.stop()
+        server.stop()
+        shutil.rmtree(args.work / "s3", ignore_errors=True)
+
+    text = report(rows, args, contenders)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / (f"{datetime.date.today().isoformat()}-readpath-{args.cores}core"
+                       + (f"-{args.latency_ms:g}ms" if args.latency_ms else ""))
+    if Path(f"{stem}.md").exists():  # an earlier run of the same day stays
+        stem = stem.with_name(stem.name + time.strftime("-%H%M"))
+    Path(f"{stem}.md").write_text(text)
+    Path(f"{stem}.json").write_text(json.dumps(
+        {"files": args.files, "large_mib": args.large_mib, "cores": args.cores, "latency_ms": args.latency_ms,
+         "reps": args.reps, "epochfs_args": args.epochfs_args, "variant": args.variant,
+         "tuning": {c.name: c.tuning for c in contenders},
+         "rows": [{"who": k[0], "what": k[1], "values": v} for k, v in rows.items()]}, indent=2) + "\n")
+    return 0
+
+
+MEASURES = ["cold large MiB/s", "warm large MiB/s", "hot large MiB/s", "daemon CPU s per warm GiB",
+            "cold small files/s, 16 readers", "warm small files/s, 1 readers", "warm small files/s, 16 readers",
+            "daemon CPU ms per warm file, 1 readers", "daemon CPU ms per warm file, 16 readers",
+            "hot small files/s, 1 reader"]
+
+
+def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, contenders: list[Contender]) -> str:
+    who = ["raw boto3"] + [c.name for c in contenders]
+    med = {k: statistics.median(v) for k, v in rows.items()}
+
+    def paired(a: tuple[str, str], b: tuple[str, str]) -> str:
+        if a not in rows or b not in rows:
+            return ""
+        ratios = sorted(x / y for x, y in zip(rows[a], rows[b], strict=False) if y)
+        return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})" if ratios else ""
+
+    variant = f", *epochfs-variant*: `{args.variant}`" if args.variant else ""
+    lines = [f"# Read path, {datetime.date.today().isoformat()}: one {args.large_mib} MiB file and {args.files} x "
+             f"100 KiB; {args.cores} core(s), {args.latency_ms:g} ms added; medians of {args.reps}", "",
+             f"epochfs flags: `{args.epochfs_args or '(defaults)'}`{variant}", "",
+             "| measurement | " + " | ".join(who) + " |", "|---|" + "---|" * len(who)]
+    for what in MEASURES:
+        cells = [f"{med[(w, what)]:.4g}" if (w, what) in med else "" for w in who]
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    peers = [w for w in ("s3fs", "rclone") if any(k[0] == w for k in rows)]
+    for what in MEASURES:
+        for ref in peers + ["floor", "floor-1M", "raw disk", "raw boto3", "epochfs-variant"]:
+            r = paired(("epochfs", what), (ref, what))
+            if r:
+                lines.append(f"| epochfs / {ref}, {what} | {r} |")
+    r = paired(("epochfs", "warm small files/s, 16 readers"), ("epochfs", "warm small files/s, 1 readers"))
+    if r:
+        lines.append(f"| epochfs 16 readers / 1 reader, warm small | {r} |")
+    lines += ["", "Tuning: " + "; ".join(f"**{c.name}**: {c.tuning}" for c in contenders)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
