@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, proc_usage, wait_mounted  # noqa: E402
-from workloads import drop_page_cache, simulate, start_run  # noqa: E402
+from workloads import drop_page_cache, log, simulate, start_run  # noqa: E402
 
 from epochfs.devserver import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
 from epochfs.sample import SampleFile, upload  # noqa: E402
@@ -47,10 +47,6 @@ from epochfs.sample import SampleFile, upload  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 CHUNK = 4 * MiB
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def save(path: Path, data: memoryview) -> float:

@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, wait_mounted  # noqa: E402
-from workloads import drop_page_cache, start_run  # noqa: E402
+from workloads import drop_page_cache, log, start_run  # noqa: E402
 
 from epochfs.control import request  # noqa: E402
 from epochfs.devserver import LocalRedis, LocalS3, free_ports  # noqa: E402
@@ -37,10 +37,6 @@ from epochfs.sample import SampleFile, upload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class Node:

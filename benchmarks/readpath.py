@@ -25,28 +25,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import Contender, Epochfs, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
+from contenders import Contender, Epochfs, RawDisk, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
-from workloads import boto_parallel, drop_page_cache, fresh_workdir, small_files_rate  # noqa: E402
+from workloads import (  # noqa: E402
+    boto_parallel,
+    drop_page_cache,
+    log,
+    seq_read,
+    shard_and_files,
+    small_files_rate,
+    start_run,
+)
 
 from epochfs.devserver import LocalS3  # noqa: E402
-from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
+from epochfs.sample import upload, write_tree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def seq_read(path: Path) -> float:
-    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads (what a shard loader does)."""
-    start, n = time.perf_counter(), 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(MiB):
-            n += len(chunk)
-    return n / (time.perf_counter() - start)
 
 
 class Floor(Contender):
@@ -69,21 +66,6 @@ class Floor(Contender):
         self.pid = self.proc.pid
 
 
-class RawDisk(Contender):
-    name = "raw disk"
-    tuning = "the same files on the local disk"
-
-    def __init__(self, work: Path, *args, raw: Path, **kw) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(work, *args, **kw)
-        self.root = raw
-
-    def mount(self) -> None:
-        pass
-
-    def unmount(self) -> None:
-        pass
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=1000)
@@ -97,13 +79,10 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / "work" / "readpath")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
-        return 2
     os.sched_setaffinity(0, set(range(args.cores)))
-    fresh_workdir(args.work)
-    small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
-    large = SampleFile("large/shard.tar", args.large_mib * MiB)
+    if not start_run(args.work):
+        return 2
+    small, large = shard_and_files(args.files, args.large_mib)
     keys = [f.key for f in small]
     rows: dict[tuple[str, str], list[float]] = {}
 
@@ -119,7 +98,7 @@ def main() -> int:
     epochfs = Epochfs(args.work, manifest=False, name="epochfs", **common)
     epochfs.extra = args.epochfs_args.split()
     contenders: list[Contender] = [
-        RawDisk(args.work, raw=raw, **common),
+        RawDisk(args.work, data_dir=raw, **common),
         Floor(args.work, raw=raw, blksize=128 << 10, readahead_kb=0, **common),
         Floor(args.work, raw=raw, blksize=MiB, readahead_kb=4096, name="floor-1M", **common),
         epochfs, S3fs(args.work, **common), Rclone(args.work, **common)]

@@ -36,6 +36,7 @@ from workloads import (  # noqa: E402
     boto_ttfb,
     drop_page_cache,
     fio_seq,
+    log,
     small_files_rate,
     train,
     ttfb,
@@ -48,10 +49,6 @@ from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB, GiB = 1 << 20, 1 << 30
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def endpoint_traffic(server: LocalS3, bucket: str) -> dict[str, float]:

@@ -28,26 +28,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import proc_usage, wait_mounted  # noqa: E402
-from workloads import boto_parallel, boto_small_rate, drop_page_cache, fresh_workdir, small_files_rate  # noqa: E402
+from workloads import (  # noqa: E402
+    boto_parallel,
+    boto_small_rate,
+    drop_page_cache,
+    fresh_workdir,
+    log,
+    seq_read,
+    shard_and_files,
+    small_files_rate,
+)
 
 from epochfs.devserver import LocalS3  # noqa: E402
-from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
+from epochfs.sample import upload, write_tree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def seq_read(path: Path) -> float:
-    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads."""
-    start, n = time.perf_counter(), 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(MiB):
-            n += len(chunk)
-    return n / (time.perf_counter() - start)
 
 
 class Mounted:
@@ -119,8 +117,7 @@ def main() -> int:
     cores = list(range(args.cores))
     os.sched_setaffinity(0, set(cores[:args.server_cores] or cores))  # inherited by the S3 server
     fresh_workdir(args.work)
-    small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
-    large = SampleFile("large/shard.tar", args.large_mib * MiB)
+    small, large = shard_and_files(args.files, args.large_mib)
     keys = [f.key for f in small]
     rows: dict[tuple[str, str], list[float]] = {}
 

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Epochfs  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
-from workloads import boto_small_rate, drop_page_cache, fresh_workdir, simulate, train  # noqa: E402
+from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, simulate, train  # noqa: E402
 
 from epochfs.devserver import LocalS3, client_for  # noqa: E402
 from epochfs.sample import SampleFile, upload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def boto_train(client: Any, keys: list[str], *, accelerators: int, batch: int, compute: float, workers: int,

@@ -21,6 +21,19 @@ from epochfs.prefetch.manifest import partition, shuffled
 HERE = Path(__file__).resolve().parent
 
 
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def seq_read(path: Path) -> float:
+    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads (what a shard loader does)."""
+    start, n = time.perf_counter(), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(1 << 20):
+            n += len(chunk)
+    return n / (time.perf_counter() - start)
+
+
 def drop_page_cache() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -168,6 +181,14 @@ def simulate(read: Callable[[str], int], keys: list[str], *, accelerators: int, 
             t.join()
         results.append(sum(aus) / len(aus))
     return results
+
+
+def shard_and_files(files: int, large_mib: int) -> tuple[list[Any], Any]:
+    """The read-path data set: ``files`` x 100 KiB in 20 directories and one ``large_mib`` MiB shard."""
+    from epochfs.sample import SampleFile
+
+    small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(files)]
+    return small, SampleFile("large/shard.tar", large_mib << 20)
 
 
 def fresh_workdir(work: Path) -> None:
