@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from epochfs.control import protocol as p
 from epochfs.control.client import request
 from epochfs.errors import EpochfsError
+from epochfs.jobs import Report
 
 WRONG_VALUES = [None, True, False, 0, -1, 1 << 64, 1.5, float("nan"), "", "x", "\udc80", [], [1], {}, {"a": 1},
                 [[1]], [["a", "b"]], [[1, 2]], [[True, "a"]], [[-1, "a"]], [[1, "a", 3]], "a" * 70_000]
@@ -27,6 +29,8 @@ def test_valid_requests_parse_to_typed_requests():
     assert p.parse(p.encode({"op": "job", "id": 7})) == p.Job(7)
     assert p.parse(p.encode({"op": "status"})) == p.Status()
     assert p.parse(p.encode({"op": "publish_manifest", "name": "e3", "text": ""})) == p.PublishManifest("e3", "")
+    assert p.parse(p.encode({"op": "report", "job": "resnet50", "rank": 3, "steps": 10, "data_wait": 1.5,
+                             "compute": 4, "gpu_utilization": 55})) == Report("resnet50", 3, 10, 1.5, 4.0, 55.0)
 
 
 def _is_int(v, lo, hi):
@@ -38,6 +42,10 @@ def _is_text(v, max_bytes, empty=False):
         return isinstance(v, str) and (empty or v) and len(v.encode()) <= max_bytes
     except UnicodeEncodeError:
         return False
+
+
+def _is_number(v, lo, hi):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
 
 
 VALID = {  # what the protocol documents for each field
@@ -55,6 +63,11 @@ VALID = {  # what the protocol documents for each field
     "paths": lambda v: isinstance(v, list) and len(v) <= p.MAX_SYNC_PATHS and all(
         _is_text(e, 4096, empty=True) and "\x00" not in e for e in v),
     "wait": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= p.MAX_SYNC_WAIT,
+    "job": lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}", v) is not None,
+    "steps": lambda v: _is_int(v, 0, 10**9),
+    "data_wait": lambda v: _is_number(v, 0, 86400),
+    "compute": lambda v: _is_number(v, 0, 86400),
+    "gpu_utilization": lambda v: v is None or _is_number(v, 0, 100),
 }
 
 
@@ -62,7 +75,7 @@ VALID = {  # what the protocol documents for each field
 def test_every_field_of_every_operation_refuses_every_wrong_type(op):
     required, optional = p._FIELDS[op]
     good = {"entries": [[1, "a"]], "source": "s", "epoch": 1, "replace": False, "rank": 0, "id": 1, "name": "n",
-            "text": "t"}
+            "text": "t", "job": "resnet50", "steps": 10, "data_wait": 1.5, "compute": 3.0}
     base = {"op": op, **{f: good[f] for f in required}}
     assert p.parse(p.encode(base)) is not None
     for field in (*required, *optional):
@@ -92,8 +105,9 @@ def test_random_garbage_only_ever_raises_bad_request():
         else:
             op = rng.choice([*p.OPERATIONS, "nope", "", "STATUS"])
             obj = {"op": op}
-            for field in rng.sample(["entries", "source", "epoch", "replace", "id", "name", "text", "zz"],
-                                    rng.randrange(0, 4)):
+            for field in rng.sample(["entries", "source", "epoch", "replace", "id", "name", "text", "zz", "job",
+                                     "rank", "steps", "data_wait", "compute", "gpu_utilization"],
+                                    rng.randrange(0, 6)):
                 obj[field] = rng.choice(WRONG_VALUES + [[[rng.randrange(5), "p"]] * rng.randrange(3)])
             samples.append(json.dumps(obj).encode())
     parsed = 0

@@ -12,7 +12,7 @@ import errno
 import ipaddress
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from epochfs.cache.service import CacheStats
     from epochfs.cache.store import StoreStats
     from epochfs.fs import FsStats
+    from epochfs.jobs import JobStats
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.peer.tier import PeerStats
     from epochfs.prefetch.scheduler import PrefetchStats
@@ -83,6 +84,10 @@ METRICS: dict[str, tuple[str, str]] = {
                    "an owner instead of the backend), out (served to a member)."),
     "peer_requests": ("counter", "Block requests of the cluster cache tier by outcome: ok, unavailable, bad, "
                       "declined (asked by this node); served, rejected (answered by it)."),
+    "job_data_wait_seconds": ("counter", "Seconds a training job's rank waited in next() for a batch (epochfs.watch)."),
+    "job_compute_seconds": ("counter", "Seconds a training job's rank spent between batches (epochfs.watch)."),
+    "job_steps": ("counter", "Batches a training job's rank took (epochfs.watch)."),
+    "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
 }
 
@@ -101,6 +106,7 @@ class Collected:
     backend_bandwidth: float | None = None
     writeback: WritebackStats | None = None
     peer: PeerStats | None = None
+    jobs: tuple[JobStats, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class Sample:
     histograms: dict[str, HistogramSnapshot]
     peer_bytes: dict[str, int] | None = None
     peer_requests: dict[str, int] | None = None
+    jobs: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)  # series -> (job, rank) -> value
 
 
 def sample_of(c: Collected) -> Sample:
@@ -151,10 +158,18 @@ def sample_of(c: Collected) -> Sample:
     peer = c.peer
     if peer is not None:
         values["peer_members"] = len(peer.members)
+    jobs: dict[str, dict[tuple[str, str], float]] = {}
+    for j in c.jobs:
+        key = (j.job, str(j.rank))
+        jobs.setdefault("job_data_wait_seconds", {})[key] = j.data_wait_seconds
+        jobs.setdefault("job_compute_seconds", {})[key] = j.compute_seconds
+        jobs.setdefault("job_steps", {})[key] = j.steps
+        if j.gpu_utilization is not None:
+            jobs.setdefault("job_gpu_utilization", {})[key] = j.gpu_utilization
     return Sample(values, c.backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},
                   errors, histograms,
                   peer_bytes={"in": peer.bytes_in, "out": peer.bytes_out} if peer else None,
-                  peer_requests=dict(peer.requests) if peer else None)
+                  peer_requests=dict(peer.requests) if peer else None, jobs=jobs)
 
 
 class DaemonCollector(Collector):
@@ -181,6 +196,7 @@ class DaemonCollector(Collector):
         if s.peer_bytes is not None and s.peer_requests is not None:
             labelled += [("peer_bytes", ["direction"], s.peer_bytes.items()),
                          ("peer_requests", ["outcome"], s.peer_requests.items())]
+        labelled += [(short, ["job", "rank"], series.items()) for short, series in s.jobs.items()]
         for short, label, series in labelled:
             fam = self._family(short, label)
             for key, n in sorted(series):

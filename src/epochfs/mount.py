@@ -35,6 +35,7 @@ from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
 from epochfs.control.handlers import ControlHandlers, MountInfo
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.fs import KernelPages, Operations, Presentation
+from epochfs.jobs import Jobs
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
@@ -216,8 +217,9 @@ class Daemon:
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),
             metrics_addr=lambda: f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
         )
+        self.jobs = Jobs()
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,
-                                   prefetcher=self.prefetcher, writeback=self.writeback)
+                                   prefetcher=self.prefetcher, writeback=self.writeback, jobs=self.jobs)
         self.control = ControlServer(socket_path(config.cache_dir), handlers.table())
         self.ops = Operations(
             self.snapshots.namespace, self.cache, attr_timeout=config.attr_timeout,
@@ -287,7 +289,7 @@ class Daemon:
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
                          backend_bandwidth=self.config.backend_bandwidth,
                          writeback=self.writeback.statistics() if self.writeback else None,
-                         peer=self.peer.statistics() if self.peer else None)
+                         peer=self.peer.statistics() if self.peer else None, jobs=self.jobs.statistics())
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""

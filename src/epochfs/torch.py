@@ -30,6 +30,9 @@ from torch.utils.data import Sampler
 
 from epochfs.client import Client, PathItem
 from epochfs.errors import EpochfsError
+from epochfs.watch import watch
+
+__all__ = ["EpochfsSampler", "watch"]
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from epochfs import __version__
 from epochfs.control import protocol as p
 from epochfs.control.server import Chunks, Handler
 from epochfs.errors import ConfigError
+from epochfs.jobs import Jobs, Report
 from epochfs.meta.namespace import File, Namespace
 from epochfs.meta.snapshots import Snapshots
 from epochfs.metrics import Collected
@@ -86,7 +87,8 @@ def _check_missing(missing: list[str], missed: int) -> None:
 
 class ControlHandlers:
     def __init__(self, *, info: MountInfo, collect: Callable[[], Collected], snapshots: Snapshots,
-                 prefetcher: Prefetcher, writeback: WriteBack | None = None) -> None:
+                 prefetcher: Prefetcher, writeback: WriteBack | None = None, jobs: Jobs | None = None) -> None:
+        self.jobs = jobs if jobs is not None else Jobs()
         self.info = info
         self.collect = collect
         self.snapshots = snapshots
@@ -97,7 +99,7 @@ class ControlHandlers:
         return {
             p.Status: self.status, p.Refresh: self.refresh, p.Prefetch: self.prefetch, p.Warmup: self.warmup,
             p.Resident: self.resident, p.Job: self.job, p.Cancel: self.cancel, p.PublishManifest: self.publish_manifest,
-            p.GetManifest: self.get_manifest, p.Sync: self.sync,
+            p.GetManifest: self.get_manifest, p.Sync: self.sync, Report: self.report,
         }
 
     async def _objects(self, request: p.Entries, chunks: Chunks | None, *, expand_dirs: bool) -> list[ObjectInfo]:
@@ -125,6 +127,10 @@ class ControlHandlers:
             await trio.to_thread.run_sync(take, entries)
         _check_missing(missing, missed)
         return objs
+
+    async def report(self, request: Report) -> dict[str, Any]:
+        self.jobs.report(request, time.time())
+        return {}
 
     async def status(self, request: p.Status) -> dict[str, Any]:
         return status_of(self.info, self.collect())
@@ -212,4 +218,5 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
         "writeback": vars(c.writeback) if c.writeback is not None else None,
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down)}
         if c.peer is not None else None,
+        "jobs": [{k: v for k, v in vars(j).items() if k != "recent"} for j in c.jobs],
     }

@@ -20,6 +20,9 @@ Operations and fields:
 ``get_manifest``      ``name``
 ``sync``              ``paths`` (list of paths relative to the mount root; empty: everything), ``wait``
                       (seconds, at most 60): wait until what was written under them is in the backend
+``report``            ``job`` (a name, see :data:`epochfs.jobs.JOB_NAME`), ``rank`` (int; null: 0), ``steps`` (int),
+                      ``data_wait`` and ``compute`` (seconds), ``gpu_utilization`` (percent or null):
+                      what one rank of a training job measured since its previous report
 ====================  ==========================================================================
 
 ``entries`` is a list of ``[line, path]`` pairs (the line number in the user's manifest, for error
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epochfs.errors import EpochfsError
+from epochfs.jobs import JOB_NAME, Report
 
 #: Longest line accepted, checked before it is parsed: a request, or one chunk of streamed entries.
 MAX_LINE = 32 << 20
@@ -50,6 +54,9 @@ MAX_SOURCE = 4096
 MAX_INT = (1 << 63) - 1
 MAX_SYNC_WAIT = 60.0
 MAX_SYNC_PATHS = 4096
+MAX_RANK = 1 << 20
+MAX_REPORT_STEPS = 10**9
+MAX_REPORT_SECONDS = 86400.0  # one report covers at most a day of waiting or computing
 
 
 class BadRequest(EpochfsError):
@@ -119,7 +126,8 @@ class Sync:
     wait: float
 
 
-Request = Status | Refresh | Prefetch | Warmup | Resident | Job | Cancel | PublishManifest | GetManifest | Sync
+Request = (Status | Refresh | Prefetch | Warmup | Resident | Job | Cancel | PublishManifest | GetManifest | Sync
+           | Report)
 
 
 def _int(value: Any, field: str, lo: int = 0, hi: int = MAX_INT) -> int:
@@ -175,7 +183,7 @@ def _paths(value: Any) -> tuple[str, ...]:
 
 
 def _seconds(value: Any, field: str, hi: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= hi:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= hi:  # (NaN fails too)
         raise BadRequest(f"{field!r} must be a number of seconds in [0, {hi:g}]")
     return float(value)
 
@@ -193,6 +201,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "publish_manifest": (("name", "text"), {}),
     "get_manifest": (("name",), {}),
     "sync": ((), {"paths": [], "wait": 10.0}),
+    "report": (("job", "rank", "steps", "data_wait", "compute"), {"gpu_utilization": None}),
 }
 OPERATIONS = tuple(_FIELDS)
 
@@ -232,6 +241,8 @@ def parse(line: bytes) -> Request:
         return GetManifest(_name(f["name"]))
     if op == "sync":
         return Sync(_paths(f["paths"]), _seconds(f["wait"], "wait", MAX_SYNC_WAIT))
+    if op == "report":
+        return _report(f)
     entries, source = _entries(f["entries"]), _text(f["source"], "source", MAX_SOURCE)
     if not isinstance(f["follow"], bool):
         raise BadRequest("'follow' must be true or false")
@@ -242,6 +253,19 @@ def parse(line: bytes) -> Request:
         rank = None if f["rank"] is None else _int(f["rank"], "rank", 0, 1 << 20)
         return Prefetch(entries, source, f["follow"], epoch, f["replace"], rank)
     return (Warmup if op == "warmup" else Resident)(entries, source, f["follow"])
+
+
+def _report(f: dict[str, Any]) -> Report:
+    job = f["job"]
+    if not isinstance(job, str) or not JOB_NAME.fullmatch(job):
+        raise BadRequest("'job' must be 1 to 64 letters, digits and _.:- (starting with a letter or digit)")
+    gpu = f["gpu_utilization"]
+    if gpu is not None and (not isinstance(gpu, (int, float)) or isinstance(gpu, bool) or not 0 <= gpu <= 100):
+        raise BadRequest("'gpu_utilization' must be a percentage in [0, 100] or null")
+    rank = 0 if f["rank"] is None else _int(f["rank"], "rank", 0, MAX_RANK)
+    return Report(job, rank, _int(f["steps"], "steps", 0, MAX_REPORT_STEPS),
+                  _seconds(f["data_wait"], "data_wait", MAX_REPORT_SECONDS),
+                  _seconds(f["compute"], "compute", MAX_REPORT_SECONDS), None if gpu is None else float(gpu))
 
 
 def parse_chunk(line: bytes) -> tuple[tuple[int, str], ...]:

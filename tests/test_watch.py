@@ -1,0 +1,207 @@
+"""The training job's view: epochfs.watch measures the loop and reports in the background; the daemon
+keeps bounded, validated reports and exports them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from epochfs.control import request
+from epochfs.jobs import MAX_ENTRIES, WINDOW, Jobs, Report
+from epochfs.sample import SampleFile, upload
+from epochfs.watch import Meter, Reporter, job_name, job_rank, watch
+
+from .conftest import requires_fuse
+
+
+class Recorder:
+    def __init__(self, fail: Exception | None = None, delay: float = 0.0) -> None:
+        self.sent: list[dict] = []
+        self.fail = fail
+        self.delay = delay
+
+    def __call__(self, fields: dict) -> None:
+        time.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        self.sent.append(fields)
+
+
+def slow_loader(n: int, wait: float):
+    for i in range(n):
+        time.sleep(wait)
+        yield i
+
+
+def test_watch_yields_the_items_unchanged_and_splits_each_step_into_data_wait_and_compute(tmp_path):
+    rec = Recorder()
+    reporter = Reporter(tmp_path, "j", 0, Meter(), interval=3600, send=rec)
+    got = []
+    for item in watch(slow_loader(10, 0.02), tmp_path, reporter=reporter):
+        got.append(item)
+        time.sleep(0.01)  # "compute"
+    reporter.report()
+    reporter.close()
+    assert got == list(range(10))
+    m = reporter.meter
+    assert m.steps == 10
+    assert 0.18 <= m.data_wait < 0.6 and 0.09 <= m.compute < 0.4
+    assert sum(r["steps"] for r in rec.sent) == 10
+    assert abs(sum(r["data_wait"] for r in rec.sent) - m.data_wait) < 1e-9
+
+
+def test_reports_carry_what_happened_since_the_last_one_that_arrived(tmp_path):
+    rec = Recorder(fail=OSError("daemon gone"))
+    meter = Meter()
+    reporter = Reporter(tmp_path, "j", 2, meter, interval=3600, send=rec)
+    meter.steps, meter.data_wait, meter.compute = 5, 1.0, 2.0
+    reporter.report()  # lost: the daemon is away
+    rec.fail = None
+    meter.steps, meter.data_wait, meter.compute = 8, 1.5, 3.0
+    reporter.report()
+    reporter.report()  # nothing new: nothing sent
+    reporter.close()
+    assert rec.sent == [{"job": "j", "rank": 2, "steps": 8, "data_wait": 1.5, "compute": 3.0, "gpu_utilization": None}]
+
+
+def test_a_daemon_that_is_absent_slow_or_refusing_never_stops_or_slows_the_loop(tmp_path, caplog):
+    for rec in (Recorder(fail=OSError("refused")), Recorder(delay=5.0)):
+        reporter = Reporter(tmp_path, "j", 0, Meter(), interval=0.01, send=rec)
+        start = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="epochfs.watch"):
+            assert list(watch(range(2000), tmp_path, reporter=reporter)) == list(range(2000))
+            time.sleep(0.1)
+        assert time.perf_counter() - start < 2.0  # the slow report waits in its own thread
+        reporter.close()
+    assert sum("cannot report" in r.message for r in caplog.records) == 1  # logged once, not per report
+    # And the real thing: a directory with no daemon behind it.
+    assert list(watch(iter(range(50)), tmp_path / "nowhere", job="nodaemon")) == list(range(50))
+
+
+def test_a_loader_that_raises_raises_through_watch_and_the_measurements_stay(tmp_path):
+    def broken():
+        yield 1
+        raise ValueError("bad sample")
+
+    reporter = Reporter(tmp_path, "j", 0, Meter(), interval=3600, send=Recorder())
+    with pytest.raises(ValueError, match="bad sample"):
+        for _ in watch(broken(), tmp_path, reporter=reporter):
+            pass
+    reporter.close()
+    assert reporter.meter.steps == 1
+
+
+def test_each_epoch_ends_with_one_log_line(tmp_path, caplog):
+    reporter = Reporter(tmp_path, "resnet", 1, Meter(), interval=3600, send=Recorder())
+    with caplog.at_level(logging.INFO, logger="epochfs.watch"):
+        for _ in range(2):
+            list(watch(slow_loader(3, 0.01), tmp_path, reporter=reporter, job="resnet", rank=1))
+    reporter.close()
+    lines = [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
+    assert len(lines) == 2 and "(resnet rank 1)" in lines[0] and "3 steps" in lines[1]
+    assert lines[0].startswith("epoch 0") and lines[1].startswith("epoch 1")
+
+
+def test_job_names_and_ranks(monkeypatch):
+    assert job_name("resnet50") == "resnet50"
+    assert job_name("my job/../x\n") == "my_job_.._x_"
+    assert job_name("\n\n") == "job"
+    assert len(job_name("a" * 500)) == 64
+    monkeypatch.setenv("EPOCHFS_JOB", "from-env")
+    assert job_name(None) == "from-env"
+    monkeypatch.setenv("RANK", "3")
+    assert job_rank(None) == 3 and job_rank(5) == 5
+    monkeypatch.setenv("RANK", "nonsense")
+    assert job_rank(None) == 0
+
+
+def test_jobs_keep_totals_a_window_and_a_bounded_number_of_entries():
+    jobs = Jobs()
+    jobs.report(Report("a", 0, 10, 1.0, 2.0), now=1000.0)
+    jobs.report(Report("a", 0, 5, 0.5, 1.0, 40.0), now=1000.0 + WINDOW + 1)
+    (a,) = jobs.statistics()
+    assert (a.steps, a.data_wait_seconds, a.compute_seconds, a.gpu_utilization) == (15, 1.5, 3.0, 40.0)
+    assert len(a.recent) == 1  # the first report left the window
+    for i in range(MAX_ENTRIES + 10):
+        jobs.report(Report("many", i, 1, 0.0, 0.0), now=2000.0 + i)
+    stats = jobs.statistics()
+    assert len(stats) == MAX_ENTRIES
+    assert ("a", 0) not in {(s.job, s.rank) for s in stats}  # the least recently reported went first
+    assert ("many", MAX_ENTRIES + 9) in {(s.job, s.rank) for s in stats}
+
+
+def test_watch_costs_microseconds_per_step(tmp_path):
+    """Not a timing assertion on the machine's speed: the loop's own cost, against a bare loop over the
+    same iterable, must stay within a bound that a lock, a syscall or a report per step would exceed."""
+    reporter = Reporter(tmp_path, "j", 0, Meter(), interval=3600, send=Recorder())
+    n = 200_000
+    start = time.perf_counter()
+    for _ in range(n):
+        pass
+    bare = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in watch(range(n), tmp_path, reporter=reporter):
+        pass
+    watched = time.perf_counter() - start
+    reporter.close()
+    assert (watched - bare) / n < 20e-6
+
+
+@requires_fuse
+def test_a_watched_loop_shows_up_in_status_and_metrics(tmp_path, s3_client, fresh_bucket, mount_factory):
+    files = [SampleFile(f"d/{i}.bin", 4096) for i in range(20)]
+    upload(s3_client, fresh_bucket, "", files)
+    m = mount_factory(f"s3://{fresh_bucket}")
+    with m:
+        def loader():
+            for f in files:
+                yield m.path(f.key).read_bytes()
+
+        got = list(watch(loader(), m.mountpoint, job="unit-test", rank=2, interval=0.05))
+        assert got == [f.content() for f in files]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            jobs = m.status()["jobs"]
+            if jobs and jobs[0]["steps"] == 20:
+                break
+            time.sleep(0.05)
+        (job,) = jobs
+        assert (job["job"], job["rank"], job["steps"]) == ("unit-test", 2, 20)
+        assert job["data_wait_seconds"] > 0
+        # Hostile reports change nothing.
+        for bad in ({"job": "x\ny", "rank": 0, "steps": 1, "data_wait": 0, "compute": 0},
+                    {"job": "x", "rank": -1, "steps": 1, "data_wait": 0, "compute": 0},
+                    {"job": "x", "rank": 0, "steps": 1, "data_wait": float("inf"), "compute": 0},
+                    {"job": "x", "rank": 0, "steps": 1, "data_wait": 0, "compute": 0, "gpu_utilization": 101}):
+            with pytest.raises(Exception, match="must"):
+                request(m.mountpoint, "report", **bad)
+        assert len(m.status()["jobs"]) == 1
+        addr = m.status()["metrics_addr"]
+        page = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+        steps = [line for line in page.splitlines() if line.startswith("epochfs_job_steps_total{")]
+        assert len(steps) == 1 and 'job="unit-test"' in steps[0] and 'rank="2"' in steps[0]
+        assert steps[0].endswith(" 20.0")
+        assert "epochfs_job_data_wait_seconds_total" in page
+
+
+def test_reports_racing_the_loop_lose_and_double_count_no_step(tmp_path):
+    rec = Recorder()
+    reporter = Reporter(tmp_path, "j", 0, Meter(), interval=0.01, send=rec)
+    done = threading.Event()
+
+    def loop():
+        for _ in watch(range(50_000), tmp_path, reporter=reporter):
+            pass
+        done.set()
+
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join(30)
+    reporter.report()
+    reporter.close()
+    assert done.is_set()
+    assert sum(r["steps"] for r in rec.sent) == 50_000  # reports raced the loop; none lost or counted twice
