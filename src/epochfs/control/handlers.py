@@ -21,7 +21,7 @@ from epochfs import __version__
 from epochfs.control import protocol as p
 from epochfs.control.server import Chunks, Handler
 from epochfs.errors import ConfigError
-from epochfs.jobs import Jobs, Report
+from epochfs.jobs import Jobs, JobStats, Report
 from epochfs.meta.namespace import File, Namespace
 from epochfs.meta.snapshots import Snapshots
 from epochfs.metrics import Collected
@@ -188,6 +188,15 @@ class ControlHandlers:
                 "failed_total": len(failed)}
 
 
+def job_of(j: JobStats) -> dict[str, Any]:
+    """One job x rank in ``status``: its totals, and the sums of its reports of the last window."""
+    out = {k: v for k, v in vars(j).items() if k != "recent"}
+    out["window"] = {"seconds": (j.recent[-1][0] - j.recent[0][0]) if j.recent else 0.0,
+                     "reports": len(j.recent), "steps": sum(r[1] for r in j.recent),
+                     "data_wait": sum(r[2] for r in j.recent), "compute": sum(r[3] for r in j.recent)}
+    return out
+
+
 def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
     """The reply to ``status`` (``epochfs status --json`` prints it)."""
     snap = c.snapshot
@@ -214,9 +223,11 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
         "backend": {
             "requests": {f"{op}/{outcome}": n for (op, outcome), n in sorted(c.backend.requests.items())},
             "bytes": c.backend.bytes_read,
+            "bandwidth_limit": c.backend_bandwidth,
+            "request_seconds": c.backend.request_seconds.as_dict() if c.backend.request_seconds else None,
         },
         "writeback": vars(c.writeback) if c.writeback is not None else None,
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down)}
         if c.peer is not None else None,
-        "jobs": [{k: v for k, v in vars(j).items() if k != "recent"} for j in c.jobs],
+        "jobs": [job_of(j) for j in c.jobs],
     }
