@@ -11,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from epochfs.control import request
 from epochfs.devserver import LocalRedis
 from epochfs.sample import SampleFile, upload
 
@@ -200,6 +201,8 @@ def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_
         with mount_factory(source, "--backend-bandwidth", "1Gbit", "--writeback", "--meta", redis_server.url,
                            "--peer-listen", "127.0.0.1:0", "--peer-token-file", str(token)) as m:
             read_all(m.path(sample_files[12].key))
+            request(m.mountpoint, "report", job="train", rank=0, steps=5, data_wait=1.0, compute=2.0,
+                    gpu_utilization=80)  # a training job's report (epochfs.watch): the job series exist
             exported = set()
             for fam in text_string_to_metric_families(scrape_text(m)):
                 exported |= {s.name for s in fam.samples}
