@@ -68,6 +68,8 @@ VALID = {  # what the protocol documents for each field
     "data_wait": lambda v: _is_number(v, 0, 86400),
     "compute": lambda v: _is_number(v, 0, 86400),
     "gpu_utilization": lambda v: v is None or _is_number(v, 0, 100),
+    "saves": lambda v: _is_int(v, 0, 10**9),
+    "save_seconds": lambda v: _is_number(v, 0, 86400),
 }
 
 

@@ -19,10 +19,11 @@ from .helpers import EPOCHFS
 MiB = 1 << 20
 
 
-def job(name="train", rank=0, steps=100, wait=1.0, compute=9.0, gpu=None):
+def job(name="train", rank=0, steps=100, wait=1.0, compute=9.0, gpu=None, saves=0, save_seconds=0.0):
     return {"job": name, "rank": rank, "steps": steps, "data_wait_seconds": wait, "compute_seconds": compute,
             "gpu_utilization": gpu, "last_report": 0.0,
-            "window": {"seconds": 60.0, "reports": 12, "steps": steps, "data_wait": wait, "compute": compute}}
+            "window": {"seconds": 60.0, "reports": 12, "steps": steps, "data_wait": wait, "compute": compute,
+                       "saves": saves, "save_seconds": save_seconds}}
 
 
 def healthy():
@@ -112,11 +113,17 @@ def test_the_hit_ratio_is_the_windows_and_falls_back_to_the_totals():
 
 
 def test_compare_lines_up_before_and_after():
-    before, after = doctor(starving()), doctor(healthy())
-    rows = dict((w, (b, a)) for w, b, a in compare(before, after))
+    slow_saves = starving()
+    slow_saves["jobs"] = [job(wait=8.0, compute=2.0, saves=2, save_seconds=90.0)]
+    quick = healthy()
+    quick["jobs"] = [job(saves=1, save_seconds=4.0, gpu=90.0)]
+    before, after = doctor(slow_saves), doctor(quick)
+    rows = {w: (b, a) for w, b, a in compare(before, after)}
     assert rows["verdict"] == ("storage-bound", "compute-bound")
     assert rows["data wait share"] == ("80%", "10%")
-    assert rows["GPU utilisation, %"] == ("-", "-")
+    assert rows["GPU utilisation, %"] == ("-", "90")
+    assert rows["checkpoint save, s"] == ("45.00", "4.00")
+    assert rows["step time, s"] == ("0.1000", "0.1000")
 
 
 @requires_fuse

@@ -4,6 +4,8 @@ keeps bounded, validated reports and exports them."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 import urllib.request
@@ -13,7 +15,7 @@ import pytest
 from epochfs.control import request
 from epochfs.jobs import MAX_ENTRIES, WINDOW, Jobs, Report
 from epochfs.sample import SampleFile, upload
-from epochfs.watch import Meter, Reporter, job_name, job_rank, watch
+from epochfs.watch import Meter, Reporter, _reporters, job_name, job_rank, saving, watch
 
 from .conftest import requires_fuse
 
@@ -104,6 +106,22 @@ def test_each_epoch_ends_with_one_log_line(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
     assert len(lines) == 2 and "(resnet rank 1)" in lines[0] and "3 steps" in lines[1]
     assert lines[0].startswith("epoch 0") and lines[1].startswith("epoch 1")
+
+
+def test_checkpoint_saves_are_timed_as_the_job_sees_them_and_reported(tmp_path, monkeypatch):
+    rec = Recorder()
+    mount = tmp_path / "ckpt"
+    mount.mkdir()
+    reporter = Reporter(mount, "saver", 0, Meter(), interval=3600, send=rec)
+    monkeypatch.setitem(_reporters._by_key, (str(mount), "saver", 0), reporter)
+    with saving(mount, job="saver", rank=0):
+        time.sleep(0.05)
+    with pytest.raises(OSError), saving(mount, job="saver", rank=0):  # a failed save is timed too, and raises
+        raise OSError("disk full")
+    reporter.report()
+    reporter.close()
+    (sent,) = rec.sent
+    assert sent["saves"] == 2 and 0.05 <= sent["save_seconds"] < 1.0 and sent["steps"] == 0
 
 
 def test_job_names_and_ranks(monkeypatch):
@@ -205,3 +223,25 @@ def test_reports_racing_the_loop_lose_and_double_count_no_step(tmp_path):
     reporter.close()
     assert done.is_set()
     assert sum(r["steps"] for r in rec.sent) == 50_000  # reports raced the loop; none lost or counted twice
+
+
+@requires_fuse
+def test_a_daemon_killed_mid_epoch_does_not_stop_the_loop(tmp_path, s3_client, fresh_bucket, mount_factory, caplog):
+    upload(s3_client, fresh_bucket, "", [SampleFile("a.bin", 1000)])
+    m = mount_factory(f"s3://{fresh_bucket}")
+    with m:
+        pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+
+        def loader():
+            for i in range(60):
+                if i == 20:
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.01)
+                yield i
+
+        start = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="epochfs.watch"):
+            assert list(watch(loader(), m.mountpoint, job="killed", interval=0.02)) == list(range(60))
+            time.sleep(0.2)
+        assert time.perf_counter() - start < 5
+        assert any("cannot report" in r.message for r in caplog.records)

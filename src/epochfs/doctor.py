@@ -33,16 +33,19 @@ def _share(part: float, whole: float) -> float | None:
 def job_view(status: dict[str, Any], job: str | None) -> dict[str, Any] | None:
     """The chosen job's ranks summed over the daemon's window (None: no reports there)."""
     ranks = [j for j in status.get("jobs", []) if job is None or j["job"] == job]
-    ranks = [j for j in ranks if j["window"]["steps"]]
+    ranks = [j for j in ranks if j["window"]["steps"] or j["window"].get("saves")]
     if not ranks:
         return None
     wait = sum(j["window"]["data_wait"] for j in ranks)
     compute = sum(j["window"]["compute"] for j in ranks)
     steps = sum(j["window"]["steps"] for j in ranks)
     gpus = [j["gpu_utilization"] for j in ranks if j["gpu_utilization"] is not None]
+    saves = sum(j["window"].get("saves", 0) for j in ranks)
+    save_seconds = sum(j["window"].get("save_seconds", 0.0) for j in ranks)
     return {"jobs": sorted({j["job"] for j in ranks}), "ranks": len(ranks), "steps": steps,
             "data_wait_fraction": _share(wait, wait + compute),
-            "step_seconds": (wait + compute) / steps, "gpu_utilization": sum(gpus) / len(gpus) if gpus else None}
+            "step_seconds": (wait + compute) / steps if steps else None, "gpu_utilization": sum(gpus) / len(gpus) if gpus else None,
+            "checkpoint_save_seconds": save_seconds / saves if saves else None}
 
 
 def verdict_of(view: dict[str, Any] | None) -> str:
@@ -126,7 +129,8 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
 
 COMPARED = [("data wait share", ("data_wait_fraction",), "{:.0%}"), ("step time, s", ("job", "step_seconds"), "{:.4f}"),
             ("GPU utilisation, %", ("job", "gpu_utilization"), "{:.0f}"), ("hit ratio", ("mount", "hit_ratio"), "{:.1%}"),
-            ("backend bytes/s", ("mount", "backend_bytes_per_second"), "{:.0f}")]
+            ("backend bytes/s", ("mount", "backend_bytes_per_second"), "{:.0f}"),
+            ("checkpoint save, s", ("job", "checkpoint_save_seconds"), "{:.2f}")]
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:

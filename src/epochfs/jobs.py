@@ -31,6 +31,8 @@ class Report:
     data_wait: float  # seconds spent waiting in next() for a batch
     compute: float  # seconds between batches
     gpu_utilization: float | None = None  # percent, averaged over the interval, where known
+    saves: int = 0  # checkpoint saves timed (epochfs.watch.saving)
+    save_seconds: float = 0.0  # how long they took, as the job saw it
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,10 @@ class JobStats:
     compute_seconds: float
     gpu_utilization: float | None
     last_report: float  # when (the daemon's clock)
-    recent: tuple[tuple[float, int, float, float], ...]  # (time, steps, data_wait, compute) in the window
+    recent: tuple[tuple[float, int, float, float, int, float], ...]  # (time, steps, data_wait, compute,
+    #                                                                  saves, save_seconds) in the window
+    saves: int = 0
+    save_seconds: float = 0.0
 
 
 @dataclass
@@ -52,7 +57,10 @@ class _Entry:
     compute: float = 0.0
     gpu: float | None = None
     last: float = 0.0
-    recent: deque[tuple[float, int, float, float]] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    saves: int = 0
+    save_seconds: float = 0.0
+    recent: deque[tuple[float, int, float, float, int, float]] = field(
+        default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
 
 class Jobs:
@@ -70,11 +78,14 @@ class Jobs:
         entry.compute += r.compute
         if r.gpu_utilization is not None:
             entry.gpu = r.gpu_utilization
+        entry.saves += r.saves
+        entry.save_seconds += r.save_seconds
         entry.last = now
-        entry.recent.append((now, r.steps, r.data_wait, r.compute))
+        entry.recent.append((now, r.steps, r.data_wait, r.compute, r.saves, r.save_seconds))
         while entry.recent and entry.recent[0][0] < now - WINDOW:
             entry.recent.popleft()
 
     def statistics(self) -> tuple[JobStats, ...]:
-        return tuple(JobStats(job, rank, e.steps, e.data_wait, e.compute, e.gpu, e.last, tuple(e.recent))
+        return tuple(JobStats(job, rank, e.steps, e.data_wait, e.compute, e.gpu, e.last, tuple(e.recent), e.saves,
+                              e.save_seconds)
                      for (job, rank), e in self._entries.items())

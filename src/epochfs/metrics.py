@@ -87,6 +87,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_data_wait_seconds": ("counter", "Seconds a training job's rank waited in next() for a batch (epochfs.watch)."),
     "job_compute_seconds": ("counter", "Seconds a training job's rank spent between batches (epochfs.watch)."),
     "job_steps": ("counter", "Batches a training job's rank took (epochfs.watch)."),
+    "job_checkpoint_saves": ("counter", "Checkpoint saves a training job's rank timed (epochfs.watch.saving)."),
+    "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
 }
@@ -164,6 +166,8 @@ def sample_of(c: Collected) -> Sample:
         jobs.setdefault("job_data_wait_seconds", {})[key] = j.data_wait_seconds
         jobs.setdefault("job_compute_seconds", {})[key] = j.compute_seconds
         jobs.setdefault("job_steps", {})[key] = j.steps
+        jobs.setdefault("job_checkpoint_saves", {})[key] = j.saves
+        jobs.setdefault("job_checkpoint_save_seconds", {})[key] = j.save_seconds
         if j.gpu_utilization is not None:
             jobs.setdefault("job_gpu_utilization", {})[key] = j.gpu_utilization
     return Sample(values, c.backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from epochfs.errors import EpochfsError
@@ -69,12 +70,14 @@ def job_rank(rank: int | None) -> int:
 class Meter:
     """Totals of one rank's loop, written by the loop (single writer) and read by the reporter."""
 
-    __slots__ = ("steps", "data_wait", "compute")
+    __slots__ = ("steps", "data_wait", "compute", "saves", "save_seconds")
 
     def __init__(self) -> None:
         self.steps = 0
         self.data_wait = 0.0
         self.compute = 0.0
+        self.saves = 0
+        self.save_seconds = 0.0
 
 
 class _Gpu:
@@ -111,7 +114,7 @@ class Reporter:
         self.mountpoint = os.path.abspath(mountpoint)
         self.job, self.rank, self.meter, self.interval = job, rank, meter, interval
         self._send = send or self._request
-        self._sent = (0, 0.0, 0.0)
+        self._sent: tuple[int, float, float, int, float] = (0, 0.0, 0.0, 0, 0.0)
         self._warned = False
         self._wake = threading.Event()
         self._stop = False
@@ -136,14 +139,17 @@ class Reporter:
         """Send what was measured since the last report that reached the daemon."""
         with self._lock:
             m = self.meter
-            now = (m.steps, m.data_wait, m.compute)
-            steps, wait, compute = (now[0] - self._sent[0], now[1] - self._sent[1], now[2] - self._sent[2])
-            if steps <= 0:
+            now = (m.steps, m.data_wait, m.compute, m.saves, m.save_seconds)
+            steps, wait, compute, saves, saving = (a - b for a, b in zip(now, self._sent, strict=True))
+            if steps <= 0 and saves <= 0:
                 return
             gpu = self._gpu.utilization() if self._gpu is not None else None
+            fields = {"job": self.job, "rank": self.rank, "steps": steps, "data_wait": max(0.0, wait),
+                      "compute": max(0.0, compute), "gpu_utilization": gpu}
+            if saves:
+                fields.update(saves=saves, save_seconds=max(0.0, saving))
             try:
-                self._send({"job": self.job, "rank": self.rank, "steps": steps, "data_wait": max(0.0, wait),
-                            "compute": max(0.0, compute), "gpu_utilization": gpu})
+                self._send(fields)
             except (EpochfsError, OSError, ValueError) as exc:
                 if not self._warned:
                     log.warning("epochfs.watch: cannot report to the daemon at %s (%s); measuring goes on",
@@ -193,6 +199,21 @@ def watch(loader: Iterable[T], mountpoint: str | os.PathLike[str], *, job: str |
             log.info("epoch %d (%s rank %d): waited for data %.0f%% of step time (%d steps, %.1f s)",
                      _reporters.epoch(name, who), name, who, 100 * waited / busy if busy else 0.0, steps,
                      clock() - epoch_start)
+
+
+@contextmanager
+def saving(mountpoint: str | os.PathLike[str], *, job: str | None = None, rank: int | None = None) -> Iterator[None]:
+    """Time a checkpoint save as the job sees it (``with saving("/mnt/ckpt", job="resnet50"):
+    torch.save(...)``): reported with the job's steps, kept for ``epochfs doctor --compare``. The time
+    in the block is neither data wait nor compute of the loop."""
+    reporter = _reporters.get(os.path.abspath(mountpoint), job_name(job), job_rank(rank), INTERVAL)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        reporter.meter.save_seconds += time.perf_counter() - start
+        reporter.meter.saves += 1
+        reporter.flush()
 
 
 class _Reporters:

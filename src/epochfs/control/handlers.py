@@ -193,7 +193,8 @@ def job_of(j: JobStats) -> dict[str, Any]:
     out = {k: v for k, v in vars(j).items() if k != "recent"}
     out["window"] = {"seconds": (j.recent[-1][0] - j.recent[0][0]) if j.recent else 0.0,
                      "reports": len(j.recent), "steps": sum(r[1] for r in j.recent),
-                     "data_wait": sum(r[2] for r in j.recent), "compute": sum(r[3] for r in j.recent)}
+                     "data_wait": sum(r[2] for r in j.recent), "compute": sum(r[3] for r in j.recent),
+                     "saves": sum(r[4] for r in j.recent), "save_seconds": sum(r[5] for r in j.recent)}
     return out
 
 

@@ -21,8 +21,9 @@ Operations and fields:
 ``sync``              ``paths`` (list of paths relative to the mount root; empty: everything), ``wait``
                       (seconds, at most 60): wait until what was written under them is in the backend
 ``report``            ``job`` (a name, see :data:`epochfs.jobs.JOB_NAME`), ``rank`` (int; null: 0), ``steps`` (int),
-                      ``data_wait`` and ``compute`` (seconds), ``gpu_utilization`` (percent or null):
-                      what one rank of a training job measured since its previous report
+                      ``data_wait`` and ``compute`` (seconds), ``gpu_utilization`` (percent or null),
+                      ``saves`` and ``save_seconds`` (checkpoint saves timed): what one rank of a
+                      training job measured since its previous report
 ====================  ==========================================================================
 
 ``entries`` is a list of ``[line, path]`` pairs (the line number in the user's manifest, for error
@@ -201,7 +202,8 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "publish_manifest": (("name", "text"), {}),
     "get_manifest": (("name",), {}),
     "sync": ((), {"paths": [], "wait": 10.0}),
-    "report": (("job", "rank", "steps", "data_wait", "compute"), {"gpu_utilization": None}),
+    "report": (("job", "rank", "steps", "data_wait", "compute"), {"gpu_utilization": None, "saves": 0,
+                                                                   "save_seconds": 0.0}),
 }
 OPERATIONS = tuple(_FIELDS)
 
@@ -265,7 +267,9 @@ def _report(f: dict[str, Any]) -> Report:
     rank = 0 if f["rank"] is None else _int(f["rank"], "rank", 0, MAX_RANK)
     return Report(job, rank, _int(f["steps"], "steps", 0, MAX_REPORT_STEPS),
                   _seconds(f["data_wait"], "data_wait", MAX_REPORT_SECONDS),
-                  _seconds(f["compute"], "compute", MAX_REPORT_SECONDS), None if gpu is None else float(gpu))
+                  _seconds(f["compute"], "compute", MAX_REPORT_SECONDS), None if gpu is None else float(gpu),
+                  _int(f["saves"], "saves", 0, MAX_REPORT_STEPS), _seconds(f["save_seconds"], "save_seconds",
+                                                                           MAX_REPORT_SECONDS))
 
 
 def parse_chunk(line: bytes) -> tuple[tuple[int, str], ...]:
