@@ -129,7 +129,7 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
 
 COMPARED = [("data wait share", ("data_wait_fraction",), "{:.0%}"), ("step time, s", ("job", "step_seconds"), "{:.4f}"),
             ("GPU utilisation, %", ("job", "gpu_utilization"), "{:.0f}"), ("hit ratio", ("mount", "hit_ratio"), "{:.1%}"),
-            ("backend bytes/s", ("mount", "backend_bytes_per_second"), "{:.0f}"),
+            ("backend bytes/s while doctor ran", ("mount", "backend_bytes_per_second"), "{:.0f}"),
             ("checkpoint save, s", ("job", "checkpoint_save_seconds"), "{:.2f}")]
 
 
