@@ -90,6 +90,7 @@ CASES = {
         request_seconds={"bounds": [0.005, 0.01, 0.05], "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}),
     "small-files": lambda s: s["snapshot"].update(bytes=1000 * 100 * 1024),
     "writeback-backlog": lambda s: s.update(writeback={"pending_bytes": 4 << 30, "oldest_pending_seconds": 300.0}),
+    "slow-checkpoints": lambda s: s["jobs"][0]["window"].update(saves=2, save_seconds=150.0),
 }
 
 
@@ -101,7 +102,7 @@ def test_each_cause_is_named_with_its_fix_only_when_the_state_shows_it(cause):
     assert [f["cause"] for f in r["findings"]] == [cause]
     assert r["findings"][0]["fix"] and r["findings"][0]["evidence"]
     # The same state on a job that does not wait is not a finding: the doctor answers the job's question.
-    after["jobs"] = [job(wait=0.5, compute=9.5)]
+    after["jobs"] = [job(wait=0.5, compute=9.5, saves=2, save_seconds=150.0)]
     assert doctor(after)["findings"] == []
 
 

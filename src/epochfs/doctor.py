@@ -7,7 +7,8 @@ The rules are the operators' ones:
 - a job that waits for data more than half of its step time, or whose GPU is under 50% busy while it
   waits at least a fifth, is ``storage-bound``; one that waits under a fifth is ``compute-bound``; in
   between, ``balanced``; without reports in the daemon's window, ``no-job-data``;
-- for a storage-bound job, each cause the mount's own state shows is a finding with its fix.
+- for a storage-bound job, each cause the mount's own state (or the job's timed checkpoint saves) shows
+  is a finding with its fix.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ BACKEND_BUSY = 0.7  # of --backend-bandwidth
 SLOW_BACKEND = 0.020  # seconds, median of a block request
 SMALL_FILES = 1 << 20  # average object size below which small files dominate
 BACKLOG_SECONDS = 60.0  # the oldest written file waiting this long for its upload
+SLOW_SAVE = 30.0  # seconds a checkpoint save keeps the job from training
 
 
 def _share(part: float, whole: float) -> float | None:
@@ -77,7 +79,7 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "writeback": after.get("writeback")}
 
 
-def findings_of(m: dict[str, Any]) -> list[dict[str, str]]:
+def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """What the mount's state shows that makes a job wait for data, each with its fix."""
     out = []
 
@@ -114,6 +116,10 @@ def findings_of(m: dict[str, Any]) -> list[dict[str, str]]:
         found("writeback-backlog", f"{wb['pending_bytes']} bytes written wait for upload, the oldest "
               f"{wb['oldest_pending_seconds']:.0f} s", "uploads compete with reads for the link: cap them "
               "(--upload-bandwidth) or save checkpoints less often")
+    save = view.get("checkpoint_save_seconds") if view else None
+    if save is not None and save > SLOW_SAVE:
+        found("slow-checkpoints", f"a checkpoint save takes {save:.0f} s as the job sees it",
+              "save to an epochfs --writeback mount: saves at local-disk speed, uploaded in the background")
     return out
 
 
@@ -124,7 +130,7 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
     mount = mount_view(before, after, seconds)
     return {"verdict": verdict, "job": view,
             "data_wait_fraction": view["data_wait_fraction"] if view else None,
-            "mount": mount, "findings": findings_of(mount) if verdict == "storage-bound" else []}
+            "mount": mount, "findings": findings_of(mount, view) if verdict == "storage-bound" else []}
 
 
 COMPARED = [("data wait share", ("data_wait_fraction",), "{:.0%}"), ("step time, s", ("job", "step_seconds"), "{:.4f}"),
