@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import trio
 
 from epochfs.cache.keys import block_bounds, block_count
+from epochfs.cache.store import BlockStore
 from epochfs.records import ObjectInfo
-
-if TYPE_CHECKING:
-    from epochfs.cache.service import BlockCache
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +60,19 @@ class KernelPages(Protocol):
         """(Worker thread.) Drop the inode's cached pages."""
 
 
+class Blocks(Protocol):
+    """What the pusher needs of the block cache (:class:`epochfs.cache.service.BlockCache`)."""
+
+    block_size: int
+    store: BlockStore
+
+    def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:
+        """Have ``pusher`` push the block once its verified bytes are at hand; False if they are not."""
+
+    def count_hit(self, nbytes: int) -> None:
+        """Count ``nbytes`` served without waiting for the backend."""
+
+
 class PushStats(NamedTuple):
     pushed_blocks: int
     pushed_bytes: int
@@ -70,7 +81,7 @@ class PushStats(NamedTuple):
 
 
 class Pusher:
-    def __init__(self, cache: BlockCache, pages: KernelPages, *, ahead: int, threads: int = 2) -> None:
+    def __init__(self, cache: Blocks, pages: KernelPages, *, ahead: int, threads: int = 2) -> None:
         self.cache = cache
         self.pages = pages
         self.ahead = ahead
