@@ -92,18 +92,20 @@ class Pusher:
         self._idle = trio.Event()
         self._idle.set()
 
-    def follow(self, stream: PushState, obj: ObjectInfo, inode: int, offset: int) -> None:
-        """A sequential reader of ``obj`` (``inode``) asked for bytes at ``offset``: push what lies
-        ahead of it that is not pushed yet."""
+    def follow(self, obj: ObjectInfo, inode: int, offset: int, pushed_to: int) -> int:
+        """A sequential reader of ``obj`` (``inode``), which has had the blocks below ``pushed_to``
+        pushed, asked for bytes at ``offset``: push what lies ahead of it that is not pushed yet; the
+        new ``pushed_to``."""
         if not self.enabled or inode <= 0:
-            return
+            return pushed_to
         size = self.cache.block_size
         current = offset // size
         last = min(current + 1 + self.ahead, block_count(obj.size, size))
-        for index in range(max(current + 1, stream.pushed_to), last):
+        for index in range(max(current + 1, pushed_to), last):
             if not self.cache.push_block(self, obj, inode, index):
                 break  # neither in memory nor in the store yet: asked again at the reader's next request
-            stream.pushed_to = index + 1
+            pushed_to = index + 1
+        return pushed_to
 
     def started(self) -> None:
         """A push was handed to the cache's nursery (it ends with :meth:`ended`)."""
@@ -183,12 +185,3 @@ class Pusher:
 
     def statistics(self) -> PushStats:
         return PushStats(self._blocks, self._bytes, self._failed, self._stale)
-
-
-class PushState:
-    """What one reader has had pushed: blocks below ``pushed_to`` (ahead of where it was)."""
-
-    __slots__ = ("pushed_to",)
-
-    def __init__(self) -> None:
-        self.pushed_to = 0

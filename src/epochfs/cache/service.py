@@ -40,7 +40,7 @@ import trio
 from epochfs.backend.base import Backend
 from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
 from epochfs.cache.policies import EvictionPolicy
-from epochfs.cache.push import GAP, Pusher, PushState
+from epochfs.cache.push import GAP, Pusher
 from epochfs.cache.store import WOULD_BLOCK, BlockMeta, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
 from epochfs.records import ObjectInfo
@@ -562,7 +562,7 @@ class ReadStream:
         self.cache = cache
         self.obj = obj
         self.inode = inode
-        self._push = PushState()
+        self._pushed_to = 0  # blocks below this were pushed into the kernel for this reader
         self._next = 0
         self._sequential = 0
         self._ahead_from = 0  # first block index not yet handed to readahead
@@ -589,12 +589,12 @@ class ReadStream:
             part = whole[offset:offset + size]
             cache.count_hit(len(part))
             return part
-        if abs(offset - self._next) <= self.SLACK or self._push.pushed_to and self._pushed_gap(offset):
+        if abs(offset - self._next) <= self.SLACK or self._pushed_to and self._pushed_gap(offset):
             self._sequential += 1
         else:
             self._sequential = 0
             self._ahead_from = 0
-            self._push.pushed_to = 0
+            self._pushed_to = 0
         self._next = offset + size
         large = self.obj.size > cache.block_size
         if self._sequential >= 2 and cache.readahead_blocks and large:
@@ -606,11 +606,11 @@ class ReadStream:
                 self._ahead_from = last
         data = await cache.read(self.obj, offset, size)
         if self._sequential >= 1 and large and cache.pusher is not None:
-            cache.pusher.follow(self._push, self.obj, self.inode, offset)
+            self._pushed_to = cache.pusher.follow(self.obj, self.inode, offset, self._pushed_to)
         return data
 
     def _pushed_gap(self, offset: int) -> bool:
         """Whether ``offset`` is in the first page of a block pushed for this reader (the reader read
         the pushed pages in between without the daemon seeing them)."""
         block = offset // self.cache.block_size
-        return block < self._push.pushed_to and offset - block * self.cache.block_size < GAP
+        return block < self._pushed_to and offset - block * self.cache.block_size < GAP
