@@ -8,17 +8,14 @@ import os
 import random
 
 import pytest
-import trio
 
-from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.push import GAP, Pusher
-from epochfs.cache.service import BlockCache
-from epochfs.cache.store import BlockStore
 from epochfs.records import ObjectInfo
 from epochfs.sample import SampleFile, pattern, upload
 
 from .conftest import requires_fuse
 from .helpers import BS, MemoryBackend
+from .test_cache_service import run_with_cache
 
 OBJ = ObjectInfo("big.bin", 12 * BS + 1234, 0, '"v1"')
 INODE = 7
@@ -49,25 +46,15 @@ class Pages:
 
 
 def run(tmp_path, fn, pages: Pages, *, ahead: int = 3, readahead: int = 0, backend=None):
-    store = BlockStore(tmp_path / "c", 1 << 30, 0.0, LruPolicy())
-    store.open()
-    backend = backend or MemoryBackend()
-    cache = BlockCache(store, backend, block_size=BS, concurrency=8, readahead_blocks=readahead)
-    cache.pusher = Pusher(cache, pages, ahead=ahead)
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(cache.run)
-            result = await fn(cache)
-            await cache.wait_idle()
-            await cache.pusher.wait_idle()
-            nursery.cancel_scope.cancel()
+    """``fn(cache)`` with a pusher into ``pages``; returns once the fetches and pushes it started are done."""
+    async def pushing(cache):
+        cache.pusher = Pusher(cache, pages, ahead=ahead)
+        result = await fn(cache)
+        await cache.wait_idle()
+        await cache.pusher.wait_idle()
         return result
 
-    try:
-        return trio.run(main), cache
-    finally:
-        store.close()
+    return run_with_cache(tmp_path, backend or MemoryBackend(), pushing, readahead=readahead)
 
 
 async def fill(cache, obj=OBJ):
