@@ -113,6 +113,7 @@ class Reporter:
                  interval: float = INTERVAL, send: Any = None) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
         self.job, self.rank, self.meter, self.interval = job, rank, meter, interval
+        self.epochs = 0  # passes over a loader through watch() (the epoch log line's number)
         self._send = send or self._request
         self._sent: tuple[int, float, float, int, float] = (0, 0.0, 0.0, 0, 0.0)
         self._warned = False
@@ -170,9 +171,8 @@ class Reporter:
 def watch(loader: Iterable[T], mountpoint: str | os.PathLike[str], *, job: str | None = None,
           rank: int | None = None, interval: float = INTERVAL, reporter: Reporter | None = None) -> Iterator[T]:
     """Yield ``loader``'s items unchanged, measuring each step's data wait and compute (see the module)."""
-    name, who = job_name(job), job_rank(rank)
     if reporter is None:
-        reporter = _reporters.get(os.path.abspath(mountpoint), name, who, interval)
+        reporter = _reporters.get(os.path.abspath(mountpoint), job_name(job), job_rank(rank), interval)
     meter = reporter.meter
     started = (meter.steps, meter.data_wait, meter.compute)
     clock = time.perf_counter
@@ -197,8 +197,9 @@ def watch(loader: Iterable[T], mountpoint: str | os.PathLike[str], *, job: str |
         busy = waited + meter.compute - started[2]
         if steps:
             log.info("epoch %d (%s rank %d): waited for data %.0f%% of step time (%d steps, %.1f s)",
-                     _reporters.epoch(name, who), name, who, 100 * waited / busy if busy else 0.0, steps,
+                     reporter.epochs, reporter.job, reporter.rank, 100 * waited / busy if busy else 0.0, steps,
                      clock() - epoch_start)
+            reporter.epochs += 1
 
 
 @contextmanager
@@ -222,7 +223,6 @@ class _Reporters:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, str, int], Reporter] = {}
-        self._epochs: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
 
     def get(self, mountpoint: str, job: str, rank: int, interval: float) -> Reporter:
@@ -232,12 +232,6 @@ class _Reporters:
             if reporter is None:
                 reporter = self._by_key[key] = Reporter(mountpoint, job, rank, Meter(), interval=interval)
             return reporter
-
-    def epoch(self, job: str, rank: int) -> int:
-        with self._lock:
-            n = self._epochs.get((job, rank), 0)
-            self._epochs[(job, rank)] = n + 1
-            return n
 
 
 _reporters = _Reporters()
