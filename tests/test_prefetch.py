@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,33 @@ def test_second_epoch_backend_bytes_are_near_the_offline_optimum(s3_client, fres
     optimum_second = (offline_min_misses([f.key.encode() for f in e0 + e1], n // 2) - n) * size
     second = backend - n * size  # the first epoch reads every block once, whatever the policy
     assert optimum_second <= second <= 1.05 * optimum_second, (second, optimum_second)
+
+
+def test_the_ranks_of_one_node_handed_over_from_the_shell_are_merged_and_read_from_cache(
+        s3_client, fresh_bucket, mount_factory, tmp_path):
+    files = dataset(60, lambda i: 120 * KiB + 7 * i)
+    upload(s3_client, fresh_bucket, "", files)
+    paths = tmp_path / "paths.txt"
+    paths.write_text("".join(f.key + "\n" for f in files))
+    by_key = {f.key: f for f in files}
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "256K", "--readahead", "0") as m:
+        shares = []
+        for rank in (0, 1):
+            r = epochfs("prefetch", str(m.mountpoint), "--manifest", str(paths), "--seed", "4", "--epoch", "0",
+                        "--rank", str(rank), "--world-size", "2")
+            assert ("merged" in r.stdout) == (rank == 1), r.stdout
+            out = tmp_path / f"r{rank}.txt"
+            epochfs("manifest", str(paths), "--seed", "4", "--epoch", "0", "--rank", str(rank), "--world-size", "2",
+                    "-o", str(out))
+            shares.append([by_key[k] for k in out.read_text().split()])
+        assert m.status()["prefetch"]["files"] == len(files)
+        readers = [threading.Thread(target=train_epoch, args=(m, share, 0.02)) for share in shares]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        hits, misses = hits_and_misses(m)
+        assert hits / (hits + misses) >= 0.95, (hits, misses)  # appended, rank 1's share is read cold
 
 
 def test_control_channel_rejects_other_users(request, mount_factory, sample_bucket):

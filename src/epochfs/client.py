@@ -32,6 +32,14 @@ def _path(item: PathItem) -> str:
     return os.fspath(item[0])
 
 
+def merge_rank(rank: int | None, world_size: int) -> int | None:
+    """The rank a hand-over is merged under: the one named, else 0 of several; None (queued after the
+    plan, not merged) only for a single unnamed rank."""
+    if rank is not None:
+        return rank
+    return 0 if world_size > 1 else None
+
+
 class Client:
     def __init__(self, mountpoint: str | os.PathLike[str], *, timeout: float = 60.0) -> None:
         self.mountpoint = os.path.abspath(mountpoint)
@@ -47,14 +55,16 @@ class Client:
         """The daemon's state (what ``epochfs status --json`` prints)."""
         return self._request("status")
 
-    def prefetch(self, paths: Sequence[PathItem], *, seed: int | None = None, epoch: int = 0, rank: int = 0,
-                 world_size: int = 1, drop_last: bool = False, replace: bool = False) -> dict[str, Any]:
+    def prefetch(self, paths: Sequence[PathItem], *, seed: int | None = None, epoch: int = 0,
+                 rank: int | None = None, world_size: int = 1, drop_last: bool = False,
+                 replace: bool = False) -> dict[str, Any]:
         """Hand over the order in which this rank reads ``paths`` in ``epoch``: the dataset in index order,
         shuffled as ``DistributedSampler(shuffle=True, seed=seed, drop_last=drop_last)`` does when a
-        seed is given (else read as given), and partitioned for ``rank`` of ``world_size``."""
-        order = epoch_order(list(paths), seed=seed, epoch=epoch, rank=rank, world_size=world_size,
+        seed is given (else read as given), and partitioned for ``rank`` of ``world_size``. A rank named
+        (or more than one rank) is merged with the other ranks of this epoch on the node."""
+        order = epoch_order(list(paths), seed=seed, epoch=epoch, rank=rank or 0, world_size=world_size,
                             drop_last=drop_last)
-        return self.hand_over(order, epoch=epoch, rank=rank if world_size > 1 else None, replace=replace)
+        return self.hand_over(order, epoch=epoch, rank=merge_rank(rank, world_size), replace=replace)
 
     def hand_over(self, order: Iterable[PathItem], *, epoch: int | None = None, rank: int | None = None,
                   replace: bool = False) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from epochfs.cli.common import human
+from epochfs.client import merge_rank
 from epochfs.config import parse_size
 from epochfs.errors import ConfigError
 from epochfs.prefetch.manifest import Entry, mount_relative
@@ -29,7 +30,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="the manifest lists the dataset in index order; shuffle it as "
                    "DistributedSampler(shuffle=True, seed=S) does for --epoch")
     o.add_argument("--epoch", type=int, metavar="N", help="epoch number (with --seed: the shuffle; always: a label)")
-    o.add_argument("--rank", type=int, default=0, metavar="R", help="this rank (default: 0)")
+    o.add_argument("--rank", type=int, metavar="R",
+                   help="this rank (default: 0); the hand-overs of the ranks of one epoch on a node are merged "
+                   "side by side")
     o.add_argument("--drop-last", action="store_true",
                    help="as DistributedSampler(drop_last=True): cut the order to a multiple of W instead of padding")
     o.add_argument("--world-size", type=int, default=1, metavar="W",
@@ -92,8 +95,8 @@ def _order(args: argparse.Namespace, manifest: str) -> list[Entry]:
 
     if args.seed is not None and args.epoch is None:
         raise ConfigError("--seed needs --epoch")
-    return epoch_order(read(manifest), seed=args.seed, epoch=args.epoch, rank=args.rank, world_size=args.world_size,
-                       drop_last=args.drop_last)
+    return epoch_order(read(manifest), seed=args.seed, epoch=args.epoch, rank=args.rank or 0,
+                       world_size=args.world_size, drop_last=args.drop_last)
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
@@ -118,8 +121,10 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         print(f"epochfs: published {args.manifest} as {args.publish!r}")
     reply = request(args.mountpoint, "prefetch",
                     entries=[[e.line, mount_relative(args.mountpoint, e.path)] for e in entries],
-                    source=args.manifest or args.stored, epoch=args.epoch, replace=args.replace)
-    how = "queued after the current plan" if reply["appended"] else "loaded"
+                    source=args.manifest or args.stored, epoch=args.epoch, replace=args.replace,
+                    rank=merge_rank(args.rank, args.world_size))
+    how = ("merged with the other ranks' shares" if reply["merged"] else
+           "queued after the current plan" if reply["appended"] else "loaded")
     print(f"epochfs: {reply['files']} files ({human(reply['plan_bytes'])} in the plan) {how}")
     return 0
 
