@@ -50,11 +50,12 @@ def _is_number(v, lo, hi):
 
 VALID = {  # what the protocol documents for each field
     "entries": lambda v: isinstance(v, list) and all(
-        isinstance(e, list) and len(e) == 2 and _is_int(e[0], 0, p.MAX_INT) and _is_text(e[1], 4096)
+        isinstance(e, list) and len(e) == 2 and _is_int(e[0], 0, p.MAX_INT) and _is_text(e[1], 4096, empty=True)
         and "\x00" not in e[1] for e in v),
     "source": lambda v: _is_text(v, 4096),
     "epoch": lambda v: v is None or _is_int(v, -p.MAX_INT, p.MAX_INT),
     "replace": lambda v: isinstance(v, bool),
+    "skip_missing": lambda v: isinstance(v, bool),
     "rank": lambda v: v is None or _is_int(v, 0, 1 << 20),
     "id": lambda v: _is_int(v, 0, p.MAX_INT),
     "name": lambda v: _is_text(v, 255) and not any(ord(c) < 32 for c in v),

@@ -303,7 +303,7 @@ def test_an_absurd_prefetch_is_refused_and_the_mount_stays_responsive(tmp_path, 
         r = subprocess.run([*EPOCHFS, "prefetch", str(m.mountpoint), "--manifest", str(manifest)],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "blocks is more than one hand-over may hold" in r.stderr, r.stderr
-        r = subprocess.run([*EPOCHFS, "warmup", str(m.mountpoint), "huge.bin"], capture_output=True, text=True,
+        r = subprocess.run([*EPOCHFS, "warmup", str(m.mountpoint), str(m.path("huge.bin"))], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and "blocks is more than" in r.stderr, r.stderr
         assert time.monotonic() - started < 20

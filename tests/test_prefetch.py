@@ -26,8 +26,8 @@ def dataset(n: int, size_fn) -> list[SampleFile]:
     return [SampleFile(f"shard-{i % 4}/sample-{i:04d}.bin", size_fn(i)) for i in range(n)]
 
 
-def epochfs(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([*EPOCHFS, *args], capture_output=True, text=True, timeout=120)
+def epochfs(*args: str, check: bool = True, cwd=None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([*EPOCHFS, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -201,6 +201,26 @@ def test_warmup_check_and_plan(tmp_path, s3_client, fresh_bucket, mount_factory)
                     "--mount", str(m.mountpoint))  # a cold epoch: the prediction says what it means
         assert "fetched from the backend" in r.stdout and "cached when the epoch begins" in r.stdout
         assert "predicts backend traffic, not the hit ratio a prefetched epoch shows" in r.stdout.replace("\n", " ")
+
+
+def test_warmup_takes_the_whole_mount_and_paths_from_the_current_directory(
+        tmp_path, s3_client, fresh_bucket, mount_factory):
+    files = dataset(12, lambda i: 50 * KiB + i)
+    upload(s3_client, fresh_bucket, "", files)
+    shard1 = sum(f.size for f in files if f.key.startswith("shard-1/"))
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
+        r = epochfs("warmup", str(m.mountpoint), ".", cwd=m.path("shard-1"))  # a shell's "."
+        assert f"epochfs: warmed {shard1 / KiB:.1f} KiB of" in r.stdout, r.stdout
+        r = epochfs("warmup", str(m.mountpoint), "sample-0005.bin", cwd=m.path("shard-1"))
+        assert "warmed" in r.stdout
+        r = epochfs("warmup", str(m.mountpoint), "shard-2", cwd=tmp_path, check=False)  # not the mount root's
+        assert r.returncode == 2 and f"did you mean {m.path('shard-2')}?" in r.stderr, r.stderr
+        r = epochfs("warmup", str(m.mountpoint), "--check")
+        assert r.stdout.startswith("25.0% cached"), r.stdout
+        r = epochfs("warmup", str(m.mountpoint), str(m.mountpoint))  # the mount root named
+        r = epochfs("warmup", str(m.mountpoint), "--check")
+        assert r.stdout.startswith("100.0% cached") and "12 of 12 files" in r.stdout, r.stdout
+        epochfs("warmup", str(m.mountpoint))  # nothing named: the whole mount, already cached
 
 
 def test_manifest_helper_writes_rank_shares(tmp_path):

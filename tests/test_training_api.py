@@ -4,6 +4,7 @@ sampler wrapper (epochfs.torch), whose hand-over must be exactly what the DataLo
 from __future__ import annotations
 
 import os
+import logging
 import warnings
 
 import pytest
@@ -144,7 +145,7 @@ def test_the_sampler_hands_over_exactly_what_the_dataloader_reads(dataset_mount,
     assert status["prefetch"]["fetched_blocks"] > 0
 
 
-def test_a_sampler_without_an_epoch_and_an_unreachable_daemon(dataset_mount, tmp_path):
+def test_a_sampler_without_an_epoch_and_an_unreachable_daemon(dataset_mount, tmp_path, caplog):
     needs_torch()
     from torch.utils.data import DataLoader, RandomSampler
 
@@ -160,10 +161,33 @@ def test_a_sampler_without_an_epoch_and_an_unreachable_daemon(dataset_mount, tmp
         list(DataLoader(dataset, batch_size=5, sampler=sampler))
         assert client.handed[-1] == dataset.read
     gone = EpochfsSampler(RandomSampler(dataset), dataset.samples, tmp_path, background=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="epochfs.torch"):
+        warnings.simplefilter("ignore")  # what is said goes through logging: -W ignore hides nothing
         for _ in range(2):
             dataset.read.clear()
             list(DataLoader(dataset, batch_size=5, sampler=gone))
             assert len(dataset.read) == len(dataset)  # training goes on
-    assert len([w for w in caught if "could not hand" in str(w.message)]) == 1  # warned once
+    assert len([r for r in caplog.records if "could not hand" in r.getMessage()]) == 1  # said once
+
+
+def test_a_path_the_mount_lacks_leaves_the_rest_of_the_order_handed_over(dataset_mount, caplog):
+    needs_torch()
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from epochfs.torch import EpochfsSampler
+
+    m, files = dataset_mount
+    samples = samples_like_image_folder(str(m.path("train")))
+    paths = [p for p, _ in samples]
+    paths[3] = str(m.path("train/cat/gone.jpg"))  # deleted since the sample list was made
+    dataset = Files(samples)
+    sampler = EpochfsSampler(SequentialSampler(dataset), paths, m.mountpoint, background=True)
+    with caplog.at_level(logging.WARNING, logger="epochfs.torch"):
+        sampler.set_epoch(0)
+        sampler.wait()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("1 paths the mount does not have" in t and "gone.jpg" in t for t in said), said
+    assert m.status()["prefetch"]["files"] == len(paths) - 1  # the rest of the epoch is still prefetched
+    list(DataLoader(dataset, batch_size=4, sampler=sampler))
+    with pytest.raises(EpochfsError, match="not in the snapshot"):  # asked for, a missing path still fails
+        Client(m.mountpoint).hand_over(paths)

@@ -67,11 +67,13 @@ class Client:
         return self.hand_over(order, epoch=epoch, rank=merge_rank(rank, world_size), replace=replace)
 
     def hand_over(self, order: Iterable[PathItem], *, epoch: int | None = None, rank: int | None = None,
-                  replace: bool = False) -> dict[str, Any]:
+                  replace: bool = False, skip_missing: bool = False) -> dict[str, Any]:
         """Hand over an exact read order. It is queued after the plan being read (``replace``: instead
-        of it); the orders of several ranks of one epoch (``rank`` given) are merged side by side."""
+        of it); the orders of several ranks of one epoch (``rank`` given) are merged side by side. A
+        path the mount does not have is an error, or with ``skip_missing`` left out of the hand-over
+        (the reply's ``missing`` counts them, ``missing_message`` names the first)."""
         return self._request("prefetch", entries=self._entries(order), source="python", epoch=epoch,
-                             replace=replace, rank=rank)
+                             replace=replace, rank=rank, skip_missing=skip_missing)
 
     def warmup(self, paths: Iterable[PathItem], *, wait: bool = True,
                progress: Callable[[dict[str, Any]], None] | None = None, poll: float = 0.2) -> dict[str, Any]:

@@ -12,7 +12,8 @@ The wrapper draws the inner sampler's order once per epoch, hands exactly that o
 dataset's paths) to the daemon, and yields the same indices to the DataLoader: the order the daemon
 prefetches is the order the DataLoader reads, by construction, for any sampler (a ``RandomSampler``
 without a seed too). The ranks of a ``DistributedSampler`` on one node are merged side by side by the
-daemon. A daemon that cannot be reached never stops training: the wrapper warns once and goes on.
+daemon. A daemon that cannot be reached never stops training: the wrapper logs a warning once and goes on;
+paths the mount lacks are logged and left out, and the rest of the order is handed over.
 
 Imported only when PyTorch is installed (``import epochfs.torch``).
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -89,13 +89,17 @@ class EpochfsSampler(Sampler[int]):
 
     def _send(self, paths: list[Any], epoch: int) -> None:
         try:
-            self.client.hand_over(paths, epoch=epoch, rank=self._rank())
+            reply = self.client.hand_over(paths, epoch=epoch, rank=self._rank(), skip_missing=True)
         except EpochfsError as exc:
             if not self._warned:
-                warnings.warn(f"epochfs: could not hand epoch {epoch}'s order to the daemon ({exc}); "
-                              "training goes on without prefetch", RuntimeWarning, stacklevel=2)
+                log.warning("epochfs: could not hand epoch %d's order to the daemon (%s); training goes on "
+                            "without prefetch", epoch, exc)
                 self._warned = True
             log.debug("hand-over of epoch %d failed: %s", epoch, exc)
+            return
+        if reply.get("missing"):
+            log.warning("epochfs: epoch %d's order names %d paths the mount does not have, handed over without "
+                        "them: %s", epoch, reply["missing"], reply.get("missing_message", ""))
 
     def wait(self) -> None:
         """Wait until the last hand-over reached the daemon (tests, or a script that wants to know)."""

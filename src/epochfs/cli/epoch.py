@@ -59,7 +59,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Fetch files (or everything a manifest names) into the cache now, without "
                        "evicting anything; stops caching when the cache is full.")
     w.add_argument("mountpoint", metavar="MOUNTPOINT")
-    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under the mount")
+    w.add_argument("paths", nargs="*", metavar="PATH",
+                   help="files or directories under the mount (relative to the current directory); none and no "
+                   "--manifest: the whole mount")
     w.add_argument("--manifest", metavar="FILE", help="warm what this manifest names")
     w.add_argument("--check", action="store_true", help="only report the fraction already cached")
     w.set_defaults(run=cmd_warmup)
@@ -129,6 +131,18 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def shell_path(mountpoint: str, path: str) -> str:
+    """A path typed in a shell (relative to the current directory) relative to the mount root."""
+    full = os.path.abspath(path)
+    root = os.path.abspath(mountpoint)
+    if os.path.commonpath([full, root]) != root:
+        hint = os.path.join(root, path)
+        did = f"; did you mean {hint}?" if not os.path.isabs(path) and os.path.lexists(hint) else ""
+        raise ConfigError(f"{path} is not under the mount point {root} (a relative path is taken from the "
+                          f"current directory){did}")
+    return mount_relative(root, full)
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -138,10 +152,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         entries = [[e.line, mount_relative(args.mountpoint, e.path)] for e in _order(args, args.manifest)]
         source = args.manifest
     elif args.paths:
-        entries = [[i, mount_relative(args.mountpoint, p)] for i, p in enumerate(args.paths, 1)]
+        entries = [[i, shell_path(args.mountpoint, p)] for i, p in enumerate(args.paths, 1)]
         source = "argument"
-    else:
-        raise ConfigError("name PATHs or --manifest")
+    else:  # the whole mount, as `juicefs warmup DIR` takes it
+        entries, source = [[0, ""]], "the mount"
     if args.check:
         r = request(args.mountpoint, "resident", entries=entries, source=source)
         frac = r["resident_bytes"] / r["total_bytes"] if r["total_bytes"] else 1.0

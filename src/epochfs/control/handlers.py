@@ -9,6 +9,7 @@ refused before the rest of it is read or any work is done on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +31,8 @@ from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.records import ObjectInfo
 from epochfs.writeback.service import WriteBack
+
+log = logging.getLogger(__name__)
 
 #: Pending entries named in one ``sync`` reply (the total is always given).
 MAX_PENDING_LISTED = 1000
@@ -70,19 +73,32 @@ def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], sourc
     return objs, missing, missed
 
 
-def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, block_size: int) -> list[ObjectInfo]:
-    """The objects a request's (own) entries name; :class:`ManifestError` naming the lines of what is
-    missing, :class:`~epochfs.prefetch.plan.PlanTooLarge` past the hand-over limit."""
+@dataclass
+class Resolved:
+    """The objects a request names, and what it names that the snapshot lacks (the first few messages,
+    and how many)."""
+
+    objs: list[ObjectInfo] = dataclasses.field(default_factory=list)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    missed: int = 0
+
+    def message(self) -> str:
+        more = f" (and {self.missed - 5} more)" if self.missed > 5 else ""
+        return "; ".join(self.missing[:5]) + more
+
+    def check(self, skip_missing: bool) -> list[ObjectInfo]:
+        """The objects; :class:`ManifestError` naming the lines of what is missing unless skipped."""
+        if self.missed and not skip_missing:
+            raise ManifestError(self.message())
+        return self.objs
+
+
+def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, block_size: int) -> Resolved:
+    """What a request's (own) entries name; :class:`~epochfs.prefetch.plan.PlanTooLarge` past the
+    hand-over limit."""
     objs, missing, missed = resolve_some(namespace, request.entries, request.source, expand_dirs=expand_dirs)
-    _check_missing(missing, missed)
     count_blocks(objs, block_size)
-    return objs
-
-
-def _check_missing(missing: list[str], missed: int) -> None:
-    if missed:
-        more = f" (and {missed - 5} more)" if missed > 5 else ""
-        raise ManifestError("; ".join(missing[:5]) + more)
+    return Resolved(objs, missing, missed)
 
 
 class ControlHandlers:
@@ -102,31 +118,34 @@ class ControlHandlers:
             p.GetManifest: self.get_manifest, p.Sync: self.sync, Report: self.report,
         }
 
-    async def _objects(self, request: p.Entries, chunks: Chunks | None, *, expand_dirs: bool) -> list[ObjectInfo]:
+    async def _objects(self, request: p.Entries, chunks: Chunks | None, *, expand_dirs: bool,
+                       skip_missing: bool = False) -> Resolved:
+        """What the request names; :class:`ManifestError` for what the snapshot lacks unless skipped."""
         namespace, block_size = self.snapshots.namespace, self.info.block_size  # one snapshot for all chunks
         if chunks is None:
-            return await trio.to_thread.run_sync(
+            got = await trio.to_thread.run_sync(
                 lambda: resolve(namespace, request, expand_dirs=expand_dirs, block_size=block_size))
-        objs: list[ObjectInfo] = []
-        missing: list[str] = []
-        missed = blocks = 0
+            got.check(skip_missing)
+            return got
+        out = Resolved()
+        blocks = 0
 
         def take(entries: tuple[tuple[int, str], ...]) -> None:  # (a worker thread)
-            nonlocal missed, blocks
+            nonlocal blocks
             got, miss, n = resolve_some(namespace, entries, request.source, expand_dirs=expand_dirs)
             blocks += count_blocks(got, block_size)
             if blocks > MAX_PLAN_BLOCKS:  # refused as it grows: the rest is never read
                 raise PlanTooLarge(f"more than {MAX_PLAN_BLOCKS} blocks in one hand-over; hand over a shorter "
                                    "manifest (one epoch, one rank) or use a larger --block-size")
-            objs.extend(got)
-            missing.extend(miss[:6 - len(missing)])
-            missed += n
+            out.objs.extend(got)
+            out.missing.extend(miss[:6 - len(out.missing)])
+            out.missed += n
 
         await trio.to_thread.run_sync(take, request.entries)
         async for entries in chunks:
             await trio.to_thread.run_sync(take, entries)
-        _check_missing(missing, missed)
-        return objs
+        out.check(skip_missing)
+        return out
 
     async def report(self, request: Report) -> dict[str, Any]:
         self.jobs.report(request, time.time())
@@ -139,15 +158,19 @@ class ControlHandlers:
         return await self.snapshots.refresh()
 
     async def prefetch(self, request: p.Prefetch, chunks: Chunks | None = None) -> dict[str, Any]:
-        objs = await self._objects(request, chunks, expand_dirs=False)
-        return await self.prefetcher.load(objs, epoch=request.epoch, replace=request.replace, rank=request.rank)
+        got = await self._objects(request, chunks, expand_dirs=False, skip_missing=request.skip_missing)
+        reply = await self.prefetcher.load(got.objs, epoch=request.epoch, replace=request.replace, rank=request.rank)
+        if got.missed:
+            log.warning("prefetch: %d of the paths handed over are not in the snapshot, handed over without them: "
+                        "%s", got.missed, got.message())
+        return {**reply, "missing": got.missed, "missing_message": got.message()}
 
     async def warmup(self, request: p.Warmup, chunks: Chunks | None = None) -> dict[str, Any]:
-        objs = await self._objects(request, chunks, expand_dirs=True)
+        objs = (await self._objects(request, chunks, expand_dirs=True)).objs
         return self.prefetcher.warmup(objs).as_dict()
 
     async def resident(self, request: p.Resident, chunks: Chunks | None = None) -> dict[str, Any]:
-        objs = await self._objects(request, chunks, expand_dirs=True)
+        objs = (await self._objects(request, chunks, expand_dirs=True)).objs
         return await self.prefetcher.resident(objs)
 
     async def job(self, request: p.Job) -> dict[str, Any]:

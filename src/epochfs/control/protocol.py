@@ -10,7 +10,9 @@ Operations and fields:
 ====================  ==========================================================================
 ``status``            (none)
 ``prefetch``          ``entries``, ``source``, ``epoch`` (int or null), ``replace`` (bool), ``rank`` (int
-                      or null: the hand-overs of several ranks for one epoch are merged)
+                      or null: the hand-overs of several ranks for one epoch are merged),
+                      ``skip_missing`` (bool: hand over the rest of an order naming paths the snapshot
+                      lacks, and say which, instead of refusing it)
 ``warmup``            ``entries``, ``source``
 ``resident``          ``entries``, ``source``
 ``job``               ``id`` (int): a warmup job's progress
@@ -27,7 +29,8 @@ Operations and fields:
 ====================  ==========================================================================
 
 ``entries`` is a list of ``[line, path]`` pairs (the line number in the user's manifest, for error
-messages; the path relative to the mount root); ``source`` names where they came from.
+messages; the path relative to the mount root, "" for the root itself); ``source`` names where they
+came from.
 
 **Streamed entries.** A line is at most ``MAX_LINE`` bytes, checked before it is parsed, so no request
 holds the daemon (parsing holds the interpreter) for long. A longer manifest is streamed: the request
@@ -88,6 +91,7 @@ class Prefetch(Entries):
     epoch: int | None = None
     replace: bool = False
     rank: int | None = None
+    skip_missing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +168,7 @@ def _entries(value: Any) -> tuple[tuple[int, str], ...]:
         if not isinstance(item, list) or len(item) != 2:
             raise BadRequest(f"'entries'[{i}] must be a [line, path] pair")
         line = _int(item[0], f"entries[{i}] line")
-        path = _text(item[1], f"entries[{i}] path", MAX_PATH_BYTES)
+        path = _text(item[1], f"entries[{i}] path", MAX_PATH_BYTES, empty=True)  # "": the mount root
         if "\x00" in path:
             raise BadRequest(f"'entries'[{i}] path contains NUL")
         out.append((line, path))
@@ -194,7 +198,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "status": ((), {}),
     "refresh": ((), {}),
     "prefetch": (("entries",), {"source": "manifest", "epoch": None, "replace": False, "rank": None,
-                                "follow": False}),
+                                "follow": False, "skip_missing": False}),
     "warmup": (("entries",), {"source": "manifest", "follow": False}),
     "resident": (("entries",), {"source": "manifest", "follow": False}),
     "job": (("id",), {}),
@@ -250,10 +254,11 @@ def parse(line: bytes) -> Request:
         raise BadRequest("'follow' must be true or false")
     if op == "prefetch":
         epoch = None if f["epoch"] is None else _int(f["epoch"], "epoch", -MAX_INT)
-        if not isinstance(f["replace"], bool):
-            raise BadRequest("'replace' must be true or false")
+        for flag in ("replace", "skip_missing"):
+            if not isinstance(f[flag], bool):
+                raise BadRequest(f"{flag!r} must be true or false")
         rank = None if f["rank"] is None else _int(f["rank"], "rank", 0, 1 << 20)
-        return Prefetch(entries, source, f["follow"], epoch, f["replace"], rank)
+        return Prefetch(entries, source, f["follow"], epoch, f["replace"], rank, f["skip_missing"])
     return (Warmup if op == "warmup" else Resident)(entries, source, f["follow"])
 
 

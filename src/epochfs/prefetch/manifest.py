@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import posixpath
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -75,7 +76,10 @@ def mount_relative(mountpoint: str | os.PathLike[str], path: str) -> str:
     """``path`` (absolute under ``mountpoint``, or relative to its root) relative to the mount root; ""
     for the root itself."""
     if not os.path.isabs(path):
-        return path.strip("/")
+        rel = posixpath.normpath(path.strip("/") or ".")
+        if rel == ".." or rel.startswith("../"):
+            raise ManifestError(f"{path} is not under the mount root")
+        return "" if rel == "." else rel
     root = os.path.abspath(mountpoint)
     rel = os.path.relpath(os.path.abspath(path), root)
     if rel.startswith(".."):
