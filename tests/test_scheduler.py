@@ -132,6 +132,31 @@ def test_warmup_fills_without_evicting(tmp_path):
     assert store.evictions == 0 and store.used_bytes == 6 * BS
 
 
+def test_a_merge_keeps_the_reader_where_it_is_and_its_rate_positive(tmp_path):
+    """A rank that hands over late rebuilds the plan around the reader: it stays on the block it was
+    reading, and the rate measured across the rebuild is what it read, never negative."""
+    r0 = objs(8, size=3 * BS, prefix="a")
+    r1 = objs(8, size=3 * BS, prefix="b")
+
+    async def fn(cache, pf, backend):
+        await pf.load(r0, epoch=0, rank=0)
+        for i in range(4):  # rank 0 reads its first files, through the middle of the fourth
+            for b in range(3 if i < 3 else 2):
+                await cache.read(r0[i], b * BS, 10)
+                await trio.sleep(0.01)
+        before = pf.statistics()
+        await pf.load(r1, epoch=0, rank=1)
+        after = pf.statistics()
+        plan = pf._plan
+        await cache.read(r0[4], 0, 10)
+        return before, after, plan.block(after.position)[:2], pf.statistics()
+
+    before, after, (obj, index), later = with_prefetcher(tmp_path, fn)
+    assert (obj.key, index) == (r0[3].key, 1)  # the same block of the same file
+    assert after.reader_bytes_per_second == before.reader_bytes_per_second > 0
+    assert later.reader_bytes_per_second > 0
+
+
 def test_hand_overs_of_several_ranks_for_one_epoch_are_merged_side_by_side(tmp_path):
     """Each rank's sampler hands over its own share: the node's plan reads them interleaved, as the
     ranks do, and a rank that hands over late does not move the reader back."""

@@ -3,8 +3,8 @@ sampler wrapper (epochfs.torch), whose hand-over must be exactly what the DataLo
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 import warnings
 
 import pytest

@@ -15,6 +15,7 @@ from epochfs.records import ObjectInfo
 class PlanFile:
     obj: ObjectInfo
     first: int  # sequence position of its block 0
+    blocks: int  # how many blocks it has
     epoch: int | None  # the label the user gave the manifest
     segment: int  # which hand-over it came from (consecutive files of one manifest share it)
 
@@ -59,7 +60,7 @@ class Plan:
         self.segment_end: dict[int, int] = {}  # segment -> index of its last file
         for obj, epoch, segment in files:
             fi = len(self.files)
-            self.files.append(PlanFile(obj, len(self.blocks), epoch, segment))
+            self.files.append(PlanFile(obj, len(self.blocks), block_count(obj.size, block_size), epoch, segment))
             self.segment_end[segment] = fi
             self._by_key.setdefault(obj.key, []).append(fi)
             for i, length in file_blocks(obj.size, block_size):

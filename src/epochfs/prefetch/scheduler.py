@@ -139,7 +139,8 @@ class Prefetcher:
         self._latency = 0.05  # EWMA of prefetch fetch latency, seconds
         self._tokens = 0.0
         self._tokens_at = time.monotonic()
-        self._advances: deque[tuple[float, int]] = deque(maxlen=256)  # (time, plan byte offset)
+        self._consumed = 0  # bytes of plans the reader has moved over, across plan rebuilds
+        self._advances: deque[tuple[float, int]] = deque(maxlen=256)  # (time, bytes consumed then)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._jobs: dict[int, WarmupJob] = {}
@@ -175,9 +176,12 @@ class Prefetcher:
             entries = [(o, h.epoch, h.segment) for h in self._handovers for o in h.files()]
             built = await trio.to_thread.run_sync(Plan, entries, self.cache.block_size, self.cache.block_id)
             file_pos = built.locate_in_segment(current.obj.key, current.segment) if current is not None else None
+            within = 0  # the reader stays where it is within its file: the merge moves only what follows
+            if current is not None and file_pos is not None:
+                within = max(0, min(self._position - current.first, built.files[file_pos].blocks - 1))
             self._plan = built
             self._file_pos = file_pos or 0
-            self._position = self._cursor = built.files[self._file_pos].first if built.files else 0
+            self._position = self._cursor = built.files[self._file_pos].first + within if built.files else 0
             self.policy.plan(built.blocks, built.uses)
             self.policy.advance(self._position)
             self._wake.set()
@@ -211,10 +215,11 @@ class Prefetcher:
         pos = plan.files[fi].first + index
         if pos <= self._position or pos >= len(plan):
             return
+        self._consumed += plan.offsets[pos] - plan.offsets[self._position]
         self._file_pos = fi
         self._position = pos
         self.policy.advance(pos)
-        self._advances.append((time.monotonic(), plan.offsets[pos]))
+        self._advances.append((time.monotonic(), self._consumed))
         self._wake.set()
 
     # -- the scheduler ---------------------------------------------------------------------------------
