@@ -143,6 +143,11 @@ def test_small_things(s3, sample_bucket, sample_files, tmp_path):
     r = m.start()
     assert "more than the cache file system can hold" in r.stderr
     try:
+        store = m.status()["store"]  # the bound reported is the disk's, not the one asked for
+        disk = os.statvfs(m.cache_dir)
+        assert store["configured_bytes"] == 100 << 40
+        assert store["capacity_bytes"] <= disk.f_blocks * disk.f_frsize
+        assert "the disk bounds it (--cache-size 100.0 TiB)" in epochfs("status", str(m.mountpoint)).stdout
         piped = subprocess.run(f"{' '.join(EPOCHFS)} status {m.mountpoint} | head -1", shell=True,
                                capture_output=True, text=True)
         assert piped.stdout.startswith("mount") and not piped.stderr

@@ -59,7 +59,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "backend_bandwidth_limit_bytes": ("gauge", "Capacity of the link to the backend (--backend-bandwidth), bytes/s."),
     "read_seconds": ("histogram", "Latency of FUSE read requests."),
     "cache_used_bytes": ("gauge", "Bytes of blocks in the cache."),
-    "cache_capacity_bytes": ("gauge", "Upper bound of the cache (--cache-size)."),
+    "cache_capacity_bytes": ("gauge", "Upper bound of the cache: --cache-size, or less where the cache's file "
+                                       "system holds less (what the cache holds plus the free space above "
+                                       "--free-space-ratio)."),
     "cache_blocks": ("gauge", "Blocks in the cache."),
     "cache_evictions": ("counter", "Blocks evicted to make room."),
     "cache_corrupt_blocks": ("counter", "Cached blocks that failed verification and were dropped."),

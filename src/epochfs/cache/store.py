@@ -185,7 +185,8 @@ def _write_direct(fd: int, data: bytes | bytearray) -> None:
 @dataclass(frozen=True)
 class StoreStats:
     used_bytes: int
-    capacity_bytes: int
+    capacity_bytes: int  # what it can hold now: --cache-size, or less where the disk holds less
+    configured_bytes: int  # --cache-size
     blocks: int
     evictions: int
     corrupt_blocks: int
@@ -939,10 +940,21 @@ class BlockStore:
             return True
         return st.f_bavail * st.f_frsize - nbytes < self.free_space_ratio * st.f_blocks * st.f_frsize
 
+    def bound(self) -> int:
+        """What the cache can hold now: ``capacity``, or less where its file system holds less (what it
+        holds, plus the free space above the share kept free)."""
+        try:
+            st = os.statvfs(self.cache_dir)
+        except OSError:
+            return self.capacity
+        room = st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize
+        return max(0, min(self.capacity, self.used + self.pending + int(room)))
+
     def statistics(self) -> StoreStats:
         return StoreStats(
             used_bytes=self.used,
-            capacity_bytes=self.capacity,
+            capacity_bytes=self.bound(),
+            configured_bytes=self.capacity,
             blocks=self._count,
             evictions=self._evictions,
             corrupt_blocks=self._corrupt,

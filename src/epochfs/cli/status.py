@@ -12,6 +12,14 @@ from epochfs.cli.common import human
 from epochfs.errors import ConfigError, EpochfsError
 
 
+
+def bounded_by_disk(st: dict[str, Any]) -> str:
+    """What the status line adds when the disk, not --cache-size, bounds the cache."""
+    configured = st.get("configured_bytes", st["capacity_bytes"])
+    if st["capacity_bytes"] >= configured:
+        return ""
+    return f"; the disk bounds it (--cache-size {human(configured)})"
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("stats", help="live view of a mount (refreshing)",
                         description="Refreshing terminal view of MOUNTPOINT: hit ratio, throughput from the cache "
@@ -195,7 +203,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"{snap['directories']} directories, {human(snap['bytes'])}; store {s['meta']['url']}"
         + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})"),
         f"cache      {human(st['used_bytes'])} of {human(st['capacity_bytes'])} in {st['blocks']} blocks "
-        f"({s['cache_dir']})",
+        f"({s['cache_dir']})" + bounded_by_disk(st),
         f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
         f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
         f"{c['inflight']} in flight",
