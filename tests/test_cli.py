@@ -124,9 +124,12 @@ def test_messages_say_what_is_wrong_without_python_or_errno_noise(tmp_path):
         (["prefetch", str(tmp_path), "--manifest", str(tmp_path / "nope.txt")], "No such file or directory"),
         (["status", str(tmp_path / "nope")], "not an epochfs mount"),
         (["fsck", "--cache-dir", str(tmp_path / "nope")], "not an epochfs cache directory"),
+        (["mount", "s3://b", str(tmp_path), "--cach-size", "1G"], "--cach-size: did you mean --cache-size?"),
+        (["status", str(tmp_path), "--jsn"], "usage: epochfs status"),  # the command's usage, not the top's
     ]:
         r = epochfs(*args)
-        assert r.returncode == (1 if args[0] == "status" else 2) and expect in r.stderr, (args, r.stderr)
+        assert r.returncode == (1 if args[0] == "status" and "--jsn" not in args else 2), (args, r.stderr)
+        assert expect in r.stderr, (args, r.stderr)
         assert "[Errno" not in r.stderr and "invalid literal" not in r.stderr, r.stderr
 
 

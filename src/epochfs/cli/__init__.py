@@ -9,6 +9,7 @@ Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 
@@ -30,12 +31,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for family in (mount, epoch, stores, status):
         family.add_parsers(sub)
+    parser.set_defaults(commands=sub.choices)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments; an unknown one is an error of the command it was given to (its usage, and the
+    option it most likely meant), not of the top level."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command: argparse.ArgumentParser = args.commands[args.command]
+        known = [o for a in command._actions for o in a.option_strings]
+        hints = []
+        for word in extra:
+            if word.startswith("-"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{word.split('=', 1)[0]}: did you mean {close[0]}?")
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + ("; " + "; ".join(hints) if hints else ""))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     args.argv = argv
     try:
         return args.run(args)
