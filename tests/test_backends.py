@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import time
 
 import pytest
@@ -11,9 +12,11 @@ import pytest
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.backend.local import file_etag
 from epochfs.config import Source
-from epochfs.devserver import LocalS3
+from epochfs.devserver import ACCESS_KEY, LocalS3
 from epochfs.errors import AccessDenied, ConfigError, ObjectChanged
 from epochfs.sample import pattern
+
+from .helpers import EPOCHFS
 
 
 @pytest.fixture
@@ -89,9 +92,24 @@ def test_block_gets_are_signed_correctly_for_an_endpoint_that_checks(tmp_path, m
             assert backend.read_range(key, listed[key].etag, 1, 150_000) == pattern(key, 0, 1, 150_000), key
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
         wrong = s3_backend(server, "signed", "p")
-        with pytest.raises(AccessDenied):
+        with pytest.raises(AccessDenied) as denied:
             wrong.read_range("plain.bin", listed["plain.bin"].etag, 0, 10)
         assert wrong.statistics().requests == {("get", "denied"): 1}
+        assert "credentials from the environment (AWS_ACCESS_KEY_ID)" in str(denied.value)
+        # a mount refused: the code, what it means, which credentials were used and where to look
+        (tmp_path / "mnt").mkdir()
+        for key, secret, code, meaning in (
+                (ACCESS_KEY, "not-the-secret", "SignatureDoesNotMatch", "the secret key does not belong"),
+                ("AKIANOSUCHKEY0000XYZ", "whatever", "InvalidAccessKeyId", "does not know this access key ID")):
+            env = {**server.env(), "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+            r = subprocess.run([*EPOCHFS, "mount", "s3://signed/p", str(tmp_path / "mnt"), "--endpoint-url",
+                                server.endpoint, "--cache-dir", str(tmp_path / "cache"), "--metrics-addr", "off"],
+                               capture_output=True, text=True, env=env, timeout=60)
+            assert r.returncode != 0 and code in r.stderr and meaning in r.stderr, r.stderr
+            assert "credentials from the environment (AWS_ACCESS_KEY_ID)" in r.stderr, r.stderr
+            assert f"access key ID ...{key[-4:]}" in r.stderr and secret not in r.stderr
+            assert f"endpoint {server.endpoint}" in r.stderr and "region us-east-1" in r.stderr
+            assert "Traceback" not in r.stderr and not os.path.ismount(tmp_path / "mnt")
     finally:
         server.stop()
 

@@ -180,3 +180,4 @@ def test_credentials_from_a_named_profile(s3, sample_bucket, sample_files, tmp_p
                s3.endpoint, "--metrics-addr", "off", "--profile", "training") as m:
         f = sample_files[3]
         assert read_all(m.path(f.key)) == f.content()
+

@@ -58,6 +58,22 @@ _REGION_NAME = re.compile(r"[a-z0-9-]{2,40}")  # what a region named in an answe
 _REGION = re.compile(rb"<Region>(" + _REGION_NAME.pattern.encode() + rb")</Region>")
 _PROBE_KEY = "epochfs-probe"
 _NO_CREDENTIALS = "no AWS credentials found (environment, ~/.aws/credentials or an instance role)"
+#: What each refusal means, to say beside the code.
+_DENIED_MEANING = {
+    "InvalidAccessKeyId": "the endpoint does not know this access key ID",
+    "SignatureDoesNotMatch": "the secret key does not belong to this access key ID (or the request was signed "
+                             "for another region, or this machine's clock is off)",
+    "AccessDenied": "the credentials are valid but not allowed this (check the bucket's and the user's policies)",
+    "AllAccessDisabled": "all access to this bucket is disabled",
+    "403": "refused (check the credentials and the policies)",
+}
+#: Where botocore found the credentials, in words (``Credentials.method``).
+_CREDENTIAL_SOURCES = {
+    "env": "the environment (AWS_ACCESS_KEY_ID)", "shared-credentials-file": "~/.aws/credentials",
+    "config-file": "~/.aws/config", "iam-role": "the instance role", "container-role": "the container role",
+    "assume-role": "an assumed role", "assume-role-with-web-identity": "a web identity role", "sso": "AWS SSO",
+    "custom-process": "a credential_process", "explicit": "explicit settings",
+}
 
 
 _TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
@@ -168,8 +184,27 @@ class S3Backend(Backend):
         response = getattr(exc, "response", None)  # None on connection errors, even on a ClientError
         code = response.get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
         if code in _DENIED_CODES or "AccessDenied" in str(exc):
-            return AccessDenied(f"{what}: {code or exc}")
+            return self._denied(what, code or "AccessDenied")
         return BackendUnavailable(f"{what}: {code or exc}")
+
+    def _denied(self, what: str, code: str) -> AccessDenied:
+        """A refusal that says what it means and which credentials were refused, where to check."""
+        return AccessDenied(f"{what}: {code}: {_DENIED_MEANING.get(code, 'refused')}; {self._whose()}")
+
+    def _whose(self) -> str:
+        try:
+            creds = self._credentials or self._session.get_credentials()
+        except (botocore.exceptions.BotoCoreError, OSError, ValueError):
+            creds = None
+        where = f"region {self._region}, endpoint {self._settings.endpoint_url or self._base_url}"
+        if creds is None:
+            return f"no credentials found; {where}"
+        method = getattr(creds, "method", "") or ""
+        source = _CREDENTIAL_SOURCES.get(method, method or "an unknown source")
+        if method in ("shared-credentials-file", "config-file"):
+            source += f" (profile {self._settings.profile or os.environ.get('AWS_PROFILE') or 'default'})"
+        key = str(getattr(creds, "access_key", "") or "")
+        return f"credentials from {source}, access key ID ...{key[-4:]}; {where}"
 
     def _head(self, key: str) -> ObjectInfo:
         head = self._uploader().head_object(Bucket=self.bucket, Key=self.prefix + key)
@@ -286,7 +321,7 @@ class S3Backend(Backend):
             if code == "NoSuchBucket":
                 raise ConfigError(f"bucket {self.bucket!r} does not exist") from None
             if code in _DENIED_CODES:
-                raise AccessDenied(f"listing s3://{self.bucket}/{self.prefix}: {code}") from None
+                raise self._denied(f"listing s3://{self.bucket}/{self.prefix}", code) from None
             raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: {code}") from None
         except botocore.exceptions.BotoCoreError as exc:
             self._stats.record("list", "error")
@@ -423,6 +458,6 @@ class S3Backend(Backend):
             return ObjectChanged(f"{key}: no longer version {etag} ({code or status})")
         if status == 403 or code in _DENIED_CODES:
             self._stats.record("get", "denied")
-            return AccessDenied(f"{key}: {code or status}")
+            return self._denied(key, code or str(status))
         self._stats.record("get", "error")
         return BackendUnavailable(f"{key}: HTTP {status} {code}".strip())
