@@ -246,6 +246,25 @@ def test_directory_source_through_the_cache(tmp_path, mount_factory):
         assert m.status()["cache"]["misses"] == 0
 
 
+def mounted_source(mountpoint) -> tuple[str, str]:
+    """(type, source) of the mount at ``mountpoint``, as findmnt shows them (from mountinfo)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split(" ")
+        if fields[4].encode().decode("unicode_escape") == str(mountpoint):
+            after = fields[fields.index("-") + 1:]
+            return after[0], after[1].encode().decode("unicode_escape")
+    raise AssertionError(f"{mountpoint} is not mounted")
+
+
+def test_findmnt_shows_the_source(tmp_path, mount_factory, sample_bucket):
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        assert mounted_source(m.mountpoint) == ("fuse.epochfs", f"s3://{sample_bucket}/data")
+    src = tmp_path / "shared fs, v2"  # a comma is an option separator to libfuse
+    write_tree(str(src), sample_layout(small=2, large=0, seed=1))
+    with mount_factory(f"file://{src}") as m:
+        assert mounted_source(m.mountpoint) == ("fuse.epochfs", f"file://{src}")
+
+
 def test_foreground_unmounts_on_sigterm_and_sigint(tmp_path, s3, sample_bucket):
     for sig in (signal.SIGTERM, signal.SIGINT):
         mnt = tmp_path / f"fg-{sig.name}"

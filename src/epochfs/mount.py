@@ -272,7 +272,9 @@ class Daemon:
             raise
 
     def fuse_options(self) -> set[str]:
-        opts = set(pyfuse3.default_options) | {"fsname=epochfs", "subtype=epochfs", "noatime", "nosuid", "nodev"}
+        # The source as findmnt and df show it (commas and backslashes escaped for libfuse's option parser).
+        fsname = self.config.source.url.rstrip("/").replace("\\", "\\\\").replace(",", "\\,")
+        opts = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=epochfs", "noatime", "nosuid", "nodev"}
         if not self.config.writeback:
             opts.add("ro")
         if self.config.allow_other:
