@@ -9,6 +9,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epochfs.control import request
@@ -245,3 +246,16 @@ def test_status_lines_say_what_the_prefetch_state_is():
     assert "n/a" not in format_prefetch({**base, "queued_bytes": 1 << 20, "inflight": 1})
     assert format_prefetch({**base, "active": False}).endswith("done")
     assert "no manifest" in format_prefetch({**base, "blocks": 0})
+
+
+def test_quantiles_are_interpolated_within_their_bucket():
+    from epochfs.stats import HistogramSnapshot
+
+    h = HistogramSnapshot((0.001, 0.005, 0.025), (0, 50, 50, 0), 0.5, 100)  # 50 in (1, 5] ms, 50 in (5, 25]
+    assert h.quantile(0.5) == pytest.approx(0.005)
+    assert h.quantile(0.25) == pytest.approx(0.003)  # halfway through the (1, 5] ms bucket
+    assert h.quantile(0.99) == pytest.approx(0.005 + 0.020 * 49 / 50)  # not the bucket's bound, 25 ms
+    assert HistogramSnapshot((0.001,), (3, 0), 0.0, 3).quantile(0.5) == pytest.approx(0.0005)
+    assert HistogramSnapshot((0.001,), (0, 4), 9.0, 4).quantile(0.5) == float("inf")  # beyond the last bound
+    assert HistogramSnapshot((0.001,), (0, 0), 0.0, 0).quantile(0.5) is None
+

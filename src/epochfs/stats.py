@@ -20,14 +20,18 @@ class HistogramSnapshot:
     count: int
 
     def quantile(self, q: float) -> float | None:
-        """An upper bound of the q-quantile (the bound of the bucket that holds it)."""
+        """The q-quantile, interpolated linearly within the bucket that holds it (as Prometheus's
+        ``histogram_quantile``); ``inf`` when it lies beyond the last bound. None without observations."""
         if not self.count:
             return None
-        rank, seen = q * self.count, 0
+        rank, seen, lower = q * self.count, 0, 0.0
         for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            if n and seen + n >= rank:
+                if bound == float("inf"):
+                    return bound
+                return lower + (bound - lower) * max(0.0, rank - seen) / n
             seen += n
-            if seen >= rank:
-                return bound
+            lower = bound
         return float("inf")
 
     def minus(self, earlier: HistogramSnapshot) -> HistogramSnapshot:

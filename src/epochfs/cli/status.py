@@ -133,8 +133,10 @@ def stats_table(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> An
     lat = overall.minus(HistogramSnapshot.from_dict(prev["read_seconds"]))
     reads = lat.count
 
-    def ms(v: float | None) -> str:
-        return "-" if v is None else ("> 30 s" if v == float("inf") else f"{v * 1000:.2f} ms")
+    def ms(v: float | None) -> str:  # (interpolated within its bucket, as histogram_quantile does)
+        if v is None:
+            return "-"
+        return f"> {overall.bounds[-1]:g} s" if v == float("inf") else f"{v * 1000:.2f} ms"
 
     t = Table(title=f"epochfs {cur['mountpoint']}  <-  {cur['source']}", show_header=True, expand=False)
     t.add_column("", style="bold")
