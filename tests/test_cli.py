@@ -181,3 +181,32 @@ def test_credentials_from_a_named_profile(s3, sample_bucket, sample_files, tmp_p
         f = sample_files[3]
         assert read_all(m.path(f.key)) == f.content()
 
+
+
+def cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def test_the_dev_server_has_help_and_stops_seaweedfs_with_it(tmp_path):
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "epochfs.devserver", "--help"], capture_output=True, text=True,
+                       timeout=20, cwd=tmp_path)
+    assert r.returncode == 0 and "DATA_DIR" in r.stdout and not (tmp_path / "--help").exists()
+    data = tmp_path / "s3-data"
+    proc = subprocess.Popen([sys.executable, "-m", "epochfs.devserver", str(data)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "S3 endpoint http://127.0.0.1:" in proc.stdout.readline()
+        weed = [p for p in Path("/proc").iterdir() if p.name.isdigit() and f"-dir={data}".encode() in cmdline(p)]
+        assert len(weed) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        deadline = time.monotonic() + 5  # SeaweedFS is gone with it, not left running
+        while weed[0].exists() and "Z" not in (weed[0] / "stat").read_text().split(")")[1][:3]:
+            assert time.monotonic() < deadline, "weed runs on after the dev server stopped"
+            time.sleep(0.05)
+    finally:
+        proc.kill()

