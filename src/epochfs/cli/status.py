@@ -12,7 +12,6 @@ from epochfs.cli.common import human
 from epochfs.errors import ConfigError, EpochfsError
 
 
-
 def bounded_by_disk(st: dict[str, Any]) -> str:
     """What the status line adds when the disk, not --cache-size, bounds the cache."""
     configured = st.get("configured_bytes", st["capacity_bytes"])
