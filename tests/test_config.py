@@ -49,3 +49,25 @@ def test_config_validation(tmp_path):
         Config(src, tmp_path, endpoint_url="127.0.0.1:9000")
     with pytest.raises(ConfigError, match="free-space-ratio"):
         Config(src, tmp_path, free_space_ratio=1.5)
+
+
+def test_node_name_and_prometheus_targets(tmp_path, monkeypatch):
+    import socket
+    from pathlib import Path
+
+    from epochfs.config import DEFAULT_TARGETS_DIR
+
+    src = Source.parse("s3://b/p")
+    plain = Config(src, tmp_path / "m", cache_dir=tmp_path / "c")
+    assert plain.node_name() == socket.gethostname()  # every mount of the host says the same node
+    assert Config(src, tmp_path / "m", cache_dir=tmp_path / "c", node="gpu-07").node_name() == "gpu-07"
+    for bad in ("", "a b", "x" * 254, "-lead", 'q"uote', "new\nline"):
+        with pytest.raises(ConfigError, match="--node"):
+            Config(src, tmp_path / "m", cache_dir=tmp_path / "c", node=bad)
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    assert plain.targets_dir() == Path(DEFAULT_TARGETS_DIR)
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert plain.targets_dir() is None  # a user's daemon writes no targets unless asked
+    assert Config(src, tmp_path / "m", cache_dir=tmp_path / "c", metrics_targets="off").targets_dir() is None
+    assert Config(src, tmp_path / "m", cache_dir=tmp_path / "c",
+                  metrics_targets=str(tmp_path / "t")).targets_dir() == tmp_path / "t"

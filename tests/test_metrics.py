@@ -6,6 +6,8 @@ import json
 import re
 import shutil
 import subprocess
+import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epochfs.control import request
-from epochfs.devserver import LocalRedis
+from epochfs.devserver import LocalRedis, free_ports
 from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
@@ -45,13 +47,14 @@ def scrape_text(m) -> str:
 
 
 def scrape(m) -> dict[str, float]:
-    """Samples by name with sorted labels but the mount point's, e.g.
-    'epochfs_backend_bytes_total{purpose="demand"}'; every sample carries that mount point."""
+    """Samples by name with sorted labels but the mount point's and the node's, e.g.
+    'epochfs_backend_bytes_total{purpose="demand"}'; every sample carries that mount point and node."""
     out = {}
+    node = m.status()["node"]
     for fam in text_string_to_metric_families(scrape_text(m)):
         for s in fam.samples:
-            assert s.labels.get("mountpoint") == str(m.mountpoint), s
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "mountpoint")
+            assert s.labels.get("mountpoint") == str(m.mountpoint) and s.labels.get("node") == node, s
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in ("mountpoint", "node"))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
 
@@ -164,6 +167,79 @@ def test_three_mounts_on_one_node_come_up_with_default_options(s3, sample_bucket
             m.stop()
 
 
+def prometheus_api(port: int, path: str, **params: str):  # type: ignore[no-untyped-def]
+    query = urllib.parse.urlencode(params)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/{path}?{query}", timeout=10) as resp:
+        body = json.loads(resp.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def wait_for(what: str, fn, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = fn()
+        except OSError:  # not listening yet
+            got = None
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"Prometheus never showed {what}"
+        time.sleep(0.5)
+
+
+@requires_fuse
+def test_a_real_prometheus_finds_every_mount_of_a_node_and_counts_one_node(s3, sample_bucket, sample_files,
+                                                                           tmp_path):
+    """The shipped scrape configuration and rules under a real Prometheus: the daemons' target files
+    bring in all three mounts of a node (three ports), every series says the one node, the bandwidth
+    rule gives one sample for it, the dashboard's node variable lists it once, and an unmounted mount
+    leaves the scrape."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: scripts/bootstrap.sh installs it (apt package prometheus)"
+    targets = tmp_path / "targets"
+    mounts = [Mount(f"s3://{sample_bucket}/data", tmp_path / f"m{i}", tmp_path / f"c{i}", s3.env(),
+                    "--endpoint-url", s3.endpoint, "--metrics-targets", str(targets), "--node", "gpu-node-07",
+                    "--backend-bandwidth", "1Gbit") for i in range(3)]
+    config = (PROM / "prometheus.yml").read_text()
+    assert '"/run/epochfs/prometheus/*.json"' in config and "- epochfs-rules.yml" in config
+    config = (config.replace("/run/epochfs/prometheus/*.json", f"{targets}/*.json")
+              .replace("- epochfs-rules.yml", f"- {PROM / 'epochfs-rules.yml'}")
+              .replace("scrape_interval: 15s", "scrape_interval: 1s")
+              .replace("evaluation_interval: 15s", "evaluation_interval: 1s"))
+    (tmp_path / "prometheus.yml").write_text(config)
+    port = free_ports(1)[0]
+    prom = None
+    try:
+        for m in mounts:
+            m.start()
+        assert len(list(targets.glob("epochfs-*.json"))) == 3
+        prom = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
+        for i, m in enumerate(mounts):
+            read_all(m.path(sample_files[i].key))  # backend traffic on every mount
+        wait_for("three healthy targets", lambda: len(prometheus_api(port, "query", query='up{job="epochfs"} == 1')
+                                                      ["result"]) == 3)
+        nodes = prometheus_api(port, "query", query='count by (node) (up{job="epochfs"})')["result"]
+        assert [(r["metric"], r["value"][1]) for r in nodes] == [({"node": "gpu-node-07"}, "3")]
+        series = wait_for("the bandwidth rule", lambda: prometheus_api(
+            port, "query", query="epochfs:backend_bandwidth_utilisation:rate5m")["result"])
+        assert [r["metric"] for r in series] == [{"__name__": "epochfs:backend_bandwidth_utilisation:rate5m",
+                                                  "job": "epochfs", "node": "gpu-node-07"}]
+        assert prometheus_api(port, "label/node/values", **{"match[]": "epochfs_cache_capacity_bytes"}) \
+            == ["gpu-node-07"]  # the dashboard's node variable: one node
+        mounts[2].stop()
+        assert len(list(targets.glob("epochfs-*.json"))) == 2  # its target went with it
+        wait_for("the unmounted mount leave", lambda: len(prometheus_api(port, "targets")["activeTargets"]) == 2)
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=30)
+        for m in mounts:
+            m.stop()
+
+
 def promtool() -> str:
     tool = shutil.which("promtool")
     assert tool, "promtool is missing: scripts/bootstrap.sh installs it (apt package prometheus)"
@@ -181,7 +257,8 @@ def test_alert_rules_pass_promtool_check_and_unit_tests():
 def dashboard_metric_names() -> set[str]:
     dash = json.loads((ROOT / "deploy" / "grafana" / "epochfs-dashboard.json").read_text())
     assert dash["__inputs"][0]["type"] == "datasource"
-    assert any(v["name"] == "instance" for v in dash["templating"]["list"])
+    assert any(v["name"] == "node" for v in dash["templating"]["list"])  # a node, not an instance per mount
+    assert "instance" not in json.dumps(dash)
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
     names = {n for e in exprs for n in re.findall(r"\b(epochfs_[a-z_]+)", e)}
@@ -259,3 +336,25 @@ def test_quantiles_are_interpolated_within_their_bucket():
     assert HistogramSnapshot((0.001,), (0, 4), 9.0, 4).quantile(0.5) == float("inf")  # beyond the last bound
     assert HistogramSnapshot((0.001,), (0, 0), 0.0, 0).quantile(0.5) is None
 
+
+
+def test_target_files_are_written_atomically_only_where_no_other_user_can_write(tmp_path, caplog):
+    from epochfs.metrics import TargetFile
+
+    t = TargetFile(tmp_path / "targets", "/mnt/data", "gpu-07")
+    t.write("127.0.0.1", 9568)
+    assert json.loads(t.path.read_text()) == [{"targets": ["127.0.0.1:9568"],
+                                               "labels": {"node": "gpu-07", "mountpoint": "/mnt/data"}}]
+    assert oct(t.path.stat().st_mode & 0o777) == "0o644" and not list(t.path.parent.glob(".*"))
+    assert TargetFile(tmp_path / "targets", "/mnt/data", "gpu-07").path == t.path  # a restart replaces it
+    t.remove()
+    assert not t.path.exists()
+    TargetFile(tmp_path / "v6", "/mnt/v", "n").write("::1", 9567)
+    assert json.loads(next((tmp_path / "v6").glob("*.json")).read_text())[0]["targets"] == ["[::1]:9567"]
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # another user could swap files in there: nothing is written, the mount goes on
+    u = TargetFile(shared, "/mnt/data", "gpu-07")
+    u.write("127.0.0.1", 9567)
+    assert not u.written and not list(shared.iterdir()) and "another user could write there" in caplog.text
+    u.remove()

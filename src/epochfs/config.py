@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,6 +90,11 @@ class Source:
 
 
 DEFAULT_CACHE_DIR = "/var/cache/epochfs"
+
+
+#: Where the daemons of a node (run as root) write their Prometheus file_sd targets by default.
+DEFAULT_TARGETS_DIR = "/run/epochfs/prometheus"
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
 
 
 def default_cache_dir(source: Source) -> Path:
@@ -221,6 +227,15 @@ class Config:
         None, "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "
         "one; an address given here that is taken is an error (default: 127.0.0.1:9567, or the next free "
         "port when another mount has it)", metavar="HOST:PORT", parse=str, example='"127.0.0.1:9567"')
+    node: str | None = option(
+        None, "metrics", "this node's name in the `node` label of every series, the same for all its mounts, so "
+        "the rules and the dashboard add a node's mounts up (default: the host name)", metavar="NAME", parse=str,
+        example='"gpu-node-01"')
+    metrics_targets: str | None = option(
+        None, "metrics", "directory where the daemon writes a Prometheus file_sd target for its metrics (one file "
+        "per mount, removed at unmount), so one scrape job finds every mount of the node; 'off' disables "
+        f"(default: {DEFAULT_TARGETS_DIR} for root, else off)", metavar="DIR", parse=str,
+        example=f'"{DEFAULT_TARGETS_DIR}"')
     # -- mount
     allow_other: bool = option(
         False, "mount", "let other users read the mount, with the permissions the source gives them (needs "
@@ -248,6 +263,16 @@ class Config:
         None, "mount", "log here (default: stderr with --foreground, else <cache-dir>/epochfs.log)",
         metavar="FILE", parse=Path, example='"/var/log/epochfs/data.log"')
     debug: bool = option(False, "mount", "debug logging")
+
+    def node_name(self) -> str:
+        """The ``node`` label of every series: ``--node``, else the host name."""
+        return self.node or socket.gethostname() or "localhost"
+
+    def targets_dir(self) -> Path | None:
+        """Where to write this mount's Prometheus target (None: nowhere)."""
+        if self.metrics_targets is None:
+            return Path(DEFAULT_TARGETS_DIR) if os.geteuid() == 0 else None
+        return None if self.metrics_targets.strip().lower() == "off" else Path(os.path.abspath(self.metrics_targets))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mountpoint", Path(os.path.abspath(self.mountpoint)))
@@ -297,6 +322,8 @@ class Config:
         if self.attr_timeout < 0:
             raise ConfigError("--attr-timeout must be >= 0")
         self._check_peer()
+        if self.node is not None and not NODE_NAME.fullmatch(self.node):
+            raise ConfigError(f"--node {self.node!r}: 1 to 253 letters, digits and . _ : - (a host name)")
         if self.writeback_user_quota is not None and self.writeback_user_quota <= 0:
             raise ConfigError("--writeback-user-quota must be a size above 0")
         if self.file_mode is not None and not 0 <= self.file_mode <= 0o777:

@@ -8,11 +8,17 @@ read on the thread that owns them). No object keys ever appear in labels.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import ipaddress
+import json
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -179,23 +185,25 @@ def sample_of(c: Collected) -> Sample:
 
 
 class DaemonCollector(Collector):
-    """Every series of one mount, each labelled ``mountpoint`` so one Prometheus tells a node's mounts
-    apart."""
+    """Every series of one mount, each labelled ``node`` (the same for every mount of a node, whatever
+    port it serves on) and ``mountpoint`` (which of the node's mounts)."""
 
-    def __init__(self, collect: Callable[[], Collected], mountpoint: str) -> None:
+    def __init__(self, collect: Callable[[], Collected], mountpoint: str, node: str) -> None:
         self._collect = collect
         self._mountpoint = mountpoint
+        self._node = node
 
     def _family(self, short: str, labels: list[str]) -> Metric:
         kind, help_text = METRICS[short]
         cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        return cls(PREFIX + short, help_text, labels=["mountpoint", *labels])
+        return cls(PREFIX + short, help_text, labels=["node", "mountpoint", *labels])
 
     def collect(self) -> Iterator[Metric]:
-        s, mp = sample_of(self._collect()), self._mountpoint
+        s = sample_of(self._collect())
+        node, mp = self._node, self._mountpoint
         for short, value in s.values.items():
             fam = self._family(short, [])
-            fam.add_metric([mp], value)
+            fam.add_metric([node, mp], value)
             yield fam
         labelled = [("backend_requests", ["op", "outcome"], s.backend_requests.items()),
                     ("backend_bytes", ["purpose"], s.backend_bytes.items()), ("errors", ["kind"], s.errors.items())]
@@ -206,16 +214,64 @@ class DaemonCollector(Collector):
         for short, label, series in labelled:
             fam = self._family(short, label)
             for key, n in sorted(series):
-                fam.add_metric([mp, *(key if isinstance(key, tuple) else (key,))], n)
+                fam.add_metric([node, mp, *(key if isinstance(key, tuple) else (key,))], n)
             yield fam
         for short, h in s.histograms.items():
             cumulative, buckets = 0, []
             for bound, n in zip((*h.bounds, float("inf")), h.counts, strict=True):
                 cumulative += n
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-            fam = HistogramMetricFamily(PREFIX + short, METRICS[short][1], labels=["mountpoint"])
-            fam.add_metric([mp], buckets=buckets, sum_value=h.total)
+            fam = HistogramMetricFamily(PREFIX + short, METRICS[short][1], labels=["node", "mountpoint"])
+            fam.add_metric([node, mp], buckets=buckets, sum_value=h.total)
             yield fam
+
+
+class TargetFile:
+    """This mount's entry in Prometheus file-based service discovery: ``DIR/epochfs-<hash>.json``,
+    ``[{"targets": ["HOST:PORT"], "labels": {"node": ..., "mountpoint": ...}}]``, written atomically
+    once the port is known and removed at unmount, so a scrape job over ``DIR/*.json`` finds every
+    mount of the node. A restart of the same mount replaces its file; a mount that died and was not
+    restarted leaves a target that is down (``up == 0``), which is what it is. Never fails the mount:
+    a directory that cannot be used is logged and skipped."""
+
+    def __init__(self, directory: Path, mountpoint: str, node: str) -> None:
+        self.directory = directory
+        self.mountpoint = mountpoint
+        self.node = node
+        self.path = directory / f"epochfs-{hashlib.sha256(mountpoint.encode()).hexdigest()[:16]}.json"
+        self.written = False
+
+    def write(self, host: str, port: int) -> None:
+        if host in ("0.0.0.0", "::", ""):  # every interface: the scraper knows the node by its name
+            host = socket.gethostname()
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        body = json.dumps([{"targets": [address], "labels": {"node": self.node, "mountpoint": self.mountpoint}}])
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+            st = os.stat(self.directory)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise OSError(errno.EPERM, "another user could write there")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                os.write(fd, body.encode() + b"\n")
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("metrics: cannot write the Prometheus target %s (%s): a scrape job over that directory "
+                        "will not find this mount", self.path, exc.strerror or exc)
+            return
+        self.written = True
+        log.info("metrics: Prometheus target %s written (%s)", self.path, address)
+
+    def remove(self) -> None:
+        if self.written:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self.written = False
 
 
 DEFAULT_ADDR = "127.0.0.1:9567"
@@ -248,11 +304,12 @@ class MetricsServer:
     FALLBACK_PORTS = 100
 
     def __init__(self, host: str, port: int, collect: Callable[[], Collected], mountpoint: str, *,
-                 fallback: bool = False) -> None:
+                 node: str = "localhost", fallback: bool = False, targets: Path | None = None) -> None:
         self.host, self.port = host, port
         self.fallback = fallback
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DaemonCollector(collect, mountpoint))
+        self.registry.register(DaemonCollector(collect, mountpoint, node))
+        self.target = TargetFile(targets, mountpoint, node) if targets is not None else None
         self._slots = Slots(MAX_CONNECTIONS)  # earned by a complete request
 
     def render(self) -> bytes:
@@ -284,9 +341,15 @@ class MetricsServer:
             log.warning("metrics are exposed on %s:%d (not loopback): anyone who can reach it can read them",
                         self.host, self.port)
         log.info("metrics at http://%s:%d/metrics", self.host, self.port)
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            await trio.serve_listeners(self._serve, listeners, handler_nursery=nursery)
+        if self.target is not None:
+            self.target.write(self.host, self.port)
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started()
+                await trio.serve_listeners(self._serve, listeners, handler_nursery=nursery)
+        finally:
+            if self.target is not None:
+                self.target.remove()
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:

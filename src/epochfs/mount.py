@@ -210,12 +210,14 @@ class Daemon:
         self.tree = Tree(self.snapshots.namespace)
         if config.writeback:
             self._open_writeback()
-        self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint),
-                                     fallback=config.metrics_addr is None) if metrics_addr else None
+        self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint), node=config.node_name(),
+                                     fallback=config.metrics_addr is None,
+                                     targets=config.targets_dir()) if metrics_addr else None
         info = MountInfo(
             source=config.source.url, mountpoint=str(config.mountpoint), cache_dir=str(config.cache_dir),
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),
             metrics_addr=lambda: f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
+            node=config.node_name(),
         )
         self.jobs = Jobs()
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,

@@ -49,6 +49,7 @@ class MountInfo:
     eviction: str
     started: float
     metrics_addr: Callable[[], str | None]
+    node: str = "localhost"  # the ``node`` label of its series
 
 
 def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], source: str, *,
@@ -226,6 +227,7 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
     snap = c.snapshot
     return {
         "metrics_addr": info.metrics_addr(),
+        "node": info.node,
         "read_seconds": c.fs.read_seconds.as_dict(),
         "errors": c.fs.errors,
         "version": __version__,
