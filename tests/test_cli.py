@@ -99,12 +99,12 @@ def test_warmup_into_a_small_cache_fails_and_ctrl_c_cancels_it_in_the_daemon(s3,
                   s3.endpoint, "--metrics-addr", "off", "--block-size", "256K", "--cache-size", "1M",
                   "--free-space-ratio", "0")
     with small:
-        r = epochfs("warmup", str(small.mountpoint), "w")
+        r = epochfs("warmup", str(small.mountpoint), str(small.path("w")))
         assert r.returncode == 1 and "the cache is full" in r.stderr and "not cached" in r.stderr
     slow = Mount(f"s3://{fresh_bucket}", tmp_path / "slow", tmp_path / "c-slow", s3.env(), "--endpoint-url",
                  s3.endpoint, "--metrics-addr", "off", "--block-size", "256K", "--prefetch-bandwidth", "512K")
     with slow:
-        proc = subprocess.Popen([*EPOCHFS, "warmup", str(slow.mountpoint), "w"], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*EPOCHFS, "warmup", str(slow.mountpoint), str(slow.path("w"))], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         time.sleep(2.5)  # --prefetch-bandwidth caps warmup: 4 MiB take about 8 s
         proc.send_signal(signal.SIGINT)

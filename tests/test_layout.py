@@ -30,3 +30,73 @@ def test_pure_cores_do_no_io():
             *(p.relative_to(SRC).as_posix() for p in (SRC / "cache" / "policies").glob("*.py"))]
     for name in pure:
         assert not imports(SRC / name) & {"trio", "lmdb", "boto3", "pyfuse3", "socket", "subprocess"}, name
+
+
+def module_of(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def epochfs_imports(path: Path) -> set[str]:
+    """The epochfs modules ``path`` imports (``from epochfs.x import y`` names epochfs.x, or epochfs.x.y
+    where that is a module), type-checking-only imports left out."""
+    tree = ast.parse(path.read_text())
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            typing_only |= {id(n) for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("epochfs")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("epochfs") and not node.level:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if (SRC.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                        or (SRC.parent / sub.replace(".", "/")).is_dir() else node.module)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_of(p): epochfs_imports(p) for p in SRC.rglob("*.py")}
+
+
+def under(module: str, *places: str) -> bool:
+    return any(module == f"epochfs.{p}" or module.startswith(f"epochfs.{p}.") for p in places)
+
+
+def test_no_module_imports_itself_back_through_others():
+    g = graph()
+    for start in g:
+        seen, todo = set(), [m for m in g[start] if m in g]
+        while todo:
+            m = todo.pop()
+            assert m != start, f"{start} imports itself back through {sorted(seen)}"
+            if m not in seen:
+                seen.add(m)
+                todo += [n for n in g.get(m, ()) if n in g]
+
+
+def test_the_layers_point_down():
+    """Records and helpers import nothing above them; a backend loads neither the cache's policies nor
+    the config; rendering ``status`` loads no Prometheus client."""
+    g = graph()
+    ground = ("errors", "text", "records", "stats", "slots", "curlio", "jobs", "version")
+    for module, deps in g.items():
+        if under(module, *ground):
+            assert all(under(d, *ground) for d in deps), (module, deps)
+        if under(module, "backend"):
+            assert not [d for d in deps if not under(d, "backend", *ground)], (module, deps)
+        if under(module, "cache", "meta"):
+            assert not [d for d in deps if under(d, "config", "metrics", "control", "mount", "fs", "cli", "prefetch",
+                                                 "peer", "writeback")], (module, deps)
+        if under(module, "control"):
+            assert not [d for d in deps if under(d, "metrics", "mount", "cli")], (module, deps)
+
+
+def test_only_the_metrics_module_imports_prometheus_client():
+    users = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if "prometheus_client" in imports(p)}
+    assert users == {"metrics.py"}

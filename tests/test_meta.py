@@ -157,7 +157,8 @@ def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mo
         import urllib.request
 
         with urllib.request.urlopen(f"http://{status['metrics_addr']}/metrics") as resp:
-            assert f'epochfs_meta_reachable{{mountpoint="{m.mountpoint}"}} 0.0' in resp.read().decode()
+            labels = f'mountpoint="{m.mountpoint}",node="{status["node"]}"'
+            assert f'epochfs_meta_reachable{{{labels}}} 0.0' in resp.read().decode()
         assert "metadata store unreachable" in m.log()
         r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True)
         assert r.returncode == 1 and "unreachable" in r.stderr

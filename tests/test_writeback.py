@@ -334,15 +334,16 @@ def test_status_and_metrics_show_the_backlog(s3, fresh_bucket, mount_factory):
     assert "write-back 1 files (4.0 MiB) not yet in the backend" in text
     import urllib.request
 
-    addr = m.status()["metrics_addr"]
+    addr, node = m.status()["metrics_addr"], m.status()["node"]
+    labels = f'mountpoint="{m.mountpoint}",node="{node}"'
     metrics = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
-    assert f'epochfs_writeback_pending_bytes{{mountpoint="{m.mountpoint}"}} 4.194304e+06' in metrics
+    assert f'epochfs_writeback_pending_bytes{{{labels}}} 4.194304e+06' in metrics
     assert "epochfs_writeback_uploaded_bytes_total" in metrics
     assert "epochfs_writeback_oldest_pending_seconds" in metrics
     assert sync(m, timeout=120).returncode == 0
     metrics = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
-    assert f'epochfs_writeback_uploaded_bytes_total{{mountpoint="{m.mountpoint}"}} 4.194304e+06' in metrics
-    assert f'epochfs_writeback_pending_bytes{{mountpoint="{m.mountpoint}"}} 0.0' in metrics
+    assert f'epochfs_writeback_uploaded_bytes_total{{{labels}}} 4.194304e+06' in metrics
+    assert f'epochfs_writeback_pending_bytes{{{labels}}} 0.0' in metrics
 
 
 def test_another_node_finds_the_checkpoint_through_the_shared_store(s3_client, fresh_bucket, mount_factory,

@@ -6,7 +6,7 @@ hands each epoch's order to the daemon from a PyTorch sampler (:mod:`epochfs.tor
 
 from typing import Any
 
-__version__ = "0.1.0"
+from epochfs.version import __version__
 
 
 def __getattr__(name: str) -> Any:  # imported on first use: the command line does not pay for it

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from epochfs.cache import policies
 from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from epochfs.errors import ConfigError
+from epochfs.records import Source
 
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -54,39 +55,6 @@ def parse_rate(text: str) -> float:
         return float(parse_size(s))
     except ConfigError:
         raise ConfigError(f"not a rate: {text!r} (examples: 10Gbit, 1.25GB, 400M)") from None
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where the dataset lives: ``s3://bucket/prefix`` or ``file:///path``."""
-
-    scheme: str  # "s3" or "file"
-    bucket: str  # S3 bucket; "" for file
-    prefix: str  # S3 key prefix ending in "/" or ""; absolute directory path for file
-
-    @classmethod
-    def parse(cls, url: str) -> Source:
-        parsed = urlparse(url)
-        if parsed.scheme == "s3":
-            if not parsed.netloc:
-                raise ConfigError(f"{url!r}: an S3 source needs a bucket: s3://BUCKET[/PREFIX]")
-            prefix = parsed.path.lstrip("/")
-            if prefix and not prefix.endswith("/"):
-                prefix += "/"
-            return cls("s3", parsed.netloc, prefix)
-        if parsed.scheme == "file":
-            if parsed.netloc not in ("", "localhost"):
-                raise ConfigError(f"{url!r}: use file:///absolute/path")
-            # Existence is checked when the directory is listed: a mount with a stored snapshot
-            # keeps serving cached data while the shared file system is away.
-            return cls("file", "", os.path.abspath(unquote(parsed.path)))
-        raise ConfigError(f"{url!r}: the source must be s3://BUCKET[/PREFIX] or file:///PATH")
-
-    @property
-    def url(self) -> str:
-        if self.scheme == "s3":
-            return f"s3://{self.bucket}/{self.prefix}"
-        return f"file://{self.prefix}"
 
 
 DEFAULT_CACHE_DIR = "/var/cache/epochfs"

@@ -28,18 +28,10 @@ from prometheus_client.registry import Collector
 
 from epochfs.errors import ConfigError
 from epochfs.slots import Slot, Slots
-from epochfs.stats import HistogramSnapshot
+from epochfs.stats import Collected, HistogramSnapshot
 
 if TYPE_CHECKING:
-    from epochfs.backend.base import BackendStats
-    from epochfs.cache.service import CacheStats
-    from epochfs.cache.store import StoreStats
-    from epochfs.fs import FsStats
-    from epochfs.jobs import JobStats
-    from epochfs.meta.snapshots import SnapshotStats
-    from epochfs.peer.tier import PeerStats
-    from epochfs.prefetch.scheduler import PrefetchStats
-    from epochfs.writeback.service import WritebackStats
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -100,23 +92,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
 }
-
-
-@dataclass(frozen=True)
-class Collected:
-    """Every component's statistics, read at one moment on the trio thread (the composition root
-    gathers them; the metrics and ``epochfs status`` render them)."""
-
-    cache: CacheStats
-    store: StoreStats
-    backend: BackendStats
-    fs: FsStats
-    prefetch: PrefetchStats
-    snapshot: SnapshotStats
-    backend_bandwidth: float | None = None
-    writeback: WritebackStats | None = None
-    peer: PeerStats | None = None
-    jobs: tuple[JobStats, ...] = ()
 
 
 @dataclass(frozen=True)

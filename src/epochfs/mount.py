@@ -39,13 +39,14 @@ from epochfs.jobs import Jobs
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
-from epochfs.metrics import DEFAULT_ADDR, Collected, MetricsServer, parse_addr
+from epochfs.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
 from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher
+from epochfs.stats import Collected
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack
 from epochfs.writeback.tree import Tree

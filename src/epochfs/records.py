@@ -1,20 +1,35 @@
 """Records that cross component boundaries, and the limits every boundary checks them against.
 
-An :class:`ObjectInfo` is one object of the dataset as listed: the backends produce it, the metadata
+A :class:`Source` is where a dataset lives (what the backends read, what the config names). An
+:class:`ObjectInfo` is one object of the dataset as listed: the backends produce it, the metadata
 stores keep it, the namespace, the cache and the prefetcher read it. It lives here, not in any of those
 packages, so none of them imports another for it.
+
+:func:`record_problem` is the one definition of a record every boundary can hold (a listing, a stored
+snapshot, the write-back journal, a peer's request); each boundary keeps its own policy for a record
+that fails it: a listing skips the object, a store refuses the snapshot, the journal drops the record,
+a peer's request is answered 400.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import NamedTuple
+from urllib.parse import unquote, urlparse
+
+from epochfs.errors import ConfigError
 
 #: Largest object accepted from a listing or a stored snapshot (64 TiB, above any object store's limit).
 #: Anything larger is malformed input: block arithmetic over it would not finish.
 MAX_OBJECT_SIZE = 1 << 46
-#: Longest key (bytes) and ETag accepted from a stored snapshot.
+#: Longest key and ETag (UTF-8 bytes) any boundary accepts: listings, stored snapshots, the
+#: write-back journal, peers' requests.
 MAX_KEY_BYTES = 4096
 MAX_ETAG_BYTES = 1024
+#: What the stores keep of an mtime: 64 bits of nanoseconds.
+MIN_MTIME_NS, MAX_MTIME_NS = -(1 << 63), (1 << 63) - 1
+_ID_LIMIT = 1 << 32  # uid and gid: 32 bits
 
 
 class ObjectInfo(NamedTuple):
@@ -33,3 +48,81 @@ class ObjectInfo(NamedTuple):
     mode: int | None = None
     uid: int | None = None
     gid: int | None = None
+
+
+def text_problem(value: object, what: str, max_bytes: int, *, empty: bool = False,
+                 size: int | None = None) -> str | None:
+    """Why ``value`` is not a key or ETag of at most ``max_bytes`` UTF-8 bytes (None if it is).
+    ``size``: its length in UTF-8 bytes where the caller decoded it from them (then it is UTF-8)."""
+    if type(value) is not str:
+        return f"{what} is not text"
+    if size is None:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            return f"{what} is not valid UTF-8"
+    if size > max_bytes:
+        return f"{what} longer than {max_bytes} bytes"
+    if not size and not empty:
+        return f"{what} is empty"
+    if "\x00" in value:
+        return f"{what} contains NUL"
+    return None
+
+
+def record_problem(obj: ObjectInfo, utf8_sizes: tuple[int, int] | None = None) -> str | None:
+    """Why ``obj`` cannot be kept and served (None if it can): its size, mtime, key, ETag (required for a
+    file; a directory marker, a key ending in ``/``, may have none), mode and owner within the bounds
+    every store and reader relies on. ``utf8_sizes``: the key's and ETag's lengths in UTF-8 bytes, where
+    the caller decoded them from those bytes."""
+    ksize, esize = utf8_sizes if utf8_sizes is not None else (None, None)
+    if type(obj.size) is not int or not 0 <= obj.size <= MAX_OBJECT_SIZE:  # (type: a bool is no size)
+        return f"size {obj.size!r} is outside 0..{MAX_OBJECT_SIZE}"
+    if type(obj.mtime_ns) is not int or not MIN_MTIME_NS <= obj.mtime_ns <= MAX_MTIME_NS:
+        return f"mtime {obj.mtime_ns!r} is outside what 64 bits of nanoseconds hold"
+    problem = text_problem(obj.key, "key", MAX_KEY_BYTES, empty=True, size=ksize)
+    if problem:
+        return problem
+    marker = not obj.key or obj.key.endswith("/")
+    problem = text_problem(obj.etag, "ETag", MAX_ETAG_BYTES, empty=marker, size=esize)
+    if problem:
+        return "no ETag (its version could not be pinned)" if problem == "ETag is empty" else problem
+    if obj.mode is not None and (type(obj.mode) is not int or not 0 <= obj.mode <= 0o7777):
+        return f"mode {obj.mode!r} is not a permission mode"
+    for name, value in (("uid", obj.uid), ("gid", obj.gid)):
+        if value is not None and (type(value) is not int or not 0 <= value < _ID_LIMIT):
+            return f"{name} {value!r} is outside 32 bits"
+    return None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the dataset lives: ``s3://bucket/prefix`` or ``file:///path``."""
+
+    scheme: str  # "s3" or "file"
+    bucket: str  # S3 bucket; "" for file
+    prefix: str  # S3 key prefix ending in "/" or ""; absolute directory path for file
+
+    @classmethod
+    def parse(cls, url: str) -> Source:
+        parsed = urlparse(url)
+        if parsed.scheme == "s3":
+            if not parsed.netloc:
+                raise ConfigError(f"{url!r}: an S3 source needs a bucket: s3://BUCKET[/PREFIX]")
+            prefix = parsed.path.lstrip("/")
+            if prefix and not prefix.endswith("/"):
+                prefix += "/"
+            return cls("s3", parsed.netloc, prefix)
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise ConfigError(f"{url!r}: use file:///absolute/path")
+            # Existence is checked when the directory is listed: a mount with a stored snapshot
+            # keeps serving cached data while the shared file system is away.
+            return cls("file", "", os.path.abspath(unquote(parsed.path)))
+        raise ConfigError(f"{url!r}: the source must be s3://BUCKET[/PREFIX] or file:///PATH")
+
+    @property
+    def url(self) -> str:
+        if self.scheme == "s3":
+            return f"s3://{self.bucket}/{self.prefix}"
+        return f"file://{self.prefix}"

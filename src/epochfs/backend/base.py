@@ -28,45 +28,35 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from epochfs.config import Source
 from epochfs.errors import BackendUnavailable
-from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo
+from epochfs.records import MAX_MTIME_NS, MIN_MTIME_NS, ObjectInfo, Source, record_problem
 from epochfs.stats import Histogram, HistogramSnapshot
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_NS_MIN, _NS_MAX = -(1 << 63), (1 << 63) - 1  # what the stores keep of an mtime: 64 bits of nanoseconds
-
-
 def listing_problem(obj: ObjectInfo) -> str | None:
-    """Why a listed object cannot be kept and served (None if it can)."""
-    if not 0 <= obj.size <= MAX_OBJECT_SIZE:
-        return f"size {obj.size} is outside 0..{MAX_OBJECT_SIZE}"
-    try:
-        key, etag = obj.key.encode("utf-8"), obj.etag.encode("utf-8")
-    except UnicodeEncodeError:
-        return "key or ETag is not valid UTF-8"
-    if len(key) > MAX_KEY_BYTES:
-        return f"key longer than {MAX_KEY_BYTES} bytes"
-    if len(etag) > MAX_ETAG_BYTES:
-        return f"ETag longer than {MAX_ETAG_BYTES} bytes"
-    if not etag and obj.key and not obj.key.endswith("/"):
-        return "no ETag (its version could not be pinned)"
-    return None
+    """Why a listed object cannot be kept and served (None if it can): :func:`records.record_problem`
+    of it, its mtime clamped first (see :func:`servable`)."""
+    return record_problem(_clamped(obj))
+
+
+def _clamped(obj: ObjectInfo) -> ObjectInfo:
+    if isinstance(obj.mtime_ns, int) and not MIN_MTIME_NS <= obj.mtime_ns <= MAX_MTIME_NS:
+        return obj._replace(mtime_ns=min(max(obj.mtime_ns, MIN_MTIME_NS), MAX_MTIME_NS))
+    return obj
 
 
 def servable(objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
     """The objects of a listing within the bounds every store and reader relies on; the others are
     skipped with one warning each. An mtime beyond what 64 bits of nanoseconds hold is clamped to it."""
     for obj in objects:
-        problem = listing_problem(obj)
+        obj = _clamped(obj)
+        problem = record_problem(obj)
         if problem:
-            log.warning("skipping listed object %r: %s", obj.key[:300], problem)
+            log.warning("skipping listed object %r: %s", str(obj.key)[:300], problem)
             continue
-        if not _NS_MIN <= obj.mtime_ns <= _NS_MAX:
-            obj = obj._replace(mtime_ns=min(max(obj.mtime_ns, _NS_MIN), _NS_MAX))
         yield obj
 
 

@@ -13,10 +13,10 @@ import difflib
 import os
 import sys
 
-from epochfs import __version__
 from epochfs.cli import epoch, mount, status, stores
 from epochfs.cli.common import EPILOG
 from epochfs.errors import ConfigError, EpochfsError
+from epochfs.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from epochfs.cli.common import EPILOG, human
-from epochfs.config import Source
 from epochfs.errors import ConfigError
+from epochfs.records import Source
 from epochfs.text import printable
 
 

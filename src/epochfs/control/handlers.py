@@ -18,18 +18,18 @@ from typing import Any
 
 import trio
 
-from epochfs import __version__
 from epochfs.control import protocol as p
 from epochfs.control.server import Chunks, Handler
 from epochfs.errors import ConfigError
 from epochfs.jobs import Jobs, JobStats, Report
 from epochfs.meta.namespace import File, Namespace
 from epochfs.meta.snapshots import Snapshots
-from epochfs.metrics import Collected
 from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.records import ObjectInfo
+from epochfs.stats import Collected
+from epochfs.version import __version__
 from epochfs.writeback.service import WriteBack
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from epochfs.errors import EpochfsError
-from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo
+from epochfs.records import ObjectInfo, record_problem
 
 #: One object record: size, mtime_ns, len(key), len(etag), mode, uid, gid (0xFFFFFFFF: not given).
 _RECORD = struct.Struct("<QqIIIII")
@@ -59,17 +59,14 @@ def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
     data = bytes(raw)
     objects: list[ObjectInfo] = []
     append, unpack, head, end, pos = objects.append, _RECORD.unpack_from, _RECORD.size, len(data), 0
+    problem_of = record_problem
     while pos < end:
         if pos + head > end:
             raise SnapshotInvalid(f"record at byte {pos} is cut short")
         size, mtime_ns, klen, elen, mode, uid, gid = unpack(data, pos)
         at, pos = pos, pos + head
-        if klen > MAX_KEY_BYTES or elen > MAX_ETAG_BYTES or pos + klen + elen > end:
+        if pos + klen + elen > end:  # (the lengths themselves are the record's: record_problem)
             raise SnapshotInvalid(f"record at byte {at}: key or ETag length out of range")
-        if size > MAX_OBJECT_SIZE:
-            raise SnapshotInvalid(f"record at byte {at}: size {size} is larger than {MAX_OBJECT_SIZE}")
-        if mode != _NONE and mode > 0o7777:
-            raise SnapshotInvalid(f"record at byte {at}: mode {mode:o} is not a permission mode")
         try:
             key = data[pos:pos + klen].decode()
             etag = data[pos + klen:pos + klen + elen].decode()
@@ -77,10 +74,14 @@ def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
             raise SnapshotInvalid(f"record at byte {at}: key or ETag is not UTF-8") from None
         pos += klen + elen
         if mode == _NONE and uid == _NONE and gid == _NONE:  # an S3 object: no owner or mode
-            append(ObjectInfo(key, size, mtime_ns, etag))
+            obj = ObjectInfo(key, size, mtime_ns, etag)
         else:
-            append(ObjectInfo(key, size, mtime_ns, etag, None if mode == _NONE else mode,
-                              None if uid == _NONE else uid, None if gid == _NONE else gid))
+            obj = ObjectInfo(key, size, mtime_ns, etag, None if mode == _NONE else mode,
+                             None if uid == _NONE else uid, None if gid == _NONE else gid)
+        problem = problem_of(obj, (klen, elen))
+        if problem:
+            raise SnapshotInvalid(f"record at byte {at}: {problem}")
+        append(obj)
     return objects
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import blake3
 
 from epochfs.errors import ConfigError
-from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE
+from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, text_problem
 
 PREFIX = "/v2/block/"
 HELLO = "/v2/hello"
@@ -177,12 +177,8 @@ def _text(query: dict[str, list[str]], name: str, max_bytes: int) -> str:
     if not values or len(values) != 1:
         raise Rejected(400, f"'{name}' must be given once")
     value = values[0]
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise Rejected(400, f"'{name}' is not UTF-8") from None
-    if not 0 < size <= max_bytes or "\x00" in value:
-        raise Rejected(400, f"'{name}' must be 1 to {max_bytes} bytes without NUL")
+    if text_problem(value, name, max_bytes) is not None:  # the bounds every boundary holds a record to
+        raise Rejected(400, f"'{name}' must be 1 to {max_bytes} bytes of UTF-8 without NUL")
     return value
 
 

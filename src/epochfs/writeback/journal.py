@@ -11,7 +11,7 @@ Layout under ``<cache-dir>/writeback/``::
                   M/<hash>  a multipart upload started here and not yet completed or aborted
 
 Records are keyed by a hash of the object key (BLAKE2b, 128 bits), never by the key itself: S3 keys run
-to 1024 bytes and names here to 4096, LMDB keys stop at 511. The key is in the record, and a record whose
+to 1024 bytes and keys here to ``MAX_KEY_BYTES``, LMDB keys stop at 511. The key is in the record, and a record whose
 key does not hash to its name is malformed. (Journals written before this layout, with ``u/<key>`` and
 ``x/<key>`` records, are read and rewritten at start-up.)
 
@@ -47,7 +47,7 @@ import lmdb
 from epochfs.errors import EpochfsError, NoSpace
 from epochfs.meta.namespace import unsafe_reason
 from epochfs.private import private_subdir
-from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo
+from epochfs.records import MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo, record_problem
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,7 @@ def _valid_object(rec: Any) -> ObjectInfo | None:
     except TypeError:
         return None
     owner = (out.mode is None and out.uid is None and out.gid is None) or _is_owner(out)
-    ok = (_is_key(out.key) and _is_int(out.size, 0, MAX_OBJECT_SIZE) and _is_int(out.mtime_ns, -2**63, 2**63)
-          and isinstance(out.etag, str) and 0 < len(out.etag.encode("utf-8", "replace")) <= MAX_ETAG_BYTES
-          and owner)
-    return out if ok else None
+    return out if record_problem(out) is None and _is_key(out.key) and owner else None
 
 
 def _valid_dir(rec: Any) -> DirRecord | None:

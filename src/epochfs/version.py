@@ -1,0 +1,3 @@
+"""The version of epochfs (what ``epochfs --version`` and ``status`` say)."""
+
+__version__ = "0.1.0"
