@@ -222,7 +222,7 @@ def test_a_fill_abandoned_at_its_deadline_undoes_its_write_when_it_finishes(tmp_
                 await cache.read(OBJ, 0, 100)
             await trio.sleep(1.0)  # the worker thread finishes; its write is undone on this thread
             packs = list((tmp_path / "c" / "packs").iterdir())
-            state = (dict(store._pack_pending), store.pending, store.used, list((tmp_path / "c" / "tmp").iterdir()),
+            state = (dict(store.packs.pending), store.pending, store.used, list((tmp_path / "c" / "tmp").iterdir()),
                      sum(os.stat(p).st_blocks for p in packs), len(packs))
             backend.delay = 0
             data = bytes(await cache.read(OBJ, 0, 100))

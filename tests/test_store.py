@@ -5,9 +5,11 @@ import os
 
 import pytest
 
+import epochfs.cache.packs as packs_mod
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath
+from epochfs.cache.packs import PACK_BELOW
 from epochfs.cache.policies.lru import LruPolicy
-from epochfs.cache.store import PACK_BELOW, BlockStore, CacheLocked
+from epochfs.cache.store import BlockStore, CacheLocked
 from epochfs.errors import CacheUnreadable, ConfigError
 
 from .helpers import damage_block
@@ -66,9 +68,8 @@ def test_damaged_block_is_dropped_not_served(tmp_path, damage, packing):
 
 
 def test_a_deleted_pack_drops_its_blocks_not_others(tmp_path, monkeypatch):
-    import epochfs.cache.store as store_mod
 
-    monkeypatch.setattr(store_mod, "PACK_SIZE", 3 * 4096)  # three 4 KiB blocks per pack
+    monkeypatch.setattr(packs_mod, "PACK_SIZE", 3 * 4096)  # three 4 KiB blocks per pack
     s = make(tmp_path)
     blocks = {n: os.urandom(4000) for n in range(6)}
     for n, data in blocks.items():
@@ -114,9 +115,8 @@ def _allocated(path) -> int:
 def test_small_blocks_share_packs_and_evicted_ones_free_their_space(tmp_path, monkeypatch):
     """Blocks below PACK_BELOW go to pack files at aligned offsets, larger ones to files of their own;
     an evicted packed block's range is punched out, and a pack with no block left is deleted."""
-    import epochfs.cache.store as store_mod
 
-    monkeypatch.setattr(store_mod, "PACK_SIZE", 4 * 40960)  # four blocks of 40000 bytes per pack
+    monkeypatch.setattr(packs_mod, "PACK_SIZE", 4 * 40960)  # four blocks of 40000 bytes per pack
     s = make(tmp_path, capacity=8 * 40000 + PACK_BELOW)
     big = os.urandom(PACK_BELOW)
     put(s, bid(100), big)
@@ -145,9 +145,8 @@ def test_concurrent_packed_writes_get_their_own_ranges(tmp_path, monkeypatch):
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    import epochfs.cache.store as store_mod
 
-    monkeypatch.setattr(store_mod, "PACK_SIZE", 1 << 20)  # several packs, rolled over by the writers
+    monkeypatch.setattr(packs_mod, "PACK_SIZE", 1 << 20)  # several packs, rolled over by the writers
     s = make(tmp_path)
     rng = random.Random(5)
     blocks = {bid(n): rng.randbytes(rng.randrange(1, 200_000)) for n in range(200)}
@@ -170,12 +169,11 @@ def test_concurrent_packed_writes_get_their_own_ranges(tmp_path, monkeypatch):
 
 
 def test_a_file_system_that_cannot_punch_holes_gets_one_file_per_block(tmp_path, monkeypatch):
-    import epochfs.cache.store as store_mod
 
     def unsupported(*a):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(store_mod, "punch_hole", unsupported)
+    monkeypatch.setattr(packs_mod, "punch_hole", unsupported)
     s = BlockStore(tmp_path / "cache", 1 << 30, 0.0, LruPolicy())
     s.open()
     assert not s.packing

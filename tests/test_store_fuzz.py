@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-import epochfs.cache.store as store_mod
+import epochfs.cache.packs as packs_mod
 from epochfs.cache.keys import CHUNK_SIZE, block_relpath
 from epochfs.cache.store import WOULD_BLOCK, BlockMeta
 
@@ -34,7 +34,7 @@ def _set(store, key: bytes, value: bytes | None) -> None:
 
 
 def _extreme(rng: random.Random, bits: int) -> int:
-    return rng.choice([0, 1, 4096, CHUNK_SIZE, store_mod.PACK_SIZE, (1 << bits) - 1, (1 << (bits - 1)),
+    return rng.choice([0, 1, 4096, CHUNK_SIZE, packs_mod.PACK_SIZE, (1 << bits) - 1, (1 << (bits - 1)),
                        rng.randrange(1 << bits)])
 
 
@@ -137,9 +137,7 @@ def _check_reads(rng: random.Random, store, blocks: dict[bytes, bytes]) -> None:
 def _shut(store, clean: bool) -> None:
     """Close the store cleanly, or as a killed daemon leaves it (index synced, no clean marker)."""
     if not clean:
-        for fd in store._pack_fds.values():
-            os.close(fd)
-        store._pack_fds.clear()
+        store.packs.close_fds()
         store._env.sync(True)
         store._env.close()
         store._env = None
@@ -156,7 +154,7 @@ def _check_accounting(store) -> None:
 @pytest.mark.parametrize("seed", range(150))
 def test_a_cache_directory_changed_at_random_never_gives_wrong_bytes(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
-    monkeypatch.setattr(store_mod, "PACK_SIZE", store_mod.PACK_BELOW)  # several packs
+    monkeypatch.setattr(packs_mod, "PACK_SIZE", packs_mod.PACK_BELOW)  # several packs
     packing = rng.random() < 0.75
     capacity = 4 << 20
     s = make(tmp_path, capacity=capacity, packing=packing)
@@ -261,8 +259,8 @@ def test_decoding_random_index_entries_never_raises_and_keeps_the_bounds():
             continue
         assert 0 < meta.length <= 64 << 20 and len(meta.sums) == 8 * -(-meta.length // CHUNK_SIZE)
         if meta.pack:
-            assert meta.length < store_mod.PACK_BELOW and meta.offset % 4096 == 0
-            assert meta.offset + meta.length <= store_mod.PACK_SIZE and meta.pack <= store_mod.MAX_PACK
+            assert meta.length < packs_mod.PACK_BELOW and meta.offset % 4096 == 0
+            assert meta.offset + meta.length <= packs_mod.PACK_SIZE and meta.pack <= packs_mod.MAX_PACK
         else:
             assert meta.offset == 0
         assert BlockMeta.decode(meta.encode()) == meta

@@ -27,7 +27,6 @@ chunk they return.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
@@ -36,7 +35,6 @@ import os
 import shutil
 import struct
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,7 +42,9 @@ from typing import Any, NamedTuple
 import lmdb
 import xxhash
 
+from epochfs.cache import packs as pk
 from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
+from epochfs.cache.packs import ALIGN, Packs, discard, padded
 from epochfs.cache.policies import EvictionPolicy, make_room
 from epochfs.errors import CacheUnreadable, ConfigError
 from epochfs.private import open_private, private_dir, private_subdir, touch_private
@@ -81,7 +81,8 @@ class BlockMeta(NamedTuple):
         sums = bytes(raw[_HEAD.size:])
         if not 0 < length <= MAX_BLOCK_SIZE or len(sums) != _SUM * -(-length // CHUNK_SIZE) or seq > _MAX_SEQ:
             return None
-        if pack and (length >= PACK_BELOW or offset % _ALIGN or offset + length > PACK_SIZE or pack > MAX_PACK):
+        if pack and (length >= pk.PACK_BELOW or offset % pk.ALIGN or offset + length > pk.PACK_SIZE
+                     or pack > pk.MAX_PACK):
             return None
         if not pack and offset:
             return None
@@ -102,22 +103,6 @@ def checksums(bid: bytes, data: bytes | memoryview) -> bytes:
 
 
 DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
-PACK_BELOW = DIRECT_MIN  # blocks smaller than this go to pack files
-PACK_SIZE = 64 << 20  # a pack file takes blocks until this long, then the next one is started
-MAX_PACK = 0xFFFFFFFE  # pack numbers are 1 to this (an index entry holds 32 bits)
-_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size;
-#                packed blocks start at multiples of it (a punched hole frees whole pages)
-_PACK_FDS = 64  # pack files kept open for reads
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Free the disk space of [offset, offset + length) of a file, keeping its size (reads give zeros)."""
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 _NOT_A_FILE = {errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR}  # where a block should be
@@ -129,30 +114,6 @@ def _missing(exc: OSError) -> bool:
     return exc.errno in _NOT_A_FILE
 
 
-def _discard(path: str) -> None:
-    """Remove what is at ``path`` in the cache directory (a file, a link, or a directory that should
-    not be there); a failure is logged, never raised."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        if exc.errno in (errno.EISDIR, errno.EPERM) and os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            log.warning("could not remove %s: %s", path, exc)
-
-
-def _padded(n: int) -> int:
-    """``n`` rounded up to the alignment."""
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def pack_name(pack: int) -> str:
-    """The file name of pack ``pack`` under ``packs/``."""
-    return f"{pack:08x}"
-
-
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 
 
@@ -160,25 +121,25 @@ def _write_direct(fd: int, data: bytes | bytearray) -> None:
     """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: through an aligned buffer, the
     length rounded up to the alignment, then truncated to the true length."""
     n = len(data)
-    padded = _padded(n)
+    size = padded(n)
     buf: mmap.mmap | None = getattr(_aligned, "buf", None)
-    if buf is None or len(buf) < padded:
+    if buf is None or len(buf) < size:
         if buf is not None:
             buf.close()
-        buf = _aligned.buf = mmap.mmap(-1, max(padded, 4 << 20))  # page-aligned by construction
+        buf = _aligned.buf = mmap.mmap(-1, max(size, 4 << 20))  # page-aligned by construction
     buf[:n] = data
-    if padded > n:
-        buf[n:padded] = bytes(padded - n)
+    if size > n:
+        buf[n:size] = bytes(size - n)
     with memoryview(buf) as whole:
-        view = whole[:padded]
+        view = whole[:size]
         written = 0
-        while written < padded:
+        while written < size:
             done = os.pwrite(fd, view[written:], written)
-            if done <= 0 or done % _ALIGN:  # a short direct write cannot be continued aligned
-                raise OSError(errno.EIO, f"short direct write ({done} of {padded - written} bytes)")
+            if done <= 0 or done % ALIGN:  # a short direct write cannot be continued aligned
+                raise OSError(errno.EIO, f"short direct write ({done} of {size - written} bytes)")
             written += done
         view.release()
-    if padded > n:
+    if size > n:
         os.ftruncate(fd, n)
 
 
@@ -231,17 +192,7 @@ class BlockStore:
         self._nowait_works = True
         self._direct_works = True
         self._env: lmdb.Environment | None = None
-        # Packs. Counts and the write position are shared with the worker threads that write blocks
-        # (under _pack_lock); read descriptors and deletions belong to the trio thread.
-        self.packing = False  # set by open(): the file system can punch holes
-        self._pack_lock = threading.Lock()
-        self._pack_live: dict[int, int] = {}  # pack -> indexed blocks in it
-        self._pack_pending: dict[int, int] = {}  # pack -> blocks written to it, not yet indexed
-        self._write_pack = 0  # the pack new blocks go to (0: none yet)
-        self._write_off = 0
-        self._last_pack = 0  # the newest pack a block was installed in (to notice when it rolls over)
-        self._pack_fds: OrderedDict[int, int] = OrderedDict()
-        self._closed = False
+        self.packs = Packs(self._packs)  # the small blocks' files (cache/packs.py)
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
         self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
         self.strays: set[str] = set()  # entries in blocks/ or packs/ that are not ours (removed unless inspecting)
@@ -284,70 +235,34 @@ class BlockStore:
             log.warning("cache index in %s %s (%s); discarding the cached blocks", self.index_dir, why, exc)
             self._reset()
             known = self._open_index()
-        self.packing = not inspect and self._can_punch()
+        self.packs.enabled = not inspect and Packs.can_punch(self._tmp)
         if not self._consistent and reconcile:
             self._reconcile(known)
-        packs = self._pack_files()
-        for pack in packs:
-            if reconcile and pack not in self._pack_live:  # no indexed block (all evicted, or none indexed)
-                _discard(self._pack_path(pack))
-        # The next block starts a new pack, numbered past every pack on disk or named by the index (an
-        # entry whose pack is gone must not come to point into a new one).
-        self._write_pack = max([*packs, *self._pack_live], default=0)
-        self._write_off = PACK_SIZE
+        on_disk = self.packs.on_disk(self._stray)
+        for pack in on_disk:
+            if reconcile and pack not in self.packs.live:  # no indexed block (all evicted, or none indexed)
+                discard(self.packs.path(pack))
+        self.packs.start_after(on_disk)
 
-    def _can_punch(self) -> bool:
-        probe = f"{self._tmp}/punch-probe"
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.pwrite(fd, bytes(2 * _ALIGN), 0)
-            punch_hole(fd, 0, _ALIGN)
-            return True
-        except OSError as exc:
-            log.info("the cache file system cannot punch holes (%s): one file per block", exc)
-            return False
-        finally:
-            os.close(fd)
-            os.unlink(probe)
+    @property
+    def packing(self) -> bool:
+        """Whether small blocks go to packs (the file system punches holes)."""
+        return self.packs.enabled
 
-    def _pack_path(self, pack: int) -> str:
-        return f"{self._packs}/{pack_name(pack)}"
+    @packing.setter
+    def packing(self, value: bool) -> None:
+        self.packs.enabled = value
 
     def _stray(self, path: str) -> None:
         """Something that does not belong where it is in the cache directory: counted, and removed
         unless inspecting."""
         self.strays.add(path)
         if not self._inspect:
-            _discard(path)
-
-    def _pack_files(self) -> list[int]:
-        """The packs in ``packs/``; anything else there (another name, a link, a directory) is not
-        ours and is removed."""
-        packs = []
-        with os.scandir(self._packs) as entries:
-            for entry in entries:
-                try:
-                    pack = int(entry.name, 16)
-                except ValueError:
-                    pack = 0
-                if 0 < pack <= MAX_PACK and entry.name == pack_name(pack) and entry.is_file(follow_symlinks=False):
-                    packs.append(pack)
-                else:
-                    self._stray(entry.path)
-        return packs
+            discard(path)
 
     def close(self) -> None:
         if self._env is not None:
-            pack, self._write_pack = self._write_pack, 0
-            self._drop_pack_if_empty(pack)
-            with self._pack_lock:
-                self._closed = True
-                # A packed write still running (a fill abandoned at shutdown) may land in a pack unindexed:
-                # then the next start reconciles, which frees the ranges no entry refers to.
-                self._consistent = self._consistent and not any(n > 0 for n in self._pack_pending.values())
-            for fd in self._pack_fds.values():
-                os.close(fd)
-            self._pack_fds.clear()
+            self._consistent = self.packs.close() and self._consistent
             if not self._inspect:
                 self._env.sync(True)
             self._env.close()
@@ -402,7 +317,7 @@ class BlockStore:
                     txn.delete(key)
             for key in bad:  # and their files, if the key can name one
                 if len(key) == 16:
-                    _discard(f"{self._blocks}/{block_relpath(key)}")
+                    discard(f"{self._blocks}/{block_relpath(key)}")
             if bad:
                 log.warning("dropped %d malformed cache index entries and their files", len(bad))
         loaded.sort()
@@ -411,7 +326,7 @@ class BlockStore:
             self.used += meta.length
             self._seq = max(self._seq, seq)
             if meta.pack:
-                self._pack_live[meta.pack] = self._pack_live.get(meta.pack, 0) + 1
+                self.packs.counted(meta.pack)
         self._count = len(loaded)
         log.info("cache %s: %d blocks, %d bytes of %d", self.cache_dir, self._count, self.used, self.capacity)
         return {bid: meta for _, bid, meta in loaded}
@@ -423,7 +338,7 @@ class BlockStore:
         and free the ranges of packs no entry refers to. Runs before anything is served."""
         on_disk, orphans = self._scan(known)
         for path, _ in orphans:
-            _discard(str(path))
+            discard(str(path))
         if orphans:
             log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
                         "unclean shutdown", len(orphans), sum(size for _, size in orphans))
@@ -433,30 +348,12 @@ class BlockStore:
         if lost:
             log.warning("dropped %d cache index entries whose block file was missing or short", len(lost))
         gone = set(lost)
-        self._free_unreferenced({bid: meta for bid, meta in known.items() if meta.pack and bid not in gone})
+        used: dict[int, list[tuple[int, int]]] = {}  # the ranges of packs the index refers to
+        for bid, meta in known.items():
+            if meta.pack and bid not in gone:
+                used.setdefault(meta.pack, []).append((meta.offset, meta.length))
+        self.packs.free_unreferenced(used)
         self._consistent = True
-
-    def _free_unreferenced(self, packed: dict[bytes, BlockMeta]) -> None:
-        """Punch out every range of the packs that no entry of ``packed`` refers to (blocks written
-        but never indexed before a crash)."""
-        used: dict[int, list[tuple[int, int]]] = {}
-        for meta in packed.values():
-            used.setdefault(meta.pack, []).append((meta.offset, meta.offset + _padded(meta.length)))
-        for pack, ranges in used.items():
-            try:
-                fd = os.open(self._pack_path(pack), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                at, size = 0, os.fstat(fd).st_size
-                for lo, hi in sorted(ranges) + [(size, size)]:
-                    if lo > at:
-                        punch_hole(fd, at, lo - at)
-                    at = max(at, hi)
-            except OSError as exc:
-                log.warning("could not free unused space of pack %08x: %s", pack, exc)
-            finally:
-                os.close(fd)
 
     def _scan(self, known: dict[bytes, BlockMeta]) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
         """Walk the block files and packs: the lengths present of the blocks in ``known`` (a packed
@@ -465,9 +362,9 @@ class BlockStore:
         sizes: dict[bytes, int] = {}
         orphans: list[tuple[Path, int]] = []
         pack_sizes: dict[int, int] = {}
-        for pack in self._pack_files():
+        for pack in self.packs.on_disk(self._stray):
             try:
-                pack_sizes[pack] = os.stat(self._pack_path(pack)).st_size
+                pack_sizes[pack] = os.stat(self.packs.path(pack)).st_size
             except OSError:
                 continue
         referenced: set[int] = set()
@@ -478,7 +375,7 @@ class BlockStore:
                     sizes[bid] = meta.length
         for pack, size in pack_sizes.items():
             if pack not in referenced:
-                orphans.append((Path(self._pack_path(pack)), size))
+                orphans.append((Path(self.packs.path(pack)), size))
         for path in self.blocks_dir.glob(BLOCK_GLOB):
             try:
                 bid = bytes.fromhex(path.name)
@@ -502,7 +399,7 @@ class BlockStore:
         shutil.rmtree(self.index_dir, ignore_errors=True)
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
         shutil.rmtree(self.packs_dir, ignore_errors=True)
-        self._pack_live.clear()
+        self.packs.clear()
         self._dirs.clear()
         private_subdir(self.cache_dir, "index")
         private_subdir(self.cache_dir, "blocks")
@@ -565,7 +462,7 @@ class BlockStore:
         next)."""
         try:
             if meta.pack:
-                os.posix_fadvise(self._pack_fd(meta.pack), meta.offset, meta.length, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self.packs.fd(meta.pack), meta.offset, meta.length, os.POSIX_FADV_WILLNEED)
                 return
             fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         except OSError:
@@ -575,28 +472,11 @@ class BlockStore:
         finally:
             os.close(fd)
 
-    def _pack_fd(self, pack: int) -> int:
-        """A descriptor of a pack (trio thread), kept open for the next reads: the pack's inode stays in
-        memory, and a read costs no open."""
-        fd = self._pack_fds.get(pack)
-        if fd is not None:
-            self._pack_fds.move_to_end(pack)
-            return fd
-        fd = os.open(self._pack_path(pack), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # blocks are read whole: no readahead past them
-        self._pack_fds[pack] = fd
-        if len(self._pack_fds) > _PACK_FDS:
-            os.close(self._pack_fds.popitem(last=False)[1])
-        return fd
-
     def _pread(self, bid: bytes, meta: BlockMeta, start: int, end: int, nowait: bool,
                shared: bool = True) -> bytes | bytearray | None:
         if meta.pack:
             at = meta.offset
-            if shared:
-                fd = self._pack_fd(meta.pack)
-            else:
-                fd = os.open(self._pack_path(meta.pack), _READ_FLAGS)
+            fd = self.packs.fd(meta.pack) if shared else self.packs.own_fd(meta.pack)
         else:
             at, shared = 0, False
             fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
@@ -661,7 +541,7 @@ class BlockStore:
         _, orphans = self._scan(known)
         if repair:
             for path, _ in orphans:
-                _discard(str(path))
+                discard(str(path))
             self._consistent = True
         return {"blocks": len(known), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
                 "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used,
@@ -740,8 +620,9 @@ class BlockStore:
         filling new page-cache pages costs more CPU than the rest of a cold read, and the mount keeps its
         own copy in the page cache anyway. (A small block costs more CPU written directly: a
         synchronous device write per block.)"""
-        if self.packing and len(data) < PACK_BELOW:
-            return "", self._write_packed(bid, data)
+        if self.packs.enabled and len(data) < pk.PACK_BELOW:
+            pack, offset = self.packs.write(data)
+            return "", BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
         tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         direct = around and self._direct_works and len(data) >= DIRECT_MIN
@@ -766,53 +647,6 @@ class BlockStore:
             os.close(fd)
         return tmp, BlockMeta(len(data), checksums(bid, data))
 
-    def _write_packed(self, bid: bytes, data: bytes | bytearray) -> BlockMeta:
-        """Append a block to the current pack (starting a new one when it is full) at an aligned
-        offset; the range is the writer's alone, so writers do not wait for each other's bytes."""
-        padded = _padded(len(data))
-        with self._pack_lock:
-            if self._closed:  # a fill abandoned at shutdown, finishing after close(): nothing lands
-                raise OSError(errno.ESHUTDOWN, "the block store is closed")
-            if self._write_off + padded > PACK_SIZE:
-                self._write_pack, self._write_off = self._new_pack(), 0
-            pack, offset = self._write_pack, self._write_off
-            self._write_off += padded
-            self._pack_pending[pack] = self._pack_pending.get(pack, 0) + 1
-        meta = BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
-        try:
-            fd = os.open(self._pack_path(pack), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                view, at = memoryview(data), offset
-                while view:
-                    n = os.pwrite(fd, view, at)
-                    view, at = view[n:], at + n
-            except BaseException:
-                punch_hole(fd, offset, padded)
-                raise
-            finally:
-                os.close(fd)
-        except BaseException:
-            with self._pack_lock:
-                self._pack_pending[pack] -= 1
-            raise
-        return meta
-
-    def _new_pack(self) -> int:
-        """Create the pack after the current one (under the pack lock): the next number that no pack
-        on disk or in the index has, from 1 again after :data:`MAX_PACK`."""
-        pack = self._write_pack
-        for _ in range(64):
-            pack = pack + 1 if pack < MAX_PACK else 1
-            if pack in self._pack_live or pack in self._pack_pending:
-                continue
-            try:
-                os.close(os.open(self._pack_path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, 0o600))
-            except FileExistsError:
-                continue
-            return pack
-        raise OSError(errno.EEXIST, "no free pack number after the current one")
-
     def _wrote_direct(self, fd: int, data: bytes | bytearray) -> bool:
         """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
         still empty, if the file system takes O_DIRECT but not our alignment (EINVAL)."""
@@ -832,26 +666,22 @@ class BlockStore:
         """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): delete the
         temporary file, or free the pack range (trio thread). The caller releases the reservation."""
         if meta.pack:
-            self._free_packed(meta, self._pack_pending)
+            self.packs.free(meta.pack, meta.offset, meta.length, indexed=False)
         else:
-            _discard(tmp)
+            discard(tmp)
 
     def install(self, bid: bytes, tmp: str, meta: BlockMeta) -> None:
         """Move a block written by :meth:`write_temp` into place and index it, consuming its reservation
         (trio thread; no checkpoint: a block file is never left in place unindexed). Raises OSError, and
         then removes the temporary file (the caller releases the reservation)."""
         if meta.pack:
-            with self._pack_lock:
-                self._pack_pending[meta.pack] -= 1
-                self._pack_live[meta.pack] = self._pack_live.get(meta.pack, 0) + 1
+            self.packs.installed(meta.pack)
             try:
                 self.commit(bid, meta)
             except BaseException:
-                self._free_packed(meta)
+                self.packs.free(meta.pack, meta.offset, meta.length)
                 raise
-            if meta.pack != self._last_pack:  # the pack rolled over: the last one may be empty already
-                self._drop_pack_if_empty(self._last_pack)
-                self._last_pack = meta.pack
+            self.packs.rolled_over(meta.pack)
             return
         rel = block_relpath(bid)
         try:
@@ -889,41 +719,13 @@ class BlockStore:
         existed = raw is not None
         meta = BlockMeta.decode(bytes(raw)) if existed else None
         if meta is not None and meta.pack:
-            self._free_packed(meta)
+            self.packs.free(meta.pack, meta.offset, meta.length)
         else:
-            _discard(f"{self._blocks}/{block_relpath(bid)}")
+            discard(f"{self._blocks}/{block_relpath(bid)}")
         if existed:
             self.used -= length
             self._count -= 1
         self.policy.removed(bid)
-
-    def _free_packed(self, meta: BlockMeta, counts: dict[int, int] | None = None) -> None:
-        """A packed block leaves its pack (trio thread), counted out of ``counts`` (the pack's indexed
-        blocks by default, or those being written): its range is punched out; the pack is deleted once
-        no block is in it or being written to it."""
-        counts = self._pack_live if counts is None else counts
-        with self._pack_lock:
-            counts[meta.pack] = counts.get(meta.pack, 0) - 1
-            if self._closed:
-                return  # (a write abandoned at shutdown: the store was closed unclean, see close())
-        try:
-            punch_hole(self._pack_fd(meta.pack), meta.offset, _padded(meta.length))
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("could not free the space of a block in pack %08x: %s", meta.pack, exc)
-        self._drop_pack_if_empty(meta.pack)
-
-    def _drop_pack_if_empty(self, pack: int) -> None:
-        with self._pack_lock:
-            if (not pack or pack == self._write_pack or self._pack_live.get(pack, 0) > 0
-                    or self._pack_pending.get(pack, 0) > 0):
-                return
-            self._pack_live.pop(pack, None)
-            self._pack_pending.pop(pack, None)
-        fd = self._pack_fds.pop(pack, None)
-        if fd is not None:
-            os.close(fd)
-        _discard(self._pack_path(pack))
 
     def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
@@ -983,5 +785,5 @@ def _where(cache_dir: Path, bid: bytes, meta: BlockMeta | None) -> tuple[Path, i
     if meta is None:
         return None
     if meta.pack:
-        return cache_dir / "packs" / pack_name(meta.pack), meta.offset, meta.length
+        return cache_dir / "packs" / pk.pack_name(meta.pack), meta.offset, meta.length
     return cache_dir / "blocks" / block_relpath(bid), 0, meta.length
