@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from epochfs.cache.format import locate
 from epochfs.cache.keys import block_id
-from epochfs.cache.store import locate
 from epochfs.sample import SampleFile, pattern, sample_layout, upload, write_tree
 
 from .conftest import requires_fuse

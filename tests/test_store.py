@@ -327,7 +327,7 @@ def test_fsck_without_repair_changes_nothing_and_reports_what_a_mount_would_remo
     s = make(tmp_path)
     for n in range(3):
         put(s, bid(n), bytes([n]) * 5000)
-    with s._env.begin(write=True) as txn:
+    with s.index.env.begin(write=True) as txn:
         txn.put(bid(9), b"\x01\x02garbage")  # a malformed entry
     s.close()
     (tmp_path / "cache" / "packs" / "not-a-pack").write_bytes(b"x")
@@ -480,7 +480,7 @@ def test_malformed_index_entries_are_dropped_with_their_files(tmp_path):
     s = make(tmp_path)
     put(s, bid(1), b"a" * 5000)
     put(s, bid(2), b"b" * 5000)
-    with s._env.begin(write=True) as txn:
+    with s.index.env.begin(write=True) as txn:
         txn.put(bid(2), b"\x01\x02garbage")  # an entry that does not decode
     s.close()
     s = make(tmp_path)

@@ -21,12 +21,12 @@ _HEAD = struct.Struct("<QIIQ")  # the entry layout of index format 4 (written he
 
 
 def _entries(store) -> dict[bytes, bytes]:
-    with store._env.begin() as txn:
+    with store.index.env.begin() as txn:
         return {bytes(k): bytes(v) for k, v in txn.cursor() if len(k) == 16}
 
 
 def _set(store, key: bytes, value: bytes | None) -> None:
-    with store._env.begin(write=True) as txn:
+    with store.index.env.begin(write=True) as txn:
         if value is None:
             txn.delete(key)
         else:
@@ -138,9 +138,7 @@ def _shut(store, clean: bool) -> None:
     """Close the store cleanly, or as a killed daemon leaves it (index synced, no clean marker)."""
     if not clean:
         store.packs.close_fds()
-        store._env.sync(True)
-        store._env.close()
-        store._env = None
+        store.index.close(sync=True)
     store.close()
 
 

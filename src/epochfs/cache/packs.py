@@ -4,7 +4,11 @@ A block under :data:`PACK_BELOW` bytes goes to the current pack (``packs/<n>``) 
 aligned to :data:`ALIGN`; the range is the writer's alone, so writers never wait for each other's
 bytes. An evicted block's range is punched out (its disk space freed at once), and a pack that holds no
 block any more, and is not being written, is deleted. Packing is used only where the file system can
-punch holes (:meth:`Packs.can_punch`).
+punch holes (:meth:`Packs.can_punch`); elsewhere every block gets a file.
+
+Why packs: a small block in a file of its own costs a file creation and a rename to fill, and an open,
+a directory block and an inode to read when the kernel's caches are cold; in a pack it costs one
+``pwrite`` and one ``pread`` on a file whose inode stays in memory.
 
 Owned by :class:`epochfs.cache.store.BlockStore`, which keeps the index; this room keeps the packs'
 counts and write position. Concurrency: :meth:`Packs.write` runs in worker threads; the counts and the

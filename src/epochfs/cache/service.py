@@ -38,10 +38,11 @@ from typing import Protocol
 import trio
 
 from epochfs.backend.base import Backend
+from epochfs.cache.format import BlockMeta
 from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import GAP, Pusher
-from epochfs.cache.store import WOULD_BLOCK, BlockMeta, BlockStore
+from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
 from epochfs.records import ObjectInfo
 

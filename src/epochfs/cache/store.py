@@ -1,4 +1,10 @@
-"""The on-disk block store: block files and pack files plus an LMDB index, bounded in size.
+"""The on-disk block store: the cache directory's life cycle, reads and fills, and the byte budget.
+
+It owns the directory (its lock, the clean marker, ``tmp/``), the admission of blocks against the
+bound (``--cache-size`` and the disk's free space, with the eviction policy), reads of resident blocks
+(verified chunk by chunk) and fills (written in worker threads, installed on the trio thread). Its
+rooms: the index (:mod:`.index`), the small blocks' pack files (:mod:`.packs`), the entry format and
+checksums (:mod:`.format`), and recovery after an unclean shutdown and ``fsck`` (:mod:`.recovery`).
 
 Layout under the cache directory::
 
@@ -6,23 +12,16 @@ Layout under the cache directory::
     clean                present while no daemon runs, if the last one shut down cleanly
     blocks/ab/<id>       one file per block of at least PACK_BELOW bytes, named by its id
                          (see :mod:`epochfs.cache.keys`)
-    packs/<n>            smaller blocks, appended at 4 KiB-aligned offsets to the current pack file;
-                         an evicted block's range is punched out (its disk space freed at once), and a
-                         pack that holds no block any more is deleted
+    packs/<n>            smaller blocks, at 4 KiB-aligned offsets (see :mod:`.packs`)
     tmp/                 fills of block files in progress; emptied at start-up
     index/               LMDB: block id -> (sequence, length, pack, offset, xxh3-64 per 64 KiB chunk)
 
-Why packs: a small block in a file of its own costs a file creation and a rename to fill, and an open,
-a directory block and an inode to read when the kernel's caches are cold; in a pack it costs one
-``pwrite`` and one ``pread`` on a file whose inode stays in memory. Packing is used only where the
-cache file system can punch holes (``fallocate``); elsewhere every block gets a file.
-
 Concurrency contract: every method except :meth:`BlockStore.write_temp` and :meth:`BlockStore.pread_range`
 runs on the trio thread, so the index, the byte accounting and the policy are never touched
-concurrently. ``write_temp`` runs in a worker thread and only creates a file under ``tmp/``; it is moved
-into place and indexed by :meth:`BlockStore.install` on the trio thread, with no checkpoint in between. ``pread_range`` only reads; its bytes
-are verified by :meth:`BlockStore.finish_read` on the trio thread. Reads verify the checksum of every
-chunk they return.
+concurrently. ``write_temp`` runs in a worker thread and only creates a file under ``tmp/`` (or writes
+a pack range); it is moved into place and indexed by :meth:`BlockStore.install` on the trio thread,
+with no checkpoint in between. ``pread_range`` only reads; its bytes are verified by
+:meth:`BlockStore.finish_read` on the trio thread.
 """
 
 from __future__ import annotations
@@ -33,17 +32,18 @@ import logging
 import mmap
 import os
 import shutil
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import lmdb
-import xxhash
 
 from epochfs.cache import packs as pk
-from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
+from epochfs.cache import recovery
+from epochfs.cache.format import BlockMeta, checksums, missing, verify, where
+from epochfs.cache.index import Index, OtherFormat
+from epochfs.cache.keys import block_relpath, chunk_span
 from epochfs.cache.packs import ALIGN, Packs, discard, padded
 from epochfs.cache.policies import EvictionPolicy, make_room
 from epochfs.errors import CacheUnreadable, ConfigError
@@ -51,67 +51,9 @@ from epochfs.private import open_private, private_dir, private_subdir, touch_pri
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = b"4"  # 4: checksums bound to the block id; 3: small blocks in packs; 2: a file per block
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
-_HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: a block file), offset in it
-_SUM = 8  # bytes of one xxh3-64 digest
-_MAX_SEQ = 1 << 62  # an entry's sequence number (fills in order) is below this; no cache comes near it
-
-
-class BlockMeta(NamedTuple):
-    """An index entry: the block's length, one xxh3-64 digest per CHUNK_SIZE chunk, and where it is:
-    in pack ``pack`` at ``offset``, or (``pack`` 0) in a block file of its own."""
-
-    length: int
-    sums: bytes
-    seq: int = 0
-    pack: int = 0
-    offset: int = 0
-
-    def encode(self) -> bytes:
-        return _HEAD.pack(self.seq, self.length, self.pack, self.offset) + self.sums
-
-    @classmethod
-    def decode(cls, raw: bytes) -> BlockMeta | None:
-        """The entry, or None if ``raw`` is not one this version could have written."""
-        if len(raw) < _HEAD.size:
-            return None
-        seq, length, pack, offset = _HEAD.unpack_from(raw)
-        sums = bytes(raw[_HEAD.size:])
-        if not 0 < length <= MAX_BLOCK_SIZE or len(sums) != _SUM * -(-length // CHUNK_SIZE) or seq > _MAX_SEQ:
-            return None
-        if pack and (length >= pk.PACK_BELOW or offset % pk.ALIGN or offset + length > pk.PACK_SIZE
-                     or pack > pk.MAX_PACK):
-            return None
-        if not pack and offset:
-            return None
-        return cls(length, sums, seq, pack, offset)
-
-
-def _seed(bid: bytes) -> int:
-    """The checksum seed of a block: all of its id, folded to 64 bits."""
-    return int.from_bytes(bid[:8], "little") ^ int.from_bytes(bid[8:16], "little")
-
-
-def checksums(bid: bytes, data: bytes | memoryview) -> bytes:
-    """One xxh3-64 digest per chunk of block ``bid``'s bytes, seeded with the block id: the bytes and
-    checksums of one block never verify as another's (an index entry copied under another id, block
-    files swapped together with their entries)."""
-    view, seed = memoryview(data), _seed(bid)
-    return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE], seed) for i in range(0, len(view), CHUNK_SIZE))
-
-
 DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
-
-
-_NOT_A_FILE = {errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR}  # where a block should be
-
-
-def _missing(exc: OSError) -> bool:
-    """Whether a failed open or read says the block's file is not there (or is not a plain file: a
-    link, a directory), which is damage; any other error (EMFILE, EIO, ENOMEM) says nothing of it."""
-    return exc.errno in _NOT_A_FILE
 
 
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
@@ -157,10 +99,6 @@ class StoreStats:
     pinned_bytes: int
 
 
-class _OtherFormat(lmdb.InvalidError):
-    """The index was written by a version of epochfs with another layout."""
-
-
 class CacheLocked(ConfigError):
     """Another process owns the cache directory."""
 
@@ -191,7 +129,7 @@ class BlockStore:
         self._consistent = False  # the index and the block files agree (checked or shut down cleanly)
         self._nowait_works = True
         self._direct_works = True
-        self._env: lmdb.Environment | None = None
+        self.index = Index(self.index_dir)  # block id -> entry (cache/index.py)
         self.packs = Packs(self._packs)  # the small blocks' files (cache/packs.py)
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
         self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
@@ -219,7 +157,7 @@ class BlockStore:
         with os.scandir(self._blocks) as entries:  # block subdirectories; nothing else belongs there
             for entry in entries:
                 if not entry.is_dir(follow_symlinks=False):
-                    self._stray(entry.path)
+                    self.stray(entry.path)
         clean = self.cache_dir / "clean"
         self._consistent = os.path.lexists(clean)
         if self._consistent and not inspect:
@@ -227,7 +165,7 @@ class BlockStore:
         try:
             known = self._open_index()
         except lmdb.Error as exc:
-            why = "is of another version" if isinstance(exc, _OtherFormat) else "is damaged"
+            why = "is of another version" if isinstance(exc, OtherFormat) else "is damaged"
             if inspect:
                 self.close()
                 raise ConfigError(f"cache index in {self.index_dir} {why} ({exc}): a mount (or fsck --repair) "
@@ -237,8 +175,9 @@ class BlockStore:
             known = self._open_index()
         self.packs.enabled = not inspect and Packs.can_punch(self._tmp)
         if not self._consistent and reconcile:
-            self._reconcile(known)
-        on_disk = self.packs.on_disk(self._stray)
+            recovery.reconcile(self, known)
+            self._consistent = True
+        on_disk = self.packs.on_disk(self.stray)
         for pack in on_disk:
             if reconcile and pack not in self.packs.live:  # no indexed block (all evicted, or none indexed)
                 discard(self.packs.path(pack))
@@ -253,7 +192,7 @@ class BlockStore:
     def packing(self, value: bool) -> None:
         self.packs.enabled = value
 
-    def _stray(self, path: str) -> None:
+    def stray(self, path: str) -> None:
         """Something that does not belong where it is in the cache directory: counted, and removed
         unless inspecting."""
         self.strays.add(path)
@@ -261,12 +200,9 @@ class BlockStore:
             discard(path)
 
     def close(self) -> None:
-        if self._env is not None:
+        if self.index.is_open:
             self._consistent = self.packs.close() and self._consistent
-            if not self._inspect:
-                self._env.sync(True)
-            self._env.close()
-            self._env = None
+            self.index.close(sync=not self._inspect)
             if self._consistent and not self._inspect:
                 touch_private(self.cache_dir / "clean")
         if self._lock_fd is not None:
@@ -290,37 +226,15 @@ class BlockStore:
 
     def _open_index(self) -> dict[bytes, BlockMeta]:
         """Open the index and load it into the policy; return block id -> entry."""
-        self._env = lmdb.open(
-            str(self.index_dir), map_size=1 << 36, subdir=True, max_dbs=0, sync=False, metasync=False,
-            readahead=False, lock=True, mode=0o600, readonly=self._inspect,
-        )
-        loaded: list[tuple[int, bytes, BlockMeta]] = []
-        bad: list[bytes] = []
-        with self._env.begin() as txn:
-            fmt = txn.get(b"\x00format")
-            if fmt is not None and fmt != INDEX_FORMAT:
-                raise _OtherFormat(f"it has format {fmt.decode(errors='replace')}, this version uses "
-                                   f"{INDEX_FORMAT.decode()}")
-            for key, raw in txn.cursor():
-                if key == b"\x00format":
-                    continue
-                meta = BlockMeta.decode(raw)
-                if len(key) != 16 or meta is None:
-                    bad.append(bytes(key))
-                else:
-                    loaded.append((meta.seq, bytes(key), meta))
+        loaded, bad = self.index.open(readonly=self._inspect)
         self.malformed = len(bad)
         if not self._inspect:
-            with self._env.begin(write=True) as txn:
-                txn.put(b"\x00format", INDEX_FORMAT)
-                for key in bad:
-                    txn.delete(key)
+            self.index.mark(drop=bad)
             for key in bad:  # and their files, if the key can name one
                 if len(key) == 16:
                     discard(f"{self._blocks}/{block_relpath(key)}")
             if bad:
                 log.warning("dropped %d malformed cache index entries and their files", len(bad))
-        loaded.sort()
         for seq, bid, meta in loaded:
             self.policy.inserted(bid, meta.length)
             self.used += meta.length
@@ -331,71 +245,8 @@ class BlockStore:
         log.info("cache %s: %d blocks, %d bytes of %d", self.cache_dir, self._count, self.used, self.capacity)
         return {bid: meta for _, bid, meta in loaded}
 
-    def _reconcile(self, known: dict[bytes, BlockMeta]) -> None:
-        """After an unclean shutdown: drop index entries whose block file is missing or of the wrong
-        length (or whose pack is missing or too short), delete block files the index does not know (a
-        crash between a fill's rename and its index entry, or index writes lost with the page cache)
-        and free the ranges of packs no entry refers to. Runs before anything is served."""
-        on_disk, orphans = self._scan(known)
-        for path, _ in orphans:
-            discard(str(path))
-        if orphans:
-            log.warning("removed %d block files (%d bytes) the cache index did not know, left by an "
-                        "unclean shutdown", len(orphans), sum(size for _, size in orphans))
-        lost = [bid for bid, meta in known.items() if on_disk.get(bid) != meta.length]
-        for bid in lost:
-            self._remove(bid, known[bid].length)
-        if lost:
-            log.warning("dropped %d cache index entries whose block file was missing or short", len(lost))
-        gone = set(lost)
-        used: dict[int, list[tuple[int, int]]] = {}  # the ranges of packs the index refers to
-        for bid, meta in known.items():
-            if meta.pack and bid not in gone:
-                used.setdefault(meta.pack, []).append((meta.offset, meta.length))
-        self.packs.free_unreferenced(used)
-        self._consistent = True
-
-    def _scan(self, known: dict[bytes, BlockMeta]) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
-        """Walk the block files and packs: the lengths present of the blocks in ``known`` (a packed
-        block counts as present if its pack is long enough), and (path, size) of block files and packs
-        that hold no block of ``known``."""
-        sizes: dict[bytes, int] = {}
-        orphans: list[tuple[Path, int]] = []
-        pack_sizes: dict[int, int] = {}
-        for pack in self.packs.on_disk(self._stray):
-            try:
-                pack_sizes[pack] = os.stat(self.packs.path(pack)).st_size
-            except OSError:
-                continue
-        referenced: set[int] = set()
-        for bid, meta in known.items():
-            if meta.pack:
-                referenced.add(meta.pack)
-                if pack_sizes.get(meta.pack, -1) >= meta.offset + meta.length:
-                    sizes[bid] = meta.length
-        for pack, size in pack_sizes.items():
-            if pack not in referenced:
-                orphans.append((Path(self.packs.path(pack)), size))
-        for path in self.blocks_dir.glob(BLOCK_GLOB):
-            try:
-                bid = bytes.fromhex(path.name)
-            except ValueError:
-                bid = b""
-            try:
-                size = path.stat().st_size
-            except OSError:
-                size = -1
-            meta = known.get(bid)
-            if meta is not None and not meta.pack:
-                sizes[bid] = size
-            else:
-                orphans.append((path, max(0, size)))
-        return sizes, orphans
-
     def _reset(self) -> None:
-        if self._env is not None:
-            self._env.close()
-            self._env = None
+        self.index.close(sync=False)
         shutil.rmtree(self.index_dir, ignore_errors=True)
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
         shutil.rmtree(self.packs_dir, ignore_errors=True)
@@ -409,10 +260,7 @@ class BlockStore:
     # -- reads -----------------------------------------------------------------------------------------
 
     def lookup(self, bid: bytes) -> BlockMeta | None:
-        assert self._env is not None
-        with self._env.begin(buffers=True) as txn:
-            raw = txn.get(bid)
-            return BlockMeta.decode(bytes(raw)) if raw is not None else None
+        return self.index.get(bid)
 
     def read(self, bid: bytes, meta: BlockMeta, lo: int, hi: int, nowait: bool = False) -> Any:
         """Bytes [lo, hi) of a resident block, verified, as a memoryview; None (and the block dropped)
@@ -447,7 +295,7 @@ class BlockStore:
         wrong length or a checksum mismatch). Any other read error (EMFILE, EIO, ENOMEM) says nothing
         about the block: it raises :class:`CacheUnreadable` and the block stays."""
         start, _ = chunk_span(lo, hi, meta.length)
-        if isinstance(data, OSError) and not _missing(data):
+        if isinstance(data, OSError) and not missing(data):
             self._read_errors += 1
             raise CacheUnreadable(f"cannot read cached block {bid.hex()}: {data.strerror or data}")
         why = self.verify(bid, meta, lo, hi, data)
@@ -499,59 +347,24 @@ class BlockStore:
             if not shared:
                 os.close(fd)
 
-    @staticmethod
-    def verify(bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
-        """What is wrong with ``data`` read for [lo, hi) of block ``bid`` described by ``meta``, or ""
-        (pure: any thread)."""
-        start, end = chunk_span(lo, hi, meta.length)
-        if isinstance(data, OSError):
-            return f"its file is missing or not a file ({data.strerror or data})"
-        if len(data) != end - start:
-            return f"short read: {len(data)} of {end - start} bytes"
-        view, seed = memoryview(data), _seed(bid)
-        first = start // CHUNK_SIZE
-        for n, off in enumerate(range(0, len(view), CHUNK_SIZE)):
-            expected = meta.sums[(first + n) * _SUM:(first + n + 1) * _SUM]
-            if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE], seed) != expected:
-                return f"checksum mismatch in chunk {first + n}"
-        return ""
+    verify = staticmethod(verify)
 
     def fsck(self, repair: bool) -> dict[str, int]:
-        """Verify every indexed block in full and look for block files the index does not know
-        (left by a crash between a fill's rename and its index entry). With ``repair``, drop damaged
-        blocks and delete orphans (not on a store opened to inspect). Run only while no daemon owns the
-        directory (the lock ensures it)."""
-        assert self._env is not None and not (repair and self._inspect)
-        with self._env.begin() as txn:
-            entries = [(bytes(k), BlockMeta.decode(bytes(v))) for k, v in txn.cursor() if len(k) == 16]
-        known = {bid: meta for bid, meta in entries if meta is not None}  # (malformed ones are counted)
-        damaged = unreadable = 0
-        for bid, meta in known.items():
-            data = self.pread_range(bid, meta, 0, meta.length)
-            if isinstance(data, OSError) and not _missing(data):
-                unreadable += 1  # not evidence of damage: reported, never deleted
-                log.warning("block %s: cannot read it: %s", bid.hex(), data)
-                continue
-            why = self.verify(bid, meta, 0, meta.length, data)
-            if why:
-                damaged += 1
-                log.warning("block %s: %s", bid.hex(), why)
-                if repair:
-                    self.drop_corrupt(bid, meta, why)
-        _, orphans = self._scan(known)
-        if repair:
-            for path, _ in orphans:
-                discard(str(path))
-            self._consistent = True
-        return {"blocks": len(known), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
-                "orphan_bytes": sum(size for _, size in orphans), "used_bytes": self.used,
-                "malformed": self.malformed, "strays": len(self.strays)}
+        """See :func:`epochfs.cache.recovery.fsck`; after a repair the directory is consistent."""
+        found = recovery.fsck(self, repair)
+        self._consistent = self._consistent or repair
+        return found
+
+    @property
+    def inspecting(self) -> bool:
+        """Opened to inspect (``fsck`` without ``--repair``): nothing in the directory is changed."""
+        return self._inspect
 
     def drop_corrupt(self, bid: bytes, meta: BlockMeta, why: str) -> None:
         """Drop a damaged block (counted as corrupt); the next read fetches it again."""
         log.warning("cache block %s is damaged (%s); dropping it", bid.hex(), why)
         self._corrupt += 1
-        self._remove(bid, meta.length)
+        self.remove(bid, meta.length)
         return None
 
     # -- fills and eviction ----------------------------------------------------------------------------
@@ -601,7 +414,7 @@ class BlockStore:
 
     def _evict(self, bid: bytes) -> None:
         meta = self.lookup(bid)
-        self._remove(bid, meta.length if meta else 0)
+        self.remove(bid, meta.length if meta else 0)
         self._evictions += 1
 
     def release(self, nbytes: int, failed: bool = True) -> None:
@@ -703,21 +516,15 @@ class BlockStore:
 
     def commit(self, bid: bytes, meta: BlockMeta) -> None:
         """Index a block whose file is in place, consuming its reservation."""
-        assert self._env is not None
         self._seq += 1
-        with self._env.begin(write=True) as txn:
-            txn.put(bid, meta._replace(seq=self._seq).encode())
+        self.index.put(bid, meta._replace(seq=self._seq))
         self.pending -= meta.length
         self.used += meta.length
         self._count += 1
         self.policy.inserted(bid, meta.length)
 
-    def _remove(self, bid: bytes, length: int) -> None:
-        assert self._env is not None
-        with self._env.begin(write=True) as txn:
-            raw = txn.pop(bid)
-        existed = raw is not None
-        meta = BlockMeta.decode(bytes(raw)) if existed else None
+    def remove(self, bid: bytes, length: int) -> None:
+        existed, meta = self.index.pop(bid)
         if meta is not None and meta.pack:
             self.packs.free(meta.pack, meta.offset, meta.length)
         else:
@@ -729,7 +536,7 @@ class BlockStore:
 
     def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
-        return _where(self.cache_dir, bid, self.lookup(bid))
+        return where(self.cache_dir, bid, self.lookup(bid))
 
     def _disk_low(self, nbytes: int) -> bool:
         if self.free_space_ratio <= 0:
@@ -765,25 +572,3 @@ class BlockStore:
             not_admitted=self._not_admitted,
             pinned_bytes=self.pinned,
         )
-
-
-def locate(cache_dir: Path, bid: bytes) -> tuple[Path, int, int] | None:
-    """Where block ``bid`` is in the cache directory ``cache_dir`` (file, offset, length), read from its
-    index without taking the directory's lock (LMDB readers may share it with the running daemon);
-    None if it is not cached. For inspection and tests."""
-    cache_dir = Path(cache_dir)
-    env = lmdb.open(str(cache_dir / "index"), subdir=True, readonly=True, lock=True, max_dbs=0)
-    try:
-        with env.begin() as txn:
-            raw = txn.get(bid)
-    finally:
-        env.close()
-    return _where(cache_dir, bid, BlockMeta.decode(raw) if raw is not None else None)
-
-
-def _where(cache_dir: Path, bid: bytes, meta: BlockMeta | None) -> tuple[Path, int, int] | None:
-    if meta is None:
-        return None
-    if meta.pack:
-        return cache_dir / "packs" / pk.pack_name(meta.pack), meta.offset, meta.length
-    return cache_dir / "blocks" / block_relpath(bid), 0, meta.length

@@ -1,0 +1,158 @@
+"""The cache's on-disk format: index entries and the checksums that bind a block's bytes to its id.
+
+What a block is (:class:`BlockMeta`), how its bytes are checked (:func:`checksums`, :func:`verify`),
+where it is in a cache directory (:func:`where`, :func:`locate`, which reads an index), and which
+block files and packs a directory holds against an index (:func:`scan`, for recovery and fsck).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import lmdb
+import xxhash
+
+from epochfs.cache import packs as pk
+
+if TYPE_CHECKING:
+    from epochfs.cache.packs import Packs
+from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
+
+_HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: a block file), offset in it
+_SUM = 8  # bytes of one xxh3-64 digest
+_MAX_SEQ = 1 << 62  # an entry's sequence number (fills in order) is below this; no cache comes near it
+
+
+class BlockMeta(NamedTuple):
+    """An index entry: the block's length, one xxh3-64 digest per CHUNK_SIZE chunk, and where it is:
+    in pack ``pack`` at ``offset``, or (``pack`` 0) in a block file of its own."""
+
+    length: int
+    sums: bytes
+    seq: int = 0
+    pack: int = 0
+    offset: int = 0
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(self.seq, self.length, self.pack, self.offset) + self.sums
+
+    @classmethod
+    def decode(cls, raw: bytes) -> BlockMeta | None:
+        """The entry, or None if ``raw`` is not one this version could have written."""
+        if len(raw) < _HEAD.size:
+            return None
+        seq, length, pack, offset = _HEAD.unpack_from(raw)
+        sums = bytes(raw[_HEAD.size:])
+        if not 0 < length <= MAX_BLOCK_SIZE or len(sums) != _SUM * -(-length // CHUNK_SIZE) or seq > _MAX_SEQ:
+            return None
+        if pack and (length >= pk.PACK_BELOW or offset % pk.ALIGN or offset + length > pk.PACK_SIZE
+                     or pack > pk.MAX_PACK):
+            return None
+        if not pack and offset:
+            return None
+        return cls(length, sums, seq, pack, offset)
+
+
+def _seed(bid: bytes) -> int:
+    """The checksum seed of a block: all of its id, folded to 64 bits."""
+    return int.from_bytes(bid[:8], "little") ^ int.from_bytes(bid[8:16], "little")
+
+
+def checksums(bid: bytes, data: bytes | memoryview) -> bytes:
+    """One xxh3-64 digest per chunk of block ``bid``'s bytes, seeded with the block id: the bytes and
+    checksums of one block never verify as another's (an index entry copied under another id, block
+    files swapped together with their entries)."""
+    view, seed = memoryview(data), _seed(bid)
+    return b"".join(xxhash.xxh3_64_digest(view[i:i + CHUNK_SIZE], seed) for i in range(0, len(view), CHUNK_SIZE))
+
+
+_NOT_A_FILE = {errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR}  # where a block should be
+
+
+def missing(exc: OSError) -> bool:
+    """Whether a failed open or read says the block's file is not there (or is not a plain file: a
+    link, a directory), which is damage; any other error (EMFILE, EIO, ENOMEM) says nothing of it."""
+    return exc.errno in _NOT_A_FILE
+
+
+def verify(bid: bytes, meta: BlockMeta, lo: int, hi: int, data: bytes | bytearray | OSError) -> str:
+    """What is wrong with ``data`` read for [lo, hi) of block ``bid`` described by ``meta``, or ""
+    (pure: any thread)."""
+    start, end = chunk_span(lo, hi, meta.length)
+    if isinstance(data, OSError):
+        return f"its file is missing or not a file ({data.strerror or data})"
+    if len(data) != end - start:
+        return f"short read: {len(data)} of {end - start} bytes"
+    view, seed = memoryview(data), _seed(bid)
+    first = start // CHUNK_SIZE
+    for n, off in enumerate(range(0, len(view), CHUNK_SIZE)):
+        expected = meta.sums[(first + n) * _SUM:(first + n + 1) * _SUM]
+        if xxhash.xxh3_64_digest(view[off:off + CHUNK_SIZE], seed) != expected:
+            return f"checksum mismatch in chunk {first + n}"
+    return ""
+
+
+def locate(cache_dir: Path, bid: bytes) -> tuple[Path, int, int] | None:
+    """Where block ``bid`` is in the cache directory ``cache_dir`` (file, offset, length), read from its
+    index without taking the directory's lock (LMDB readers may share it with the running daemon);
+    None if it is not cached. For inspection and tests."""
+    cache_dir = Path(cache_dir)
+    env = lmdb.open(str(cache_dir / "index"), subdir=True, readonly=True, lock=True, max_dbs=0)
+    try:
+        with env.begin() as txn:
+            raw = txn.get(bid)
+    finally:
+        env.close()
+    return where(cache_dir, bid, BlockMeta.decode(raw) if raw is not None else None)
+
+
+def where(cache_dir: Path, bid: bytes, meta: BlockMeta | None) -> tuple[Path, int, int] | None:
+    if meta is None:
+        return None
+    if meta.pack:
+        return cache_dir / "packs" / pk.pack_name(meta.pack), meta.offset, meta.length
+    return cache_dir / "blocks" / block_relpath(bid), 0, meta.length
+
+
+def scan(blocks_dir: Path, packs: Packs, known: dict[bytes, BlockMeta], stray: Callable[[str], None]
+         ) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
+    """Walk the block files and packs: the lengths present of the blocks in ``known`` (a packed
+    block counts as present if its pack is long enough), and (path, size) of block files and packs
+    that hold no block of ``known``."""
+    sizes: dict[bytes, int] = {}
+    orphans: list[tuple[Path, int]] = []
+    pack_sizes: dict[int, int] = {}
+    for pack in packs.on_disk(stray):
+        try:
+            pack_sizes[pack] = os.stat(packs.path(pack)).st_size
+        except OSError:
+            continue
+    referenced: set[int] = set()
+    for bid, meta in known.items():
+        if meta.pack:
+            referenced.add(meta.pack)
+            if pack_sizes.get(meta.pack, -1) >= meta.offset + meta.length:
+                sizes[bid] = meta.length
+    for pack, size in pack_sizes.items():
+        if pack not in referenced:
+            orphans.append((Path(packs.path(pack)), size))
+    for path in blocks_dir.glob(BLOCK_GLOB):
+        try:
+            bid = bytes.fromhex(path.name)
+        except ValueError:
+            bid = b""
+        try:
+            size = path.stat().st_size
+        except OSError:
+            size = -1
+        meta = known.get(bid)
+        if meta is not None and not meta.pack:
+            sizes[bid] = size
+        else:
+            orphans.append((path, max(0, size)))
+    return sizes, orphans
