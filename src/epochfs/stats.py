@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.peer.tier import PeerStats
     from epochfs.prefetch.scheduler import PrefetchStats
-    from epochfs.writeback.service import WritebackStats
+    from epochfs.writeback.owed import WritebackStats
 
 #: Latency bucket upper bounds in seconds: 100 us to 30 s.
 LATENCY_BUCKETS: tuple[float, ...] = (

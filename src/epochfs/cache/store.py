@@ -390,6 +390,10 @@ class BlockStore:
     def unpin(self, nbytes: int) -> None:
         self.pinned = max(0, self.pinned - nbytes)
 
+    def hold(self, nbytes: int) -> None:
+        """Pin ``nbytes`` even past the capacity: written data admitted before a restart."""
+        self.pinned += nbytes
+
     def would_admit(self, bid: bytes, nbytes: int) -> bool:
         """Whether :meth:`reserve` would cache this block now (it may evict to do so). No side effects."""
         if nbytes > self.capacity:

@@ -44,46 +44,25 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.cache.store import BlockStore
-from epochfs.errors import BackendError, EpochfsError, NoSpace, NotFound, Refused
+from epochfs.errors import EpochfsError, NoSpace, NotFound, Refused
 from epochfs.meta.namespace import NAME_MAX, Dir, File, unsafe_reason
-from epochfs.records import MAX_OBJECT_SIZE, ObjectInfo
+from epochfs.records import MAX_OBJECT_SIZE
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
+from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Overlay, Stored, Tree, parent_of
+from epochfs.writeback.uploads import Publish, Uploads
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[dict[str, ObjectInfo], set[str]], Awaitable[None]]
 
-
-@dataclass
-class WritebackStats:
-    pending_files: int
-    pending_bytes: int
-    oldest_pending_seconds: float
-    uploading: int
-    uploaded_files: int
-    uploaded_bytes: int
-    upload_errors: int
-    deletes_pending: int
-    unpublished: int
-
-
-@dataclass(frozen=True, order=True)
-class Pending:
-    key: str
-    bytes: int
-    state: str  # open for writing, waiting, uploading, retrying, to delete, to publish
 
 
 @dataclass
@@ -111,36 +90,16 @@ class WriteBack:
     PUBLISH_INTERVAL = 2.0
     RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
 
-    def __init__(self, journal: Journal, store: BlockStore, backend: Backend, tree: Tree, *,
+    def __init__(self, journal: Journal, store: Room, backend: Backend, tree: Tree, *,
                  bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
                  publish: Publish, user_quota: int | None = None) -> None:
         self.journal = journal
-        self.store = store
-        self.backend = backend
         self.tree = tree
         self.overlay = tree.overlay = Overlay()
-        self.bandwidth = bandwidth
-        self.concurrency = max(1, concurrency)
-        self.demand_waiting = demand_waiting
-        self.publish = publish
+        self.owed = Owed(store, user_quota=user_quota)
+        self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=bandwidth,
+                               concurrency=concurrency, demand_waiting=demand_waiting, publish=publish)
         self._handles: dict[int, Handle] = {}
-        self._files: dict[str, LocalFile] = {}  # id -> file, every file not yet uploaded
-        self._uploaded: dict[str, ObjectInfo] = {}  # key -> object, not yet published
-        self._deletes: dict[str, float] = {}  # key -> not before (monotonic): to delete in the backend
-        self._deleting: set[str] = set()  # deletes in flight: no upload of those keys starts meanwhile
-        self._deleted: set[str] = set()  # deleted in the backend, not yet published
-        self._retry: dict[str, float] = {}  # file id -> backoff of its failed upload
-        self._not_before: dict[str, float] = {}  # file id -> when to try its upload again (monotonic)
-        self._cancels: dict[str, threading.Event] = {}
-        self._wake = trio.Event()  # replaced on each kick: a waiter takes it before looking for work
-        self._changed = trio.Event()
-        self._publish_now = trio.Event()
-        self._uploaded_files = self._uploaded_bytes = self._errors = 0
-        self.user_quota = user_quota
-        self._owed_by_uid: Counter[int] = Counter()  # uid -> bytes of its files not yet uploaded
-        self._aborts: dict[str, str] = {}  # multipart upload id -> key: to abort in the backend
-        self._uploads_running = 0  # upload threads still running (abandoned ones included)
-        self._uploads_done = threading.Condition()
 
     # -- start-up -------------------------------------------------------------------------------------------
 
@@ -168,28 +127,27 @@ class WriteBack:
                 self.journal.drop_file(rec.id)
                 self.journal.remove_data(rec.id)
                 continue
-            self.store.pinned += rec.size  # owed: pinned even past the capacity (it was admitted before)
-            self._owe(rec.uid, rec.size)
+            self.owed.hold(rec.uid, rec.size)  # owed: pinned even past the capacity (it was admitted before)
             f = LocalFile(self.overlay.new_inode(), rec.key, rec.id, rec.size, rec.mtime_ns, rec.mode, rec.uid,
-                          rec.gid, since=time.monotonic() - self.SETTLE, closed=True, failed=rec.failed)
+                          rec.gid, since=time.monotonic() - self.owed.SETTLE, closed=True, failed=rec.failed)
             self._add_parents(rec.key)
             self.overlay.put(f)
-            self._files[f.id] = f
+            self.owed.files[f.id] = f
         for key, obj in uploaded.items():
             self._add_parents(key)
             self.overlay.put(Stored(self.overlay.new_inode(), key, obj))
-            self._uploaded[key] = obj
+            self.owed.uploaded[key] = obj
         for key in deletes:
             self.overlay.hidden.add(key)
-            self._deletes[key] = 0.0
-        self._aborts = dict(owed.multipart)  # cut off by the crash: nobody will complete them
+            self.owed.deletes[key] = 0.0
+        self.owed.aborts = dict(owed.multipart)  # cut off by the crash: nobody will complete them
         for name in os.listdir(self.journal.data_dir):  # data files no record owns (a crash mid-create)
-            if name not in self._files:
+            if name not in self.owed.files:
                 self.journal.remove_data(name)
-        if files or uploaded or deletes or self._aborts:
+        if files or uploaded or deletes or self.owed.aborts:
             log.info("write-back: %d files to upload, %d uploads to publish, %d deletes, %d unfinished multipart "
-                     "uploads to abort from the journal", len(self._files), len(uploaded), len(deletes),
-                     len(self._aborts))
+                     "uploads to abort from the journal", len(self.owed.files), len(uploaded), len(deletes),
+                     len(self.owed.aborts))
 
     def _add_parents(self, key: str) -> None:
         """Directories of a key that the snapshot does not have yet."""
@@ -213,7 +171,7 @@ class WriteBack:
         f = LocalFile(self.overlay.new_inode() if inode is None else inode, path, uuid.uuid4().hex, 0, time.time_ns(),
                       mode & 0o777, uid, gid)
         os.close(self.journal.open_data(f.id, os.O_RDWR | os.O_CREAT | os.O_EXCL))
-        self._files[f.id] = f
+        self.owed.files[f.id] = f
         self._save(f, closed=False)
         return f
 
@@ -265,22 +223,22 @@ class WriteBack:
         self.overlay.hidden.discard(path)  # (unlinked before: the new file's object will be listed)
         self._add_parents(path)
         self.overlay.put(f)
-        self._touch()
+        self.owed.touch()
 
     def _in_backend(self, path: str) -> bool:
         """Whether the backend holds (or is about to publish) an object under ``path``."""
-        return path in self._uploaded or isinstance(self.tree.namespace.resolve(path), File)
+        return path in self.owed.uploaded or isinstance(self.tree.namespace.resolve(path), File)
 
     def _delete_key(self, path: str) -> None:
         """The object under ``path`` is gone for this mount: hidden now, deleted in the backend next."""
-        self._uploaded.pop(path, None)
+        self.owed.uploaded.pop(path, None)
         self.overlay.hidden.add(path)
         self.journal.put_delete(path)
-        self._deletes[path] = 0.0
-        self._kick()
+        self.owed.deletes[path] = 0.0
+        self.owed.kick()
 
     def _cancel_delete(self, path: str) -> None:
-        if self._deletes.pop(path, None) is not None:
+        if self.owed.deletes.pop(path, None) is not None:
             self.journal.cancel_delete(path)
 
     def _open_handle(self, f: LocalFile, *, writable: bool) -> int:
@@ -288,7 +246,7 @@ class WriteBack:
         if writable:
             f.writers += 1
             f.generation += 1
-            self._cancel_upload(f)
+            self.owed.cancel_upload(f)
         self._handles[fd] = Handle(f, fd, writable)
         return fd
 
@@ -324,26 +282,14 @@ class WriteBack:
 
     def _reserve(self, f: LocalFile, size: int) -> None:
         """Pin ``size`` more bytes for ``f`` (its owner's quota, then the cache), or fail the file."""
-        if self.user_quota is not None and self._owed_by_uid[f.uid] + size > self.user_quota:
-            self._fail(f, "its owner's write-back quota is full")
-            raise Refused(f"{f.path}: user {f.uid} holds {self._owed_by_uid[f.uid]} bytes not yet uploaded "
-                          f"(--writeback-user-quota {self.user_quota})", errno.EDQUOT)
-        if not self.store.pin(size):
-            self._fail(f, "the cache had no room for it")
-            raise NoSpace(f"{f.path}: the cache holds {self.store.pinned} bytes not yet uploaded and has no "
-                          "room for more; they drain as they upload")
-        self._owe(f.uid, size)
+        refused = self.owed.reserve(f, size)
+        if refused is not None:
+            why, error = refused
+            self._fail(f, why)
+            raise error
 
     def _unreserve(self, f: LocalFile, size: int) -> None:
-        if size:
-            self.store.unpin(size)
-            self._owe(f.uid, -size)
-
-    def _owe(self, uid: int, size: int) -> None:
-        """``uid``'s files not yet uploaded grew (or, negative, shrank) by ``size`` bytes."""
-        self._owed_by_uid[uid] += size
-        if self._owed_by_uid[uid] <= 0:
-            del self._owed_by_uid[uid]
+        self.owed.unreserve(f.uid, size)
 
     def _fail(self, f: LocalFile, why: str) -> None:
         """A write of ``f`` failed: it is not a finished file and is never uploaded as it is."""
@@ -351,7 +297,7 @@ class WriteBack:
             log.warning("%s will not be uploaded: %s (write it again from the start, or remove it)", f.path, why)
         f.failed = why
         f.generation += 1
-        self._cancel_upload(f)
+        self.owed.cancel_upload(f)
         try:
             self._save(f, closed=f.closed)
         except EpochfsError as exc:  # (a full disk: the record stays "not closed", dropped at recovery)
@@ -383,7 +329,7 @@ class WriteBack:
             f.failed = ""  # written again from the start: what failed before is gone
         f.size, f.mtime_ns = size, time.time_ns()
         f.generation += 1
-        self._cancel_upload(f)
+        self.owed.cancel_upload(f)
         self._save(f, closed=f.writers == 0)
         f.since = time.monotonic()
 
@@ -402,12 +348,12 @@ class WriteBack:
             raise Refused(f"{node.path}: only files and directories made here can change", errno.EPERM)
         node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
         node.mode = mode & 0o777 if mode is not None else node.mode
-        if uid is not None and uid != node.uid and self._files.get(node.id) is node:
-            self._owe(node.uid, -node.size)  # what it owes moves to its new owner
-            self._owe(uid, node.size)
+        if uid is not None and uid != node.uid and self.owed.files.get(node.id) is node:
+            self.owed.owe(node.uid, -node.size)  # what it owes moves to its new owner
+            self.owed.owe(uid, node.size)
         node.uid = uid if uid is not None else node.uid
         node.gid = gid if gid is not None else node.gid
-        if self._files.get(node.id) is node:
+        if self.owed.files.get(node.id) is node:
             self._save(node, closed=node.closed)
 
     def _save_dir(self, d: LocalDir) -> None:
@@ -438,11 +384,11 @@ class WriteBack:
         if not h.writable:
             return
         f.writers -= 1
-        if f.writers == 0 and self._files.get(f.id) is f:
+        if f.writers == 0 and self.owed.files.get(f.id) is f:
             f.since = time.monotonic()
             self._save(f, closed=True)
             if not f.failed:
-                self._kick()
+                self.owed.kick()
 
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> LocalDir:
         path = _path(parent, name)
@@ -468,7 +414,7 @@ class WriteBack:
             self.overlay.hidden.add(path)
         else:
             self.journal.drop_dir(path)
-        self._touch()
+        self.owed.touch()
 
     def unlink(self, parent: Node, name: bytes) -> None:
         path = _path(parent, name)
@@ -478,7 +424,7 @@ class WriteBack:
         if isinstance(node, (Dir, LocalDir)):
             raise Refused(f"{path} is a directory", errno.EISDIR)
         self._remove_file(path, node)
-        self._touch()
+        self.owed.touch()
 
     def _remove_file(self, path: str, node: Node) -> None:
         """Forget the file at ``path``: its local bytes, and the object in the backend if there is one."""
@@ -489,9 +435,9 @@ class WriteBack:
             self._delete_key(path)
 
     def _drop_local(self, f: LocalFile) -> None:
-        self._cancel_upload(f)
+        self.owed.cancel_upload(f)
         f.generation += 1
-        if self._files.pop(f.id, None) is not None:
+        if self.owed.files.pop(f.id, None) is not None:
             self._unreserve(f, f.size)
         self.journal.remove_data(f.id)  # first: on a full disk, that is what makes room for the commit
         self.journal.drop_file(f.id)  # (open handles keep reading the unlinked data file)
@@ -530,7 +476,7 @@ class WriteBack:
                 self._move(e, dst_path + e.path[len(src_path):])
         else:
             raise Refused(f"{src_path} is already in the backend: it cannot be renamed there", errno.EXDEV)
-        self._touch()
+        self.owed.touch()
 
     def _replaced_by_rename(self, path: str, dst: Node) -> None:
         if isinstance(dst, LocalFile):
@@ -553,298 +499,37 @@ class WriteBack:
             if self._in_backend(old):  # it had replaced an object: that one goes with the old name
                 self._delete_key(old)
             e.generation += 1
-            self._cancel_upload(e)
+            self.owed.cancel_upload(e)
             self._save(e, closed=e.closed)
-            self._kick()
+            self.owed.kick()
         log.debug("renamed %s to %s", old, path)
-
-    def _touch(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def _kick(self) -> None:
-        """Wake the upload and delete workers: there may be work."""
-        self._wake.set()
-        self._wake = trio.Event()
-
-    def _cancel_upload(self, f: LocalFile) -> None:
-        cancel = self._cancels.get(f.id)
-        if cancel is not None:
-            cancel.set()
-
-    # -- uploads, deletes, publishing ----------------------------------------------------------------------
+    # -- the background work, and what is owed ------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            for _ in range(self.concurrency):
-                nursery.start_soon(self._upload_worker)
-            nursery.start_soon(self._delete_worker)
-            nursery.start_soon(self._publisher)
-            task_status.started()
-
-    def _ready(self) -> tuple[LocalFile | None, float]:
-        """The next file to upload (oldest first), or how long until one may be."""
-        now, best, wait = time.monotonic(), None, 3600.0
-        for f in self._files.values():
-            if f.writers or f.uploading or f.failed or f.path in self._deleting:
-                continue
-            at = max(f.since + self.SETTLE, self._not_before.get(f.id, 0.0))
-            if at <= now:
-                if best is None or f.since < best.since:
-                    best = f
-            else:
-                wait = min(wait, at - now)
-        return best, wait
-
-    async def _upload_worker(self) -> None:
-        while True:
-            wake = self._wake
-            f, wait = self._ready()
-            if f is None or self.demand_waiting():  # demand reads go first on the backend link
-                with trio.move_on_after(wait if f is None else 0.01):
-                    await wake.wait()
-                continue
-            await self._upload(f)
-
-    async def _upload(self, f: LocalFile) -> None:
-        f.uploading = True
-        generation, key, size = f.generation, f.path, f.size
-        cancel = self._cancels[f.id] = threading.Event()
-        started: list[str] = []  # multipart upload ids this upload created
-        attributes = {"epochfs-mode": f"{f.mode:04o}", "epochfs-uid": str(f.uid), "epochfs-gid": str(f.gid)}
-
-        def multipart_started(upload_id: str) -> None:  # (an s3transfer thread)
-            started.append(upload_id)
-            self.journal.put_multipart(upload_id, key)
-
-        def upload() -> ObjectInfo:
-            try:
-                fd = self.journal.open_data(f.id, os.O_RDONLY)  # this very file, whatever is at its name later
-                try:
-                    return self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
-                                                    cancelled=cancel, metadata=attributes,
-                                                    multipart_started=multipart_started)
-                finally:
-                    os.close(fd)
-            finally:
-                with self._uploads_done:
-                    self._uploads_running -= 1
-                    self._uploads_done.notify_all()
-
-        with self._uploads_done:
-            self._uploads_running += 1
-        try:
-            try:
-                obj = await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
-            except BaseException:
-                for upload_id in started:  # s3transfer aborts what it cancels; make sure of it
-                    self._aborts[upload_id] = key
-                raise
-            for upload_id in started:
-                self.journal.drop_multipart(upload_id)
-        except BackendError as exc:
-            if not cancel.is_set():
-                self._errors += 1
-                backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * self._retry.get(f.id, 0.5)))
-                self._retry[f.id] = backoff
-                self._not_before[f.id] = time.monotonic() + backoff
-                log.warning("upload of %s failed (%s); retrying in %.0f s", key, exc, backoff)
-            return
-        except OSError as exc:  # the data file itself: gone or replaced by something else
-            self._errors += 1
-            log.warning("upload of %s failed: %s; retrying", key, exc)
-            self._not_before[f.id] = time.monotonic() + self.RETRY_MAX
-            return
-        except Exception:
-            self._errors += 1
-            log.exception("upload of %s failed", key)
-            self._not_before[f.id] = time.monotonic() + self.RETRY_MAX
-            return
-        finally:
-            f.uploading = False
-            self._cancels.pop(f.id, None)
-            if self._aborts:
-                self._kick()
-        self._retry.pop(f.id, None)
-        self._not_before.pop(f.id, None)
-        current = self._files.get(f.id) is f and f.generation == generation and f.path == key
-        if not current:
-            # Renamed, removed or written again while it uploaded: the object under the old key is stale
-            # unless the file (or another one) still owns that key; the file itself is uploaded again.
-            if self.tree.resolve(key) is None or isinstance(self.tree.resolve(key), (Dir, LocalDir)):
-                self.journal.put_delete(key)
-                self._deletes[key] = 0.0
-            self._kick()
-            return
-        obj = obj._replace(mode=f.mode, uid=f.uid, gid=f.gid)  # who may read it stays who could before
-        self.journal.put_uploaded(obj, f.id)
-        self.journal.remove_data(f.id)
-        self._files.pop(f.id, None)
-        self._unreserve(f, size)
-        stored = Stored(f.inode, key, obj)  # the same inode: the kernel's view of it stays valid
-        self.overlay.put(stored)
-        self._uploaded[key] = obj
-        self._deleted.discard(key)  # a delete done before this upload is superseded by it
-        self._uploaded_files += 1
-        self._uploaded_bytes += size
-        self._publish_now.set()
-        self._touch()
-        log.info("uploaded %s (%d bytes)", key, size)
-
-    async def _abort_unfinished(self) -> None:
-        """Abort the multipart uploads nobody will complete (cut off by a crash, failed, cancelled)."""
-        for upload_id, key in list(self._aborts.items()):
-            try:
-                await trio.to_thread.run_sync(self.backend.abort_multipart, key, upload_id, abandon_on_cancel=True)
-            except BackendError as exc:
-                log.warning("abort of an unfinished upload of %s failed (%s); retrying", key, exc)
-                continue
-            self._aborts.pop(upload_id, None)
-            self.journal.drop_multipart(upload_id)
-            log.info("aborted an unfinished multipart upload of %s", key)
-
-    async def _delete_worker(self) -> None:
-        while True:
-            wake = self._wake
-            if self._aborts:
-                await self._abort_unfinished()
-            now = time.monotonic()
-            due = [k for k, at in self._deletes.items() if at <= now]
-            if not due:
-                later = min((at - now for at in self._deletes.values()), default=3600.0)
-                if self._aborts:
-                    later = min(later, self.RETRY_MAX / 4)
-                with trio.move_on_after(later):
-                    await wake.wait()
-                continue
-            for key in due:
-                if key not in self._deletes:
-                    continue  # void meanwhile: a new file took the key
-                self._deleting.add(key)
-                try:
-                    await trio.to_thread.run_sync(self.backend.delete, key, abandon_on_cancel=True)
-                except BackendError as exc:
-                    self._errors += 1
-                    if key in self._deletes:
-                        self._deletes[key] = time.monotonic() + self.RETRY_MAX / 4
-                    log.warning("delete of %s failed (%s); retrying", key, exc)
-                    continue
-                finally:
-                    self._deleting.discard(key)
-                    self._kick()
-                if key in self._deletes:
-                    del self._deletes[key]
-                    self._deleted.add(key)
-                    self._publish_now.set()
-                    self._touch()
-
-    async def _publisher(self) -> None:
-        while True:
-            await self._publish_now.wait()
-            await trio.sleep(self.PUBLISH_INTERVAL)
-            self._publish_now = trio.Event()
-            await self.publish_pending()
+        await self.uploads.run(task_status=task_status)
 
     async def publish_pending(self) -> None:
-        """Publish uploads and deletes to the metadata store; keep them for the next try if it fails."""
-        added, removed = dict(self._uploaded), set(self._deleted)
-        if not added and not removed:
-            return
-        try:
-            await self.publish(added, removed)
-        except EpochfsError as exc:
-            log.warning("could not publish %d uploads and %d deletes (%s); retrying", len(added), len(removed), exc)
-            self._publish_now.set()
-            return
-        self.journal.published(set(added), removed)
-        for key, obj in added.items():
-            if self._uploaded.get(key) is obj:
-                del self._uploaded[key]
-                entry = self.overlay.entries.get(key)
-                if isinstance(entry, Stored) and entry.obj is obj:
-                    self.overlay.remove(key)
-                    self.overlay.by_inode[entry.inode] = entry  # open handles and the kernel may still name it
-        for key in removed:
-            self._deleted.discard(key)
-            if self.tree.namespace.resolve(key) is None:
-                self.overlay.hidden.discard(key)
-        self._touch()
-
-    # -- waiting for uploads ---------------------------------------------------------------------------------
+        await self.uploads.publish_pending()
 
     def pending(self, prefixes: Iterable[str] = ()) -> list[Pending]:
         """What is not yet in the backend (under ``prefixes``, if given), by key."""
-        wanted = [p.strip("/") for p in prefixes]
-
-        def under(key: str) -> bool:
-            return not wanted or any(w == "" or key == w or key.startswith(w + "/") for w in wanted)
-
-        def state(f: LocalFile) -> str:
-            if f.failed:
-                return f"not uploaded: {f.failed}"
-            if f.writers:
-                return "open for writing"
-            if f.uploading:
-                return "uploading"
-            return "retrying" if f.id in self._retry else "waiting"
-
-        out = [Pending(f.path, f.size, state(f)) for f in self._files.values() if under(f.path)]
-        out += [Pending(k, 0, "to delete") for k in self._deletes if under(k)]
-        out += [Pending(k, 0, "to publish") for k in (*self._uploaded, *self._deleted) if under(k)]
-        return sorted(out)
+        return self.owed.pending(prefixes)
 
     async def sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
-        """Wait until nothing under ``prefixes`` is owed to the backend (and what was uploaded is
-        published), at most ``seconds``; what is still pending. Files closed but settling are uploaded
-        at once, and failed ones retried at once (once per request: a caller waiting in rounds retries
-        at the pace of its rounds, not faster)."""
-        for f in self._files.values():
-            self._not_before.pop(f.id, None)
-        with trio.move_on_after(seconds):
-            while any(p.state != "to publish" and not p.state.startswith("not uploaded")
-                      for p in self.pending(prefixes)):
-                changed = self._changed
-                for f in self._files.values():
-                    f.since = min(f.since, time.monotonic() - self.SETTLE)
-                self._kick()
-                await changed.wait()
-            if self._uploaded or self._deleted:
-                await self.publish_pending()
-        return self.pending(prefixes)
+        """See :meth:`Uploads.sync`."""
+        return await self.uploads.sync(prefixes, seconds)
 
     def room(self) -> int:
         """Bytes that may still be written before writers get ENOSPC."""
-        st = self.store
-        return max(0, st.capacity - st.pinned - st.pending)
+        return self.owed.room()
 
     def statistics(self) -> WritebackStats:
-        now = time.monotonic()
-        closed = [f for f in self._files.values() if not f.writers]
-        return WritebackStats(
-            pending_files=len(self._files),
-            pending_bytes=sum(f.size for f in self._files.values()),
-            oldest_pending_seconds=max((now - f.since for f in closed), default=0.0),
-            uploading=sum(f.uploading for f in self._files.values()),
-            uploaded_files=self._uploaded_files,
-            uploaded_bytes=self._uploaded_bytes,
-            upload_errors=self._errors,
-            deletes_pending=len(self._deletes),
-            unpublished=len(self._uploaded) + len(self._deleted),
-        )
+        return self.owed.statistics()
 
     def close(self, wait: float = 5.0) -> None:
-        """Stop: every upload is cancelled (the journal keeps what is owed; a multipart upload cut off is
-        aborted at the next start), and waited for at most ``wait`` seconds."""
-        for cancel in list(self._cancels.values()):
-            cancel.set()
-        deadline = time.monotonic() + wait
-        with self._uploads_done:
-            while self._uploads_running and time.monotonic() < deadline:
-                self._uploads_done.wait(max(0.01, deadline - time.monotonic()))
-            if self._uploads_running:
-                log.warning("%d uploads still running at shutdown; they resume at the next start",
-                            self._uploads_running)
+        """Stop: every upload is cancelled and waited for at most ``wait`` seconds (the journal keeps what
+        is owed); the handles still open are closed."""
+        self.uploads.close(wait)
         for fh in list(self._handles):  # (a writer cut off by the shutdown has not finished its file)
             os.close(fh)
         self._handles.clear()
-

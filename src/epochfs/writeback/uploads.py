@@ -1,0 +1,266 @@
+"""The background half of write-back: upload and delete workers, and the publisher.
+
+Files closed and settled are uploaded under their final key (whole, multipart and parallel for large
+files, capped by ``--upload-bandwidth``, started only while no demand read waits for the backend); a
+file changed, renamed or removed while it uploads has its upload cancelled, or, if the upload finished
+first, the stale object deleted. A failed upload or delete is retried with backoff. Uploaded objects and
+deletes are published to the metadata store every ``PUBLISH_INTERVAL`` seconds. What is owed, and when
+it changes, is :class:`~epochfs.writeback.owed.Owed`'s; the uploads and deletes themselves run in
+worker threads and touch no state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from epochfs.backend.base import Backend
+from epochfs.errors import BackendError, EpochfsError
+from epochfs.meta.namespace import Dir
+from epochfs.records import ObjectInfo
+from epochfs.writeback.journal import Journal
+from epochfs.writeback.owed import Owed, Pending
+from epochfs.writeback.tree import LocalDir, LocalFile, Overlay, Stored, Tree
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[dict[str, ObjectInfo], set[str]], Awaitable[None]]
+
+
+class Uploads:
+    PUBLISH_INTERVAL = 2.0
+    RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
+
+    def __init__(self, owed: Owed, journal: Journal, backend: Backend, tree: Tree, overlay: Overlay, *,
+                 bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
+                 publish: Publish) -> None:
+        self.owed = owed
+        self.journal = journal
+        self.backend = backend
+        self.tree = tree
+        self.overlay = overlay
+        self.bandwidth = bandwidth
+        self.concurrency = max(1, concurrency)
+        self.demand_waiting = demand_waiting
+        self.publish = publish
+        self._uploads_running = 0  # upload threads still running (abandoned ones included)
+        self._uploads_done = threading.Condition()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.concurrency):
+                nursery.start_soon(self._upload_worker)
+            nursery.start_soon(self._delete_worker)
+            nursery.start_soon(self._publisher)
+            task_status.started()
+
+    async def _upload_worker(self) -> None:
+        while True:
+            wake = self.owed.wake
+            f, wait = self.owed.ready()
+            if f is None or self.demand_waiting():  # demand reads go first on the backend link
+                with trio.move_on_after(wait if f is None else 0.01):
+                    await wake.wait()
+                continue
+            await self._upload(f)
+
+    async def _upload(self, f: LocalFile) -> None:
+        f.uploading = True
+        generation, key, size = f.generation, f.path, f.size
+        cancel = self.owed.cancels[f.id] = threading.Event()
+        started: list[str] = []  # multipart upload ids this upload created
+        attributes = {"epochfs-mode": f"{f.mode:04o}", "epochfs-uid": str(f.uid), "epochfs-gid": str(f.gid)}
+
+        def multipart_started(upload_id: str) -> None:  # (an s3transfer thread)
+            started.append(upload_id)
+            self.journal.put_multipart(upload_id, key)
+
+        def upload() -> ObjectInfo:
+            try:
+                fd = self.journal.open_data(f.id, os.O_RDONLY)  # this very file, whatever is at its name later
+                try:
+                    return self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
+                                                    cancelled=cancel, metadata=attributes,
+                                                    multipart_started=multipart_started)
+                finally:
+                    os.close(fd)
+            finally:
+                with self._uploads_done:
+                    self._uploads_running -= 1
+                    self._uploads_done.notify_all()
+
+        with self._uploads_done:
+            self._uploads_running += 1
+        try:
+            try:
+                obj = await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
+            except BaseException:
+                for upload_id in started:  # s3transfer aborts what it cancels; make sure of it
+                    self.owed.aborts[upload_id] = key
+                raise
+            for upload_id in started:
+                self.journal.drop_multipart(upload_id)
+        except BackendError as exc:
+            if not cancel.is_set():
+                self.owed.errors += 1
+                backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * self.owed.retry.get(f.id, 0.5)))
+                self.owed.retry[f.id] = backoff
+                self.owed.not_before[f.id] = time.monotonic() + backoff
+                log.warning("upload of %s failed (%s); retrying in %.0f s", key, exc, backoff)
+            return
+        except OSError as exc:  # the data file itself: gone or replaced by something else
+            self.owed.errors += 1
+            log.warning("upload of %s failed: %s; retrying", key, exc)
+            self.owed.not_before[f.id] = time.monotonic() + self.RETRY_MAX
+            return
+        except Exception:
+            self.owed.errors += 1
+            log.exception("upload of %s failed", key)
+            self.owed.not_before[f.id] = time.monotonic() + self.RETRY_MAX
+            return
+        finally:
+            f.uploading = False
+            self.owed.cancels.pop(f.id, None)
+            if self.owed.aborts:
+                self.owed.kick()
+        self.owed.retry.pop(f.id, None)
+        self.owed.not_before.pop(f.id, None)
+        current = self.owed.files.get(f.id) is f and f.generation == generation and f.path == key
+        if not current:
+            # Renamed, removed or written again while it uploaded: the object under the old key is stale
+            # unless the file (or another one) still owns that key; the file itself is uploaded again.
+            if self.tree.resolve(key) is None or isinstance(self.tree.resolve(key), (Dir, LocalDir)):
+                self.journal.put_delete(key)
+                self.owed.deletes[key] = 0.0
+            self.owed.kick()
+            return
+        obj = obj._replace(mode=f.mode, uid=f.uid, gid=f.gid)  # who may read it stays who could before
+        self.journal.put_uploaded(obj, f.id)
+        self.journal.remove_data(f.id)
+        self.owed.files.pop(f.id, None)
+        self.owed.unreserve(f.uid, size)
+        stored = Stored(f.inode, key, obj)  # the same inode: the kernel's view of it stays valid
+        self.overlay.put(stored)
+        self.owed.uploaded[key] = obj
+        self.owed.deleted.discard(key)  # a delete done before this upload is superseded by it
+        self.owed.uploaded_files += 1
+        self.owed.uploaded_bytes += size
+        self.owed.publish_now.set()
+        self.owed.touch()
+        log.info("uploaded %s (%d bytes)", key, size)
+
+    async def _abort_unfinished(self) -> None:
+        """Abort the multipart uploads nobody will complete (cut off by a crash, failed, cancelled)."""
+        for upload_id, key in list(self.owed.aborts.items()):
+            try:
+                await trio.to_thread.run_sync(self.backend.abort_multipart, key, upload_id, abandon_on_cancel=True)
+            except BackendError as exc:
+                log.warning("abort of an unfinished upload of %s failed (%s); retrying", key, exc)
+                continue
+            self.owed.aborts.pop(upload_id, None)
+            self.journal.drop_multipart(upload_id)
+            log.info("aborted an unfinished multipart upload of %s", key)
+
+    async def _delete_worker(self) -> None:
+        while True:
+            wake = self.owed.wake
+            if self.owed.aborts:
+                await self._abort_unfinished()
+            now = time.monotonic()
+            due = [k for k, at in self.owed.deletes.items() if at <= now]
+            if not due:
+                later = min((at - now for at in self.owed.deletes.values()), default=3600.0)
+                if self.owed.aborts:
+                    later = min(later, self.RETRY_MAX / 4)
+                with trio.move_on_after(later):
+                    await wake.wait()
+                continue
+            for key in due:
+                if key not in self.owed.deletes:
+                    continue  # void meanwhile: a new file took the key
+                self.owed.deleting.add(key)
+                try:
+                    await trio.to_thread.run_sync(self.backend.delete, key, abandon_on_cancel=True)
+                except BackendError as exc:
+                    self.owed.errors += 1
+                    if key in self.owed.deletes:
+                        self.owed.deletes[key] = time.monotonic() + self.RETRY_MAX / 4
+                    log.warning("delete of %s failed (%s); retrying", key, exc)
+                    continue
+                finally:
+                    self.owed.deleting.discard(key)
+                    self.owed.kick()
+                if key in self.owed.deletes:
+                    del self.owed.deletes[key]
+                    self.owed.deleted.add(key)
+                    self.owed.publish_now.set()
+                    self.owed.touch()
+
+    async def _publisher(self) -> None:
+        while True:
+            await self.owed.publish_now.wait()
+            await trio.sleep(self.PUBLISH_INTERVAL)
+            self.owed.publish_now = trio.Event()
+            await self.publish_pending()
+
+    async def publish_pending(self) -> None:
+        """Publish uploads and deletes to the metadata store; keep them for the next try if it fails."""
+        added, removed = dict(self.owed.uploaded), set(self.owed.deleted)
+        if not added and not removed:
+            return
+        try:
+            await self.publish(added, removed)
+        except EpochfsError as exc:
+            log.warning("could not publish %d uploads and %d deletes (%s); retrying", len(added), len(removed), exc)
+            self.owed.publish_now.set()
+            return
+        self.journal.published(set(added), removed)
+        for key, obj in added.items():
+            if self.owed.uploaded.get(key) is obj:
+                del self.owed.uploaded[key]
+                entry = self.overlay.entries.get(key)
+                if isinstance(entry, Stored) and entry.obj is obj:
+                    self.overlay.remove(key)
+                    self.overlay.by_inode[entry.inode] = entry  # open handles and the kernel may still name it
+        for key in removed:
+            self.owed.deleted.discard(key)
+            if self.tree.namespace.resolve(key) is None:
+                self.overlay.hidden.discard(key)
+        self.owed.touch()
+
+    async def sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
+        """Wait until nothing under ``prefixes`` is owed to the backend (and what was uploaded is
+        published), at most ``seconds``; what is still pending. Files closed but settling are uploaded
+        at once, and failed ones retried at once (once per request: a caller waiting in rounds retries
+        at the pace of its rounds, not faster)."""
+        for f in self.owed.files.values():
+            self.owed.not_before.pop(f.id, None)
+        with trio.move_on_after(seconds):
+            while any(p.state != "to publish" and not p.state.startswith("not uploaded")
+                      for p in self.owed.pending(prefixes)):
+                changed = self.owed.changed
+                for f in self.owed.files.values():
+                    f.since = min(f.since, time.monotonic() - self.owed.SETTLE)
+                self.owed.kick()
+                await changed.wait()
+            if self.owed.uploaded or self.owed.deleted:
+                await self.publish_pending()
+        return self.owed.pending(prefixes)
+
+    def close(self, wait: float = 5.0) -> None:
+        """Stop: every upload is cancelled (the journal keeps what is owed; a multipart upload cut off is
+        aborted at the next start), and waited for at most ``wait`` seconds."""
+        for cancel in list(self.owed.cancels.values()):
+            cancel.set()
+        deadline = time.monotonic() + wait
+        with self._uploads_done:
+            while self._uploads_running and time.monotonic() < deadline:
+                self._uploads_done.wait(max(0.01, deadline - time.monotonic()))
+            if self._uploads_running:
+                log.warning("%d uploads still running at shutdown; they resume at the next start",
+                            self._uploads_running)
