@@ -245,3 +245,23 @@ def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked):
             assert not stopped and bytes(answer.body) == pattern("x", 0, 0, size)
     finally:
         server.shutdown()
+
+
+def test_the_upload_bandwidth_cap_holds_for_concurrent_uploads_in_total(s3, fresh_bucket, s3_env, tmp_path):
+    """--upload-bandwidth with --upload-concurrency 2: two uploads at once share the cap (a bound from
+    below: however slow the machine, capped uploads cannot finish sooner)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = s3_backend(s3, fresh_bucket, "up")
+    size, cap = 3 << 20, 4 << 20  # two files of 3 MiB at 4 MiB/s in total: at least 1.5 s
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * size)
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        objs = list(pool.map(lambda i: backend.upload_file(str(paths[i]), f"f{i}", bandwidth=cap), range(2)))
+    elapsed = time.monotonic() - started
+    assert [o.size for o in objs] == [size, size]
+    assert elapsed >= 0.8 * 2 * size / cap, f"{2 * size} bytes in {elapsed:.2f} s: over the {cap} B/s cap"
+    assert backend.read_range("f1", objs[1].etag, size - 5, 5) == b"\x01" * 5

@@ -96,6 +96,7 @@ class S3Backend(Backend):
         self._upload_client: Any = None
         self._watch_lock = threading.Lock()
         self._multipart_watchers: dict[str, list[Callable[[str], None]]] = {}  # full key -> callbacks
+        self._limiters: dict[int, Any] = {}  # bytes/s -> the upload bandwidth limiter shared at that cap
         verify = self._client._endpoint.http_session._verify  # the client's TLS setting (AWS_CA_BUNDLE, ...)
         self._cainfo = botocore.httpsession.get_cert_path(True) if verify is True else verify
         self._local = threading.local()  # each worker thread's curl handle (and so its connection)
@@ -239,6 +240,10 @@ class S3Backend(Backend):
             max_bandwidth=int(bandwidth) if bandwidth else None)
         try:
             with boto3.s3.transfer.create_transfer_manager(self._uploader(), config) as manager:
+                if bandwidth and hasattr(manager, "_bandwidth_limiter"):
+                    # One bucket of tokens for every upload of this backend: --upload-bandwidth caps them
+                    # in total, not each of the --upload-concurrency uploads.
+                    manager._bandwidth_limiter = self._limiter(bandwidth)
                 future = manager.upload(path, self.bucket, self.prefix + key,
                                         extra_args={"Metadata": metadata} if metadata else None)
                 while not future.done():
@@ -257,6 +262,16 @@ class S3Backend(Backend):
             raise self._denied_or_unavailable(f"upload of {key}", exc) from None
         self._stats.record("put", "ok")
         return info
+
+    def _limiter(self, bandwidth: float) -> Any:
+        """The bandwidth limiter shared by the uploads capped at ``bandwidth`` bytes/s."""
+        from s3transfer.bandwidth import BandwidthLimiter, LeakyBucket
+
+        with self._watch_lock:
+            limiter = self._limiters.get(int(bandwidth))
+            if limiter is None:
+                limiter = self._limiters[int(bandwidth)] = BandwidthLimiter(LeakyBucket(int(bandwidth)))
+            return limiter
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:

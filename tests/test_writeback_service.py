@@ -1,0 +1,273 @@
+"""Write-back driven directly, without a mount: the POSIX edits of :class:`WriteBack` and its background
+uploads against an in-memory backend, the way the FUSE adapter calls them (S3QL's idea of testing the
+file system's operations below the kernel). What the kernel adds is tested on real mounts in
+``test_writeback.py``."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+
+import pytest
+import trio
+
+from epochfs.backend.base import Backend, BackendStats
+from epochfs.errors import BackendUnavailable, NoSpace, Refused
+from epochfs.meta.base import merged
+from epochfs.meta.namespace import Namespace
+from epochfs.private import private_dir
+from epochfs.records import ObjectInfo
+from epochfs.writeback.journal import Journal
+from epochfs.writeback.service import WriteBack
+from epochfs.writeback.tree import Tree
+
+UID, GID = 1000, 1000
+
+
+class Room:
+    """The block store's side of write-back: room for pinned bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.pending, self.pinned = capacity, 0, 0
+
+    def pin(self, nbytes: int) -> bool:
+        if self.pinned + nbytes > self.capacity:
+            return False
+        self.pinned += nbytes
+        return True
+
+    def unpin(self, nbytes: int) -> None:
+        self.pinned = max(0, self.pinned - nbytes)
+
+    def hold(self, nbytes: int) -> None:
+        self.pinned += nbytes
+
+
+class Bucket(Backend):
+    """Uploads and deletes kept in memory; ``fail`` makes the next uploads fail."""
+
+    source_id = "mem://bucket/"
+    writable = True
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, dict[str, str]]] = {}
+        self.deleted: list[str] = []
+        self.fail = 0
+        self._lock = threading.Lock()
+
+    def list_objects(self):
+        return iter(())
+
+    def read_range(self, key, etag, start, length):
+        return self.objects[key][0][start:start + length]
+
+    def statistics(self):
+        return BackendStats()
+
+    def upload_file(self, path, key, *, bandwidth=None, cancelled=None, metadata=None, multipart_started=None):
+        with open(path, "rb") as f:
+            data = f.read()
+        with self._lock:
+            if self.fail:
+                self.fail -= 1
+                raise BackendUnavailable("the endpoint is down")
+            self.objects[key] = (data, dict(metadata or {}))
+        return ObjectInfo(key, len(data), 0, f'"{hashlib.md5(data).hexdigest()}"')
+
+    def delete(self, key):
+        with self._lock:
+            self.objects.pop(key, None)
+            self.deleted.append(key)
+
+    def abort_multipart(self, key, upload_id):
+        pass
+
+
+def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
+    """Run ``fn(wb, bucket, room, published)`` against a write-back service with its workers running."""
+    cache = private_dir(tmp_path / "cache")
+    journal = Journal(cache)
+    bucket, room, published = Bucket(), Room(capacity), []
+    tree = Tree(Namespace.build(list(objects)))
+
+    async def publish(added, removed):  # as the snapshots do: a new version, the namespace rebuilt from it
+        published.append((dict(added), set(removed)))
+        current = [f.obj for f in tree.namespace.files()]
+        tree.namespace = Namespace.build(merged(current, added, removed), previous=tree.namespace)
+
+    wb = WriteBack(journal, room, bucket, tree, bandwidth=None, concurrency=2, demand_waiting=lambda: False,
+                   publish=publish, user_quota=quota)
+    wb.recover()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(wb.run)
+            result = await fn(wb, bucket, room, published)
+            nursery.cancel_scope.cancel()
+        return result
+
+    try:
+        return trio.run(main)
+    finally:
+        wb.close()
+        journal.close()
+
+
+def root(wb: WriteBack):
+    return wb.node(1)
+
+
+def test_a_written_file_is_uploaded_whole_published_and_unpinned(tmp_path):
+    expected = b"".join(bytes([off % 251]) * min(70_001, 300_000 - off) for off in range(0, 300_000, 70_001))
+
+    async def fn(wb, bucket, room, published):
+        fh, _ = wb.create(root(wb), b"ckpt.pt", 0o640, UID, GID)
+        for off in range(0, 300_000, 70_001):  # odd sizes
+            wb.write(fh, off, bytes([off % 251]) * min(70_001, 300_000 - off))
+        during = room.pinned, wb.room()
+        wb.flush(fh)
+        wb.release(fh)
+        left = await wb.sync([], 10)
+        return during, left, wb.tree.resolve("ckpt.pt"), room.pinned, wb.statistics(), bucket.objects, published
+
+    during, left, node, pinned, stats, objects, published = run_writeback(tmp_path, fn)
+    assert during == (300_000, (1 << 30) - 300_000)  # pinned while owed: never evicted
+    assert left == [] and objects["ckpt.pt"][0] == expected
+    assert node.obj.mode == 0o640 and node.obj.uid == UID  # published: an object of the snapshot, owner kept
+    assert pinned == 0 and stats.pending_files == 0 and stats.uploaded_files == 1 and stats.uploaded_bytes == 300_000
+    assert published and published[-1][0]["ckpt.pt"].size == 300_000
+
+
+def test_the_object_holds_exactly_what_was_written_and_who_may_read_it(tmp_path):
+    data = os.urandom(123_457)
+
+    async def fn(wb, bucket, room, published):
+        fh, _ = wb.create(root(wb), b"a.bin", 0o600, UID, GID)
+        wb.write(fh, 0, data[:50_000])
+        wb.write(fh, 50_000, data[50_000:])
+        wb.release(fh)
+        await wb.sync([], 10)
+        return bucket.objects["a.bin"], published
+
+    (body, meta), published = run_writeback(tmp_path, fn)
+    assert body == data
+    assert meta == {"epochfs-mode": "0600", "epochfs-uid": str(UID), "epochfs-gid": str(GID)}  # private stays so
+    assert published and "a.bin" in published[-1][0]
+
+
+def test_a_file_with_a_second_writable_handle_is_not_uploaded_until_the_last_release(tmp_path):
+    """A writer that forked (or dup'ed) shares the description: the first release is not the end."""
+    async def fn(wb, bucket, room, published):
+        fh, f = wb.create(root(wb), b"forked.pt", 0o644, UID, GID)
+        second = wb.open(f, os.O_WRONLY)
+        wb.write(fh, 0, b"x" * 1000)
+        wb.flush(fh)
+        wb.release(fh)
+        left = await wb.sync([], 1.5)
+        seen = dict(bucket.objects)
+        wb.write(second, 1000, b"y" * 1000)
+        wb.release(second)
+        await wb.sync([], 10)
+        return left, seen, bucket.objects
+
+    left, seen, objects = run_writeback(tmp_path, fn)
+    assert [p.state for p in left] == ["open for writing"] and seen == {}
+    assert objects["forked.pt"][0] == b"x" * 1000 + b"y" * 1000
+
+
+def test_a_full_quota_fails_the_file_and_it_is_never_uploaded(tmp_path):
+    async def fn(wb, bucket, room, published):
+        fh, f = wb.create(root(wb), b"big.pt", 0o644, UID, GID)
+        wb.write(fh, 0, b"a" * 4000)
+        with pytest.raises(Refused) as refused:
+            wb.write(fh, 4000, b"b" * 4000)
+        wb.release(fh)
+        left = await wb.sync([], 2)
+        fh2, _ = wb.create(root(wb), b"other.pt", 0o644, UID + 1, GID)  # another owner has a quota of its own
+        wb.write(fh2, 0, b"c" * 4000)
+        wb.release(fh2)
+        await wb.sync(["other.pt"], 10)
+        return refused.value, left, bucket.objects, room.pinned
+
+    error, left, objects, pinned = run_writeback(tmp_path, fn, quota=5000)
+    assert error.code == errno.EDQUOT
+    assert [(p.key, p.state) for p in left] == [("big.pt", "not uploaded: its owner's write-back quota is full")]
+    assert set(objects) == {"other.pt"} and pinned == 4000  # the failed file keeps its bytes here
+
+
+def test_no_room_in_the_cache_is_enospc(tmp_path):
+    async def fn(wb, bucket, room, published):
+        fh, _ = wb.create(root(wb), b"huge.pt", 0o644, UID, GID)
+        with pytest.raises(NoSpace):
+            wb.write(fh, 0, b"z" * 20_000)
+        wb.release(fh)
+        return room.pinned, wb.pending()
+
+    pinned, pending = run_writeback(tmp_path, fn, capacity=10_000)
+    assert pinned == 0 and pending[0].state.startswith("not uploaded: the cache had no room")
+
+
+def test_a_file_renamed_before_its_upload_is_uploaded_under_its_new_name_only(tmp_path):
+    async def fn(wb, bucket, room, published):
+        fh, _ = wb.create(root(wb), b"ckpt.tmp", 0o644, UID, GID)
+        wb.write(fh, 0, b"weights")
+        wb.release(fh)
+        wb.rename(root(wb), b"ckpt.tmp", root(wb), b"ckpt.pt", 0)
+        await wb.sync([], 10)
+        return bucket.objects, wb.tree.resolve("ckpt.tmp")
+
+    objects, old = run_writeback(tmp_path, fn)
+    assert set(objects) == {"ckpt.pt"} and objects["ckpt.pt"][0] == b"weights" and old is None
+
+
+def test_a_failed_upload_is_retried_and_nothing_is_lost(tmp_path):
+    async def fn(wb, bucket, room, published):
+        bucket.fail = 1
+        fh, _ = wb.create(root(wb), b"retry.pt", 0o644, UID, GID)
+        wb.write(fh, 0, b"r" * 5000)
+        wb.release(fh)
+        with trio.move_on_after(0.5):
+            await wb.sync([], 0.5)
+        first = [p.state for p in wb.pending()]
+        await wb.sync([], 10)
+        return first, bucket.objects, wb.statistics()
+
+    first, objects, stats = run_writeback(tmp_path, fn)
+    assert first in (["retrying"], ["uploading"])
+    assert objects["retry.pt"][0] == b"r" * 5000 and stats.upload_errors == 1
+
+
+def test_removing_an_object_deletes_it_in_the_backend_and_publishes_the_delete(tmp_path):
+    old = ObjectInfo("old/ckpt.pt", 10, 0, '"e"')
+
+    async def fn(wb, bucket, room, published):
+        wb.unlink(wb.tree.resolve("old"), b"ckpt.pt")
+        assert wb.tree.resolve("old/ckpt.pt") is None  # gone for this mount at once
+        await wb.sync([], 10)
+        return bucket.deleted, published
+
+    deleted, published = run_writeback(tmp_path, fn, objects=[old])
+    assert deleted == ["old/ckpt.pt"] and any("old/ckpt.pt" in removed for _, removed in published)
+
+
+def test_what_the_journal_owes_is_taken_up_after_a_restart(tmp_path):
+    async def write(wb, bucket, room, published):  # then the service stops before any upload starts
+        fh, _ = wb.create(root(wb), b"closed.pt", 0o644, UID, GID)
+        wb.write(fh, 0, b"c" * 3000)
+        wb.release(fh)
+        fh2, _ = wb.create(root(wb), b"open.pt", 0o644, UID, GID)  # its writer is cut off by the stop
+        wb.write(fh2, 0, b"o" * 3000)
+        return dict(bucket.objects)
+
+    assert run_writeback(tmp_path, write) == {}
+
+    async def after(wb, bucket, room, published):
+        pinned = room.pinned
+        await wb.sync([], 10)
+        return pinned, bucket.objects, wb.tree.resolve("open.pt")
+
+    pinned, objects, dropped = run_writeback(tmp_path, after)
+    assert pinned == 3000 and set(objects) == {"closed.pt"} and objects["closed.pt"][0] == b"c" * 3000
+    assert dropped is None  # never uploaded half-written
