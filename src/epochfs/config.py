@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from epochfs.backend.base import DEFAULT_ATTEMPTS, DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT
 from epochfs.cache import policies
 from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from epochfs.errors import ConfigError
+from epochfs.prefetch.plan import DEFAULT_LEAD
 from epochfs.records import Source
 
 _SIZE_UNITS = {
@@ -107,12 +109,13 @@ class Config:
     profile: str | None = option(
         None, "object store", "AWS profile whose credentials to use (default: the standard chain: environment, "
         "AWS_PROFILE, ~/.aws/credentials, instance role)", metavar="NAME", parse=str, example='"training"')
-    backend_concurrency: int = option(16, "object store", "parallel backend requests", metavar="N", parse=int)
+    backend_concurrency: int = option(DEFAULT_CONCURRENCY, "object store", "parallel backend requests", metavar="N",
+                                      parse=int)
     backend_timeout: float = option(
-        30.0, "object store", "deadline of one block fetch, retries and the whole body included; past it the "
+        DEFAULT_TIMEOUT, "object store", "deadline of one block fetch, retries and the whole body included; past it the "
         "reader gets EIO", metavar="SECONDS", parse=float)
-    backend_attempts: int = option(5, "object store", "attempts per request before giving up", metavar="N",
-                                   parse=int)
+    backend_attempts: int = option(DEFAULT_ATTEMPTS, "object store", "attempts per request before giving up",
+                                   metavar="N", parse=int)
     backend_bandwidth: float | None = option(
         None, "object store", "capacity of the link to the backend, e.g. 10Gbit, for the utilisation metric "
         "and its alert", metavar="RATE", parse=lambda t: parse_rate(t), example='"10Gbit"')
@@ -143,7 +146,7 @@ class Config:
         None, "prefetch", "cap on prefetch traffic, e.g. 400MB or 2Gbit (per second)", metavar="RATE",
         parse=lambda t: parse_rate(t), example='"4Gbit"')
     prefetch_lead: float = option(
-        2.0, "prefetch", "how many seconds of reading the prefetch window covers, at most a quarter of the cache",
+        DEFAULT_LEAD, "prefetch", "how many seconds of reading the prefetch window covers, at most a quarter of the cache",
         metavar="SECONDS", parse=float)
     # -- write-back
     writeback: bool = option(

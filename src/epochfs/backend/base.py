@@ -60,6 +60,10 @@ def servable(objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
         yield obj
 
 
+#: The defaults of a backend's settings (the one source: the mount options take them from here).
+DEFAULT_TIMEOUT, DEFAULT_ATTEMPTS, DEFAULT_CONCURRENCY = 30.0, 5, 16
+
+
 @dataclass(frozen=True)
 class BackendSettings:
     """What a backend needs to know, and nothing of the mount around it."""
@@ -67,9 +71,9 @@ class BackendSettings:
     source: Source
     endpoint_url: str | None = None  # an S3-compatible endpoint (path-style addressing)
     region: str | None = None
-    timeout: float = 30.0  # deadline of one block fetch, retries and body included
-    attempts: int = 5  # attempts per request
-    concurrency: int = 16  # parallel requests the caller will make (sizes the connection pool)
+    timeout: float = DEFAULT_TIMEOUT  # deadline of one block fetch, retries and body included
+    attempts: int = DEFAULT_ATTEMPTS  # attempts per request
+    concurrency: int = DEFAULT_CONCURRENCY  # parallel requests the caller will make (sizes the connection pool)
     profile: str | None = None  # a profile of the AWS configuration (default: the standard chain)
 
 

@@ -20,6 +20,10 @@ class PlanFile:
     segment: int  # which hand-over it came from (consecutive files of one manifest share it)
 
 
+#: Seconds of reading the prefetch window covers at most, by default (the scheduler's and the mount
+#: option's one source).
+DEFAULT_LEAD = 2.0
+
 #: Most blocks one plan (the epochs handed over and not yet read) may hold: about 1 GiB of daemon
 #: memory, 32 TiB of reading at the default block size. A larger hand-over is refused.
 MAX_PLAN_BLOCKS = 1 << 23

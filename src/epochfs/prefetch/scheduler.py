@@ -50,7 +50,7 @@ import trio
 
 from epochfs.cache.keys import file_blocks
 from epochfs.cache.service import BlockCache, Fetch
-from epochfs.prefetch.plan import Plan
+from epochfs.prefetch.plan import DEFAULT_LEAD, Plan
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Prefetcher:
     LATENCY_LEADS = 20  # the lead in fetch latencies: a fast backend needs little lead
 
     def __init__(self, cache: BlockCache, *, capacity: int, max_inflight: int,
-                 bandwidth: float | None = None, lead: float = 2.0) -> None:
+                 bandwidth: float | None = None, lead: float = DEFAULT_LEAD) -> None:
         self.cache = cache
         self.policy = cache.policy
         self.capacity = capacity
