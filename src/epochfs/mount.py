@@ -12,6 +12,7 @@ lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`ep
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -172,24 +173,28 @@ class Daemon:
         self.config = config
         # A malformed address fails before the cache is locked.
         metrics_addr = parse_addr(config.metrics_addr or DEFAULT_ADDR)
+        with contextlib.ExitStack() as opened:  # a part that fails to open closes those opened before it
+            self._open(config, metrics_addr, opened)
+            self._opened = opened.pop_all()
+
+    def _open(self, config: Config, metrics_addr: tuple[str, int] | None, opened: contextlib.ExitStack) -> None:
         self.backend = open_backend(BackendSettings(
             config.source, endpoint_url=config.endpoint_url, region=config.region, timeout=config.backend_timeout,
             attempts=config.backend_attempts, concurrency=config.backend_concurrency, profile=config.profile))
+        opened.callback(self.backend.close)
         self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio,
                                 make_policy(config.eviction))
         self.store.open()
-        meta = None
-        try:
-            meta = open_meta(config.meta, config.cache_dir, config.meta_name)
+        opened.callback(self.store.close)
+        meta = open_meta(config.meta, config.cache_dir, config.meta_name)
+        with contextlib.ExitStack() as loading:
+            loading.callback(meta.close)
             self.snapshots = Snapshots(meta, SnapshotSettings(
                 source_id=self.backend.source_id, cache_dir=config.cache_dir, refresh=config.refresh,
                 ttl=config.snapshot_ttl, poll=config.meta_poll, name=config.meta_name,
-            ), self.backend.list_objects)
-        except BaseException:
-            if meta is not None:
-                meta.close()
-            self.store.close()
-            raise
+            ), self.backend.list_objects, on_switch=self._switch)
+            loading.pop_all()  # the snapshots own the store now
+        opened.callback(self.snapshots.close)
         self.journal: Journal | None = None
         self.writeback: WriteBack | None = None
         self.peer: PeerTier | None = None
@@ -210,7 +215,7 @@ class Daemon:
         self.cache.observer = self.prefetcher
         self.tree = Tree(self.snapshots.namespace)
         if config.writeback:
-            self._open_writeback()
+            self._open_writeback(opened)
         self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint), node=config.node_name(),
                                      fallback=config.metrics_addr is None,
                                      targets=config.targets_dir()) if metrics_addr else None
@@ -237,42 +242,35 @@ class Daemon:
         )
         if config.push_ahead:
             self.cache.pusher = Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead)
-        self.snapshots.on_switch = self._switch
         self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
 
     def _open_peer(self) -> None:
         """The cluster cache tier: membership in the shared store, the peer port, the block source."""
         config = self.config
         assert config.peer_listen is not None and config.peer_token_file is not None
-        try:
-            keys = Keys(load_token(config.peer_token_file))
-            host, port = split_addr(config.peer_listen, any_port=True) or ("", 0)
-            client = PeerClient(keys, config.peer_timeout)
-            members = Membership(self.snapshots.store, self.backend.source_id,
-                                 config.peer_advertise or config.peer_listen,
-                                 prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)))
-            self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache,
-                                 namespace=lambda: self.snapshots.namespace)
-            self.peer_server = self.peer.server = PeerServer(host, port, keys, lambda: members.me, self.peer.serve)
-        except BaseException:
-            self.close()
-            raise
+        keys = Keys(load_token(config.peer_token_file))
+        host, port = split_addr(config.peer_listen, any_port=True) or ("", 0)
+        client = PeerClient(keys, config.peer_timeout)
+        members = Membership(self.snapshots.store, self.backend.source_id,
+                             config.peer_advertise or config.peer_listen,
+                             prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)))
+        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache,
+                             namespace=lambda: self.snapshots.namespace)
+        self.peer_server = self.peer.server = PeerServer(host, port, keys, lambda: members.me, self.peer.serve)
 
-    def _open_writeback(self) -> None:
+    def _open_writeback(self, opened: contextlib.ExitStack) -> None:
         """The write-back journal and service; what an earlier run left owed is taken up before the mount
         answers."""
         if not self.backend.writable:
             raise ConfigError(f"--writeback: {self.config.source.url} cannot be written")
-        try:
-            self.journal = Journal(self.config.cache_dir)
-            self.writeback = WriteBack(
-                self.journal, self.store, self.backend, self.tree, bandwidth=self.config.upload_bandwidth,
-                concurrency=self.config.upload_concurrency, demand_waiting=self.cache.demand_waiting,
-                publish=self.snapshots.apply, user_quota=self.config.writeback_user_quota)
-            self.writeback.recover()
-        except BaseException:
-            self.close()
-            raise
+        self.journal = Journal(self.config.cache_dir)
+        opened.callback(self.journal.close)
+        self.writeback = WriteBack(
+            self.journal, self.store, self.backend, self.tree, bandwidth=self.config.upload_bandwidth,
+            concurrency=self.config.upload_concurrency, demand_waiting=self.cache.demand_waiting,
+            publish=self.snapshots.apply, user_quota=self.config.writeback_user_quota)
+        opened.callback(self.writeback.close)
+        self.writeback.recover()
 
     def fuse_options(self) -> set[str]:
         # The source as findmnt and df show it (commas and backslashes escaped for libfuse's option parser).
@@ -345,15 +343,9 @@ class Daemon:
                   f"MAINPID={os.getpid()}")
 
     def close(self) -> None:
-        if self.writeback is not None:
-            self.writeback.close()
-            self.writeback = None
-        if self.journal is not None:
-            self.journal.close()
-            self.journal = None
-        self.store.close()
-        self.snapshots.close()
-        self.backend.close()
+        """Close every part, the last opened first (the write-back before its journal, the snapshots
+        before the store and the backend)."""
+        self._opened.close()
 
 
 def _invalidate(entries: list[tuple[int, bytes]], inodes: list[int]) -> None:

@@ -70,11 +70,11 @@ def build(snapshot: Snapshot, previous: Namespace | None = None) -> Namespace:
 
 class Snapshots:
     def __init__(self, store: MetaStore, settings: SnapshotSettings,
-                 list_source: Callable[[], Iterable[ObjectInfo]]) -> None:
+                 list_source: Callable[[], Iterable[ObjectInfo]], *, on_switch: Switch | None = None) -> None:
         self.store = store
         self.settings = settings
         self.list_source = list_source
-        self.on_switch: Switch | None = None
+        self.on_switch = on_switch
         self.error: str | None = None  # why the store is unreachable (None: it answered last time)
         self._copy: LmdbMetaStore | None = None
         self.snapshot, self.error = self._load_at_start()
