@@ -26,9 +26,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from epochfs.collected import Collected
 from epochfs.errors import ConfigError
 from epochfs.slots import Slot, Slots
-from epochfs.stats import Collected, HistogramSnapshot
+from epochfs.stats import HistogramSnapshot
 
 if TYPE_CHECKING:
     pass

@@ -31,6 +31,7 @@ from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
+from epochfs.collected import Collected
 from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
 from epochfs.control.handlers import ControlHandlers, MountInfo
@@ -47,7 +48,6 @@ from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher
-from epochfs.stats import Collected
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack
 from epochfs.writeback.tree import Tree

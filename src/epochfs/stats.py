@@ -1,24 +1,10 @@
-"""Plain statistics helpers shared by components, and :class:`Collected`, every component's statistics at
-one moment, which the metrics and ``epochfs status`` both render (no Prometheus here: see
-:mod:`epochfs.metrics`)."""
+"""Plain statistics helpers shared by components (no Prometheus here: see :mod:`epochfs.metrics`)."""
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from epochfs.backend.base import BackendStats
-    from epochfs.cache.service import CacheStats
-    from epochfs.cache.store import StoreStats
-    from epochfs.fs import FsStats
-    from epochfs.jobs import JobStats
-    from epochfs.meta.snapshots import SnapshotStats
-    from epochfs.peer.tier import PeerStats
-    from epochfs.prefetch.scheduler import PrefetchStats
-    from epochfs.writeback.owed import WritebackStats
 
 #: Latency bucket upper bounds in seconds: 100 us to 30 s.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -78,20 +64,3 @@ class Histogram:
     def snapshot(self) -> HistogramSnapshot:
         with self._lock:
             return HistogramSnapshot(self.bounds, tuple(self._counts), self._sum, sum(self._counts))
-
-
-@dataclass(frozen=True)
-class Collected:
-    """Every component's statistics, read at one moment on the trio thread (the composition root
-    gathers them; the metrics and ``epochfs status`` render them)."""
-
-    cache: CacheStats
-    store: StoreStats
-    backend: BackendStats
-    fs: FsStats
-    prefetch: PrefetchStats
-    snapshot: SnapshotStats
-    backend_bandwidth: float | None = None
-    writeback: WritebackStats | None = None
-    peer: PeerStats | None = None
-    jobs: tuple[JobStats, ...] = ()

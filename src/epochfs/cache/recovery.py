@@ -9,18 +9,39 @@ pack ranges written but never indexed. :func:`reconcile` settles them before any
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from epochfs.cache.format import BlockMeta, missing, scan, verify
-from epochfs.cache.packs import discard
-
-if TYPE_CHECKING:
-    from epochfs.cache.store import BlockStore
+from epochfs.cache.index import Index
+from epochfs.cache.packs import Packs, discard
 
 log = logging.getLogger(__name__)
 
 
-def reconcile(store: BlockStore, known: dict[bytes, BlockMeta]) -> None:
+class Store(Protocol):
+    """What recovery needs of the block store it settles."""
+
+    blocks_dir: Path
+    packs: Packs
+    index: Index
+    used: int
+    malformed: int
+    strays: set[str]
+
+    @property
+    def inspecting(self) -> bool: ...
+
+    def stray(self, path: str) -> None: ...
+
+    def remove(self, bid: bytes, length: int) -> None: ...
+
+    def drop_corrupt(self, bid: bytes, meta: BlockMeta, why: str) -> None: ...
+
+    def pread_range(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> bytes | OSError: ...
+
+
+def reconcile(store: Store, known: dict[bytes, BlockMeta]) -> None:
     """After an unclean shutdown: drop index entries whose block file is missing or of the wrong
     length (or whose pack is missing or too short), delete block files the index does not know (a
     crash between a fill's rename and its index entry, or index writes lost with the page cache)
@@ -44,7 +65,7 @@ def reconcile(store: BlockStore, known: dict[bytes, BlockMeta]) -> None:
     store.packs.free_unreferenced(used)
 
 
-def fsck(store: BlockStore, repair: bool) -> dict[str, int]:
+def fsck(store: Store, repair: bool) -> dict[str, int]:
     """Verify every indexed block in full and look for block files the index does not know
     (left by a crash between a fill's rename and its index entry). With ``repair``, drop damaged
     blocks and delete orphans (not on a store opened to inspect). Run only while no daemon owns the

@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from epochfs.collected import Collected
 from epochfs.control import protocol as p
 from epochfs.control.server import Chunks, Handler
 from epochfs.errors import ConfigError
@@ -28,7 +29,6 @@ from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.records import ObjectInfo
-from epochfs.stats import Collected
 from epochfs.version import __version__
 from epochfs.writeback.service import WriteBack
 

@@ -1,0 +1,36 @@
+"""Every component's statistics at one moment (:class:`Collected`): the composition root gathers them on
+the trio thread; the metrics (:mod:`epochfs.metrics`) and ``epochfs status`` (:mod:`epochfs.control`)
+render them. It stands above the components and below both renderers, so neither imports the other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from epochfs.backend.base import BackendStats
+    from epochfs.cache.service import CacheStats
+    from epochfs.cache.store import StoreStats
+    from epochfs.fs import FsStats
+    from epochfs.jobs import JobStats
+    from epochfs.meta.snapshots import SnapshotStats
+    from epochfs.peer.tier import PeerStats
+    from epochfs.prefetch.scheduler import PrefetchStats
+    from epochfs.writeback.owed import WritebackStats
+
+
+@dataclass(frozen=True)
+class Collected:
+    """Every component's statistics, read at one moment on the trio thread (the composition root
+    gathers them; the metrics and ``epochfs status`` render them)."""
+
+    cache: CacheStats
+    store: StoreStats
+    backend: BackendStats
+    fs: FsStats
+    prefetch: PrefetchStats
+    snapshot: SnapshotStats
+    backend_bandwidth: float | None = None
+    writeback: WritebackStats | None = None
+    peer: PeerStats | None = None
+    jobs: tuple[JobStats, ...] = ()
