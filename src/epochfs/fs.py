@@ -31,11 +31,11 @@ import pyfuse3
 
 from epochfs.cache.service import BlockCache, ReadStream
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
-from epochfs.meta.namespace import ROOT_INODE, Dir, File, Namespace
+from epochfs.meta.namespace import ROOT_INODE, Dir, Namespace
 from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
 from epochfs.writeback.service import WriteBack
-from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree
+from epochfs.writeback.tree import Node, Tree
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class KernelPages:
             node = self.ops.tree.node(inode)
         except KeyError:
             return False
-        return isinstance(node, (File, Stored)) and node.obj == obj
+        return node.in_backend and node.obj == obj
 
     def forget(self, inode: int) -> None:
         pyfuse3.invalidate_inode(inode)
@@ -175,31 +175,18 @@ class Operations(pyfuse3.Operations):
         attr.attr_timeout = self.attr_timeout
         attr.st_blksize = 128 << 10
         p = self.present
-        if isinstance(node, (File, Stored)):
-            info: ObjectInfo | None = node.obj
-            attr.st_mode = stat.S_IFREG | p.mode(node.obj, p.file_mode, self._file_default)
-            attr.st_nlink = 1
-            attr.st_size = node.obj.size
-            attr.st_blocks = -(-node.obj.size // 512)
-            mtime = node.obj.mtime_ns
-        elif isinstance(node, LocalFile):
-            info = ObjectInfo(node.path, node.size, node.mtime_ns, "", node.mode, node.uid, node.gid)
-            attr.st_mode = stat.S_IFREG | p.mode(info, p.file_mode, self._file_default)
-            attr.st_nlink = 1
-            attr.st_size = node.size
-            attr.st_blocks = -(-node.size // 512)
-            mtime = node.mtime_ns
-        else:
-            if isinstance(node, Dir):
-                info = node.info
-            else:
-                info = None if node.mode is None else ObjectInfo(node.path, 0, node.mtime_ns, "", node.mode,
-                                                                 node.uid, node.gid)
+        info = node.record()
+        if node.is_dir:
             attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, self._dir_default, directory=True)
             attr.st_nlink = 2
             attr.st_size = 0
-            mtime = (node.mtime_ns if isinstance(node, LocalDir)
-                     else info.mtime_ns if info is not None else self.namespace.mtime_ns)
+        else:
+            assert info is not None  # (a file always has a record)
+            attr.st_mode = stat.S_IFREG | p.mode(info, p.file_mode, self._file_default)
+            attr.st_nlink = 1
+            attr.st_size = info.size
+            attr.st_blocks = -(-info.size // 512)
+        mtime = info.mtime_ns if info is not None else self.namespace.mtime_ns
         attr.st_uid = p.owner(info.uid if info is not None else None, p.uid, p.default_uid)
         attr.st_gid = p.owner(info.gid if info is not None else None, p.gid, p.default_gid)
         attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime
@@ -238,16 +225,16 @@ class Operations(pyfuse3.Operations):
     @_translated
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         node = self._node(inode)
-        if not isinstance(node, (Dir, LocalDir)):
+        if not node.is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         fh = self._new_fh()
         # A listing reads the tree it was opened on: the snapshot's directory as it is (cheap), or, with
         # this node's changes on top, the names as they are now.
-        if self.tree.overlay and (isinstance(node, LocalDir) or node.path in self.tree.overlay.children
+        if self.tree.overlay and (node.made_here or node.path in self.tree.overlay.children
                                   or self.tree.overlay.hidden):
             self._dirs[fh] = self.tree.listing(node)
         else:
-            assert isinstance(node, Dir)
+            assert node.in_snapshot
             self._dirs[fh] = (self.namespace, node)
         return fh
 
@@ -276,10 +263,10 @@ class Operations(pyfuse3.Operations):
     @_translated
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self._node(inode)
-        if isinstance(node, (Dir, LocalDir)):
+        if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         fh = self._new_fh()
-        if isinstance(node, LocalFile) or flags & _WRITE_FLAGS:
+        if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
             return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
         self._streams[fh] = self.cache.open_stream(node.obj, inode)

@@ -59,17 +59,39 @@ def unsafe_reason(key: str) -> str | None:
 
 @dataclass(slots=True)
 class Dir:
+    """A directory of the snapshot (what a node can do: :class:`epochfs.writeback.tree.Node`)."""
+
     inode: int
     path: str
     children: dict[bytes, int]
     names: list[bytes]  # sorted, for readdir offsets
     info: ObjectInfo | None = None  # its marker, if the listing had one
 
+    is_dir = True
+    in_backend = False
+    written_here = False
+    made_here = False
+    in_snapshot = True
+
+    def record(self) -> ObjectInfo | None:
+        return self.info
+
 
 class File(NamedTuple):  # immutable; a tuple builds in a fraction of a frozen dataclass's time
+    """An object of the snapshot."""
+
     inode: int
     path: str
     obj: ObjectInfo
+
+    is_dir = False
+    in_backend = True
+    written_here = False
+    made_here = False
+    in_snapshot = True
+
+    def record(self) -> ObjectInfo | None:
+        return self.obj
 
 
 class Namespace:

@@ -53,7 +53,7 @@ import trio
 
 from epochfs.backend.base import Backend
 from epochfs.errors import EpochfsError, NoSpace, NotFound, Refused
-from epochfs.meta.namespace import NAME_MAX, Dir, File, unsafe_reason
+from epochfs.meta.namespace import NAME_MAX, File, unsafe_reason
 from epochfs.records import MAX_OBJECT_SIZE
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
@@ -110,7 +110,7 @@ class WriteBack:
         files, uploaded, deletes = owed.files, owed.uploaded, owed.deletes
         for d in sorted(owed.dirs.values(), key=lambda d: d.path.count("/")):
             existing = self.tree.resolve(d.path)
-            if existing is not None and not isinstance(existing, (Dir, LocalDir)):
+            if existing is not None and not existing.is_dir:
                 self.journal.drop_dir(d.path)  # a file took the name meanwhile (another node's)
                 continue
             self._add_parents(d.path)
@@ -184,9 +184,9 @@ class WriteBack:
         """A new file (or an existing one replaced), open for writing: (handle, file)."""
         path = _path(parent, name)
         existing = self.tree.resolve(path)
-        if isinstance(existing, (Dir, LocalDir)):
+        if existing is not None and existing.is_dir:
             raise Refused(f"{path} is a directory", errno.EISDIR)
-        if isinstance(existing, LocalFile):
+        if existing is not None and existing.written_here:
             return self.open(existing, os.O_WRONLY | os.O_TRUNC), existing
         f = self._new_file(path, mode, uid, gid)
         self._replace(path, f)
@@ -196,11 +196,11 @@ class WriteBack:
         """A handle on a file this node wrote (reading or writing), or on an existing object replaced
         (``O_TRUNC``)."""
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
-        if isinstance(node, LocalFile):
+        if node.written_here:
             if flags & os.O_TRUNC:
                 self._truncate(node, 0)
             return self._open_handle(node, writable=write)
-        if not isinstance(node, (File, Stored)):
+        if not node.in_backend:
             raise Refused(f"{node.path} is a directory", errno.EISDIR)
         if not write:
             raise Refused(f"{node.path} is read through the cache", errno.EINVAL)  # the adapter does this
@@ -227,7 +227,8 @@ class WriteBack:
 
     def _in_backend(self, path: str) -> bool:
         """Whether the backend holds (or is about to publish) an object under ``path``."""
-        return path in self.owed.uploaded or isinstance(self.tree.namespace.resolve(path), File)
+        node = self.tree.namespace.resolve(path)
+        return path in self.owed.uploaded or (node is not None and node.in_backend)
 
     def _delete_key(self, path: str) -> None:
         """The object under ``path`` is gone for this mount: hidden now, deleted in the backend next."""
@@ -307,12 +308,12 @@ class WriteBack:
         return os.pread(fh, size, offset)
 
     def truncate(self, node: Node, size: int) -> None:
-        if isinstance(node, (File, Stored)) and size == 0:
+        if node.in_backend and size == 0:
             self._replace_object(node)  # open(O_TRUNC) by a kernel that truncates before it opens
             return
-        if not isinstance(node, LocalFile):
+        if not node.written_here:
             raise Refused(f"{node.path}: an object in the backend can be replaced, not truncated",
-                          errno.EISDIR if isinstance(node, (Dir, LocalDir)) else errno.EOPNOTSUPP)
+                          errno.EISDIR if node.is_dir else errno.EOPNOTSUPP)
         self._truncate(node, size)
 
     def _truncate(self, f: LocalFile, size: int) -> None:
@@ -337,14 +338,14 @@ class WriteBack:
                   uid: int | None = None, gid: int | None = None) -> None:
         """chmod, chown and utimes of a file or directory made here (the kernel has checked that the
         caller may); objects and directories of the backend cannot change."""
-        if isinstance(node, LocalDir):
+        if node.made_here and node.is_dir:
             node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
             node.mode = mode & 0o1777 if mode is not None else node.mode if node.mode is not None else 0o755
             node.uid = uid if uid is not None else node.uid if node.uid is not None else os.getuid()
             node.gid = gid if gid is not None else node.gid if node.gid is not None else os.getgid()
             self._save_dir(node)
             return
-        if not isinstance(node, LocalFile):
+        if not node.written_here:
             raise Refused(f"{node.path}: only files and directories made here can change", errno.EPERM)
         node.mtime_ns = mtime_ns if mtime_ns is not None else node.mtime_ns
         node.mode = mode & 0o777 if mode is not None else node.mode
@@ -405,12 +406,12 @@ class WriteBack:
         node = self.tree.resolve(path)
         if node is None:
             raise NotFound(path)
-        if not isinstance(node, (Dir, LocalDir)):
+        if not node.is_dir:
             raise Refused(f"{path} is not a directory", errno.ENOTDIR)
         if not self.tree.is_empty_dir(node):
             raise Refused(f"{path} is not empty", errno.ENOTEMPTY)
         self.overlay.remove(path)
-        if isinstance(node, Dir):
+        if node.in_snapshot:
             self.overlay.hidden.add(path)
         else:
             self.journal.drop_dir(path)
@@ -421,7 +422,7 @@ class WriteBack:
         node = self.tree.resolve(path)
         if node is None:
             raise NotFound(path)
-        if isinstance(node, (Dir, LocalDir)):
+        if node.is_dir:
             raise Refused(f"{path} is a directory", errno.EISDIR)
         self._remove_file(path, node)
         self.owed.touch()
@@ -429,9 +430,9 @@ class WriteBack:
     def _remove_file(self, path: str, node: Node) -> None:
         """Forget the file at ``path``: its local bytes, and the object in the backend if there is one."""
         self.overlay.remove(path)
-        if isinstance(node, LocalFile):
+        if node.written_here:
             self._drop_local(node)
-        if isinstance(node, (File, Stored)) or self._in_backend(path):
+        if node.in_backend or self._in_backend(path):
             self._delete_key(path)
 
     def _drop_local(self, f: LocalFile) -> None:
@@ -456,19 +457,19 @@ class WriteBack:
         dst = self.tree.resolve(dst_path)
         if dst is not None and flags & 1:
             raise Refused(f"{dst_path} exists", errno.EEXIST)
-        if isinstance(src, LocalFile):
-            if isinstance(dst, (Dir, LocalDir)):
+        if src.written_here:
+            if dst is not None and dst.is_dir:
                 raise Refused(f"{dst_path} is a directory", errno.EISDIR)
             if dst is not None:
                 self._replaced_by_rename(dst_path, dst)
             self._move(src, dst_path)
-        elif isinstance(src, LocalDir):
+        elif src.made_here and src.is_dir:
             moved = [e for p, e in self.overlay.entries.items() if p.startswith(src_path + "/")]
-            if any(not isinstance(e, (LocalDir, LocalFile)) for e in moved):
+            if any(not e.made_here for e in moved):
                 raise Refused(f"{src_path} holds objects already in the backend", errno.EXDEV)
             if dst is not None:
-                if not isinstance(dst, (Dir, LocalDir)) or not self.tree.is_empty_dir(dst):
-                    raise Refused(f"{dst_path} exists", errno.ENOTEMPTY if isinstance(dst, (Dir, LocalDir))
+                if not dst.is_dir or not self.tree.is_empty_dir(dst):
+                    raise Refused(f"{dst_path} exists", errno.ENOTEMPTY if dst.is_dir
                                   else errno.ENOTDIR)
                 self.overlay.remove(dst_path)
                 self.journal.drop_dir(dst_path)
@@ -479,7 +480,7 @@ class WriteBack:
         self.owed.touch()
 
     def _replaced_by_rename(self, path: str, dst: Node) -> None:
-        if isinstance(dst, LocalFile):
+        if dst.written_here:
             self.overlay.remove(path)
             self._drop_local(dst)
         # an object in the backend under that key is overwritten by the upload of the renamed file
@@ -491,10 +492,10 @@ class WriteBack:
         self._add_parents(path)
         self.overlay.put(e)
         self.overlay.hidden.discard(path)
-        if isinstance(e, LocalDir):
+        if e.is_dir:
             self.journal.drop_dir(old)
             self._save_dir(e)
-        if isinstance(e, LocalFile):
+        if e.written_here:
             self._cancel_delete(path)
             if self._in_backend(old):  # it had replaced an object: that one goes with the old name
                 self._delete_key(old)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
 
-from epochfs.meta.namespace import Dir, File, Namespace
+from epochfs.meta.namespace import Dir, Namespace
 from epochfs.records import ObjectInfo
 
 OVERLAY_INODES = 1 << 48
@@ -35,6 +36,15 @@ class LocalDir:
     mode: int | None = None
     uid: int | None = None
     gid: int | None = None
+
+    is_dir = True
+    in_backend = False
+    written_here = False
+    made_here = True
+    in_snapshot = False
+
+    def record(self) -> ObjectInfo | None:
+        return ObjectInfo(self.path, 0, self.mtime_ns, "", self.mode, self.uid, self.gid)
 
 
 @dataclass(slots=True)
@@ -56,6 +66,15 @@ class LocalFile:
     closed: bool = False  # as the journal has it: its last writable handle released since its last change
     failed: str = ""  # why a write of it failed: never uploaded as it is
 
+    is_dir = False
+    in_backend = False
+    written_here = True
+    made_here = True
+    in_snapshot = False
+
+    def record(self) -> ObjectInfo | None:
+        return ObjectInfo(self.path, self.size, self.mtime_ns, "", self.mode, self.uid, self.gid)
+
 
 @dataclass(slots=True)
 class Stored:
@@ -65,9 +84,37 @@ class Stored:
     path: str
     obj: ObjectInfo
 
+    is_dir = False
+    in_backend = True
+    written_here = False
+    made_here = False
+    in_snapshot = False
+
+    def record(self) -> ObjectInfo | None:
+        return self.obj
+
 
 Entry = LocalDir | LocalFile | Stored
-Node = Dir | File | Entry
+
+
+class Node(Protocol):
+    """What every entry of the tree can say of itself, so the write path and the FUSE adapter ask it
+    instead of testing its class: the snapshot's :class:`~epochfs.meta.namespace.Dir` and
+    :class:`~epochfs.meta.namespace.File`, and the overlay's :class:`LocalDir`, :class:`LocalFile`
+    and :class:`Stored`."""
+
+    inode: int
+    path: str
+    is_dir: ClassVar[bool]  # a directory: listed, never read
+    in_backend: ClassVar[bool]  # an object of the backend (``obj``): read through the cache, replaced, not changed
+    written_here: ClassVar[bool]  # a file whose bytes are on this node's disk, not yet uploaded
+    made_here: ClassVar[bool]  # made on this node and known only here (a LocalDir or a LocalFile)
+    in_snapshot: ClassVar[bool]  # a node of the snapshot being served, not of this node's overlay
+
+    def record(self) -> ObjectInfo | None:
+        """What the mount presents of it: size, mtime, mode and owner (None where the source gives
+        none: the mount's defaults)."""
+        ...
 
 
 def parent_of(path: str) -> tuple[str, str]:
@@ -143,11 +190,11 @@ class Tree:
         return self.namespace.resolve(path)
 
     def lookup(self, parent: Node, name: bytes) -> Node | None:
-        if not isinstance(parent, (Dir, LocalDir)):
+        if not parent.is_dir:
             return None
         o = self.overlay
-        if o is None or isinstance(parent, Dir) and parent.path not in o.children and not o.hidden:
-            return self.namespace.lookup(parent.inode, name) if isinstance(parent, Dir) else None
+        if o is None or parent.in_snapshot and parent.path not in o.children and not o.hidden:
+            return self.namespace.lookup(parent.inode, name) if parent.in_snapshot else None
         try:
             text = name.decode("utf-8")
         except UnicodeDecodeError:
@@ -159,9 +206,9 @@ class Tree:
         (a directory made here may have been published since) and the overlay's entries."""
         o = self.overlay
         out: dict[bytes, Node] = {}
-        snap = parent if isinstance(parent, Dir) else self.namespace.resolve(parent.path)
-        if isinstance(snap, Dir):
-            if o is None or (isinstance(parent, Dir) and parent.path not in o.children and not o.hidden):
+        snap = parent if parent.in_snapshot else self.namespace.resolve(parent.path)
+        if snap is not None and snap.is_dir:
+            if o is None or (parent.in_snapshot and parent.path not in o.children and not o.hidden):
                 return [(name, self.namespace.node(snap.children[name])) for name in snap.names]
             for name in snap.names:
                 node = self.namespace.node(snap.children[name])

@@ -21,11 +21,10 @@ import trio
 
 from epochfs.backend.base import Backend
 from epochfs.errors import BackendError, EpochfsError
-from epochfs.meta.namespace import Dir
 from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.owed import Owed, Pending
-from epochfs.writeback.tree import LocalDir, LocalFile, Overlay, Stored, Tree
+from epochfs.writeback.tree import LocalFile, Overlay, Stored, Tree
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,8 @@ class Uploads:
         if not current:
             # Renamed, removed or written again while it uploaded: the object under the old key is stale
             # unless the file (or another one) still owns that key; the file itself is uploaded again.
-            if self.tree.resolve(key) is None or isinstance(self.tree.resolve(key), (Dir, LocalDir)):
+            holder = self.tree.resolve(key)
+            if holder is None or holder.is_dir:
                 self.journal.put_delete(key)
                 self.owed.deletes[key] = 0.0
             self.owed.kick()
@@ -224,7 +224,7 @@ class Uploads:
             if self.owed.uploaded.get(key) is obj:
                 del self.owed.uploaded[key]
                 entry = self.overlay.entries.get(key)
-                if isinstance(entry, Stored) and entry.obj is obj:
+                if entry is not None and entry.in_backend and entry.obj is obj:  # (an overlay entry: Stored)
                     self.overlay.remove(key)
                     self.overlay.by_inode[entry.inode] = entry  # open handles and the kernel may still name it
         for key in removed:
