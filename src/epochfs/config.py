@@ -309,40 +309,10 @@ class Config:
 
 
     def _check_peer(self) -> None:
-        from epochfs.peer.wire import is_wildcard, member_addr, split_addr
+        from epochfs.peer.rules import check_options
 
-        if self.peer_listen is None:
-            for name in ("peer_advertise", "peer_token_file"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"--{name.replace('_', '-')} needs --peer-listen")
-            return
-        listen = split_addr(self.peer_listen, any_port=True)
-        if listen is None:
-            raise ConfigError(f"--peer-listen {self.peer_listen!r}: expected HOST:PORT (an address of this node)")
-        if self.peer_advertise is not None:
-            if member_addr(self.peer_advertise) is None:
-                raise ConfigError(f"--peer-advertise {self.peer_advertise!r}: expected the IP:PORT other nodes "
-                                  "reach this one at (a literal address such as 10.0.0.5:9570 or [fd00::5]:9570; "
-                                  "members never look up names)")
-            if listen[1] == 0:
-                raise ConfigError("--peer-listen with port 0 picks a port at start-up: --peer-advertise cannot "
-                                  "know it; give the port")
-        elif is_wildcard(listen[0]):
-            raise ConfigError(f"--peer-listen {self.peer_listen}: other nodes cannot reach a wildcard address; "
-                              "give --peer-advertise IP:PORT")
-        elif member_addr(f"{listen[0]}:{listen[1] or 1}") is None:
-            raise ConfigError(f"--peer-listen {self.peer_listen}: other members reach this node at a literal IP "
-                              "address (members never look up names): give one, or --peer-advertise IP:PORT")
-        if not (self.meta or "").startswith(("redis://", "rediss://")):
-            raise ConfigError("--peer-listen needs a shared store: --meta redis://HOST:PORT/DB (the members "
-                              "find each other there)")
-        if self.peer_token_file is None:
-            raise ConfigError("--peer-listen needs --peer-token-file: members sign their requests with a "
-                              "shared secret")
-        if self.peer_cache not in ("all", "owned"):
-            raise ConfigError(f"--peer-cache {self.peer_cache!r}: choose all or owned")
-        if not 0 < self.peer_timeout <= 300:
-            raise ConfigError("--peer-timeout must be in (0, 300] seconds")
+        check_options(listen_text=self.peer_listen, advertise=self.peer_advertise, token_file=self.peer_token_file,
+                      meta=self.meta, cache=self.peer_cache, timeout=self.peer_timeout)
 
 
 def parse_mode(text: str) -> int:

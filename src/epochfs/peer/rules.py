@@ -1,0 +1,45 @@
+"""The rules of the cluster tier's mount options (``--peer-*``), checked when the config is built. Pure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from epochfs.errors import ConfigError
+from epochfs.peer.wire import is_wildcard, member_addr, split_addr
+
+
+def check_options(*, listen_text: str | None, advertise: str | None, token_file: Path | None, meta: str | None,
+                  cache: str, timeout: float) -> None:
+    """The rules a mount's peer options must keep; :class:`ConfigError` naming the option that breaks one."""
+    if listen_text is None:
+        for flag, value in (("--peer-advertise", advertise), ("--peer-token-file", token_file)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --peer-listen")
+        return
+    listen = split_addr(listen_text, any_port=True)
+    if listen is None:
+        raise ConfigError(f"--peer-listen {listen_text!r}: expected HOST:PORT (an address of this node)")
+    if advertise is not None:
+        if member_addr(advertise) is None:
+            raise ConfigError(f"--peer-advertise {advertise!r}: expected the IP:PORT other nodes "
+                              "reach this one at (a literal address such as 10.0.0.5:9570 or [fd00::5]:9570; "
+                              "members never look up names)")
+        if listen[1] == 0:
+            raise ConfigError("--peer-listen with port 0 picks a port at start-up: --peer-advertise cannot "
+                              "know it; give the port")
+    elif is_wildcard(listen[0]):
+        raise ConfigError(f"--peer-listen {listen_text}: other nodes cannot reach a wildcard address; "
+                          "give --peer-advertise IP:PORT")
+    elif member_addr(f"{listen[0]}:{listen[1] or 1}") is None:
+        raise ConfigError(f"--peer-listen {listen_text}: other members reach this node at a literal IP "
+                          "address (members never look up names): give one, or --peer-advertise IP:PORT")
+    if not (meta or "").startswith(("redis://", "rediss://")):
+        raise ConfigError("--peer-listen needs a shared store: --meta redis://HOST:PORT/DB (the members "
+                          "find each other there)")
+    if token_file is None:
+        raise ConfigError("--peer-listen needs --peer-token-file: members sign their requests with a "
+                          "shared secret")
+    if cache not in ("all", "owned"):
+        raise ConfigError(f"--peer-cache {cache!r}: choose all or owned")
+    if not 0 < timeout <= 300:
+        raise ConfigError("--peer-timeout must be in (0, 300] seconds")
