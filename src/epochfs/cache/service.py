@@ -42,6 +42,7 @@ from epochfs.cache.format import BlockMeta
 from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import GAP, Pusher
+from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
 from epochfs.records import ObjectInfo
@@ -65,32 +66,6 @@ class CacheStats:
     pushed_bytes: int = 0
     push_failures: int = 0  # pushes refused by the kernel, or of blocks found damaged
     push_stale: int = 0  # pushes whose file changed meanwhile (its pages dropped again)
-
-
-class BlockSource(Protocol):
-    """Where fetches get their bytes (blocking; called from worker threads)."""
-
-    def keeps(self, bid: bytes) -> bool:
-        """Whether this node caches the block."""
-
-    def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, bool]:
-        """The block's bytes and whether they came from a peer. ``direct``: from the backend only.
-        ``warm``: a prefetch of a block not kept here: only make sure its owner has it (may return None)."""
-
-
-class BackendSource:
-    """Every block from the backend, every block kept."""
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-
-    def keeps(self, bid: bytes) -> bool:
-        return True
-
-    def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, bool]:
-        return self.backend.read_range(obj.key, obj.etag, start, length), False
 
 
 class ReadObserver(Protocol):

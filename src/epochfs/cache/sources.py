@@ -1,0 +1,37 @@
+"""Where the cache's fetches get their bytes (:class:`BlockSource`): the backend itself
+(:class:`BackendSource`), or the cluster tier (:class:`epochfs.peer.tier.PeerTier`: the block's owner,
+falling back to the backend). A source may say a block is not kept here (another member owns it): such
+a block is read through, never cached."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from epochfs.backend.base import Backend
+from epochfs.records import ObjectInfo
+
+
+class BlockSource(Protocol):
+    """Where fetches get their bytes (blocking; called from worker threads)."""
+
+    def keeps(self, bid: bytes) -> bool:
+        """Whether this node caches the block."""
+
+    def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
+                   warm: bool) -> tuple[bytes | None, bool]:
+        """The block's bytes and whether they came from a peer. ``direct``: from the backend only.
+        ``warm``: a prefetch of a block not kept here: only make sure its owner has it (may return None)."""
+
+
+class BackendSource:
+    """Every block from the backend, every block kept."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def keeps(self, bid: bytes) -> bool:
+        return True
+
+    def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
+                   warm: bool) -> tuple[bytes | None, bool]:
+        return self.backend.read_range(obj.key, obj.etag, start, length), False
