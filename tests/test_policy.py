@@ -158,3 +158,13 @@ def test_the_fast_offline_optimum_agrees_with_brute_force():
 
     for seq, capacity in random_sequences(11, 200):
         assert offline_optimum(seq, capacity) == offline_min_misses(seq, capacity)
+
+
+def test_every_policy_is_known_even_when_one_was_imported_first():
+    import subprocess
+    import sys
+
+    code = ("import epochfs.cache.policies.lru\nfrom epochfs.cache import policies\n"
+            "print(','.join(policies.names()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().split(",") == ["manifest", "lru", "none"]

@@ -71,10 +71,16 @@ def register(name: str, help: str) -> Callable[[P], P]:
     return decorate
 
 
+_discovered = False
+
+
 def _discover() -> dict[str, type[EvictionPolicy]]:
-    if not _REGISTRY:
+    """Every policy module imported once (one imported on its own before registers only itself)."""
+    global _discovered
+    if not _discovered:
         for module in pkgutil.iter_modules(__path__):
             importlib.import_module(f"{__name__}.{module.name}")
+        _discovered = True
     return _REGISTRY
 
 
