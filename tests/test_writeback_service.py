@@ -21,7 +21,7 @@ from epochfs.private import private_dir
 from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack
-from epochfs.writeback.tree import Tree
+from epochfs.writeback.tree import Overlay, Tree
 
 UID, GID = 1000, 1000
 
@@ -90,7 +90,7 @@ def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
     cache = private_dir(tmp_path / "cache")
     journal = Journal(cache)
     bucket, room, published = Bucket(), Room(capacity), []
-    tree = Tree(Namespace.build(list(objects)))
+    tree = Tree(Namespace.build(list(objects)), Overlay())
 
     async def publish(added, removed):  # as the snapshots do: a new version, the namespace rebuilt from it
         published.append((dict(added), set(removed)))

@@ -50,7 +50,7 @@ from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack
-from epochfs.writeback.tree import Tree
+from epochfs.writeback.tree import Overlay, Tree
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Daemon:
                                      max_inflight=config.backend_concurrency,
                                      bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
         self.cache.observer = self.prefetcher
-        self.tree = Tree(self.snapshots.namespace)
+        self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)
         self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint), node=config.node_name(),

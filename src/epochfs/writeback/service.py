@@ -57,7 +57,7 @@ from epochfs.meta.namespace import NAME_MAX, File, unsafe_reason
 from epochfs.records import MAX_OBJECT_SIZE
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
-from epochfs.writeback.tree import LocalDir, LocalFile, Node, Overlay, Stored, Tree, parent_of
+from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of
 from epochfs.writeback.uploads import Publish, Uploads
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,9 @@ class WriteBack:
                  publish: Publish, user_quota: int | None = None) -> None:
         self.journal = journal
         self.tree = tree
-        self.overlay = tree.overlay = Overlay()
+        if tree.overlay is None:
+            raise ValueError("write-back needs a tree with an overlay (Tree(namespace, Overlay()))")
+        self.overlay = tree.overlay
         self.owed = Owed(store, user_quota=user_quota)
         self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=bandwidth,
                                concurrency=concurrency, demand_waiting=demand_waiting, publish=publish)
