@@ -33,8 +33,9 @@ from epochfs.cache.service import BlockCache
 from epochfs.cache.store import BlockStore
 from epochfs.collected import Collected
 from epochfs.config import Config
-from epochfs.control import CONTROL_XATTR, PID_XATTR, ControlServer, socket_path
+from epochfs.control import CONTROL_XATTR, PID_XATTR
 from epochfs.control.handlers import ControlHandlers, MountInfo
+from epochfs.control.server import ControlServer, socket_path
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.fs import KernelPages, Operations, Presentation
 from epochfs.jobs import Jobs

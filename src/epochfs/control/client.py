@@ -15,8 +15,8 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
+from epochfs.control.creds import peer_uid
 from epochfs.control.protocol import CHUNK_ENTRIES, encode
-from epochfs.control.server import peer_uid
 from epochfs.errors import ConfigError, EpochfsError
 
 CONTROL_XATTR = "user.epochfs.control"

@@ -16,13 +16,13 @@ import hashlib
 import logging
 import os
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from epochfs.control.creds import peer_uid
 from epochfs.control.protocol import MAX_LINE, BadRequest, Request, encode, parse, parse_chunk
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.private import private_dir
@@ -52,11 +52,6 @@ def socket_path(cache_dir: Path) -> Path:
         return path
     digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
     return runtime_dir() / f"{digest}.sock"
-
-
-def peer_uid(sock: socket.socket | trio.socket.SocketType) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 class ControlServer:
