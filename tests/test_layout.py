@@ -101,3 +101,15 @@ def test_the_layers_point_down():
 def test_only_the_metrics_module_imports_prometheus_client():
     users = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if "prometheus_client" in imports(p)}
     assert users == {"metrics.py"}
+
+
+def test_the_command_line_loads_no_event_loop_nor_store():
+    """Every ``epochfs`` command starts fast: the tools' modules load neither trio, LMDB, boto3 nor
+    prometheus_client (the daemon loads them when it mounts)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, epochfs.cli, epochfs.cli.status, epochfs.cli.epoch, epochfs.cli.stores, epochfs.client\n"
+            "print(' '.join(m for m in ('trio', 'lmdb', 'boto3', 'prometheus_client', 'pyfuse3') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == [], f"the command line loads {loaded}"
