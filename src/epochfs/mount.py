@@ -13,7 +13,6 @@ lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`ep
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import resource
@@ -43,6 +42,7 @@ from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
 from epochfs.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
+from epochfs.mountpoint import check_mountpoint
 from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
@@ -58,18 +58,6 @@ log = logging.getLogger(__name__)
 # Called once: (None, warnings) when mounted (things the user should know: an empty source, say), else
 # (the error message, []).
 Ready = Callable[[str | None, Sequence[str]], None]
-
-
-def is_dead_mount(path: str) -> bool:
-    try:
-        os.listdir(path)
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
-    return False
-
-
-def lazy_unmount(path: str) -> None:
-    subprocess.run(["fusermount3", "-uz", path], check=False, capture_output=True)
 
 
 def sd_notify(message: str) -> bool:
@@ -130,24 +118,6 @@ def raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError) as exc:
             log.info("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
-
-
-def check_mountpoint(path: str, allow_non_empty: bool = False) -> None:
-    if is_dead_mount(path):
-        log.warning("%s holds a dead FUSE mount (a daemon died); clearing it", path)
-        lazy_unmount(path)
-    if not os.path.isdir(path):
-        raise ConfigError(f"mount point {path} does not exist or is not a directory")
-    if os.path.ismount(path):
-        raise ConfigError(f"{path} is already a mount point")
-    if not allow_non_empty:
-        try:
-            entries = len(os.listdir(path))
-        except OSError as exc:
-            raise ConfigError(f"mount point {path}: {exc.strerror}") from None
-        if entries:
-            raise ConfigError(f"mount point {path} is not empty ({entries} entries): the mount would hide them; "
-                              "use an empty directory, or --allow-non-empty")
 
 
 def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:

@@ -133,7 +133,7 @@ def _spawn_daemon(config: Config, argv: list[str]) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from epochfs.control import PID_XATTR
-    from epochfs.mount import is_dead_mount, lazy_unmount
+    from epochfs.mountpoint import is_dead_mount, lazy_unmount
 
     mountpoint = args.mountpoint
     if args.config:
