@@ -28,12 +28,25 @@ def proxy(s3):
     p.stop()
 
 
+def _mount_through(proxy, s3_client, bucket, mount_factory, timeout: int):
+    s3_client.put_object(Bucket=bucket, Key=KEY, Body=pattern(KEY, 0, 0, SIZE))
+    m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint, "--block-size", "1M",
+                      "--readahead", "0", "--backend-timeout", str(timeout), "--backend-attempts", "4")
+    m.start()
+    return m
+
+
 @pytest.fixture
 def faulty_mount(s3_client, fresh_bucket, mount_factory, proxy):
-    s3_client.put_object(Bucket=fresh_bucket, Key=KEY, Body=pattern(KEY, 0, 0, SIZE))
-    m = mount_factory(f"s3://{fresh_bucket}", "--endpoint-url", proxy.endpoint, "--block-size", "1M",
-                      "--readahead", "0", "--backend-timeout", "8", "--backend-attempts", "4")
-    m.start()
+    m = _mount_through(proxy, s3_client, fresh_bucket, mount_factory, 8)
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def short_deadline_mount(s3_client, fresh_bucket, mount_factory, proxy):
+    """The same with a 4 s deadline, for the tests that wait for it to pass."""
+    m = _mount_through(proxy, s3_client, fresh_bucket, mount_factory, 4)
     yield m
     m.stop()
 
@@ -73,14 +86,14 @@ def test_persistent_failure_is_eio_within_the_deadline_and_heals(faulty_mount, p
     read_checked(faulty_mount)
 
 
-def test_stall_before_headers_times_out_to_eio(faulty_mount, proxy):
+def test_stall_before_headers_times_out_to_eio(short_deadline_mount, proxy):
     proxy.set(Fault("stall_headers", rate=1.0, stall=20.0))
-    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+    with open(short_deadline_mount.path(KEY), "rb", buffering=0) as fh:
         with pytest.raises(OSError) as info:
-            run_with_deadline(lambda: os.pread(fh.fileno(), 10, 0), 45)
+            run_with_deadline(lambda: os.pread(fh.fileno(), 10, 0), 15)  # timeout 4 s (+2 s guard)
         assert info.value.errno == errno.EIO
     proxy.set(None)
-    read_checked(faulty_mount)
+    read_checked(short_deadline_mount)
 
 
 def test_access_denied_is_eacces_at_once_not_retried(faulty_mount, proxy):
@@ -113,18 +126,20 @@ def test_ten_percent_faults_of_every_kind_never_give_wrong_bytes(faulty_mount, p
 
 
 @pytest.mark.parametrize("kind", ["drip_body", pytest.param("drip_headers", marks=pytest.mark.slow)])
-def test_a_dripping_endpoint_is_eio_within_the_deadline_and_unmount_does_not_wait(faulty_mount, proxy, kind):
+def test_a_dripping_endpoint_is_eio_within_the_deadline_and_unmount_does_not_wait(short_deadline_mount, proxy,
+                                                                                 kind):
     """--backend-timeout bounds the whole request: one byte every 1.5 s never resets it."""
+    m = short_deadline_mount
     proxy.set(Fault(kind, rate=1.0, stall=1.5))
-    with open(faulty_mount.path(KEY), "rb", buffering=0) as fh:
+    with open(m.path(KEY), "rb", buffering=0) as fh:
         with pytest.raises(OSError) as info:
-            run_with_deadline(lambda: os.pread(fh.fileno(), 1000, 3 * MiB), 30)  # timeout 8 s (+2 s guard)
+            run_with_deadline(lambda: os.pread(fh.fileno(), 1000, 3 * MiB), 15)  # timeout 4 s (+2 s guard)
         assert info.value.errno == errno.EIO
     assert proxy.injected >= 1
     proxy.set(None)
-    read_checked(faulty_mount)  # the link heals: correct bytes
+    read_checked(m)  # the link heals: correct bytes
     started = time.monotonic()
-    faulty_mount.stop()
+    m.stop()
     elapsed = time.monotonic() - started
     assert elapsed < 15, f"unmount waited {elapsed:.0f}s for a dripping request"
 

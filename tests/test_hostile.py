@@ -49,7 +49,7 @@ def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
 
 # -- 1. a block-size change never serves a block cut at the old geometry --------------------------------
 
-@pytest.mark.parametrize("first, second", [("4M", "1M"), ("1M", "4M")])
+@pytest.mark.parametrize("first, second", [pytest.param("4M", "1M", marks=pytest.mark.slow), ("1M", "4M")])
 def test_block_size_change_on_one_cache_serves_correct_bytes(s3_client, fresh_bucket, mount_factory, first,
                                                              second):
     files = [SampleFile(f"bs/{i}.bin", size) for i, size in enumerate([9 * MiB + 3, 5 * MiB - 7, 300 * KiB + 1])]

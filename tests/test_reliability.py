@@ -52,7 +52,9 @@ def proxied(s3, s3_client, fresh_bucket, mount_factory):
     proxy.stop()
 
 
-@pytest.mark.parametrize("rate", [0.01, pytest.param(0.1, marks=pytest.mark.slow)])
+# (test_faults.py fails each kind on every other request in the default tier; these low rates, with a
+# remount per kind, run in the slow tier)
+@pytest.mark.parametrize("rate", [pytest.param(0.01, marks=pytest.mark.slow), pytest.param(0.1, marks=pytest.mark.slow)])
 def test_low_fault_rates_of_every_kind_give_correct_bytes(proxied, rate):
     m, proxy, files = proxied
     for seed, kind in enumerate(["error500", "slowdown", "throttle429", "reset", "truncate", "wrong_range",
@@ -153,7 +155,9 @@ def test_kill_9_during_cold_fills_repeatedly(s3, s3_client, fresh_bucket, mount_
 
 # -- 3. cache corruption, with the backend up and down -------------------------------------------
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "delete", "swap"])
+# (flip and truncate in the default tier; every damage kind is also in test_store_fuzz.py's loop)
+@pytest.mark.parametrize("damage", ["flip", "truncate", *(pytest.param(d, marks=pytest.mark.slow)
+                                                        for d in ("empty", "delete", "swap"))])
 def test_damaged_blocks_with_the_backend_up_then_down(private_s3, mount_factory, damage):
     files = [SampleFile(f"k{i}.bin", 300 * KiB + i) for i in range(4)]
     upload(private_s3.client(), "dmg", "", files)
