@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# fuse3 + libfuse3-dev + pkg-config + gcc: pyfuse3; prometheus: promtool for the alert rule tests;
-# systemd: systemd-analyze for the unit file test; util-linux: mount(8) for the fstab test;
+# fuse3 + libfuse3-dev + pkg-config + gcc: pyfuse3; prometheus: promtool for the alert rule tests and the
+# server the scrape test starts on loopback; systemd: systemd-analyze for the unit file test; util-linux:
+# mount(8) for the fstab test, fincore for the page-cache probes;
 # redis-server: the shared metadata store tests
 packages=(fuse3 libfuse3-dev pkg-config gcc prometheus systemd util-linux redis-server)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
@@ -22,7 +23,7 @@ if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   echo "bootstrap: installing ${missing[*]}"
-  # Install servers (prometheus) without starting them: only their command-line tools are used.
+  # Install servers (prometheus) without starting them as services: the tests start their own on 127.0.0.1.
   guard=""
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     guard=/usr/sbin/policy-rc.d
