@@ -230,7 +230,9 @@ class TargetFile:
                 raise OSError(errno.EPERM, "another user could write there")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             try:
-                os.write(fd, body.encode() + b"\n")
+                data = memoryview(body.encode() + b"\n")
+                while data:
+                    data = data[os.write(fd, data):]
             finally:
                 os.close(fd)
             os.replace(tmp, self.path)
