@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from epochfs.cache.policies.lru import LruPolicy
-from epochfs.cache.service import BlockCache
+from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
 from epochfs.errors import BackendUnavailable, ObjectChanged
 from epochfs.records import ObjectInfo
@@ -21,7 +21,7 @@ from .helpers import BS, MemoryBackend
 def run_with_cache(tmp_path, backend, fn, capacity=1 << 30, readahead=0):
     store = BlockStore(tmp_path / "c", capacity, 0.0, LruPolicy())
     store.open()
-    cache = BlockCache(store, backend, block_size=BS, concurrency=8, readahead_blocks=readahead)
+    cache = BlockCache(store, backend, CacheSettings(block_size=BS, concurrency=8, readahead_blocks=readahead))
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -213,7 +213,8 @@ def test_a_fill_abandoned_at_its_deadline_undoes_its_write_when_it_finishes(tmp_
     store = BlockStore(tmp_path / "c", 1 << 30, 0.0, LruPolicy())
     store.open()
     store.packing = packing
-    cache = BlockCache(store, backend, block_size=BS, concurrency=8, readahead_blocks=0, fetch_timeout=0.2)
+    cache = BlockCache(store, backend, CacheSettings(block_size=BS, concurrency=8, readahead_blocks=0,
+                                                    fetch_timeout=0.2))
 
     async def main():
         async with trio.open_nursery() as nursery:

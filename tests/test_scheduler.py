@@ -8,9 +8,9 @@ import trio
 import trio.testing
 
 from epochfs.cache.policies.manifest import ManifestPolicy
-from epochfs.cache.service import BlockCache
+from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
-from epochfs.prefetch.scheduler import Prefetcher
+from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 from epochfs.records import ObjectInfo
 
 from .helpers import BS, MemoryBackend
@@ -25,9 +25,9 @@ def with_prefetcher(tmp_path, fn, *, capacity=1 << 30, bandwidth=None, clock=Non
     store.open()
     backend = backend or MemoryBackend()
     # No fetch deadline: with a mock clock that jumps ahead, a worker thread's wall time looks endless.
-    cache = BlockCache(store, backend, block_size=BS, concurrency=4, readahead_blocks=0,
-                       fetch_timeout=math.inf if clock is not None else 60.0)
-    pf = Prefetcher(cache, capacity=capacity, max_inflight=2, bandwidth=bandwidth)
+    cache = BlockCache(store, backend, CacheSettings(block_size=BS, concurrency=4, readahead_blocks=0,
+                       fetch_timeout=math.inf if clock is not None else 60.0))
+    pf = Prefetcher(cache, PrefetchSettings(capacity=capacity, max_inflight=2, bandwidth=bandwidth))
     cache.observer = pf
 
     async def main():

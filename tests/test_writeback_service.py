@@ -20,7 +20,7 @@ from epochfs.meta.namespace import Namespace
 from epochfs.private import private_dir
 from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
-from epochfs.writeback.service import WriteBack
+from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree
 
 UID, GID = 1000, 1000
@@ -97,8 +97,9 @@ def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
         current = [f.obj for f in tree.namespace.files()]
         tree.namespace = Namespace.build(merged(current, added, removed), previous=tree.namespace)
 
-    wb = WriteBack(journal, room, bucket, tree, bandwidth=None, concurrency=2, demand_waiting=lambda: False,
-                   publish=publish, user_quota=quota)
+    wb = WriteBack(journal, room, bucket, tree, WritebackSettings(upload_bandwidth=None, upload_concurrency=2,
+                                                                  user_quota=quota),
+                   demand_waiting=lambda: False, publish=publish)
     wb.recover()
 
     async def main():

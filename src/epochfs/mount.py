@@ -28,7 +28,7 @@ import trio
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
-from epochfs.cache.service import BlockCache
+from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
 from epochfs.collected import Collected
 from epochfs.config import Config
@@ -48,9 +48,9 @@ from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
-from epochfs.prefetch.scheduler import Prefetcher
+from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 from epochfs.writeback.journal import Journal
-from epochfs.writeback.service import WriteBack
+from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree
 
 log = logging.getLogger(__name__)
@@ -172,17 +172,16 @@ class Daemon:
         self.peer_server: PeerServer | None = None
         if config.peer_listen:
             self._open_peer()
-        self.cache = BlockCache(
-            self.store, self.backend, block_size=config.block_size,
-            concurrency=config.backend_concurrency, readahead_blocks=config.readahead_blocks,
+        self.cache = BlockCache(self.store, self.backend, CacheSettings(
+            block_size=config.block_size, concurrency=config.backend_concurrency,
+            readahead_blocks=config.readahead_blocks,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
-            source=self.peer,
-        )
+        ), source=self.peer)
         if self.peer is not None:
             self.peer.cache = self.cache
-        self.prefetcher = Prefetcher(self.cache, capacity=config.cache_size,
-                                     max_inflight=config.backend_concurrency,
-                                     bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead)
+        self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
+            capacity=config.cache_size, max_inflight=config.backend_concurrency,
+            bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
         self.cache.observer = self.prefetcher
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
@@ -237,9 +236,10 @@ class Daemon:
         self.journal = Journal(self.config.cache_dir)
         opened.callback(self.journal.close)
         self.writeback = WriteBack(
-            self.journal, self.store, self.backend, self.tree, bandwidth=self.config.upload_bandwidth,
-            concurrency=self.config.upload_concurrency, demand_waiting=self.cache.demand_waiting,
-            publish=self.snapshots.apply, user_quota=self.config.writeback_user_quota)
+            self.journal, self.store, self.backend, self.tree, WritebackSettings(
+                upload_bandwidth=self.config.upload_bandwidth, upload_concurrency=self.config.upload_concurrency,
+                user_quota=self.config.writeback_user_quota),
+            demand_waiting=self.cache.demand_waiting, publish=self.snapshots.apply)
         opened.callback(self.writeback.close)
         self.writeback.recover()
 

@@ -68,6 +68,16 @@ class CacheStats:
     push_stale: int = 0  # pushes whose file changed meanwhile (its pages dropped again)
 
 
+@dataclass(frozen=True)
+class CacheSettings:
+    """What the block cache service needs of the mount's options."""
+
+    block_size: int
+    concurrency: int  # backend fetches at once, demand and prefetch each
+    readahead_blocks: int  # blocks fetched ahead of a sequential reader
+    fetch_timeout: float = 60.0  # a fill gives up after this long, whatever its thread is doing
+
+
 class ReadObserver(Protocol):
     """Told where the reader is (the prefetcher follows it)."""
 
@@ -132,23 +142,15 @@ class BlockCache:
     #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
     WHOLE_BUDGET = 64 << 20
 
-    def __init__(
-        self,
-        store: BlockStore,
-        backend: Backend,
-        *,
-        block_size: int,
-        concurrency: int,
-        readahead_blocks: int,
-        fetch_timeout: float = 60.0,
-        source: BlockSource | None = None,
-    ) -> None:
+    def __init__(self, store: BlockStore, backend: Backend, settings: CacheSettings, *,
+                 source: BlockSource | None = None) -> None:
         self.store = store
         self.source: BlockSource = source or BackendSource(backend)
-        self.fetch_timeout = fetch_timeout
+        self.fetch_timeout = settings.fetch_timeout
         self.backend = backend
-        self.block_size = block_size
-        self.readahead_blocks = readahead_blocks
+        self.block_size = block_size = settings.block_size
+        self.readahead_blocks = readahead_blocks = settings.readahead_blocks
+        concurrency = settings.concurrency
         self._source = backend.source_id
         self._block_id = functools.lru_cache(maxsize=1 << 16)(self._compute_block_id)  # hot files' ids
         self._flights: dict[bytes, Fetch] = {}

@@ -114,20 +114,29 @@ class WarmupJob:
         }
 
 
+@dataclass(frozen=True)
+class PrefetchSettings:
+    """What the prefetcher needs of the mount's options."""
+
+    capacity: int  # the cache's size: the window stays within a quarter of it
+    max_inflight: int  # prefetch fetches at once, at most
+    bandwidth: float | None = None  # cap on prefetch and warmup traffic, bytes/s
+    lead: float = DEFAULT_LEAD  # seconds of reading the window covers, at most
+
+
 class Prefetcher:
     START_INFLIGHT = 4  # fetches in flight before the reader's rate is known
     MIN_INFLIGHT = 2
     MIN_LEAD = 0.25  # seconds of reading kept ahead, at the least
     LATENCY_LEADS = 20  # the lead in fetch latencies: a fast backend needs little lead
 
-    def __init__(self, cache: BlockCache, *, capacity: int, max_inflight: int,
-                 bandwidth: float | None = None, lead: float = DEFAULT_LEAD) -> None:
+    def __init__(self, cache: BlockCache, settings: PrefetchSettings) -> None:
         self.cache = cache
         self.policy = cache.policy
-        self.capacity = capacity
-        self.max_inflight = max(1, max_inflight)
-        self.bandwidth = bandwidth
-        self.lead = lead
+        self.capacity = settings.capacity
+        self.max_inflight = max(1, settings.max_inflight)
+        self.bandwidth = settings.bandwidth
+        self.lead = settings.lead
         self._plan: Plan | None = None
         self._segments = itertools.count()
         self._file_pos = 0

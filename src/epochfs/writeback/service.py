@@ -85,22 +85,31 @@ def _path(parent: Node, name: bytes) -> str:
     return path
 
 
+@dataclass(frozen=True)
+class WritebackSettings:
+    """What write-back needs of the mount's options."""
+
+    upload_bandwidth: float | None  # cap on all uploads together, bytes/s (None: none)
+    upload_concurrency: int  # files uploaded at once
+    user_quota: int | None  # bytes one owner may hold not yet uploaded (None: no quota)
+
+
 class WriteBack:
     SETTLE = 1.0  # seconds a closed file waits before its upload starts: a rename usually follows
     PUBLISH_INTERVAL = 2.0
     RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
 
-    def __init__(self, journal: Journal, store: Room, backend: Backend, tree: Tree, *,
-                 bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
-                 publish: Publish, user_quota: int | None = None) -> None:
+    def __init__(self, journal: Journal, store: Room, backend: Backend, tree: Tree, settings: WritebackSettings, *,
+                 demand_waiting: Callable[[], bool], publish: Publish) -> None:
         self.journal = journal
         self.tree = tree
         if tree.overlay is None:
             raise ValueError("write-back needs a tree with an overlay (Tree(namespace, Overlay()))")
         self.overlay = tree.overlay
-        self.owed = Owed(store, user_quota=user_quota)
-        self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=bandwidth,
-                               concurrency=concurrency, demand_waiting=demand_waiting, publish=publish)
+        self.owed = Owed(store, user_quota=settings.user_quota)
+        self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=settings.upload_bandwidth,
+                               concurrency=settings.upload_concurrency, demand_waiting=demand_waiting,
+                               publish=publish)
         self._handles: dict[int, Handle] = {}
 
     # -- start-up -------------------------------------------------------------------------------------------
