@@ -542,25 +542,29 @@ class BlockStore:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
         return where(self.cache_dir, bid, self.lookup(bid))
 
+    def _disk_room(self) -> float:
+        """Free bytes of the cache's file system above the share kept free (``--free-space-ratio``);
+        raises OSError when it cannot be asked."""
+        st = os.statvfs(self.cache_dir)
+        return st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize
+
     def _disk_low(self, nbytes: int) -> bool:
         if self.free_space_ratio <= 0:
             return False
         try:
-            st = os.statvfs(self.cache_dir)
+            return self._disk_room() - nbytes < 0
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 raise
             return True
-        return st.f_bavail * st.f_frsize - nbytes < self.free_space_ratio * st.f_blocks * st.f_frsize
 
     def bound(self) -> int:
         """What the cache can hold now: ``capacity``, or less where its file system holds less (what it
         holds, plus the free space above the share kept free)."""
         try:
-            st = os.statvfs(self.cache_dir)
+            room = self._disk_room()
         except OSError:
             return self.capacity
-        room = st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize
         return max(0, min(self.capacity, self.used + self.pending + int(room)))
 
     def statistics(self) -> StoreStats:
