@@ -46,7 +46,7 @@ from epochfs.mountpoint import check_mountpoint
 from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
-from epochfs.peer.tier import PeerTier
+from epochfs.peer.tier import PeerAnswers, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 from epochfs.writeback.journal import Journal
@@ -178,11 +178,11 @@ class Daemon:
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
         if self.peer is not None:
-            self.peer.cache = self.cache
+            self._serve_peers()
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
             capacity=config.cache_size, max_inflight=config.backend_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
-        self.cache.observer = self.prefetcher
+        self.cache.observe(self.prefetcher)
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)
@@ -211,22 +211,28 @@ class Daemon:
             tree=self.tree, writeback=self.writeback,
         )
         if config.push_ahead:
-            self.cache.pusher = Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead)
+            self.cache.push_with(Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
         self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
 
     def _open_peer(self) -> None:
-        """The cluster cache tier: membership in the shared store, the peer port, the block source."""
+        """The cluster cache tier's block source and its membership in the shared store (the cache is
+        built on it)."""
         config = self.config
         assert config.peer_listen is not None and config.peer_token_file is not None
         keys = Keys(load_token(config.peer_token_file))
-        host, port = split_addr(config.peer_listen, any_port=True) or ("", 0)
         client = PeerClient(keys, config.peer_timeout)
         members = Membership(self.snapshots.store, self.backend.source_id,
                              config.peer_advertise or config.peer_listen,
                              prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)))
-        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache,
-                             namespace=lambda: self.snapshots.namespace)
-        self.peer_server = self.peer.server = PeerServer(host, port, keys, lambda: members.me, self.peer.serve)
+        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache)
+
+    def _serve_peers(self) -> None:
+        """The peer port, answering other members from the cache."""
+        assert self.peer is not None and self.config.peer_listen is not None
+        host, port = split_addr(self.config.peer_listen, any_port=True) or ("", 0)
+        members = self.peer.members
+        answers = PeerAnswers(self.cache, lambda: self.snapshots.namespace)
+        self.peer_server = PeerServer(host, port, self.peer.client.keys, lambda: members.me, answers.serve)
 
     def _open_writeback(self, opened: contextlib.ExitStack) -> None:
         """The write-back journal and service; what an earlier run left owed is taken up before the mount
@@ -263,7 +269,7 @@ class Daemon:
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
                          backend_bandwidth=self.config.backend_bandwidth,
                          writeback=self.writeback.statistics() if self.writeback else None,
-                         peer=self.peer.statistics() if self.peer else None, jobs=self.jobs.statistics())
+                         peer=self.peer.statistics(self.peer_server.stats if self.peer_server else None) if self.peer else None, jobs=self.jobs.statistics())
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""

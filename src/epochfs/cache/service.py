@@ -173,6 +173,20 @@ class BlockCache:
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
 
+    def observe(self, observer: ReadObserver) -> None:
+        """Tell ``observer`` (the prefetcher, built on this cache) of each file opened and block read.
+        Wired by the composition root before the cache runs; one observer."""
+        if self.observer is not None:
+            raise ValueError("the cache already has an observer")
+        self.observer = observer
+
+    def push_with(self, pusher: Pusher) -> None:
+        """Push blocks into the kernel's page cache ahead of sequential readers (the pusher writes through
+        the FUSE adapter, built on this cache). Wired by the composition root before the cache runs."""
+        if self.pusher is not None:
+            raise ValueError("the cache already has a pusher")
+        self.pusher = pusher
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:

@@ -16,7 +16,7 @@ the block comes from the backend.
 of other owners are read from them each time (at network speed), and prefetching one only warms its
 owner (``warm`` requests carry no bytes back).
 
-**Serving** (trio thread). A request is answered only for an object of this node's snapshot whose
+**Serving** (trio thread, :class:`PeerAnswers`, built after the cache it answers from). A request is answered only for an object of this node's snapshot whose
 block id, derived here, is the one asked for; the block comes from this node's cache or its backend,
 never from another member (no request is forwarded, so differing member views cannot loop).
 
@@ -40,7 +40,7 @@ from epochfs.meta.namespace import File, Namespace
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.members import Membership
-from epochfs.peer.server import PeerServer
+from epochfs.peer.server import ServerStats
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -75,17 +75,13 @@ class PeerTier:
     DECLINES_IN_A_ROW = 8
     OBJECT_STATUSES = (404, 409, 412)  # "not this object version here": no fault of the member
 
-    def __init__(self, backend: Backend, members: Membership, client: PeerClient, *, mode: str,
-                 namespace: Callable[[], Namespace]) -> None:
+    def __init__(self, backend: Backend, members: Membership, client: PeerClient, *, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(mode)
         self.backend = backend
         self.members = members
         self.client = client
         self.mode = mode
-        self.server: PeerServer | None = None
-        self.cache: PeerCache | None = None  # set by the composition root once the cache exists
-        self.namespace = namespace
         self._lock = threading.Lock()
         self._declines: Counter[str] = Counter()
         self._outcomes: Counter[str] = Counter()
@@ -137,16 +133,31 @@ class PeerTier:
         else:
             log.debug("peer %s: %s; reading from the backend", owner, exc)
 
-    # -- answering other members (trio thread) -----------------------------------------------------------
+    def statistics(self, served: ServerStats | None = None) -> PeerStats:
+        """The tier's counts, with what this node's peer server answered (``served``)."""
+        with self._lock:
+            outcomes = {**dict.fromkeys(OUTCOMES, 0), **self._outcomes}
+            bytes_in = self._bytes_in
+        if served is not None:
+            outcomes["served"] = served.served
+            outcomes["rejected"] = served.rejected
+        return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=self.members.down(),
+                         store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
+                         bytes_out=served.served_bytes if served else 0)
+
+
+class PeerAnswers:
+    """Answers to other members' block requests, from this node's cache (trio thread)."""
+
+    def __init__(self, cache: PeerCache, namespace: Callable[[], Namespace]) -> None:
+        self.cache = cache
+        self.namespace = namespace
 
     async def serve(self, req: wire.BlockRequest) -> bytes | None:
         node = self.namespace().resolve(req.key)
         if not isinstance(node, File) or node.obj.key != req.key or node.obj.etag != req.etag:
             raise wire.Rejected(404, "no such object version in this node's snapshot")
-        obj = node.obj
-        cache = self.cache
-        if cache is None:
-            raise wire.Rejected(503, "starting")
+        obj, cache = node.obj, self.cache
         try:
             length = cache.block_length(obj, req.index)
         except ValueError:
@@ -159,15 +170,3 @@ class PeerTier:
             raise wire.Rejected(412, str(exc)) from None
         except EpochfsError as exc:
             raise wire.Rejected(503, str(exc)) from None
-
-    def statistics(self) -> PeerStats:
-        served = self.server.stats if self.server else None
-        with self._lock:
-            outcomes = {**dict.fromkeys(OUTCOMES, 0), **self._outcomes}
-            bytes_in = self._bytes_in
-        if served is not None:
-            outcomes["served"] = served.served
-            outcomes["rejected"] = served.rejected
-        return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=self.members.down(),
-                         store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
-                         bytes_out=served.served_bytes if served else 0)
