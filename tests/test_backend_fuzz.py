@@ -192,7 +192,7 @@ def test_random_listings_give_servable_objects_or_an_error(credentials, seed):
     is an error of epochfs's own (a mount reports it, a refresh keeps the snapshot it has)."""
     from epochfs.backend.base import listing_problem
     from epochfs.meta.base import decode_objects, encode_objects
-    from epochfs.meta.namespace import Namespace
+    from epochfs.meta.index import build as build_namespace
 
     rng = random.Random(seed)
     state = {"xml": ""}
@@ -234,7 +234,7 @@ def test_random_listings_give_servable_objects_or_an_error(credentials, seed):
             for o in objects:
                 assert listing_problem(o) is None and -(1 << 63) <= o.mtime_ns < 1 << 63
             assert decode_objects(encode_objects(objects)) == objects  # every store can hold them
-            Namespace.build(objects)
+            build_namespace(objects)
     finally:
         backend.close()
         server.shutdown()

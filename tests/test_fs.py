@@ -13,6 +13,7 @@ import trio
 
 from epochfs.errors import AccessDenied, BackendUnavailable, ObjectChanged
 from epochfs.fs import Operations, Presentation
+from epochfs.meta.index import build as build_namespace
 from epochfs.meta.namespace import ROOT_INODE, Namespace
 from epochfs.records import ObjectInfo
 
@@ -22,7 +23,7 @@ CTX = pyfuse3.RequestContext()
 
 
 def ns(*objs: ObjectInfo) -> Namespace:
-    return Namespace.build(objs, mtime_ns=1)
+    return build_namespace(objs, mtime_ns=1)
 
 
 def ops_for(namespace: Namespace, data: dict[str, bytes] | None = None, **present) -> Operations:
@@ -60,7 +61,7 @@ def test_source_modes_and_owners_are_presented_and_uniform_options_override_them
 
 def test_a_listing_keeps_the_snapshot_it_was_opened_on(monkeypatch):
     before = ns(*(ObjectInfo(f"d/{i:03d}", 1, 0, "e") for i in range(50)))
-    after = Namespace.build([ObjectInfo("other/x", 1, 0, "e")], mtime_ns=2, previous=before)
+    after = build_namespace([ObjectInfo("other/x", 1, 0, "e")], mtime_ns=2, previous=before)
     ops = ops_for(before)
     listed: list[bytes] = []
 

@@ -14,7 +14,8 @@ import pytest
 
 from epochfs.devserver import LocalRedis
 from epochfs.meta import open_meta
-from epochfs.meta.namespace import Namespace, diff
+from epochfs.meta.index import build as build_namespace
+from epochfs.meta.namespace import diff
 from epochfs.records import ObjectInfo
 from epochfs.sample import SampleFile, pattern, upload
 
@@ -70,8 +71,8 @@ def test_lmdb_store_keeps_manifests_across_versions(tmp_path):
 
 
 def test_inodes_stay_stable_across_versions_and_the_diff_names_what_changed():
-    a = Namespace.build([ObjectInfo("x/1", 1, 0, "e1"), ObjectInfo("x/2", 2, 0, "e2"), ObjectInfo("y", 3, 0, "e3")])
-    b = Namespace.build([ObjectInfo("x/1", 1, 0, "e1"), ObjectInfo("x/2", 5, 0, "NEW"), ObjectInfo("z", 4, 0, "e4")],
+    a = build_namespace([ObjectInfo("x/1", 1, 0, "e1"), ObjectInfo("x/2", 2, 0, "e2"), ObjectInfo("y", 3, 0, "e3")])
+    b = build_namespace([ObjectInfo("x/1", 1, 0, "e1"), ObjectInfo("x/2", 5, 0, "NEW"), ObjectInfo("z", 4, 0, "e4")],
                         previous=a)
     assert b.resolve("x/1").inode == a.resolve("x/1").inode
     assert b.resolve("x/2").inode == a.resolve("x/2").inode

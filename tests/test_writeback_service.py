@@ -16,7 +16,7 @@ import trio
 from epochfs.backend.base import Backend, BackendStats
 from epochfs.errors import BackendUnavailable, NoSpace, Refused
 from epochfs.meta.base import merged
-from epochfs.meta.namespace import Namespace
+from epochfs.meta.index import build as build_namespace
 from epochfs.private import private_dir
 from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
@@ -90,12 +90,12 @@ def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
     cache = private_dir(tmp_path / "cache")
     journal = Journal(cache)
     bucket, room, published = Bucket(), Room(capacity), []
-    tree = Tree(Namespace.build(list(objects)), Overlay())
+    tree = Tree(build_namespace(list(objects)), Overlay())
 
     async def publish(added, removed):  # as the snapshots do: a new version, the namespace rebuilt from it
         published.append((dict(added), set(removed)))
         current = [f.obj for f in tree.namespace.files()]
-        tree.namespace = Namespace.build(merged(current, added, removed), previous=tree.namespace)
+        tree.namespace = build_namespace(merged(current, added, removed), previous=tree.namespace)
 
     wb = WriteBack(journal, room, bucket, tree, WritebackSettings(upload_bandwidth=None, upload_concurrency=2,
                                                                   user_quota=quota),

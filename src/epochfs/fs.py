@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import stat
@@ -153,7 +154,7 @@ class Operations(pyfuse3.Operations):
         self.read_latency = Histogram()
         self._streams: dict[int, ReadStream] = {}
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
-        self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir]] = {}
+        self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir, list[Any]]] = {}
         self._next_fh = 1
         self._file_default, self._dir_default = (0o644, 0o755) if self.present.writable else (0o444, 0o555)
 
@@ -235,7 +236,7 @@ class Operations(pyfuse3.Operations):
             self._dirs[fh] = self.tree.listing(node)
         else:
             assert node.in_snapshot
-            self._dirs[fh] = (self.namespace, node)
+            self._dirs[fh] = (self.namespace, node, [0, b""])  # the offset and the name read last
         return fh
 
     @_translated
@@ -247,12 +248,14 @@ class Operations(pyfuse3.Operations):
                 if not pyfuse3.readdir_reply(token, name, self._attrs(child), i + 1):
                     break
             return
-        namespace, node = listing
-        names = node.names
-        for i in range(start_id, len(names)):
-            child = namespace.node(node.children[names[i]])
-            if not pyfuse3.readdir_reply(token, names[i], self._attrs(child), i + 1):
+        namespace, node, at = listing
+        if start_id != at[0]:  # a seek: walk to it
+            skipped = list(itertools.islice(namespace.entries(node.inode), start_id))
+            at[:] = [len(skipped), skipped[-1][0] if skipped else b""]
+        for name, child in namespace.entries(node.inode, at[1]):
+            if not pyfuse3.readdir_reply(token, name, self._attrs(child), at[0] + 1):
                 break
+            at[:] = [at[0] + 1, name]
 
     @_translated
     async def releasedir(self, fh: int) -> None:

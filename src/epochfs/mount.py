@@ -212,7 +212,7 @@ class Daemon:
         )
         if config.push_ahead:
             self.cache.push_with(Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
-        self.warnings = startup_warnings(config, len(self.snapshots.snapshot.objects))
+        self.warnings = startup_warnings(config, self.snapshots.snapshot.objects)
 
     def _open_peer(self) -> None:
         """The cluster cache tier's block source and its membership in the shared store (the cache is

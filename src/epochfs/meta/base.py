@@ -31,11 +31,25 @@ class SnapshotInvalid(EpochfsError):
 
 
 @dataclass(frozen=True)
+class Head:
+    """What identifies a version, read without its objects."""
+
+    source: str
+    version: int
+    created: float
+    objects: int  # how many
+
+
+@dataclass(frozen=True)
 class Snapshot:
     source: str
     version: int
     created: float
     objects: list[ObjectInfo]
+
+    @property
+    def head(self) -> Head:
+        return Head(self.source, self.version, self.created, len(self.objects))
 
 
 def _opt(value: int | None) -> int:
@@ -116,8 +130,10 @@ class MetaStore(Protocol):
     url: str
     #: Shared by the nodes of a cluster: a node loads what was published and never lists the source.
     shared: bool
-    #: Each node keeps a copy of the snapshot it loaded, to mount from when the store is away.
-    keeps_local_copy: bool
+
+    def head(self, source: str) -> Head | None:
+        """The current version's number, time and size, without its objects (None if none was
+        published); :class:`SnapshotInvalid` if its record is malformed."""
 
     def load(self, source: str) -> Snapshot | None:
         """The current snapshot of ``source``, or None if none was published."""
@@ -128,9 +144,9 @@ class MetaStore(Protocol):
     def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
         """Publish a new version atomically and return it."""
 
-    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Snapshot:
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
         """Publish the current version with objects put and deleted (write-back), atomically with
-        respect to other nodes doing the same; return the new version."""
+        respect to other nodes doing the same; return the new version's identity."""
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         """Publish a manifest under ``name`` for every node to fetch."""

@@ -23,6 +23,7 @@ import lmdb as _lmdb
 from epochfs.errors import EpochfsError
 from epochfs.meta.base import (
     MAX_OBJECTS,
+    Head,
     Progress,
     Snapshot,
     SnapshotInvalid,
@@ -45,7 +46,6 @@ _ENVIRONMENTS_LOCK = threading.Lock()
 
 class LmdbMetaStore:
     shared = False
-    keeps_local_copy = False
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -91,6 +91,22 @@ class LmdbMetaStore:
             info = self._info(txn, source)
             version = info.get("version") if info else None
             return version if isinstance(version, int) else None
+
+    def head(self, source: str) -> Head | None:
+        """The stored version's identity (None when there is none, or it is unreadable: then the source is
+        listed again)."""
+        try:
+            with self._env().begin(buffers=True) as txn:
+                info = self._info(txn, source)
+        except (_lmdb.Error, EpochfsError) as exc:
+            log.warning("metadata store %s is unreadable (%s); the source will be listed again", self.path, exc)
+            return None
+        if info is None:
+            return None
+        version, created, count = info.get("version"), info.get("created"), info.get("objects")
+        if not (isinstance(version, int) and isinstance(created, (int, float)) and isinstance(count, int)):
+            return None
+        return Head(source, version, float(created), count)
 
     def load(self, source: str) -> Snapshot | None:
         try:
@@ -153,21 +169,11 @@ class LmdbMetaStore:
             }).encode())
         return Snapshot(source, version, created, listed)
 
-    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Snapshot:
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
         """The stored version with ``added`` and ``removed`` applied (one daemon owns this store: its
         cache directory is locked)."""
         current = self.load(source)
-        return self.save(source, merged(current.objects if current else (), added, removed))
-
-    def keep(self, key: str, snapshot: Snapshot) -> None:
-        """Keep a copy of a snapshot loaded from another (shared) store under ``key``, with its version
-        number. Best effort: a failure is logged, the daemon goes on serving."""
-        try:
-            if self.current_version(key) != snapshot.version:
-                self.save(key, snapshot.objects, version=snapshot.version, created=snapshot.created)
-                log.info("kept a copy of snapshot version %d in %s", snapshot.version, self.path)
-        except (OSError, _lmdb.Error, EpochfsError) as exc:
-            log.warning("could not keep a copy of snapshot version %d in %s: %s", snapshot.version, self.path, exc)
+        return self.save(source, merged(current.objects if current else (), added, removed)).head
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         with self._env().begin(write=True) as txn:

@@ -1,7 +1,9 @@
-"""The dataset's namespace as an immutable tree with inode numbers. Pure: no I/O.
+"""The dataset's namespace: the rules for which keys become paths, the nodes, and a read-only view of one
+version of the tree with inode numbers. The tree itself lives in an LMDB index (:mod:`.index`), read
+through its memory map: a node is decoded when it is asked for, so the daemon's memory follows what
+readers touch, not the size of the dataset.
 
-A :class:`Namespace` is built from a listing. Keys that cannot be safe path names are skipped with one
-log line each and never become entries:
+Keys that cannot be safe path names are skipped with one log line each and never become entries:
 
 - an empty component (a leading ``/``, ``//``) or a ``.`` / ``..`` component;
 - a NUL or another control character, or text that is not valid UTF-8;
@@ -11,25 +13,37 @@ log line each and never become entries:
 A key ending in ``/`` with no data is a directory marker: it makes the directory, not a file, and
 carries the directory's attributes where the source has them (mode, owner, mtime). The empty key is the
 marker of the root.
-Inode numbers are assigned in sorted path order, so the same snapshot always gets the same numbers.
+
+A :class:`Namespace` is one version, unchanging while anyone holds it (an LMDB read transaction): a
+listing opened on it and the files opened through it keep what they saw while newer versions are
+written beside it. Its lookups may be called from any thread.
 """
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import NamedTuple
+import struct
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from epochfs.records import ObjectInfo
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import lmdb
 
 ROOT_INODE = 1
 NAME_MAX = 255
 PATH_MAX = 4000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+#: A node's record in the index: kind, whether a directory has a marker, size, mtime_ns, mode, uid, gid
+#: (0xFFFFFFFF: not given), len(key), len(etag); then the key (a directory's path) and the ETag.
+RECORD = struct.Struct("<BBQqIIIHH")
+KIND_DIR, KIND_FILE = 0, 1
+_NONE = 0xFFFFFFFF
+_CHUNK = 1024  # entries read per turn of the lock when iterating
+_MEMO = 1 << 15  # decoded nodes kept per view (the hot set of readers)
 
 
 def unsafe_reason(key: str) -> str | None:
@@ -57,14 +71,11 @@ def unsafe_reason(key: str) -> str | None:
     return None
 
 
-@dataclass(slots=True)
-class Dir:
+class Dir(NamedTuple):
     """A directory of the snapshot (what a node can do: :class:`epochfs.writeback.tree.Node`)."""
 
     inode: int
     path: str
-    children: dict[bytes, int]
-    names: list[bytes]  # sorted, for readdir offsets
     info: ObjectInfo | None = None  # its marker, if the listing had one
 
     is_dir = True
@@ -94,109 +105,164 @@ class File(NamedTuple):  # immutable; a tuple builds in a fraction of a frozen d
         return self.obj
 
 
+def _opt(value: int | None) -> int:
+    return _NONE if value is None else value
+
+
+def encode_file(obj: ObjectInfo) -> bytes:
+    key, etag = obj.key.encode("utf-8"), obj.etag.encode("utf-8")
+    return RECORD.pack(KIND_FILE, 1, obj.size, obj.mtime_ns, _opt(obj.mode), _opt(obj.uid), _opt(obj.gid),
+                       len(key), len(etag)) + key + etag
+
+
+def encode_dir(path: str, info: ObjectInfo | None) -> bytes:
+    key = path.encode("utf-8")
+    if info is None:
+        return RECORD.pack(KIND_DIR, 0, 0, 0, _NONE, _NONE, _NONE, len(key), 0) + key
+    etag = info.etag.encode("utf-8")
+    return RECORD.pack(KIND_DIR, 1, 0, info.mtime_ns, _opt(info.mode), _opt(info.uid), _opt(info.gid),
+                       len(key), len(etag)) + key + etag
+
+
+def decode(inode: int, raw: bytes) -> Dir | File:
+    kind, has, size, mtime, mode, uid, gid, klen, elen = RECORD.unpack_from(raw)
+    at = RECORD.size
+    key = raw[at:at + klen].decode()
+    if kind == KIND_DIR and not has:
+        return Dir(inode, key)
+    etag = raw[at + klen:at + klen + elen].decode()
+    if kind == KIND_FILE:
+        if mode == _NONE and uid == _NONE and gid == _NONE:
+            return File(inode, key, ObjectInfo(key, size, mtime, etag))
+        obj = ObjectInfo(key, size, mtime, etag, None if mode == _NONE else mode,
+                         None if uid == _NONE else uid, None if gid == _NONE else gid)
+        return File(inode, key, obj)
+    return Dir(inode, key, ObjectInfo(key + "/" if key else "", 0, mtime, etag, None if mode == _NONE else mode,
+                                      None if uid == _NONE else uid, None if gid == _NONE else gid))
+
+
+def inode_key(inode: int) -> bytes:
+    return inode.to_bytes(8, "big")
+
+
+def path_key(path: str) -> bytes:
+    """A path's key in the index (LMDB keys are never empty: the root is ``/``)."""
+    return b"/" + path.encode("utf-8")
+
+
 class Namespace:
-    """Immutable after :meth:`build`. Lookups by inode and by (parent inode, name)."""
+    """One version of the tree: lookups by inode, by (parent inode, name) and by path."""
 
-    def __init__(self, nodes: list[Dir | File | None], total_bytes: int, mtime_ns: int, file_count: int,
-                 dir_count: int):
-        self._nodes = nodes
-        self.total_bytes = total_bytes
-        self.mtime_ns = mtime_ns
-        self.file_count = file_count
-        self.dir_count = dir_count
-        self._by_path: dict[str, int] | None = None
+    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, Any, Any], info: dict[str, Any],
+                 owner: object = None) -> None:
+        self._txn = txn
+        self._nodes, self._kids, self._paths = dbs
+        self._lock = threading.Lock()
+        self._memo: dict[int, Dir | File] = {}
+        self.owner = owner  # the index this view reads (kept open while the view lives)
+        self.info = info
+        self.version: int = info["version"]
+        self.generation: int = info["gen"]
+        self.total_bytes: int = info["bytes"]
+        self.mtime_ns: int = info["mtime_ns"]
+        self.file_count: int = info["files"]
+        self.dir_count: int = info["dirs"]
+        self.max_inode: int = info["max_inode"]
 
-    @classmethod
-    def build(cls, objects: Iterable[ObjectInfo], mtime_ns: int = 0, previous: Namespace | None = None) -> Namespace:
-        """The tree of a listing. With ``previous`` (the snapshot being replaced), a path that stays the
-        same kind keeps its inode number and new paths get numbers never used before, so the kernel's
-        cached inodes never come to mean another file."""
-        files: dict[str, ObjectInfo] = {}
-        dirs: set[str] = {""}
-        markers: dict[str, ObjectInfo] = {}
-        for obj in objects:
-            if obj.key == "" and not obj.size:
-                markers[""] = obj  # the root's marker
-                continue
-            reason = unsafe_reason(obj.key)
-            if reason is None and obj.key.endswith("/") and obj.size:
-                reason = "a directory marker with data"
-            if reason:
-                log.warning("skipping object %r: %s", obj.key, reason)
-                continue
-            path = obj.key.rstrip("/")
-            parent = path.rpartition("/")[0]
-            while parent not in dirs:  # its ancestors, up to the first one already known
-                dirs.add(parent)
-                parent = parent.rpartition("/")[0]
-            if obj.key.endswith("/"):
-                dirs.add(path)
-                markers[path] = obj
-            else:
-                files[path] = obj
-        for path in sorted(dirs.intersection(files)):
-            log.warning("skipping object %r: it is also a directory prefix", files.pop(path).key)
-
-        nodes: list[Dir | File | None] = [None]  # inode 0 is unused; the root is inode 1
-        old = previous.by_path() if previous is not None else {}
-        fresh = previous.max_inode + 1 if previous is not None else 2
-        if not old:  # inodes 1.. in order
-            nodes.extend([None] * (len(dirs) + len(files)))
-        dir_of: dict[str, Dir] = {}
-        for path in sorted(dirs | files.keys()):  # a parent sorts before its children
-            obj = files.get(path)
-            was = old.get(path)
-            if path == "":
-                inode = ROOT_INODE
-            elif was is not None and isinstance(was, File if obj is not None else Dir):
-                inode = was.inode
-            else:
-                inode, fresh = fresh, fresh + 1
-            if inode >= len(nodes):
-                nodes.extend([None] * (inode + 1 - len(nodes)))
-            if obj is not None:
-                nodes[inode] = File(inode, path, obj)
-            else:
-                nodes[inode] = dir_of[path] = Dir(inode, path, {}, [], markers.get(path))
-            if path:
-                parent_path, _, name = path.rpartition("/")
-                dir_of[parent_path].children[name.encode("utf-8")] = inode
-        for d in dir_of.values():
-            d.names = sorted(d.children)
-        total = sum(f.size for f in files.values())
-        newest = max((f.mtime_ns for f in files.values()), default=mtime_ns)
-        return cls(nodes, total, mtime_ns or newest, len(files), len(dir_of))
-
-    @property
-    def max_inode(self) -> int:
-        return len(self._nodes) - 1
-
-    def by_path(self) -> dict[str, Dir | File]:
-        return {n.path: n for n in self._nodes if n is not None}
+    def close(self) -> None:
+        """Let the index reuse what only this version held (also when the view is dropped)."""
+        with self._lock:
+            self._txn.abort()
 
     def node(self, inode: int) -> Dir | File:
-        if 0 < inode < len(self._nodes):
-            node = self._nodes[inode]
-            if node is not None:
-                return node
-        raise KeyError(inode)
+        node = self._memo.get(inode)
+        if node is not None:
+            return node
+        if not 0 < inode < 1 << 63:
+            raise KeyError(inode)
+        with self._lock:
+            raw = self._txn.get(inode_key(inode), db=self._nodes)
+        if raw is None:
+            raise KeyError(inode)
+        node = decode(inode, raw)
+        if len(self._memo) >= _MEMO:
+            self._memo.clear()
+        self._memo[inode] = node
+        return node
 
     def lookup(self, parent: int, name: bytes) -> Dir | File | None:
-        node = self.node(parent)
-        if not isinstance(node, Dir):
+        if not name or not 0 < parent < 1 << 63:
             return None
-        inode = node.children.get(name)
-        return None if inode is None else self.node(inode)
+        with self._lock:
+            raw = self._txn.get(inode_key(parent) + name, db=self._kids)
+        return None if raw is None else self.node(int.from_bytes(raw, "big"))
 
     def resolve(self, path: str) -> Dir | File | None:
         """The node at ``path`` (relative to the root, '/'-separated), or None."""
-        if self._by_path is None:
-            self._by_path = {n.path: n.inode for n in self._nodes if n is not None}
-        inode = self._by_path.get(path.strip("/"))
-        return None if inode is None else self.node(inode)
+        try:
+            key = path_key(path.strip("/"))
+        except UnicodeEncodeError:
+            return None
+        if len(key) > 511 + PATH_MAX:
+            return None
+        with self._lock:
+            raw = self._txn.get(key, db=self._paths)
+        return None if raw is None else self.node(int.from_bytes(raw[:8], "big"))
 
-    def files(self) -> Iterable[File]:
-        return (n for n in self._nodes if isinstance(n, File))
+    def _scan(self, db: Any, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        """Items of ``db`` from ``start`` (inclusive) while keys begin with ``stop``, a chunk per turn
+        of the lock (the caller may take its time between items)."""
+        key, first = start, True
+        while True:
+            chunk = []
+            with self._lock:
+                cursor = self._txn.cursor(db=db)
+                at = cursor.set_range(key)
+                if at and not first and cursor.key() == key:
+                    at = cursor.next()
+                while at:
+                    item = cursor.item()
+                    if stop is not None and not item[0].startswith(stop):
+                        break
+                    chunk.append(item)
+                    if len(chunk) >= _CHUNK:
+                        break
+                    at = cursor.next()
+                cursor.close()
+            yield from chunk
+            if len(chunk) < _CHUNK:
+                return
+            key, first = chunk[-1][0], False
+
+    def entries(self, inode: int, after: bytes = b"") -> Iterator[tuple[bytes, Dir | File]]:
+        """The names in directory ``inode`` in byte order (those after ``after``), with their nodes."""
+        prefix = inode_key(inode)
+        for key, value in self._scan(self._kids, prefix + after, prefix):
+            name = key[8:]
+            if name and name != after:
+                yield name, self.node(int.from_bytes(value, "big"))
+
+    def paths(self) -> Iterator[tuple[str, int, int]]:
+        """Every (path, inode, kind), in path order."""
+        for key, value in self._scan(self._paths, b"/", None):
+            yield key[1:].decode(), int.from_bytes(value[:8], "big"), value[8]
+
+    def path_entry(self, path: str) -> tuple[int, int] | None:
+        """The inode and kind at ``path``, without decoding its node."""
+        with self._lock:
+            raw = self._txn.get(path_key(path), db=self._paths)
+        return None if raw is None else (int.from_bytes(raw[:8], "big"), raw[8])
+
+    def raw(self, inode: int) -> bytes | None:
+        with self._lock:
+            return self._txn.get(inode_key(inode), db=self._nodes)
+
+    def files(self) -> Iterator[File]:
+        for key, value in self._scan(self._nodes, inode_key(1), None):
+            if value[0] == KIND_FILE:
+                node = decode(int.from_bytes(key, "big"), value)
+                assert isinstance(node, File)
+                yield node
 
     def __len__(self) -> int:
         return self.file_count + self.dir_count
@@ -205,23 +271,32 @@ class Namespace:
 def diff(old: Namespace, new: Namespace) -> tuple[list[tuple[int, bytes]], list[int]]:
     """What the kernel must forget when ``new`` replaces ``old``: directory entries (parent inode,
     name) that were added, removed or now name something else, and inodes whose attributes or data
-    changed (their cached pages must go) or whose listing changed."""
-    before, after = old.by_path(), new.by_path()
+    changed (their cached pages must go) or whose listing changed. One pass over both, in path order."""
     entries: list[tuple[int, bytes]] = []
     inodes: set[int] = set()
-    if before[""].info != after[""].info:  # type: ignore[union-attr]
+    if old.raw(ROOT_INODE) != new.raw(ROOT_INODE):
         inodes.add(ROOT_INODE)
-    for path in before.keys() | after.keys():
+    before, after = old.paths(), new.paths()
+    o, n = next(before, None), next(after, None)
+    while o is not None or n is not None:
+        if n is None or (o is not None and o[0] < n[0]):  # gone
+            path, was = o[0], o  # type: ignore[index]
+            o, now = next(before, None), None
+        elif o is None or n[0] < o[0]:  # new
+            path, was, now = n[0], None, n
+            n = next(after, None)
+        else:
+            path, was, now = o[0], o, n
+            o, n = next(before, None), next(after, None)
+            if was[1] == now[1] and was[2] == now[2] and old.raw(was[1]) == new.raw(now[1]):
+                continue
         if not path:
             continue
-        o, n = before.get(path), after.get(path)
-        if o is not None and n is not None and type(o) is type(n) and o.inode == n.inode and (
-                o.info == n.info if isinstance(o, Dir) else o.obj == n.obj):  # type: ignore[union-attr]
-            continue
         parent_path, _, name = path.rpartition("/")
-        parent = after.get(parent_path) or before[parent_path]
+        parent = new.resolve(parent_path) or old.resolve(parent_path)
+        assert parent is not None
         entries.append((parent.inode, name.encode("utf-8")))
         inodes.add(parent.inode)
-        if o is not None:
-            inodes.add(o.inode)
+        if was is not None:
+            inodes.add(was[1])
     return entries, sorted(inodes)

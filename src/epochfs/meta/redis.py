@@ -22,6 +22,7 @@ import redis
 from epochfs.errors import BackendUnavailable, ConfigError
 from epochfs.meta.base import (
     MAX_OBJECTS,
+    Head,
     Progress,
     Snapshot,
     SnapshotInvalid,
@@ -90,7 +91,6 @@ def _info(raw: bytes, version: int, url: str) -> _Info:
 
 class RedisMetaStore:
     shared = True
-    keeps_local_copy = True
 
     def __init__(self, url: str, name: str | None = None) -> None:
         parsed = urllib.parse.urlparse(url)
@@ -117,6 +117,17 @@ class RedisMetaStore:
     def current_version(self, source: str) -> int | None:
         raw = self._call(self._redis.get, self._prefix(source) + "current")
         return None if raw is None else _version(raw, f"{self._prefix(source)}current")
+
+    def head(self, source: str) -> Head | None:
+        for _ in range(3):  # the version may be replaced while we read it
+            version = self.current_version(source)
+            if version is None:
+                return None
+            raw = self._call(self._redis.get, f"{self._prefix(source)}v{version}:info")
+            if raw is not None:
+                info = _info(raw, version, self.url)
+                return Head(info.source, version, info.created, info.objects)
+        raise MetaUnavailable(f"snapshot of {source} in {self.url} kept changing while reading it")
 
     def load(self, source: str) -> Snapshot | None:
         """The current snapshot, every field checked (:class:`SnapshotInvalid` if one is wrong)."""
@@ -179,7 +190,7 @@ class RedisMetaStore:
                 self._call(self._redis.delete, *keys)
         return Snapshot(source, version, created, listed)
 
-    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Snapshot:
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
         """The current version with ``added`` and ``removed`` applied, under a lock that the nodes
         publishing their writes take in turn (it expires if its holder dies)."""
         lock = self._redis.lock(self._prefix(source) + "update-lock", timeout=120, blocking_timeout=60)
@@ -188,7 +199,7 @@ class RedisMetaStore:
                                   "for a minute")
         try:
             current = self.load(source)
-            return self.save(source, merged(current.objects if current else (), added, removed))
+            return self.save(source, merged(current.objects if current else (), added, removed)).head
         finally:
             try:
                 lock.release()

@@ -1,24 +1,26 @@
-"""The lifecycle of the namespace a mount serves: load at start-up, refresh, poll, and this node's copy.
+"""The lifecycle of the namespace a mount serves: load at start-up, refresh, poll, publish.
 
-:class:`Snapshots` owns the current :class:`Snapshot` and its :class:`Namespace`. At start-up it loads
-the snapshot the store holds (a store that is not shared lists the source when it has none, or when
-asked to; a shared store is never listed from a node). Afterwards it switches to newer versions on
-``refresh()`` or every ``poll`` seconds, without unmounting: the new tree is built and compared with the
-old one in a worker thread, then swapped in on the trio thread and announced through ``on_switch`` (the
-FUSE adapter takes the new tree and the kernel forgets what changed).
+:class:`Snapshots` owns the current snapshot's identity (:class:`Head`) and its :class:`Namespace`, a
+view of the node's namespace index (:mod:`.index`, in the cache directory). The index is written once
+per snapshot version: at start-up, a stored snapshot (or, for a shared store, the published version)
+that the index already holds is served at once, whatever its size; otherwise its objects are loaded
+and the index built. Afterwards it switches to newer versions on ``refresh()`` or every ``poll``
+seconds, without unmounting: the new tree is written and compared with the old one in a worker thread,
+then swapped in on the trio thread and announced through ``on_switch`` (the FUSE adapter takes the new
+tree and the kernel forgets what changed). A node's own writes (:meth:`Snapshots.apply`) are applied
+to the index as a change set, in time proportional to the change, when the store's new version
+follows the one served.
 
 Whatever arrives from a shared store is checked when it is decoded (:mod:`.base`); a snapshot that
-does not check out is refused as a whole with a log line, and the mount keeps serving what it has. A
-store that keeps a local copy (a shared one: ``keeps_local_copy``) has each loaded snapshot copied into
-the cache directory, one copy at a time, off the refresh path; at start-up a node whose shared store is
-unreachable or holds an invalid snapshot mounts from that copy.
+does not check out is refused as a whole with a log line, and the mount keeps serving what it has. The
+index is also this node's copy of the shared snapshot: at start-up a node whose shared store is
+unreachable or holds an invalid snapshot mounts the version its index holds.
 
-All state lives on the trio thread; store calls run in worker threads.
+All state lives on the trio thread; store calls and index writes run in worker threads.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -29,8 +31,8 @@ from typing import Any, TypeVar
 import trio
 
 from epochfs.errors import BackendUnavailable, ConfigError, EpochfsError
-from epochfs.meta.base import MetaStore, Snapshot, SnapshotInvalid, kept_attributes
-from epochfs.meta.lmdb import LmdbMetaStore
+from epochfs.meta.base import Head, MetaStore, Snapshot, SnapshotInvalid, kept_attributes
+from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.namespace import Namespace, diff
 from epochfs.records import ObjectInfo
 
@@ -64,10 +66,6 @@ class SnapshotStats:
     latest_version: int
 
 
-def build(snapshot: Snapshot, previous: Namespace | None = None) -> Namespace:
-    return Namespace.build(snapshot.objects, mtime_ns=int(snapshot.created * 1e9), previous=previous)
-
-
 class Snapshots:
     def __init__(self, store: MetaStore, settings: SnapshotSettings,
                  list_source: Callable[[], Iterable[ObjectInfo]], *, on_switch: Switch | None = None) -> None:
@@ -76,67 +74,91 @@ class Snapshots:
         self.list_source = list_source
         self.on_switch = on_switch
         self.error: str | None = None  # why the store is unreachable (None: it answered last time)
-        self._copy: LmdbMetaStore | None = None
-        self.snapshot, self.error = self._load_at_start()
+        self.index = NamespaceIndex(settings.cache_dir / "namespace")
+        self._identity = f"{store.url}#{settings.name or settings.source_id}"  # what the index was built from
+        try:
+            self.snapshot, self.namespace, self.error = self._load_at_start()
+        except BaseException:
+            self.index.close()
+            raise
         self.latest_version = self.snapshot.version
-        self.namespace = build(self.snapshot)
-        self._changed = trio.Event()  # set on a switch; wakes the local-copy task
         self._switching = trio.Lock()
+
+    def close(self) -> None:
+        self.namespace.close()
+        self.index.close()
+        self.store.close()
 
     # -- start-up ---------------------------------------------------------------------------------------
 
-    def _local_copy(self) -> tuple[LmdbMetaStore, str]:
-        s = self.settings
-        if self._copy is None:
-            self._copy = LmdbMetaStore(s.cache_dir / "meta-shared")
-        return self._copy, f"{self.store.url}#{s.name or s.source_id}"
+    def _build(self, snapshot: Snapshot, previous: Namespace | None = None) -> Namespace:
+        view = self.index.build(snapshot.objects, source=self._identity, version=snapshot.version,
+                                created=snapshot.created, mtime_ns=int(snapshot.created * 1e9), previous=previous)
+        if self.store.shared:
+            log.info("kept a copy of snapshot version %d in %s", snapshot.version, self.index.path)
+        return view
 
-    def close(self) -> None:
-        if self._copy is not None:
-            self._copy.close()
-        self.store.close()
+    def _indexed(self, head: Head) -> Namespace | None:
+        return self.index.view(self._identity, head.version, head.created)
 
-    def _load_at_start(self) -> tuple[Snapshot, str | None]:
-        """The snapshot to serve, and why the store is unreachable (None when it answered)."""
+    def _load_at_start(self) -> tuple[Head, Namespace, str | None]:
+        """The snapshot to serve, its tree, and why the store is unreachable (None when it answered)."""
         source = self.settings.source_id
         if self.store.shared:  # load what was published, never list
             try:
-                snapshot = self.store.load(source)
+                head = self.store.head(source)
+                view = self._indexed(head) if head is not None else None
+                if head is not None and view is None:
+                    snapshot = self.store.load(source)
+                    if snapshot is not None:
+                        head, view = snapshot.head, self._build(snapshot)
             except (BackendUnavailable, SnapshotInvalid) as exc:
-                return self._from_local_copy(exc), str(exc)
-            if snapshot is None:
+                return self._from_local_copy(exc)
+            if head is None or view is None:
                 raise ConfigError(f"no snapshot of {source} in {self.store.url}; publish one with: "
                                   f"epochfs import {source} --meta {self.store.url}")
-            log.info("loaded snapshot version %d of %s from %s (%d objects)", snapshot.version, snapshot.source,
-                     self.store.url, len(snapshot.objects))
-            return snapshot, None
-        stored = self.store.load(source)
-        snapshot = None if self.settings.refresh else stored
-        if snapshot is not None and self.settings.ttl and time.time() - snapshot.created > self.settings.ttl:
-            log.info("snapshot version %d is older than the TTL; listing the source again", snapshot.version)
-            snapshot = None
-        if snapshot is not None and not snapshot.objects:  # a mistyped prefix, or data not there yet
+            log.info("loaded snapshot version %d of %s from %s (%d objects)", head.version, head.source,
+                     self.store.url, head.objects)
+            return head, view, None
+        stored = self.store.head(source)
+        use = None if self.settings.refresh else stored
+        if use is not None and self.settings.ttl and time.time() - use.created > self.settings.ttl:
+            log.info("snapshot version %d is older than the TTL; listing the source again", use.version)
+            use = None
+        if use is not None and not use.objects:  # a mistyped prefix, or data not there yet
             log.info("the stored snapshot of %s is empty; listing the source again", source)
-            snapshot = None
-        if snapshot is not None:
-            log.info("using snapshot version %d of %s (%d objects)", snapshot.version, snapshot.source,
-                     len(snapshot.objects))
-            return snapshot, None
+            use = None
+        if use is not None:
+            view = self._indexed(use)
+            if view is None:
+                snapshot = self.store.load(source)
+                view = self._build(snapshot) if snapshot is not None and snapshot.version == use.version else None
+            if view is not None:
+                log.info("using snapshot version %d of %s (%d objects)", use.version, use.source, use.objects)
+                return use, view, None
         started = time.monotonic()
         log.info("listing %s", source)
-        snapshot = self.store.save(source, kept_attributes(self.list_source(), stored.objects if stored else ()))
+        snapshot = self.store.save(source, kept_attributes(self.list_source(), self._previous_objects()))
         log.info("listed %d objects in %.1fs; snapshot version %d", len(snapshot.objects),
                  time.monotonic() - started, snapshot.version)
-        return snapshot, None
+        return snapshot.head, self._build(snapshot), None
 
-    def _from_local_copy(self, exc: EpochfsError) -> Snapshot:
-        copy, key = self._local_copy()
-        kept = copy.load(key)
-        if kept is None:
+    def _previous_objects(self) -> Iterable[ObjectInfo]:
+        """The objects of the version served last (for the owners and modes a listing does not carry)."""
+        view = self.index.view(self._identity)
+        if view is not None:
+            return (f.obj for f in view.files())
+        stored = self.store.load(self.settings.source_id)
+        return stored.objects if stored is not None else ()
+
+    def _from_local_copy(self, exc: EpochfsError) -> tuple[Head, Namespace, str]:
+        view = self.index.view(self._identity)
+        if view is None:
             raise ConfigError(f"{exc}; and {self.settings.cache_dir} holds no copy of a snapshot to serve") from None
+        head = Head(self.settings.source_id, view.version, float(view.info["created"]), view.info["objects"])
         log.warning("%s; serving this node's copy of snapshot version %d (%d objects) until it answers",
-                    exc, kept.version, len(kept.objects))
-        return dataclasses.replace(kept, source=self.settings.source_id)
+                    exc, head.version, head.objects)
+        return head, view, str(exc)
 
     # -- switching versions -------------------------------------------------------------------------------
 
@@ -160,9 +182,9 @@ class Snapshots:
         async with self._switching:
             source = self.settings.source_id
             if not self.store.shared:
-                previous = self.snapshot.objects
-                snapshot = await trio.to_thread.run_sync(
-                    lambda: self.store.save(source, kept_attributes(self.list_source(), previous)))
+                namespace = self.namespace
+                snapshot = await trio.to_thread.run_sync(lambda: self.store.save(
+                    source, kept_attributes(self.list_source(), (f.obj for f in namespace.files()))))
             else:
                 latest = await self._call(self.store.current_version, source)
                 if latest is None or latest == self.snapshot.version:
@@ -180,29 +202,42 @@ class Snapshots:
 
     async def _switch_to(self, snapshot: Snapshot) -> dict[str, Any]:
         old = self.namespace
-        new, (entries, inodes) = await trio.to_thread.run_sync(_build_and_diff, snapshot, old)
-        self.namespace, self.snapshot, self.latest_version = new, snapshot, snapshot.version
+        new, (entries, inodes) = await trio.to_thread.run_sync(self._build_and_diff, snapshot, old)
+        return await self._serve(snapshot.head, new, entries, inodes)
+
+    def _build_and_diff(self, snapshot: Snapshot, old: Namespace) -> tuple[Namespace, tuple[list[tuple[int, bytes]], list[int]]]:
+        new = self._build(snapshot, previous=old)
+        return new, diff(old, new)
+
+    async def _serve(self, head: Head, new: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]
+                     ) -> dict[str, Any]:
+        self.namespace, self.snapshot, self.latest_version = new, head, head.version
         if self.on_switch is not None:
             await self.on_switch(new, entries, inodes)
-        log.info("now serving snapshot version %d (%d entries changed)", snapshot.version, len(entries))
-        self._changed.set()
-        return {"changed": True, "version": snapshot.version, "changed_entries": len(entries)}
+        log.info("now serving snapshot version %d (%d entries changed)", head.version, len(entries))
+        return {"changed": True, "version": head.version, "changed_entries": len(entries)}
 
     async def apply(self, added: dict[str, ObjectInfo], removed: set[str]) -> None:
         """Publish this node's writes (objects uploaded, objects deleted) as a new version of the
-        store's snapshot, and serve it. Raises :class:`EpochfsError` if the store cannot take it (the
-        caller tries again later)."""
+        store's snapshot, and serve it: as a change set to the tree when the new version follows the one
+        served, else built whole. Raises :class:`EpochfsError` if the store cannot take it (the caller
+        tries again later)."""
         async with self._switching:
-            snapshot = await self._call(self.store.update, self.settings.source_id, added, removed)
-            await self._switch_to(snapshot)
+            head = await self._call(self.store.update, self.settings.source_id, added, removed)
+            if head.version == self.namespace.version + 1:
+                new, (entries, inodes) = await trio.to_thread.run_sync(lambda: self.index.apply(
+                    added, removed, version=head.version, created=head.created, mtime_ns=int(head.created * 1e9)))
+                await self._serve(head, new, entries, inodes)
+                return
+            snapshot = await self._call(self.store.load, self.settings.source_id)
+            if snapshot is not None:
+                await self._switch_to(snapshot)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Poll the store (if asked to) and keep this node's local copy (if the store wants one)."""
         async with trio.open_nursery() as nursery:
             if self.settings.poll and self.store.shared:
                 nursery.start_soon(self._poll)
-            if self.store.keeps_local_copy:
-                nursery.start_soon(self._keep_local_copy)
             task_status.started()
 
     async def _poll(self) -> None:
@@ -222,15 +257,6 @@ class Snapshots:
             except Exception:  # a bug here must not take the mount down
                 log.exception("looking for a new snapshot failed; still serving version %d", self.snapshot.version)
 
-    async def _keep_local_copy(self) -> None:
-        """Copy each snapshot loaded from the shared store into the cache directory, one copy at a time."""
-        copy, key = self._local_copy()
-        while True:
-            changed = self._changed = trio.Event()  # before copying: a switch meanwhile is seen
-            if self.error is None:  # not when serving this node's copy: it holds that version
-                await trio.to_thread.run_sync(copy.keep, key, self.snapshot)
-            await changed.wait()
-
     async def put_manifest(self, name: str, text: str) -> None:
         """Publish a manifest to the store under ``name``, for the daemons of the other ranks."""
         await self._call(self.store.put_manifest, self.settings.source_id, name, text)
@@ -240,10 +266,5 @@ class Snapshots:
 
     def statistics(self) -> SnapshotStats:
         ns, snap = self.namespace, self.snapshot
-        return SnapshotStats(snap.version, snap.created, len(snap.objects), ns.file_count, ns.dir_count,
+        return SnapshotStats(snap.version, snap.created, snap.objects, ns.file_count, ns.dir_count,
                              ns.total_bytes, self.store.url, self.error is None, self.error, self.latest_version)
-
-
-def _build_and_diff(snapshot: Snapshot, old: Namespace) -> tuple[Namespace, tuple[list[tuple[int, bytes]], list[int]]]:
-    new = build(snapshot, previous=old)
-    return new, diff(old, new)

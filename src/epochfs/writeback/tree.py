@@ -209,9 +209,8 @@ class Tree:
         snap = parent if parent.in_snapshot else self.namespace.resolve(parent.path)
         if snap is not None and snap.is_dir:
             if o is None or (parent.in_snapshot and parent.path not in o.children and not o.hidden):
-                return [(name, self.namespace.node(snap.children[name])) for name in snap.names]
-            for name in snap.names:
-                node = self.namespace.node(snap.children[name])
+                return list(self.namespace.entries(snap.inode))
+            for name, node in self.namespace.entries(snap.inode):
                 if node.path not in o.hidden and node.path not in o.entries:
                     out[name] = node
         if o is not None:

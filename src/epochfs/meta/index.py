@@ -1,0 +1,452 @@
+"""The namespace index: a snapshot's tree in an LMDB environment in the cache directory, built once per
+snapshot version and read through its memory map by :class:`~epochfs.meta.namespace.Namespace` views.
+
+Tables (each in two generations, ``0`` and ``1``; ``info`` names the one being served):
+
+- ``n<g>``: inode (8 bytes, big-endian) -> the node's record (:data:`~epochfs.meta.namespace.RECORD`);
+- ``k<g>``: parent inode + name -> child inode (so a directory's names come out sorted);
+- ``p<g>``: ``/`` + path -> inode + kind;
+- ``s``: scratch for a build (paths sorted by LMDB before inodes are given out);
+- ``info`` (main table): JSON — the snapshot it was built from (source, version, created, objects), the
+  generation, counts, and the highest inode number ever given (``max_inode``).
+
+A full build (:meth:`NamespaceIndex.build`) writes the other generation in batches and then switches
+``info`` in one transaction, so a view sees the old tree or the new one, never a part. Paths that stay
+the same kind keep their inode number; new paths get numbers never used before, so the kernel's cached
+inodes never come to mean another file. A change set (:meth:`NamespaceIndex.apply`: a node's own
+uploads and deletions) is written into the served generation in one transaction, in time proportional
+to the change; views opened before it keep seeing their version (LMDB's readers see the transaction
+they began with).
+
+The index is derived data: when it is missing, damaged, of another format or of another snapshot, it is
+built again from the snapshot. It is written without fsync per transaction (``env.sync()`` follows each
+switch): a crash can only lose a version, and a lost version is rebuilt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from epochfs.meta.namespace import (
+    KIND_DIR,
+    KIND_FILE,
+    RECORD,
+    ROOT_INODE,
+    Namespace,
+    encode_dir,
+    encode_file,
+    inode_key,
+    path_key,
+    unsafe_reason,
+)
+from epochfs.private import private_dir
+from epochfs.records import ObjectInfo
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_BATCH = 20_000  # objects per write transaction of a build
+Changes = tuple[list[tuple[int, bytes]], list[int]]  # what the kernel must forget: entries, inodes
+
+
+def _kind(record: bytes) -> int:
+    return record[0]
+
+
+def _warn_skipped(key: str, reason: str) -> None:
+    log.warning("skipping object %r: %s", key, reason)
+
+
+def _marker_problem(obj: ObjectInfo) -> str | None:
+    reason = unsafe_reason(obj.key)
+    if reason is None and obj.key.endswith("/") and obj.size:
+        reason = "a directory marker with data"
+    return reason
+
+
+def _discard(env: lmdb.Environment, path: Path) -> None:
+    env.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def build(objects: Iterable[ObjectInfo], mtime_ns: int = 0, previous: Namespace | None = None) -> Namespace:
+    """The tree of a listing in an index of its own (or, with ``previous``, the next version in the
+    index ``previous`` reads, keeping its inode numbers)."""
+    index = previous.owner if previous is not None and isinstance(previous.owner, NamespaceIndex) else None
+    if index is None:
+        index = NamespaceIndex.temporary()
+    version = previous.version + 1 if previous is not None else 1
+    return index.build(objects, source="", version=version, created=0.0, mtime_ns=mtime_ns, previous=previous)
+
+
+class NamespaceIndex:
+    """The index of one mount (its cache directory is locked by the daemon); builds and change sets run
+    one at a time, views are read from any thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._env = lmdb.open(str(private_dir(self.path)), map_size=1 << 40, subdir=True, max_dbs=8,
+                              max_readers=1024, lock=True, mode=0o600, sync=False, metasync=False,
+                              readahead=False)
+        self._gens = [tuple(self._env.open_db(f"{t}{g}".encode()) for t in "nkp") for g in (0, 1)]
+        self._scratch = self._env.open_db(b"s")
+        self._writing = threading.Lock()
+
+    @classmethod
+    def temporary(cls) -> NamespaceIndex:
+        """An index in a directory of its own, removed when the index and its views are gone."""
+        path = Path(tempfile.mkdtemp(prefix="epochfs-namespace-"))
+        index = cls(path / "index")
+        weakref.finalize(index, _discard, index._env, path)
+        return index
+
+    def close(self) -> None:
+        self._env.close()
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any] | None:
+        with self._env.begin() as txn:
+            return self._read_info(txn)
+
+    @staticmethod
+    def _read_info(txn: lmdb.Transaction) -> dict[str, Any] | None:
+        raw = txn.get(b"info")
+        if raw is None:
+            return None
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            return None
+        keys = ("gen", "version", "bytes", "mtime_ns", "files", "dirs", "max_inode", "objects")
+        if (not isinstance(info, dict) or info.get("format") != FORMAT or info.get("gen") not in (0, 1)
+                or not all(isinstance(info.get(k), int) for k in keys)):
+            return None
+        return info
+
+    def view(self, source: str | None = None, version: int | None = None, created: float | None = None
+             ) -> Namespace | None:
+        """The served version, or None if there is none (or it is not of this snapshot)."""
+        txn = self._env.begin()
+        info = self._read_info(txn)
+        if info is None or (source is not None and info.get("source") != source) or (
+                version is not None and info.get("version") != version) or (
+                created is not None and info.get("created") != created):
+            txn.abort()
+            return None
+        if txn.get(inode_key(ROOT_INODE), db=self._gens[info["gen"]][0]) is None:
+            txn.abort()
+            return None
+        return Namespace(txn, self._gens[info["gen"]], info, owner=self)
+
+    # -- a full build ----------------------------------------------------------------------------------
+
+    def build(self, objects: Iterable[ObjectInfo], *, source: str, version: int, created: float,
+              mtime_ns: int = 0, previous: Namespace | None = None) -> Namespace:
+        """The tree of a listing, written as the next generation and then served. With ``previous`` (a
+        view of this index), paths that stay the same kind keep their inode numbers."""
+        with self._writing:
+            current = self.info()
+            gen = 0 if current is None else 1 - current["gen"]
+            if previous is not None and (previous.owner is not self or current is None
+                                         or previous.generation != current["gen"]):
+                previous = None  # another index's view: numbers start afresh (a new mount)
+            nodes, kids, paths = self._gens[gen]
+            with self._env.begin(write=True) as txn:
+                for db in (nodes, kids, paths, self._scratch):
+                    txn.drop(db, delete=False)
+                txn.put(path_key(""), encode_dir("", None), db=self._scratch)
+            count = self._stage(objects)
+            totals = self._number(gen, previous, current)
+            info = {"format": FORMAT, "gen": gen, "source": source, "version": version, "created": created,
+                    "objects": count, **totals}
+            if not mtime_ns:
+                info["mtime_ns"] = totals["newest"]
+            else:
+                info["mtime_ns"] = mtime_ns
+            del info["newest"]
+            with self._env.begin(write=True) as txn:
+                txn.drop(self._scratch, delete=False)
+                txn.put(b"info", json.dumps(info).encode())
+            self._env.sync(True)
+        view = self.view()
+        assert view is not None
+        return view
+
+    def _stage(self, objects: Iterable[ObjectInfo]) -> int:
+        """Sort the listing's paths into the scratch table (directories implied by keys made, unsafe keys
+        and files that are also directories skipped). The number of objects read."""
+        count, it, s = 0, iter(objects), self._scratch
+        while True:
+            batch = list(itertools.islice(it, _BATCH))
+            if not batch:
+                return count
+            count += len(batch)
+            with self._env.begin(write=True, db=s) as txn:
+                get, put = txn.get, txn.put
+                for obj in batch:
+                    if obj.key == "" and not obj.size:
+                        put(path_key(""), encode_dir("", obj))  # the root's marker
+                        continue
+                    reason = _marker_problem(obj)
+                    if reason:
+                        _warn_skipped(obj.key, reason)
+                        continue
+                    path = obj.key.rstrip("/")
+                    parent = path.rpartition("/")[0]
+                    while True:  # its ancestors, up to the first one already known
+                        pk = path_key(parent)
+                        had = get(pk)
+                        if had is not None and _kind(had) == KIND_DIR:
+                            break
+                        if had is not None:
+                            _warn_skipped(parent, "it is also a directory prefix")
+                        put(pk, encode_dir(parent, None))
+                        parent = parent.rpartition("/")[0]
+                    key = path_key(path)
+                    had = get(key)
+                    if obj.key.endswith("/"):
+                        if had is not None and _kind(had) == KIND_FILE:
+                            _warn_skipped(path, "it is also a directory prefix")
+                        put(key, encode_dir(path, obj))
+                    elif had is not None and _kind(had) == KIND_DIR:
+                        _warn_skipped(obj.key, "it is also a directory prefix")
+                    else:
+                        put(key, encode_file(obj))
+
+    def _number(self, gen: int, previous: Namespace | None, current: dict[str, Any] | None) -> dict[str, int]:
+        """Give the staged paths their inodes (in path order: a parent before its children) and write the
+        generation's tables. The counts of the new tree."""
+        nodes, kids, paths = self._gens[gen]
+        fresh = max(previous.max_inode if previous is not None else 1,
+                    current["max_inode"] if current is not None else 1) + 1
+        files = dirs = total = newest = 0
+        last = b""
+        while True:
+            with self._env.begin(write=True) as txn:
+                cursor = txn.cursor(db=self._scratch)
+                at = cursor.set_range(last) if last else cursor.first()
+                if at and last and cursor.key() == last:
+                    at = cursor.next()
+                n = 0
+                while at and n < _BATCH:
+                    key, record = cursor.item()
+                    last, n = key, n + 1
+                    path = key[1:].decode()
+                    kind = _kind(record)
+                    if not path:
+                        inode = ROOT_INODE
+                    else:
+                        inode = 0
+                        if previous is not None:
+                            was = previous.path_entry(path)
+                            if was is not None and was[1] == kind:
+                                inode = was[0]
+                        if not inode:
+                            inode, fresh = fresh, fresh + 1
+                        parent_path, _, name = path.rpartition("/")
+                        parent = txn.get(path_key(parent_path), db=paths)
+                        txn.put(parent[:8] + name.encode("utf-8"), inode_key(inode), db=kids)
+                    txn.put(inode_key(inode), record, db=nodes)
+                    txn.put(key, inode_key(inode) + bytes([kind]), db=paths)
+                    if kind == KIND_FILE:
+                        size, mtime = RECORD.unpack_from(record)[2:4]
+                        files, total, newest = files + 1, total + size, max(newest, mtime)
+                    else:
+                        dirs += 1
+                    at = cursor.next()
+                cursor.close()
+            if not at:
+                break
+        return {"files": files, "dirs": dirs, "bytes": total, "newest": newest, "max_inode": fresh - 1}
+
+    # -- a change set ----------------------------------------------------------------------------------
+
+    def apply(self, added: dict[str, ObjectInfo], removed: Iterable[str], *, version: int, created: float,
+              mtime_ns: int = 0) -> tuple[Namespace, Changes]:
+        """Serve the current version with objects put (``added``, by key) and deleted (``removed``) as
+        ``version``: the tree a build of the merged listing would give, written in one transaction in
+        time proportional to the change. Returns the new view and what the kernel must forget."""
+        with self._writing:
+            current = self.info()
+            if current is None:
+                raise ValueError("no namespace to apply changes to")
+            with self._env.begin(write=True) as txn:
+                edit = _Edit(txn, self._gens[current["gen"]], current)
+                for key in sorted(removed, reverse=True):  # children before their directories
+                    edit.remove(key)
+                for key in sorted(added):
+                    edit.add(added[key])
+                info = {**current, **edit.totals(), "version": version, "created": created,
+                        "mtime_ns": mtime_ns or current["mtime_ns"]}
+                info["objects"] = max(0, current["objects"] + edit.objects)
+                txn.put(b"info", json.dumps(info).encode())
+            self._env.sync(True)
+        view = self.view()
+        assert view is not None
+        return view, (edit.entries, sorted(edit.inodes))
+
+
+class _Edit:
+    """One change set's edits of a generation's tables, and what they change for the kernel."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, Any, Any], info: dict[str, Any]) -> None:
+        self.txn = txn
+        self.nodes, self.kids, self.paths = dbs
+        self.fresh = info["max_inode"] + 1
+        self.files, self.dirs, self.bytes = info["files"], info["dirs"], info["bytes"]
+        self.objects = 0
+        self.entries: list[tuple[int, bytes]] = []
+        self.inodes: set[int] = set()
+
+    def totals(self) -> dict[str, int]:
+        return {"files": self.files, "dirs": self.dirs, "bytes": self.bytes, "max_inode": self.fresh - 1}
+
+    def _at(self, path: str) -> tuple[bytes, int] | None:
+        raw = self.txn.get(path_key(path), db=self.paths)
+        return None if raw is None else (raw[:8], raw[8])
+
+    def _changed(self, path: str, inode: bytes | None) -> None:
+        parent_path, _, name = path.rpartition("/")
+        at = self._at(parent_path)
+        assert at is not None
+        parent = int.from_bytes(at[0], "big")
+        self.entries.append((parent, name.encode("utf-8")))
+        self.inodes.add(parent)
+        if inode is not None:
+            self.inodes.add(int.from_bytes(inode, "big"))
+
+    def _has_children(self, inode: bytes) -> bool:
+        cursor = self.txn.cursor(db=self.kids)
+        try:
+            return cursor.set_range(inode) and cursor.key().startswith(inode)
+        finally:
+            cursor.close()
+
+    def _put(self, path: str, record: bytes, inode: bytes | None) -> bytes:
+        """Write ``path``'s node (a new one when ``inode`` is None)."""
+        new = inode is None
+        if inode is None:
+            inode, self.fresh = inode_key(self.fresh), self.fresh + 1
+        self.txn.put(inode, record, db=self.nodes)
+        if new:
+            self.txn.put(path_key(path), inode + bytes([_kind(record)]), db=self.paths)
+            if path:
+                parent_path, _, name = path.rpartition("/")
+                at = self._at(parent_path)
+                assert at is not None
+                self.txn.put(at[0] + name.encode("utf-8"), inode, db=self.kids)
+        return inode
+
+    def _drop(self, path: str, inode: bytes, kind: int, *, prune: bool = True) -> None:
+        """Remove ``path``'s node, then (``prune``) its directory if that was implied by it alone."""
+        record = self.txn.get(inode, db=self.nodes)
+        if kind == KIND_FILE:
+            self.files -= 1
+            self.bytes -= RECORD.unpack_from(record)[2] if record else 0
+        else:
+            self.dirs -= 1
+        self._changed(path, inode)
+        self.txn.delete(inode, db=self.nodes)
+        self.txn.delete(path_key(path), db=self.paths)
+        parent_path, _, name = path.rpartition("/")
+        at = self._at(parent_path)
+        assert at is not None
+        self.txn.delete(at[0] + name.encode("utf-8"), db=self.kids)
+        if prune and parent_path and not self._has_children(at[0]):
+            parent = self.txn.get(at[0], db=self.nodes)
+            if parent is not None and not parent[1]:  # no marker of its own
+                self._drop(parent_path, at[0], KIND_DIR)
+
+    def remove(self, key: str) -> None:
+        path = key.rstrip("/")
+        at = self._at(path)
+        if at is None or not path:
+            return
+        inode, kind = at
+        if key.endswith("/"):
+            if kind != KIND_DIR:
+                return
+            self.objects -= 1
+            if self._has_children(inode):  # still implied by what it holds
+                self.txn.put(inode, encode_dir(path, None), db=self.nodes)
+                self._changed(path, inode)
+            else:
+                self._drop(path, inode, kind)
+        elif kind == KIND_FILE:
+            self.objects -= 1
+            self._drop(path, inode, kind)
+
+    def _ancestors(self, path: str) -> None:
+        """Make the directories ``path`` implies (a file in the way is hidden: the directory wins)."""
+        missing = []
+        parent = path.rpartition("/")[0]
+        while True:
+            at = self._at(parent)
+            if at is not None and at[1] == KIND_DIR:
+                break
+            if at is not None:
+                _warn_skipped(parent, "it is also a directory prefix")
+                self.objects -= 1
+                self._drop(parent, *at, prune=False)
+            missing.append(parent)
+            parent = parent.rpartition("/")[0]
+        for d in reversed(missing):
+            self._changed(d, None)
+            self._put(d, encode_dir(d, None), None)
+            self.dirs += 1
+
+    def add(self, obj: ObjectInfo) -> None:
+        if obj.key == "" and not obj.size:
+            at = self._at("")
+            assert at is not None
+            self.txn.put(at[0], encode_dir("", obj), db=self.nodes)
+            self.inodes.add(ROOT_INODE)
+            return
+        reason = _marker_problem(obj)
+        if reason:
+            _warn_skipped(obj.key, reason)
+            return
+        self.objects += 1
+        path = obj.key.rstrip("/")
+        self._ancestors(path)
+        at = self._at(path)
+        if obj.key.endswith("/"):
+            if at is not None and at[1] == KIND_FILE:
+                _warn_skipped(path, "it is also a directory prefix")
+                self.objects -= 1
+                self._drop(path, *at, prune=False)
+                at = None
+            record = encode_dir(path, obj)
+            if at is None:
+                self.dirs += 1
+            elif self.txn.get(at[0], db=self.nodes)[1]:  # it had a marker: replaced
+                self.objects -= 1
+        else:
+            if at is not None and at[1] == KIND_DIR:
+                _warn_skipped(obj.key, "it is also a directory prefix")
+                self.objects -= 1
+                return
+            record = encode_file(obj)
+            if at is None:
+                self.files += 1
+            else:
+                self.objects -= 1  # replaced
+                old = self.txn.get(at[0], db=self.nodes)
+                self.bytes -= RECORD.unpack_from(old)[2] if old else 0
+            self.bytes += obj.size
+        if at is not None and self.txn.get(at[0], db=self.nodes) == record:
+            return
+        self._changed(path, at[0] if at else None)
+        self._put(path, record, at[0] if at else None)
