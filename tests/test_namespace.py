@@ -84,3 +84,83 @@ def test_unsafe_reason_agrees_with_the_rules_on_random_keys():
         key = "/".join(rng.choice(parts) for _ in range(rng.randrange(1, 7)))
         key = rng.choice(["", "/"]) * (rng.random() < 0.1) + key + "/" * (rng.random() < 0.2)
         assert (unsafe_reason(key) is None) == safe(key), repr(key)
+
+
+def shape(ns):
+    """Every path with its kind and record, read through the view's lookups (not its tables)."""
+    out = {}
+    stack = [ns.node(ROOT_INODE)]
+    while stack:
+        d = stack.pop()
+        out[d.path] = ("dir", d.info)
+        for name, child in ns.entries(d.inode):
+            assert ns.lookup(d.inode, name) == child and ns.resolve(child.path) == child
+            if child.is_dir:
+                stack.append(child)
+            else:
+                out[child.path] = ("file", child.obj)
+    return out
+
+
+def test_a_change_set_gives_the_tree_a_build_of_the_merged_listing_gives():
+    """Random uploads and deletions (files, markers, files in the way of directories, the last file of
+    a directory) applied to the index: the same tree as building the merged listing, the same counts,
+    unchanged paths keep their inodes, new ones get numbers never used, and the kernel is told of
+    every entry that changed."""
+    import random
+
+    from epochfs.meta.base import merged
+    from epochfs.meta.index import NamespaceIndex
+
+    rng = random.Random(11)
+    names = ["a", "b", "a/b", "a/c", "a/b/c", "d/", "a/", "a/b/", "e/f/g", "e/f/", "h", "e", "a/b/c/d"]
+    for trial in range(60):
+        listing = {k: ObjectInfo(k, 0 if k.endswith("/") else rng.randrange(1, 9), 1, f'"{trial}"')
+                   for k in rng.sample(names, rng.randrange(0, len(names)))}
+        index = NamespaceIndex.temporary()
+        before = index.build(listing.values(), source="s", version=1, created=1.0, mtime_ns=5)
+        old_shape = shape(before)
+        old_inodes = {p: before.resolve(p).inode for p in old_shape}
+        for step in range(4):
+            added = {k: ObjectInfo(k, 0 if k.endswith("/") else rng.randrange(1, 9), 2, f'"{trial}.{step}"')
+                     for k in rng.sample(names, rng.randrange(0, 4))}
+            removed = set(rng.sample(names, rng.randrange(0, 4))) - added.keys()
+            after, (entries, inodes) = index.apply(added, removed, version=2 + step, created=2.0, objects=0,
+                                                   mtime_ns=5)
+            listing = {o.key: o for o in merged(listing.values(), added, removed)}
+            expected = build_namespace(listing.values(), mtime_ns=5)
+            assert shape(after) == shape(expected), (trial, step, added, removed)
+            assert (after.file_count, after.dir_count, after.total_bytes) == (
+                expected.file_count, expected.dir_count, expected.total_bytes)
+            new_shape = shape(after)
+            for path, what in new_shape.items():
+                inode = after.resolve(path).inode
+                if path in old_shape and old_shape[path][0] == what[0]:
+                    assert inode == old_inodes[path], (path, "kept its inode")
+                elif path:
+                    assert inode > before.max_inode, (path, "a new number")
+                if path and (path not in old_shape or old_shape[path] != what):
+                    assert (after.resolve(path.rpartition("/")[0]).inode, path.rpartition("/")[2].encode()) in entries
+            for path in old_shape.keys() - new_shape.keys():
+                assert old_inodes[path] in inodes
+            assert shape(before) == old_shape, "a view keeps its version"
+            before, old_shape = after, new_shape
+            old_inodes = {p: after.resolve(p).inode for p in new_shape}
+
+
+def test_paths_longer_than_an_index_key_resolve_and_change():
+    """Paths up to PATH_MAX bytes (an LMDB key holds 511): found by lookup, path and listing, and
+    changed in place."""
+    from epochfs.meta.index import NamespaceIndex
+
+    deep = "/".join(["d" * 250] * 12)  # 3011 bytes
+    index = NamespaceIndex.temporary()
+    ns = index.build([obj(deep + "/f", 3), obj(deep + "/g", 4)], source="s", version=1, created=1.0)
+    f = ns.resolve(deep + "/f")
+    assert isinstance(f, File) and f.obj.size == 3
+    parent = ns.resolve(deep)
+    assert [name for name, _ in ns.entries(parent.inode)] == [b"f", b"g"]
+    assert ns.lookup(parent.inode, b"g").obj.size == 4
+    ns2, _ = index.apply({deep + "/f": obj(deep + "/f", 9)}, {deep + "/g"}, version=2, created=2.0, objects=1)
+    assert ns2.resolve(deep + "/f").obj.size == 9 and ns2.resolve(deep + "/f").inode == f.inode
+    assert ns2.resolve(deep + "/g") is None and ns.resolve(deep + "/g") is not None

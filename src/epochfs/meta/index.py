@@ -5,8 +5,13 @@ Tables (each in two generations, ``0`` and ``1``; ``info`` names the one being s
 
 - ``n<g>``: inode (8 bytes, big-endian) -> the node's record (:data:`~epochfs.meta.namespace.RECORD`);
 - ``k<g>``: parent inode + name -> child inode (so a directory's names come out sorted);
-- ``p<g>``: ``/`` + path -> inode + kind;
-- ``s``: scratch for a build (paths sorted by LMDB before inodes are given out);
+- ``p<g>``: the path's hash (:func:`~epochfs.meta.namespace.path_key`) -> inode + kind (the node's record
+  is checked to hold the path);
+- ``h<g>``: the path's hash -> the record of a file hidden by a directory of the same name (it shows
+  again if the directory goes);
+- ``s``: scratch for a build: the parent's path hash + name -> record, so each directory's entries
+  come out together and sorted; inodes are then given out breadth-first from the root, which makes
+  them independent of the listing's order;
 - ``info`` (main table): JSON — the snapshot it was built from (source, version, created, objects), the
   generation, counts, and the highest inode number ever given (``max_inode``).
 
@@ -25,6 +30,7 @@ switch): a crash can only lose a version, and a lost version is rebuilt.
 
 from __future__ import annotations
 
+import array
 import itertools
 import json
 import logging
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import xxhash
 
 from epochfs.meta.namespace import (
     KIND_DIR,
@@ -48,6 +55,7 @@ from epochfs.meta.namespace import (
     encode_file,
     inode_key,
     path_key,
+    record_path,
     unsafe_reason,
 )
 from epochfs.private import private_dir
@@ -57,11 +65,18 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _BATCH = 20_000  # objects per write transaction of a build
+_ROOT = b"root"  # the root's record in the scratch table (other keys are 16 bytes + a name)
 Changes = tuple[list[tuple[int, bytes]], list[int]]  # what the kernel must forget: entries, inodes
 
 
 def _kind(record: bytes) -> int:
     return record[0]
+
+
+def _entry_key(path: str) -> bytes:
+    """A path's key in the scratch table: its directory's path hash, then its name."""
+    parent, _, name = path.rpartition("/")
+    return xxhash.xxh3_128_digest(parent.encode("utf-8")) + name.encode("utf-8")
 
 
 def _warn_skipped(key: str, reason: str) -> None:
@@ -96,10 +111,10 @@ class NamespaceIndex:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._env = lmdb.open(str(private_dir(self.path)), map_size=1 << 40, subdir=True, max_dbs=8,
+        self._env = lmdb.open(str(private_dir(self.path)), map_size=1 << 40, subdir=True, max_dbs=12,
                               max_readers=1024, lock=True, mode=0o600, sync=False, metasync=False,
                               readahead=False)
-        self._gens = [tuple(self._env.open_db(f"{t}{g}".encode()) for t in "nkp") for g in (0, 1)]
+        self._gens = [tuple(self._env.open_db(f"{t}{g}".encode()) for t in "nkph") for g in (0, 1)]
         self._scratch = self._env.open_db(b"s")
         self._writing = threading.Lock()
 
@@ -162,12 +177,11 @@ class NamespaceIndex:
             if previous is not None and (previous.owner is not self or current is None
                                          or previous.generation != current["gen"]):
                 previous = None  # another index's view: numbers start afresh (a new mount)
-            nodes, kids, paths = self._gens[gen]
             with self._env.begin(write=True) as txn:
-                for db in (nodes, kids, paths, self._scratch):
+                for db in (*self._gens[gen], self._scratch):
                     txn.drop(db, delete=False)
-                txn.put(path_key(""), encode_dir("", None), db=self._scratch)
-            count = self._stage(objects)
+                txn.put(_ROOT, encode_dir("", None), db=self._scratch)
+            count = self._stage(objects, self._gens[gen][3])
             totals = self._number(gen, previous, current)
             info = {"format": FORMAT, "gen": gen, "source": source, "version": version, "created": created,
                     "objects": count, **totals}
@@ -184,9 +198,10 @@ class NamespaceIndex:
         assert view is not None
         return view
 
-    def _stage(self, objects: Iterable[ObjectInfo]) -> int:
-        """Sort the listing's paths into the scratch table (directories implied by keys made, unsafe keys
-        and files that are also directories skipped). The number of objects read."""
+    def _stage(self, objects: Iterable[ObjectInfo], hidden: Any) -> int:
+        """Group the listing's paths by directory in the scratch table (directories implied by keys made,
+        unsafe keys skipped, files that are also directories set aside in ``hidden``). The number of
+        objects read."""
         count, it, s = 0, iter(objects), self._scratch
         while True:
             batch = list(itertools.islice(it, _BATCH))
@@ -197,7 +212,7 @@ class NamespaceIndex:
                 get, put = txn.get, txn.put
                 for obj in batch:
                     if obj.key == "" and not obj.size:
-                        put(path_key(""), encode_dir("", obj))  # the root's marker
+                        put(_ROOT, encode_dir("", obj))  # the root's marker
                         continue
                     reason = _marker_problem(obj)
                     if reason:
@@ -205,76 +220,92 @@ class NamespaceIndex:
                         continue
                     path = obj.key.rstrip("/")
                     parent = path.rpartition("/")[0]
-                    while True:  # its ancestors, up to the first one already known
-                        pk = path_key(parent)
+                    while parent:  # its ancestors, up to the first one already known
+                        pk = _entry_key(parent)
                         had = get(pk)
                         if had is not None and _kind(had) == KIND_DIR:
                             break
                         if had is not None:
                             _warn_skipped(parent, "it is also a directory prefix")
+                            put(path_key(parent), had, db=hidden)
                         put(pk, encode_dir(parent, None))
                         parent = parent.rpartition("/")[0]
-                    key = path_key(path)
+                    key = _entry_key(path)
                     had = get(key)
                     if obj.key.endswith("/"):
                         if had is not None and _kind(had) == KIND_FILE:
                             _warn_skipped(path, "it is also a directory prefix")
+                            put(path_key(path), had, db=hidden)
                         put(key, encode_dir(path, obj))
                     elif had is not None and _kind(had) == KIND_DIR:
                         _warn_skipped(obj.key, "it is also a directory prefix")
+                        put(path_key(path), encode_file(obj), db=hidden)
                     else:
                         put(key, encode_file(obj))
 
     def _number(self, gen: int, previous: Namespace | None, current: dict[str, Any] | None) -> dict[str, int]:
-        """Give the staged paths their inodes (in path order: a parent before its children) and write the
-        generation's tables. The counts of the new tree."""
-        nodes, kids, paths = self._gens[gen]
+        """Give the staged paths their inodes, breadth-first from the root (each directory's names in
+        byte order), and write the generation's tables. The counts of the new tree."""
+        nodes, kids, paths, _ = self._gens[gen]
         fresh = max(previous.max_inode if previous is not None else 1,
                     current["max_inode"] if current is not None else 1) + 1
         files = dirs = total = newest = 0
-        last = b""
-        while True:
-            with self._env.begin(write=True) as txn:
-                cursor = txn.cursor(db=self._scratch)
-                at = cursor.set_range(last) if last else cursor.first()
-                if at and last and cursor.key() == last:
-                    at = cursor.next()
-                n = 0
-                while at and n < _BATCH:
+        queue = array.array("Q", [ROOT_INODE])  # directories whose entries are still to be numbered
+        done = ops = 0
+        txn = self._env.begin(write=True)
+        try:
+            root = txn.get(_ROOT, db=self._scratch)
+            assert root is not None
+            txn.put(inode_key(ROOT_INODE), root, db=nodes)
+            txn.put(path_key(""), inode_key(ROOT_INODE) + bytes([KIND_DIR]), db=paths)
+            dirs = 1
+            cursor = txn.cursor(db=self._scratch)
+            while done < len(queue):
+                parent = queue[done]
+                done += 1
+                parent_path = record_path(txn.get(inode_key(parent), db=nodes))
+                prefix = xxhash.xxh3_128_digest(parent_path)
+                at = cursor.set_range(prefix)
+                while at:
                     key, record = cursor.item()
-                    last, n = key, n + 1
-                    path = key[1:].decode()
+                    if not key.startswith(prefix) or key == _ROOT:
+                        break
+                    path = record_path(record).decode()
                     kind = _kind(record)
-                    if not path:
-                        inode = ROOT_INODE
-                    else:
-                        inode = 0
-                        if previous is not None:
-                            was = previous.path_entry(path)
-                            if was is not None and was[1] == kind:
-                                inode = was[0]
-                        if not inode:
-                            inode, fresh = fresh, fresh + 1
-                        parent_path, _, name = path.rpartition("/")
-                        parent = txn.get(path_key(parent_path), db=paths)
-                        txn.put(parent[:8] + name.encode("utf-8"), inode_key(inode), db=kids)
+                    inode = 0
+                    if previous is not None:
+                        was = previous.path_entry(path)
+                        if was is not None and was[1] == kind:
+                            inode = was[0]
+                    if not inode:
+                        inode, fresh = fresh, fresh + 1
+                    txn.put(inode_key(parent) + key[16:], inode_key(inode), db=kids)
                     txn.put(inode_key(inode), record, db=nodes)
-                    txn.put(key, inode_key(inode) + bytes([kind]), db=paths)
+                    txn.put(path_key(path), inode_key(inode) + bytes([kind]), db=paths)
                     if kind == KIND_FILE:
                         size, mtime = RECORD.unpack_from(record)[2:4]
                         files, total, newest = files + 1, total + size, max(newest, mtime)
                     else:
                         dirs += 1
+                        queue.append(inode)
+                    ops += 1
                     at = cursor.next()
-                cursor.close()
-            if not at:
-                break
+                if ops >= _BATCH:  # bound a transaction's dirty pages
+                    cursor.close()
+                    txn.commit()
+                    txn, ops = self._env.begin(write=True), 0
+                    cursor = txn.cursor(db=self._scratch)
+            cursor.close()
+            txn.commit()
+        except BaseException:
+            txn.abort()
+            raise
         return {"files": files, "dirs": dirs, "bytes": total, "newest": newest, "max_inode": fresh - 1}
 
     # -- a change set ----------------------------------------------------------------------------------
 
     def apply(self, added: dict[str, ObjectInfo], removed: Iterable[str], *, version: int, created: float,
-              mtime_ns: int = 0) -> tuple[Namespace, Changes]:
+              objects: int, mtime_ns: int = 0) -> tuple[Namespace, Changes]:
         """Serve the current version with objects put (``added``, by key) and deleted (``removed``) as
         ``version``: the tree a build of the merged listing would give, written in one transaction in
         time proportional to the change. Returns the new view and what the kernel must forget."""
@@ -284,13 +315,12 @@ class NamespaceIndex:
                 raise ValueError("no namespace to apply changes to")
             with self._env.begin(write=True) as txn:
                 edit = _Edit(txn, self._gens[current["gen"]], current)
-                for key in sorted(removed, reverse=True):  # children before their directories
-                    edit.remove(key)
-                for key in sorted(added):
+                for key in sorted(added):  # first: a directory that keeps a name keeps its inode
                     edit.add(added[key])
-                info = {**current, **edit.totals(), "version": version, "created": created,
+                for key in sorted(set(removed) - added.keys(), reverse=True):  # children first
+                    edit.remove(key)
+                info = {**current, **edit.totals(), "version": version, "created": created, "objects": objects,
                         "mtime_ns": mtime_ns or current["mtime_ns"]}
-                info["objects"] = max(0, current["objects"] + edit.objects)
                 txn.put(b"info", json.dumps(info).encode())
             self._env.sync(True)
         view = self.view()
@@ -301,12 +331,11 @@ class NamespaceIndex:
 class _Edit:
     """One change set's edits of a generation's tables, and what they change for the kernel."""
 
-    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, Any, Any], info: dict[str, Any]) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, ...], info: dict[str, Any]) -> None:
         self.txn = txn
-        self.nodes, self.kids, self.paths = dbs
+        self.nodes, self.kids, self.paths, self.hidden = dbs
         self.fresh = info["max_inode"] + 1
         self.files, self.dirs, self.bytes = info["files"], info["dirs"], info["bytes"]
-        self.objects = 0
         self.entries: list[tuple[int, bytes]] = []
         self.inodes: set[int] = set()
 
@@ -315,7 +344,12 @@ class _Edit:
 
     def _at(self, path: str) -> tuple[bytes, int] | None:
         raw = self.txn.get(path_key(path), db=self.paths)
-        return None if raw is None else (raw[:8], raw[8])
+        if raw is None:
+            return None
+        record = self.txn.get(raw[:8], db=self.nodes)
+        if record is None or record_path(record) != path.encode("utf-8"):
+            return None
+        return raw[:8], raw[8]
 
     def _changed(self, path: str, inode: bytes | None) -> None:
         parent_path, _, name = path.rpartition("/")
@@ -350,7 +384,8 @@ class _Edit:
         return inode
 
     def _drop(self, path: str, inode: bytes, kind: int, *, prune: bool = True) -> None:
-        """Remove ``path``'s node, then (``prune``) its directory if that was implied by it alone."""
+        """Remove ``path``'s node; a file it hid shows again; then (``prune``) its directory goes if that
+        was implied by it alone."""
         record = self.txn.get(inode, db=self.nodes)
         if kind == KIND_FILE:
             self.files -= 1
@@ -364,32 +399,42 @@ class _Edit:
         at = self._at(parent_path)
         assert at is not None
         self.txn.delete(at[0] + name.encode("utf-8"), db=self.kids)
-        if prune and parent_path and not self._has_children(at[0]):
+        shown = self.txn.pop(path_key(path), db=self.hidden) if kind == KIND_DIR else None
+        if shown is not None:
+            self._put(path, shown, None)
+            self.files += 1
+            self.bytes += RECORD.unpack_from(shown)[2]
+        elif prune and parent_path and not self._has_children(at[0]):
             parent = self.txn.get(at[0], db=self.nodes)
             if parent is not None and not parent[1]:  # no marker of its own
                 self._drop(parent_path, at[0], KIND_DIR)
 
+    def _hide(self, path: str, at: tuple[bytes, int]) -> None:
+        """Set the file at ``path`` aside: a directory of its name wins."""
+        _warn_skipped(path, "it is also a directory prefix")
+        record = self.txn.get(at[0], db=self.nodes)
+        self._drop(path, *at, prune=False)
+        self.txn.put(path_key(path), record, db=self.hidden)
+
     def remove(self, key: str) -> None:
         path = key.rstrip("/")
-        at = self._at(path)
-        if at is None or not path:
+        if not path:
             return
-        inode, kind = at
-        if key.endswith("/"):
-            if kind != KIND_DIR:
-                return
-            self.objects -= 1
-            if self._has_children(inode):  # still implied by what it holds
-                self.txn.put(inode, encode_dir(path, None), db=self.nodes)
-                self._changed(path, inode)
+        at = self._at(path)
+        if not key.endswith("/"):
+            if at is not None and at[1] == KIND_FILE:
+                self._drop(path, *at)
             else:
-                self._drop(path, inode, kind)
-        elif kind == KIND_FILE:
-            self.objects -= 1
-            self._drop(path, inode, kind)
+                self.txn.delete(path_key(path), db=self.hidden)
+        elif at is not None and at[1] == KIND_DIR:
+            if self._has_children(at[0]):  # still implied by what it holds
+                self.txn.put(at[0], encode_dir(path, None), db=self.nodes)
+                self._changed(path, at[0])
+            else:
+                self._drop(path, *at)
 
     def _ancestors(self, path: str) -> None:
-        """Make the directories ``path`` implies (a file in the way is hidden: the directory wins)."""
+        """Make the directories ``path`` implies (a file in the way is set aside)."""
         missing = []
         parent = path.rpartition("/")[0]
         while True:
@@ -397,9 +442,7 @@ class _Edit:
             if at is not None and at[1] == KIND_DIR:
                 break
             if at is not None:
-                _warn_skipped(parent, "it is also a directory prefix")
-                self.objects -= 1
-                self._drop(parent, *at, prune=False)
+                self._hide(parent, at)
             missing.append(parent)
             parent = parent.rpartition("/")[0]
         for d in reversed(missing):
@@ -418,31 +461,25 @@ class _Edit:
         if reason:
             _warn_skipped(obj.key, reason)
             return
-        self.objects += 1
         path = obj.key.rstrip("/")
         self._ancestors(path)
         at = self._at(path)
         if obj.key.endswith("/"):
             if at is not None and at[1] == KIND_FILE:
-                _warn_skipped(path, "it is also a directory prefix")
-                self.objects -= 1
-                self._drop(path, *at, prune=False)
+                self._hide(path, at)
                 at = None
             record = encode_dir(path, obj)
             if at is None:
                 self.dirs += 1
-            elif self.txn.get(at[0], db=self.nodes)[1]:  # it had a marker: replaced
-                self.objects -= 1
         else:
             if at is not None and at[1] == KIND_DIR:
                 _warn_skipped(obj.key, "it is also a directory prefix")
-                self.objects -= 1
+                self.txn.put(path_key(path), encode_file(obj), db=self.hidden)
                 return
             record = encode_file(obj)
             if at is None:
                 self.files += 1
             else:
-                self.objects -= 1  # replaced
                 old = self.txn.get(at[0], db=self.nodes)
                 self.bytes -= RECORD.unpack_from(old)[2] if old else 0
             self.bytes += obj.size

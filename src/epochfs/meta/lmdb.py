@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import lmdb as _lmdb
+import xxhash
 
 from epochfs.errors import EpochfsError
 from epochfs.meta.base import (
@@ -29,16 +30,19 @@ from epochfs.meta.base import (
     SnapshotInvalid,
     decode_objects,
     encode_objects,
-    merged,
 )
 from epochfs.private import private_dir
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 3
-_CHUNK = 10_000  # objects per record chunk
+_FORMAT = 4
+_CHUNK = 10_000  # records decoded at a time
 _PREFIX = b"o/"
+
+
+def _object_key(key: str) -> bytes:
+    return _PREFIX + xxhash.xxh3_128_digest(key.encode("utf-8"))
 
 _ENVIRONMENTS: dict[str, tuple[_lmdb.Environment, int]] = {}  # real path -> (environment, users)
 _ENVIRONMENTS_LOCK = threading.Lock()
@@ -119,16 +123,20 @@ class LmdbMetaStore:
                 info = self._info(txn, source)
                 if info is None:
                     return None
-                chunks, count = info.get("chunks"), info.get("objects")
-                if not (isinstance(chunks, int) and isinstance(count, int) and 0 <= count <= MAX_OBJECTS
-                        and 0 <= chunks <= count):
-                    raise SnapshotInvalid(f"info says {count!r} objects in {chunks!r} chunks")
+                count = info.get("objects")
+                if not (isinstance(count, int) and 0 <= count <= MAX_OBJECTS):
+                    raise SnapshotInvalid(f"info says {count!r} objects")
                 objects: list[ObjectInfo] = []
-                for n in range(chunks):
-                    raw = txn.get(_PREFIX + n.to_bytes(8, "big"))
-                    if raw is None:
-                        raise SnapshotInvalid(f"chunk {n} is missing")
-                    objects += decode_objects(raw)
+                records: list[bytes] = []
+                cursor = txn.cursor()
+                at = cursor.set_range(_PREFIX)
+                while at and bytes(cursor.key()[:2]) == _PREFIX:
+                    records.append(bytes(cursor.value()))
+                    if len(records) >= _CHUNK:
+                        objects += decode_objects(b"".join(records))
+                        records = []
+                    at = cursor.next()
+                objects += decode_objects(b"".join(records))
             if len(objects) != count:
                 log.warning("metadata store %s is incomplete; the source will be listed again", self.path)
                 return None
@@ -137,43 +145,58 @@ class LmdbMetaStore:
             log.warning("metadata store %s is damaged (%s); the source will be listed again", self.path, exc)
             return None
 
-    def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None, *,
-             version: int | None = None, created: float | None = None) -> Snapshot:
-        """Publish a new version (the next number, or ``version``/``created`` as given: a local copy of a
-        snapshot loaded from a shared store keeps its number)."""
+    @staticmethod
+    def _next_version(txn: _lmdb.Transaction) -> int:
+        raw = txn.get(b"info")
+        try:
+            return int(json.loads(raw).get("version", 0)) + 1 if raw is not None else 1
+        except (ValueError, AttributeError, TypeError):
+            return 1
+
+    def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
+        """Publish a new version: every object under its key's hash (a key may be longer than an LMDB key)."""
         listed = list(objects)
         env = self._env()
         with env.begin(write=True) as txn:
-            if version is None:
-                version = 1
-                raw = txn.get(b"info")
-                if raw is not None:
-                    try:
-                        version = int(json.loads(raw).get("version", 0)) + 1
-                    except (ValueError, AttributeError, TypeError):
-                        pass
+            version = self._next_version(txn)
             manifests = {bytes(k): bytes(v) for k, v in txn.cursor() if bytes(k).startswith(b"m/")}
             txn.drop(env.open_db(), delete=False)
-            chunks = 0
-            for start in range(0, len(listed), _CHUNK):
-                txn.put(_PREFIX + chunks.to_bytes(8, "big"), encode_objects(listed[start:start + _CHUNK]))
-                chunks += 1
-                if progress:
-                    progress(min(start + _CHUNK, len(listed)))
+            for n, obj in enumerate(listed, 1):
+                txn.put(_object_key(obj.key), encode_objects((obj,)))
+                if progress and n % _CHUNK == 0:
+                    progress(n)
+            count = len({obj.key for obj in listed})  # (a key listed twice is one object)
             for k, v in manifests.items():
                 txn.put(k, v)
-            created = time.time() if created is None else created
-            txn.put(b"info", json.dumps({
-                "format": _FORMAT, "source": source, "version": version, "created": created,
-                "objects": len(listed), "chunks": chunks,
-            }).encode())
+            created = time.time()
+            self._put_info(txn, source, version, created, count)
+        if progress:
+            progress(len(listed))
         return Snapshot(source, version, created, listed)
 
+    @staticmethod
+    def _put_info(txn: _lmdb.Transaction, source: str, version: int, created: float, count: int) -> None:
+        txn.put(b"info", json.dumps({"format": _FORMAT, "source": source, "version": version, "created": created,
+                                     "objects": count}).encode())
+
     def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
-        """The stored version with ``added`` and ``removed`` applied (one daemon owns this store: its
-        cache directory is locked)."""
-        current = self.load(source)
-        return self.save(source, merged(current.objects if current else (), added, removed)).head
+        """The stored version with ``added`` and ``removed`` applied, in one transaction and in time
+        proportional to the change (one daemon owns this store: its cache directory is locked)."""
+        with self._env().begin(write=True) as txn:
+            info = self._info(txn, source)
+            count = info.get("objects") if info else 0
+            if not isinstance(count, int):
+                count = 0
+            version = self._next_version(txn) if info else 1
+            for key in removed - added.keys():
+                count -= bool(txn.delete(_object_key(key)))
+            for key, obj in added.items():
+                k = _object_key(key)
+                count += txn.get(k) is None
+                txn.put(k, encode_objects((obj,)))
+            created = time.time()
+            self._put_info(txn, source, version, created, count)
+        return Head(source, version, created, count)
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         with self._env().begin(write=True) as txn:

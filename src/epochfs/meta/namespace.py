@@ -25,12 +25,11 @@ import re
 import struct
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
+
+import xxhash
 
 from epochfs.records import ObjectInfo
-
-if TYPE_CHECKING:
-    import lmdb
 
 ROOT_INODE = 1
 NAME_MAX = 255
@@ -146,17 +145,34 @@ def inode_key(inode: int) -> bytes:
 
 
 def path_key(path: str) -> bytes:
-    """A path's key in the index (LMDB keys are never empty: the root is ``/``)."""
-    return b"/" + path.encode("utf-8")
+    """A path's key in the index: its hash (LMDB keys are at most 511 bytes; a path may be 4000). The
+    node found under it is checked to have the path."""
+    return xxhash.xxh3_128_digest(path.encode("utf-8"))
+
+
+def record_path(record: bytes) -> bytes:
+    """The path (a file's key) a node's record holds, undecoded."""
+    return record[RECORD.size:RECORD.size + RECORD.unpack_from(record)[7]]
+
+
+class Reader(Protocol):
+    """What a view reads through: one read transaction of the index (:mod:`.index`), which holds its
+    version for as long as it is open."""
+
+    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any: ...
+
+    def cursor(self, db: Any = None) -> Any: ...
+
+    def abort(self) -> None: ...
 
 
 class Namespace:
     """One version of the tree: lookups by inode, by (parent inode, name) and by path."""
 
-    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, Any, Any], info: dict[str, Any],
+    def __init__(self, txn: Reader, dbs: tuple[Any, ...], info: dict[str, Any],
                  owner: object = None) -> None:
         self._txn = txn
-        self._nodes, self._kids, self._paths = dbs
+        self._nodes, self._kids, self._paths = dbs[:3]
         self._lock = threading.Lock()
         self._memo: dict[int, Dir | File] = {}
         self.owner = owner  # the index this view reads (kept open while the view lives)
@@ -199,15 +215,12 @@ class Namespace:
 
     def resolve(self, path: str) -> Dir | File | None:
         """The node at ``path`` (relative to the root, '/'-separated), or None."""
+        path = path.strip("/")
         try:
-            key = path_key(path.strip("/"))
+            found = self.path_entry(path)
         except UnicodeEncodeError:
             return None
-        if len(key) > 511 + PATH_MAX:
-            return None
-        with self._lock:
-            raw = self._txn.get(key, db=self._paths)
-        return None if raw is None else self.node(int.from_bytes(raw[:8], "big"))
+        return None if found is None else self.node(found[0])
 
     def _scan(self, db: Any, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes]]:
         """Items of ``db`` from ``start`` (inclusive) while keys begin with ``stop``, a chunk per turn
@@ -242,20 +255,24 @@ class Namespace:
             if name and name != after:
                 yield name, self.node(int.from_bytes(value, "big"))
 
-    def paths(self) -> Iterator[tuple[str, int, int]]:
-        """Every (path, inode, kind), in path order."""
-        for key, value in self._scan(self._paths, b"/", None):
-            yield key[1:].decode(), int.from_bytes(value[:8], "big"), value[8]
-
     def path_entry(self, path: str) -> tuple[int, int] | None:
         """The inode and kind at ``path``, without decoding its node."""
+        want = path.encode("utf-8")
         with self._lock:
             raw = self._txn.get(path_key(path), db=self._paths)
-        return None if raw is None else (int.from_bytes(raw[:8], "big"), raw[8])
+            record = None if raw is None else self._txn.get(raw[:8], db=self._nodes)
+        if record is None or record_path(record) != want:
+            return None
+        return int.from_bytes(raw[:8], "big"), raw[8]
 
     def raw(self, inode: int) -> bytes | None:
         with self._lock:
             return self._txn.get(inode_key(inode), db=self._nodes)
+
+    def records(self) -> Iterator[tuple[int, bytes]]:
+        """Every node's inode and record, in inode order."""
+        for key, value in self._scan(self._nodes, inode_key(1), None):
+            yield int.from_bytes(key, "big"), value
 
     def files(self) -> Iterator[File]:
         for key, value in self._scan(self._nodes, inode_key(1), None):
@@ -271,32 +288,37 @@ class Namespace:
 def diff(old: Namespace, new: Namespace) -> tuple[list[tuple[int, bytes]], list[int]]:
     """What the kernel must forget when ``new`` replaces ``old``: directory entries (parent inode,
     name) that were added, removed or now name something else, and inodes whose attributes or data
-    changed (their cached pages must go) or whose listing changed. One pass over both, in path order."""
-    entries: list[tuple[int, bytes]] = []
+    changed (their cached pages must go) or whose listing changed. One pass over both in inode order
+    (a path that stays keeps its number, so an unchanged node is the same record under the same inode)."""
+    entries: dict[tuple[int, bytes], None] = {}
     inodes: set[int] = set()
-    if old.raw(ROOT_INODE) != new.raw(ROOT_INODE):
-        inodes.add(ROOT_INODE)
-    before, after = old.paths(), new.paths()
-    o, n = next(before, None), next(after, None)
-    while o is not None or n is not None:
-        if n is None or (o is not None and o[0] < n[0]):  # gone
-            path, was = o[0], o  # type: ignore[index]
-            o, now = next(before, None), None
-        elif o is None or n[0] < o[0]:  # new
-            path, was, now = n[0], None, n
-            n = next(after, None)
-        else:
-            path, was, now = o[0], o, n
-            o, n = next(before, None), next(after, None)
-            if was[1] == now[1] and was[2] == now[2] and old.raw(was[1]) == new.raw(now[1]):
-                continue
+
+    def changed(record: bytes, was: int | None) -> None:
+        path = record_path(record).decode()
         if not path:
-            continue
+            inodes.add(ROOT_INODE)
+            return
         parent_path, _, name = path.rpartition("/")
         parent = new.resolve(parent_path) or old.resolve(parent_path)
         assert parent is not None
-        entries.append((parent.inode, name.encode("utf-8")))
+        entries[(parent.inode, name.encode("utf-8"))] = None
         inodes.add(parent.inode)
         if was is not None:
-            inodes.add(was[1])
-    return entries, sorted(inodes)
+            inodes.add(was)
+
+    before, after = old.records(), new.records()
+    o, n = next(before, None), next(after, None)
+    while o is not None or n is not None:
+        if n is None or (o is not None and o[0] < n[0]):  # gone (or now under another number)
+            changed(o[1], o[0])  # type: ignore[index]
+            o = next(before, None)
+        elif o is None or n[0] < o[0]:  # new
+            changed(n[1], None)
+            n = next(after, None)
+        else:
+            if o[1] != n[1]:
+                if record_path(o[1]) != record_path(n[1]):
+                    changed(o[1], o[0])
+                changed(n[1], o[0])
+            o, n = next(before, None), next(after, None)
+    return list(entries), sorted(inodes)

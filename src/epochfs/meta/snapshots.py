@@ -226,7 +226,8 @@ class Snapshots:
             head = await self._call(self.store.update, self.settings.source_id, added, removed)
             if head.version == self.namespace.version + 1:
                 new, (entries, inodes) = await trio.to_thread.run_sync(lambda: self.index.apply(
-                    added, removed, version=head.version, created=head.created, mtime_ns=int(head.created * 1e9)))
+                    added, removed, version=head.version, created=head.created, objects=head.objects,
+                    mtime_ns=int(head.created * 1e9)))
                 await self._serve(head, new, entries, inodes)
                 return
             snapshot = await self._call(self.store.load, self.settings.source_id)
