@@ -324,3 +324,107 @@ def test_lmdb_store_update_applies_the_change_set(tmp_path):
     expected = merged(base, added, removed)
     assert head.version == 2 and head.objects == len(expected) == store.head("s3://b/").objects
     assert sorted(store.load("s3://b/").objects) == sorted(expected)
+
+
+def test_redis_change_sets_publish_the_change_and_load_whole(redis_server, monkeypatch):
+    """A node's writes are a change set on the version before: loading gives the merged listing,
+    ``changes`` gives the way from one version to another, an import in between breaks it (load
+    whole), and a full copy written beside a change set is what a node without a version loads."""
+    import redis
+
+    from epochfs.meta import redis as redis_store
+    from epochfs.meta.base import merged
+
+    store = open_meta(redis_server.url, Path("."), "cs")
+    base = objs(50)
+    store.save("s3://b/", base)
+    listing = list(base)
+    for n in range(3):
+        added = {f"ckpt/{n}.pt": ObjectInfo(f"ckpt/{n}.pt", 10 + n, 5, f'"c{n}"')}
+        removed = {base[n].key}
+        head = store.update("s3://b/", added, removed)
+        assert head.version == n + 2 and head.objects == -1
+        listing = merged(listing, added, removed)
+    assert sorted(store.load("s3://b/").objects) == sorted(listing)
+    changes = store.changes("s3://b/", 1, 4)
+    assert [c.version for c in changes] == [2, 3, 4] and changes[0].removed == {base[0].key}
+    assert store.changes("s3://b/", 0, 4) is None
+    r = redis.Redis(port=redis_server.port)
+    keys = {k.decode() for k in r.keys("epochfs:cs:v4:*")}
+    assert keys == {"epochfs:cs:v4:info", "epochfs:cs:v4:chunk:0", "epochfs:cs:v4:removed"}, "only the change"
+
+    monkeypatch.setattr(redis_store, "COMPACT_AFTER", 3)
+    assert store.compaction_due("s3://b/")
+    assert store.compact("s3://b/") == 4 and not store.compaction_due("s3://b/")
+    for v in (2, 3):  # the change sets before the full copy are not needed to load
+        r.delete(*r.keys(f"epochfs:cs:v{v}:*"))
+    assert sorted(store.load("s3://b/").objects) == sorted(listing)
+
+    store.save("s3://b/", objs(5))  # an import: a full version, no change set on the one before
+    assert store.changes("s3://b/", 4, store.current_version("s3://b/")) is None
+    store.close()
+
+
+def test_nodes_apply_each_others_change_sets_in_proportion(redis_server, tmp_path, caplog):
+    """Two nodes on one shared snapshot: each publishes its writes as change sets, the other refreshes
+    to them without loading the dataset, a node restarted after others published catches up by change
+    sets, and a malformed change set is refused whole while the node keeps serving."""
+    import logging
+
+    import redis
+    import trio
+
+    from epochfs.meta.base import SnapshotInvalid
+    from epochfs.meta.snapshots import Snapshots, SnapshotSettings
+
+    store = open_meta(redis_server.url, Path("."), "two")
+    store.save("s3://b/", objs(2000))
+    store.close()
+
+    def node(name):
+        return Snapshots(open_meta(redis_server.url, Path("."), "two"),
+                         SnapshotSettings(source_id="s3://b/", cache_dir=tmp_path / name, name="two"), lambda: iter(()))
+
+    (tmp_path / "a").mkdir(mode=0o700)
+    (tmp_path / "b").mkdir(mode=0o700)
+    a, b = node("a"), node("b")
+    loads = []
+    b.store.load = lambda source, _load=b.store.load: loads.append(source) or _load(source)
+
+    async def scenario():
+        await a.apply({"ckpt/1.pt": ObjectInfo("ckpt/1.pt", 7, 1, '"x"')}, {"d0/f0000000.bin"})
+        assert (await b.refresh())["changed"]
+        assert b.namespace.resolve("ckpt/1.pt").obj.size == 7 and b.namespace.resolve("d0/f0000000.bin") is None
+        await b.apply({"ckpt/2.pt": ObjectInfo("ckpt/2.pt", 8, 1, '"y"')}, set())
+        await a.refresh()
+        assert a.namespace.resolve("ckpt/2.pt") is not None and a.namespace.version == b.namespace.version
+        assert a.statistics().objects == b.statistics().objects == 2001
+    trio.run(scenario)
+    assert loads == [], "no node loaded the dataset whole"
+    b.close()
+
+    async def more():
+        await a.apply({"ckpt/3.pt": ObjectInfo("ckpt/3.pt", 9, 1, '"z"')}, set())
+    trio.run(more)
+    with caplog.at_level(logging.INFO):
+        b = node("b")
+    assert "caught up from version 3 to 4 by 1 change sets" in caplog.text
+    assert b.namespace.resolve("ckpt/3.pt") is not None and b.statistics().objects == 2002
+
+    r = redis.Redis(port=redis_server.port)
+    prefix = "epochfs:two:"
+    bad = {"format": 2, "source": "s3://b/", "version": 5, "created": 1.0, "objects": -1, "chunks": 0,
+           "base": 4, "removed": 1}
+    for what, values in [
+        ("deleted keys not JSON", {f"{prefix}v5:info": json.dumps(bad), f"{prefix}v5:removed": b"{"}),
+        ("deleted keys miscounted", {f"{prefix}v5:info": json.dumps(bad), f"{prefix}v5:removed": b"[]"}),
+        ("base not before it", {f"{prefix}v5:info": json.dumps({**bad, "base": 5}), f"{prefix}v5:removed": b'["a"]'}),
+        ("a count on a change set", {f"{prefix}v5:info": json.dumps({**bad, "objects": 3}),
+                                     f"{prefix}v5:removed": b'["a"]'}),
+    ]:
+        r.mset({**values, f"{prefix}current": b"5"})
+        with pytest.raises(SnapshotInvalid):
+            trio.run(b.refresh)
+        assert b.namespace.version == 4 and b.namespace.resolve("ckpt/3.pt") is not None, what
+    a.close()
+    b.close()

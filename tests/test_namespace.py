@@ -125,13 +125,13 @@ def test_a_change_set_gives_the_tree_a_build_of_the_merged_listing_gives():
             added = {k: ObjectInfo(k, 0 if k.endswith("/") else rng.randrange(1, 9), 2, f'"{trial}.{step}"')
                      for k in rng.sample(names, rng.randrange(0, 4))}
             removed = set(rng.sample(names, rng.randrange(0, 4))) - added.keys()
-            after, (entries, inodes) = index.apply(added, removed, version=2 + step, created=2.0, objects=0,
-                                                   mtime_ns=5)
+            after, (entries, inodes) = index.apply(added, removed, version=2 + step, created=2.0, mtime_ns=5)
             listing = {o.key: o for o in merged(listing.values(), added, removed)}
             expected = build_namespace(listing.values(), mtime_ns=5)
             assert shape(after) == shape(expected), (trial, step, added, removed)
             assert (after.file_count, after.dir_count, after.total_bytes) == (
                 expected.file_count, expected.dir_count, expected.total_bytes)
+            assert after.info["objects"] == len(listing), "the snapshot's object count follows"
             new_shape = shape(after)
             for path, what in new_shape.items():
                 inode = after.resolve(path).inode
@@ -161,6 +161,7 @@ def test_paths_longer_than_an_index_key_resolve_and_change():
     parent = ns.resolve(deep)
     assert [name for name, _ in ns.entries(parent.inode)] == [b"f", b"g"]
     assert ns.lookup(parent.inode, b"g").obj.size == 4
-    ns2, _ = index.apply({deep + "/f": obj(deep + "/f", 9)}, {deep + "/g"}, version=2, created=2.0, objects=1)
+    ns2, _ = index.apply({deep + "/f": obj(deep + "/f", 9)}, {deep + "/g"}, version=2, created=2.0)
+    assert ns2.info["objects"] == 1
     assert ns2.resolve(deep + "/f").obj.size == 9 and ns2.resolve(deep + "/f").inode == f.inode
     assert ns2.resolve(deep + "/g") is None and ns.resolve(deep + "/g") is not None

@@ -37,7 +37,17 @@ class Head:
     source: str
     version: int
     created: float
-    objects: int  # how many
+    objects: int  # how many (-1: a change set's, known once applied)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One published change set: the version it makes, when, what it puts and what it deletes."""
+
+    version: int
+    created: float
+    added: dict[str, ObjectInfo]
+    removed: set[str]
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,16 @@ class MetaStore(Protocol):
     def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
         """Publish the current version with objects put and deleted (write-back), atomically with
         respect to other nodes doing the same; return the new version's identity."""
+
+    def changes(self, source: str, after: int, upto: int) -> list[Change] | None:
+        """A shared store: the change sets that take version ``after`` to ``upto`` (None when the way
+        is not change sets alone: load the version whole)."""
+
+    def compaction_due(self, source: str) -> bool:
+        """A shared store: whether a full copy of the current version is due."""
+
+    def compact(self, source: str) -> int | None:
+        """A shared store: write a full copy of the current version; the version copied."""
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         """Publish a manifest under ``name`` for every node to fetch."""

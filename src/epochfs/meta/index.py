@@ -4,9 +4,10 @@ snapshot version and read through its memory map by :class:`~epochfs.meta.namesp
 Tables (each in two generations, ``0`` and ``1``; ``info`` names the one being served):
 
 - ``n<g>``: inode (8 bytes, big-endian) -> the node's record (:data:`~epochfs.meta.namespace.RECORD`);
-- ``k<g>``: parent inode + name -> child inode (so a directory's names come out sorted);
-- ``p<g>``: the path's hash (:func:`~epochfs.meta.namespace.path_key`) -> inode + kind (the node's record
-  is checked to hold the path);
+- ``k<g>``: parent inode + name -> child inode + its record (a directory's names come out sorted, each
+  with what a listing shows);
+- ``p<g>``: the path's hash (:func:`~epochfs.meta.namespace.path_key`) -> inode + record (checked to
+  hold the path);
 - ``h<g>``: the path's hash -> the record of a file hidden by a directory of the same name (it shows
   again if the directory goes);
 - ``s``: scratch for a build: the parent's path hash + name -> record, so each directory's entries
@@ -203,6 +204,7 @@ class NamespaceIndex:
         unsafe keys skipped, files that are also directories set aside in ``hidden``). The number of
         objects read."""
         count, it, s = 0, iter(objects), self._scratch
+        known = ""  # the directory of the object staged last
         while True:
             batch = list(itertools.islice(it, _BATCH))
             if not batch:
@@ -220,6 +222,10 @@ class NamespaceIndex:
                         continue
                     path = obj.key.rstrip("/")
                     parent = path.rpartition("/")[0]
+                    if parent == known:  # (a listing comes a directory at a time)
+                        parent = ""
+                    else:
+                        known = parent
                     while parent:  # its ancestors, up to the first one already known
                         pk = _entry_key(parent)
                         had = get(pk)
@@ -257,39 +263,47 @@ class NamespaceIndex:
             root = txn.get(_ROOT, db=self._scratch)
             assert root is not None
             txn.put(inode_key(ROOT_INODE), root, db=nodes)
-            txn.put(path_key(""), inode_key(ROOT_INODE) + bytes([KIND_DIR]), db=paths)
+            txn.put(path_key(""), inode_key(ROOT_INODE) + root, db=paths)
             dirs = 1
             cursor = txn.cursor(db=self._scratch)
             while done < len(queue):
                 parent = queue[done]
                 done += 1
                 parent_path = record_path(txn.get(inode_key(parent), db=nodes))
-                prefix = xxhash.xxh3_128_digest(parent_path)
+                prefix, parent_key = xxhash.xxh3_128_digest(parent_path), inode_key(parent)
+                node_items, kid_items, path_items = [], [], []
                 at = cursor.set_range(prefix)
                 while at:
                     key, record = cursor.item()
                     if not key.startswith(prefix) or key == _ROOT:
                         break
-                    path = record_path(record).decode()
-                    kind = _kind(record)
+                    path = record[RECORD.size:RECORD.size + RECORD.unpack_from(record)[7]]
+                    kind = record[0]
                     inode = 0
                     if previous is not None:
-                        was = previous.path_entry(path)
+                        was = previous.path_entry(path.decode())
                         if was is not None and was[1] == kind:
                             inode = was[0]
                     if not inode:
                         inode, fresh = fresh, fresh + 1
-                    txn.put(inode_key(parent) + key[16:], inode_key(inode), db=kids)
-                    txn.put(inode_key(inode), record, db=nodes)
-                    txn.put(path_key(path), inode_key(inode) + bytes([kind]), db=paths)
+                    number = inode.to_bytes(8, "big")
+                    kid_items.append((parent_key + key[16:], number + record))
+                    node_items.append((number, record))
+                    path_items.append((xxhash.xxh3_128_digest(path), number + record))
                     if kind == KIND_FILE:
                         size, mtime = RECORD.unpack_from(record)[2:4]
                         files, total, newest = files + 1, total + size, max(newest, mtime)
                     else:
                         dirs += 1
                         queue.append(inode)
-                    ops += 1
                     at = cursor.next()
+                # Inodes and (parent, name) keys grow as they are given out: appended, unless numbers
+                # of the previous version are reused.
+                ordered = previous is None
+                txn.cursor(db=kids).putmulti(kid_items, append=ordered)
+                txn.cursor(db=nodes).putmulti(node_items, append=ordered)
+                txn.cursor(db=paths).putmulti(path_items)
+                ops += len(node_items)
                 if ops >= _BATCH:  # bound a transaction's dirty pages
                     cursor.close()
                     txn.commit()
@@ -305,7 +319,7 @@ class NamespaceIndex:
     # -- a change set ----------------------------------------------------------------------------------
 
     def apply(self, added: dict[str, ObjectInfo], removed: Iterable[str], *, version: int, created: float,
-              objects: int, mtime_ns: int = 0) -> tuple[Namespace, Changes]:
+              mtime_ns: int = 0) -> tuple[Namespace, Changes]:
         """Serve the current version with objects put (``added``, by key) and deleted (``removed``) as
         ``version``: the tree a build of the merged listing would give, written in one transaction in
         time proportional to the change. Returns the new view and what the kernel must forget."""
@@ -319,8 +333,8 @@ class NamespaceIndex:
                     edit.add(added[key])
                 for key in sorted(set(removed) - added.keys(), reverse=True):  # children first
                     edit.remove(key)
-                info = {**current, **edit.totals(), "version": version, "created": created, "objects": objects,
-                        "mtime_ns": mtime_ns or current["mtime_ns"]}
+                info = {**current, **edit.totals(), "version": version, "created": created,
+                        "objects": max(0, current["objects"] + edit.objects), "mtime_ns": mtime_ns or current["mtime_ns"]}
                 txn.put(b"info", json.dumps(info).encode())
             self._env.sync(True)
         view = self.view()
@@ -336,6 +350,7 @@ class _Edit:
         self.nodes, self.kids, self.paths, self.hidden = dbs
         self.fresh = info["max_inode"] + 1
         self.files, self.dirs, self.bytes = info["files"], info["dirs"], info["bytes"]
+        self.objects = 0  # objects of the snapshot added less those removed
         self.entries: list[tuple[int, bytes]] = []
         self.inodes: set[int] = set()
 
@@ -344,12 +359,24 @@ class _Edit:
 
     def _at(self, path: str) -> tuple[bytes, int] | None:
         raw = self.txn.get(path_key(path), db=self.paths)
-        if raw is None:
-            return None
-        record = self.txn.get(raw[:8], db=self.nodes)
-        if record is None or record_path(record) != path.encode("utf-8"):
+        if raw is None or record_path(raw[8:]) != path.encode("utf-8"):
             return None
         return raw[:8], raw[8]
+
+    def _record(self, inode: bytes) -> bytes:
+        record = self.txn.get(inode, db=self.nodes)
+        assert record is not None
+        return record
+
+    def _write(self, path: str, inode: bytes, record: bytes) -> None:
+        """A node's record, in each table that holds it."""
+        self.txn.put(inode, record, db=self.nodes)
+        self.txn.put(path_key(path), inode + record, db=self.paths)
+        if path:
+            parent_path, _, name = path.rpartition("/")
+            at = self._at(parent_path)
+            assert at is not None
+            self.txn.put(at[0] + name.encode("utf-8"), inode + record, db=self.kids)
 
     def _changed(self, path: str, inode: bytes | None) -> None:
         parent_path, _, name = path.rpartition("/")
@@ -370,26 +397,18 @@ class _Edit:
 
     def _put(self, path: str, record: bytes, inode: bytes | None) -> bytes:
         """Write ``path``'s node (a new one when ``inode`` is None)."""
-        new = inode is None
         if inode is None:
             inode, self.fresh = inode_key(self.fresh), self.fresh + 1
-        self.txn.put(inode, record, db=self.nodes)
-        if new:
-            self.txn.put(path_key(path), inode + bytes([_kind(record)]), db=self.paths)
-            if path:
-                parent_path, _, name = path.rpartition("/")
-                at = self._at(parent_path)
-                assert at is not None
-                self.txn.put(at[0] + name.encode("utf-8"), inode, db=self.kids)
+        self._write(path, inode, record)
         return inode
 
     def _drop(self, path: str, inode: bytes, kind: int, *, prune: bool = True) -> None:
         """Remove ``path``'s node; a file it hid shows again; then (``prune``) its directory goes if that
         was implied by it alone."""
-        record = self.txn.get(inode, db=self.nodes)
+        record = self._record(inode)
         if kind == KIND_FILE:
             self.files -= 1
-            self.bytes -= RECORD.unpack_from(record)[2] if record else 0
+            self.bytes -= RECORD.unpack_from(record)[2]
         else:
             self.dirs -= 1
         self._changed(path, inode)
@@ -405,18 +424,28 @@ class _Edit:
             self.files += 1
             self.bytes += RECORD.unpack_from(shown)[2]
         elif prune and parent_path and not self._has_children(at[0]):
-            parent = self.txn.get(at[0], db=self.nodes)
-            if parent is not None and not parent[1]:  # no marker of its own
+            if not self._record(at[0])[1]:  # no marker of its own
                 self._drop(parent_path, at[0], KIND_DIR)
 
     def _hide(self, path: str, at: tuple[bytes, int]) -> None:
         """Set the file at ``path`` aside: a directory of its name wins."""
         _warn_skipped(path, "it is also a directory prefix")
-        record = self.txn.get(at[0], db=self.nodes)
+        record = self._record(at[0])
         self._drop(path, *at, prune=False)
         self.txn.put(path_key(path), record, db=self.hidden)
 
+    def _present(self, key: str) -> bool:
+        """Whether the snapshot holds ``key`` (as a file, a file set aside, or a directory's marker)."""
+        path = key.rstrip("/")
+        at = self._at(path)
+        if key.endswith("/") or not key:
+            return at is not None and at[1] == KIND_DIR and bool(self._record(at[0])[1])
+        if at is not None and at[1] == KIND_FILE:
+            return True
+        return self.txn.get(path_key(path), db=self.hidden) is not None
+
     def remove(self, key: str) -> None:
+        self.objects -= self._present(key)
         path = key.rstrip("/")
         if not path:
             return
@@ -428,7 +457,7 @@ class _Edit:
                 self.txn.delete(path_key(path), db=self.hidden)
         elif at is not None and at[1] == KIND_DIR:
             if self._has_children(at[0]):  # still implied by what it holds
-                self.txn.put(at[0], encode_dir(path, None), db=self.nodes)
+                self._write(path, at[0], encode_dir(path, None))
                 self._changed(path, at[0])
             else:
                 self._drop(path, *at)
@@ -451,10 +480,12 @@ class _Edit:
             self.dirs += 1
 
     def add(self, obj: ObjectInfo) -> None:
+        if unsafe_reason(obj.key) is None or obj.key == "":
+            self.objects += not self._present(obj.key)
         if obj.key == "" and not obj.size:
             at = self._at("")
             assert at is not None
-            self.txn.put(at[0], encode_dir("", obj), db=self.nodes)
+            self._write("", at[0], encode_dir("", obj))
             self.inodes.add(ROOT_INODE)
             return
         reason = _marker_problem(obj)
@@ -480,10 +511,9 @@ class _Edit:
             if at is None:
                 self.files += 1
             else:
-                old = self.txn.get(at[0], db=self.nodes)
-                self.bytes -= RECORD.unpack_from(old)[2] if old else 0
+                self.bytes -= RECORD.unpack_from(self._record(at[0]))[2]
             self.bytes += obj.size
-        if at is not None and self.txn.get(at[0], db=self.nodes) == record:
+        if at is not None and self._record(at[0]) == record:
             return
         self._changed(path, at[0] if at else None)
         self._put(path, record, at[0] if at else None)

@@ -200,27 +200,39 @@ class Namespace:
             raw = self._txn.get(inode_key(inode), db=self._nodes)
         if raw is None:
             raise KeyError(inode)
-        node = decode(inode, raw)
-        if len(self._memo) >= _MEMO:
-            self._memo.clear()
-        self._memo[inode] = node
-        return node
+        return self._remember(decode(inode, raw))
 
     def lookup(self, parent: int, name: bytes) -> Dir | File | None:
         if not name or not 0 < parent < 1 << 63:
             return None
         with self._lock:
             raw = self._txn.get(inode_key(parent) + name, db=self._kids)
-        return None if raw is None else self.node(int.from_bytes(raw, "big"))
+        return None if raw is None else self._found(raw)
+
+    def _found(self, raw: bytes) -> Dir | File:
+        """The node of an entry (inode + record)."""
+        inode = int.from_bytes(raw[:8], "big")
+        node = self._memo.get(inode)
+        return node if node is not None else self._remember(decode(inode, raw[8:]))
 
     def resolve(self, path: str) -> Dir | File | None:
         """The node at ``path`` (relative to the root, '/'-separated), or None."""
         path = path.strip("/")
         try:
-            found = self.path_entry(path)
+            want = path.encode("utf-8")
         except UnicodeEncodeError:
             return None
-        return None if found is None else self.node(found[0])
+        with self._lock:
+            raw = self._txn.get(xxhash.xxh3_128_digest(want), db=self._paths)
+        if raw is None or record_path(raw[8:]) != want:
+            return None
+        return self._found(raw)
+
+    def _remember(self, node: Dir | File) -> Dir | File:
+        if len(self._memo) >= _MEMO:
+            self._memo.clear()
+        self._memo[node.inode] = node
+        return node
 
     def _scan(self, db: Any, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes]]:
         """Items of ``db`` from ``start`` (inclusive) while keys begin with ``stop``, a chunk per turn
@@ -251,17 +263,14 @@ class Namespace:
         """The names in directory ``inode`` in byte order (those after ``after``), with their nodes."""
         prefix = inode_key(inode)
         for key, value in self._scan(self._kids, prefix + after, prefix):
-            name = key[8:]
-            if name and name != after:
-                yield name, self.node(int.from_bytes(value, "big"))
+            if len(key) > 8 and key[8:] != after:
+                yield key[8:], self._found(value)
 
     def path_entry(self, path: str) -> tuple[int, int] | None:
         """The inode and kind at ``path``, without decoding its node."""
-        want = path.encode("utf-8")
         with self._lock:
             raw = self._txn.get(path_key(path), db=self._paths)
-            record = None if raw is None else self._txn.get(raw[:8], db=self._nodes)
-        if record is None or record_path(record) != want:
+        if raw is None or record_path(raw[8:]) != path.encode("utf-8"):
             return None
         return int.from_bytes(raw[:8], "big"), raw[8]
 

@@ -2,8 +2,17 @@
 listing instead of each listing the bucket. Schema: ``docs/metadata-store.md``.
 
 Publishing writes a new version's chunks and info first and then flips ``current`` with one SET, so a
-reader sees the previous version or the new one. The version before the previous one is deleted after
-the flip (a node that is loading it right then sees it vanish and retries with the current one).
+reader sees the previous version or the new one. A whole snapshot (``epochfs import``) is a full
+version. A node's own writes (:meth:`RedisMetaStore.update`) are a *change set*: a version holding only
+what was put and deleted, on top of the version before it, so publishing costs the change, not the
+dataset, and a node serving the version before applies it in proportion too (:meth:`changes`). Change
+sets are numbered under a short lock (one chain of versions that every node applies in the same
+order); the lock is held to read ``current``, write the change and flip ``current``: milliseconds, in
+proportion to the change. Every ``COMPACT_AFTER`` change sets, a full copy of the current version is
+written beside it (:meth:`compact`, without the lock: a version never changes once published), and a
+node that has no version to start from loads the newest full copy and the change sets after it.
+Versions far behind the newest full copy are deleted (a node loading one right then sees it vanish and
+retries with the current one).
 """
 
 from __future__ import annotations
@@ -22,13 +31,13 @@ import redis
 from epochfs.errors import BackendUnavailable, ConfigError
 from epochfs.meta.base import (
     MAX_OBJECTS,
+    Change,
     Head,
     Progress,
     Snapshot,
     SnapshotInvalid,
     decode_objects,
     encode_objects,
-    merged,
 )
 from epochfs.records import ObjectInfo
 
@@ -36,11 +45,17 @@ log = logging.getLogger(__name__)
 
 _FORMAT = 2
 _CHUNK = 20_000  # objects per chunk value
-_KEEP = 2  # versions kept: the current one and the one before
+_KEEP = 2  # full versions kept by an import: the current one and the one before
+COMPACT_AFTER = 64  # change sets after a full copy before another is written
+_LAG = 2 * COMPACT_AFTER  # change sets kept behind the newest full copy, for nodes catching up
 
 
 class MetaUnavailable(BackendUnavailable):
     """The shared metadata store cannot be reached."""
+
+
+class _Gone(Exception):
+    """A version went while it was read (a newer one replaced it): read the current one again."""
 
 
 _BATCH = 64  # chunks fetched per round trip
@@ -57,8 +72,10 @@ def _plain(exc: Exception) -> str:
 class _Info:
     source: str
     created: float
-    objects: int
+    objects: int  # -1 in a change set: the count is known once applied
     chunks: int
+    base: int | None = None  # a change set: the version it applies to
+    removed: int = 0  # a change set: how many keys it deletes
 
 
 def _version(raw: bytes, where: str) -> int:
@@ -81,12 +98,34 @@ def _info(raw: bytes, version: int, url: str) -> _Info:
                               "publish it again with 'epochfs import'")
     source, created = info.get("source"), info.get("created")
     objects, chunks = info.get("objects"), info.get("chunks")
+    base, removed = info.get("base"), info.get("removed", 0)
+    change = base is not None
+
+    def count(v: object, low: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and low <= v <= MAX_OBJECTS
+
     if (not isinstance(source, str) or info.get("version") != version
             or not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created)
-            or not isinstance(objects, int) or isinstance(objects, bool) or not 0 <= objects <= MAX_OBJECTS
-            or not isinstance(chunks, int) or isinstance(chunks, bool) or not 0 <= chunks <= max(1, objects)):
+            or not count(objects, -1 if change else 0) or (objects == -1) != change
+            or not isinstance(chunks, int) or isinstance(chunks, bool)
+            or not 0 <= chunks <= max(1, MAX_OBJECTS // _CHUNK if change else objects)
+            or (change and (not isinstance(base, int) or isinstance(base, bool) or not 1 <= base < version
+                            or not count(removed)))):
         raise SnapshotInvalid(f"{what}: its info is malformed or out of range")
-    return _Info(source, float(created), objects, chunks)
+    return _Info(source, float(created), objects, chunks, base, removed if change else 0)
+
+
+def _removed(raw: bytes | None, expected: int, what: str) -> set[str]:
+    if raw is None:
+        raise SnapshotInvalid(f"{what}: its deleted keys are missing")
+    try:
+        keys = json.loads(raw)
+    except ValueError:
+        raise SnapshotInvalid(f"{what}: its deleted keys are not JSON") from None
+    if (not isinstance(keys, list) or len(keys) != expected
+            or not all(isinstance(k, str) and len(k.encode("utf-8", "surrogatepass")) <= 4096 for k in keys)):
+        raise SnapshotInvalid(f"{what}: its deleted keys are malformed")
+    return set(keys)
 
 
 class RedisMetaStore:
@@ -129,38 +168,117 @@ class RedisMetaStore:
                 return Head(info.source, version, info.created, info.objects)
         raise MetaUnavailable(f"snapshot of {source} in {self.url} kept changing while reading it")
 
+    def _chunks(self, vp: str, name: str, count: int, limit: int, what: str) -> list[ObjectInfo] | None:
+        """The records of ``count`` chunks ``vp + name + K``, checked (None: the version went meanwhile)."""
+        objects: list[ObjectInfo] = []
+        for first in range(0, count, _BATCH):
+            pipe = self._redis.pipeline(transaction=False)
+            for n in range(first, min(first + _BATCH, count)):
+                pipe.get(f"{vp}{name}{n}")
+            chunks = self._call(pipe.execute)
+            if any(c is None for c in chunks):
+                return None
+            for c in chunks:
+                objects += decode_objects(c)
+            if len(objects) > limit:
+                raise SnapshotInvalid(f"{what} holds more objects than its info says ({limit})")
+        return objects
+
+    def _version_info(self, source: str, version: int) -> _Info:
+        raw = self._call(self._redis.get, f"{self._prefix(source)}v{version}:info")
+        if raw is None:
+            raise _Gone
+        return _info(raw, version, self.url)
+
+    def _full(self, source: str, version: int, info: _Info) -> list[ObjectInfo] | None:
+        """The objects of a version held whole (an import, or a change set with a full copy written
+        beside it), or None for a change set without one. :class:`_Gone` if it went meanwhile."""
+        vp = f"{self._prefix(source)}v{version}:"
+        what = f"snapshot version {version} in {self.url}"
+        if info.base is not None:
+            whole = self._call(self._redis.get, vp + "full")
+            if whole is None:
+                return None
+            try:
+                copy = json.loads(whole)
+                objects, chunks = copy["objects"], copy["chunks"]
+            except (ValueError, KeyError, TypeError):
+                raise SnapshotInvalid(f"{what}: its full copy's record is malformed") from None
+            if not (isinstance(objects, int) and isinstance(chunks, int) and 0 <= objects <= MAX_OBJECTS
+                    and 0 <= chunks <= max(1, objects)):
+                raise SnapshotInvalid(f"{what}: its full copy's record is out of range")
+            name = "fullchunk:"
+        else:
+            objects, chunks, name = info.objects, info.chunks, "chunk:"
+        listed = self._chunks(vp, name, chunks, objects, what)
+        if listed is None:
+            raise _Gone
+        if len(listed) != objects:
+            raise SnapshotInvalid(f"{what} holds {len(listed)} objects, its info says {objects}")
+        return listed
+
+    def _change(self, source: str, version: int, info: _Info) -> Change:
+        vp = f"{self._prefix(source)}v{version}:"
+        what = f"change set version {version} in {self.url}"
+        added = self._chunks(vp, "chunk:", info.chunks, MAX_OBJECTS, what)
+        if added is None:
+            raise _Gone
+        removed = _removed(self._call(self._redis.get, vp + "removed"), info.removed, what)
+        return Change(version, info.created, {o.key: o for o in added}, removed)
+
+    def changes(self, source: str, after: int, upto: int) -> list[Change] | None:
+        """The change sets that take version ``after`` to ``upto``, oldest first, each checked; None
+        when ``upto`` does not descend from ``after`` by change sets alone (an import came between) or a
+        version on the way is gone: then load it whole."""
+        chain: list[tuple[int, _Info]] = []
+        version = upto
+        try:
+            while version > after:
+                info = self._version_info(source, version)
+                if info.base is None or len(chain) > _LAG + COMPACT_AFTER:
+                    return None
+                chain.append((version, info))
+                version = info.base
+            if version != after:
+                return None
+            return [self._change(source, v, i) for v, i in reversed(chain)]
+        except _Gone:
+            return None
+
     def load(self, source: str) -> Snapshot | None:
-        """The current snapshot, every field checked (:class:`SnapshotInvalid` if one is wrong)."""
+        """The current snapshot, every field checked (:class:`SnapshotInvalid` if one is wrong): the
+        newest version at or before it held whole, and the change sets after that."""
         for _ in range(3):  # the version may be replaced while we read it
             version = self.current_version(source)
             if version is None:
                 return None
-            vp = f"{self._prefix(source)}v{version}:"
-            raw = self._call(self._redis.get, vp + "info")
-            if raw is None:
+            try:
+                chain: list[tuple[int, _Info]] = []
+                at = version
+                while True:  # back along the change sets to a version held whole
+                    info = self._version_info(source, at)
+                    objects = self._full(source, at, info)
+                    if objects is not None:
+                        break
+                    if len(chain) > _LAG + COMPACT_AFTER:
+                        raise SnapshotInvalid(f"snapshot version {version} in {self.url}: no full copy within "
+                                              f"{len(chain)} versions")
+                    chain.append((at, info))
+                    assert info.base is not None
+                    at = info.base
+                created = info.created
+                if chain:
+                    by_key = {o.key: o for o in objects}
+                    for v, i in reversed(chain):
+                        change = self._change(source, v, i)
+                        for key in change.removed:
+                            by_key.pop(key, None)
+                        by_key.update(change.added)
+                        created = change.created
+                    objects = list(by_key.values())
+            except _Gone:
                 continue
-            info = _info(raw, version, self.url)
-            objects: list[ObjectInfo] = []
-            complete = True
-            for first in range(0, info.chunks, _BATCH):
-                pipe = self._redis.pipeline(transaction=False)
-                for n in range(first, min(first + _BATCH, info.chunks)):
-                    pipe.get(f"{vp}chunk:{n}")
-                chunks = self._call(pipe.execute)
-                if any(c is None for c in chunks):
-                    complete = False  # replaced while we read it
-                    break
-                for c in chunks:
-                    objects += decode_objects(c)
-                if len(objects) > info.objects:
-                    raise SnapshotInvalid(f"snapshot version {version} in {self.url} holds more objects than "
-                                          f"its info says ({info.objects})")
-            if not complete:
-                continue
-            if len(objects) != info.objects:
-                raise SnapshotInvalid(f"snapshot version {version} in {self.url} holds {len(objects)} objects, "
-                                      f"its info says {info.objects}")
-            return Snapshot(info.source, version, info.created, objects)
+            return Snapshot(source, version, created, objects)
         raise MetaUnavailable(f"snapshot of {source} in {self.url} kept changing while loading it")
 
     def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
@@ -182,29 +300,82 @@ class RedisMetaStore:
                                           "created": created, "objects": len(listed), "chunks": chunks}))
         self._call(pipe.execute)
         self._call(self._redis.set, prefix + "current", str(version))  # the atomic switch
+        self._call(self._redis.set, prefix + "full", str(version))
         if progress:
             progress(len(listed))
-        for old in range(max(1, version - 10), version - _KEEP + 1):
-            keys = list(self._call(self._redis.scan_iter, f"{prefix}v{old}:*"))
-            if keys:
-                self._call(self._redis.delete, *keys)
+        self._forget(prefix, version - _KEEP + 1, 10)
         return Snapshot(source, version, created, listed)
 
     def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
-        """The current version with ``added`` and ``removed`` applied, under a lock that the nodes
-        publishing their writes take in turn (it expires if its holder dies)."""
-        lock = self._redis.lock(self._prefix(source) + "update-lock", timeout=120, blocking_timeout=60)
+        """Publish ``added`` and ``removed`` as a change set on the current version (``objects`` in the
+        answer is -1: the count is known to whoever applies it). The lock that numbers change sets is
+        held for the change's own size; it expires if its holder dies."""
+        prefix = self._prefix(source)
+        lock = self._redis.lock(prefix + "update-lock", timeout=30, blocking_timeout=60)
         if not self._call(lock.acquire):
             raise MetaUnavailable(f"metadata store {self.url}: another node held the update lock of {source} "
                                   "for a minute")
         try:
-            current = self.load(source)
-            return self.save(source, merged(current.objects if current else (), added, removed)).head
+            base = self.current_version(source)
+            if base is None:
+                return self.save(source, added.values()).head
+            version = int(self._call(self._redis.incr, prefix + "next-version"))
+            vp = f"{prefix}v{version}:"
+            records = list(added.values())
+            gone = sorted(removed - added.keys())
+            pipe = self._redis.pipeline(transaction=False)
+            chunks = 0
+            for start in range(0, len(records), _CHUNK):
+                pipe.set(f"{vp}chunk:{chunks}", encode_objects(records[start:start + _CHUNK]))
+                chunks += 1
+            pipe.set(vp + "removed", json.dumps(gone))
+            created = time.time()
+            pipe.set(vp + "info", json.dumps({"format": _FORMAT, "source": source, "version": version,
+                                              "created": created, "objects": -1, "chunks": chunks,
+                                              "base": base, "removed": len(gone)}))
+            pipe.set(prefix + "current", str(version))  # the switch, after the version's own keys
+            self._call(pipe.execute)
+            return Head(source, version, created, -1)
         finally:
             try:
                 lock.release()
             except redis.exceptions.RedisError:
                 pass  # expired (its timeout bounds any hold)
+
+    def compaction_due(self, source: str) -> bool:
+        """Whether the current version is ``COMPACT_AFTER`` change sets past the newest full copy."""
+        current = self.current_version(source)
+        raw = self._call(self._redis.get, self._prefix(source) + "full")
+        full = int(raw) if raw is not None and raw.isdigit() else 0
+        return current is not None and current - full >= COMPACT_AFTER
+
+    def compact(self, source: str) -> int | None:
+        """Write a full copy of the current version beside it (no lock: a version never changes once
+        published) and delete what no node needs any more. The version copied, or None."""
+        snapshot = self.load(source)
+        if snapshot is None:
+            return None
+        prefix, version = self._prefix(source), snapshot.version
+        vp = f"{prefix}v{version}:"
+        pipe = self._redis.pipeline(transaction=False)
+        chunks = 0
+        for start in range(0, len(snapshot.objects), _CHUNK):
+            pipe.set(f"{vp}fullchunk:{chunks}", encode_objects(snapshot.objects[start:start + _CHUNK]))
+            chunks += 1
+        pipe.set(vp + "full", json.dumps({"objects": len(snapshot.objects), "chunks": chunks}))
+        pipe.set(prefix + "full", str(version))
+        self._call(pipe.execute)
+        self._forget(prefix, version - _LAG, COMPACT_AFTER + 8)
+        log.info("wrote a full copy of snapshot version %d of %s (%d objects)", version, source,
+                 len(snapshot.objects))
+        return version
+
+    def _forget(self, prefix: str, before: int, span: int) -> None:
+        """Delete the ``span`` versions numbered below ``before``."""
+        for old in range(max(1, before - span), before):
+            keys = list(self._call(self._redis.scan_iter, f"{prefix}v{old}:*"))
+            if keys:
+                self._call(self._redis.delete, *keys)
 
     # -- cluster members (the peer tier) --------------------------------------------------------------
 

@@ -21,6 +21,7 @@ All state lives on the trio thread; store calls and index writes run in worker t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 import trio
 
 from epochfs.errors import BackendUnavailable, ConfigError, EpochfsError
-from epochfs.meta.base import Head, MetaStore, Snapshot, SnapshotInvalid, kept_attributes
+from epochfs.meta.base import Change, Head, MetaStore, Snapshot, SnapshotInvalid, kept_attributes
 from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.namespace import Namespace, diff
 from epochfs.records import ObjectInfo
@@ -83,6 +84,7 @@ class Snapshots:
             raise
         self.latest_version = self.snapshot.version
         self._switching = trio.Lock()
+        self._compact = trio.Event()  # set when the shared store is due a full copy
 
     def close(self) -> None:
         self.namespace.close()
@@ -109,9 +111,13 @@ class Snapshots:
                 head = self.store.head(source)
                 view = self._indexed(head) if head is not None else None
                 if head is not None and view is None:
+                    view = self._catch_up(head)
+                if head is not None and view is None:
                     snapshot = self.store.load(source)
                     if snapshot is not None:
                         head, view = snapshot.head, self._build(snapshot)
+                if view is not None and head is not None and head.objects < 0:
+                    head = dataclasses.replace(head, objects=view.info["objects"])
             except (BackendUnavailable, SnapshotInvalid) as exc:
                 return self._from_local_copy(exc)
             if head is None or view is None:
@@ -142,6 +148,24 @@ class Snapshots:
         log.info("listed %d objects in %.1fs; snapshot version %d", len(snapshot.objects),
                  time.monotonic() - started, snapshot.version)
         return snapshot.head, self._build(snapshot), None
+
+    def _catch_up(self, head: Head) -> Namespace | None:
+        """The index's version brought to ``head`` by the change sets published since (a restart after
+        other nodes' writes), or None if there is none to start from or the way is not change sets."""
+        kept = self.index.view(self._identity)
+        if kept is None or kept.version >= head.version:
+            return None
+        changes = self.store.changes(self.settings.source_id, kept.version, head.version)
+        kept.close()
+        if not changes:
+            return None
+        view = None
+        for c in changes:
+            view, _ = self.index.apply(c.added, c.removed, version=c.version, created=c.created,
+                                       mtime_ns=int(c.created * 1e9))
+        log.info("caught up from version %d to %d by %d change sets", changes[0].version - 1, head.version,
+                 len(changes))
+        return view
 
     def _previous_objects(self) -> Iterable[ObjectInfo]:
         """The objects of the version served last (for the owners and modes a listing does not carry)."""
@@ -190,6 +214,9 @@ class Snapshots:
                 if latest is None or latest == self.snapshot.version:
                     return {"changed": False, "version": self.snapshot.version}
                 try:
+                    changes = await self._call(self.store.changes, source, self.namespace.version, latest)
+                    if changes:
+                        return await self._apply_changes(changes)
                     loaded = await self._call(self.store.load, source)
                 except SnapshotInvalid as exc:
                     log.warning("refusing snapshot version %d from %s: %s; still serving version %d",
@@ -217,28 +244,60 @@ class Snapshots:
         log.info("now serving snapshot version %d (%d entries changed)", head.version, len(entries))
         return {"changed": True, "version": head.version, "changed_entries": len(entries)}
 
+    async def _apply_changes(self, changes: list[Change]) -> dict[str, Any]:
+        """Serve the version the change sets make, each applied to the tree in proportion to its size."""
+        entries: dict[tuple[int, bytes], None] = {}
+        inodes: set[int] = set()
+        new = self.namespace
+        for change in changes:
+            new, (changed, forget) = await trio.to_thread.run_sync(lambda c=change: self.index.apply(
+                c.added, c.removed, version=c.version, created=c.created, mtime_ns=int(c.created * 1e9)))
+            entries.update(dict.fromkeys(changed))
+            inodes.update(forget)
+        head = Head(self.settings.source_id, new.version, float(new.info["created"]), new.info["objects"])
+        return await self._serve(head, new, list(entries), sorted(inodes))
+
     async def apply(self, added: dict[str, ObjectInfo], removed: set[str]) -> None:
         """Publish this node's writes (objects uploaded, objects deleted) as a new version of the
-        store's snapshot, and serve it: as a change set to the tree when the new version follows the one
-        served, else built whole. Raises :class:`EpochfsError` if the store cannot take it (the caller
-        tries again later)."""
+        store's snapshot, and serve it: applied to the tree as change sets when the new version descends
+        from the one served by change sets (the common case), else built whole. Raises
+        :class:`EpochfsError` if the store cannot take it (the caller tries again later)."""
         async with self._switching:
-            head = await self._call(self.store.update, self.settings.source_id, added, removed)
-            if head.version == self.namespace.version + 1:
-                new, (entries, inodes) = await trio.to_thread.run_sync(lambda: self.index.apply(
-                    added, removed, version=head.version, created=head.created, objects=head.objects,
-                    mtime_ns=int(head.created * 1e9)))
-                await self._serve(head, new, entries, inodes)
+            source = self.settings.source_id
+            head = await self._call(self.store.update, source, added, removed)
+            if not self.store.shared:
+                changes: list[Change] | None = [Change(head.version, head.created, added, removed)] if (
+                    head.version == self.namespace.version + 1) else None
+            else:  # (other nodes' change sets may have come first)
+                changes = await self._call(self.store.changes, source, self.namespace.version, head.version)
+            if changes:
+                await self._apply_changes(changes)
+                if self.store.shared and await self._call(self.store.compaction_due, source):
+                    self._compact.set()
                 return
-            snapshot = await self._call(self.store.load, self.settings.source_id)
+            snapshot = await self._call(self.store.load, source)
             if snapshot is not None:
                 await self._switch_to(snapshot)
 
+    async def _compact_when_due(self) -> None:
+        """Write a full copy of the shared snapshot after enough change sets (one at a time, in a worker
+        thread, never in a publication's way)."""
+        while True:
+            await self._compact.wait()
+            self._compact = trio.Event()
+            try:
+                await self._call(self.store.compact, self.settings.source_id)
+            except EpochfsError as exc:
+                log.warning("could not write a full copy of the shared snapshot (the next publication tries "
+                            "again): %s", exc)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Poll the store (if asked to) and keep this node's local copy (if the store wants one)."""
+        """Poll the store (if asked to) and write full copies of a shared snapshot when they are due."""
         async with trio.open_nursery() as nursery:
             if self.settings.poll and self.store.shared:
                 nursery.start_soon(self._poll)
+            if self.store.shared:
+                nursery.start_soon(self._compact_when_due)
             task_status.started()
 
     async def _poll(self) -> None:
