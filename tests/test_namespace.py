@@ -165,3 +165,10 @@ def test_paths_longer_than_an_index_key_resolve_and_change():
     assert ns2.info["objects"] == 1
     assert ns2.resolve(deep + "/f").obj.size == 9 and ns2.resolve(deep + "/f").inode == f.inode
     assert ns2.resolve(deep + "/g") is None and ns.resolve(deep + "/g") is not None
+
+
+def test_walk_gives_every_file_under_a_directory_once():
+    ns = build_namespace([obj(k) for k in ("a/x", "a/b/c", "a/b/d/e", "a.txt", "b/y", "a/b/d/f", "a/z")])
+    a = ns.resolve("a")
+    assert [f.path for f in ns.walk(a.inode)] == ["a/b/c", "a/b/d/e", "a/b/d/f", "a/x", "a/z"]
+    assert sorted(f.path for f in ns.walk(ROOT_INODE)) == sorted(f.path for f in ns.files())

@@ -55,8 +55,8 @@ class MountInfo:
 def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], source: str, *,
                  expand_dirs: bool) -> tuple[list[ObjectInfo], list[str], int]:
     """The objects ``entries`` name (directories expanded to their files if asked), what is missing (at
-    most six messages, naming the manifest lines) and how many are. Worker thread: the namespace is
-    immutable."""
+    most six messages, naming the manifest lines) and how many are. Worker thread: the namespace is a
+    view of one version."""
     objs: list[ObjectInfo] = []
     missing: list[str] = []
     missed = 0
@@ -65,8 +65,7 @@ def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], sourc
         if isinstance(node, File):
             objs.append(node.obj)
         elif node is not None and expand_dirs:
-            prefix = node.path + "/" if node.path else ""
-            objs.extend(f.obj for f in namespace.files() if f.path.startswith(prefix))
+            objs.extend(f.obj for f in namespace.walk(node.inode))
         else:
             missed += 1
             if len(missing) < 6:

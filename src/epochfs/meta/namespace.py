@@ -290,6 +290,19 @@ class Namespace:
                 assert isinstance(node, File)
                 yield node
 
+    def walk(self, inode: int) -> Iterator[File]:
+        """The files under directory ``inode``, depth first, each directory's names in byte order."""
+        stack = [self.entries(inode)]
+        while stack:
+            for _, node in stack[-1]:
+                if isinstance(node, File):
+                    yield node
+                else:
+                    stack.append(self.entries(node.inode))
+                    break
+            else:
+                stack.pop()
+
     def __len__(self) -> int:
         return self.file_count + self.dir_count
 
