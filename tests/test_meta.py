@@ -428,3 +428,27 @@ def test_nodes_apply_each_others_change_sets_in_proportion(redis_server, tmp_pat
         assert b.namespace.version == 4 and b.namespace.resolve("ckpt/3.pt") is not None, what
     a.close()
     b.close()
+
+
+def test_a_damaged_stored_snapshot_is_listed_again(tmp_path, caplog):
+    """A record of the embedded store that does not decode (found only as the index is first built
+    from it) makes the mount list the source again, not fail or serve part of it."""
+    import logging
+
+    from epochfs.meta.snapshots import Snapshots, SnapshotSettings
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    open_meta(None, cache, None).save("s3://b/", objs(30))
+    store = open_meta(None, cache, None)
+    env = store._env()
+    with env.begin(write=True) as txn:
+        key = next(k for k, _ in txn.cursor() if k.startswith(b"o/"))
+        txn.put(key, b"\x01\x02garbage")
+    listed = [ObjectInfo("fresh/listing.bin", 3, 0, '"f"')]
+    with caplog.at_level(logging.WARNING):
+        snaps = Snapshots(store, SnapshotSettings(source_id="s3://b/", cache_dir=cache), lambda: iter(listed))
+    assert "the stored snapshot is damaged" in caplog.text
+    assert [f.path for f in snaps.namespace.files()] == ["fresh/listing.bin"]
+    assert snaps.snapshot.version == 2
+    snaps.close()

@@ -50,12 +50,20 @@ class Change:
     removed: set[str]
 
 
+class Objects(Protocol):
+    """A version's objects: a list, or read from the store as they are iterated."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[ObjectInfo]: ...
+
+
 @dataclass(frozen=True)
 class Snapshot:
     source: str
     version: int
     created: float
-    objects: list[ObjectInfo]
+    objects: Objects
 
     @property
     def head(self) -> Head:

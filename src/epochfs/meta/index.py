@@ -204,7 +204,7 @@ class NamespaceIndex:
         unsafe keys skipped, files that are also directories set aside in ``hidden``). The number of
         objects read."""
         count, it, s = 0, iter(objects), self._scratch
-        known = ""  # the directory of the object staged last
+        known, prefix = "", xxhash.xxh3_128_digest(b"")  # the directory of the object staged last, its hash
         while True:
             batch = list(itertools.islice(it, _BATCH))
             if not batch:
@@ -221,11 +221,11 @@ class NamespaceIndex:
                         _warn_skipped(obj.key, reason)
                         continue
                     path = obj.key.rstrip("/")
-                    parent = path.rpartition("/")[0]
+                    parent, _, name = path.rpartition("/")
                     if parent == known:  # (a listing comes a directory at a time)
                         parent = ""
                     else:
-                        known = parent
+                        known, prefix = parent, xxhash.xxh3_128_digest(parent.encode("utf-8"))
                     while parent:  # its ancestors, up to the first one already known
                         pk = _entry_key(parent)
                         had = get(pk)
@@ -236,7 +236,9 @@ class NamespaceIndex:
                             put(path_key(parent), had, db=hidden)
                         put(pk, encode_dir(parent, None))
                         parent = parent.rpartition("/")[0]
-                    key = _entry_key(path)
+                    key = prefix + name.encode("utf-8")
+                    if not obj.key.endswith("/") and put(key, encode_file(obj), overwrite=False):
+                        continue  # (the common case: a new file)
                     had = get(key)
                     if obj.key.endswith("/"):
                         if had is not None and _kind(had) == KIND_FILE:

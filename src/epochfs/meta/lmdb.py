@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import lmdb as _lmdb
@@ -46,6 +46,19 @@ def _object_key(key: str) -> bytes:
 
 _ENVIRONMENTS: dict[str, tuple[_lmdb.Environment, int]] = {}  # real path -> (environment, users)
 _ENVIRONMENTS_LOCK = threading.Lock()
+
+
+class _Stored:
+    """A stored version's objects, read from the store when iterated (each time)."""
+
+    def __init__(self, store: LmdbMetaStore, head: Head) -> None:
+        self._store, self._head = store, head
+
+    def __len__(self) -> int:
+        return self._head.objects
+
+    def __iter__(self) -> Iterator[ObjectInfo]:
+        return self._store._records(self._head)
 
 
 class LmdbMetaStore:
@@ -113,37 +126,48 @@ class LmdbMetaStore:
         return Head(source, version, float(created), count)
 
     def load(self, source: str) -> Snapshot | None:
-        try:
-            env = self._env()
-        except (_lmdb.Error, EpochfsError) as exc:
-            log.warning("metadata store %s is unreadable (%s); the source will be listed again", self.path, exc)
+        """The stored snapshot, its objects read as they are iterated (in chunks, each checked:
+        :class:`SnapshotInvalid` from the iteration if the store is damaged). None if there is none or it
+        is unreadable (then the source is listed again)."""
+        head = self.head(source)
+        if head is None:
             return None
-        try:
-            with env.begin(buffers=True) as txn:
-                info = self._info(txn, source)
-                if info is None:
-                    return None
-                count = info.get("objects")
-                if not (isinstance(count, int) and 0 <= count <= MAX_OBJECTS):
-                    raise SnapshotInvalid(f"info says {count!r} objects")
-                objects: list[ObjectInfo] = []
-                records: list[bytes] = []
-                cursor = txn.cursor()
-                at = cursor.set_range(_PREFIX)
-                while at and bytes(cursor.key()[:2]) == _PREFIX:
-                    records.append(bytes(cursor.value()))
-                    if len(records) >= _CHUNK:
-                        objects += decode_objects(b"".join(records))
-                        records = []
-                    at = cursor.next()
-                objects += decode_objects(b"".join(records))
-            if len(objects) != count:
-                log.warning("metadata store %s is incomplete; the source will be listed again", self.path)
-                return None
-            return Snapshot(source, int(info["version"]), float(info["created"]), objects)
-        except (_lmdb.Error, ValueError, KeyError, TypeError, SnapshotInvalid) as exc:
-            log.warning("metadata store %s is damaged (%s); the source will be listed again", self.path, exc)
+        if not 0 <= head.objects <= MAX_OBJECTS:
+            log.warning("metadata store %s is damaged (it says %d objects); the source will be listed again",
+                        self.path, head.objects)
             return None
+        return Snapshot(source, head.version, head.created, _Stored(self, head))
+
+    def _records(self, head: Head) -> Iterator[ObjectInfo]:
+        """The objects of version ``head``, in chunks read in one transaction at a time, resuming after the
+        last key read; :class:`SnapshotInvalid` if the store changed or is damaged meanwhile."""
+        env, after, count = self._env(), _PREFIX, 0
+        while True:
+            records: list[bytes] = []
+            try:
+                with env.begin() as txn:
+                    info = self._info(txn, head.source)
+                    if info is None or info.get("version") != head.version:
+                        raise SnapshotInvalid(f"{self.path}: version {head.version} was replaced while read")
+                    cursor = txn.cursor()
+                    at = cursor.set_range(after)
+                    if at and cursor.key() == after and after != _PREFIX:
+                        at = cursor.next()
+                    while at and cursor.key()[:2] == _PREFIX and len(records) < _CHUNK:
+                        records.append(cursor.value())
+                        after = cursor.key()
+                        at = cursor.next()
+            except _lmdb.Error as exc:
+                raise SnapshotInvalid(f"{self.path} is damaged: {exc}") from None
+            objects = decode_objects(b"".join(records))
+            count += len(objects)
+            if count > head.objects:
+                raise SnapshotInvalid(f"{self.path} holds more objects than its info says ({head.objects})")
+            yield from objects
+            if len(records) < _CHUNK:
+                break
+        if count != head.objects:
+            raise SnapshotInvalid(f"{self.path} holds {count} objects, its info says {head.objects}")
 
     @staticmethod
     def _next_version(txn: _lmdb.Transaction) -> int:

@@ -42,7 +42,7 @@ RECORD = struct.Struct("<BBQqIIIHH")
 KIND_DIR, KIND_FILE = 0, 1
 _NONE = 0xFFFFFFFF
 _CHUNK = 1024  # entries read per turn of the lock when iterating
-_MEMO = 1 << 15  # decoded nodes kept per view (the hot set of readers)
+_MEMO = 1 << 16  # decoded nodes kept per view (the hot set of readers)
 
 
 def unsafe_reason(key: str) -> str | None:
@@ -174,7 +174,9 @@ class Namespace:
         self._txn = txn
         self._nodes, self._kids, self._paths = dbs[:3]
         self._lock = threading.Lock()
-        self._memo: dict[int, Dir | File] = {}
+        self._memo: dict[int, Dir | File] = {}  # decoded nodes by inode, and how they were asked for:
+        self._by_name: dict[tuple[int, bytes], Dir | File] = {}
+        self._by_path: dict[str, Dir | File] = {}
         self.owner = owner  # the index this view reads (kept open while the view lives)
         self.info = info
         self.version: int = info["version"]
@@ -203,11 +205,18 @@ class Namespace:
         return self._remember(decode(inode, raw))
 
     def lookup(self, parent: int, name: bytes) -> Dir | File | None:
+        node = self._by_name.get((parent, name))
+        if node is not None:
+            return node
         if not name or not 0 < parent < 1 << 63:
             return None
         with self._lock:
             raw = self._txn.get(inode_key(parent) + name, db=self._kids)
-        return None if raw is None else self._found(raw)
+        if raw is None:
+            return None
+        node = self._found(raw)
+        self._by_name[(parent, name)] = node
+        return node
 
     def _found(self, raw: bytes) -> Dir | File:
         """The node of an entry (inode + record)."""
@@ -217,20 +226,31 @@ class Namespace:
 
     def resolve(self, path: str) -> Dir | File | None:
         """The node at ``path`` (relative to the root, '/'-separated), or None."""
-        path = path.strip("/")
+        node = self._by_path.get(path)
+        if node is not None:
+            return node
+        key = path.strip("/")
         try:
-            want = path.encode("utf-8")
+            want = key.encode("utf-8")
         except UnicodeEncodeError:
             return None
         with self._lock:
             raw = self._txn.get(xxhash.xxh3_128_digest(want), db=self._paths)
         if raw is None or record_path(raw[8:]) != want:
             return None
-        return self._found(raw)
+        node = self._found(raw)
+        if len(self._by_path) >= _MEMO:  # (many spellings of few paths)
+            self._by_path.clear()
+        self._by_path[path] = node
+        return node
 
     def _remember(self, node: Dir | File) -> Dir | File:
+        """Keep a decoded node for the next asks (the hot set of readers; all of them are forgotten at
+        once when ``_MEMO`` are kept, so memory stays bounded by the readers, not the dataset)."""
         if len(self._memo) >= _MEMO:
             self._memo.clear()
+            self._by_name.clear()
+            self._by_path.clear()
         self._memo[node.inode] = node
         return node
 

@@ -355,19 +355,19 @@ class RedisMetaStore:
         snapshot = self.load(source)
         if snapshot is None:
             return None
-        prefix, version = self._prefix(source), snapshot.version
+        prefix, version, objects = self._prefix(source), snapshot.version, list(snapshot.objects)
         vp = f"{prefix}v{version}:"
         pipe = self._redis.pipeline(transaction=False)
         chunks = 0
-        for start in range(0, len(snapshot.objects), _CHUNK):
-            pipe.set(f"{vp}fullchunk:{chunks}", encode_objects(snapshot.objects[start:start + _CHUNK]))
+        for start in range(0, len(objects), _CHUNK):
+            pipe.set(f"{vp}fullchunk:{chunks}", encode_objects(objects[start:start + _CHUNK]))
             chunks += 1
-        pipe.set(vp + "full", json.dumps({"objects": len(snapshot.objects), "chunks": chunks}))
+        pipe.set(vp + "full", json.dumps({"objects": len(objects), "chunks": chunks}))
         pipe.set(prefix + "full", str(version))
         self._call(pipe.execute)
         self._forget(prefix, version - _LAG, COMPACT_AFTER + 8)
         log.info("wrote a full copy of snapshot version %d of %s (%d objects)", version, source,
-                 len(snapshot.objects))
+                 len(objects))
         return version
 
     def _forget(self, prefix: str, before: int, span: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -138,7 +138,10 @@ class Snapshots:
             view = self._indexed(use)
             if view is None:
                 snapshot = self.store.load(source)
-                view = self._build(snapshot) if snapshot is not None and snapshot.version == use.version else None
+                try:
+                    view = self._build(snapshot) if snapshot is not None and snapshot.version == use.version else None
+                except SnapshotInvalid as exc:
+                    log.warning("the stored snapshot is damaged (%s); listing the source again", exc)
             if view is not None:
                 log.info("using snapshot version %d of %s (%d objects)", use.version, use.source, use.objects)
                 return use, view, None
@@ -163,8 +166,7 @@ class Snapshots:
         for c in changes:
             view, _ = self.index.apply(c.added, c.removed, version=c.version, created=c.created,
                                        mtime_ns=int(c.created * 1e9))
-        log.info("caught up from version %d to %d by %d change sets", changes[0].version - 1, head.version,
-                 len(changes))
+        log.info("caught up from version %d to %d by %d change sets", kept.version, head.version, len(changes))
         return view
 
     def _previous_objects(self) -> Iterable[ObjectInfo]:
@@ -173,7 +175,7 @@ class Snapshots:
         if view is not None:
             return (f.obj for f in view.files())
         stored = self.store.load(self.settings.source_id)
-        return stored.objects if stored is not None else ()
+        return _readable(stored.objects) if stored is not None else ()
 
     def _from_local_copy(self, exc: EpochfsError) -> tuple[Head, Namespace, str]:
         view = self.index.view(self._identity)
@@ -328,3 +330,11 @@ class Snapshots:
         ns, snap = self.namespace, self.snapshot
         return SnapshotStats(snap.version, snap.created, snap.objects, ns.file_count, ns.dir_count,
                              ns.total_bytes, self.store.url, self.error is None, self.error, self.latest_version)
+
+
+def _readable(objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
+    """``objects`` up to where the store turns out damaged (what is read is still worth keeping)."""
+    try:
+        yield from objects
+    except SnapshotInvalid as exc:
+        log.warning("the stored snapshot is damaged (%s); its owners and modes are kept as far as it reads", exc)
