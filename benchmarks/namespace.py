@@ -16,7 +16,12 @@ the namespace's part of a mount (what the daemon does before it answers), not a 
   publish      one checkpoint published into the dataset (Snapshots.apply: the store's new version and
                the tree switched to it), and the longest a reader thread's lookup waited meanwhile
 
-    .venv/bin/python benchmarks/namespace.py --baseline REV [--sizes 20000,200000,1000000]
+Then, through a real mount of a ``file://`` directory of ``--fuse-files`` empty files (100 per
+directory) with the page cache and the kernel's entries dropped before each pass: ``stat`` of every
+file (a LOOKUP and GETATTR each) and a listing with attributes of every directory (READDIR), per file,
+medians of 3 passes.
+
+    sudo .venv/bin/python benchmarks/namespace.py --baseline REV [--sizes 20000,200000,1000000]
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -146,12 +153,47 @@ def measure(src: Path, count: int, work: Path) -> dict:
     return out
 
 
+def fuse_pass(src: Path, data: Path, work: Path, files: int) -> dict:
+    """Per-file seconds of stat and of listing through a mount of ``data`` with ``src``'s code."""
+    cache, mnt = Path(tempfile.mkdtemp(dir=work)), Path(tempfile.mkdtemp(dir=work))
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    subprocess.run([sys.executable, "-m", "epochfs", "mount", f"file://{data}", str(mnt), "--cache-dir", str(cache),
+                    "--metrics-targets", "off", "--metrics-addr", "127.0.0.1:0"], env=env, check=True,
+                   capture_output=True, timeout=600)
+    out: dict = {"stat": [], "readdir": []}
+    try:
+        dirs = sorted(os.listdir(mnt))
+        for _ in range(3):
+            for what in ("stat", "readdir"):
+                os.sync()
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")  # the kernel forgets entries and inodes
+                t = time.perf_counter()
+                n = 0
+                for d in dirs:
+                    if what == "stat":
+                        for i in range(100):
+                            os.stat(mnt / d / f"f{i:03d}")
+                            n += 1
+                    else:
+                        with os.scandir(mnt / d) as it:
+                            for entry in it:
+                                entry.stat()
+                                n += 1
+                assert n == files, (what, n)
+                out[what].append((time.perf_counter() - t) / n)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["rm", "-rf", str(cache)], check=False)
+    return {f"{k}_us": statistics.median(v) * 1e6 for k, v in out.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="the revision to compare with (a git commit)")
     parser.add_argument("--sizes", default="20000,200000,1000000", help="object counts, comma-separated")
     parser.add_argument("--current-only-above", type=int, default=0,
                         help="run only the current code for sizes above this (the earlier one may not fit)")
+    parser.add_argument("--fuse-files", type=int, default=20000, help="files of the mounted pass (0: skip it)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -172,6 +214,19 @@ def main() -> None:
                 row[name] = measure(src, count, work)
                 print(f"  {row[name]}", flush=True)
             results["sizes"][str(count)] = row
+        if args.fuse_files:
+            data = work / "data"
+            for d in range(args.fuse_files // 100):
+                (data / f"d{d:04d}").mkdir(parents=True)
+                for i in range(100):
+                    (data / f"d{d:04d}" / f"f{i:03d}").touch()
+            results["fuse"] = {"files": args.fuse_files}
+            for _ in range(2):  # interleaved: baseline, current, baseline, current
+                for name, src in (("baseline", base / "src"), ("current", ROOT / "src")):
+                    print(f"{name} through a mount of {args.fuse_files:,} files ...", flush=True)
+                    got = fuse_pass(src, data, work, args.fuse_files)
+                    print(f"  {got}", flush=True)
+                    results["fuse"].setdefault(name, []).append(got)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
         subprocess.run(["rm", "-rf", str(work)], check=False)
@@ -193,6 +248,15 @@ def report(results: dict) -> str:
                          f"{r['rss'] / (1 << 20):.0f} | {r['anon'] / (1 << 20):.0f} | "
                          f"{r['lookup_us']:.1f} / {r.get('lookup_warm_us', float('nan')):.1f} | "
                          f"{r['readdir_us_per_entry']:.2f} | {r['publish_s']:.3f} | {r['reader_stall_ms']:.1f} |")
+    if "fuse" in results:
+        f = results["fuse"]
+        lines += ["", f"Through a mount of {f['files']:,} files (µs per file, page cache and kernel entries "
+                  "dropped; each pass twice, interleaved):", "", "| code | stat | listing with attributes |",
+                  "|---|---|---|"]
+        for name in ("baseline", "current"):
+            runs = f.get(name, [])
+            lines.append(f"| {name} | " + " / ".join(f"{r['stat_us']:.0f}" for r in runs) + " | "
+                         + " / ".join(f"{r['readdir_us']:.0f}" for r in runs) + " |")
     sizes = list(results["sizes"])
     if len(sizes) > 1:
         lo, hi = results["sizes"][sizes[0]], results["sizes"][sizes[-1]]
