@@ -84,11 +84,17 @@ def _warn_skipped(key: str, reason: str) -> None:
     log.warning("skipping object %r: %s", key, reason)
 
 
-def _marker_problem(obj: ObjectInfo) -> str | None:
+def _path_of(obj: ObjectInfo) -> str | None:
+    """The path an object makes (``""``: the root's marker), or None when it is skipped (logged)."""
+    if obj.key == "" and not obj.size:
+        return ""
     reason = unsafe_reason(obj.key)
     if reason is None and obj.key.endswith("/") and obj.size:
         reason = "a directory marker with data"
-    return reason
+    if reason:
+        _warn_skipped(obj.key, reason)
+        return None
+    return obj.key.rstrip("/")
 
 
 def _discard(env: lmdb.Environment, path: Path) -> None:
@@ -213,14 +219,11 @@ class NamespaceIndex:
             with self._env.begin(write=True, db=s) as txn:
                 get, put = txn.get, txn.put
                 for obj in batch:
-                    if obj.key == "" and not obj.size:
-                        put(_ROOT, encode_dir("", obj))  # the root's marker
+                    path = _path_of(obj)
+                    if not path:
+                        if path is not None:
+                            put(_ROOT, encode_dir("", obj))  # the root's marker
                         continue
-                    reason = _marker_problem(obj)
-                    if reason:
-                        _warn_skipped(obj.key, reason)
-                        continue
-                    path = obj.key.rstrip("/")
                     parent, _, name = path.rpartition("/")
                     if parent == known:  # (a listing comes a directory at a time)
                         parent = ""
@@ -484,17 +487,12 @@ class _Edit:
     def add(self, obj: ObjectInfo) -> None:
         if unsafe_reason(obj.key) is None or obj.key == "":
             self.objects += not self._present(obj.key)
-        if obj.key == "" and not obj.size:
-            at = self._at("")
-            assert at is not None
-            self._write("", at[0], encode_dir("", obj))
-            self.inodes.add(ROOT_INODE)
+        path = _path_of(obj)
+        if not path:
+            if path is not None:  # the root's marker
+                self._write("", inode_key(ROOT_INODE), encode_dir("", obj))
+                self.inodes.add(ROOT_INODE)
             return
-        reason = _marker_problem(obj)
-        if reason:
-            _warn_skipped(obj.key, reason)
-            return
-        path = obj.key.rstrip("/")
         self._ancestors(path)
         at = self._at(path)
         if obj.key.endswith("/"):

@@ -123,21 +123,20 @@ def encode_dir(path: str, info: ObjectInfo | None) -> bytes:
                        len(key), len(etag)) + key + etag
 
 
+_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (decode is on every lookup)
+_HEAD = RECORD.size
+
+
 def decode(inode: int, raw: bytes) -> Dir | File:
     kind, has, size, mtime, mode, uid, gid, klen, elen = RECORD.unpack_from(raw)
-    at = RECORD.size
-    key = raw[at:at + klen].decode()
+    key = raw[_HEAD:_HEAD + klen].decode()
     if kind == KIND_DIR and not has:
-        return Dir(inode, key)
-    etag = raw[at + klen:at + klen + elen].decode()
+        return _new(Dir, (inode, key, None))
+    etag = raw[_HEAD + klen:_HEAD + klen + elen].decode()
+    owner = (None if mode == _NONE else mode, None if uid == _NONE else uid, None if gid == _NONE else gid)
     if kind == KIND_FILE:
-        if mode == _NONE and uid == _NONE and gid == _NONE:
-            return File(inode, key, ObjectInfo(key, size, mtime, etag))
-        obj = ObjectInfo(key, size, mtime, etag, None if mode == _NONE else mode,
-                         None if uid == _NONE else uid, None if gid == _NONE else gid)
-        return File(inode, key, obj)
-    return Dir(inode, key, ObjectInfo(key + "/" if key else "", 0, mtime, etag, None if mode == _NONE else mode,
-                                      None if uid == _NONE else uid, None if gid == _NONE else gid))
+        return _new(File, (inode, key, _new(ObjectInfo, (key, size, mtime, etag, *owner))))
+    return _new(Dir, (inode, key, _new(ObjectInfo, (key + "/" if key else "", 0, mtime, etag, *owner))))
 
 
 def inode_key(inode: int) -> bytes:
