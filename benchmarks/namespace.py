@@ -40,10 +40,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
-#: Runs in a fresh interpreter with PYTHONPATH at one revision's src/. argv: phase, cache dir, count.
+#: Runs in a fresh interpreter with PYTHONPATH at one revision's src/. argv: phase, cache dir, count,
+#: and the shared store's URL (or "-": the embedded store).
 CHILD = r'''
 import json, os, random, sys, threading, time
-phase, cache, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+phase, cache, count, meta = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+meta, name = (None, None) if meta == "-" else (meta, os.path.basename(cache))
 from pathlib import Path
 from epochfs.meta import open_meta
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
@@ -65,13 +67,13 @@ def status():
 out = {}
 if phase == "store":
     t = time.perf_counter()
-    open_meta(None, Path(cache), None).save(SOURCE, objects())
+    open_meta(meta, Path(cache), name).save(SOURCE, objects())
     out["store_s"] = time.perf_counter() - t
     print(json.dumps(out)); sys.exit()
 
 t = time.perf_counter()
-snaps = Snapshots(open_meta(None, Path(cache), None), SnapshotSettings(source_id=SOURCE, cache_dir=Path(cache)),
-                  lambda: iter(()))
+snaps = Snapshots(open_meta(meta, Path(cache), name),
+                  SnapshotSettings(source_id=SOURCE, cache_dir=Path(cache), name=name), lambda: iter(()))
 out["mount_s"] = time.perf_counter() - t
 out.update(status())
 if phase == "first":
@@ -134,21 +136,21 @@ print(json.dumps(out))
 '''
 
 
-def run_child(src: Path, phase: str, cache: Path, count: int) -> dict:
+def run_child(src: Path, phase: str, cache: Path, count: int, meta: str = "-") -> dict:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    result = subprocess.run([sys.executable, "-c", CHILD, phase, str(cache), str(count)], env=env,
+    result = subprocess.run([sys.executable, "-c", CHILD, phase, str(cache), str(count), meta], env=env,
                             capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
         raise SystemExit(f"{phase} at {count} ({src}) failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def measure(src: Path, count: int, work: Path) -> dict:
+def measure(src: Path, count: int, work: Path, meta: str = "-") -> dict:
     cache = Path(tempfile.mkdtemp(dir=work))
-    out = run_child(src, "store", cache, count)
-    first = run_child(src, "first", cache, count)
+    out = run_child(src, "store", cache, count, meta)
+    first = run_child(src, "first", cache, count, meta)
     out.update({"first_mount_s": first["mount_s"], "first_rss": first["rss"], "first_hwm": first["hwm"]})
-    out.update(run_child(src, "remount", cache, count))
+    out.update(run_child(src, "remount", cache, count, meta))
     subprocess.run(["rm", "-rf", str(cache)], check=False)
     return out
 
@@ -193,6 +195,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="20000,200000,1000000", help="object counts, comma-separated")
     parser.add_argument("--current-only-above", type=int, default=0,
                         help="run only the current code for sizes above this (the earlier one may not fit)")
+    parser.add_argument("--shared", action="store_true",
+                        help="also through a shared store (a local redis-server): publish, mount, mount again")
     parser.add_argument("--fuse-files", type=int, default=20000, help="files of the mounted pass (0: skip it)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -214,6 +218,20 @@ def main() -> None:
                 row[name] = measure(src, count, work)
                 print(f"  {row[name]}", flush=True)
             results["sizes"][str(count)] = row
+        if args.shared:
+            sys.path.insert(0, str(ROOT / "src"))
+            from epochfs.devserver import LocalRedis
+
+            server = LocalRedis(work / "redis").start()
+            try:
+                for count in sizes:
+                    for name, src in (("baseline", base / "src"), ("current", ROOT / "src")):
+                        print(f"{name} at {count:,} objects through Redis ...", flush=True)
+                        got = measure(src, count, work, server.url)
+                        print(f"  {got}", flush=True)
+                        results.setdefault("shared", {}).setdefault(str(count), {})[name] = got
+            finally:
+                server.stop()
         if args.fuse_files:
             data = work / "data"
             for d in range(args.fuse_files // 100):
@@ -248,6 +266,16 @@ def report(results: dict) -> str:
                          f"{r['rss'] / (1 << 20):.0f} | {r['anon'] / (1 << 20):.0f} | "
                          f"{r['lookup_us']:.1f} / {r.get('lookup_warm_us', float('nan')):.1f} | "
                          f"{r['readdir_us_per_entry']:.2f} | {r['publish_s']:.3f} | {r['reader_stall_ms']:.1f} |")
+    if "shared" in results:
+        lines += ["", "Through a shared store (Redis): publish the snapshot, a node's first mount of that version, "
+                  "its next mount, publish one checkpoint:", "",
+                  "| objects | code | import s | first mount s | remount s | RSS MiB | publish 1 s | reader stall ms |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for count, row in results["shared"].items():
+            for name, r in row.items():
+                lines.append(f"| {int(count):,} | {name} | {r['store_s']:.2f} | {r['first_mount_s']:.2f} | "
+                             f"{r['mount_s']:.2f} | {r['rss'] / (1 << 20):.0f} | {r['publish_s']:.3f} | "
+                             f"{r['reader_stall_ms']:.1f} |")
     if "fuse" in results:
         f = results["fuse"]
         lines += ["", f"Through a mount of {f['files']:,} files (µs per file, page cache and kernel entries "

@@ -118,7 +118,7 @@ class NamespaceIndex:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._env = lmdb.open(str(private_dir(self.path)), map_size=1 << 40, subdir=True, max_dbs=12,
+        self._env = lmdb.open(str(private_dir(self.path)), map_size=1 << 38, subdir=True, max_dbs=12,
                               max_readers=1024, lock=True, mode=0o600, sync=False, metasync=False,
                               readahead=False)
         self._gens = [tuple(self._env.open_db(f"{t}{g}".encode()) for t in "nkph") for g in (0, 1)]
