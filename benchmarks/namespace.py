@@ -149,7 +149,8 @@ def measure(src: Path, count: int, work: Path, meta: str = "-") -> dict:
     cache = Path(tempfile.mkdtemp(dir=work))
     out = run_child(src, "store", cache, count, meta)
     first = run_child(src, "first", cache, count, meta)
-    out.update({"first_mount_s": first["mount_s"], "first_rss": first["rss"], "first_hwm": first["hwm"]})
+    out.update({"first_mount_s": first["mount_s"], "first_rss": first["rss"], "first_anon": first["anon"],
+                "first_hwm": first["hwm"]})
     out.update(run_child(src, "remount", cache, count, meta))
     subprocess.run(["rm", "-rf", str(cache)], check=False)
     return out
