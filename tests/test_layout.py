@@ -113,3 +113,10 @@ def test_the_command_line_loads_no_event_loop_nor_store():
             "print(' '.join(m for m in ('trio', 'lmdb', 'boto3', 'prometheus_client', 'pyfuse3') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == [], f"the command line loads {loaded}"
+
+
+def test_no_room_outgrows_the_rest():
+    """No module of the package over 600 lines: a room that needs more has found a seam to split at."""
+    long = {p.relative_to(SRC).as_posix(): n for p in SRC.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long

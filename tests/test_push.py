@@ -48,7 +48,7 @@ class Pages:
 def run(tmp_path, fn, pages: Pages, *, ahead: int = 3, readahead: int = 0, backend=None):
     """``fn(cache)`` with a pusher into ``pages``; returns once the fetches and pushes it started are done."""
     async def pushing(cache):
-        cache.push_with(Pusher(cache, pages, ahead=ahead))
+        cache.wire(pusher=Pusher(cache, pages, ahead=ahead))
         result = await fn(cache)
         await cache.wait_idle()
         await cache.pusher.wait_idle()

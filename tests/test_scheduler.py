@@ -28,7 +28,7 @@ def with_prefetcher(tmp_path, fn, *, capacity=1 << 30, bandwidth=None, clock=Non
     cache = BlockCache(store, backend, CacheSettings(block_size=BS, concurrency=4, readahead_blocks=0,
                        fetch_timeout=math.inf if clock is not None else 60.0))
     pf = Prefetcher(cache, PrefetchSettings(capacity=capacity, max_inflight=2, bandwidth=bandwidth))
-    cache.observe(pf)
+    cache.wire(observer=pf)
 
     async def main():
         async with trio.open_nursery() as n:

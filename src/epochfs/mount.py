@@ -182,7 +182,7 @@ class Daemon:
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
             capacity=config.cache_size, max_inflight=config.backend_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
-        self.cache.observe(self.prefetcher)
+        self.cache.wire(observer=self.prefetcher)
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)
@@ -211,7 +211,7 @@ class Daemon:
             tree=self.tree, writeback=self.writeback,
         )
         if config.push_ahead:
-            self.cache.push_with(Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
+            self.cache.wire(pusher=Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
         self.warnings = startup_warnings(config, self.snapshots.snapshot.objects)
 
     def _open_peer(self) -> None:

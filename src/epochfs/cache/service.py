@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +38,7 @@ import trio
 
 from epochfs.backend.base import Backend
 from epochfs.cache.format import BlockMeta
+from epochfs.cache.handoff import Handoff
 from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import GAP, Pusher
@@ -108,34 +108,6 @@ class Fetch:
         return self.error
 
 
-class _Handoff:
-    """What a fill's worker thread wrote, passed to the trio thread exactly once: taken by the fill if
-    it still waits, or, if the fill gave up (its deadline passed, or the service stopped), left to the
-    worker thread, which then has the write undone."""
-
-    __slots__ = ("_lock", "_result", "_closed")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._result: tuple[str, BlockMeta] | OSError | None = None
-        self._closed = False
-
-    def give(self, result: tuple[str, BlockMeta] | OSError) -> bool:
-        """(Worker thread) hand the result over; False if the fill no longer takes it."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._result = result
-            return True
-
-    def take(self) -> tuple[str, BlockMeta] | OSError | None:
-        """(Trio thread) the result if the worker has given it (None if not yet); from now on it gives
-        nothing."""
-        with self._lock:
-            self._closed = True
-            return self._result
-
-
 class BlockCache:
     #: Reads of cached bytes at least this large that are not in memory go to a worker thread.
     THREADED_READ = 512 << 10
@@ -173,19 +145,17 @@ class BlockCache:
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
 
-    def observe(self, observer: ReadObserver) -> None:
-        """Tell ``observer`` (the prefetcher, built on this cache) of each file opened and block read.
-        Wired by the composition root before the cache runs; one observer."""
-        if self.observer is not None:
-            raise ValueError("the cache already has an observer")
-        self.observer = observer
-
-    def push_with(self, pusher: Pusher) -> None:
-        """Push blocks into the kernel's page cache ahead of sequential readers (the pusher writes through
-        the FUSE adapter, built on this cache). Wired by the composition root before the cache runs."""
-        if self.pusher is not None:
-            raise ValueError("the cache already has a pusher")
-        self.pusher = pusher
+    def wire(self, *, observer: ReadObserver | None = None, pusher: Pusher | None = None) -> None:
+        """The parts built on this cache that it tells back (wired once by the composition root, before
+        the cache runs): ``observer`` hears of each file opened and block read (the prefetcher);
+        ``pusher`` pushes blocks into the kernel's page cache ahead of sequential readers (it writes
+        through the FUSE adapter)."""
+        if observer is not None:
+            assert self.observer is None, "one observer"
+            self.observer = observer
+        if pusher is not None:
+            assert self.pusher is None, "one pusher"
+            self.pusher = pusher
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -426,7 +396,7 @@ class BlockCache:
         limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
         installed = False
         token = trio.lowlevel.current_trio_token()
-        handoff = _Handoff()
+        handoff = Handoff()
 
         def job() -> None:
             data, from_peer = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
