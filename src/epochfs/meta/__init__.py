@@ -1,5 +1,6 @@
-"""Namespace snapshots: the pure tree (:mod:`.namespace`) and the stores that keep them (:mod:`.base`
-for the contract; :mod:`.lmdb` embedded, :mod:`.redis` shared). Schema: ``docs/metadata-store.md``."""
+"""Namespace snapshots: the rules and views of the tree (:mod:`.namespace`), the node's index of it
+(:mod:`.index`), and the stores that keep them (:mod:`.base` for the contract; :mod:`.lmdb` embedded,
+:mod:`.redis` shared). Schema: ``docs/metadata-store.md``."""
 
 from __future__ import annotations
 
