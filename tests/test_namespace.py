@@ -172,3 +172,10 @@ def test_walk_gives_every_file_under_a_directory_once():
     a = ns.resolve("a")
     assert [f.path for f in ns.walk(a.inode)] == ["a/b/c", "a/b/d/e", "a/b/d/f", "a/x", "a/z"]
     assert sorted(f.path for f in ns.walk(ROOT_INODE)) == sorted(f.path for f in ns.files())
+
+
+def test_resolve_all_agrees_with_resolve():
+    keys = [f"d{i % 7}/f{i}" for i in range(3000)] + ["x" * 255 + "/" + "y" * 200]
+    ns = build_namespace([obj(k) for k in keys])
+    asked = keys + ["d1", "/d2/", "missing", "d1/f1/", "", "bad\udcff", "d1//f1"]
+    assert ns.resolve_all(asked) == [ns.resolve(p) for p in asked]

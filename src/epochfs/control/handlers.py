@@ -60,8 +60,8 @@ def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], sourc
     objs: list[ObjectInfo] = []
     missing: list[str] = []
     missed = 0
-    for line, path in entries:
-        node = namespace.resolve(path)
+    entries = list(entries)
+    for (line, path), node in zip(entries, namespace.resolve_all([path for _, path in entries]), strict=True):
         if isinstance(node, File):
             objs.append(node.obj)
         elif node is not None and expand_dirs:

@@ -42,6 +42,7 @@ RECORD = struct.Struct("<BBQqIIIHH")
 KIND_DIR, KIND_FILE = 0, 1
 _NONE = 0xFFFFFFFF
 _CHUNK = 1024  # entries read per turn of the lock when iterating
+_BULK = 16384  # paths resolved per turn of the lock
 _MEMO = 1 << 16  # decoded nodes kept per view (the hot set of readers)
 
 
@@ -242,6 +243,32 @@ class Namespace:
             self._by_path.clear()
         self._by_path[path] = node
         return node
+
+    def resolve_all(self, paths: list[str]) -> list[Dir | File | None]:
+        """:meth:`resolve` of many paths (a manifest's), a chunk per turn of the lock; not remembered."""
+        out: list[Dir | File | None] = []
+        digest, memo, get, db = xxhash.xxh3_128_digest, self._memo, self._txn.get, self._paths
+        for start in range(0, len(paths), _BULK):
+            wanted = []
+            for path in paths[start:start + _BULK]:
+                try:
+                    wanted.append(path.strip("/").encode("utf-8"))
+                except UnicodeEncodeError:
+                    wanted.append(b"\xff")  # never a path (not UTF-8)
+            keys = [digest(w) for w in wanted]
+            order = sorted(range(len(keys)), key=keys.__getitem__)  # in key order: the pages come in turn
+            found: list[bytes | None] = [None] * len(keys)
+            with self._lock:
+                for i in order:
+                    found[i] = get(keys[i], db=db)
+            for want, raw in zip(wanted, found, strict=True):
+                if raw is None or record_path(raw[8:]) != want:
+                    out.append(None)
+                    continue
+                inode = int.from_bytes(raw[:8], "big")
+                node = memo.get(inode)
+                out.append(node if node is not None else decode(inode, raw[8:]))
+        return out
 
     def _remember(self, node: Dir | File) -> Dir | File:
         """Keep a decoded node for the next asks (the hot set of readers; all of them are forgotten at
