@@ -188,6 +188,7 @@ def wait_for(what: str, fn, timeout: float = 60.0):  # type: ignore[no-untyped-d
         time.sleep(0.5)
 
 
+@pytest.mark.slow  # 15 s; the rules themselves are held by the promtool tests
 @requires_fuse
 def test_a_real_prometheus_finds_every_mount_of_a_node_and_counts_one_node(s3, sample_bucket, sample_files,
                                                                            tmp_path):

@@ -332,6 +332,7 @@ def test_64_concurrent_readers_threads_and_processes(s3, s3_client, fresh_bucket
 
 # -- 7. hostile listings ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # 14 s; hostile keys and large directories are also held by test_mount's unsafe-keys test
 def test_hostile_names_in_a_directory_source_and_100k_entries(tmp_path, mount_factory):
     src = tmp_path / "hostile"
     big = src / "big"

@@ -206,6 +206,7 @@ def test_kill_9_after_close_loses_nothing_closed_and_uploads_nothing_half_writte
         pass
 
 
+@pytest.mark.slow  # 21 s; upload retries are also held by the failing-requests test
 def test_the_endpoint_stopped_during_uploads_then_restarted(private_s3, mount_factory, tmp_path):
     client = private_s3.client()
     client.create_bucket(Bucket="ckpts")
