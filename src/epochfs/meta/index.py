@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _BATCH = 20_000  # objects per write transaction of a build
+_KNOWN = 1 << 16  # directories remembered while staging
 _ROOT = b"root"  # the root's record in the scratch table (other keys are 16 bytes + a name)
 Changes = tuple[list[tuple[int, bytes]], list[int]]  # what the kernel must forget: entries, inodes
 
@@ -210,7 +211,7 @@ class NamespaceIndex:
         unsafe keys skipped, files that are also directories set aside in ``hidden``). The number of
         objects read."""
         count, it, s = 0, iter(objects), self._scratch
-        known, prefix = "", xxhash.xxh3_128_digest(b"")  # the directory of the object staged last, its hash
+        known = {"": xxhash.xxh3_128_digest(b"")}  # directories staged (some), and their paths' hashes
         while True:
             batch = list(itertools.islice(it, _BATCH))
             if not batch:
@@ -225,10 +226,13 @@ class NamespaceIndex:
                             put(_ROOT, encode_dir("", obj))  # the root's marker
                         continue
                     parent, _, name = path.rpartition("/")
-                    if parent == known:  # (a listing comes a directory at a time)
+                    prefix = known.get(parent)
+                    if prefix is not None:  # a directory staged already (most objects' case)
                         parent = ""
                     else:
-                        known, prefix = parent, xxhash.xxh3_128_digest(parent.encode("utf-8"))
+                        if len(known) >= _KNOWN:
+                            known.clear()
+                        prefix = known[parent] = xxhash.xxh3_128_digest(parent.encode("utf-8"))
                     while parent:  # its ancestors, up to the first one already known
                         pk = _entry_key(parent)
                         had = get(pk)
