@@ -452,3 +452,68 @@ def test_a_damaged_stored_snapshot_is_listed_again(tmp_path, caplog):
     assert [f.path for f in snaps.namespace.files()] == ["fresh/listing.bin"]
     assert snaps.snapshot.version == 2
     snaps.close()
+
+
+def test_fuzzed_change_sets_are_refused_or_applied_and_the_node_keeps_serving(redis_server, tmp_path):
+    """Random damage to a published change set (its info, its deleted keys, its records): a node that
+    refreshes to it either serves a valid version or refuses it with the store's error, and keeps
+    serving what it had: never another exception, never a part of a change."""
+    import random
+
+    import redis
+    import trio
+
+    from epochfs.errors import EpochfsError
+    from epochfs.meta.base import encode_objects
+    from epochfs.meta.snapshots import Snapshots, SnapshotSettings
+
+    store = open_meta(redis_server.url, Path("."), "fz")
+    store.save("s3://b/", objs(200))
+    store.close()
+    (tmp_path / "n").mkdir(mode=0o700)
+    node = Snapshots(open_meta(redis_server.url, Path("."), "fz"),
+                     SnapshotSettings(source_id="s3://b/", cache_dir=tmp_path / "n", name="fz"), lambda: iter(()))
+    r = redis.Redis(port=redis_server.port)
+    rng = random.Random(5)
+    prefix = "epochfs:fz:"
+    junk = [None, True, -1, 0, 1, 2, 10**20, 1.5, float("nan"), "x", "", [], {}, ["a"], [1], ["\udcff"],
+            ["a" * 5000], ["../x", "", "a//b", "d0/"]]
+    outcomes = {"applied": 0, "refused": 0}
+    for _ in range(150):
+        version = node.namespace.version + 1
+        info = {"format": 2, "source": "s3://b/", "version": version, "created": 1.0, "objects": -1,
+                "chunks": 1, "base": node.namespace.version, "removed": 1}
+        removed: object = [objs(200)[rng.randrange(200)].key]
+        chunk = encode_objects([ObjectInfo(f"new/{version}", 3, 0, '"n"')])
+        for _ in range(rng.randrange(1, 3)):
+            what = rng.choice(["info", "removed", "chunk"])
+            if what == "info":
+                info[rng.choice(list(info))] = rng.choice(junk)
+            elif what == "removed":
+                removed = rng.choice(junk)
+            else:
+                b = bytearray(chunk)
+                for _ in range(rng.randrange(1, 4)):
+                    b[rng.randrange(len(b))] = rng.randrange(256)
+                chunk = bytes(b[:rng.randrange(len(b) + 1)]) if rng.random() < 0.3 else bytes(b)
+        try:
+            raw_removed = json.dumps(removed).encode("utf-8", "surrogatepass")
+        except (TypeError, ValueError):
+            raw_removed = b"{"
+        before = node.namespace.version
+        r.mset({f"{prefix}v{version}:info": json.dumps(info).encode("utf-8", "surrogatepass"),
+                f"{prefix}v{version}:removed": raw_removed, f"{prefix}v{version}:chunk:0": chunk,
+                f"{prefix}current": str(version)})
+        try:
+            trio.run(node.refresh)
+        except EpochfsError:
+            outcomes["refused"] += 1
+            assert node.namespace.version == before
+        else:
+            outcomes["applied"] += 1
+        assert node.namespace.resolve("d1/f0000001.bin") is not None or node.namespace.version > before
+        r.delete(*r.keys(f"{prefix}v{version}:*"))
+        r.set(f"{prefix}current", str(node.namespace.version))
+        r.set(f"{prefix}next-version", str(node.namespace.version))
+    assert outcomes["refused"] > 50 and outcomes["applied"] > 0, outcomes
+    node.close()

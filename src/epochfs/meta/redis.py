@@ -39,7 +39,7 @@ from epochfs.meta.base import (
     decode_objects,
     encode_objects,
 )
-from epochfs.records import ObjectInfo
+from epochfs.records import MAX_KEY_BYTES, ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,20 @@ def _removed(raw: bytes | None, expected: int, what: str) -> set[str]:
         keys = json.loads(raw)
     except ValueError:
         raise SnapshotInvalid(f"{what}: its deleted keys are not JSON") from None
-    if (not isinstance(keys, list) or len(keys) != expected
-            or not all(isinstance(k, str) and len(k.encode("utf-8", "surrogatepass")) <= 4096 for k in keys)):
+    if not isinstance(keys, list) or len(keys) != expected or not all(_key_ok(k) for k in keys):
         raise SnapshotInvalid(f"{what}: its deleted keys are malformed")
     return set(keys)
+
+
+def _key_ok(key: object) -> bool:
+    """A deleted key as a record's key may be: text that is UTF-8 (JSON can carry lone surrogates),
+    at most ``MAX_KEY_BYTES``."""
+    if not isinstance(key, str):
+        return False
+    try:
+        return len(key.encode("utf-8")) <= MAX_KEY_BYTES
+    except UnicodeEncodeError:
+        return False
 
 
 class RedisMetaStore:
