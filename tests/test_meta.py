@@ -399,6 +399,10 @@ def test_nodes_apply_each_others_change_sets_in_proportion(redis_server, tmp_pat
         await a.refresh()
         assert a.namespace.resolve("ckpt/2.pt") is not None and a.namespace.version == b.namespace.version
         assert a.statistics().objects == b.statistics().objects == 2001
+        await a.apply({"ckpt/4.pt": ObjectInfo("ckpt/4.pt", 4, 1, '"w"')}, set())
+        await b.apply({"ckpt/5.pt": ObjectInfo("ckpt/5.pt", 5, 1, '"v"')}, set())  # on top of a's, unseen
+        assert b.namespace.resolve("ckpt/4.pt") is not None and b.namespace.resolve("ckpt/5.pt") is not None
+        assert b.statistics().objects == 2003
     trio.run(scenario)
     assert loads == [], "no node loaded the dataset whole"
     b.close()
@@ -408,24 +412,24 @@ def test_nodes_apply_each_others_change_sets_in_proportion(redis_server, tmp_pat
     trio.run(more)
     with caplog.at_level(logging.INFO):
         b = node("b")
-    assert "caught up from version 3 to 4 by 1 change sets" in caplog.text
-    assert b.namespace.resolve("ckpt/3.pt") is not None and b.statistics().objects == 2002
+    assert "caught up from version 5 to 6 by 1 change sets" in caplog.text
+    assert b.namespace.resolve("ckpt/3.pt") is not None and b.statistics().objects == 2004
 
     r = redis.Redis(port=redis_server.port)
     prefix = "epochfs:two:"
-    bad = {"format": 2, "source": "s3://b/", "version": 5, "created": 1.0, "objects": -1, "chunks": 0,
-           "base": 4, "removed": 1}
+    bad = {"format": 2, "source": "s3://b/", "version": 7, "created": 1.0, "objects": -1, "chunks": 0,
+           "base": 6, "removed": 1}
     for what, values in [
-        ("deleted keys not JSON", {f"{prefix}v5:info": json.dumps(bad), f"{prefix}v5:removed": b"{"}),
-        ("deleted keys miscounted", {f"{prefix}v5:info": json.dumps(bad), f"{prefix}v5:removed": b"[]"}),
-        ("base not before it", {f"{prefix}v5:info": json.dumps({**bad, "base": 5}), f"{prefix}v5:removed": b'["a"]'}),
-        ("a count on a change set", {f"{prefix}v5:info": json.dumps({**bad, "objects": 3}),
-                                     f"{prefix}v5:removed": b'["a"]'}),
+        ("deleted keys not JSON", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": b"{"}),
+        ("deleted keys miscounted", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": b"[]"}),
+        ("base not before it", {f"{prefix}v7:info": json.dumps({**bad, "base": 7}), f"{prefix}v7:removed": b'["a"]'}),
+        ("a count on a change set", {f"{prefix}v7:info": json.dumps({**bad, "objects": 3}),
+                                     f"{prefix}v7:removed": b'["a"]'}),
     ]:
-        r.mset({**values, f"{prefix}current": b"5"})
+        r.mset({**values, f"{prefix}current": b"7"})
         with pytest.raises(SnapshotInvalid):
             trio.run(b.refresh)
-        assert b.namespace.version == 4 and b.namespace.resolve("ckpt/3.pt") is not None, what
+        assert b.namespace.version == 6 and b.namespace.resolve("ckpt/3.pt") is not None, what
     a.close()
     b.close()
 

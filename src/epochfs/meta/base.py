@@ -38,6 +38,7 @@ class Head:
     version: int
     created: float
     objects: int  # how many (-1: a change set's, known once applied)
+    base: int | None = None  # a change set: the version it applies to
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,7 @@ class LmdbMetaStore:
                 txn.put(k, encode_objects((obj,)))
             created = time.time()
             self._put_info(txn, source, version, created, count)
-        return Head(source, version, created, count)
+        return Head(source, version, created, count, base=version - 1 if info else None)
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         with self._env().begin(write=True) as txn:

@@ -320,10 +320,6 @@ class Namespace:
             return None
         return int.from_bytes(raw[:8], "big"), raw[8]
 
-    def raw(self, inode: int) -> bytes | None:
-        with self._lock:
-            return self._txn.get(inode_key(inode), db=self._nodes)
-
     def records(self) -> Iterator[tuple[int, bytes]]:
         """Every node's inode and record, in inode order."""
         for key, value in self._scan(self._nodes, inode_key(1), None):

@@ -345,7 +345,7 @@ class RedisMetaStore:
                                               "base": base, "removed": len(gone)}))
             pipe.set(prefix + "current", str(version))  # the switch, after the version's own keys
             self._call(pipe.execute)
-            return Head(source, version, created, -1)
+            return Head(source, version, created, -1, base=base)
         finally:
             try:
                 lock.release()

@@ -267,11 +267,13 @@ class Snapshots:
         async with self._switching:
             source = self.settings.source_id
             head = await self._call(self.store.update, source, added, removed)
-            if not self.store.shared:
-                changes: list[Change] | None = [Change(head.version, head.created, added, removed)] if (
-                    head.version == self.namespace.version + 1) else None
-            else:  # (other nodes' change sets may have come first)
-                changes = await self._call(self.store.changes, source, self.namespace.version, head.version)
+            mine = Change(head.version, head.created, added, removed)
+            changes: list[Change] | None = None
+            if head.base == self.namespace.version:
+                changes = [mine]
+            elif head.base is not None and self.store.shared:  # other nodes' change sets came first
+                before = await self._call(self.store.changes, source, self.namespace.version, head.base)
+                changes = None if before is None else [*before, mine]
             if changes:
                 await self._apply_changes(changes)
                 if self.store.shared and await self._call(self.store.compaction_due, source):
