@@ -94,8 +94,12 @@ class Snapshots:
     # -- start-up ---------------------------------------------------------------------------------------
 
     def _build(self, snapshot: Snapshot, previous: Namespace | None = None) -> Namespace:
+        started = time.monotonic()
+        log.info("indexing snapshot version %d (%d objects; written once per version, then reused)",
+                 snapshot.version, len(snapshot.objects))
         view = self.index.build(snapshot.objects, source=self._identity, version=snapshot.version,
                                 created=snapshot.created, mtime_ns=int(snapshot.created * 1e9), previous=previous)
+        log.info("indexed snapshot version %d in %.1fs", snapshot.version, time.monotonic() - started)
         if self.store.shared:
             log.info("kept a copy of snapshot version %d in %s", snapshot.version, self.index.path)
         return view
