@@ -52,6 +52,7 @@ from epochfs.meta.namespace import (
     RECORD,
     ROOT_INODE,
     Namespace,
+    checked_entry,
     encode_dir,
     encode_file,
     inode_key,
@@ -191,13 +192,9 @@ class NamespaceIndex:
                 txn.put(_ROOT, encode_dir("", None), db=self._scratch)
             count = self._stage(objects, self._gens[gen][3])
             totals = self._number(gen, previous, current)
+            newest = totals.pop("newest")
             info = {"format": FORMAT, "gen": gen, "source": source, "version": version, "created": created,
-                    "objects": count, **totals}
-            if not mtime_ns:
-                info["mtime_ns"] = totals["newest"]
-            else:
-                info["mtime_ns"] = mtime_ns
-            del info["newest"]
+                    "objects": count, "mtime_ns": mtime_ns or newest, **totals}
             with self._env.begin(write=True) as txn:
                 txn.drop(self._scratch, delete=False)
                 txn.put(b"info", json.dumps(info).encode())
@@ -286,8 +283,8 @@ class NamespaceIndex:
                     key, record = cursor.item()
                     if not key.startswith(prefix) or key == _ROOT:
                         break
-                    path = record[RECORD.size:RECORD.size + RECORD.unpack_from(record)[7]]
-                    kind = record[0]
+                    kind, _, size, mtime, _, _, _, klen, _ = RECORD.unpack_from(record)
+                    path = record[RECORD.size:RECORD.size + klen]
                     inode = 0
                     if previous is not None:
                         was = previous.path_entry(path.decode())
@@ -300,7 +297,6 @@ class NamespaceIndex:
                     node_items.append((number, record))
                     path_items.append((xxhash.xxh3_128_digest(path), number + record))
                     if kind == KIND_FILE:
-                        size, mtime = RECORD.unpack_from(record)[2:4]
                         files, total, newest = files + 1, total + size, max(newest, mtime)
                     else:
                         dirs += 1
@@ -367,10 +363,8 @@ class _Edit:
         return {"files": self.files, "dirs": self.dirs, "bytes": self.bytes, "max_inode": self.fresh - 1}
 
     def _at(self, path: str) -> tuple[bytes, int] | None:
-        raw = self.txn.get(path_key(path), db=self.paths)
-        if raw is None or record_path(raw[8:]) != path.encode("utf-8"):
-            return None
-        return raw[:8], raw[8]
+        raw = checked_entry(self.txn.get(path_key(path), db=self.paths), path.encode("utf-8"))
+        return None if raw is None else (raw[:8], raw[8])
 
     def _record(self, inode: bytes) -> bytes:
         record = self.txn.get(inode, db=self.nodes)

@@ -155,6 +155,11 @@ def record_path(record: bytes) -> bytes:
     return record[RECORD.size:RECORD.size + RECORD.unpack_from(record)[7]]
 
 
+def checked_entry(raw: bytes | None, path: bytes) -> bytes | None:
+    """A path table's value (inode + record) if it is ``path``'s (the table is keyed by a hash)."""
+    return raw if raw is not None and record_path(raw[8:]) == path else None
+
+
 class Reader(Protocol):
     """What a view reads through: one read transaction of the index (:mod:`.index`), which holds its
     version for as long as it is open."""
@@ -235,8 +240,8 @@ class Namespace:
         except UnicodeEncodeError:
             return None
         with self._lock:
-            raw = self._txn.get(xxhash.xxh3_128_digest(want), db=self._paths)
-        if raw is None or record_path(raw[8:]) != want:
+            raw = checked_entry(self._txn.get(xxhash.xxh3_128_digest(want), db=self._paths), want)
+        if raw is None:
             return None
         node = self._found(raw)
         if len(self._by_path) >= _MEMO:  # (many spellings of few paths)
@@ -262,7 +267,8 @@ class Namespace:
                 for i in order:
                     found[i] = get(keys[i], db=db)
             for want, raw in zip(wanted, found, strict=True):
-                if raw is None or record_path(raw[8:]) != want:
+                raw = checked_entry(raw, want)
+                if raw is None:
                     out.append(None)
                     continue
                 inode = int.from_bytes(raw[:8], "big")
@@ -315,10 +321,8 @@ class Namespace:
     def path_entry(self, path: str) -> tuple[int, int] | None:
         """The inode and kind at ``path``, without decoding its node."""
         with self._lock:
-            raw = self._txn.get(path_key(path), db=self._paths)
-        if raw is None or record_path(raw[8:]) != path.encode("utf-8"):
-            return None
-        return int.from_bytes(raw[:8], "big"), raw[8]
+            raw = checked_entry(self._txn.get(path_key(path), db=self._paths), path.encode("utf-8"))
+        return None if raw is None else (int.from_bytes(raw[:8], "big"), raw[8])
 
     def records(self) -> Iterator[tuple[int, bytes]]:
         """Every node's inode and record, in inode order."""
