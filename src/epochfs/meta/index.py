@@ -46,6 +46,7 @@ from typing import Any
 import lmdb
 import xxhash
 
+from epochfs.meta.base import Change
 from epochfs.meta.namespace import (
     KIND_DIR,
     KIND_FILE,
@@ -345,6 +346,16 @@ class NamespaceIndex:
         view = self.view()
         assert view is not None
         return view, (edit.entries, sorted(edit.inodes))
+
+    def apply_all(self, changes: Iterable[Change]) -> tuple[Namespace | None, Changes]:
+        """:meth:`apply` of published change sets in turn; the last view and all the kernel must forget."""
+        view, entries, inodes = None, dict[tuple[int, bytes], None](), set[int]()
+        for c in changes:
+            view, (changed, forget) = self.apply(c.added, c.removed, version=c.version, created=c.created,
+                                                 mtime_ns=int(c.created * 1e9))
+            entries.update(dict.fromkeys(changed))
+            inodes.update(forget)
+        return view, (list(entries), sorted(inodes))
 
 
 class _Edit:

@@ -120,7 +120,7 @@ class Snapshots:
                     snapshot = self.store.load(source)
                     if snapshot is not None:
                         head, view = snapshot.head, self._build(snapshot)
-                if view is not None and head is not None and head.objects < 0:
+                if view is not None and head is not None and head.objects < 0:  # a change set's: counted here
                     head = dataclasses.replace(head, objects=view.info["objects"])
             except (BackendUnavailable, SnapshotInvalid) as exc:
                 return self._from_local_copy(exc)
@@ -166,10 +166,7 @@ class Snapshots:
         kept.close()
         if not changes:
             return None
-        view = None
-        for c in changes:
-            view, _ = self.index.apply(c.added, c.removed, version=c.version, created=c.created,
-                                       mtime_ns=int(c.created * 1e9))
+        view, _ = self.index.apply_all(changes)
         log.info("caught up from version %d to %d by %d change sets", kept.version, head.version, len(changes))
         return view
 
@@ -185,7 +182,7 @@ class Snapshots:
         view = self.index.view(self._identity)
         if view is None:
             raise ConfigError(f"{exc}; and {self.settings.cache_dir} holds no copy of a snapshot to serve") from None
-        head = Head(self.settings.source_id, view.version, float(view.info["created"]), view.info["objects"])
+        head = self._head_of(view)
         log.warning("%s; serving this node's copy of snapshot version %d (%d objects) until it answers",
                     exc, head.version, head.objects)
         return head, view, str(exc)
@@ -252,16 +249,13 @@ class Snapshots:
 
     async def _apply_changes(self, changes: list[Change]) -> dict[str, Any]:
         """Serve the version the change sets make, each applied to the tree in proportion to its size."""
-        entries: dict[tuple[int, bytes], None] = {}
-        inodes: set[int] = set()
-        new = self.namespace
-        for change in changes:
-            new, (changed, forget) = await trio.to_thread.run_sync(lambda c=change: self.index.apply(
-                c.added, c.removed, version=c.version, created=c.created, mtime_ns=int(c.created * 1e9)))
-            entries.update(dict.fromkeys(changed))
-            inodes.update(forget)
-        head = Head(self.settings.source_id, new.version, float(new.info["created"]), new.info["objects"])
-        return await self._serve(head, new, list(entries), sorted(inodes))
+        new, (entries, inodes) = await trio.to_thread.run_sync(self.index.apply_all, changes)
+        assert new is not None
+        return await self._serve(self._head_of(new), new, entries, inodes)
+
+    def _head_of(self, view: Namespace) -> Head:
+        """The identity of the version a view of the index serves."""
+        return Head(self.settings.source_id, view.version, float(view.info["created"]), view.info["objects"])
 
     async def apply(self, added: dict[str, ObjectInfo], removed: set[str]) -> None:
         """Publish this node's writes (objects uploaded, objects deleted) as a new version of the
