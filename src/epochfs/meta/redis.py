@@ -178,6 +178,20 @@ class RedisMetaStore:
                 return Head(info.source, version, info.created, info.objects)
         raise MetaUnavailable(f"snapshot of {source} in {self.url} kept changing while reading it")
 
+    def _set_chunks(self, pipe: redis.client.Pipeline, key: str, objects: list[ObjectInfo],
+                    progress: Progress | None = None) -> int:
+        """Queue ``objects`` as chunks ``key + K`` (sent ten at a time; the rest with the caller's last
+        commands, so they land before what names them). The number of chunks."""
+        chunks = 0
+        for start in range(0, len(objects), _CHUNK):
+            pipe.set(f"{key}{chunks}", encode_objects(objects[start:start + _CHUNK]))
+            chunks += 1
+            if chunks % 10 == 0:
+                self._call(pipe.execute)
+                if progress:
+                    progress(min(start + _CHUNK, len(objects)))
+        return chunks
+
     def _chunks(self, vp: str, name: str, count: int, limit: int, what: str) -> list[ObjectInfo] | None:
         """The records of ``count`` chunks ``vp + name + K``, checked (None: the version went meanwhile)."""
         objects: list[ObjectInfo] = []
@@ -296,15 +310,8 @@ class RedisMetaStore:
         prefix = self._prefix(source)
         version = int(self._call(self._redis.incr, prefix + "next-version"))
         vp = f"{prefix}v{version}:"
-        chunks = 0
         pipe = self._redis.pipeline(transaction=False)
-        for start in range(0, len(listed), _CHUNK):
-            pipe.set(f"{vp}chunk:{chunks}", encode_objects(listed[start:start + _CHUNK]))
-            chunks += 1
-            if chunks % 10 == 0:
-                self._call(pipe.execute)
-                if progress:
-                    progress(min(start + _CHUNK, len(listed)))
+        chunks = self._set_chunks(pipe, f"{vp}chunk:", listed, progress)
         created = time.time()
         pipe.set(vp + "info", json.dumps({"format": _FORMAT, "source": source, "version": version,
                                           "created": created, "objects": len(listed), "chunks": chunks}))
@@ -334,10 +341,7 @@ class RedisMetaStore:
             records = list(added.values())
             gone = sorted(removed - added.keys())
             pipe = self._redis.pipeline(transaction=False)
-            chunks = 0
-            for start in range(0, len(records), _CHUNK):
-                pipe.set(f"{vp}chunk:{chunks}", encode_objects(records[start:start + _CHUNK]))
-                chunks += 1
+            chunks = self._set_chunks(pipe, f"{vp}chunk:", records)
             pipe.set(vp + "removed", json.dumps(gone))
             created = time.time()
             pipe.set(vp + "info", json.dumps({"format": _FORMAT, "source": source, "version": version,
@@ -368,10 +372,7 @@ class RedisMetaStore:
         prefix, version, objects = self._prefix(source), snapshot.version, list(snapshot.objects)
         vp = f"{prefix}v{version}:"
         pipe = self._redis.pipeline(transaction=False)
-        chunks = 0
-        for start in range(0, len(objects), _CHUNK):
-            pipe.set(f"{vp}fullchunk:{chunks}", encode_objects(objects[start:start + _CHUNK]))
-            chunks += 1
+        chunks = self._set_chunks(pipe, f"{vp}fullchunk:", objects)
         pipe.set(vp + "full", json.dumps({"objects": len(objects), "chunks": chunks}))
         pipe.set(prefix + "full", str(version))
         self._call(pipe.execute)
