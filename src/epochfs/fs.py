@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from epochfs.cache.members import MemberStream
 from epochfs.cache.service import BlockCache, ReadStream
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, Namespace
@@ -152,7 +153,7 @@ class Operations(pyfuse3.Operations):
         self.present = presentation or Presentation()
         self.errors: Counter[str] = Counter()
         self.read_latency = Histogram()
-        self._streams: dict[int, ReadStream] = {}
+        self._streams: dict[int, ReadStream | MemberStream] = {}
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
         self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir, list[Any]]] = {}
         self._next_fh = 1

@@ -13,6 +13,7 @@ lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`ep
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -43,6 +44,7 @@ from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
 from epochfs.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
 from epochfs.mountpoint import check_mountpoint
+from epochfs.pack.listing import dataset_listing
 from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
@@ -163,7 +165,7 @@ class Daemon:
             self.snapshots = Snapshots(meta, SnapshotSettings(
                 source_id=self.backend.source_id, cache_dir=config.cache_dir, refresh=config.refresh,
                 ttl=config.snapshot_ttl, poll=config.meta_poll, name=config.meta_name,
-            ), self.backend.list_objects, on_switch=self._switch)
+            ), functools.partial(dataset_listing, self.backend, writable=config.writeback), on_switch=self._switch)
             loading.pop_all()  # the snapshots own the store now
         opened.callback(self.snapshots.close)
         self.journal: Journal | None = None

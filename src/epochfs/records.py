@@ -87,12 +87,63 @@ def record_problem(obj: ObjectInfo, utf8_sizes: tuple[int, int] | None = None) -
     problem = text_problem(obj.etag, "ETag", MAX_ETAG_BYTES, empty=marker, size=esize)
     if problem:
         return "no ETag (its version could not be pinned)" if problem == "ETag is empty" else problem
+    if obj.etag.startswith(MEMBER_TAG):
+        problem = _location_problem(obj)
+        if problem:
+            return f"packed member location: {problem}"
     if obj.mode is not None and (type(obj.mode) is not int or not 0 <= obj.mode <= 0o7777):
         return f"mode {obj.mode!r} is not a permission mode"
     for name, value in (("uid", obj.uid), ("gid", obj.gid)):
         if value is not None and (type(value) is not int or not 0 <= value < _ID_LIMIT):
             return f"{name} {value!r} is outside 32 bits"
     return None
+
+
+#: The ETag of a file of a packed dataset starts with this: its bytes are a range of a shard object, and
+#: the rest says which (:func:`member_etag`). It names the member's version exactly: the shard's key and
+#: ETag and the offset in it, so a repacked or changed file gets another.
+MEMBER_TAG = "tar:"
+
+
+def member_etag(shard: ObjectInfo, offset: int) -> str:
+    """The ETag of the member whose bytes start at ``offset`` of ``shard``:
+    ``tar:OFFSET:SHARD_SIZE:LEN(SHARD_ETAG):SHARD_ETAG SHARD_KEY`` (the last two back to back)."""
+    return f"{MEMBER_TAG}{offset}:{shard.size}:{len(shard.etag)}:{shard.etag}{shard.key}"
+
+
+def _parse_location(etag: str) -> tuple[ObjectInfo, int] | None:
+    parts = etag[len(MEMBER_TAG):].split(":", 3)
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() for p in parts[:3]):
+        return None
+    offset, size, elen = int(parts[0]), int(parts[1]), int(parts[2])
+    rest = parts[3]
+    if not 0 < elen < len(rest):
+        return None
+    return ObjectInfo(rest[elen:], size, 0, rest[:elen]), offset
+
+
+def _location_problem(obj: ObjectInfo) -> str | None:
+    parsed = _parse_location(obj.etag)
+    if parsed is None:
+        return "not OFFSET:SIZE:LENGTH:ETAG KEY"
+    shard, offset = parsed
+    if not 0 <= offset <= shard.size <= MAX_OBJECT_SIZE or offset + obj.size > shard.size:
+        return f"bytes [{offset}, {offset + obj.size}) outside a shard of {shard.size}"
+    if shard.key.endswith("/") or shard.key.startswith(MEMBER_TAG) or shard.etag.startswith(MEMBER_TAG):
+        return "the shard is no object"
+    return None
+
+
+def stored_extent(obj: ObjectInfo) -> tuple[ObjectInfo, int]:
+    """Where the bytes of ``obj`` are: the object that holds them and the offset there. A plain object
+    holds its own at 0; a packed member's are a range of its shard (the shard's record has no mtime).
+    ``obj`` passed :func:`record_problem` (every boundary checks it)."""
+    if not obj.etag.startswith(MEMBER_TAG):
+        return obj, 0
+    parsed = _parse_location(obj.etag)
+    if parsed is None:
+        raise ValueError(f"{obj.key}: malformed packed member location")
+    return parsed
 
 
 @dataclass(frozen=True)

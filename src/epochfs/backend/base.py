@@ -160,6 +160,12 @@ class Backend(abc.ABC):
         """Exactly ``length`` bytes at ``start`` of the version ``etag`` of ``key`` (never written to
         after it is returned)."""
 
+    def stat(self, key: str) -> ObjectInfo | None:
+        """The object ``key`` as it is now, or None if there is none (a pack's pointer, index and shard
+        lists are read by name: :mod:`epochfs.pack`). A backend that cannot look an object up by name
+        returns None: it serves plain datasets only."""
+        return None
+
     @abc.abstractmethod
     def statistics(self) -> BackendStats:
         """Cumulative request and byte counters."""

@@ -119,6 +119,23 @@ class LocalBackend(Backend):
             except OSError as exc:  # gone meanwhile
                 log.info("skipping %r: %s", key, exc.strerror)
 
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            fd = open_beneath(self.root, key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except PermissionError:
+            raise AccessDenied(f"{key}: permission denied") from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EINVAL):
+                return None
+            raise BackendUnavailable(f"{key}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return _info(key, st, file_etag(st)) if stat.S_ISREG(st.st_mode) else None
+
     def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
         started = time.monotonic()
         try:

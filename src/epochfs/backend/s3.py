@@ -207,6 +207,29 @@ class S3Backend(Backend):
         key = str(getattr(creds, "access_key", "") or "")
         return f"credentials from {source}, access key ID ...{key[-4:]}; {where}"
 
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            head = self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+            info = ObjectInfo(key=key, size=int(head["ContentLength"]), etag=head["ETag"],
+                              mtime_ns=int(head["LastModified"].timestamp() * 1_000_000_000))
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchKey", "NotFound"):
+                self._stats.record("head", "missing")
+                return None
+            self._stats.record("head", "error")
+            raise self._denied_or_unavailable(f"HEAD {key}", exc) from None
+        except botocore.exceptions.NoCredentialsError:
+            raise ConfigError(_NO_CREDENTIALS) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            self._stats.record("head", "error")
+            raise BackendUnavailable(f"HEAD {key}: {exc}") from None
+        except (KeyError, ValueError, TypeError, AttributeError, OverflowError) as exc:
+            self._stats.record("head", "error")
+            raise BackendUnavailable(f"HEAD {key}: malformed answer ({type(exc).__name__})") from None
+        self._stats.record("head", "ok")
+        return info
+
     def _head(self, key: str) -> ObjectInfo:
         head = self._uploader().head_object(Bucket=self.bucket, Key=self.prefix + key)
         return ObjectInfo(key=key, size=int(head["ContentLength"]), etag=head["ETag"],

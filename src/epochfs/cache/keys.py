@@ -74,6 +74,15 @@ def file_blocks(file_size: int, block_size: int) -> Iterator[tuple[int, int]]:
         yield index, min(block_size, file_size - index * block_size)
 
 
+def extent_blocks(offset: int, size: int, stored_size: int, block_size: int) -> Iterator[tuple[int, int, int]]:
+    """(index, block length, bytes of the extent in it) of each block of an object of ``stored_size``
+    that the extent [offset, offset + size) touches: a whole object (``offset`` 0, its own size), or a
+    packed member's range of its shard."""
+    for index in blocks_for_range(offset, size, stored_size, block_size):
+        start, length = block_bounds(index, stored_size, block_size)
+        yield index, length, min(offset + size, start + length) - max(offset, start)
+
+
 def range_blocks(offset: int, size: int, file_size: int, block_size: int) -> Iterator[tuple[int, int, int, int]]:
     """(index, block length, lo, hi) of each block that bytes [offset, offset + size) touch, clipped to the
     file: [lo, hi) is the part of the block inside the range."""

@@ -40,12 +40,13 @@ from epochfs.backend.base import Backend
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
 from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
+from epochfs.cache.members import MemberStream
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import GAP, Pusher
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.errors import BackendUnavailable, EpochfsError
-from epochfs.records import ObjectInfo
+from epochfs.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
 
@@ -323,10 +324,14 @@ class BlockCache:
             started += 1
         return started
 
-    def open_stream(self, obj: ObjectInfo, inode: int = 0) -> ReadStream:
-        """A reader of ``obj``; ``inode``: the kernel's for it (where blocks may be pushed; 0: nowhere)."""
+    def open_stream(self, obj: ObjectInfo, inode: int = 0) -> ReadStream | MemberStream:
+        """A reader of ``obj``; ``inode``: the kernel's for it (where blocks may be pushed; 0: nowhere).
+        A packed member's reader reads the range of its shard."""
         if self.observer is not None:
             self.observer.opened(obj)
+        stored, base = stored_extent(obj)
+        if stored is not obj:
+            return MemberStream(self, obj, stored, base)
         return ReadStream(self, obj, inode)
 
     def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:

@@ -66,6 +66,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     from epochfs.backend import BackendSettings, open_backend
     from epochfs.meta import open_meta
+    from epochfs.pack.listing import dataset_listing
 
     source = Source.parse(args.source)
     backend = open_backend(BackendSettings(source, endpoint_url=args.endpoint_url, region=args.region,
@@ -76,7 +77,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                   TimeElapsedColumn()) as progress:
         task = progress.add_task(f"listing {source.url}", total=None)
         listed = []
-        for obj in backend.list_objects():
+        for obj in dataset_listing(backend):
             listed.append(obj)
             if len(listed) % 1000 == 0:
                 progress.update(task, completed=len(listed))

@@ -6,16 +6,18 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from epochfs.cache.keys import block_count, file_blocks
+from epochfs.cache.keys import block_bounds, block_count, extent_blocks
 from epochfs.errors import ConfigError
-from epochfs.records import ObjectInfo
+from epochfs.records import ObjectInfo, stored_extent
 
 
 @dataclass(frozen=True, slots=True)
 class PlanFile:
     obj: ObjectInfo
-    first: int  # sequence position of its block 0
+    first: int  # sequence position of its first block
     blocks: int  # how many blocks it has
+    stored: ObjectInfo  # the object its bytes are in: itself, or a packed member's shard
+    index: int  # the block of ``stored`` its first byte is in
     epoch: int | None  # the label the user gave the manifest
     segment: int  # which hand-over it came from (consecutive files of one manifest share it)
 
@@ -64,11 +66,14 @@ class Plan:
         self.segment_end: dict[int, int] = {}  # segment -> index of its last file
         for obj, epoch, segment in files:
             fi = len(self.files)
-            self.files.append(PlanFile(obj, len(self.blocks), block_count(obj.size, block_size), epoch, segment))
+            stored, base = stored_extent(obj)
+            spans = list(extent_blocks(base, obj.size, stored.size, block_size))
+            self.files.append(PlanFile(obj, len(self.blocks), len(spans), epoch, segment, stored,
+                                       spans[0][0] if spans else 0))
             self.segment_end[segment] = fi
             self._by_key.setdefault(obj.key, []).append(fi)
-            for i, length in file_blocks(obj.size, block_size):
-                bid = block_id(obj, i)
+            for i, _, length in spans:  # (a member counts the bytes it has in each block)
+                bid = block_id(stored, i)
                 self.uses.setdefault(bid, []).append(len(self.blocks))
                 self.blocks.append(bid)
                 self.block_file.append(fi)
@@ -82,9 +87,13 @@ class Plan:
         return self.offsets[-1]
 
     def block(self, pos: int) -> tuple[ObjectInfo, int, bytes, int]:
-        """(object, block index within it, block id, block size) at sequence position ``pos``."""
+        """(object, block index within it, block id, block size) at sequence position ``pos``: the
+        object is the one the bytes are stored in (a packed member's shard)."""
         f = self.files[self.block_file[pos]]
-        return f.obj, pos - f.first, self.blocks[pos], self.offsets[pos + 1] - self.offsets[pos]
+        index = f.index + pos - f.first
+        if f.stored is f.obj:
+            return f.obj, index, self.blocks[pos], self.offsets[pos + 1] - self.offsets[pos]
+        return f.stored, index, self.blocks[pos], block_bounds(index, f.stored.size, self.block_size)[1]
 
     def locate(self, key: str, from_file: int) -> int | None:
         """Index of the first occurrence of ``key`` at or after file ``from_file``."""

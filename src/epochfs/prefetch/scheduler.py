@@ -48,10 +48,10 @@ from typing import Any
 
 import trio
 
-from epochfs.cache.keys import file_blocks
+from epochfs.cache.keys import extent_blocks
 from epochfs.cache.service import BlockCache, Fetch
 from epochfs.prefetch.plan import DEFAULT_LEAD, Plan
-from epochfs.records import ObjectInfo
+from epochfs.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
 
@@ -358,21 +358,22 @@ class Prefetcher:
             for obj in objs:
                 if job.cancelled:
                     break
-                for index, size in file_blocks(obj.size, bs):
+                stored, base = stored_extent(obj)
+                for index, length, size in extent_blocks(base, obj.size, stored.size, bs):
                     await trio.lowlevel.checkpoint()  # a long run of cached blocks must not hold the loop
                     if job.cancelled:
                         break
-                    bid = self.cache.block_id(obj, index)
+                    bid = self.cache.block_id(stored, index)
                     if self.cache.is_cached(bid):
                         job.done_bytes += size
                         continue
                     await slots.acquire()
-                    if not self.cache.has_room(size):  # (a started fetch has reserved its room)
+                    if not self.cache.has_room(length):  # (a started fetch has reserved its room)
                         slots.release()
                         job.skipped_bytes += size
                         continue
-                    await self._throttle(size)  # --prefetch-bandwidth caps warmup too
-                    fetch = self.cache.fetch(obj, index, bid)
+                    await self._throttle(length)  # --prefetch-bandwidth caps warmup too
+                    fetch = self.cache.fetch(stored, index, bid)
                     if fetch is None:  # cached meanwhile
                         slots.release()
                         job.done_bytes += size
@@ -389,12 +390,13 @@ class Prefetcher:
         total = resident = files = seen = 0
         for obj in objs:
             whole = True
-            for index, size in file_blocks(obj.size, bs):
+            stored, base = stored_extent(obj)
+            for index, _, size in extent_blocks(base, obj.size, stored.size, bs):
                 seen += 1
                 if seen % 256 == 0:
                     await trio.lowlevel.checkpoint()
                 total += size
-                if self.cache.is_resident(self.cache.block_id(obj, index)):
+                if self.cache.is_resident(self.cache.block_id(stored, index)):
                     resident += size
                 else:
                     whole = False
