@@ -62,7 +62,7 @@ from epochfs.meta.namespace import (
     unsafe_reason,
 )
 from epochfs.private import private_dir
-from epochfs.records import ObjectInfo
+from epochfs.records import MEMBER_TAG, ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,11 @@ def _path_of(obj: ObjectInfo) -> str | None:
         _warn_skipped(obj.key, reason)
         return None
     return obj.key.rstrip("/")
+
+
+def _shard_of(obj: ObjectInfo) -> tuple[str, int, str]:
+    shard = stored_extent(obj)[0]
+    return shard.key, shard.size, shard.etag
 
 
 def _discard(env: lmdb.Environment, path: Path) -> None:
@@ -191,11 +196,14 @@ class NamespaceIndex:
                 for db in (*self._gens[gen], self._scratch):
                     txn.drop(db, delete=False)
                 txn.put(_ROOT, encode_dir("", None), db=self._scratch)
-            count = self._stage(objects, self._gens[gen][3])
+            stored: set[tuple[str, int, str]] = set()
+            count = self._stage(objects, self._gens[gen][3], stored)
             totals = self._number(gen, previous, current)
             newest = totals.pop("newest")
             info = {"format": FORMAT, "gen": gen, "source": source, "version": version, "created": created,
                     "objects": count, "mtime_ns": mtime_ns or newest, **totals}
+            if stored:
+                info["stored"] = sorted(stored)
             with self._env.begin(write=True) as txn:
                 txn.drop(self._scratch, delete=False)
                 txn.put(b"info", json.dumps(info).encode())
@@ -204,10 +212,10 @@ class NamespaceIndex:
         assert view is not None
         return view
 
-    def _stage(self, objects: Iterable[ObjectInfo], hidden: Any) -> int:
+    def _stage(self, objects: Iterable[ObjectInfo], hidden: Any, stored: set[tuple[str, int, str]]) -> int:
         """Group the listing's paths by directory in the scratch table (directories implied by keys made,
-        unsafe keys skipped, files that are also directories set aside in ``hidden``). The number of
-        objects read."""
+        unsafe keys skipped, files that are also directories set aside in ``hidden``), and note in
+        ``stored`` the shards packed members are stored in. The number of objects read."""
         count, it, s = 0, iter(objects), self._scratch
         known = {"": xxhash.xxh3_128_digest(b"")}  # directories staged (some), and their paths' hashes
         while True:
@@ -218,6 +226,8 @@ class NamespaceIndex:
             with self._env.begin(write=True, db=s) as txn:
                 get, put = txn.get, txn.put
                 for obj in batch:
+                    if obj.etag.startswith(MEMBER_TAG):
+                        stored.add(_shard_of(obj))
                     path = _path_of(obj)
                     if not path:
                         if path is not None:
@@ -341,6 +351,9 @@ class NamespaceIndex:
                     edit.remove(key)
                 info = {**current, **edit.totals(), "version": version, "created": created,
                         "objects": max(0, current["objects"] + edit.objects), "mtime_ns": mtime_ns or current["mtime_ns"]}
+                stored = {_shard_of(o) for o in added.values() if o.etag.startswith(MEMBER_TAG)}
+                if stored:  # (kept while the version holds no member of them: harmless, dataset bytes)
+                    info["stored"] = sorted(stored.union(map(tuple, current.get("stored", ()))))
                 txn.put(b"info", json.dumps(info).encode())
             self._env.sync(True)
         view = self.view()

@@ -191,6 +191,18 @@ class Namespace:
         self.file_count: int = info["files"]
         self.dir_count: int = info["dirs"]
         self.max_inode: int = info["max_inode"]
+        self._stored: dict[tuple[str, str], int] | None = None
+
+    def stored(self, key: str, etag: str) -> ObjectInfo | None:
+        """The shard ``key`` at version ``etag`` if packed members of this version are stored in it (what
+        a peer may ask this node for besides the files themselves), else None."""
+        if self._stored is None:
+            rows = self.info.get("stored", ())
+            self._stored = {(k, e): n for k, n, e in rows} if isinstance(rows, list) and all(
+                isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and type(r[1]) is int
+                and isinstance(r[2], str) for r in rows) else {}
+        size = self._stored.get((key, etag))
+        return None if size is None else ObjectInfo(key, size, 0, etag)
 
     def close(self) -> None:
         """Let the index reuse what only this version held (also when the view is dropped)."""

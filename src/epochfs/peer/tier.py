@@ -154,10 +154,16 @@ class PeerAnswers:
         self.namespace = namespace
 
     async def serve(self, req: wire.BlockRequest) -> bytes | None:
-        node = self.namespace().resolve(req.key)
-        if not isinstance(node, File) or node.obj.key != req.key or node.obj.etag != req.etag:
-            raise wire.Rejected(404, "no such object version in this node's snapshot")
-        obj, cache = node.obj, self.cache
+        namespace = self.namespace()
+        node = namespace.resolve(req.key)
+        if isinstance(node, File) and node.obj.key == req.key and node.obj.etag == req.etag:
+            obj = node.obj
+        else:  # a shard of a packed dataset, whose members this node serves
+            stored = namespace.stored(req.key, req.etag)
+            if stored is None:
+                raise wire.Rejected(404, "no such object version in this node's snapshot")
+            obj = stored
+        cache = self.cache
         try:
             length = cache.block_length(obj, req.index)
         except ValueError:

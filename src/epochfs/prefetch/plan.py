@@ -16,10 +16,10 @@ class PlanFile:
     obj: ObjectInfo
     first: int  # sequence position of its first block
     blocks: int  # how many blocks it has
-    stored: ObjectInfo  # the object its bytes are in: itself, or a packed member's shard
-    index: int  # the block of ``stored`` its first byte is in
     epoch: int | None  # the label the user gave the manifest
     segment: int  # which hand-over it came from (consecutive files of one manifest share it)
+    stored: ObjectInfo  # the object its bytes are in: itself, or a packed member's shard
+    index: int  # the block of ``stored`` its first byte is in
 
 
 #: Seconds of reading the prefetch window covers at most, by default (the scheduler's and the mount

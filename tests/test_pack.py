@@ -1,0 +1,396 @@
+"""Packed datasets: ``epochfs pack`` (shards, index, pointer; incremental, resumable, never half-visible)
+and mounts of a packed root (the original tree, each file a range of its shard through the block cache)."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import tarfile
+import time
+
+import pytest
+import xxhash
+
+from epochfs.backend import BackendSettings, open_backend
+from epochfs.backend.base import Backend
+from epochfs.errors import ConfigError
+from epochfs.pack import layout
+from epochfs.pack.layout import Index, Member, PackInvalid
+from epochfs.pack.listing import current_index, dataset_listing
+from epochfs.pack.writer import PackSettings, pack
+from epochfs.records import MEMBER_TAG, ObjectInfo, Source, member_etag, record_problem, stored_extent
+from epochfs.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, MemoryBackend, errno_of
+
+KIB = 1024
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+
+
+def backend(s3, bucket: str, prefix: str) -> Backend:
+    return open_backend(BackendSettings(Source.parse(f"s3://{bucket}/{prefix}"), endpoint_url=s3.endpoint))
+
+
+def dataset(n: int = 120, seed: int = 3, big: int = 0) -> list[SampleFile]:
+    rng = random.Random(seed)
+    files = [SampleFile(f"c{i % 4}/img{i:04d}.jpg", rng.choice([0, 1, 511, 512, 513, rng.randint(1, 300 * KIB)]))
+             for i in range(n)]
+    files += [SampleFile(f"big/{'long-name-' * 12}{i}.bin", (5 << 20) + 70_001 * i) for i in range(big)]
+    return files
+
+
+def run_pack(s3, bucket: str, src: str = "raw/", dst: str = "packed/", **kw) -> object:
+    source, dest = backend(s3, bucket, src), backend(s3, bucket, dst)
+    try:
+        return pack(source, dest, PackSettings(**{"shard_size": 1 << 20, "jobs": 3, "readers": 6, **kw}),
+                    source_url=f"s3://{bucket}/{src}")
+    finally:
+        source.close()
+        dest.close()
+
+
+# -- member locations ------------------------------------------------------------------------------------
+
+def test_a_member_locates_its_bytes_in_its_shard_and_a_bad_location_is_refused():
+    shard = ObjectInfo("shards/000001-00000.tar", 10_000, 0, '"abc:-2"')
+    member = ObjectInfo("x/y:z.jpg", 100, 5, member_etag(shard, 9_900))
+    assert record_problem(member) is None
+    assert stored_extent(member) == (shard, 9_900)
+    plain = ObjectInfo("a", 1, 0, '"e"')
+    assert stored_extent(plain) == (plain, 0)
+    assert "outside a shard" in record_problem(member._replace(size=101))
+    rng = random.Random(5)
+    for _ in range(3000):  # whatever the ETag, a record is refused or its location is inside the shard
+        etag = member.etag
+        cut = rng.randrange(len(etag))
+        etag = rng.choice([etag[:cut], etag[:cut] + rng.choice("0:9-x\x00é") + etag[cut + 1:],
+                           MEMBER_TAG + "".join(rng.choice("0123:a") for _ in range(rng.randrange(12)))])
+        obj = member._replace(etag=etag)
+        if record_problem(obj) is None and etag.startswith(MEMBER_TAG):
+            stored, offset = stored_extent(obj)
+            assert 0 <= offset and offset + obj.size <= stored.size
+
+
+class _Listed(MemoryBackend):
+    def list_objects(self):
+        return iter([ObjectInfo("a.bin", 1, 0, "tar:0:1:1:xother"), ObjectInfo("b.bin", 1, 0, '"ok"')])
+
+
+def test_a_plain_listing_never_yields_a_member_location():
+    assert [o.key for o in dataset_listing(_Listed())] == ["b.bin"]
+
+
+# -- the index -------------------------------------------------------------------------------------------
+
+def _index() -> Index:
+    shards = {layout.shard_key(1, 0): ObjectInfo(layout.shard_key(1, 0), 4096, 0, '"s0"'),
+              layout.shard_key(2, 3): ObjectInfo(layout.shard_key(2, 3), 2048, 0, '"s1"')}
+    members = {"a/b.jpg": Member("a/b.jpg", layout.shard_key(1, 0), 512, 100, 7, "0" * 16, '"e1"'),
+               "c.jpg": Member("c.jpg", layout.shard_key(2, 3), 1024, 1024, -5, "0123456789abcdef", '"e2"')}
+    return Index(2, "s3://b/raw/", 1.5, shards, members)
+
+
+def test_the_index_round_trips_and_damage_is_refused_whole():
+    index = _index()
+    assert layout.decode_index(layout.encode_index(index), 2) == index
+    assert layout.decode_pointer(layout.encode_pointer(index)) == (2, layout.index_key(2))
+    doc = json.loads(gzip.decompress(layout.encode_index(index)))
+    damaged = [
+        {**doc, "generation": 3},
+        {**doc, "members": doc["members"] + [doc["members"][0]]},  # twice
+        {**doc, "members": [["a", doc["shards"][0][0], 4000, 200, 0, "0" * 16, "e"]]},  # past the shard
+        {**doc, "members": [["a", "shards/000009-00000.tar", 0, 1, 0, "0" * 16, "e"]]},  # no such shard
+        {**doc, "shards": [["shards/000003-00000.tar", 1, "e"]]},  # a later generation's
+        {**doc, "shards": [["../x.tar", 1, "e"]]},
+        {**doc, "members": [["a/", doc["shards"][0][0], 0, 1, 0, "0" * 16, "e"]]},
+        {**doc, "members": [["a", doc["shards"][0][0], 0, True, 0, "0" * 16, "e"]]},
+    ]
+    for d in damaged:
+        with pytest.raises(PackInvalid):
+            layout.decode_index(gzip.compress(json.dumps(d).encode()), 2)
+
+
+def test_a_fuzzed_index_is_refused_or_valid_never_a_crash():
+    rng = random.Random(11)
+    good = json.loads(gzip.decompress(layout.encode_index(_index())))
+    text = json.dumps(good)
+    for i in range(600):
+        if i % 2:
+            raw = bytearray(layout.encode_index(_index()))
+            for _ in range(rng.randint(1, 4)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            raw = bytes(raw)
+        else:
+            chars = list(text)
+            for _ in range(rng.randint(1, 3)):
+                chars[rng.randrange(len(chars))] = rng.choice('0123456789",:[]{}-.ex/')
+            raw = gzip.compress("".join(chars).encode())
+        try:
+            index = layout.decode_index(raw, 2)
+        except PackInvalid:
+            continue
+        for obj in index.objects():
+            assert record_problem(obj) is None
+
+
+# -- packing ---------------------------------------------------------------------------------------------
+
+def _tree(client, bucket: str, prefix: str) -> dict[str, bytes]:
+    out = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for o in page.get("Contents", ()):
+            out[o["Key"][len(prefix):]] = client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+    return out
+
+
+def test_pack_writes_standard_tar_shards_an_index_and_the_pointer(s3, s3_client, fresh_bucket, s3_env):
+    files = dataset(big=1)
+    upload(s3_client, fresh_bucket, "raw/", files)
+    summary = run_pack(s3, fresh_bucket)
+    assert summary.packed == len(files) and summary.kept == summary.resumed == 0 and summary.generation == 1
+    parts = _tree(s3_client, fresh_bucket, "packed/")
+    assert all(layout.is_part(k) for k in parts)
+    assert not [k for k in parts if layout.sidecar_number(k)]  # member lists are gone once the pointer is flipped
+    shards = sorted(k for k in parts if layout.shard_number(k))
+    assert len(shards) == summary.shards > 3
+    index = layout.decode_index(parts[layout.index_key(1)], 1)
+    seen = {}
+    for key in shards:  # every shard is a tar that `tar` and WebDataset read; the index says where each member is
+        with tarfile.open(fileobj=io.BytesIO(parts[key])) as tar:
+            for info in tar:
+                data = tar.extractfile(info).read()
+                seen[info.name] = data
+                m = index.members[info.name]
+                assert (m.shard, m.offset, m.size) == (key, info.offset_data, len(data))
+                assert m.xxh64 == xxhash.xxh64(data).hexdigest()
+    assert seen == {f.key: f.content() for f in files}
+    with tarfile.open(fileobj=io.BytesIO(parts[index.members[files[-1].key].shard])) as tar:
+        assert [i.name for i in tar] == [files[-1].key]  # a file over the shard size has a shard of its own
+
+
+def test_pack_is_incremental_and_an_up_to_date_pack_writes_nothing(s3, s3_client, fresh_bucket, s3_env):
+    files = dataset(n=60)
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket)
+    again = run_pack(s3, fresh_bucket)
+    assert not again.written and again.generation == 1
+    changed = SampleFile(files[5].key, 70_000, version=1)
+    new = SampleFile("c9/new.jpg", 3333)
+    upload(s3_client, fresh_bucket, "raw/", [changed, new])
+    s3_client.delete_object(Bucket=fresh_bucket, Key="raw/" + files[6].key)
+    summary = run_pack(s3, fresh_bucket)
+    assert (summary.generation, summary.packed, summary.kept) == (2, 2, len(files) - 2)
+    dest = backend(s3, fresh_bucket, "packed/")
+    index = current_index(dest)
+    assert index.generation == 2 and files[6].key not in index.members
+    first = layout.decode_index(_tree(s3_client, fresh_bucket, "packed/index/")["000001.json.gz"], 1)
+    assert index.members[files[7].key] == first.members[files[7].key]  # unchanged files stay where they are
+    assert layout.shard_number(index.members[changed.key].shard)[0] == 2
+    want = {f.key: f.content() for f in files if f.key not in (files[6].key, changed.key)}
+    want |= {changed.key: changed.content(), new.key: new.content()}
+    got = {}
+    for m in index.members.values():
+        got[m.path] = bytes(dest.read_range(m.shard, index.shards[m.shard].etag, m.offset, m.size))
+    assert got == want
+    full = run_pack(s3, fresh_bucket, full=True, prune=True)
+    assert full.kept == 0 and full.packed == len(want) and full.unreferenced_bytes == 0
+    assert {layout.shard_number(k)[0] for k in _tree(s3_client, fresh_bucket, "packed/") if layout.shard_number(k)} == {3}
+
+
+class _Failing(Backend):
+    """A source that fails (as a crash would stop it) after ``after`` reads."""
+
+    def __init__(self, inner: Backend, after: int) -> None:
+        self.inner, self.after, self.source_id = inner, after, inner.source_id
+        self.reads = 0
+
+    def list_objects(self):
+        return self.inner.list_objects()
+
+    def stat(self, key):
+        return self.inner.stat(key)
+
+    def read_range(self, key, etag, start, length):
+        self.reads += 1
+        if self.reads > self.after:
+            raise KeyboardInterrupt
+        return self.inner.read_range(key, etag, start, length)
+
+    def statistics(self):
+        return self.inner.statistics()
+
+
+def test_a_pack_cut_short_is_never_visible_and_the_next_run_resumes(s3, s3_client, fresh_bucket, s3_env):
+    files = [SampleFile(f"d{i % 3}/{i:03d}", 100 * KIB + 7 * i) for i in range(80)]
+    upload(s3_client, fresh_bucket, "raw/", files[:40])
+    run_pack(s3, fresh_bucket)
+    upload(s3_client, fresh_bucket, "raw/", files[40:])
+    dest = backend(s3, fresh_bucket, "packed/")
+    with pytest.raises(KeyboardInterrupt):
+        pack(_Failing(backend(s3, fresh_bucket, "raw/"), after=25), dest,
+             PackSettings(shard_size=1 << 20, jobs=1, readers=1), source_url="x")
+    assert current_index(dest).generation == 1  # the previous pack stays current, whole
+    assert len(current_index(dest).members) == 40
+    left = [k for k in _tree(s3_client, fresh_bucket, "packed/") if layout.sidecar_number(k)]
+    assert left  # some shards of generation 2 were uploaded whole before the cut
+    summary = run_pack(s3, fresh_bucket)
+    assert summary.generation == 2 and summary.resumed > 0 and summary.kept == 40
+    assert summary.resumed + summary.packed == 40
+    index = current_index(dest)
+    assert {p: bytes(dest.read_range(m.shard, index.shards[m.shard].etag, m.offset, m.size))
+            for p, m in index.members.items()} == {f.key: f.content() for f in files}
+
+
+def test_pack_refuses_what_it_must_not_write_into(s3, s3_client, fresh_bucket, s3_env):
+    upload(s3_client, fresh_bucket, "raw/", dataset(n=5))
+    upload(s3_client, fresh_bucket, "other/", [SampleFile("mine.txt", 10)])
+    with pytest.raises(ConfigError, match="not a pack's"):
+        run_pack(s3, fresh_bucket, dst="other/")
+    run_pack(s3, fresh_bucket)
+    with pytest.raises(ConfigError, match="packed dataset already"):
+        run_pack(s3, fresh_bucket, src="packed/", dst="again/")
+    s3_client.put_object(Bucket=fresh_bucket, Key="packed/" + layout.POINTER, Body=b"{not json")
+    with pytest.raises(PackInvalid, match="--full"):
+        run_pack(s3, fresh_bucket)
+    assert run_pack(s3, fresh_bucket, full=True).generation == 2  # the way out of a damaged pack
+    env = s3.env()
+    for args, message in ((["s3://x/raw", "file:///tmp/x"], "DEST must be an S3 prefix"),
+                          ([f"s3://{fresh_bucket}/raw", f"s3://{fresh_bucket}/raw/sub"], "overlap")):
+        r = subprocess.run([*EPOCHFS, "pack", *args, "--endpoint-url", s3.endpoint], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_the_cli_packs_with_a_summary_and_resumes_after_kill_9(s3, s3_client, fresh_bucket, tmp_path, s3_env):
+    files = [SampleFile(f"d/{i:03d}.bin", 100 * KIB) for i in range(150)]
+    upload(s3_client, fresh_bucket, "raw/", files)
+    cmd = [*EPOCHFS, "pack", f"s3://{fresh_bucket}/raw", f"s3://{fresh_bucket}/packed", "--endpoint-url",
+           s3.endpoint, "--shard-size", "1M", "--jobs", "1", "--readers", "1", "--work-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        listed = s3_client.list_objects_v2(Bucket=fresh_bucket, Prefix="packed/index/000001/").get("Contents", [])
+        if len(listed) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the pack finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = subprocess.run(cmd, env=s3.env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    resumed = int(r.stdout.split("resumed ")[1].split()[0])
+    assert resumed >= 2 * 10, r.stdout
+    assert "generation 1 of" in r.stdout and "150 files" in r.stdout
+    assert len(current_index(backend(s3, fresh_bucket, "packed/")).members) == 150
+
+
+# -- mounts of a packed dataset -------------------------------------------------------------------------
+
+@requires_fuse
+def test_a_mount_of_a_packed_root_serves_the_original_tree(s3, s3_client, fresh_bucket, s3_env, mount_factory):
+    files = dataset(n=150, seed=21, big=2)
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket)
+    index = current_index(backend(s3, fresh_bucket, "packed/"))
+    blocks = sum(-(-s.size // (1 << 20)) for s in index.shards.values())
+    gets = s3.request_count(fresh_bucket)
+    with mount_factory(f"s3://{fresh_bucket}/packed/", "--block-size", "1M") as m:
+        root = m.mountpoint
+        assert sorted(os.listdir(root)) == ["big", "c0", "c1", "c2", "c3"]  # no shard, index or pointer
+        rng = random.Random(4)
+        for f in files:
+            path = root / f.key
+            st = path.stat()
+            assert st.st_size == f.size
+            with open(path, "rb", buffering=0) as fh:
+                assert fh.read() == f.content(), f.key
+                for _ in range(3):  # seeded random offsets and odd sizes across block boundaries
+                    off, n = rng.randrange(f.size + 1), rng.choice([1, 4095, 70_000, 1 << 20])
+                    assert os.pread(fh.fileno(), n, off) == f.content(off, n)
+        st = m.status()
+        fetched = s3.request_count(fresh_bucket) - gets
+        # each block of each shard crossed the link once (and the listing, pointer and index were read)
+        assert fetched <= blocks + 4 < len(files) / 3, (fetched, blocks)
+        cache = st["cache"]
+        assert cache["demand_bytes"] + cache["prefetch_bytes"] <= sum(s.size for s in index.shards.values())
+        assert cache["hit_bytes"] > 0  # members read from blocks fetched for their neighbours
+
+
+@requires_fuse
+def test_a_packed_mount_keeps_the_guarantees_of_plain_objects(s3, s3_client, fresh_bucket, s3_env, mount_factory):
+    files = dataset(n=40, seed=2)
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket)
+    m = mount_factory(f"s3://{fresh_bucket}/packed/", "--block-size", "256K")
+    r = m.start("--writeback", expect_ok=False)
+    assert r.returncode != 0 and "packed dataset" in r.stderr + m.log()
+    m.start()
+    index = current_index(backend(s3, fresh_bucket, "packed/"))
+    victim = next(f for f in files if f.size > 1000)
+    shard = index.members[victim.key].shard
+    # the shard is overwritten behind the pack's back: its members' reads fail ESTALE, never other bytes
+    s3_client.put_object(Bucket=fresh_bucket, Key="packed/" + shard, Body=b"\0" * index.shards[shard].size)
+    with pytest.raises(OSError) as raised:
+        (m.mountpoint / victim.key).read_bytes()
+    assert errno_of(raised.value) == errno.ESTALE
+    other = next(f for f in files if index.members[f.key].shard != shard and f.size)
+    assert (m.mountpoint / other.key).read_bytes() == other.content()
+    m.stop()
+
+
+@requires_fuse
+def test_a_damaged_pack_is_refused_with_a_clear_error(s3, s3_client, fresh_bucket, s3_env, mount_factory):
+    upload(s3_client, fresh_bucket, "raw/", dataset(n=10))
+    run_pack(s3, fresh_bucket)
+    m = mount_factory(f"s3://{fresh_bucket}/packed/")
+    m.start()
+    good = sorted(os.listdir(m.mountpoint))
+    s3_client.put_object(Bucket=fresh_bucket, Key="packed/" + layout.index_key(1), Body=b"\x1f\x8bjunk")
+    r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "index" in r.stderr, r.stderr
+    assert sorted(os.listdir(m.mountpoint)) == good  # the mount keeps serving what it had
+    m.stop()
+    fresh = mount_factory(f"s3://{fresh_bucket}/packed/", cache_dir=m.cache_dir.parent / "cache2", name="m2")
+    r = fresh.start(expect_ok=False)
+    assert r.returncode != 0 and "does not decompress" in r.stderr + fresh.log()
+
+
+@requires_fuse
+def test_a_manifest_prefetches_a_packed_dataset_by_its_shards_blocks(s3, s3_client, fresh_bucket, s3_env,
+                                                                    mount_factory):
+    files = [SampleFile(f"s/{i:04d}.jpg", 60 * KIB + i) for i in range(200)]
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket, shard_size=4 << 20)
+    order = list(files)
+    random.Random(1).shuffle(order)
+    with mount_factory(f"s3://{fresh_bucket}/packed/", "--block-size", "1M") as m:
+        from epochfs import Client
+
+        job = Client(m.mountpoint).warmup([str(m.mountpoint / "s")])
+        assert job["done_bytes"] == job["total_bytes"] == sum(f.size for f in files) and not job["errors"]
+        gets = s3.request_count(fresh_bucket)
+        for f in order:
+            assert (m.mountpoint / f.key).read_bytes() == f.content()
+        assert s3.request_count(fresh_bucket) == gets  # warmed by shard blocks: every read a hit
+    total = sum(f.size for f in files)
+    with mount_factory(f"s3://{fresh_bucket}/packed/", "--block-size", "1M", cache_dir=m.cache_dir.parent / "c2",
+                       name="m2") as m2:
+        gets = s3.request_count(fresh_bucket)
+        Client(m2.mountpoint).hand_over([f.key for f in order], epoch=0)
+        for f in order:
+            assert (m2.mountpoint / f.key).read_bytes() == f.content()
+        fetched = s3.request_count(fresh_bucket) - gets
+        assert fetched <= total // (1 << 20) + 6, fetched  # about one GET per shard block, not per file
