@@ -394,3 +394,60 @@ def test_a_manifest_prefetches_a_packed_dataset_by_its_shards_blocks(s3, s3_clie
             assert (m2.mountpoint / f.key).read_bytes() == f.content()
         fetched = s3.request_count(fresh_bucket) - gets
         assert fetched <= total // (1 << 20) + 6, fetched  # about one GET per shard block, not per file
+
+
+# -- the locality order ----------------------------------------------------------------------------------
+
+def test_the_local_order_is_exact_deterministic_and_reads_a_few_shards_at_a_time():
+    from epochfs.prefetch.manifest import local_order
+
+    groups = [f"shard{i // 50}" for i in range(1000)]  # 20 shards of 50 samples
+    one = local_order(groups, seed=1, epoch=0, window=4)
+    assert sorted(one) == list(range(1000))
+    assert one == local_order(groups, seed=1, epoch=0, window=4)
+    assert one != local_order(groups, seed=1, epoch=1, window=4) != local_order(groups, seed=2, epoch=0, window=4)
+    for start in range(0, 1000, 200):  # each run of 200 samples comes from 4 shards
+        assert len({groups[i] for i in one[start:start + 200]}) == 4
+    assert len({groups[i] for i in one[:50]}) > 1  # shuffled across the window, not shard after shard
+    # the ranks' shares: DistributedSampler's sizes and padding, each a contiguous run of the order
+    for world, drop in ((3, False), (3, True), (7, False)):
+        shares = [local_order(groups, seed=1, epoch=0, window=4, rank=r, world_size=world, drop_last=drop)
+                  for r in range(world)]
+        assert len({len(s) for s in shares}) == 1
+        flat = [i for s in shares for i in s]
+        if drop:
+            assert len(flat) == 999 and len(set(flat)) == 999
+        else:
+            assert len(flat) == -(-1000 // world) * world and set(flat) == set(range(1000))
+        for share in shares:  # a rank reads the windows its run covers, not every shard
+            assert len({groups[i] for i in share}) <= 4 * (len(share) // 200 + 2) < 20
+    plain = local_order(list(range(100)), seed=0, epoch=0)
+    assert sorted(plain) == list(range(100)) and plain != list(range(100))
+    with pytest.raises(Exception, match="window"):
+        local_order(groups, seed=0, epoch=0, window=0)
+
+
+@requires_fuse
+def test_the_daemon_says_where_members_are_and_the_sampler_hands_over_a_local_order(s3, s3_client, fresh_bucket,
+                                                                                  s3_env, mount_factory):
+    files = [SampleFile(f"s/{i:04d}.jpg", 30 * KIB + i) for i in range(120)]
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket)
+    index = current_index(backend(s3, fresh_bucket, "packed/"))
+    from epochfs import Client
+
+    with mount_factory(f"s3://{fresh_bucket}/packed/") as m:
+        where = Client(m.mountpoint).locate([m.mountpoint / f.key for f in files])
+        assert where == [(index.members[f.key].shard, index.members[f.key].offset) for f in files]
+        torch = pytest.importorskip("torch")
+        from epochfs.torch import local_sampler
+
+        sampler = local_sampler([str(m.mountpoint / f.key) for f in files], m.mountpoint, seed=3, window=2,
+                                background=False)
+        sampler.set_epoch(0)
+        order = list(sampler)
+        assert sorted(order) == list(range(len(files))) and len(sampler) == len(files)
+        plan = m.status()["prefetch"]  # the order reached the daemon (background=False: handed over at set_epoch)
+        assert (plan["files"], plan["epoch"]) == (len(files), 0)
+        loader = torch.utils.data.DataLoader(list(range(len(files))), sampler=sampler, batch_size=10)
+        assert sorted(int(i) for batch in loader for i in batch) == list(range(len(files)))

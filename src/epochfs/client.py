@@ -87,6 +87,14 @@ class Client:
                 progress(job)
         return job
 
+    def locate(self, paths: Iterable[PathItem]) -> list[tuple[str, int] | None]:
+        """Where each file's bytes are stored, in order: ``(shard key, offset)`` for a member of a packed
+        dataset (``epochfs pack``), None for a plain object. What a locality order groups by
+        (:func:`epochfs.prefetch.manifest.local_order`)."""
+        reply = self._request("locate", entries=self._entries(paths), source="python")
+        stores = reply["stores"]
+        return [None if at is None else (stores[at[0]], at[1]) for at in reply["locations"]]
+
     def cancel(self, job_id: int) -> dict[str, Any]:
         """Stop a warmup job (what is in flight finishes; nothing more is fetched)."""
         return self._request("cancel", id=job_id)

@@ -15,6 +15,12 @@ without a seed too). The ranks of a ``DistributedSampler`` on one node are merge
 daemon. A daemon that cannot be reached never stops training: the wrapper logs a warning once and goes on;
 paths the mount lacks are logged and left out, and the rest of the order is handed over.
 
+For a packed dataset (``epochfs pack``), :func:`local_sampler` draws an order that is random enough
+for training and reads the shards' blocks in runs (shards permuted, samples shuffled within a window of
+a few shards), exact and partitioned like ``DistributedSampler``, and hands it over the same way::
+
+    sampler = local_sampler(dataset.samples, "/mnt/data", seed=42, window=4)
+
 Imported only when PyTorch is installed (``import epochfs.torch``).
 """
 
@@ -30,9 +36,10 @@ from torch.utils.data import Sampler
 
 from epochfs.client import Client, PathItem
 from epochfs.errors import EpochfsError
+from epochfs.prefetch.manifest import local_order
 from epochfs.watch import watch
 
-__all__ = ["EpochfsSampler", "watch"]
+__all__ = ["EpochfsSampler", "LocalOrderSampler", "local_sampler", "watch"]
 
 log = logging.getLogger(__name__)
 
@@ -105,3 +112,49 @@ class EpochfsSampler(Sampler[int]):
         """Wait until the last hand-over reached the daemon (tests, or a script that wants to know)."""
         if self._sender is not None:
             self._sender.join()
+
+
+class LocalOrderSampler(Sampler[int]):
+    """The indices of samples stored in ``groups`` (``groups[i]``: where sample ``i`` is, such as its
+    shard) in :func:`~epochfs.prefetch.manifest.local_order`, for one rank of ``num_replicas``. With
+    ``num_replicas`` or ``rank`` not given they are taken from ``torch.distributed`` when it is
+    initialised (as ``DistributedSampler`` does), else one replica."""
+
+    def __init__(self, groups: Sequence[Any], *, seed: int = 0, window: int = 4, num_replicas: int | None = None,
+                 rank: int | None = None, drop_last: bool = False) -> None:
+        if num_replicas is None or rank is None:
+            import torch.distributed as dist
+
+            initialised = dist.is_available() and dist.is_initialized()
+            num_replicas = num_replicas if num_replicas is not None else dist.get_world_size() if initialised else 1
+            rank = rank if rank is not None else dist.get_rank() if initialised else 0
+        self.groups = list(groups)
+        self.seed, self.window, self.drop_last = seed, window, drop_last
+        self.num_replicas, self.rank = num_replicas, rank
+        self.epoch = 0
+        local_order([0], seed=seed, epoch=0, window=window, rank=rank, world_size=num_replicas)  # checks them
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(local_order(self.groups, seed=self.seed, epoch=self.epoch, window=self.window, rank=self.rank,
+                                world_size=self.num_replicas, drop_last=self.drop_last))
+
+    def __len__(self) -> int:
+        n, w = len(self.groups), self.num_replicas
+        return n // w if self.drop_last else -(-n // w)
+
+
+def local_sampler(paths: Sequence[PathItem], mountpoint: str | os.PathLike[str], *, seed: int = 0, window: int = 4,
+                  num_replicas: int | None = None, rank: int | None = None, drop_last: bool = False,
+                  client: Client | None = None, background: bool = True) -> EpochfsSampler:
+    """An :class:`EpochfsSampler` over a :class:`LocalOrderSampler` grouped by where the mount stores
+    each of ``paths`` (asked of the daemon once): a packed dataset's samples by shard. A plain dataset's
+    files are each their own group, so its order is a plain random permutation."""
+    client = client or Client(mountpoint)
+    where = client.locate(paths)
+    groups = [loc[0] if loc is not None else i for i, loc in enumerate(where)]
+    inner = LocalOrderSampler(groups, seed=seed, window=window, num_replicas=num_replicas, rank=rank,
+                              drop_last=drop_last)
+    return EpochfsSampler(inner, paths, mountpoint, client=client, background=background)

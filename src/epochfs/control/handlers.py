@@ -28,7 +28,7 @@ from epochfs.meta.snapshots import Snapshots
 from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
-from epochfs.records import ObjectInfo
+from epochfs.records import ObjectInfo, stored_extent
 from epochfs.version import __version__
 from epochfs.writeback.service import WriteBack
 
@@ -114,7 +114,7 @@ class ControlHandlers:
     def table(self) -> dict[type, Handler]:
         return {
             p.Status: self.status, p.Refresh: self.refresh, p.Prefetch: self.prefetch, p.Warmup: self.warmup,
-            p.Resident: self.resident, p.Job: self.job, p.Cancel: self.cancel, p.PublishManifest: self.publish_manifest,
+            p.Resident: self.resident, p.Locate: self.locate, p.Job: self.job, p.Cancel: self.cancel, p.PublishManifest: self.publish_manifest,
             p.GetManifest: self.get_manifest, p.Sync: self.sync, Report: self.report,
         }
 
@@ -172,6 +172,17 @@ class ControlHandlers:
     async def resident(self, request: p.Resident, chunks: Chunks | None = None) -> dict[str, Any]:
         objs = (await self._objects(request, chunks, expand_dirs=True)).objs
         return await self.prefetcher.resident(objs)
+
+    async def locate(self, request: p.Locate, chunks: Chunks | None = None) -> dict[str, Any]:
+        """Where each named file is stored, in order: ``locations[i]`` is ``[s, offset]`` (its bytes start
+        at ``offset`` of ``stores[s]``, a packed member's shard) or null (a plain object)."""
+        objs = (await self._objects(request, chunks, expand_dirs=False)).objs
+        stores: dict[str, int] = {}
+        locations: list[list[int] | None] = []
+        for obj in objs:
+            stored, offset = stored_extent(obj)
+            locations.append(None if stored is obj else [stores.setdefault(stored.key, len(stores)), offset])
+        return {"stores": list(stores), "locations": locations}
 
     async def job(self, request: p.Job) -> dict[str, Any]:
         job = self.prefetcher.job(request.id)

@@ -15,6 +15,8 @@ Operations and fields:
                       lacks, and say which, instead of refusing it)
 ``warmup``            ``entries``, ``source``
 ``resident``          ``entries``, ``source``
+``locate``            ``entries``, ``source``: where each file's bytes are stored (a packed member's shard
+                      and offset; null for a plain object)
 ``job``               ``id`` (int): a warmup job's progress
 ``cancel``            ``id`` (int): stop a warmup job
 ``refresh``           (none)
@@ -105,6 +107,11 @@ class Resident(Entries):
 
 
 @dataclass(frozen=True, slots=True)
+class Locate(Entries):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
 class Job:
     id: int
 
@@ -131,7 +138,7 @@ class Sync:
     wait: float
 
 
-Request = (Status | Refresh | Prefetch | Warmup | Resident | Job | Cancel | PublishManifest | GetManifest | Sync
+Request = (Status | Refresh | Prefetch | Warmup | Resident | Locate | Job | Cancel | PublishManifest | GetManifest | Sync
            | Report)
 
 
@@ -201,6 +208,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                 "follow": False, "skip_missing": False}),
     "warmup": (("entries",), {"source": "manifest", "follow": False}),
     "resident": (("entries",), {"source": "manifest", "follow": False}),
+    "locate": (("entries",), {"source": "python", "follow": False}),
     "job": (("id",), {}),
     "cancel": (("id",), {}),
     "publish_manifest": (("name", "text"), {}),
@@ -259,7 +267,7 @@ def parse(line: bytes) -> Request:
                 raise BadRequest(f"{flag!r} must be true or false")
         rank = None if f["rank"] is None else _int(f["rank"], "rank", 0, 1 << 20)
         return Prefetch(entries, source, f["follow"], epoch, f["replace"], rank, f["skip_missing"])
-    return (Warmup if op == "warmup" else Resident)(entries, source, f["follow"])
+    return {"warmup": Warmup, "resident": Resident, "locate": Locate}[op](entries, source, f["follow"])
 
 
 def _report(f: dict[str, Any]) -> Report:

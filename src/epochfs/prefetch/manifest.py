@@ -19,7 +19,8 @@ import json
 import math
 import os
 import posixpath
-from collections.abc import Iterable, Sequence
+import random
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -197,3 +198,37 @@ def epoch_order(items: Sequence[T], *, seed: int | None, epoch: int | None = Non
             raise ManifestError("a shuffle (seed) needs the epoch number")
         items = shuffled(items, seed, epoch)
     return partition(items, rank, world_size, drop_last)
+
+
+def local_order(groups: Sequence[Hashable], *, seed: int, epoch: int, window: int = 4, rank: int = 0,
+                world_size: int = 1, drop_last: bool = False) -> list[int]:
+    """Sample indices in an order random enough for training and local for storage: ``groups[i]`` is
+    where sample ``i`` is stored (its shard, for a packed dataset). The groups are drawn in a random permutation; the samples of each run of
+    ``window`` consecutive groups are shuffled together (the idea of Mosaic Streaming's block shuffles).
+    Deterministic by ``(seed, epoch)``; every sample once per epoch, partitioned as
+    ``DistributedSampler`` does (padded by wrapping to a multiple of ``world_size``, or cut with
+    ``drop_last``) except that each rank takes a contiguous share, so that it reads whole groups. With
+    one sample per group this is a plain random permutation."""
+    if window < 1:
+        raise ManifestError("the shuffle window must be at least one group")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ManifestError(f"rank {rank} is not in [0, world size {world_size})")
+    rng = random.Random(f"epochfs-local:{seed}:{epoch}")
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    drawn = list(members.values())
+    rng.shuffle(drawn)
+    order: list[int] = []
+    for start in range(0, len(drawn), window):
+        run = [i for group in drawn[start:start + window] for i in group]
+        rng.shuffle(run)
+        order += run
+    n = len(order)
+    if n == 0:
+        return []
+    total = (n // world_size) * world_size if drop_last else math.ceil(n / world_size) * world_size
+    while len(order) < total:
+        order += order[:total - len(order)]
+    per = total // world_size
+    return order[rank * per:(rank + 1) * per]
