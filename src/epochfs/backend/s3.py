@@ -218,6 +218,13 @@ class S3Backend(Backend):
                 self._stats.record("head", "missing")
                 return None
             self._stats.record("head", "error")
+            if code == "403":  # a HEAD's answer has no body: ask again to learn why (a bad signature, a policy)
+                try:
+                    self._client.get_object(Bucket=self.bucket, Key=self.prefix + key, Range="bytes=0-0")
+                except botocore.exceptions.ClientError as again:
+                    exc = again
+                except botocore.exceptions.BotoCoreError:
+                    pass
             raise self._denied_or_unavailable(f"HEAD {key}", exc) from None
         except botocore.exceptions.NoCredentialsError:
             raise ConfigError(_NO_CREDENTIALS) from None

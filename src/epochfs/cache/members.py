@@ -5,13 +5,21 @@ the members are read. (Trio thread, as :class:`~epochfs.cache.service.ReadStream
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from epochfs.cache.keys import blocks_for_range
 from epochfs.records import ObjectInfo
 
-if TYPE_CHECKING:
-    from epochfs.cache.service import BlockCache
+
+class BlockCache(Protocol):
+    """What a member's reader uses of :class:`epochfs.cache.service.BlockCache`."""
+
+    block_size: int
+    readahead_blocks: int
+
+    def prefetch(self, obj: ObjectInfo, indices: range) -> int: ...
+
+    async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview: ...
 
 
 class MemberStream:

@@ -1,0 +1,236 @@
+"""Packed datasets against the shard loaders: two epochs of a PyTorch DataLoader training loop (batch 16,
+4 workers, a fixed compute time per batch, page cache dropped before each epoch) over the same files as
+plain objects, as an epochfs pack (``epochfs pack``), as Mosaic Streaming MDS shards and as WebDataset
+tar shards, behind a latency proxy, side by side in one run.
+
+    sudo .venv/bin/python benchmarks/packed.py [--latency-ms 20 50] [--files 2000] [--compute-ms 30]
+
+Mosaic Streaming and WebDataset run in their own virtualenv (``bash benchmarks/loaders-setup.sh``;
+Mosaic Streaming pins xxhash<4) through ``loaders.py``. Reported per contender: conversion seconds,
+AU of epochs 1 and 2, GETs at the endpoint per epoch, whether each epoch read every sample exactly
+once, and the daemon's CPU per sample (epochfs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contenders import VENV_BIN, Epochfs  # noqa: E402
+from latency_proxy import LatencyProxy  # noqa: E402
+from trainloop import one_epoch  # noqa: E402
+from workloads import drop_page_cache, fresh_workdir, log  # noqa: E402
+
+from epochfs.devserver import LocalS3  # noqa: E402
+from epochfs.sample import SampleFile, upload  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+LOADERS = HERE / "work" / ".venv-loaders" / "bin" / "python"
+BUCKET, SEED, BATCH, WORKERS = "bench", 42, 16, 4
+
+
+class Files:
+    """A map-style dataset of files under ``root``: sample ``i`` is ``keys[i]``, read whole."""
+
+    def __init__(self, root: Path, keys: list[str]) -> None:
+        self.root, self.keys = root, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> str:
+        with open(self.root / self.keys[i], "rb") as f:
+            f.read()
+        return self.keys[i]
+
+
+def loader_epoch(root: Path, keys: list[str], sampler: Any, compute: float) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(Files(root, keys), batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
+    return one_epoch(loader, compute)
+
+
+def shuffled_sampler(n: int) -> Any:
+    from torch.utils.data import DistributedSampler
+
+    return DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=SEED)
+
+
+def child(op: str, args: dict[str, Any]) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+    env.update(AWS_ACCESS_KEY_ID="any", AWS_SECRET_ACCESS_KEY="any", AWS_DEFAULT_REGION="us-east-1")
+    r = subprocess.run([str(LOADERS), str(HERE / "loaders.py"), op, json.dumps(args)], env=env, capture_output=True,
+                       text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"{op} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def epochs_of(name: str, run_epoch: Any, server: LocalS3, epochs: int, usage: Any = None,
+              n: int = 0) -> dict[str, Any]:
+    row: dict[str, Any] = {"contender": name, "epochs": []}
+    for epoch in range(epochs):
+        drop_page_cache()
+        gets, cpu = server.request_count(BUCKET), usage() if usage else 0.0
+        r = run_epoch(epoch)
+        r["gets"] = server.request_count(BUCKET) - gets
+        if usage:
+            r["daemon_cpu_ms_per_sample"] = (usage() - cpu) * 1000 / max(1, r["samples"])
+        r["exact"] = r["samples"] == r["distinct"] == n
+        row["epochs"].append(r)
+        log(f"  {name}, epoch {epoch + 1}: AU {r['au']:.1%}, {r['gets']} GETs, {r['distinct']} distinct of "
+            f"{r['samples']} samples" + (f", daemon {r['daemon_cpu_ms_per_sample']:.2f} ms/sample" if usage else ""))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[20.0, 50.0])
+    ap.add_argument("--compute-ms", type=float, default=30.0, help="compute time per batch of 16")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--shard-size", default="8M", help="shard size of every packed format (default: 8M)")
+    ap.add_argument("--window", type=int, default=4, help="shards shuffled together by the local order")
+    ap.add_argument("--only", nargs="*", help="contenders to run (default: all)")
+    ap.add_argument("--work", type=Path, default=HERE / "work" / "packed")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    if not LOADERS.exists():
+        raise SystemExit(f"{LOADERS} is missing: run  bash benchmarks/loaders-setup.sh")
+    fresh_workdir(args.work)
+    files = [SampleFile(f"c{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
+    keys = [f.key for f in files]
+    disk = args.work / "disk"
+    for f in files:
+        (disk / f.key).parent.mkdir(parents=True, exist_ok=True)
+        (disk / f.key).write_bytes(f.content())
+    shard_bytes = int(args.shard_size.rstrip("M")) << 20
+    wanted = set(args.only or ["local disk", "epochfs plain", "epochfs packed, local order",
+                               "epochfs packed, random order", "Mosaic Streaming", "WebDataset"])
+    server = LocalS3(args.work / "s3").start()
+    results: dict[str, Any] = {"date": datetime.date.today().isoformat(), "files": args.files, "file_size": 100 * 1024,
+                               "batch": BATCH, "workers": WORKERS, "compute_ms": args.compute_ms,
+                               "shard_size": args.shard_size, "window": args.window, "convert": {}, "runs": []}
+    try:
+        upload(server.client(), BUCKET, "raw/", files)
+        started = time.perf_counter()
+        subprocess.run([str(VENV_BIN / "epochfs"), "pack", f"s3://{BUCKET}/raw", f"s3://{BUCKET}/packed",
+                        "--endpoint-url", server.endpoint, "--shard-size", args.shard_size, "-q"],
+                       env=server.env(), check=True, capture_output=True)
+        results["convert"]["epochfs pack"] = {"seconds": time.perf_counter() - started}
+        base = {"endpoint": server.endpoint, "bucket": BUCKET, "raw": "raw/", "keys": keys,
+                "work": str(args.work), "shard_size": shard_bytes}
+        results["convert"]["Mosaic Streaming"] = child("convert-mds", {**base, "prefix": "mds/"})
+        results["convert"]["WebDataset"] = child("convert-wds", {**base, "prefix": "wds/"})
+        wds_shards = sorted(o["Key"][4:] for o in server.client().list_objects_v2(Bucket=BUCKET, Prefix="wds/")["Contents"])
+        log(f"converted: {json.dumps(results['convert'])}")
+        for latency in args.latency_ms:
+            proxy = LatencyProxy(server.port, latency / 1000).start()
+            log(f"{latency:g} ms added per request")
+            try:
+                rows = run_latency(args, server, proxy, args.work / f"lat{latency:g}", keys, disk, wds_shards, wanted)
+            finally:
+                proxy.stop()
+            results["runs"].append({"latency_ms": latency, "rows": rows})
+    finally:
+        server.stop()
+    text = report(results)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{results['date']}-packed"
+    Path(f"{stem}.md").write_text(text)
+    Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def run_latency(args: argparse.Namespace, server: LocalS3, proxy: LatencyProxy, work: Path, keys: list[str],
+                disk: Path, wds_shards: list[str], wanted: set[str]) -> list[dict[str, Any]]:
+    compute, n, rows = args.compute_ms / 1000, len(keys), []  # (one latency's contenders, in turn)
+    if "local disk" in wanted:
+        sampler = shuffled_sampler(n)
+
+        def disk_epoch(e: int) -> dict[str, Any]:
+            sampler.set_epoch(e)
+            return loader_epoch(disk, keys, sampler, compute)
+
+        rows.append(epochs_of("local disk", disk_epoch, server, args.epochs, n=n))
+    for name, prefix, local in (("epochfs plain", "raw/", False), ("epochfs packed, local order", "packed/", True),
+                                ("epochfs packed, random order", "packed/", False)):
+        if name in wanted:
+            rows.append(epochfs_run(args, server, proxy, work, name, prefix, local, keys))
+    common = {"proxy": proxy.endpoint, "bucket": BUCKET, "seed": SEED, "batch": BATCH, "workers": WORKERS,
+              "compute": compute}
+    if "Mosaic Streaming" in wanted:
+        cache = str(work / "mds-cache")
+        rows.append(epochs_of("Mosaic Streaming", lambda e: child(
+            "read-mds", {**common, "prefix": "mds/", "cache": cache, "epoch": e}), server, args.epochs, n=n))
+    if "WebDataset" in wanted:
+        rows.append(epochs_of("WebDataset", lambda e: child(
+            "read-wds", {**common, "prefix": "wds/", "shards": wds_shards, "epoch": e, "buffer": 1000}),
+            server, args.epochs, n=n))
+    return rows
+
+
+def epochfs_run(args: argparse.Namespace, server: LocalS3, proxy: LatencyProxy, work: Path, name: str, prefix: str,
+                local: bool, keys: list[str]) -> dict[str, Any]:
+    from epochfs.torch import EpochfsSampler, local_sampler
+
+    c = Epochfs(work, proxy.endpoint, BUCKET, prefix, 1 << 34, manifest=True, name=name)
+    c.mount()
+    try:
+        paths = [str(c.root / k) for k in keys]
+        sampler = (local_sampler(paths, c.root, seed=SEED, window=args.window) if local
+                   else EpochfsSampler(shuffled_sampler(len(keys)), paths, c.root))
+
+        def fs_epoch(e: int) -> dict[str, Any]:
+            sampler.set_epoch(e)
+            sampler.wait()
+            return loader_epoch(c.root, keys, sampler, args.compute_ms / 1000)
+
+        return epochs_of(name, fs_epoch, server, args.epochs, usage=lambda: c.usage()["cpu"], n=len(keys))
+    finally:
+        c.unmount()
+
+
+def _exact(epoch: dict[str, Any]) -> str:
+    return "yes" if epoch["exact"] else f"no: {epoch['distinct']} distinct of {epoch['samples']}"
+
+
+def report(results: dict[str, Any]) -> str:
+    conv = results["convert"]
+    lines = [f"# Packed datasets and the shard loaders, {results['date']}", "",
+             f"{results['files']} x 100 KiB files in 20 class folders; a DataLoader with {results['workers']} "
+             f"workers, batch {results['batch']}, {results['compute_ms']:g} ms of compute per batch; page cache "
+             f"dropped before each epoch; shards of {results['shard_size']} for every packed format; local order "
+             f"window {results['window']} shards.", "",
+             "Conversion: " + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in conv.items()) + ".", ""]
+    for run in results["runs"]:
+        lines += [f"## {run['latency_ms']:g} ms added per request", "",
+                  "| contender | epoch-1 AU | epoch-2 AU | GETs e1 / e2 | every sample once (e1 / e2) | "
+                  "daemon CPU ms/sample (e1) |", "|---|---|---|---|---|---|"]
+        for row in run["rows"]:
+            e = row["epochs"]
+            cpu = e[0].get("daemon_cpu_ms_per_sample")
+            lines.append(f"| {row['contender']} | {e[0]['au']:.1%} | {e[-1]['au']:.1%} | "
+                         f"{' / '.join(str(x['gets']) for x in e)} | "
+                         f"{' / '.join(map(_exact, e))} | "
+                         f"{'' if cpu is None else f'{cpu:.2f}'} |")
+        lines.append("")
+    lines += ["Mosaic Streaming 0.13 caches one S3 client per process: its DataLoader workers, forked after it, "
+              "otherwise share one connection (a 60 s stall, and in some runs a shard saved under another "
+              "shard's name); `loaders.py` drops it before the workers fork.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
