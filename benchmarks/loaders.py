@@ -16,9 +16,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Not this directory on the path: its profile.py would stand in for the standard library's (transformers
+# imports it), and it imports epochfs, which this virtualenv has not.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from trainloop import one_epoch  # noqa: E402
+
+def _trainloop() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainloop", HERE / "trainloop.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+one_epoch = _trainloop().one_epoch
 
 
 def _without_torchvision() -> None:
@@ -96,7 +110,6 @@ def convert_wds(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_mds(a: dict[str, Any]) -> dict[str, Any]:
-    import streaming.base.storage.download as download
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
     from torch.utils.data import DataLoader
@@ -105,11 +118,11 @@ def read_mds(a: dict[str, Any]) -> dict[str, Any]:
     clean_stale_shared_memory()
     dataset = StreamingDataset(remote=f"s3://{a['bucket']}/{a['prefix']}", local=a["cache"], shuffle=True,
                                shuffle_seed=a["seed"], batch_size=a["batch"])
-    # Streaming 0.13 caches one S3 client per process; forked workers would share its connection (a 60 s
-    # stall, and in some runs a shard saved under another's name). Drop it before the workers fork.
-    for name in ("S3_CLIENT", "_S3_CLIENT", "s3_client"):
-        if hasattr(download, name):
-            setattr(download, name, None)
+    # Streaming 0.13 keeps the S3 client each stream made to read the index (in this process); forked
+    # workers would share its connection (a 60 s stall, and in some runs a shard saved under another's
+    # name). Drop it before the workers fork: each makes its own.
+    for stream in dataset.streams:
+        stream._downloader.clean_up()
     loader = DataLoader(dataset, batch_size=a["batch"], num_workers=a["workers"])
     batches = ([k for k in b["key"]] for b in loader)
     return one_epoch(batches, a["compute"])
@@ -127,10 +140,17 @@ def read_wds(a: dict[str, Any]) -> dict[str, Any]:
     return one_epoch(loader, a["compute"])
 
 
+def check(a: dict[str, Any]) -> dict[str, Any]:
+    import streaming
+    import webdataset
+
+    return {"streaming": streaming.__version__, "webdataset": webdataset.__version__}
+
+
 def main() -> int:
     _without_torchvision()
-    op, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"convert-mds": convert_mds, "convert-wds": convert_wds, "read-mds": read_mds,
+    op, args = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
+    result = {"check": check, "convert-mds": convert_mds, "convert-wds": convert_wds, "read-mds": read_mds,
               "read-wds": read_wds}[op](args)
     print(json.dumps(result))
     return 0

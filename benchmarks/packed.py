@@ -97,8 +97,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[20.0, 50.0])
-    ap.add_argument("--compute-ms", type=float, default=30.0, help="compute time per batch of 16")
+    ap.add_argument("--compute-ms", type=float, default=None,
+                    help="compute time per batch of 16 (default: three times what local disk takes to load one, "
+                    "measured first: local disk is then about 25%% busy)")
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of every contender, interleaved (medians)")
     ap.add_argument("--shard-size", default="8M", help="shard size of every packed format (default: 8M)")
     ap.add_argument("--window", type=int, default=4, help="shards shuffled together by the local order")
     ap.add_argument("--only", nargs="*", help="contenders to run (default: all)")
@@ -117,10 +120,17 @@ def main() -> int:
     shard_bytes = int(args.shard_size.rstrip("M")) << 20
     wanted = set(args.only or ["local disk", "epochfs plain", "epochfs packed, local order",
                                "epochfs packed, random order", "Mosaic Streaming", "WebDataset"])
+    if args.compute_ms is None:
+        drop_page_cache()
+        loaded = loader_epoch(disk, keys, shuffled_sampler(len(keys)), 0.0)
+        args.compute_ms = 3000 * loaded["seconds"] / loaded["steps"]
+        log(f"local disk loads a batch in {loaded['seconds'] * 1000 / loaded['steps']:.1f} ms: compute "
+            f"{args.compute_ms:.1f} ms per batch")
     server = LocalS3(args.work / "s3").start()
     results: dict[str, Any] = {"date": datetime.date.today().isoformat(), "files": args.files, "file_size": 100 * 1024,
                                "batch": BATCH, "workers": WORKERS, "compute_ms": args.compute_ms,
-                               "shard_size": args.shard_size, "window": args.window, "convert": {}, "runs": []}
+                               "shard_size": args.shard_size, "window": args.window, "reps": args.reps,
+                               "convert": {}, "runs": []}
     try:
         upload(server.client(), BUCKET, "raw/", files)
         started = time.perf_counter()
@@ -138,7 +148,9 @@ def main() -> int:
             proxy = LatencyProxy(server.port, latency / 1000).start()
             log(f"{latency:g} ms added per request")
             try:
-                rows = run_latency(args, server, proxy, args.work / f"lat{latency:g}", keys, disk, wds_shards, wanted)
+                reps = [run_latency(args, server, proxy, args.work / f"lat{latency:g}-{rep}", keys, disk, wds_shards,
+                                    wanted) for rep in range(args.reps)]
+                rows = [median_row([rep[i] for rep in reps]) for i in range(len(reps[0]))]
             finally:
                 proxy.stop()
             results["runs"].append({"latency_ms": latency, "rows": rows})
@@ -202,18 +214,44 @@ def epochfs_run(args: argparse.Namespace, server: LocalS3, proxy: LatencyProxy, 
         c.unmount()
 
 
+def median_row(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's repetitions: per epoch the median of each figure, its AU range, every run's rows."""
+    import statistics
+
+    epochs = []
+    for e in range(len(reps[0]["epochs"])):
+        runs = [r["epochs"][e] for r in reps]
+        out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))
+               and not isinstance(runs[0][k], bool)}
+        out["exact"] = all(r["exact"] for r in runs)
+        out["au_range"] = [min(r["au"] for r in runs), max(r["au"] for r in runs)]
+        epochs.append(out)
+    return {"contender": reps[0]["contender"], "epochs": epochs, "reps": reps}
+
+
 def _exact(epoch: dict[str, Any]) -> str:
     return "yes" if epoch["exact"] else f"no: {epoch['distinct']} distinct of {epoch['samples']}"
+
+
+def _au(epoch: dict[str, Any]) -> str:
+    lo, hi = epoch["au_range"]
+    return f"{epoch['au']:.1%} [{lo:.0%}-{hi:.0%}]"
+
+
+def _gets(epochs: list[dict[str, Any]]) -> str:
+    return " / ".join(f"{e['gets']:g}" for e in epochs)
 
 
 def report(results: dict[str, Any]) -> str:
     conv = results["convert"]
     lines = [f"# Packed datasets and the shard loaders, {results['date']}", "",
              f"{results['files']} x 100 KiB files in 20 class folders; a DataLoader with {results['workers']} "
-             f"workers, batch {results['batch']}, {results['compute_ms']:g} ms of compute per batch; page cache "
+             f"workers, batch {results['batch']}, {results['compute_ms']:.1f} ms of compute per batch; page cache "
              f"dropped before each epoch; shards of {results['shard_size']} for every packed format; local order "
              f"window {results['window']} shards.", "",
-             "Conversion: " + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in conv.items()) + ".", ""]
+             "Conversion: " + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in conv.items()) + ".", "",
+             f"Medians of {results['reps']} interleaved repetitions (AU range in brackets); a 2-core machine runs "
+             "the loader workers, the daemon, the S3 server and the latency proxy at once.", ""]
     for run in results["runs"]:
         lines += [f"## {run['latency_ms']:g} ms added per request", "",
                   "| contender | epoch-1 AU | epoch-2 AU | GETs e1 / e2 | every sample once (e1 / e2) | "
@@ -221,14 +259,16 @@ def report(results: dict[str, Any]) -> str:
         for row in run["rows"]:
             e = row["epochs"]
             cpu = e[0].get("daemon_cpu_ms_per_sample")
-            lines.append(f"| {row['contender']} | {e[0]['au']:.1%} | {e[-1]['au']:.1%} | "
-                         f"{' / '.join(str(x['gets']) for x in e)} | "
+            lines.append(f"| {row['contender']} | {_au(e[0])} | {_au(e[-1])} | "
+                         f"{_gets(e)} | "
                          f"{' / '.join(map(_exact, e))} | "
                          f"{'' if cpu is None else f'{cpu:.2f}'} |")
         lines.append("")
-    lines += ["Mosaic Streaming 0.13 caches one S3 client per process: its DataLoader workers, forked after it, "
-              "otherwise share one connection (a 60 s stall, and in some runs a shard saved under another "
-              "shard's name); `loaders.py` drops it before the workers fork.", ""]
+    lines += ["Mosaic Streaming 0.13 keeps the S3 client each stream made while reading the index in the "
+              "process that builds the dataset: DataLoader workers forked after it would share its connection "
+              "(a 60 s stall, and in some runs a shard saved under another shard's name). `loaders.py` drops "
+              "it (`stream._downloader.clean_up()`) before the workers fork. WebDataset reads with a shard "
+              "shuffle, a sample shuffle buffer of 1000 and each worker its own shards, and no resampling.", ""]
     return "\n".join(lines)
 
 

@@ -451,3 +451,92 @@ def test_the_daemon_says_where_members_are_and_the_sampler_hands_over_a_local_or
         assert (plan["files"], plan["epoch"]) == (len(files), 0)
         loader = torch.utils.data.DataLoader(list(range(len(files))), sampler=sampler, batch_size=10)
         assert sorted(int(i) for batch in loader for i in batch) == list(range(len(files)))
+
+
+# -- the peer tier ---------------------------------------------------------------------------------------
+
+def test_peers_are_answered_for_the_shards_of_packed_members_and_nothing_else():
+    import trio
+
+    from epochfs.cache.keys import block_bounds, block_id
+    from epochfs.meta.index import NamespaceIndex
+    from epochfs.peer import wire
+    from epochfs.peer.tier import PeerAnswers
+
+    bs = 1 << 20
+    shard = ObjectInfo("shards/000001-00000.tar", (2 << 20) + 5000, 0, '"s1"')
+    members = [ObjectInfo(f"m/{i}", 1000, 0, member_etag(shard, 512 + 1536 * i)) for i in range(5)]
+    plain = ObjectInfo("plain.bin", 10, 0, '"p"')
+
+    class Cache:
+        def block_id(self, obj, index):
+            return block_id("src", obj.key, obj.etag, index, block_size=bs)
+
+        def block_length(self, obj, index):
+            return block_bounds(index, obj.size, bs)[1]
+
+        async def read_for_peer(self, obj, index, warm):
+            return f"{obj.key}#{index}".encode()
+
+    index = NamespaceIndex.temporary()
+    view = index.build([*members, plain], source="x", version=1, created=1.0)
+    answers = PeerAnswers(Cache(), lambda: view)
+
+    def ask(obj, i):
+        req = wire.BlockRequest(Cache().block_id(obj, i), obj.key, obj.etag, i, Cache().block_length(obj, i))
+        return trio.run(answers.serve, req)
+
+    assert ask(shard, 2) == f"{shard.key}#2".encode()  # the shard its members are stored in
+    assert ask(plain, 0) == b"plain.bin#0"
+    for other in (shard._replace(etag='"old"'), ObjectInfo("shards/000009-00000.tar", bs, 0, '"s1"'),
+                  ObjectInfo("index/000001.json.gz", 100, 0, '"i"')):
+        with pytest.raises(wire.Rejected) as refused:
+            ask(other, 0)
+        assert refused.value.status == 404
+    second = ObjectInfo("shards/000002-00000.tar", bs, 0, '"s2"')
+    view2, _ = index.apply({"n/x": ObjectInfo("n/x", 10, 0, member_etag(second, 0))}, set(), version=2, created=2.0)
+    answers.namespace = lambda: view2
+    assert ask(second, 0) == f"{second.key}#0".encode() and ask(shard, 0)  # a change set adds its shards
+    view.close()
+    view2.close()
+
+
+def test_a_fuzzed_shard_list_is_refused_or_valid_never_a_crash():
+    shard = ObjectInfo(layout.shard_key(2, 7), 9000, 0, '"s"')
+    members = [Member(f"a/{i}", shard.key, 512 * (2 * i + 1), 100 + i, i, f"{i:016x}", f'"e{i}"') for i in range(5)]
+    raw = layout.encode_sidecar(shard, members)
+    key = layout.sidecar_key(2, 7)
+    assert layout.decode_sidecar(raw, key) == (shard, members)
+    with pytest.raises(PackInvalid, match="another shard"):
+        layout.decode_sidecar(raw, layout.sidecar_key(2, 8))
+    rng = random.Random(9)
+    for _ in range(800):
+        damaged = bytearray(raw)
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(len(damaged))] = ord(rng.choice('0123456789",:[]{}-.ex/\\'))
+        try:
+            got, found = layout.decode_sidecar(bytes(damaged), key)
+        except PackInvalid:
+            continue
+        assert all(m.offset + m.size <= got.size and m.shard == got.key for m in found)
+
+
+@requires_fuse
+def test_a_packed_dataset_published_to_redis_is_served_by_nodes_that_never_list(s3, s3_client, fresh_bucket, s3_env,
+                                                                                mount_factory, tmp_path):
+    from epochfs.devserver import LocalRedis
+
+    files = dataset(n=30, seed=5)
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket)
+    redis = LocalRedis(tmp_path / "redis").start()
+    try:
+        r = subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}/packed", "--meta", redis.url, "--endpoint-url",
+                            s3.endpoint], env=s3.env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and f"{len(files)} objects" in r.stdout, r.stderr
+        with mount_factory(f"s3://{fresh_bucket}/packed/", "--meta", redis.url) as m:
+            for f in files:
+                assert (m.mountpoint / f.key).read_bytes() == f.content()
+            assert "listing" not in m.log()  # a node of a shared store loads what was published
+    finally:
+        redis.stop()

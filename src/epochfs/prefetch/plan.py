@@ -62,6 +62,8 @@ class Plan:
         self.blocks: list[bytes] = []
         self.block_file: list[int] = []
         self.offsets: list[int] = [0]
+        self.fetch_bytes = 0  # bytes of the distinct blocks the plan reads (a shard's block once, however
+        # many of its members are read)
         self._by_key: dict[str, list[int]] = {}
         self.segment_end: dict[int, int] = {}  # segment -> index of its last file
         for obj, epoch, segment in files:
@@ -72,9 +74,13 @@ class Plan:
                                        spans[0][0] if spans else 0))
             self.segment_end[segment] = fi
             self._by_key.setdefault(obj.key, []).append(fi)
-            for i, _, length in spans:  # (a member counts the bytes it has in each block)
+            for i, whole, length in spans:  # (a member counts the bytes it has in each block)
                 bid = block_id(stored, i)
-                self.uses.setdefault(bid, []).append(len(self.blocks))
+                uses = self.uses.get(bid)
+                if uses is None:
+                    uses = self.uses[bid] = []
+                    self.fetch_bytes += whole
+                uses.append(len(self.blocks))
                 self.blocks.append(bid)
                 self.block_file.append(fi)
                 self.offsets.append(self.offsets[-1] + length)
@@ -85,6 +91,12 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return self.offsets[-1]
+
+    @property
+    def fetch_size(self) -> float:
+        """The mean size of a block the plan fetches (of a packed member's shard: the block, not the
+        member's share of it)."""
+        return self.fetch_bytes / len(self.uses) if self.uses else 0.0
 
     def block(self, pos: int) -> tuple[ObjectInfo, int, bytes, int]:
         """(object, block index within it, block id, block size) at sequence position ``pos``: the

@@ -243,8 +243,10 @@ class Prefetcher:
                 await self._fill()
 
     def _avg_block(self) -> float:
+        """The mean size of a fetch: what the window's floor and the fetches in flight are counted in
+        (members of a packed dataset share their shard's blocks: a fetch is a block, not a member)."""
         plan = self._plan
-        return plan.total_bytes / len(plan) if plan is not None and len(plan) else self.cache.block_size
+        return plan.fetch_size if plan is not None and len(plan) else self.cache.block_size
 
     def _window(self) -> int:
         """Bytes to keep fetched ahead of the reader: its rate times a lead of ``LATENCY_LEADS`` fetch
