@@ -275,7 +275,7 @@ def test_pack_refuses_what_it_must_not_write_into(s3, s3_client, fresh_bucket, s
 
 
 def test_the_cli_packs_with_a_summary_and_resumes_after_kill_9(s3, s3_client, fresh_bucket, tmp_path, s3_env):
-    files = [SampleFile(f"d/{i:03d}.bin", 100 * KIB) for i in range(150)]
+    files = [SampleFile(f"d/{i:03d}.bin", 100 * KIB) for i in range(300)]
     upload(s3_client, fresh_bucket, "raw/", files)
     cmd = [*EPOCHFS, "pack", f"s3://{fresh_bucket}/raw", f"s3://{fresh_bucket}/packed", "--endpoint-url",
            s3.endpoint, "--shard-size", "1M", "--jobs", "1", "--readers", "1", "--work-dir", str(tmp_path)]
@@ -293,8 +293,8 @@ def test_the_cli_packs_with_a_summary_and_resumes_after_kill_9(s3, s3_client, fr
     assert r.returncode == 0, r.stderr
     resumed = int(r.stdout.split("resumed ")[1].split()[0])
     assert resumed >= 2 * 10, r.stdout
-    assert "generation 1 of" in r.stdout and "150 files" in r.stdout
-    assert len(current_index(backend(s3, fresh_bucket, "packed/")).members) == 150
+    assert "generation 1 of" in r.stdout and "300 files" in r.stdout
+    assert len(current_index(backend(s3, fresh_bucket, "packed/")).members) == 300
 
 
 # -- mounts of a packed dataset -------------------------------------------------------------------------

@@ -27,7 +27,7 @@ is cut short resumes where it stopped: shards it uploaded whole are kept. One ru
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pack", help="write a dataset as tar shards (a mount serves them as the original files)",
                        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", metavar="SOURCE")
+    p.add_argument("source", metavar="SOURCE", help="s3://BUCKET/PREFIX or file:///PATH: the files to pack")
     p.add_argument("dest", metavar="DEST", help="an S3 prefix that is empty or holds an earlier pack")
     p.add_argument("--shard-size", type=size_arg, default="256M", metavar="SIZE",
                    help="bytes of files per shard, about (a larger file gets a shard of its own; default: 256M)")
@@ -36,7 +36,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--readers", type=int, default=16, metavar="N",
                    help="source files read at once (default: 16)")
     p.add_argument("--full", action="store_true",
-                   help="pack every file again (drops the space of changed files; also the way out of a damaged pack)")
+                   help="pack every file again (reclaims the space of changed files' old bytes; also the way out of a "
+                   "damaged pack)")
     p.add_argument("--prune", action="store_true",
                    help="after the new pack is current, delete the shards and indexes of earlier ones it does not "
                    "use (mounts still serving an older pack then get ESTALE until they refresh)")
