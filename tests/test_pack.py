@@ -429,7 +429,7 @@ def test_the_local_order_is_exact_deterministic_and_reads_a_few_shards_at_a_time
 
 @requires_fuse
 def test_the_daemon_says_where_members_are_and_the_sampler_hands_over_a_local_order(s3, s3_client, fresh_bucket,
-                                                                                  s3_env, mount_factory):
+                                                                                  s3_env, mount_factory, tmp_path):
     files = [SampleFile(f"s/{i:04d}.jpg", 30 * KIB + i) for i in range(120)]
     upload(s3_client, fresh_bucket, "raw/", files)
     run_pack(s3, fresh_bucket)
@@ -438,7 +438,18 @@ def test_the_daemon_says_where_members_are_and_the_sampler_hands_over_a_local_or
 
     with mount_factory(f"s3://{fresh_bucket}/packed/") as m:
         where = Client(m.mountpoint).locate([m.mountpoint / f.key for f in files])
-        assert where == [(index.members[f.key].shard, index.members[f.key].offset) for f in files]
+        assert where == [(index.members[f.key].shard, index.members[f.key].offset,
+                          index.shards[index.members[f.key].shard].size) for f in files]
+        manifest = tmp_path / "epoch.txt"
+        manifest.write_text("".join(f.key + "\n" for f in files))
+        r = subprocess.run([*EPOCHFS, "plan", "--manifest", str(manifest), "--cache-size", "1G", "--block-size", "1M",
+                            "--mount", str(m.mountpoint), "--json"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        # the prediction is the shards' blocks the members touch, each once (not one object per file)
+        blocks = {(loc.store, (loc.offset + i) >> 20) for loc, f in zip(where, files, strict=True)
+                  for i in (0, f.size - 1)}
+        assert json.loads(r.stdout)["policies"]["lru"]["backend_bytes"] == sum(
+            min(1 << 20, index.shards[key].size - (b << 20)) for key, b in blocks)
         torch = pytest.importorskip("torch")
         from epochfs.torch import local_sampler
 
@@ -540,3 +551,27 @@ def test_a_packed_dataset_published_to_redis_is_served_by_nodes_that_never_list(
             assert "listing" not in m.log()  # a node of a shared store loads what was published
     finally:
         redis.stop()
+
+
+def test_the_prefetch_plan_of_members_reads_their_shards_blocks():
+    from epochfs.cache.keys import block_id
+    from epochfs.prefetch.plan import Plan
+
+    bs = 1 << 20
+    shard = ObjectInfo("shards/000001-00000.tar", (3 << 20) + 100, 0, '"s"')
+    # three members: inside block 0, across blocks 0-1, and the shard's short last block
+    members = [ObjectInfo("a", 1000, 0, member_etag(shard, 512)),
+               ObjectInfo("b", 4096, 0, member_etag(shard, bs - 1024)),
+               ObjectInfo("c", 100, 0, member_etag(shard, 3 << 20))]
+    plain = ObjectInfo("p", bs + 1, 0, '"p"')
+
+    def bid(obj, i):
+        return block_id("src", obj.key, obj.etag, i, block_size=bs)
+
+    plan = Plan([(m, 0, 0) for m in [*members, plain]], bs, bid)
+    assert plan.blocks == [bid(shard, 0), bid(shard, 0), bid(shard, 1), bid(shard, 3), bid(plain, 0), bid(plain, 1)]
+    assert [plan.block(p)[:2] for p in range(4)] == [(shard, 0), (shard, 0), (shard, 1), (shard, 3)]
+    assert [plan.block(p)[3] for p in range(6)] == [bs, bs, bs, 100, bs, 1]  # what a fetch of it costs
+    assert plan.total_bytes == 1000 + 4096 + 100 + bs + 1  # what the reader reads
+    assert plan.fetch_bytes == bs + bs + 100 + bs + 1  # each distinct block once
+    assert plan.uses[bid(shard, 0)] == [0, 1]

@@ -18,12 +18,21 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from epochfs.control.client import request
 from epochfs.prefetch.manifest import epoch_order, mount_relative
 
 PathItem = str | os.PathLike[str] | Sequence[Any]  # a path, or a (path, target) sample
+
+
+class Location(NamedTuple):
+    """Where a packed member's bytes are: the shard's key (relative to the mount's source), the offset
+    in it, and the shard's size."""
+
+    store: str
+    offset: int
+    store_size: int
 
 
 def _path(item: PathItem) -> str:
@@ -87,13 +96,13 @@ class Client:
                 progress(job)
         return job
 
-    def locate(self, paths: Iterable[PathItem]) -> list[tuple[str, int] | None]:
-        """Where each file's bytes are stored, in order: ``(shard key, offset)`` for a member of a packed
-        dataset (``epochfs pack``), None for a plain object. What a locality order groups by
+    def locate(self, paths: Iterable[PathItem]) -> list[Location | None]:
+        """Where each file's bytes are stored, in order: a :class:`Location` in its shard for a member of
+        a packed dataset (``epochfs pack``), None for a plain object. What a locality order groups by
         (:func:`epochfs.prefetch.manifest.local_order`)."""
         reply = self._request("locate", entries=self._entries(paths), source="python")
-        stores = reply["stores"]
-        return [None if at is None else (stores[at[0]], at[1]) for at in reply["locations"]]
+        stores, sizes = reply["stores"], reply["sizes"]
+        return [None if at is None else Location(stores[at[0]], at[1], sizes[at[0]]) for at in reply["locations"]]
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         """Stop a warmup job (what is in flight finishes; nothing more is fetched)."""

@@ -207,17 +207,28 @@ def _sizes(args: argparse.Namespace, entries: list[Entry], manifest: str) -> lis
     return out
 
 
+def _stored(args: argparse.Namespace, files: list[tuple[str, int]]) -> list[tuple[str, int, int] | None] | None:
+    """Where a mount stores each file (a packed dataset's members are ranges of shards), or None without
+    --mount (a local copy: each file an object)."""
+    if not args.mount:
+        return None
+    from epochfs.client import Client
+
+    return list(Client(args.mount).locate([path for path, _ in files]))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from epochfs.prefetch.simulate import block_sequence, simulate
 
-    current = block_sequence(_sizes(args, _order(args, args.manifest), args.manifest), args.block_size)
+    files = _sizes(args, _order(args, args.manifest), args.manifest)
+    current = block_sequence(files, args.block_size, _stored(args, files))
     previous = []
     if args.previous_manifest:
         prev_args = argparse.Namespace(**vars(args))
         if args.seed is not None:
             prev_args.epoch = args.previous_epoch if args.previous_epoch is not None else args.epoch - 1
-        previous = block_sequence(_sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest),
-                                  args.block_size)
+        before = _sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest)
+        previous = block_sequence(before, args.block_size, _stored(args, before))
     from epochfs.cache.policies import names
 
     results = [simulate(current, args.cache_size, name, warmup=previous) for name in names()]

@@ -175,14 +175,22 @@ class ControlHandlers:
 
     async def locate(self, request: p.Locate, chunks: Chunks | None = None) -> dict[str, Any]:
         """Where each named file is stored, in order: ``locations[i]`` is ``[s, offset]`` (its bytes start
-        at ``offset`` of ``stores[s]``, a packed member's shard) or null (a plain object)."""
+        at ``offset`` of ``stores[s]``, a packed member's shard of ``sizes[s]`` bytes) or null (a plain
+        object)."""
         objs = (await self._objects(request, chunks, expand_dirs=False)).objs
         stores: dict[str, int] = {}
+        sizes: list[int] = []
         locations: list[list[int] | None] = []
         for obj in objs:
             stored, offset = stored_extent(obj)
-            locations.append(None if stored is obj else [stores.setdefault(stored.key, len(stores)), offset])
-        return {"stores": list(stores), "locations": locations}
+            if stored is obj:
+                locations.append(None)
+                continue
+            at = stores.setdefault(stored.key, len(stores))
+            if at == len(sizes):
+                sizes.append(stored.size)
+            locations.append([at, offset])
+        return {"stores": list(stores), "sizes": sizes, "locations": locations}
 
     async def job(self, request: p.Job) -> dict[str, Any]:
         job = self.prefetcher.job(request.id)

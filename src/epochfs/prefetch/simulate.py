@@ -7,18 +7,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from epochfs.cache.keys import file_blocks
+from epochfs.cache.keys import extent_blocks, file_blocks
 from epochfs.cache.policies import make_policy, make_room
 
 Block = tuple[bytes, int]  # (block id, size)
 
 
-def block_sequence(files: Sequence[tuple[str, int]], block_size: int) -> list[Block]:
-    """The blocks an epoch reads, in order, for (path, size) pairs read whole."""
+def block_sequence(files: Sequence[tuple[str, int]], block_size: int,
+                   stored: Sequence[tuple[str, int, int] | None] | None = None) -> list[Block]:
+    """The blocks an epoch reads, in order, for (path, size) pairs read whole. ``stored[i]``: where file
+    ``i``'s bytes are, if not in an object of its own (a packed member: its shard's key, the offset there
+    and the shard's size): it reads the blocks of the shard its range touches."""
     seq = []
-    for path, size in files:
-        for i, length in file_blocks(size, block_size):
-            seq.append((f"{path}\0{i}".encode(), length))
+    for n, (path, size) in enumerate(files):
+        where = stored[n] if stored is not None else None
+        if where is None:
+            seq.extend((f"{path}\0{i}".encode(), length) for i, length in file_blocks(size, block_size))
+        else:
+            key, offset, whole = where
+            seq.extend((f"{key}\0{i}".encode(), length) for i, length, _ in extent_blocks(offset, size, whole, block_size))
     return seq
 
 
