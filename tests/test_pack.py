@@ -575,3 +575,46 @@ def test_the_prefetch_plan_of_members_reads_their_shards_blocks():
     assert plan.total_bytes == 1000 + 4096 + 100 + bs + 1  # what the reader reads
     assert plan.fetch_bytes == bs + bs + 100 + bs + 1  # each distinct block once
     assert plan.uses[bid(shard, 0)] == [0, 1]
+
+
+@requires_fuse
+def test_a_pack_of_a_directory_keeps_its_permissions_for_other_users(s3, fresh_bucket, s3_env, mount_factory):
+    import shutil
+    import stat
+    import tempfile
+    from pathlib import Path
+
+    from epochfs.sample import write_tree
+
+    from .test_hostile import as_nobody
+
+    base = Path(tempfile.mkdtemp(prefix="epochfs-shared-"))
+    try:
+        os.chmod(base, 0o755)
+        src = base / "src"
+        write_tree(str(src), [SampleFile("public.bin", 5000), SampleFile("secret.bin", 6000),
+                              SampleFile("private/inner.bin", 100)])
+        os.chmod(src, 0o755)
+        os.chmod(src / "public.bin", 0o644)
+        os.chmod(src / "secret.bin", 0o600)
+        os.chmod(src / "private", 0o700)
+        os.chown(src / "public.bin", 1234, 4321)
+        local = open_backend(BackendSettings(Source.parse(f"file://{src}")))
+        pack(local, backend(s3, fresh_bucket, "packed/"), PackSettings(shard_size=1 << 20), source_url=f"file://{src}")
+        m = mount_factory(f"s3://{fresh_bucket}/packed/", "--allow-other", name="unused")
+        m.mountpoint = base / "mnt"
+        m.mountpoint.mkdir()
+        with m:
+            mnt = m.mountpoint
+            st = os.stat(mnt / "public.bin")
+            assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, 1234, 4321)
+            assert stat.S_IMODE(os.stat(mnt / "secret.bin").st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(mnt / "private").st_mode) == 0o700
+            assert as_nobody("cat", str(mnt / "public.bin")).returncode == 0
+            denied = as_nobody("cat", str(mnt / "secret.bin"))
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr
+            denied = as_nobody("ls", str(mnt / "private"))
+            assert denied.returncode != 0 and "Permission denied" in denied.stderr
+            assert (mnt / "secret.bin").read_bytes() == SampleFile("secret.bin", 6000).content()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

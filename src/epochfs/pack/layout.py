@@ -23,11 +23,19 @@ import gzip
 import json
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from epochfs.errors import EpochfsError
-from epochfs.records import MAX_MTIME_NS, MAX_OBJECT_SIZE, MIN_MTIME_NS, ObjectInfo, member_etag, text_problem
+from epochfs.records import (
+    MAX_MTIME_NS,
+    MAX_OBJECT_SIZE,
+    MIN_MTIME_NS,
+    ObjectInfo,
+    member_etag,
+    record_problem,
+    text_problem,
+)
 
 FORMAT = 1
 POINTER = "epochfs-pack.json"
@@ -56,6 +64,13 @@ class Member:
     mtime_ns: int
     xxh64: str
     source_etag: str
+    mode: int | None = None  # the source's permission bits and owner, where it has them (file://)
+    uid: int | None = None
+    gid: int | None = None
+
+    def row(self) -> list[Any]:
+        return [self.path, self.shard, self.offset, self.size, self.mtime_ns, self.xxh64, self.source_etag,
+                self.mode, self.uid, self.gid]
 
 
 @dataclass(frozen=True)
@@ -65,11 +80,14 @@ class Index:
     created: float
     shards: dict[str, ObjectInfo]  # key -> the shard as uploaded (size, ETag)
     members: dict[str, Member]  # path -> member
+    #: The source's directory markers (``path/``, "" for the root) with their mtime, mode and owner: a
+    #: private directory stays private in the mount.
+    dirs: dict[str, ObjectInfo] = field(default_factory=dict)
 
     def objects(self) -> list[ObjectInfo]:
-        """The original tree: one record per member, its bytes located in its shard."""
-        return [ObjectInfo(m.path, m.size, m.mtime_ns, member_etag(self.shards[m.shard], m.offset))
-                for m in self.members.values()]
+        """The original tree: one record per member, its bytes located in its shard, and the markers."""
+        return [*self.dirs.values(), *(ObjectInfo(m.path, m.size, m.mtime_ns, member_etag(self.shards[m.shard], m.offset),
+                                                  m.mode, m.uid, m.gid) for m in self.members.values())]
 
     @property
     def total_bytes(self) -> int:
@@ -129,10 +147,10 @@ def decode_pointer(raw: bytes) -> tuple[int, str]:
 
 def encode_index(index: Index) -> bytes:
     shards = [[key, s.size, s.etag] for key, s in sorted(index.shards.items())]
-    members = [[m.path, m.shard, m.offset, m.size, m.mtime_ns, m.xxh64, m.source_etag]
-               for m in sorted(index.members.values(), key=lambda m: (m.shard, m.offset))]
+    members = [m.row() for m in sorted(index.members.values(), key=lambda m: (m.shard, m.offset))]
+    dirs = [[d.key, d.mtime_ns, d.mode, d.uid, d.gid] for d in sorted(index.dirs.values())]
     doc = {"format": FORMAT, "generation": index.generation, "source": index.source, "created": index.created,
-           "shards": shards, "members": members}
+           "shards": shards, "members": members, "dirs": dirs}
     return gzip.compress(json.dumps(doc, separators=(",", ":")).encode(), compresslevel=6, mtime=0)
 
 
@@ -162,7 +180,22 @@ def decode_index(raw: bytes, generation: int) -> Index:
         if member.path in out:
             raise PackInvalid(f"member {i}: {member.path!r} is listed twice")
         out[member.path] = member
-    return Index(generation, source, float(created), shards, out)
+    return Index(generation, source, float(created), shards, out, decode_dirs(doc.get("dirs", [])))
+
+
+def decode_dirs(rows: Any) -> dict[str, ObjectInfo]:
+    if not isinstance(rows, list):
+        raise PackInvalid("the index's directories are not a list")
+    dirs: dict[str, ObjectInfo] = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)
+                and (row[0] == "" or row[0].endswith("/")) and row[0] not in dirs):
+            raise PackInvalid(f"a directory is malformed: {str(row)[:200]}")
+        d = ObjectInfo(row[0], 0, row[1], "", row[2], row[3], row[4])
+        if record_problem(d) is not None:
+            raise PackInvalid(f"directory {row[0][:200]!r}: {record_problem(d)}")
+        dirs[d.key] = d
+    return dirs
 
 
 def decode_shards(rows: Any, generation: int) -> dict[str, ObjectInfo]:
@@ -183,16 +216,22 @@ def decode_shards(rows: Any, generation: int) -> dict[str, ObjectInfo]:
 def decode_member(row: Any, shards: dict[str, ObjectInfo]) -> Member | None:
     """One member row, or None if it is malformed (a path that is no text, a shard the index does not
     list, bytes outside the shard, a checksum that is not 16 hex digits)."""
-    if not isinstance(row, list) or len(row) != 7:
+    if not isinstance(row, list) or len(row) != 10:
         return None
-    path, shard, offset, size, mtime, digest, etag = row
-    if (text_problem(path, "path", 4096) is not None or path.endswith("/") or not isinstance(shard, str)
+    path, shard, offset, size, mtime, digest, etag, mode, uid, gid = row
+    if (not _owner(mode, uid, gid) or text_problem(path, "path", 4096) is not None or path.endswith("/")
+            or not isinstance(shard, str)
             or shard not in shards or not _int(size, 0, MAX_OBJECT_SIZE) or not _int(offset, 0, MAX_OBJECT_SIZE)
             or offset + size > shards[shard].size or not _int(mtime, MIN_MTIME_NS, MAX_MTIME_NS)
             or not (isinstance(digest, str) and len(digest) == 16 and _HEX.match(digest))
             or text_problem(etag, "ETag", 1024) is not None):
         return None
-    return Member(path, shard, offset, size, mtime, digest, etag)
+    return Member(path, shard, offset, size, mtime, digest, etag, mode, uid, gid)
+
+
+def _owner(mode: Any, uid: Any, gid: Any) -> bool:
+    return ((mode is None or _int(mode, 0, 0o7777)) and (uid is None or _int(uid, 0, (1 << 32) - 1))
+            and (gid is None or _int(gid, 0, (1 << 32) - 1)))
 
 
 _HEX = re.compile(r"^[0-9a-f]{16}$")
@@ -202,8 +241,7 @@ _HEX = re.compile(r"^[0-9a-f]{16}$")
 
 def encode_sidecar(shard: ObjectInfo, members: list[Member]) -> bytes:
     return json.dumps({"format": FORMAT, "shard": [shard.key, shard.size, shard.etag],
-                       "members": [[m.path, m.offset, m.size, m.mtime_ns, m.xxh64, m.source_etag]
-                                   for m in members]}, separators=(",", ":")).encode()
+                       "members": [[m.path, *m.row()[2:]] for m in members]}, separators=(",", ":")).encode()
 
 
 def decode_sidecar(raw: bytes, key: str) -> tuple[ObjectInfo, list[Member]]:

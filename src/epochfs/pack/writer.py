@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -96,7 +97,7 @@ def pack(source: Backend, dest: Backend, settings: PackSettings, *, source_url: 
         raise ConfigError("--shard-size must be at least 1 MiB")
     if source.stat(layout.POINTER) is not None:
         raise ConfigError("the source is a packed dataset already; pack its original files")
-    listed, unsafe = _files(source)
+    listed, dirs, unsafe = _files(source)
     parts = {o.key: o for o in dest.list_objects()}
     foreign = [k for k in parts if not layout.is_part(k)]
     if foreign:
@@ -124,7 +125,8 @@ def pack(source: Backend, dest: Backend, settings: PackSettings, *, source_url: 
             members.update((m.path, m) for m in took)
             summary.resumed += len(took)
     todo = [listed[p] for p in sorted(listed) if p not in members]
-    if current is not None and not todo and members.keys() == current.members.keys() and not summary.resumed:
+    if (current is not None and not todo and members.keys() == current.members.keys() and not summary.resumed
+            and dirs == current.dirs):
         summary.written = False
         summary.generation = current.generation
         _finish_summary(summary, current, parts, started)
@@ -158,7 +160,7 @@ def pack(source: Backend, dest: Backend, settings: PackSettings, *, source_url: 
             finally:
                 writer.close()
         summary.skipped = writer.skipped
-        index = Index(generation, source_url, time.time(), shards, members)
+        index = Index(generation, source_url, time.time(), shards, members, dirs)
         _publish(dest, index, pointer, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -169,12 +171,15 @@ def pack(source: Backend, dest: Backend, settings: PackSettings, *, source_url: 
     return summary
 
 
-def _files(source: Backend) -> tuple[dict[str, ObjectInfo], int]:
-    """The source's files by key (markers left out), and how many keys cannot be paths."""
+def _files(source: Backend) -> tuple[dict[str, ObjectInfo], dict[str, ObjectInfo], int]:
+    """The source's files and directory markers by key, and how many keys cannot be paths."""
     listed: dict[str, ObjectInfo] = {}
+    dirs: dict[str, ObjectInfo] = {}
     unsafe = 0
     for obj in source.list_objects():
         if not obj.key or obj.key.endswith("/"):
+            if not obj.key or unsafe_reason(obj.key) is None:
+                dirs[obj.key] = ObjectInfo(obj.key, 0, obj.mtime_ns, "", obj.mode, obj.uid, obj.gid)
             continue
         problem = unsafe_reason(obj.key)
         if problem:
@@ -182,7 +187,7 @@ def _files(source: Backend) -> tuple[dict[str, ObjectInfo], int]:
             log.warning("not packing %r: %s", obj.key[:300], problem)
             continue
         listed[obj.key] = obj
-    return listed, unsafe
+    return listed, dirs, unsafe
 
 
 def _current(dest: Backend, full: bool) -> Index | None:
@@ -281,7 +286,7 @@ class _ShardWriter:
         shard = self.dest.upload_file(path, key)
         if shard.size != os.path.getsize(path):
             raise BackendError(f"{key}: uploaded {os.path.getsize(path)} bytes, the store holds {shard.size}")
-        written = [Member(m.path, key, m.offset, m.size, m.mtime_ns, m.xxh64, m.source_etag) for m in written]
+        written = [dataclasses.replace(m, shard=key) for m in written]
         side = path + ".json"
         with open(side, "wb") as f:
             f.write(layout.encode_sidecar(shard, written))
@@ -331,7 +336,8 @@ class _ShardWriter:
         offset = tar.offset - -(-obj.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
         if self.progress is not None:
             self.progress(obj.size)
-        return Member(obj.key, "", offset, obj.size, obj.mtime_ns, digest.hexdigest(), obj.etag)
+        return Member(obj.key, "", offset, obj.size, obj.mtime_ns, digest.hexdigest(), obj.etag, obj.mode, obj.uid,
+                      obj.gid)
 
 
 def _publish(dest: Backend, index: Index, pointer: ObjectInfo | None, work: str) -> None:
