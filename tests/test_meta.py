@@ -205,6 +205,7 @@ def test_manifests_published_to_the_store_reach_other_daemons(s3, s3_client, fre
 
 
 @requires_fuse
+@pytest.mark.slow  # 8 s; a large namespace through a mount is also held by test_hostile's long manifest (150,000)
 def test_large_synthetic_namespace_imports_and_mounts(tmp_path, redis_server, mount_factory):
     """200,000 entries published to Redis and mounted from it (timings go to the benchmark report)."""
     store = open_meta(redis_server.url, Path("."), "synthetic")

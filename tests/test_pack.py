@@ -277,9 +277,9 @@ def test_pack_refuses_what_it_must_not_write_into(s3, s3_client, fresh_bucket, s
 def test_the_cli_packs_with_a_summary_and_resumes_after_kill_9(s3, s3_client, fresh_bucket, tmp_path, s3_env):
     files = [SampleFile(f"d/{i:03d}.bin", 100 * KIB) for i in range(300)]
     upload(s3_client, fresh_bucket, "raw/", files)
-    cmd = [*EPOCHFS, "pack", f"s3://{fresh_bucket}/raw", f"s3://{fresh_bucket}/packed", "--endpoint-url",
-           s3.endpoint, "--shard-size", "1M", "--jobs", "1", "--readers", "1", "--work-dir", str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = [*EPOCHFS, "pack", f"s3://{fresh_bucket}/raw", f"s3://{fresh_bucket}/packed", "--endpoint-url",
+            s3.endpoint, "--shard-size", "1M", "--work-dir", str(tmp_path)]
+    proc = subprocess.Popen([*base, "--jobs", "1", "--readers", "1"], env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         listed = s3_client.list_objects_v2(Bucket=fresh_bucket, Prefix="packed/index/000001/").get("Contents", [])
@@ -289,7 +289,8 @@ def test_the_cli_packs_with_a_summary_and_resumes_after_kill_9(s3, s3_client, fr
     assert proc.poll() is None, "the pack finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    r = subprocess.run(cmd, env=s3.env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*base, "--jobs", "4", "--readers", "8"], env=s3.env(), capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     resumed = int(r.stdout.split("resumed ")[1].split()[0])
     assert resumed >= 2 * 10, r.stdout

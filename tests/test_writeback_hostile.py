@@ -325,7 +325,7 @@ def test_a_multipart_upload_cut_off_by_a_crash_is_aborted_at_the_next_start(s3_c
     assert sync(again).returncode == 0 and keys_of(s3_client, fresh_bucket) == {}
 
 
-@pytest.mark.parametrize("seed", [0, 1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])
 def test_seeded_crash_points_with_forked_and_dupd_writers(s3_client, fresh_bucket, mount_factory, seed):
     """Writers that fork, dup and close descriptors in a seeded order; the daemon is killed at a seeded
     point. After a remount and a sync, every object in the backend is a file that was whole and released
