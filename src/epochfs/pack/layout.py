@@ -192,8 +192,9 @@ def decode_dirs(rows: Any) -> dict[str, ObjectInfo]:
                 and (row[0] == "" or row[0].endswith("/")) and row[0] not in dirs):
             raise PackInvalid(f"a directory is malformed: {str(row)[:200]}")
         d = ObjectInfo(row[0], 0, row[1], "", row[2], row[3], row[4])
-        if record_problem(d) is not None:
-            raise PackInvalid(f"directory {row[0][:200]!r}: {record_problem(d)}")
+        problem = record_problem(d)
+        if problem is not None:
+            raise PackInvalid(f"directory {row[0][:200]!r}: {problem}")
         dirs[d.key] = d
     return dirs
 

@@ -104,7 +104,7 @@ def pack(source: Backend, dest: Backend, settings: PackSettings, *, source_url: 
         raise ConfigError(f"the destination holds {len(foreign)} objects that are not a pack's (such as "
                           f"{foreign[0][:200]!r}): pack into an empty prefix, or into an earlier pack")
     pointer = parts.get(layout.POINTER)
-    current = _current(dest, settings.full)
+    current = _current(dest, parts, settings.full)
     generation = (current.generation if current else 0) + 1
     if generation > layout.MAX_GENERATION:
         raise ConfigError("the pack has used every generation number; pack into a new prefix")
@@ -113,8 +113,7 @@ def pack(source: Backend, dest: Backend, settings: PackSettings, *, source_url: 
     summary = PackSummary(generation, unsafe=unsafe)
     if current is not None and not settings.full:
         for path, m in current.members.items():
-            obj = listed.get(path)
-            if obj is not None and obj.etag == m.source_etag and obj.size == m.size:
+            if _unchanged(listed.get(path), m):
                 members[path] = m
                 shards[m.shard] = current.shards[m.shard]
         summary.kept = len(members)
@@ -190,7 +189,7 @@ def _files(source: Backend) -> tuple[dict[str, ObjectInfo], dict[str, ObjectInfo
     return listed, dirs, unsafe
 
 
-def _current(dest: Backend, full: bool) -> Index | None:
+def _current(dest: Backend, parts: dict[str, ObjectInfo], full: bool) -> Index | None:
     try:
         return current_index(dest)
     except PackInvalid as exc:
@@ -198,12 +197,8 @@ def _current(dest: Backend, full: bool) -> Index | None:
             raise PackInvalid(f"the destination's current pack is damaged ({exc}); pack it again whole with "
                               "--full") from None
         log.warning("the destination's current pack is damaged (%s): packing every file again", exc)
-        generation = _newest_generation(dest)
+        generation = max((_part_number(key)[0] for key in parts), default=0)
         return Index(generation, "", 0.0, {}, {}) if generation else None
-
-
-def _newest_generation(dest: Backend) -> int:
-    return max((_part_number(o.key)[0] for o in dest.list_objects()), default=0)
 
 
 def _part_number(key: str) -> tuple[int, int]:
