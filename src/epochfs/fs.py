@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import itertools
 import logging
 import os
 import stat
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import pyfuse3
-
 from epochfs.cache.members import MemberStream
 from epochfs.cache.service import BlockCache, ReadStream
+from epochfs import kernel as fuse
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, Namespace
 from epochfs.records import ObjectInfo
@@ -41,11 +41,11 @@ from epochfs.writeback.tree import Node, Tree
 
 log = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+F = TypeVar("F", bound=Callable[..., Any])
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
-assert ROOT_INODE == pyfuse3.ROOT_INODE
+assert ROOT_INODE == fuse.ROOT_INODE
 
 
 @dataclass(frozen=True)
@@ -55,25 +55,39 @@ class FsStats:
 
 
 def _translated(fn: F) -> F:
-    """Turn domain errors into FUSEError through the one mapping; never let an exception escape."""
+    """Turn domain errors into FUSEError through the one mapping; never let an exception escape. Wraps
+    plain handlers and coroutine ones alike (the session answers a plain one as it reads the request)."""
 
-    @functools.wraps(fn)
-    async def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await fn(self, *args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except EpochfsError as exc:
+    def answer(self: Operations, exc: Exception) -> fuse.FUSEError:
+        if isinstance(exc, fuse.FUSEError):
+            return exc
+        if isinstance(exc, EpochfsError):
             code = errno_for(exc)
             if not isinstance(exc, NotFound):
                 self.errors[errno.errorcode.get(code, str(code))] += 1
             log.log(logging.DEBUG if isinstance(exc, (NotFound, Refused)) else logging.WARNING,
                     "%s: %s (%s)", fn.__name__, exc, errno.errorcode.get(code, code))
-            raise pyfuse3.FUSEError(code) from None
-        except Exception:
-            self.errors["internal"] += 1
-            log.exception("unexpected error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            return fuse.FUSEError(code)
+        self.errors["internal"] += 1
+        log.error("unexpected error in %s", fn.__name__, exc_info=exc)
+        return fuse.FUSEError(errno.EIO)
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def waiting(self: Operations, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(self, *args, **kwargs)
+            except Exception as exc:
+                raise answer(self, exc) from None
+
+        return waiting  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:
+            raise answer(self, exc) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -115,7 +129,8 @@ class KernelPages:
         self.ops = ops
 
     def store(self, inode: int, offset: int, data: memoryview) -> None:
-        pyfuse3.notify_store(inode, offset, data)
+        assert self.ops.session is not None
+        self.ops.session.notify_store(inode, offset, data)
 
     def current(self, inode: int, obj: ObjectInfo) -> bool:
         try:
@@ -125,10 +140,11 @@ class KernelPages:
         return node.in_backend and node.obj == obj
 
     def forget(self, inode: int) -> None:
-        pyfuse3.invalidate_inode(inode)
+        assert self.ops.session is not None
+        self.ops.session.invalidate_inode(inode)
 
 
-class Operations(pyfuse3.Operations):
+class Operations:
     supports_dot_lookup = False
     enable_writeback_cache = False
 
@@ -143,7 +159,6 @@ class Operations(pyfuse3.Operations):
         tree: Tree | None = None,
         writeback: WriteBack | None = None,
     ) -> None:
-        super().__init__()
         self.tree = tree or Tree(namespace)
         self.tree.namespace = namespace
         self.writeback = writeback
@@ -151,6 +166,7 @@ class Operations(pyfuse3.Operations):
         self.attr_timeout = attr_timeout
         self.root_xattrs = dict(root_xattrs)
         self.present = presentation or Presentation()
+        self.session: fuse.Session | None = None  # the mount serving these operations
         self.errors: Counter[str] = Counter()
         self.read_latency = Histogram()
         self._streams: dict[int, ReadStream | MemberStream] = {}
@@ -169,8 +185,8 @@ class Operations(pyfuse3.Operations):
 
     # -- attributes ------------------------------------------------------------------------------------
 
-    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
+    def _attrs(self, node: Node) -> fuse.EntryAttributes:
+        attr = fuse.EntryAttributes()
         attr.st_ino = node.inode
         attr.generation = 0
         attr.entry_timeout = self.attr_timeout
@@ -206,7 +222,7 @@ class Operations(pyfuse3.Operations):
         return self.writeback
 
     @_translated
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def lookup(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         if self.tree.overlay is None:
             node: Node | None = self.namespace.lookup(parent_inode, name)
         else:
@@ -216,19 +232,19 @@ class Operations(pyfuse3.Operations):
         return self._attrs(node)
 
     @_translated
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
+    def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
         return self._attrs(self._node(inode))
 
-    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+    def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         """Inodes live as long as the snapshot: nothing to release."""
 
     # -- directories -----------------------------------------------------------------------------------
 
     @_translated
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    def opendir(self, inode: int, ctx: fuse.RequestContext) -> int:
         node = self._node(inode)
         if not node.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+            raise fuse.FUSEError(errno.ENOTDIR)
         fh = self._new_fh()
         # A listing reads the tree it was opened on: the snapshot's directory as it is (cheap), or, with
         # this node's changes on top, the names as they are now.
@@ -241,12 +257,12 @@ class Operations(pyfuse3.Operations):
         return fh
 
     @_translated
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
         listing = self._dirs[fh]
         if isinstance(listing, list):
             for i in range(start_id, len(listing)):
                 name, child = listing[i]
-                if not pyfuse3.readdir_reply(token, name, self._attrs(child), i + 1):
+                if not fuse.readdir_reply(token, name, self._attrs(child), i + 1):
                     break
             return
         namespace, node, at = listing
@@ -254,30 +270,30 @@ class Operations(pyfuse3.Operations):
             skipped = list(itertools.islice(namespace.entries(node.inode), start_id))
             at[:] = [len(skipped), skipped[-1][0] if skipped else b""]
         for name, child in namespace.entries(node.inode, at[1]):
-            if not pyfuse3.readdir_reply(token, name, self._attrs(child), at[0] + 1):
+            if not fuse.readdir_reply(token, name, self._attrs(child), at[0] + 1):
                 break
             at[:] = [at[0] + 1, name]
 
     @_translated
-    async def releasedir(self, fh: int) -> None:
+    def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
 
     # -- files -----------------------------------------------------------------------------------------
 
     @_translated
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
         node = self._node(inode)
         if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+            raise fuse.FUSEError(errno.EISDIR)
         fh = self._new_fh()
         if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
-            return pyfuse3.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
+            return fuse.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
         self._streams[fh] = self.cache.open_stream(node.obj, inode)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return fuse.FileInfo(fh=fh, keep_cache=True)
 
     @_translated
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int, inode: int = 0) -> bytes | memoryview:
         started = time.perf_counter()
         try:
             stream = self._streams.get(fh)
@@ -288,7 +304,7 @@ class Operations(pyfuse3.Operations):
             self.read_latency.observe(time.perf_counter() - started)
 
     @_translated
-    async def release(self, fh: int) -> None:
+    def release(self, fh: int) -> None:
         stream = self._streams.pop(fh, None)
         if stream is not None:
             stream.close()
@@ -299,23 +315,23 @@ class Operations(pyfuse3.Operations):
     # -- writing (write-back mounts) -------------------------------------------------------------------
 
     @_translated
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: fuse.RequestContext) -> tuple[fuse.FileInfo, fuse.EntryAttributes]:
         handle, f = self._writer().create(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid)
         fh = self._new_fh()
         self._local[fh] = handle
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
+        return fuse.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
 
     @_translated
-    async def write(self, fh: int, off: int, buf: bytes) -> int:
+    def write(self, fh: int, off: int, buf: bytes) -> int:
         return self._writer().write(self._local[fh], off, buf)
 
     @_translated
-    async def flush(self, fh: int) -> None:
+    def flush(self, fh: int) -> None:
         if self.writeback is None:
             # Nothing to do at close() on a read-only mount: ENOSYS tells the kernel never to send FLUSH
             # again, one request less per file read.
-            raise pyfuse3.FUSEError(errno.ENOSYS)
+            raise fuse.FUSEError(errno.ENOSYS)
         local = self._local.get(fh)
         if local is not None:
             self._writer().flush(local)
@@ -327,8 +343,8 @@ class Operations(pyfuse3.Operations):
             await self._writer().fsync(local)
 
     @_translated
-    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
-                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def setattr(self, inode: int, attr: fuse.EntryAttributes, fields: fuse.SetattrFields,
+                      fh: int | None, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         wb = self._writer()
         node = self._node(inode)
         if fields.update_size:
@@ -342,39 +358,39 @@ class Operations(pyfuse3.Operations):
         return self._attrs(node)
 
     @_translated
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         return self._attrs(self._writer().mkdir(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid))
 
     @_translated
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    def rmdir(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         self._writer().rmdir(self._node(parent_inode), name)
 
     @_translated
-    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+    def unlink(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
         self._writer().unlink(self._node(parent_inode), name)
 
     @_translated
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
-                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         self._writer()
         raise Refused("objects cannot be hard-linked", errno.EPERM)
 
     @_translated
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         self._writer()
         raise Refused("the mount holds files and directories only", errno.EPERM)
 
     @_translated
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: fuse.RequestContext) -> fuse.EntryAttributes:
         self._writer()
         raise Refused("the mount holds files and directories only", errno.EPERM)
 
     @_translated
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
-                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+    def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: fuse.RequestContext) -> None:
         self._writer().rename(self._node(parent_inode_old), name_old, self._node(parent_inode_new), name_new, flags)
 
     def _new_fh(self) -> int:
@@ -388,8 +404,8 @@ class Operations(pyfuse3.Operations):
     # -- file system -----------------------------------------------------------------------------------
 
     @_translated
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        st = pyfuse3.StatvfsData()
+    def statfs(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:
+        st = fuse.StatvfsData()
         st.f_bsize = st.f_frsize = 4096
         st.f_blocks = -(-self.namespace.total_bytes // 4096)
         st.f_bfree = st.f_bavail = 0
@@ -403,14 +419,14 @@ class Operations(pyfuse3.Operations):
         return st
 
     @_translated
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+    def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
         self._node(inode)
         getter = self.root_xattrs.get(bytes(name)) if inode == ROOT_INODE else None
         if getter is None:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            raise fuse.FUSEError(fuse.ENOATTR)
         return getter()
 
     @_translated
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+    def listxattr(self, inode: int, ctx: fuse.RequestContext) -> Sequence[bytes]:
         self._node(inode)
         return list(self.root_xattrs) if inode == ROOT_INODE else []

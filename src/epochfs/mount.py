@@ -23,7 +23,6 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 
-import pyfuse3
 import trio
 
 from epochfs.backend import BackendSettings, open_backend
@@ -37,6 +36,7 @@ from epochfs.control import CONTROL_XATTR, PID_XATTR
 from epochfs.control.handlers import ControlHandlers, MountInfo
 from epochfs.control.server import ControlServer, socket_path
 from epochfs.errors import ConfigError, EpochfsError
+from epochfs import kernel
 from epochfs.fs import KernelPages, Operations, Presentation
 from epochfs.jobs import Jobs
 from epochfs.meta import open_meta
@@ -251,10 +251,14 @@ class Daemon:
         opened.callback(self.writeback.close)
         self.writeback.recover()
 
+    @property
+    def session(self) -> kernel.Session | None:
+        return self.ops.session
+
     def fuse_options(self) -> set[str]:
         # The source as findmnt and df show it (commas and backslashes escaped for libfuse's option parser).
         fsname = self.config.source.url.rstrip("/").replace("\\", "\\\\").replace(",", "\\,")
-        opts = set(pyfuse3.default_options) | {f"fsname={fsname}", "subtype=epochfs", "noatime", "nosuid", "nodev"}
+        opts = {"default_permissions", f"fsname={fsname}", "subtype=epochfs", "noatime", "nosuid", "nodev"}
         if not self.config.writeback:
             opts.add("ro")
         if self.config.allow_other:
@@ -276,7 +280,12 @@ class Daemon:
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
         self.ops.namespace = namespace
-        await trio.to_thread.run_sync(_invalidate, entries, inodes)
+        if self.session is not None:
+            await trio.to_thread.run_sync(_invalidate, self.session, entries, inodes)
+
+    def _terminate(self) -> None:
+        if self.session is not None:
+            self.session.terminate()
 
     async def run(self, ready: Ready) -> None:
         async with trio.open_nursery() as nursery:
@@ -295,7 +304,8 @@ class Daemon:
                 await nursery.start(self.metrics.run)
             nursery.start_soon(self._handle_signals)
             nursery.start_soon(self._announce, ready)
-            await pyfuse3.main(min_tasks=4, max_tasks=128)
+            assert self.session is not None
+            await self.session.run()
             nursery.cancel_scope.cancel()
 
     async def _handle_signals(self) -> None:
@@ -303,13 +313,13 @@ class Daemon:
             async for signum in signals:
                 log.info("received %s; unmounting", signal.Signals(signum).name)
                 sd_notify("STOPPING=1")
-                pyfuse3.terminate()
+                self._terminate()
 
     async def _announce(self, ready: Ready) -> None:
         st = await trio.to_thread.run_sync(os.stat, self.config.mountpoint)
-        if st.st_ino != pyfuse3.ROOT_INODE:
+        if st.st_ino != kernel.ROOT_INODE:
             ready(f"{self.config.mountpoint} did not answer as an epochfs mount", [])
-            pyfuse3.terminate()
+            self._terminate()
             return
         if self.config.kernel_readahead:
             set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
@@ -327,16 +337,16 @@ class Daemon:
         self._opened.close()
 
 
-def _invalidate(entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
+def _invalidate(session: kernel.Session, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
     """Make the kernel forget changed names and cached data (worker thread: these calls block)."""
     for inode in inodes:
         try:
-            pyfuse3.invalidate_inode(inode)
+            session.invalidate_inode(inode)
         except OSError:
             pass  # the kernel did not know it
     for parent, name in entries:
         try:
-            pyfuse3.invalidate_entry(parent, name)
+            session.invalidate_entry(parent, name)
         except OSError:
             pass
 
@@ -368,8 +378,9 @@ def run(config: Config, ready: Ready) -> int:
         ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
         return 1
     try:
-        pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
-    except RuntimeError as exc:
+        session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options())
+        session.mount()
+    except kernel.MountError as exc:
         daemon.close()
         ready(f"cannot mount {mountpoint}: {exc}", [])
         return 1
@@ -379,11 +390,11 @@ def run(config: Config, ready: Ready) -> int:
         known = _epochfs_error(exc)
         if known is None:
             log.exception("daemon failed")
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
         daemon.close()
         ready(str(known) if known else f"daemon failed: {exc!r}; see the log", [])
         return 2 if isinstance(known, ConfigError) else 1
-    pyfuse3.close(unmount=True)
+    session.close(unmount=True)
     daemon.close()
     log.info("unmounted %s", mountpoint)
     return 0

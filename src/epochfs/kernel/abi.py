@@ -1,0 +1,288 @@
+"""The FUSE kernel protocol, version 7.38 (``linux/fuse.h``): request parsing and reply encoding, pure.
+
+A request is the 40-byte ``fuse_in_header`` and the opcode's arguments; a reply is the 16-byte
+``fuse_out_header`` and the opcode's result. Nothing here touches ``/dev/fuse``: :func:`parse` turns a
+request's bytes into a :class:`Request` (raising :class:`Malformed` on anything it cannot trust), the
+``encode_*`` functions build replies and notifications. :mod:`epochfs.kernel.session` does the I/O.
+"""
+
+from __future__ import annotations
+
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MAJOR = 7
+MINOR = 38  # what this module speaks; the kernel adapts to it
+
+ROOT_INODE = 1
+
+# opcodes
+LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK = 1, 2, 3, 4, 5, 6
+MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, OPEN, READ, WRITE, STATFS, RELEASE = 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18
+FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH, INIT = 20, 21, 22, 23, 24, 25, 26
+OPENDIR, READDIR, RELEASEDIR, FSYNCDIR, GETLK, SETLK, SETLKW, ACCESS, CREATE = 27, 28, 29, 30, 31, 32, 33, 34, 35
+INTERRUPT, BMAP, DESTROY, IOCTL, POLL, NOTIFY_REPLY, BATCH_FORGET, FALLOCATE = 36, 37, 38, 39, 40, 41, 42, 43
+READDIRPLUS, RENAME2, LSEEK, COPY_FILE_RANGE = 44, 45, 46, 47
+
+# INIT flags (fuse_init_in.flags, and flags2 << 32)
+ASYNC_READ = 1 << 0
+ATOMIC_O_TRUNC = 1 << 3
+BIG_WRITES = 1 << 5
+AUTO_INVAL_DATA = 1 << 12
+DO_READDIRPLUS = 1 << 13
+ASYNC_DIO = 1 << 15
+WRITEBACK_CACHE = 1 << 16
+NO_OPEN_SUPPORT = 1 << 17
+PARALLEL_DIROPS = 1 << 18
+MAX_PAGES = 1 << 22
+INIT_EXT = 1 << 30
+
+# open reply flags
+FOPEN_DIRECT_IO = 1 << 0
+FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_NONSEEKABLE = 1 << 2
+FOPEN_NOFLUSH = 1 << 5
+
+# setattr valid bits
+FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FATTR_ATIME, FATTR_MTIME, FATTR_FH, FATTR_ATIME_NOW, FATTR_MTIME_NOW = 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8
+FATTR_CTIME = 1 << 10
+
+# notification codes
+NOTIFY_INVAL_INODE, NOTIFY_INVAL_ENTRY, NOTIFY_STORE = 2, 3, 4
+
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen padding
+OUT_HEADER = struct.Struct("<IiQ")  # len error unique
+_ATTR = "QQQQQQIIIIIIIIII"
+ATTR_OUT = struct.Struct("<QII" + _ATTR)
+ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)
+OPEN_OUT = struct.Struct("<QII")
+WRITE_OUT = struct.Struct("<II")
+XATTR_SIZE_OUT = struct.Struct("<II")
+STATFS_OUT = struct.Struct("<QQQQQIIII24x")
+INIT_IN = struct.Struct("<IIII")
+INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")
+DIRENT = struct.Struct("<QQII")
+NOTIFY_STORE_OUT = struct.Struct("<QQII")
+NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")
+NOTIFY_INVAL_ENTRY_OUT = struct.Struct("<QII")
+
+_READ_IN = struct.Struct("<QQIIQII")  # fh offset size read_flags lock_owner flags padding
+_WRITE_IN = _READ_IN
+_OPEN_IN = struct.Struct("<II")
+_CREATE_IN = struct.Struct("<IIII")
+_MKDIR_IN = struct.Struct("<II")
+_MKNOD_IN = struct.Struct("<IIII")
+_RELEASE_IN = struct.Struct("<QIIQ")
+_FLUSH_IN = struct.Struct("<QIIQ")
+_FSYNC_IN = struct.Struct("<QII")
+_GETATTR_IN = struct.Struct("<IIQ")
+_SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+_FORGET_IN = struct.Struct("<Q")
+_BATCH_FORGET_IN = struct.Struct("<II")
+_FORGET_ONE = struct.Struct("<QQ")
+_RENAME_IN = struct.Struct("<Q")
+_RENAME2_IN = struct.Struct("<QII")
+_LINK_IN = struct.Struct("<Q")
+_XATTR_IN = struct.Struct("<II")
+_INTERRUPT_IN = struct.Struct("<Q")
+
+MAX_NAME = 4096  # longer names are refused (the kernel's own limit is 1024 for a component)
+
+
+class Malformed(ValueError):
+    """A request whose bytes do not hold what its opcode needs."""
+
+
+@dataclass(slots=True)
+class Request:
+    opcode: int
+    unique: int
+    nodeid: int
+    uid: int
+    gid: int
+    pid: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _names(data: memoryview, count: int) -> list[bytes]:
+    """``count`` NUL-terminated names from ``data``."""
+    raw = bytes(data)
+    out: list[bytes] = []
+    start = 0
+    for _ in range(count):
+        end = raw.find(b"\0", start)
+        if end < 0:
+            raise Malformed("name without its terminating NUL")
+        name = raw[start:end]
+        if len(name) > MAX_NAME:
+            raise Malformed("name too long")
+        out.append(name)
+        start = end + 1
+    return out
+
+
+def _fixed(st: struct.Struct, data: memoryview) -> tuple[Any, ...]:
+    if len(data) < st.size:
+        raise Malformed(f"{len(data)} bytes of arguments, {st.size} needed")
+    return st.unpack_from(data)
+
+
+def parse(buf: memoryview | bytes) -> Request:
+    """The request in ``buf`` (one read of ``/dev/fuse``). Names and written data are copied out, so
+    ``buf`` may be reused at once. Raises :class:`Malformed`."""
+    view = memoryview(buf)
+    if len(view) < IN_HEADER.size:
+        raise Malformed("shorter than a request header")
+    length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(view)
+    if length != len(view):
+        raise Malformed(f"header says {length} bytes, {len(view)} read")
+    end = length - extlen * 8
+    if end < IN_HEADER.size:
+        raise Malformed("extensions longer than the request")
+    data = view[IN_HEADER.size:end]
+    req = Request(opcode, unique, nodeid, uid, gid, pid)
+    a = req.args
+    if opcode in (LOOKUP, UNLINK, RMDIR):
+        a["name"], = _names(data, 1)
+    elif opcode in (READ, READDIR, READDIRPLUS):
+        a["fh"], a["offset"], a["size"], *_ = _fixed(_READ_IN, data)
+    elif opcode == WRITE:
+        a["fh"], a["offset"], size, a["write_flags"], *_ = _fixed(_WRITE_IN, data)
+        payload = data[_WRITE_IN.size:]
+        if len(payload) != size:
+            raise Malformed(f"write of {size} bytes carries {len(payload)}")
+        a["data"] = bytes(payload)
+    elif opcode in (OPEN, OPENDIR):
+        a["flags"], _ = _fixed(_OPEN_IN, data)
+    elif opcode in (RELEASE, RELEASEDIR):
+        a["fh"], a["flags"], a["release_flags"], _ = _fixed(_RELEASE_IN, data)
+    elif opcode == FLUSH:
+        a["fh"], *_ = _fixed(_FLUSH_IN, data)
+    elif opcode in (FSYNC, FSYNCDIR):
+        a["fh"], flags, _ = _fixed(_FSYNC_IN, data)
+        a["datasync"] = bool(flags & 1)
+    elif opcode == GETATTR:
+        flags, _, fh = _fixed(_GETATTR_IN, data)
+        a["fh"] = fh if flags & 1 else None
+    elif opcode == SETATTR:
+        (a["valid"], _, a["fh"], a["size"], _, a["atime"], a["mtime"], a["ctime"], a["atimensec"],
+         a["mtimensec"], a["ctimensec"], a["mode"], _, a["uid"], a["gid"], _) = _fixed(_SETATTR_IN, data)
+    elif opcode == CREATE:
+        a["flags"], a["mode"], a["umask"], _ = _fixed(_CREATE_IN, data)
+        a["name"], = _names(data[_CREATE_IN.size:], 1)
+    elif opcode == MKDIR:
+        a["mode"], a["umask"] = _fixed(_MKDIR_IN, data)
+        a["name"], = _names(data[_MKDIR_IN.size:], 1)
+    elif opcode == MKNOD:
+        a["mode"], a["rdev"], a["umask"], _ = _fixed(_MKNOD_IN, data)
+        a["name"], = _names(data[_MKNOD_IN.size:], 1)
+    elif opcode == SYMLINK:
+        a["name"], a["target"] = _names(data, 2)
+    elif opcode == RENAME:
+        a["newdir"], = _fixed(_RENAME_IN, data)
+        a["flags"] = 0
+        a["old"], a["new"] = _names(data[_RENAME_IN.size:], 2)
+    elif opcode == RENAME2:
+        a["newdir"], a["flags"], _ = _fixed(_RENAME2_IN, data)
+        a["old"], a["new"] = _names(data[_RENAME2_IN.size:], 2)
+    elif opcode == LINK:
+        a["oldnodeid"], = _fixed(_LINK_IN, data)
+        a["name"], = _names(data[_LINK_IN.size:], 1)
+    elif opcode == GETXATTR:
+        a["size"], _ = _fixed(_XATTR_IN, data)
+        a["name"], = _names(data[_XATTR_IN.size:], 1)
+    elif opcode == LISTXATTR:
+        a["size"], _ = _fixed(_XATTR_IN, data)
+    elif opcode == FORGET:
+        nlookup, = _fixed(_FORGET_IN, data)
+        a["forgets"] = [(nodeid, nlookup)]
+    elif opcode == BATCH_FORGET:
+        count, _ = _fixed(_BATCH_FORGET_IN, data)
+        body = data[_BATCH_FORGET_IN.size:]
+        if count * _FORGET_ONE.size > len(body):
+            raise Malformed(f"batch of {count} forgets in {len(body)} bytes")
+        a["forgets"] = [_FORGET_ONE.unpack_from(body, i * _FORGET_ONE.size) for i in range(count)]
+    elif opcode == INIT:
+        a["major"], a["minor"], a["max_readahead"], flags = _fixed(INIT_IN, data)
+        if flags & INIT_EXT and len(data) >= INIT_IN.size + 4:
+            flags |= struct.unpack_from("<I", data, INIT_IN.size)[0] << 32
+        a["flags"] = flags
+    elif opcode == INTERRUPT:
+        a["target"], = _fixed(_INTERRUPT_IN, data)
+    return req
+
+
+# -- replies -------------------------------------------------------------------------------------------
+
+def reply(unique: int, *parts: bytes | memoryview) -> list[bytes | memoryview]:
+    """The iovec of a successful reply carrying ``parts``."""
+    size = OUT_HEADER.size + sum(len(p) for p in parts)
+    return [OUT_HEADER.pack(size, 0, unique), *parts]
+
+
+def error(unique: int, errno_: int) -> bytes:
+    return OUT_HEADER.pack(OUT_HEADER.size, -errno_, unique)
+
+
+def _split(seconds: float) -> tuple[int, int]:
+    if seconds <= 0:
+        return 0, 0
+    whole = int(seconds)
+    return whole, int((seconds - whole) * 1e9)
+
+
+def _ns(ns: int) -> tuple[int, int]:
+    return ns // 1_000_000_000, ns % 1_000_000_000
+
+
+def _attr_fields(a: Any) -> tuple[int, ...]:
+    at, atn = _ns(a.st_atime_ns)
+    mt, mtn = _ns(a.st_mtime_ns)
+    ct, ctn = _ns(a.st_ctime_ns)
+    return (a.st_ino, a.st_size, a.st_blocks, at, mt, ct, atn, mtn, ctn, a.st_mode, a.st_nlink,
+            a.st_uid, a.st_gid, a.st_rdev, a.st_blksize, 0)
+
+
+def entry_out(a: Any) -> bytes:
+    """``fuse_entry_out`` of an :class:`~epochfs.kernel.types.EntryAttributes`."""
+    ev, evn = _split(a.entry_timeout)
+    av, avn = _split(a.attr_timeout)
+    return ENTRY_OUT.pack(a.st_ino, a.generation, ev, av, evn, avn, *_attr_fields(a))
+
+
+def attr_out(a: Any) -> bytes:
+    av, avn = _split(a.attr_timeout)
+    return ATTR_OUT.pack(av, avn, 0, *_attr_fields(a))
+
+
+def open_out(fh: int, flags: int) -> bytes:
+    return OPEN_OUT.pack(fh, flags, 0)
+
+
+def statfs_out(s: Any) -> bytes:
+    return STATFS_OUT.pack(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree, s.f_bsize,
+                           s.f_namemax, s.f_frsize, 0)
+
+
+def dirent_size(name: bytes, plus: bool) -> int:
+    return ((ENTRY_OUT.size if plus else 0) + DIRENT.size + len(name) + 7) & ~7
+
+
+def dirent(name: bytes, a: Any, next_offset: int, plus: bool) -> bytes:
+    """One ``fuse_direntplus`` (or ``fuse_dirent``), padded to 8 bytes."""
+    head = DIRENT.pack(a.st_ino, next_offset, len(name), stat.S_IFMT(a.st_mode) >> 12)
+    body = (entry_out(a) if plus else b"") + head + name
+    return body + b"\0" * (-len(body) % 8)
+
+
+def xattr_names(names: Sequence[bytes]) -> bytes:
+    return b"".join(bytes(n) + b"\0" for n in names)
+
+
+def notify(code: int, *parts: bytes | memoryview) -> list[bytes | memoryview]:
+    size = OUT_HEADER.size + sum(len(p) for p in parts)
+    return [OUT_HEADER.pack(size, code, 0), *parts]
