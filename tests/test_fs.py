@@ -119,3 +119,47 @@ def test_a_read_only_mount_declines_flush_so_the_kernel_stops_sending_it():
     assert info.value.errno == errno.ENOSYS
     assert ops.statistics().errors == {}
     run(ops.release, fi.fh)
+
+
+def test_zero_message_opens_bind_each_reader_to_the_version_it_started_on(monkeypatch):
+    """A read-only mount answers OPEN with ENOSYS (the kernel then opens files without asking) and
+    binds reads with no handle to their reading thread: a snapshot that changes a file mid-read does not
+    mix versions for a reader that is reading it; a reader starting from the beginning, another thread,
+    or the same one after a pause reads the new version. Write-back mounts keep their handles."""
+    old, new = ObjectInfo("a", 5, 0, "e1"), ObjectInfo("a", 5, 1, "e2")
+    before = ns(old)
+    after = build_namespace([new], mtime_ns=2, previous=before)
+    versions = {"e1": b"AAAAA", "e2": b"BBBBB"}
+    data = {"a": versions["e1"]}
+    ops = Operations(before, FakeCache(data), attr_timeout=60, root_xattrs={}, zero_open=True)
+    inode = run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino
+    with pytest.raises(fuse.FUSEError) as info:
+        run(ops.open, inode, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENOSYS and ops.statistics().errors == {}
+    opened: list[ObjectInfo] = []
+    real = ops.cache.open_stream
+
+    def open_stream(obj: ObjectInfo, ino: int = 0):
+        opened.append(obj)
+        data["a"] = versions[obj.etag]  # (the fake reads by key: what the bound version holds)
+        return real(obj, ino)
+
+    ops.cache.open_stream = open_stream
+
+    async def read(off: int, pid: int) -> bytes:
+        return await ops.read(0, off, 2, inode, pid)
+
+    assert trio.run(read, 0, 100) == b"AA" and opened == [old]
+    ops.namespace = after
+    assert trio.run(read, 2, 100) == b"AA"  # the same reader, mid-file: still the version it started on
+    assert opened == [old]
+    assert trio.run(read, 2, 200) == b"BB" and opened == [old, new]  # another thread
+    assert trio.run(read, 0, 100) == b"BB" and opened[-1] == new  # the first reader, from the start
+    ops._bound[(inode, 100)].used -= ops.REBIND_IDLE  # a pause: the bound version is current, kept
+    assert trio.run(read, 3, 100) == b"BB" and len(opened) == 3
+    for pid in range(1000, 1000 + ops.BOUND + 10):
+        trio.run(read, 0, pid)
+    assert len(ops._bound) == ops.BOUND  # bounded
+    writable = Operations(before, FakeCache(data), attr_timeout=60, root_xattrs={}, zero_open=True,
+                          writeback=object())  # type: ignore[arg-type]
+    assert not writable.zero_open

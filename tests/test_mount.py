@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -454,3 +455,28 @@ def test_snapshot_ttl_lists_again(s3_client, fresh_bucket, mount_factory):
     m.args[m.args.index("--snapshot-ttl") + 1] = "1"
     with m:
         assert sorted(os.listdir(m.mountpoint)) == ["one", "two"]
+
+
+def test_a_read_only_mount_opens_files_with_no_request(mount_factory, sample_bucket, sample_files):
+    """Zero-message opens: once a file is in the page cache, opening and reading it again needs no daemon
+    at all (proved with the daemon stopped); with --open-requests the open waits for the daemon."""
+    f = next(f for f in sample_files if 0 < f.size <= 256 << 10)
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        assert read_all(m.path(f.key)) == f.content()
+        pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert run_with_deadline(lambda: read_all(m.path(f.key)), 10) == f.content()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    with mount_factory(f"s3://{sample_bucket}/data", "--open-requests", name="mnt2") as m:
+        assert read_all(m.path(f.key)) == f.content()
+        pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+        os.kill(pid, signal.SIGSTOP)
+        reader = subprocess.Popen([sys.executable, "-c", f"open({str(m.path(f.key))!r}, 'rb').read()"])
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                reader.wait(2)  # the OPEN waits for the stopped daemon
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert reader.wait(30) == 0

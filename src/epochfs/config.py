@@ -225,6 +225,10 @@ class Config:
     gid: int | None = option(None, "mount", "likewise for the group", metavar="N", parse=int, example="1000")
     allow_non_empty: bool = option(
         False, "mount", "mount even if MOUNTPOINT is not empty (its files are hidden while mounted)")
+    open_requests: bool = option(
+        False, "mount", "have the kernel ask the daemon at every open and close of a file; without it a "
+        "read-only mount opens files with no request, so a file already in the page cache is read with no "
+        "daemon work at all (write-back mounts always ask)")
     attr_timeout: float = option(3600.0, "mount", "how long the kernel may cache names and attributes",
                                  metavar="SECONDS", parse=float)
     fuse_options: tuple[str, ...] = option((), "mount", "extra FUSE mount option (repeatable)", flag="-o",

@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -52,6 +52,12 @@ assert ROOT_INODE == fuse.ROOT_INODE
 class FsStats:
     read_seconds: HistogramSnapshot
     errors: dict[str, int]  # errno name -> count of requests answered with it (ENOENT excluded)
+
+
+@dataclass(slots=True)
+class _Bound:
+    stream: ReadStream | MemberStream
+    used: float
 
 
 def _translated(fn: F) -> F:
@@ -158,6 +164,7 @@ class Operations:
         presentation: Presentation | None = None,
         tree: Tree | None = None,
         writeback: WriteBack | None = None,
+        zero_open: bool = False,
     ) -> None:
         self.tree = tree or Tree(namespace)
         self.tree.namespace = namespace
@@ -170,6 +177,10 @@ class Operations:
         self.errors: Counter[str] = Counter()
         self.read_latency = Histogram()
         self._streams: dict[int, ReadStream | MemberStream] = {}
+        # Zero-message opens (read-only mounts): OPEN answers ENOSYS once and the kernel then opens files
+        # without asking; reads come with file handle 0 and are bound to a reader here instead.
+        self.zero_open = zero_open and writeback is None
+        self._bound: OrderedDict[tuple[int, int], _Bound] = OrderedDict()
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
         self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir, list[Any]]] = {}
         self._next_fh = 1
@@ -285,6 +296,10 @@ class Operations:
         node = self._node(inode)
         if node.is_dir:
             raise fuse.FUSEError(errno.EISDIR)
+        if self.zero_open and not flags & _WRITE_FLAGS:
+            # The kernel stops sending OPEN and RELEASE for this mount and keeps the page cache across
+            # opens: a file in the page cache is then read with no request at all.
+            raise fuse.FUSEError(errno.ENOSYS)
         fh = self._new_fh()
         if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
@@ -293,15 +308,55 @@ class Operations:
         return fuse.FileInfo(fh=fh, keep_cache=True)
 
     @_translated
-    async def read(self, fh: int, off: int, size: int, inode: int = 0) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0) -> bytes | memoryview:
         started = time.perf_counter()
         try:
-            stream = self._streams.get(fh)
+            stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off)
             if stream is None:
                 return self._writer().read(self._local[fh], off, size)
             return await stream.read(off, size)
         finally:
             self.read_latency.observe(time.perf_counter() - started)
+
+    #: Readers bound at once with zero-message opens (the least recently used is let go).
+    BOUND = 256
+    #: A reader that read nothing of a file for this long reads the file's current version next.
+    REBIND_IDLE = 1.0
+
+    def _bound_stream(self, inode: int, pid: int, off: int) -> ReadStream | MemberStream:
+        """The reader of a read with no open handle (zero-message opens). Each reading thread (the
+        request's pid) of a file is bound to the version it started on, as an open handle would be:
+        it reads the file's current version when it reads from the start, or after a pause of
+        :attr:`REBIND_IDLE`; until then a snapshot that changes the file mid-read does not mix two
+        versions in what it reads. Reading from the start also tells the prefetch plan the file was
+        opened."""
+        key = (inode, pid)
+        now = time.monotonic()
+        bound = self._bound.get(key)
+        if bound is not None and off != 0:
+            if now - bound.used < self.REBIND_IDLE or self._current(inode, bound.stream.obj):
+                bound.used = now
+                self._bound.move_to_end(key)
+                return bound.stream
+        node = self._node(inode)
+        if node.is_dir or not node.in_backend:
+            raise fuse.FUSEError(errno.EBADF)
+        if bound is not None:
+            bound.stream.close()
+        stream = self.cache.open_stream(node.obj, inode)
+        self._bound[key] = _Bound(stream, now)
+        self._bound.move_to_end(key)
+        while len(self._bound) > self.BOUND:
+            _, old = self._bound.popitem(last=False)
+            old.stream.close()
+        return stream
+
+    def _current(self, inode: int, obj: ObjectInfo) -> bool:
+        try:
+            node = self.tree.node(inode)
+        except KeyError:
+            return False
+        return node.in_backend and node.obj == obj
 
     @_translated
     def release(self, fh: int) -> None:

@@ -210,7 +210,7 @@ class Daemon:
             },
             presentation=Presentation(writable=config.writeback, file_mode=config.file_mode,
                                       dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
-            tree=self.tree, writeback=self.writeback,
+            tree=self.tree, writeback=self.writeback, zero_open=not config.open_requests,
         )
         if config.push_ahead:
             self.cache.wire(pusher=Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))

@@ -469,7 +469,7 @@ def _sized(req: abi.Request, value: bytes) -> list[bytes | memoryview]:
 
 async def _read(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
     a = req.args
-    data = await fn(a["fh"], a["offset"], a["size"], req.nodeid)
+    data = await fn(a["fh"], a["offset"], a["size"], req.nodeid, req.pid)
     if len(data) > a["size"]:
         data = memoryview(data)[:a["size"]]
     return abi.reply(req.unique, data)

@@ -1,0 +1,219 @@
+"""The FUSE protocol layer without a mount: requests parsed from their bytes (every opcode the adapter
+answers, and fuzz loops of damaged ones), replies encoded, and the session's answer to anything it reads
+(a pipe stands in for /dev/fuse). Real mounts through it are every test that mounts."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from epochfs import kernel as fuse
+from epochfs.fs import Operations, Presentation
+from epochfs.kernel import abi
+from epochfs.kernel.session import Session
+from epochfs.meta.index import build as build_namespace
+from epochfs.records import ObjectInfo
+
+from .helpers import FakeCache
+
+
+def request(opcode: int, body: bytes = b"", *, unique: int = 7, nodeid: int = 1) -> bytes:
+    return abi.IN_HEADER.pack(abi.IN_HEADER.size + len(body), opcode, unique, nodeid, 1000, 1000, 42, 0, 0) + body
+
+
+READ_IN = struct.Struct("<QQIIQII")
+
+SAMPLES = [
+    request(abi.LOOKUP, b"name\0"),
+    request(abi.GETATTR, struct.pack("<IIQ", 0, 0, 0)),
+    request(abi.OPEN, struct.pack("<II", os.O_RDONLY, 0), nodeid=2),
+    request(abi.READ, READ_IN.pack(1, 4096, 131072, 0, 0, 0, 0), nodeid=2),
+    request(abi.READDIRPLUS, READ_IN.pack(1, 0, 4096, 0, 0, 0, 0)),
+    request(abi.RELEASE, struct.pack("<QIIQ", 1, 0, 0, 0), nodeid=2),
+    request(abi.WRITE, READ_IN.pack(1, 10, 5, 0, 0, 0, 0) + b"hello", nodeid=2),
+    request(abi.CREATE, struct.pack("<IIII", os.O_WRONLY, 0o644, 0o022, 0) + b"new\0"),
+    request(abi.MKDIR, struct.pack("<II", 0o755, 0o022) + b"dir\0"),
+    request(abi.RENAME2, struct.pack("<QII", 1, 0, 0) + b"old\0new\0"),
+    request(abi.SETATTR, struct.pack("<IIQQQQQQIIIIIIII", abi.FATTR_SIZE | abi.FATTR_MODE, 0, 0, 3, 0, 0, 0, 0,
+                                     0, 0, 0, 0o600, 0, 0, 0, 0), nodeid=2),
+    request(abi.GETXATTR, struct.pack("<II", 0, 0) + b"user.x\0"),
+    request(abi.LISTXATTR, struct.pack("<II", 64, 0)),
+    request(abi.BATCH_FORGET, struct.pack("<II", 2, 0) + struct.pack("<QQQQ", 2, 1, 3, 1)),
+    request(abi.STATFS),
+    request(abi.FLUSH, struct.pack("<QIIQ", 1, 0, 0, 0), nodeid=2),
+    request(abi.INTERRUPT, struct.pack("<Q", 5)),
+    request(abi.UNLINK, b"gone\0"),
+]
+
+
+def test_requests_parse_to_their_arguments():
+    parsed = [abi.parse(r) for r in SAMPLES]
+    assert parsed[0].args == {"name": b"name"} and (parsed[0].uid, parsed[0].pid) == (1000, 42)
+    assert parsed[3].args == {"fh": 1, "offset": 4096, "size": 131072} and parsed[3].nodeid == 2
+    assert parsed[6].args["data"] == b"hello" and parsed[6].args["offset"] == 10
+    assert parsed[7].args == {"flags": os.O_WRONLY, "mode": 0o644, "umask": 0o022, "name": b"new"}
+    assert parsed[9].args == {"newdir": 1, "flags": 0, "old": b"old", "new": b"new"}
+    assert parsed[10].args["valid"] == abi.FATTR_SIZE | abi.FATTR_MODE and parsed[10].args["size"] == 3
+    assert parsed[13].args["forgets"] == [(2, 1), (3, 1)]
+    assert parsed[11].args == {"size": 0, "name": b"user.x"}
+
+
+def test_damaged_requests_are_refused_as_malformed_never_another_error():
+    rng = random.Random(11)
+    for _ in range(4000):
+        raw = bytearray(rng.choice(SAMPLES))
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if kind < 0.4 and raw:
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            elif kind < 0.7:
+                del raw[rng.randrange(len(raw) + 1):]
+            else:
+                raw += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        if rng.random() < 0.5 and len(raw) >= 4:  # keep the length honest, so the arguments are what is damaged
+            raw[0:4] = struct.pack("<I", len(raw))
+        try:
+            abi.parse(bytes(raw))
+        except abi.Malformed:
+            pass
+    for n in range(0, 200):
+        with pytest.raises(abi.Malformed):
+            abi.parse(bytes(n % 40))  # too short or a header that lies about its length
+
+
+def test_replies_encode_the_kernel_structures():
+    a = fuse.EntryAttributes(st_ino=5, st_mode=0o100444, st_nlink=1, st_size=10, st_blksize=4096, st_blocks=1,
+                             st_mtime_ns=3_000_000_007, entry_timeout=1.5, attr_timeout=2)
+    entry = abi.entry_out(a)
+    assert len(entry) == 128
+    nodeid, gen, ev, av, evn, avn = struct.unpack_from("<QQQQII", entry)
+    assert (nodeid, ev, av, evn, avn) == (5, 1, 2, 500_000_000, 0)
+    ino, size, blocks, at, mt, ct, atn, mtn, ctn, mode = struct.unpack_from("<QQQQQQIIII", entry, 40)
+    assert (ino, size, mt, mtn, mode) == (5, 10, 3, 7, 0o100444)
+    assert len(abi.attr_out(a)) == 104 and len(abi.statfs_out(fuse.StatvfsData())) == 80
+    iov = abi.reply(9, b"abc", memoryview(b"de"))
+    assert struct.unpack("<IiQ", iov[0]) == (21, 0, 9)
+    assert struct.unpack("<IiQ", abi.error(9, errno.ENOENT)) == (16, -errno.ENOENT, 9)
+
+
+def test_a_listing_reply_stops_before_the_kernels_buffer_is_full():
+    a = fuse.EntryAttributes(st_ino=3, st_mode=0o100444)
+    token = fuse.ReaddirToken(size=1000, plus=True)
+    n = 0
+    while fuse.readdir_reply(token, f"entry-{n}".encode(), a, n + 1):
+        n += 1
+    assert token.used <= 1000 and len(b"".join(token.parts)) == token.used and n == 1000 // 160
+    ino, off, namelen, kind = struct.unpack_from("<QQII", b"".join(token.parts), 128)
+    assert (ino, off, namelen, kind) == (3, 1, 7, 0o10)
+
+
+class Pipe:
+    """A session whose device is a pipe: what it answers can be read back."""
+
+    def __init__(self, ops) -> None:
+        self.session = Session(ops, "/", ["ro"])
+        self.r, self.session.fd = os.pipe()
+        os.set_blocking(self.r, False)
+
+    def replies(self) -> list[tuple[int, int, bytes]]:
+        try:
+            raw = os.read(self.r, 1 << 20)
+        except BlockingIOError:
+            return []
+        out = []
+        while raw:
+            length, err, unique = abi.OUT_HEADER.unpack_from(raw)
+            out.append((unique, -err, raw[16:length]))
+            raw = raw[length:]
+        return out
+
+    def close(self) -> None:
+        os.close(self.r)
+        self.session.close(unmount=False)
+
+
+def adapter() -> Operations:
+    tree = build_namespace([ObjectInfo("a", 5, 0, "e"), ObjectInfo("d/b", 3, 0, "e")], mtime_ns=1)
+    return Operations(tree, FakeCache({"a": b"hello", "d/b": b"bye"}), attr_timeout=60,
+                      root_xattrs={b"user.x": lambda: b"v"}, presentation=Presentation())
+
+
+def test_the_session_answers_every_request_and_survives_any_input():
+    """Plain handlers are answered inline, a missing one with ENOSYS, an unparsable request with EIO,
+    FORGET and INTERRUPT with nothing; then thousands of damaged requests against the real adapter: each
+    gets at most one answer and the session keeps answering."""
+
+    async def main() -> None:
+        pipe = Pipe(adapter())
+        s = pipe.session
+        async with trio.open_nursery() as nursery:
+            s._nursery = nursery
+            s._handle(memoryview(request(abi.LOOKUP, b"a\0", unique=1)))
+            s._handle(memoryview(request(abi.LOOKUP, b"zz\0", unique=2)))
+            s._handle(memoryview(request(abi.SYMLINK, b"x\0y\0", unique=3)))
+            s._handle(memoryview(request(abi.BMAP, b"", unique=4)))
+            s._handle(memoryview(request(abi.LOOKUP, b"no-nul", unique=5)))
+            s._handle(memoryview(request(abi.INTERRUPT, struct.pack("<Q", 1), unique=6)))
+            got = {u: (e, body) for u, e, body in pipe.replies()}
+            assert got[1][0] == 0 and struct.unpack_from("<Q", got[1][1])[0] > 1
+            assert got[2][0] == errno.ENOENT and got[3][0] == errno.EROFS
+            assert got[4][0] == errno.ENOSYS and got[5][0] == errno.EIO and 6 not in got
+            inode = struct.unpack_from("<Q", got[1][1])[0]
+            s._handle(memoryview(request(abi.OPEN, struct.pack("<II", os.O_RDONLY, 0), unique=8, nodeid=inode)))
+            (_, e, body), = pipe.replies()
+            fh, flags, _ = struct.unpack("<QII", body)
+            assert e == 0 and flags & abi.FOPEN_KEEP_CACHE
+            s._handle(memoryview(request(abi.READ, READ_IN.pack(fh, 1, 3, 0, 0, 0, 0), unique=9, nodeid=inode)))
+            await trio.testing.wait_all_tasks_blocked()
+            assert pipe.replies() == [(9, 0, b"ell")]
+
+            rng = random.Random(5)
+            samples = [r for r in SAMPLES if abi.parse(r).opcode != abi.WRITE]
+            for i in range(3000):
+                raw = bytearray(rng.choice(samples))
+                raw[8:16] = struct.pack("<Q", 1000 + i)
+                raw[16:24] = struct.pack("<Q", rng.choice([1, 2, 3, inode, 0, 2**64 - 1]))
+                for _ in range(rng.randint(0, 3)):
+                    at = rng.randrange(abi.IN_HEADER.size, len(raw)) if len(raw) > abi.IN_HEADER.size else 0
+                    if at:
+                        raw[at] = rng.randrange(256)
+                s._handle(memoryview(bytes(raw)))
+                if i % 50 == 0:
+                    await trio.testing.wait_all_tasks_blocked()
+                    answers = pipe.replies()
+                    assert len({u for u, _, _ in answers}) == len(answers), "one answer per request"
+            await trio.testing.wait_all_tasks_blocked()
+            pipe.replies()
+            s._handle(memoryview(request(abi.LOOKUP, b"a\0", unique=99)))
+            assert [(u, e) for u, e, _ in pipe.replies()] == [(99, 0)]
+            nursery.cancel_scope.cancel()
+        pipe.close()
+
+    trio.run(main)
+
+
+def test_init_takes_only_what_both_sides_have_and_refuses_an_old_kernel():
+    pipe = Pipe(adapter())
+    s = pipe.session
+    offered = abi.ASYNC_READ | abi.DO_READDIRPLUS | abi.MAX_PAGES | abi.NO_OPEN_SUPPORT | (1 << 31)
+    s._handle(memoryview(request(abi.INIT, struct.pack("<IIII", 7, 44, 1 << 20, offered), unique=1)))
+    (u, e, body), = pipe.replies()
+    major, minor, readahead, flags = struct.unpack_from("<IIII", body)
+    assert (e, major, minor, readahead) == (0, 7, abi.MINOR, 1 << 20)
+    assert flags == abi.ASYNC_READ | abi.DO_READDIRPLUS | abi.MAX_PAGES and s.negotiated & abi.NO_OPEN_SUPPORT
+    s._handle(memoryview(request(abi.INIT, struct.pack("<IIII", 7, 20, 0, offered), unique=2)))
+    assert [(u, e) for u, e, _ in pipe.replies()] == [(2, errno.EPROTO)]
+    pipe.close()
+
+
+def test_unknown_mount_options_are_refused_with_their_name():
+    with pytest.raises(fuse.MountError, match="'frobnicate'"):
+        Session(adapter(), "/", ["ro", "frobnicate"])
+    s = Session(adapter(), "/", ["ro", "nosuid", "allow_other", "fsname=s3://b/p\\,q", "subtype=epochfs"])
+    assert s.flags == 1 | 2 and s.data == ["allow_other"] and s.source == "s3://b/p,q" and s.fstype == "fuse.epochfs"
