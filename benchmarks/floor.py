@@ -1,8 +1,10 @@
-"""The floor of our stack: a minimal pyfuse3 daemon that serves a local directory read-only with a plain
-``pread`` per request (lookup, getattr, readdir, open, read; long kernel timeouts, keep_cache). What
-epochfs's warm reads are compared with: no cache, no checksums, no metrics, only pyfuse3 + trio.
+"""The floor of our stack: a minimal daemon on epochfs's FUSE session layer (``epochfs.kernel``) that
+serves a local directory read-only with a plain ``pread`` per request (lookup, getattr, readdir, open,
+read; long kernel timeouts, keep_cache). What
+epochfs's warm reads are compared with: no cache, no checksums, no metrics, only the session layer
++ trio. Files are opened with no request, as on epochfs's read-only mounts, unless ``--open-requests``.
 
-    python benchmarks/floor.py SOURCE_DIR MOUNTPOINT [--blksize BYTES] [--readahead-kb KIB]   # foreground
+    python benchmarks/floor.py SOURCE_DIR MOUNTPOINT [--blksize BYTES] [--readahead-kb KIB] [--open-requests]
 
 ``--blksize`` is the ``st_blksize`` it reports (128 KiB by default, as epochfs does); ``--readahead-kb``
 sets the mount's readahead window as epochfs does (default: the kernel's 128 KiB).
@@ -15,21 +17,23 @@ import errno
 import os
 import stat
 
-import pyfuse3
 import trio
 
+from epochfs import kernel as fuse
 
-class Floor(pyfuse3.Operations):
+
+class Floor:
     def __init__(self, root: str, blksize: int) -> None:
-        super().__init__()
         self.blksize = blksize
-        self.paths = {pyfuse3.ROOT_INODE: root}
-        self.inodes: dict[str, int] = {root: pyfuse3.ROOT_INODE}
+        self.paths = {fuse.ROOT_INODE: root}
+        self.inodes: dict[str, int] = {root: fuse.ROOT_INODE}
         self.fds: dict[int, int] = {}
+        self.by_inode: dict[int, int] = {}
+        self.zero_open = True
 
-    def _attr(self, path: str) -> pyfuse3.EntryAttributes:
+    def _attr(self, path: str) -> fuse.EntryAttributes:
         st = os.lstat(path)
-        a = pyfuse3.EntryAttributes()
+        a = fuse.EntryAttributes()
         ino = self.inodes.get(path)
         if ino is None:
             ino = self.inodes[path] = len(self.paths) + 1
@@ -40,36 +44,42 @@ class Floor(pyfuse3.Operations):
         a.st_blksize = self.blksize
         return a
 
-    async def lookup(self, parent, name, ctx):
+    def lookup(self, parent, name, ctx):
         try:
             return self._attr(os.path.join(self.paths[parent], os.fsdecode(name)))
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
+            raise fuse.FUSEError(exc.errno) from None
 
-    async def getattr(self, inode, ctx):
+    def getattr(self, inode, ctx):
         return self._attr(self.paths[inode])
 
-    async def opendir(self, inode, ctx):
+    def opendir(self, inode, ctx):
         return inode
 
-    async def readdir(self, inode, start, token):
+    def readdir(self, inode, start, token):
         names = sorted(os.listdir(self.paths[inode]))
         for i in range(start, len(names)):
             attr = self._attr(os.path.join(self.paths[inode], names[i]))
-            if not pyfuse3.readdir_reply(token, os.fsencode(names[i]), attr, i + 1):
+            if not fuse.readdir_reply(token, os.fsencode(names[i]), attr, i + 1):
                 break
 
-    async def open(self, inode, flags, ctx):
+    def open(self, inode, flags, ctx):
         if flags & (os.O_WRONLY | os.O_RDWR):
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise fuse.FUSEError(errno.EROFS)
+        if self.zero_open:
+            raise fuse.FUSEError(errno.ENOSYS)  # as epochfs's read-only mounts: no OPEN, no RELEASE
         fd = os.open(self.paths[inode], os.O_RDONLY)
         self.fds[fd] = fd
-        return pyfuse3.FileInfo(fh=fd, keep_cache=True)
+        return fuse.FileInfo(fh=fd, keep_cache=True)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh, off, size, inode=0, pid=0):
+        if not fh:  # a zero-message open: one descriptor per inode, kept
+            fh = self.by_inode.get(inode)
+            if fh is None:
+                fh = self.by_inode[inode] = os.open(self.paths[inode], os.O_RDONLY)
         return os.pread(fh, size, off)
 
-    async def release(self, fh):
+    def release(self, fh):
         os.close(self.fds.pop(fh))
 
 
@@ -79,19 +89,23 @@ def main() -> None:
     ap.add_argument("mountpoint")
     ap.add_argument("--blksize", type=int, default=128 << 10)
     ap.add_argument("--readahead-kb", type=int, default=0)
+    ap.add_argument("--open-requests", action="store_true", help="answer OPEN and RELEASE (a handle per open)")
     args = ap.parse_args()
     assert stat.S_ISDIR(os.stat(args.source).st_mode)
-    pyfuse3.init(Floor(args.source, args.blksize), args.mountpoint,
-                 set(pyfuse3.default_options) | {"fsname=floor", "ro"})
+    floor = Floor(args.source, args.blksize)
+    floor.zero_open = not args.open_requests
+    session = fuse.Session(floor, args.mountpoint,
+                           {"default_permissions", "fsname=floor", "ro"})
+    session.mount()
     if args.readahead_kb:  # (the mount's device from mountinfo: a stat would wait for this daemon)
         mnt = os.path.abspath(args.mountpoint)  # (not realpath: it would stat the mount)
         dev = next(line.split()[2] for line in open("/proc/self/mountinfo") if line.split()[4] == mnt)
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(args.readahead_kb))
     try:
-        trio.run(pyfuse3.main)
+        trio.run(session.run)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""The cold floor of our stack: a minimal pyfuse3 daemon that answers every read with a ranged GET of
-exactly the bytes asked for, through epochfs's own S3 client (libcurl, SigV4), and keeps nothing: no
+"""The cold floor of our stack: a minimal daemon on epochfs's FUSE session layer (``epochfs.kernel``)
+that answers every read with a ranged GET of exactly the bytes asked for, through epochfs's own S3 client (libcurl, SigV4), and keeps nothing: no
 cache, no checksums, no readahead of its own, no metrics. The kernel drives the parallelism (its
 readahead window and background requests set as epochfs sets them: 4 MiB, 64 requests).
 
-What a cold large stream through epochfs is compared with besides raw boto3: the rate a pyfuse3 mount
+What a cold large stream through epochfs is compared with besides raw boto3: the rate a mount on our session layer
 reaches on this machine when it only fetches and hands bytes over.
 
     python benchmarks/floor_s3.py s3://BUCKET/PREFIX MOUNTPOINT --endpoint-url URL   # foreground
@@ -16,23 +16,22 @@ import errno
 import os
 import stat
 
-import pyfuse3
 import trio
 
+from epochfs import kernel as fuse
 from epochfs.backend.base import BackendSettings
 from epochfs.backend.s3 import S3Backend
 from epochfs.config import Source
 from epochfs.mount import set_background_requests, set_kernel_readahead
 
 
-class ColdFloor(pyfuse3.Operations):
+class ColdFloor:
     def __init__(self, backend: S3Backend) -> None:
-        super().__init__()
         self.backend = backend
-        self.children: dict[int, dict[bytes, int]] = {pyfuse3.ROOT_INODE: {}}
+        self.children: dict[int, dict[bytes, int]] = {fuse.ROOT_INODE: {}}
         self.objects: dict[int, tuple[str, str, int]] = {}  # inode -> key, etag, size
         for obj in backend.list_objects():
-            parent = pyfuse3.ROOT_INODE
+            parent = fuse.ROOT_INODE
             *dirs, name = obj.key.split("/")
             for d in dirs:
                 inode = self.children[parent].get(d.encode())
@@ -44,10 +43,10 @@ class ColdFloor(pyfuse3.Operations):
             self.objects[inode] = (obj.key, obj.etag, obj.size)
 
     def _new_inode(self) -> int:
-        return len(self.children) + len(self.objects) + pyfuse3.ROOT_INODE
+        return len(self.children) + len(self.objects) + fuse.ROOT_INODE
 
-    def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def _attr(self, inode: int) -> fuse.EntryAttributes:
+        a = fuse.EntryAttributes()
         a.st_ino = inode
         if inode in self.children:
             a.st_mode, a.st_nlink = stat.S_IFDIR | 0o555, 2
@@ -56,38 +55,38 @@ class ColdFloor(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = 3600
         return a
 
-    async def lookup(self, parent, name, ctx):
+    def lookup(self, parent, name, ctx):
         inode = self.children.get(parent, {}).get(name)
         if inode is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise fuse.FUSEError(errno.ENOENT)
         return self._attr(inode)
 
-    async def getattr(self, inode, ctx):
+    def getattr(self, inode, ctx):
         return self._attr(inode)
 
-    async def opendir(self, inode, ctx):
+    def opendir(self, inode, ctx):
         return inode
 
-    async def readdir(self, inode, start, token):
+    def readdir(self, inode, start, token):
         names = sorted(self.children[inode])
         for i in range(start, len(names)):
-            if not pyfuse3.readdir_reply(token, names[i], self._attr(self.children[inode][names[i]]), i + 1):
+            if not fuse.readdir_reply(token, names[i], self._attr(self.children[inode][names[i]]), i + 1):
                 break
 
-    async def open(self, inode, flags, ctx):
+    def open(self, inode, flags, ctx):
         if flags & (os.O_WRONLY | os.O_RDWR):
-            raise pyfuse3.FUSEError(errno.EROFS)
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+            raise fuse.FUSEError(errno.EROFS)
+        return fuse.FileInfo(fh=inode, keep_cache=True)
 
-    async def read(self, fh, off, size):
+    async def read(self, fh, off, size, inode=0, pid=0):
         key, etag, length = self.objects[fh]
         size = max(0, min(size, length - off))
         return await trio.to_thread.run_sync(self.backend.read_range, key, etag, off, size)
 
 
-async def serve(mountpoint: str) -> None:
+async def serve(session: fuse.Session, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(pyfuse3.main)
+        nursery.start_soon(session.run)
         st = await trio.to_thread.run_sync(os.stat, mountpoint)
         set_kernel_readahead(st.st_dev, 4 << 20)
         set_background_requests(st.st_dev)
@@ -100,11 +99,12 @@ def main() -> None:
     ap.add_argument("--endpoint-url")
     args = ap.parse_args()
     backend = S3Backend(BackendSettings(Source.parse(args.source), endpoint_url=args.endpoint_url))
-    pyfuse3.init(ColdFloor(backend), args.mountpoint, set(pyfuse3.default_options) | {"fsname=floor-s3", "ro"})
+    session = fuse.Session(ColdFloor(backend), args.mountpoint, {"default_permissions", "fsname=floor-s3", "ro"})
+    session.mount()
     try:
-        trio.run(serve, args.mountpoint)
+        trio.run(serve, session, args.mountpoint)
     finally:
-        pyfuse3.close(unmount=True)
+        session.close(unmount=True)
 
 
 if __name__ == "__main__":

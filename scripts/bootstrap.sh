@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
-# Install what epochfs needs on a Debian/Ubuntu machine: system packages (FUSE 3 and a compiler for
-# pyfuse3) and a virtualenv in .venv with epochfs and its test tools. Safe to run again.
+# Install what epochfs needs on a Debian/Ubuntu machine: system packages (FUSE 3's fusermount3 and
+# kernel module tools) and a virtualenv in .venv with epochfs and its test tools. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# fuse3 + libfuse3-dev + pkg-config + gcc: pyfuse3; prometheus: promtool for the alert rule tests and the
+# fuse3: fusermount3 (mounts by users other than root); prometheus: promtool for the alert rule tests and the
 # server the scrape test starts on loopback; systemd: systemd-analyze for the unit file test; util-linux:
 # mount(8) for the fstab test, fincore for the page-cache probes;
 # redis-server: the shared metadata store tests
-packages=(fuse3 libfuse3-dev pkg-config gcc prometheus systemd util-linux redis-server)
+packages=(fuse3 prometheus systemd util-linux redis-server)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
-python3 - <<'PY' 2>/dev/null || packages+=(python3-dev)
-import os, sysconfig, sys
-sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)
-PY
 
 missing=()
 for p in "${packages[@]}"; do

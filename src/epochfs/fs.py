@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from epochfs import kernel as fuse
 from epochfs.cache.members import MemberStream
 from epochfs.cache.service import BlockCache, ReadStream
-from epochfs import kernel as fuse
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, Namespace
 from epochfs.records import ObjectInfo

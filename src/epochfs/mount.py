@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
@@ -36,7 +37,6 @@ from epochfs.control import CONTROL_XATTR, PID_XATTR
 from epochfs.control.handlers import ControlHandlers, MountInfo
 from epochfs.control.server import ControlServer, socket_path
 from epochfs.errors import ConfigError, EpochfsError
-from epochfs import kernel
 from epochfs.fs import KernelPages, Operations, Presentation
 from epochfs.jobs import Jobs
 from epochfs.meta import open_meta

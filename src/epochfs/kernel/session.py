@@ -131,7 +131,7 @@ class Session:
             theirs.close()
         try:
             if proc.returncode != 0:
-                raise MountError((proc.stderr.strip() or f"fusermount3 exited {proc.returncode}"))
+                raise MountError(proc.stderr.strip() or f"fusermount3 exited {proc.returncode}")
             fds = array.array("i")
             _, anc, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
             for level, kind, payload in anc:
