@@ -37,7 +37,7 @@ fi
 [ "$(id -u)" -eq 0 ] || { echo "install.sh: run as root" >&2; exit 1; }
 
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-  fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev >/dev/null
+  fuse3 python3-venv >/dev/null
 python3 -m venv /opt/epochfs/venv
 /opt/epochfs/venv/bin/pip install -q --upgrade pip
 /opt/epochfs/venv/bin/pip install -q .

@@ -7,7 +7,12 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
+import stat
 import struct
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import trio
@@ -217,3 +222,77 @@ def test_unknown_mount_options_are_refused_with_their_name():
         Session(adapter(), "/", ["ro", "frobnicate"])
     s = Session(adapter(), "/", ["ro", "nosuid", "allow_other", "fsname=s3://b/p\\,q", "subtype=epochfs"])
     assert s.flags == 1 | 2 and s.data == ["allow_other"] and s.source == "s3://b/p,q" and s.fstype == "fuse.epochfs"
+
+
+NOBODY_MOUNT = r'''
+import errno, os, stat, sys
+sys.path.insert(0, sys.argv[2])
+import trio
+from epochfs import kernel as fuse
+
+class Ops:
+    def lookup(self, parent, name, ctx):
+        if parent == 1 and name == b"hello":
+            return self.getattr(2, ctx)
+        raise fuse.FUSEError(errno.ENOENT)
+    def getattr(self, inode, ctx):
+        mode = stat.S_IFDIR | 0o755 if inode == 1 else stat.S_IFREG | 0o444
+        return fuse.EntryAttributes(st_ino=inode, st_mode=mode, st_nlink=1, st_size=0 if inode == 1 else 5)
+    def open(self, inode, flags, ctx):
+        return fuse.FileInfo(fh=inode)
+    async def read(self, fh, off, size, inode=0, pid=0):
+        return b"world"[off:off + size]
+    def release(self, fh):
+        pass
+
+session = fuse.Session(Ops(), sys.argv[1], {"ro", "fsname=a,b", "subtype=t", "default_permissions"})
+session.mount()
+async def main():
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        data = await trio.to_thread.run_sync(lambda: open(os.path.join(sys.argv[1], "hello")).read())
+        mounts = [line.split()[:3] for line in open("/proc/self/mounts") if sys.argv[1] in line]
+        print(data, mounts)
+        session.terminate()
+trio.run(main)
+session.close()
+print([line for line in open("/proc/self/mounts") if sys.argv[1] in line])
+'''
+
+
+def test_a_user_other_than_root_mounts_through_fusermount3():
+    """Without root the session mounts through fusermount3 (the descriptor passed back over a socket),
+    and unmounts through it. /dev/fuse is opened for the user, so it must be open to them (0666, the
+    usual mode) for the time of the test."""
+    if os.geteuid() != 0 or not shutil.which("fusermount3") or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root (to become nobody), fusermount3 and /usr/bin/python3")
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="epochfs-user-") as tmp:  # (pytest's are root's only)
+        os.chmod(tmp, 0o755)
+        _mount_as_nobody(Path(tmp))
+
+
+def _mount_as_nobody(tmp_path: Path) -> None:
+    """The session's package and trio's copied where nobody can read them, and run as nobody."""
+    site = tmp_path / "site"
+    site.mkdir()
+    packages = Path(trio.__file__).parents[1]
+    for name in ("trio", "attr", "attrs", "sortedcontainers", "idna", "outcome", "sniffio"):
+        if (packages / name).exists():
+            shutil.copytree(packages / name, site / name)
+    shutil.copytree(Path(fuse.__file__).parents[1], site / "epochfs", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "mnt").mkdir()
+    shutil.chown(tmp_path / "mnt", "nobody")
+    script = tmp_path / "mount.py"
+    script.write_text(NOBODY_MOUNT)
+    subprocess.run(["chmod", "-R", "a+rX", str(tmp_path)], check=True)
+    mode = os.stat("/dev/fuse").st_mode
+    os.chmod("/dev/fuse", 0o666)
+    try:
+        r = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", str(script), str(tmp_path / "mnt"),
+                            str(site)], capture_output=True, text=True, timeout=60)
+    finally:
+        os.chmod("/dev/fuse", stat.S_IMODE(mode))
+    assert r.returncode == 0, r.stderr
+    first, after = r.stdout.splitlines()
+    assert first.startswith("world ") and "'a,b'" in first and "'fuse.t'" in first
+    assert after == "[]"

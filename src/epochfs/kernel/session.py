@@ -120,7 +120,8 @@ class Session:
     def _mount_fusermount(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         opts = [o for o, bit in _MS.items() if self.flags & bit] + list(self.data)
-        opts += [f"fsname={self.source}", f"subtype={self.fstype.removeprefix('fuse.')}"]
+        fsname = self.source.replace("\\", "\\\\").replace(",", "\\,")  # (its option parser splits at commas)
+        opts += [f"fsname={fsname}", f"subtype={self.fstype.removeprefix('fuse.')}"]
         try:
             proc = subprocess.run(["fusermount3", "-o", ",".join(opts), "--", self.mountpoint],
                                   env={**os.environ, "_FUSE_COMMFD": str(theirs.fileno())},
