@@ -14,8 +14,9 @@ import trio
 from epochfs import kernel as fuse
 from epochfs.errors import AccessDenied, BackendUnavailable, ObjectChanged
 from epochfs.fs import Operations, Presentation
+from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.index import build as build_namespace
-from epochfs.meta.namespace import ROOT_INODE, Namespace
+from epochfs.meta.namespace import ROOT_INODE, Namespace, diff
 from epochfs.records import ObjectInfo
 
 from .helpers import FakeCache
@@ -121,45 +122,55 @@ def test_a_read_only_mount_declines_flush_so_the_kernel_stops_sending_it():
     run(ops.release, fi.fh)
 
 
-def test_zero_message_opens_bind_each_reader_to_the_version_it_started_on(monkeypatch):
-    """A read-only mount answers OPEN with ENOSYS (the kernel then opens files without asking) and
-    binds reads with no handle to their reading thread: a snapshot that changes a file mid-read does not
-    mix versions for a reader that is reading it; a reader starting from the beginning, another thread,
-    or the same one after a pause reads the new version. Write-back mounts keep their handles."""
+def test_zero_message_opens_read_each_inode_as_one_version_and_keep_old_ones_while_held():
+    """A read-only mount answers OPEN with ENOSYS (the kernel then opens files without asking) and reads
+    with no handle by inode. Its index gives a changed file a new inode number, and the adapter keeps
+    the old number readable (the old version) until the kernel forgets it: a file held open across a
+    refresh keeps reading what it opened, a new lookup reads the new version. Write-back mounts keep
+    their handles."""
+    index = NamespaceIndex.temporary()
+    index.renumber_changed = True
     old, new = ObjectInfo("a", 5, 0, "e1"), ObjectInfo("a", 5, 1, "e2")
-    before = ns(old)
-    after = build_namespace([new], mtime_ns=2, previous=before)
-    versions = {"e1": b"AAAAA", "e2": b"BBBBB"}
-    data = {"a": versions["e1"]}
-    ops = Operations(before, FakeCache(data), attr_timeout=60, root_xattrs={}, zero_open=True)
-    inode = run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino
-    with pytest.raises(fuse.FUSEError) as info:
-        run(ops.open, inode, os.O_RDONLY, CTX)
-    assert info.value.errno == errno.ENOSYS and ops.statistics().errors == {}
+    before = index.build([old, ObjectInfo("b", 1, 0, "e")], source="", version=1, created=0.0, mtime_ns=1)
+    versions = {"e1": b"AAAAA", "e2": b"BBBBB", "e": b"x"}
+
+    class Versions(FakeCache):
+        def open_stream(self, obj, inode=0):
+            opened.append(obj)
+            stream = super().open_stream(obj, inode)
+            stream.read = lambda off, size: _answer(versions[obj.etag][off:off + size])
+            return stream
+
     opened: list[ObjectInfo] = []
-    real = ops.cache.open_stream
+    ops = Operations(before, Versions({}), attr_timeout=60, root_xattrs={}, zero_open=True)
+    held = run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino
+    with pytest.raises(fuse.FUSEError) as info:
+        run(ops.open, held, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENOSYS and ops.statistics().errors == {}
 
-    def open_stream(obj: ObjectInfo, ino: int = 0):
-        opened.append(obj)
-        data["a"] = versions[obj.etag]  # (the fake reads by key: what the bound version holds)
-        return real(obj, ino)
+    def read(inode: int, off: int, pid: int) -> bytes:
+        return trio.run(ops.read, 0, off, 2, inode, pid)
 
-    ops.cache.open_stream = open_stream
-
-    async def read(off: int, pid: int) -> bytes:
-        return await ops.read(0, off, 2, inode, pid)
-
-    assert trio.run(read, 0, 100) == b"AA" and opened == [old]
-    ops.namespace = after
-    assert trio.run(read, 2, 100) == b"AA"  # the same reader, mid-file: still the version it started on
-    assert opened == [old]
-    assert trio.run(read, 2, 200) == b"BB" and opened == [old, new]  # another thread
-    assert trio.run(read, 0, 100) == b"BB" and opened[-1] == new  # the first reader, from the start
-    ops._bound[(inode, 100)].used -= ops.REBIND_IDLE  # a pause: the bound version is current, kept
-    assert trio.run(read, 3, 100) == b"BB" and len(opened) == 3
+    assert read(held, 0, 100) == b"AA" and opened == [old]
+    after = index.build([new, ObjectInfo("b", 1, 0, "e")], source="", version=2, created=0.0, mtime_ns=2,
+                        previous=before)
+    ops.switch(after, diff(before, after)[1])
+    fresh = run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino
+    assert fresh != held and run(ops.lookup, ROOT_INODE, b"b", CTX).st_ino == before.resolve("b").inode
+    assert read(held, 2, 100) == b"AA" and read(held, 0, 200) == b"AA"  # held open: the version it opened
+    assert run(ops.getattr, held, CTX).st_mtime_ns == 0
+    assert read(fresh, 2, 100) == b"BB" and opened[-1] == new
+    ops.forget([(held, 1)])  # the kernel let go of it
+    with pytest.raises(fuse.FUSEError) as info:
+        read(held, 0, 300)
+    assert info.value.errno == errno.ENOENT
     for pid in range(1000, 1000 + ops.BOUND + 10):
-        trio.run(read, 0, pid)
+        read(fresh, 0, pid)
     assert len(ops._bound) == ops.BOUND  # bounded
-    writable = Operations(before, FakeCache(data), attr_timeout=60, root_xattrs={}, zero_open=True,
+    writable = Operations(before, FakeCache({}), attr_timeout=60, root_xattrs={}, zero_open=True,
                           writeback=object())  # type: ignore[arg-type]
     assert not writable.zero_open
+
+
+async def _answer(data: bytes) -> bytes:
+    return data

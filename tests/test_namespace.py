@@ -179,3 +179,31 @@ def test_resolve_all_agrees_with_resolve():
     ns = build_namespace([obj(k) for k in keys])
     asked = keys + ["d1", "/d2/", "missing", "d1/f1/", "", "bad\udcff", "d1//f1"]
     assert ns.resolve_all(asked) == [ns.resolve(p) for p in asked]
+
+
+def test_an_index_that_renumbers_gives_a_changed_file_a_new_inode():
+    """For mounts that open files with no request: an inode number names one version of a file. A build
+    and a change set alike give a changed file a new number (never one used before); unchanged files and
+    directories keep theirs; the diff names the entry and the old number for the kernel to forget."""
+    from epochfs.meta.index import NamespaceIndex
+    from epochfs.meta.namespace import diff
+
+    index = NamespaceIndex.temporary()
+    index.renumber_changed = True
+    first = [obj("d/a"), obj("d/b"), obj("c")]
+    v1 = index.build(first, source="", version=1, created=0.0)
+    numbers = {p: v1.resolve(p).inode for p in ("d", "d/a", "d/b", "c")}
+    v2 = index.build([ObjectInfo("d/a", 2, 0, "e2"), obj("d/b"), obj("c")], source="", version=2, created=0.0,
+                     previous=v1)
+    assert v2.resolve("d/a").inode > max(numbers.values()) and v2.resolve("d/a").obj.size == 2
+    assert {p: v2.resolve(p).inode for p in ("d", "d/b", "c")} == {p: numbers[p] for p in ("d", "d/b", "c")}
+    entries, inodes = diff(v1, v2)
+    assert (numbers["d"], b"a") in entries and numbers["d/a"] in inodes
+    v3, (entries, inodes) = index.apply({"c": ObjectInfo("c", 3, 0, "e3")}, [], version=3, created=0.0)
+    assert v3.resolve("c").inode > v2.resolve("d/a").inode and v3.resolve("c").obj.size == 3
+    assert (ROOT_INODE, b"c") in entries and numbers["c"] in inodes
+    assert v3.resolve("d/a").inode == v2.resolve("d/a").inode
+    assert sorted(f.path for f in v3.files()) == ["c", "d/a", "d/b"] and len(list(v3.files())) == 3
+    plain = build_namespace(first)
+    again = build_namespace([ObjectInfo("d/a", 2, 0, "e2"), obj("d/b"), obj("c")], previous=plain)
+    assert again.resolve("d/a").inode == plain.resolve("d/a").inode  # (without: a path keeps its number)

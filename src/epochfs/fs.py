@@ -54,12 +54,6 @@ class FsStats:
     errors: dict[str, int]  # errno name -> count of requests answered with it (ENOENT excluded)
 
 
-@dataclass(slots=True)
-class _Bound:
-    stream: ReadStream | MemberStream
-    used: float
-
-
 def _translated(fn: F) -> F:
     """Turn domain errors into FUSEError through the one mapping; never let an exception escape. Wraps
     plain handlers and coroutine ones alike (the session answers a plain one as it reads the request)."""
@@ -180,7 +174,8 @@ class Operations:
         # Zero-message opens (read-only mounts): OPEN answers ENOSYS once and the kernel then opens files
         # without asking; reads come with file handle 0 and are bound to a reader here instead.
         self.zero_open = zero_open and writeback is None
-        self._bound: OrderedDict[tuple[int, int], _Bound] = OrderedDict()
+        self._bound: OrderedDict[tuple[int, int], ReadStream | MemberStream] = OrderedDict()
+        self._retired: OrderedDict[int, Node] = OrderedDict()
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
         self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir, list[Any]]] = {}
         self._next_fh = 1
@@ -193,6 +188,31 @@ class Operations:
     @namespace.setter
     def namespace(self, namespace: Namespace) -> None:
         self.tree.namespace = namespace
+
+    #: Files of earlier snapshots kept for the kernel's inodes of them (at most this many).
+    RETIRED = 1 << 16
+
+    def switch(self, namespace: Namespace, inodes: Sequence[int]) -> None:
+        """Serve ``namespace``; of the changed ``inodes``, the files it no longer has under their number
+        (removed, or a new version under a new number) stay readable by that number until the kernel
+        forgets it: a file held open across the change reads the version it opened."""
+        gone = []
+        for inode in inodes:
+            try:
+                node = self.tree.node(inode)
+            except KeyError:
+                continue
+            if node.in_backend and not node.is_dir:
+                gone.append((inode, node))
+        self.namespace = namespace
+        for inode, node in gone:
+            try:
+                self.tree.node(inode)
+            except KeyError:
+                self._retired[inode] = node
+                self._retired.move_to_end(inode)
+        while len(self._retired) > self.RETIRED:
+            self._retired.popitem(last=False)
 
     # -- attributes ------------------------------------------------------------------------------------
 
@@ -225,7 +245,10 @@ class Operations:
         try:
             return self.tree.node(inode)
         except KeyError:
-            raise NotFound(f"inode {inode}") from None
+            node = self._retired.get(inode)
+            if node is None:
+                raise NotFound(f"inode {inode}") from None
+            return node
 
     def _writer(self) -> WriteBack:
         if self.writeback is None:
@@ -247,7 +270,9 @@ class Operations:
         return self._attrs(self._node(inode))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        """Inodes live as long as the snapshot: nothing to release."""
+        """The snapshot's inodes live as long as it does; a file of an earlier one is let go."""
+        for inode, _ in inode_list:
+            self._retired.pop(inode, None)
 
     # -- directories -----------------------------------------------------------------------------------
 
@@ -318,45 +343,31 @@ class Operations:
         finally:
             self.read_latency.observe(time.perf_counter() - started)
 
-    #: Readers bound at once with zero-message opens (the least recently used is let go).
+    #: Readers kept at once with zero-message opens (the least recently used is let go).
     BOUND = 256
-    #: A reader that read nothing of a file for this long reads the file's current version next.
-    REBIND_IDLE = 1.0
 
     def _bound_stream(self, inode: int, pid: int, off: int) -> ReadStream | MemberStream:
-        """The reader of a read with no open handle (zero-message opens). Each reading thread (the
-        request's pid) of a file is bound to the version it started on, as an open handle would be:
-        it reads the file's current version when it reads from the start, or after a pause of
-        :attr:`REBIND_IDLE`; until then a snapshot that changes the file mid-read does not mix two
-        versions in what it reads. Reading from the start also tells the prefetch plan the file was
-        opened."""
+        """The reader of a read with no open handle (zero-message opens): one per file and reading thread
+        (the request's pid), for what a handle carried: sequential detection and readahead, the small
+        file read whole, the prefetch plan told the file was opened (at each read from its start). The
+        version read is the inode's: such a mount gives a changed file a new number, and keeps the old
+        number readable while the kernel holds it (:meth:`switch`)."""
         key = (inode, pid)
-        now = time.monotonic()
-        bound = self._bound.get(key)
-        if bound is not None and off != 0:
-            if now - bound.used < self.REBIND_IDLE or self._current(inode, bound.stream.obj):
-                bound.used = now
-                self._bound.move_to_end(key)
-                return bound.stream
+        stream = self._bound.get(key)
         node = self._node(inode)
         if node.is_dir or not node.in_backend:
             raise fuse.FUSEError(errno.EBADF)
-        if bound is not None:
-            bound.stream.close()
-        stream = self.cache.open_stream(node.obj, inode)
-        self._bound[key] = _Bound(stream, now)
+        if stream is not None and off != 0 and stream.obj == node.obj:
+            self._bound.move_to_end(key)
+            return stream
+        if stream is not None:
+            stream.close()
+        stream = self._bound[key] = self.cache.open_stream(node.obj, inode)
         self._bound.move_to_end(key)
         while len(self._bound) > self.BOUND:
             _, old = self._bound.popitem(last=False)
-            old.stream.close()
+            old.close()
         return stream
-
-    def _current(self, inode: int, obj: ObjectInfo) -> bool:
-        try:
-            node = self.tree.node(inode)
-        except KeyError:
-            return False
-        return node.in_backend and node.obj == obj
 
     @_translated
     def release(self, fh: int) -> None:

@@ -144,6 +144,8 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        # Read-only mounts open files with no request; each inode number is then one version of a file.
+        self.zero_open = not config.open_requests and not config.writeback
         # A malformed address fails before the cache is locked.
         metrics_addr = parse_addr(config.metrics_addr or DEFAULT_ADDR)
         with contextlib.ExitStack() as opened:  # a part that fails to open closes those opened before it
@@ -165,6 +167,7 @@ class Daemon:
             self.snapshots = Snapshots(meta, SnapshotSettings(
                 source_id=self.backend.source_id, cache_dir=config.cache_dir, refresh=config.refresh,
                 ttl=config.snapshot_ttl, poll=config.meta_poll, name=config.meta_name,
+                renumber_changed=self.zero_open,
             ), functools.partial(dataset_listing, self.backend, writable=config.writeback), on_switch=self._switch)
             loading.pop_all()  # the snapshots own the store now
         opened.callback(self.snapshots.close)
@@ -210,7 +213,7 @@ class Daemon:
             },
             presentation=Presentation(writable=config.writeback, file_mode=config.file_mode,
                                       dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
-            tree=self.tree, writeback=self.writeback, zero_open=not config.open_requests,
+            tree=self.tree, writeback=self.writeback, zero_open=self.zero_open,
         )
         if config.push_ahead:
             self.cache.wire(pusher=Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
@@ -279,7 +282,7 @@ class Daemon:
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
-        self.ops.namespace = namespace
+        self.ops.switch(namespace, inodes)
         if self.session is not None:
             await trio.to_thread.run_sync(_invalidate, self.session, entries, inodes)
 

@@ -124,8 +124,12 @@ class NamespaceIndex:
     """The index of one mount (its cache directory is locked by the daemon); builds and change sets run
     one at a time, views are read from any thread."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, renumber_changed: bool = False) -> None:
         self.path = Path(path)
+        # A file whose record changed gets a new inode number (each number then names one version of
+        # an object, for ever): what a mount whose files are opened with no request needs, so that a
+        # file held open across a change keeps reading its version.
+        self.renumber_changed = renumber_changed
         self._env = lmdb.open(str(private_dir(self.path)), map_size=1 << 38, subdir=True, max_dbs=12,
                               max_readers=1024, lock=True, mode=0o600, sync=False, metasync=False,
                               readahead=False)
@@ -299,7 +303,9 @@ class NamespaceIndex:
                     inode = 0
                     if previous is not None:
                         was = previous.path_entry(path.decode())
-                        if was is not None and was[1] == kind:
+                        if was is not None and was[1] == kind and not (
+                                kind == KIND_FILE and self.renumber_changed
+                                and previous.path_record(path.decode()) != record):
                             inode = was[0]
                     if not inode:
                         inode, fresh = fresh, fresh + 1
@@ -344,7 +350,7 @@ class NamespaceIndex:
             if current is None:
                 raise ValueError("no namespace to apply changes to")
             with self._env.begin(write=True) as txn:
-                edit = _Edit(txn, self._gens[current["gen"]], current)
+                edit = _Edit(txn, self._gens[current["gen"]], current, renumber=self.renumber_changed)
                 for key in sorted(added):  # first: a directory that keeps a name keeps its inode
                     edit.add(added[key])
                 for key in sorted(set(removed) - added.keys(), reverse=True):  # children first
@@ -374,8 +380,10 @@ class NamespaceIndex:
 class _Edit:
     """One change set's edits of a generation's tables, and what they change for the kernel."""
 
-    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, ...], info: dict[str, Any]) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: tuple[Any, ...], info: dict[str, Any], *,
+                 renumber: bool = False) -> None:
         self.txn = txn
+        self.renumber = renumber
         self.nodes, self.kids, self.paths, self.hidden = dbs
         self.fresh = info["max_inode"] + 1
         self.files, self.dirs, self.bytes = info["files"], info["dirs"], info["bytes"]
@@ -538,4 +546,7 @@ class _Edit:
         if at is not None and self._record(at[0]) == record:
             return
         self._changed(path, at[0] if at else None)
+        if at is not None and at[1] == KIND_FILE and self.renumber:  # a new version: a new number
+            self.txn.delete(at[0], db=self.nodes)
+            at = None
         self._put(path, record, at[0] if at else None)

@@ -336,6 +336,12 @@ class Namespace:
             raw = checked_entry(self._txn.get(path_key(path), db=self._paths), path.encode("utf-8"))
         return None if raw is None else (int.from_bytes(raw[:8], "big"), raw[8])
 
+    def path_record(self, path: str) -> bytes | None:
+        """The record at ``path`` as stored (compared, not decoded)."""
+        with self._lock:
+            raw = checked_entry(self._txn.get(path_key(path), db=self._paths), path.encode("utf-8"))
+        return None if raw is None else bytes(raw[8:])
+
     def records(self) -> Iterator[tuple[int, bytes]]:
         """Every node's inode and record, in inode order."""
         for key, value in self._scan(self._nodes, inode_key(1), None):

@@ -51,6 +51,7 @@ class SnapshotSettings:
     ttl: float = 0.0  # list again at start-up when the stored snapshot is older (0: never)
     poll: float = 0.0  # look for a newer published version this often (0: only on refresh)
     name: str | None = None  # the dataset's name in a shared store
+    renumber_changed: bool = False  # a changed file gets a new inode (mounts that open with no request)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Snapshots:
         self.list_source = list_source
         self.on_switch = on_switch
         self.error: str | None = None  # why the store is unreachable (None: it answered last time)
-        self.index = NamespaceIndex(settings.cache_dir / "namespace")
+        self.index = NamespaceIndex(settings.cache_dir / "namespace", renumber_changed=settings.renumber_changed)
         self._identity = f"{store.url}#{settings.name or settings.source_id}"  # what the index was built from
         try:
             self.snapshot, self.namespace, self.error = self._load_at_start()
