@@ -72,12 +72,15 @@ class Floor:
         self.fds[fd] = fd
         return fuse.FileInfo(fh=fd, keep_cache=True)
 
-    async def read(self, fh, off, size, inode=0, pid=0):
+    def read_now(self, fh, off, size, inode=0, pid=0):  # answered as the request is read, as epochfs's warm reads
         if not fh:  # a zero-message open: one descriptor per inode, kept
             fh = self.by_inode.get(inode)
             if fh is None:
                 fh = self.by_inode[inode] = os.open(self.paths[inode], os.O_RDONLY)
         return os.pread(fh, size, off)
+
+    async def read(self, fh, off, size, inode=0, pid=0):
+        return self.read_now(fh, off, size, inode, pid)
 
     def release(self, fh):
         os.close(self.fds.pop(fh))

@@ -132,6 +132,9 @@ class FakeStream:
     def __init__(self, cache: FakeCache, obj: Any) -> None:
         self.cache, self.obj = cache, obj
 
+    def read_now(self, offset: int, size: int) -> bytes | None:
+        return None  # (always the waiting path: read)
+
     async def read(self, offset: int, size: int) -> bytes:
         if self.cache.error is not None:
             raise self.cache.error

@@ -8,6 +8,7 @@ import time
 import pytest
 import trio
 
+from epochfs.cache.keys import block_relpath
 from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
@@ -15,7 +16,7 @@ from epochfs.errors import BackendUnavailable, ObjectChanged
 from epochfs.records import ObjectInfo
 from epochfs.sample import pattern
 
-from .helpers import BS, MemoryBackend
+from .helpers import BS, MemoryBackend, damage_block
 
 
 def run_with_cache(tmp_path, backend, fn, capacity=1 << 30, readahead=0):
@@ -309,3 +310,41 @@ def test_a_small_object_is_read_whole_once_per_handle(tmp_path, monkeypatch):
     assert after.hits - before.hits == 5 and after.misses == before.misses
     assert after.hit_bytes - before.hit_bytes == small.size + 3
     assert again == pattern(small.key, 0, 100, 50)
+
+
+def test_read_now_answers_only_what_is_at_hand_and_counts_only_what_it_answers(tmp_path):
+    """The session's fast path: bytes of one block that are in memory or on the cache disk come back at
+    once, verified and counted as hits; anything that would wait (not cached, in flight, two blocks, a
+    damaged block) is None with nothing counted, and the waiting read then does the work."""
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        out = {"cold": cache.read_now(OBJ, 10, 100), "stats0": cache.statistics()}
+        await cache.read(OBJ, 0, 10)  # blocks 0 and the last fetched
+        await cache.read(OBJ, OBJ.size - 10, 10)
+        out["filling"] = cache.read_now(OBJ, OBJ.size - 10, 10)  # (a fill still writing it: wait)
+        while cache.statistics().inflight:  # noqa: ASYNC110 - fills finish in worker threads
+            await trio.sleep(0.01)
+        cache._recent.clear()  # (only the disk copy)
+        out["disk"] = bytes(cache.read_now(OBJ, 10, 100))
+        out["two blocks"] = cache.read_now(OBJ, BS - 5, 10)
+        out["tail"] = bytes(cache.read_now(OBJ, OBJ.size - 5, 100))  # (clipped to the object's end)
+        out["stats1"] = cache.statistics()
+        bid = cache.block_id(OBJ, 0)
+        meta = cache.store.lookup(bid)
+        where = (tmp_path / "c" / "packs" / f"{meta.pack:08x}", meta.offset, meta.length) if meta.pack else (
+            tmp_path / "c" / "blocks" / block_relpath(bid), 0, meta.length)
+        assert where[0].exists()
+        damage_block(where, "flip")  # the fast path says no, the read refetches
+        out["damaged"] = cache.read_now(OBJ, 10, 100)
+        out["refetched"] = bytes(await cache.read(OBJ, 10, 100))
+        out["meta"] = meta
+        return out
+
+    out, cache = run_with_cache(tmp_path, backend, fn)
+    assert out["cold"] is None and out["stats0"].hits == out["stats0"].misses == 0 and out["filling"] is None
+    assert out["disk"] == pattern(OBJ.key, 0, 10, 100) and out["two blocks"] is None
+    assert out["tail"] == pattern(OBJ.key, 0, OBJ.size - 5, 5)
+    assert (out["stats1"].hits, out["stats1"].hit_bytes) == (2, 105) and out["stats1"].misses == 2
+    assert out["damaged"] is None and out["refetched"] == pattern(OBJ.key, 0, 10, 100)
+    assert cache.store.statistics().corrupt_blocks == 1

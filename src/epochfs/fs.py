@@ -25,7 +25,7 @@ import os
 import stat
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -333,15 +333,33 @@ class Operations:
         return fuse.FileInfo(fh=fh, keep_cache=True)
 
     @_translated
-    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0) -> bytes | memoryview:
+    def read_now(self, fh: int, off: int, size: int, inode: int = 0,
+                 pid: int = 0) -> bytes | memoryview | Callable[[], Awaitable[bytes | memoryview]]:
+        """The bytes of a read if they are at hand (answered as the request is read), else the coroutine
+        function that waits for them (run as a task). ``fh`` 0: a read with no open handle."""
         started = time.perf_counter()
+        stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off)
+        if stream is None:
+            data = self._writer().read(self._local[fh], off, size)
+        else:
+            data = stream.read_now(off, size)
+            if data is None:
+                return functools.partial(self._read_rest, stream, off, size, started)
+        self.read_latency.observe(time.perf_counter() - started)
+        return data
+
+    @_translated
+    async def _read_rest(self, stream: ReadStream | MemberStream, off: int, size: int,
+                         started: float) -> bytes | memoryview:
         try:
-            stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off)
-            if stream is None:
-                return self._writer().read(self._local[fh], off, size)
             return await stream.read(off, size)
         finally:
             self.read_latency.observe(time.perf_counter() - started)
+
+    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0) -> bytes | memoryview:
+        """:meth:`read_now`, waiting for what it could not answer at once."""
+        answer = self.read_now(fh, off, size, inode, pid)
+        return await answer() if callable(answer) else answer
 
     #: Readers kept at once with zero-message opens (the least recently used is let go).
     BOUND = 256

@@ -21,6 +21,8 @@ class BlockCache(Protocol):
 
     async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview: ...
 
+    def read_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
+
 
 class MemberStream:
     """One open member. A sequential reader of a member larger than a block has the next
@@ -44,6 +46,15 @@ class MemberStream:
 
     def close(self) -> None:
         pass
+
+    def read_now(self, offset: int, size: int) -> bytes | memoryview | None:
+        """:meth:`read` of a member within one block if its bytes are at hand, else None."""
+        if self._large:
+            return None
+        end = min(offset + size, self.obj.size)
+        if offset >= end:
+            return b""
+        return self.cache.read_now(self.stored, self.base + offset, end - offset)
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         end = min(offset + size, self.obj.size)

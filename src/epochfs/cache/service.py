@@ -197,6 +197,56 @@ class BlockCache:
         data = await self._read_block(obj, index, length, 0, length, for_peer=True)
         return None if warm else bytes(data)
 
+    def read_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
+        """Bytes [offset, offset + size) of ``obj`` if they are at hand (a completed fetch kept in
+        memory, or a small range of a block on the cache disk), read and verified now; None if getting
+        them would wait (a fetch, a large read from disk, more than one block): then :meth:`read`.
+        Counted only when answered."""
+        end = min(offset + size, obj.size)
+        if offset >= end:
+            return b""
+        index = offset // self.block_size
+        if (end - 1) // self.block_size != index:
+            return None
+        lo = offset - index * self.block_size
+        return self._block_now(obj, index, self.block_length(obj, index), lo, end - index * self.block_size,
+                               end - offset)
+
+    def read_whole_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
+        """:meth:`read_whole` if the bytes are at hand (as :meth:`read_now`), else None."""
+        if self.whole_held + obj.size > self.WHOLE_BUDGET:
+            return None
+        asked = max(0, min(offset + size, obj.size) - offset)
+        return self._block_now(obj, 0, obj.size, 0, obj.size, asked)
+
+    def _block_now(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int,
+                   nbytes: int) -> bytes | memoryview | None:
+        bid = self.block_id(obj, index)
+        if bid in self._flights:
+            return None
+        kept = self._recent.get(bid)
+        if kept is not None:
+            data, hit, _ = kept
+        elif hi - lo < self.THREADED_READ:
+            meta = self.store.lookup(bid)
+            if meta is None or meta.length != length:
+                return None  # (a damaged length is dropped by the full read)
+            read = self.store.read(bid, meta, lo, hi)
+            if read is None:  # damaged: dropped by the store; the full read fetches it again
+                return None
+            if self.observer is not None:
+                self.observer.touched(obj, index)
+            self._count(True, nbytes)
+            return read
+        else:
+            return None
+        if self.observer is not None:
+            self.observer.touched(obj, index)
+        self._count(hit, nbytes)
+        if hi == len(data):
+            self._passed(bid)
+        return memoryview(data)[lo:hi]
+
     async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int, *,
                           for_peer: bool = False, asked: int | None = None) -> bytes | memoryview:
         """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``; ``asked``: how many of
@@ -540,6 +590,23 @@ class ReadStream:
         if self._whole is not None:
             self.cache.whole_held -= len(self._whole)
             self._whole = None
+
+    def read_now(self, offset: int, size: int) -> bytes | memoryview | None:
+        """:meth:`read` if it would not wait (a small object's bytes at hand), else None (and nothing
+        changed): then :meth:`read`."""
+        if not self._small:
+            return None
+        whole = self._whole
+        if whole is None:
+            whole = self.cache.read_whole_now(self.obj, offset, size)
+            if whole is None:
+                return None
+            self._whole = whole
+            self.cache.whole_held += len(whole)
+            return whole[offset:offset + size]
+        part = whole[offset:offset + size]
+        self.cache.count_hit(len(part))
+        return part
 
     async def read(self, offset: int, size: int) -> bytes | memoryview:
         cache = self.cache
