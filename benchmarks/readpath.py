@@ -1,7 +1,7 @@
 """The read path against the peers, side by side in one run: one large file streamed (cold, warm, hot)
 and 100 KiB files read whole (warm at 1 and 16 readers, hot at 1, cold at 16), for epochfs, s3fs-fuse,
-rclone mount, the floor of our stack (benchmarks/floor.py: a minimal pyfuse3 daemon doing a plain
-``pread`` of the same bytes on local disk) and the raw local disk. Also the daemon's CPU seconds per GiB
+rclone mount, the floor of our stack (benchmarks/floor.py: a minimal daemon on epochfs's FUSE session
+layer doing a plain ``pread`` of the same bytes on local disk) and the raw local disk. Also the daemon's CPU seconds per GiB
 of the warm stream. *Cold*: fresh mount, empty cache; *warm*: cache filled, page cache dropped; *hot*:
 read again at once. Each contender runs in turn, in alternating order from one repetition to the next;
 each ratio is the median of the ratios within a repetition.

@@ -1,6 +1,6 @@
 """The small-file path, side by side in one run: raw boto3 GETs, epochfs (cold: empty cache; warm: block
-cache on disk, page cache dropped) and the two floors of our stack: a minimal pyfuse3 daemon over the
-same bytes on local disk (benchmarks/floor.py, for warm reads) and one that answers each read with a
+cache on disk, page cache dropped) and the two floors of our stack: a minimal daemon on epochfs's FUSE
+session layer over the same bytes on local disk (benchmarks/floor.py, for warm reads) and one that answers each read with a
 ranged GET through epochfs's S3 client and keeps nothing (benchmarks/floor_s3.py, for cold reads).
 Reports files/s at 1 and 16 reader threads, the daemon's CPU per file, and one cold large-file stream
 against 8 parallel ranged GETs. The contenders run in alternating order from one repetition to the
@@ -220,7 +220,7 @@ def main() -> int:
              f"{args.large_mib} MiB file; {args.cores} core(s), {placement}; medians of {args.reps}",
              "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
              "Ratios are the median of the ratios within each repetition (range in brackets); contenders "
-             "ran in alternating order. *floor*: a minimal pyfuse3 daemon over the bytes on local disk; "
+             "ran in alternating order. *floor*: a minimal daemon on epochfs's FUSE session layer over the bytes on local disk; "
              "*cold floor*: one that answers each read with a ranged GET and keeps nothing.", "",
              "| measurement | raw boto3 | epochfs | floor | cold floor | epochfs / reference | epochfs / cold floor |",
              "|---|---|---|---|---|---|---|"]
