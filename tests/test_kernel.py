@@ -296,3 +296,30 @@ def _mount_as_nobody(tmp_path: Path) -> None:
     first, after = r.stdout.splitlines()
     assert first.startswith("world ") and "'a,b'" in first and "'fuse.t'" in first
     assert after == "[]"
+
+
+def test_a_handler_that_answers_nonsense_is_answered_eio_and_the_session_goes_on():
+    class Nonsense:
+        def lookup(self, parent, name, ctx):
+            return "not attributes"
+
+        def getattr(self, inode, ctx):
+            raise KeyError("a bug")
+
+        def read_now(self, fh, off, size, inode=0, pid=0):
+            return 12345
+
+        async def read(self, fh, off, size, inode=0, pid=0):
+            return b""
+
+        def statfs(self, ctx):
+            return fuse.StatvfsData(f_blocks=1)
+
+    pipe = Pipe(Nonsense())
+    s = pipe.session
+    s._handle(memoryview(request(abi.LOOKUP, b"a\0", unique=1)))
+    s._handle(memoryview(request(abi.GETATTR, struct.pack("<IIQ", 0, 0, 0), unique=2)))
+    s._handle(memoryview(request(abi.READ, READ_IN.pack(0, 0, 10, 0, 0, 0, 0), unique=3)))
+    s._handle(memoryview(request(abi.STATFS, unique=4)))
+    assert [(u, e) for u, e, _ in pipe.replies()] == [(1, errno.EIO), (2, errno.EIO), (3, errno.EIO), (4, 0)]
+    pipe.close()

@@ -201,7 +201,10 @@ class Session:
                 if exc.errno == errno.ENODEV:  # unmounted
                     return
                 raise
-            self._handle(view[:n])
+            try:
+                self._handle(view[:n])
+            except Exception:  # (each handler's errors are answered; this is the last guard)
+                log.exception("a request could not be answered")
             in_row += 1
             if in_row >= BATCH:
                 in_row = 0
@@ -254,12 +257,14 @@ class Session:
             self._nursery.start_soon(self._answer_async, req, fn, call)
             return
         try:
-            self._send(call(self, req, fn))
+            reply = call(self, req, fn)
         except FUSEError as exc:
             self._send([abi.error(req.unique, exc.errno)])
         except Exception:
             log.exception("%s failed", name)
             self._send([abi.error(req.unique, errno.EIO)])
+        else:
+            self._send(reply)
 
     def _answer_read(self, req: abi.Request) -> None:
         """A READ through the handler's ``read_now``: answered at once if it has the bytes, else the
@@ -279,23 +284,29 @@ class Session:
             assert self._nursery is not None
             self._nursery.start_soon(self._answer_async, req, answer, _waited_read)
             return
-        self._send(_read_reply(req, answer))
+        try:
+            reply = _read_reply(req, answer)
+        except Exception:
+            log.exception("read answered with %s", type(answer).__name__)
+            reply = [abi.error(req.unique, errno.EIO)]
+        self._send(reply)
 
     async def _answer_async(self, req: abi.Request, fn: Callable[..., Any], call: Callable[..., Any]) -> None:
         try:
-            result = call(self, req, fn)
-            self._send(await result)
+            reply = await call(self, req, fn)
         except FUSEError as exc:
-            self._send([abi.error(req.unique, exc.errno)])
-        except trio.Cancelled:
-            raise
-        except Exception:
-            log.exception("request %d failed", req.opcode)
-            self._send([abi.error(req.unique, errno.EIO)])
+            reply = [abi.error(req.unique, exc.errno)]
+        except Exception:  # (trio.Cancelled is not an Exception: the session is ending)
+            log.exception("request %d (opcode %d) failed", req.unique, req.opcode)
+            reply = [abi.error(req.unique, errno.EIO)]
+        self._send(reply)
 
     def _send(self, iov: list[bytes | memoryview]) -> None:
         try:
             os.writev(self.fd, iov)
+        except TypeError:  # a handler's answer of the wrong kind: still an answer
+            log.exception("a reply could not be written")
+            os.writev(self.fd, [abi.error(abi.OUT_HEADER.unpack_from(iov[0])[2], errno.EIO)])
         except OSError as exc:
             # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
             if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
