@@ -122,8 +122,13 @@ def test_kill_9_under_a_reader_then_mount_again_recovers_warm(s3, s3_client, fre
     time.sleep(0.5)  # let write-behind fills land
     pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
     big = next(f for f in files if f.size > 4 << 20)
+    # A reader that needs the daemon at every pass (its pages dropped each time: a file held in the page
+    # cache is read with no request at all, so it would go on reading its verified bytes without one).
     reader = subprocess.Popen([sys.executable, "-c",
-                               f"import sys\nwhile True:\n    open({str(m.path(big.key))!r}, 'rb').read()\n"],
+                               "import os\nwhile True:\n"
+                               f"    with open({str(m.path(big.key))!r}, 'rb') as f:\n"
+                               "        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)\n"
+                               "        f.read()\n"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.3)
     os.kill(pid, signal.SIGKILL)
