@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 from epochfs import kernel as fuse
 from epochfs.cache.members import MemberStream
-from epochfs.cache.service import BlockCache, ReadStream
+from epochfs.cache.service import BlockCache
+from epochfs.cache.streams import ReadStream
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Dir, Namespace
 from epochfs.records import ObjectInfo

@@ -1,7 +1,7 @@
 """A reader of a packed member: a file whose bytes are a range of its shard (:func:`records.stored_extent`).
 Its reads are the shard's, through the same blocks, single-flight and checksums as any object's: the
 members that share a block share its fetch, and the prefetcher fetches the shard's blocks in the order
-the members are read. (Trio thread, as :class:`~epochfs.cache.service.ReadStream`.)"""
+the members are read. (Trio thread, as :class:`~epochfs.cache.streams.ReadStream`.)"""
 
 from __future__ import annotations
 

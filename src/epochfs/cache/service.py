@@ -39,12 +39,13 @@ import trio
 from epochfs.backend.base import Backend
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
-from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
+from epochfs.cache.keys import block_bounds, block_id, range_blocks
 from epochfs.cache.members import MemberStream
 from epochfs.cache.policies import EvictionPolicy
-from epochfs.cache.push import GAP, Pusher
+from epochfs.cache.push import Pusher
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
+from epochfs.cache.streams import ReadStream
 from epochfs.errors import BackendUnavailable, EpochfsError
 from epochfs.records import ObjectInfo, stored_extent
 
@@ -558,93 +559,3 @@ class BlockCache:
             peer_bytes=self._peer_bytes,
             **({} if self.pusher is None else self.pusher.statistics()._asdict()),
         )
-
-
-class ReadStream:
-    """One open file: detects sequential reading and keeps ``readahead_blocks`` blocks in flight ahead.
-
-    An object of at most :attr:`WHOLE` bytes in one block is read whole on the first request, verified,
-    and later requests on the handle are served from those bytes until it is closed: with a large
-    kernel readahead window the kernel asks for a small file in two requests (its first page, then the
-    rest), and the second then costs no lookup, block file read or checksum. Bounded in total by
-    :attr:`BlockCache.WHOLE_BUDGET`."""
-
-    WHOLE = 1 << 20
-
-    #: A read starting this close to where the previous one ended still counts as sequential
-    #: (the kernel may deliver concurrent readahead requests slightly out of order).
-    SLACK = 1 << 20
-
-    def __init__(self, cache: BlockCache, obj: ObjectInfo, inode: int = 0) -> None:
-        self.cache = cache
-        self.obj = obj
-        self.inode = inode
-        self._pushed_to = 0  # blocks below this were pushed into the kernel for this reader
-        self._next = 0
-        self._sequential = 0
-        self._ahead_from = 0  # first block index not yet handed to readahead
-        self._whole: bytes | memoryview | None = None
-        self._small = obj.size <= self.WHOLE and obj.size <= cache.block_size
-
-    def close(self) -> None:
-        if self._whole is not None:
-            self.cache.whole_held -= len(self._whole)
-            self._whole = None
-
-    def read_now(self, offset: int, size: int) -> bytes | memoryview | None:
-        """:meth:`read` if it would not wait (a small object's bytes at hand), else None (and nothing
-        changed): then :meth:`read`."""
-        if not self._small:
-            return None
-        whole = self._whole
-        if whole is None:
-            whole = self.cache.read_whole_now(self.obj, offset, size)
-            if whole is None:
-                return None
-            self._whole = whole
-            self.cache.whole_held += len(whole)
-            return whole[offset:offset + size]
-        part = whole[offset:offset + size]
-        self.cache.count_hit(len(part))
-        return part
-
-    async def read(self, offset: int, size: int) -> bytes | memoryview:
-        cache = self.cache
-        if self._small:
-            whole = self._whole
-            if whole is None:
-                whole = await cache.read_whole(self.obj, offset, size)
-                if whole is None:  # the budget is spent: read as asked
-                    return await cache.read(self.obj, offset, size)
-                if self._whole is None:  # (another request of this handle may have kept it meanwhile)
-                    self._whole = whole
-                    cache.whole_held += len(whole)
-                return whole[offset:offset + size]
-            part = whole[offset:offset + size]
-            cache.count_hit(len(part))
-            return part
-        if abs(offset - self._next) <= self.SLACK or self._pushed_to and self._pushed_gap(offset):
-            self._sequential += 1
-        else:
-            self._sequential = 0
-            self._ahead_from = 0
-            self._pushed_to = 0
-        self._next = offset + size
-        large = self.obj.size > cache.block_size
-        if self._sequential >= 2 and cache.readahead_blocks and large:
-            current = offset // cache.block_size
-            first = max(current + 1, self._ahead_from)
-            last = min(current + 1 + cache.readahead_blocks, block_count(self.obj.size, cache.block_size))
-            if first < last:
-                cache.prefetch(self.obj, range(first, last))
-                self._ahead_from = last
-        data = await cache.read(self.obj, offset, size)
-        if self._sequential >= 1 and large and cache.pusher is not None:
-            self._pushed_to = cache.pusher.follow(self.obj, self.inode, offset, self._pushed_to)
-        return data
-
-    def _pushed_gap(self, offset: int) -> bool:
-        """Whether ``offset`` is in the first page of a block pushed for this reader (the reader read
-        the pushed pages in between without the daemon seeing them)."""
-        block = offset // self.cache.block_size
-        return block < self._pushed_to and offset - block * self.cache.block_size < GAP
