@@ -81,7 +81,6 @@ class Session:
         self._cancel: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._terminated = False
-        self._token: trio.lowlevel.TrioToken | None = None
         self._handlers = _handlers(ops)
         # A plain ``read_now`` answers the reads whose bytes are at hand with no task (see _answer_read).
         self._read_now: Callable[..., Any] | None = getattr(ops, "read_now", None)
@@ -165,7 +164,6 @@ class Session:
 
     async def run(self) -> None:
         """Answer requests until unmounted or :meth:`terminate` is called."""
-        self._token = trio.lowlevel.current_trio_token()
         os.set_blocking(self.fd, False)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
