@@ -146,7 +146,6 @@ class KernelPages:
 
 
 class Operations:
-    supports_dot_lookup = False
     enable_writeback_cache = False
 
     def __init__(
@@ -373,12 +372,12 @@ class Operations:
         number readable while the kernel holds it (:meth:`switch`)."""
         key = (inode, pid)
         stream = self._bound.get(key)
+        if stream is not None and off != 0:  # (an inode's version never changes on such a mount)
+            self._bound.move_to_end(key)
+            return stream
         node = self._node(inode)
         if node.is_dir or not node.in_backend:
             raise fuse.FUSEError(errno.EBADF)
-        if stream is not None and off != 0 and stream.obj == node.obj:
-            self._bound.move_to_end(key)
-            return stream
         if stream is not None:
             stream.close()
         stream = self._bound[key] = self.cache.open_stream(node.obj, inode)
