@@ -302,11 +302,14 @@ class NamespaceIndex:
                     path = record[RECORD.size:RECORD.size + klen]
                     inode = 0
                     if previous is not None:
-                        was = previous.path_entry(path.decode())
-                        if was is not None and was[1] == kind and not (
-                                kind == KIND_FILE and self.renumber_changed
-                                and previous.path_record(path.decode()) != record):
-                            inode = was[0]
+                        if kind == KIND_FILE and self.renumber_changed:  # kept only as the same version
+                            version = previous.path_version(path.decode())
+                            if version is not None and version[1] == record:
+                                inode = version[0]
+                        else:
+                            was = previous.path_entry(path.decode())
+                            if was is not None and was[1] == kind:
+                                inode = was[0]
                     if not inode:
                         inode, fresh = fresh, fresh + 1
                     number = inode.to_bytes(8, "big")

@@ -336,11 +336,11 @@ class Namespace:
             raw = checked_entry(self._txn.get(path_key(path), db=self._paths), path.encode("utf-8"))
         return None if raw is None else (int.from_bytes(raw[:8], "big"), raw[8])
 
-    def path_record(self, path: str) -> bytes | None:
-        """The record at ``path`` as stored (compared, not decoded)."""
+    def path_version(self, path: str) -> tuple[int, bytes] | None:
+        """The inode and record at ``path`` as stored (compared, not decoded)."""
         with self._lock:
             raw = checked_entry(self._txn.get(path_key(path), db=self._paths), path.encode("utf-8"))
-        return None if raw is None else bytes(raw[8:])
+        return None if raw is None else (int.from_bytes(raw[:8], "big"), bytes(raw[8:]))
 
     def records(self) -> Iterator[tuple[int, bytes]]:
         """Every node's inode and record, in inode order."""
