@@ -24,7 +24,15 @@ from epochfs.pack import layout
 from epochfs.pack.layout import Index, Member, PackInvalid
 from epochfs.pack.listing import current_index, dataset_listing
 from epochfs.pack.writer import PackSettings, pack
-from epochfs.records import MEMBER_TAG, ObjectInfo, Source, member_etag, record_problem, stored_extent
+from epochfs.records import (
+    MEMBER_TAG,
+    ObjectInfo,
+    Source,
+    member_checksum,
+    member_etag,
+    record_problem,
+    stored_extent,
+)
 from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
@@ -66,9 +74,11 @@ def run_pack(s3, bucket: str, src: str = "raw/", dst: str = "packed/", **kw) -> 
 
 def test_a_member_locates_its_bytes_in_its_shard_and_a_bad_location_is_refused():
     shard = ObjectInfo("shards/000001-00000.tar", 10_000, 0, '"abc:-2"')
-    member = ObjectInfo("x/y:z.jpg", 100, 5, member_etag(shard, 9_900))
+    member = ObjectInfo("x/y:z.jpg", 100, 5, member_etag(shard, 9_900, "00000000deadbeef"))
     assert record_problem(member) is None
     assert stored_extent(member) == (shard, 9_900)
+    assert member_checksum(member) == 0xDEADBEEF
+    assert "earlier epochfs" in record_problem(member._replace(etag=f"tar:9900:10000:{len(shard.etag)}:{shard.etag}x"))
     plain = ObjectInfo("a", 1, 0, '"e"')
     assert stored_extent(plain) == (plain, 0)
     assert "outside a shard" in record_problem(member._replace(size=101))
@@ -77,7 +87,7 @@ def test_a_member_locates_its_bytes_in_its_shard_and_a_bad_location_is_refused()
         etag = member.etag
         cut = rng.randrange(len(etag))
         etag = rng.choice([etag[:cut], etag[:cut] + rng.choice("0:9-x\x00é") + etag[cut + 1:],
-                           MEMBER_TAG + "".join(rng.choice("0123:a") for _ in range(rng.randrange(12)))])
+                           MEMBER_TAG + "".join(rng.choice("0123:a") for _ in range(rng.randrange(40)))])
         obj = member._replace(etag=etag)
         if record_problem(obj) is None and etag.startswith(MEMBER_TAG):
             stored, offset = stored_extent(obj)
@@ -103,30 +113,75 @@ def _index() -> Index:
     return Index(2, "s3://b/raw/", 1.5, shards, members)
 
 
+def _rows(raw: bytes) -> list:
+    return [json.loads(line) for line in gzip.decompress(raw).splitlines()]
+
+
+def _pack_rows(rows: list) -> bytes:
+    return gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
 def test_the_index_round_trips_and_damage_is_refused_whole():
     index = _index()
     assert layout.decode_index(layout.encode_index(index), 2) == index
     assert layout.decode_pointer(layout.encode_pointer(index)) == (2, layout.index_key(2))
-    doc = json.loads(gzip.decompress(layout.encode_index(index)))
+    head, s0, s1, m0, m1 = _rows(layout.encode_index(index))
+    assert head["members"] == 2 and head["shards"] == 2 and head["dirs"] == 0
     damaged = [
-        {**doc, "generation": 3},
-        {**doc, "members": doc["members"] + [doc["members"][0]]},  # twice
-        {**doc, "members": [["a", doc["shards"][0][0], 4000, 200, 0, "0" * 16, "e"]]},  # past the shard
-        {**doc, "members": [["a", "shards/000009-00000.tar", 0, 1, 0, "0" * 16, "e"]]},  # no such shard
-        {**doc, "shards": [["shards/000003-00000.tar", 1, "e"]]},  # a later generation's
-        {**doc, "shards": [["../x.tar", 1, "e"]]},
-        {**doc, "members": [["a/", doc["shards"][0][0], 0, 1, 0, "0" * 16, "e"]]},
-        {**doc, "members": [["a", doc["shards"][0][0], 0, True, 0, "0" * 16, "e"]]},
+        [{**head, "generation": 3}, s0, s1, m0, m1],
+        [{**head, "members": 3}, s0, s1, m0, m1, m0],  # twice
+        [{**head, "members": 3}, s0, s1, m0, m1],  # fewer rows than the header says
+        [head, s0, s1, m0, m1, m1],  # more
+        [{**head, "members": 1}, s0, s1, ["a", s0[0], 4000, 200, 0, "0" * 16, "e", None, None, None]],  # past the shard
+        [{**head, "members": 1}, s0, s1, ["a", "shards/000009-00000.tar", 512, 1, 0, "0" * 16, "e", None, None, None]],
+        [head, ["shards/000003-00000.tar", 1, "e"], s1, m0, m1],  # a later generation's shard
+        [head, ["../x.tar", 1, "e"], s1, m0, m1],
+        [{**head, "members": 1}, s0, s1, ["a/", s0[0], 512, 1, 0, "0" * 16, "e", None, None, None]],
+        [{**head, "members": 1}, s0, s1, ["a", s0[0], 512, True, 0, "0" * 16, "e", None, None, None]],
+        # a member inside the tar's first header, and two members whose bytes overlap
+        [{**head, "members": 1}, s0, s1, ["a", s0[0], 0, 100, 0, "0" * 16, "e", None, None, None]],
+        [{**head, "members": 3}, s0, s1, m0, m1, ["z", m0[1], m0[2] + 99, 10, 0, "0" * 16, "e", None, None, None]],
+        [{**head, "format": 1}, s0, s1, m0, m1],
     ]
-    for d in damaged:
+    for rows in damaged:
         with pytest.raises(PackInvalid):
-            layout.decode_index(gzip.compress(json.dumps(d).encode()), 2)
+            layout.decode_index(_pack_rows(rows), 2)
+    with pytest.raises(PackInvalid, match="--full"):  # an index of the earlier format: one JSON document
+        layout.decode_index(gzip.compress(json.dumps({"format": 1, "generation": 2}).encode()), 2)
+    with pytest.raises(PackInvalid, match="--full"):
+        layout.decode_pointer(json.dumps({"format": 1, "generation": 2}).encode())
+
+
+def test_decoding_an_index_costs_what_its_rows_are_worth_never_what_they_expand_to():
+    """A decompression bomb (the 0.76 MiB of gzip that once cost the daemon 1.5 GiB), lines that
+    decode into millions of objects, and a row longer than any real one are refused early, with the
+    memory they take bounded by a few times what was read."""
+    import tracemalloc
+
+    head = {"format": 2, "generation": 1, "source": "s", "created": 0.0, "shards": 0, "dirs": 0, "members": 0}
+    bombs = {
+        "expands": gzip.compress(json.dumps(head).encode() + b"\n" + b"\n" * (400 << 20), compresslevel=9),
+        "nested": gzip.compress(json.dumps(head).encode() + b"\n" + b"[" + b"[]," * (100 << 20) + b"[]]",
+                                compresslevel=9),
+        "long line": gzip.compress(b'["' + b"a" * (1 << 20) + b'"]\n'),
+        "cut": layout.encode_index(_index())[:-20],
+        "trailing": layout.encode_index(_index()) + b"junk",
+    }
+    assert len(bombs["expands"]) < 1 << 20
+    for name, raw in bombs.items():
+        tracemalloc.start()
+        try:
+            with pytest.raises(PackInvalid):
+                layout.decode_index(raw, 1 if name != "cut" and name != "trailing" else 2)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20, (name, peak)
 
 
 def test_a_fuzzed_index_is_refused_or_valid_never_a_crash():
     rng = random.Random(11)
-    good = json.loads(gzip.decompress(layout.encode_index(_index())))
-    text = json.dumps(good)
+    text = gzip.decompress(layout.encode_index(_index())).decode()
     for i in range(600):
         if i % 2:
             raw = bytearray(layout.encode_index(_index()))
@@ -136,12 +191,13 @@ def test_a_fuzzed_index_is_refused_or_valid_never_a_crash():
         else:
             chars = list(text)
             for _ in range(rng.randint(1, 3)):
-                chars[rng.randrange(len(chars))] = rng.choice('0123456789",:[]{}-.ex/')
+                chars[rng.randrange(len(chars))] = rng.choice('0123456789",:[]{}-.ex/\n')
             raw = gzip.compress("".join(chars).encode())
         try:
             index = layout.decode_index(raw, 2)
         except PackInvalid:
             continue
+        layout.check_extents(index.members.values())
         for obj in index.objects():
             assert record_problem(obj) is None
 
@@ -196,7 +252,7 @@ def test_pack_is_incremental_and_an_up_to_date_pack_writes_nothing(s3, s3_client
     dest = backend(s3, fresh_bucket, "packed/")
     index = current_index(dest)
     assert index.generation == 2 and files[6].key not in index.members
-    first = layout.decode_index(_tree(s3_client, fresh_bucket, "packed/index/")["000001.json.gz"], 1)
+    first = layout.decode_index(_tree(s3_client, fresh_bucket, "packed/index/")["000001.jsonl.gz"], 1)
     assert index.members[files[7].key] == first.members[files[7].key]  # unchanged files stay where they are
     assert layout.shard_number(index.members[changed.key].shard)[0] == 2
     want = {f.key: f.content() for f in files if f.key not in (files[6].key, changed.key)}
@@ -397,6 +453,93 @@ def test_a_manifest_prefetches_a_packed_dataset_by_its_shards_blocks(s3, s3_clie
         assert fetched <= total // (1 << 20) + 6, fetched  # about one GET per shard block, not per file
 
 
+# -- every byte of a member checked against its own checksum -----------------------------------------------
+
+def test_a_member_whose_location_is_wrong_is_eio_never_other_bytes(tmp_path):
+    """Fuzz: members whose recorded location is off (by one, into a header, cut short, lengthened,
+    another file's range), read with random offsets and sizes through read_now and read, inside one
+    block and across blocks: every answer is the file's exact bytes or DamagedMember, before any byte
+    of a wrong range reaches a reader; a right member is checked once and remembered."""
+    from epochfs.cache.members import DamagedMember
+    from epochfs.sample import pattern
+
+    from .helpers import BS
+    from .test_cache_service import run_with_cache
+
+    shard = ObjectInfo("shards/000001-00000.tar", 3 * BS + 999, 0, '"s"')
+    rng = random.Random(17)
+    cases = []
+    for _ in range(300):
+        offset = rng.randrange(512, shard.size - 2)
+        size = rng.choice([1, 2, 511, 4096, 70_000, BS, BS + 7, rng.randrange(1, shard.size - offset)])
+        size = max(1, min(size, shard.size - offset))
+        truth = xxhash.xxh64(pattern(shard.key, 0, offset, size)).hexdigest()
+        wrong = rng.choice([(offset, size), (offset + 1, size), (offset - 1, size), (offset - 512, size),
+                            (offset, 1), (offset, size - 1), (offset, size + 1), (rng.randrange(512, shard.size - 1), size)])
+        woff, wsize = wrong
+        woff = max(0, min(woff, shard.size - 1))
+        wsize = max(1, min(wsize, shard.size - woff))
+        cases.append((ObjectInfo(f"m{len(cases)}", wsize, 0, member_etag(shard, woff, truth)), offset, size))
+
+    async def fn(cache):
+        outcomes = {"exact": 0, "refused": 0}
+        for member, offset, size in cases:
+            stream = cache.open_stream(member)
+            right = (member.size, stored_extent(member)[1]) == (size, offset)
+            try:
+                for _ in range(3):
+                    off = rng.randrange(member.size)
+                    n = rng.choice([1, 4095, 70_000, BS + 3])
+                    got = stream.read_now(off, n)
+                    if got is None:
+                        got = await stream.read(off, n)
+                    assert right, f"{member.etag}: bytes served from a wrong range"
+                    assert bytes(got) == pattern(shard.key, 0, offset + off, min(n, member.size - off))
+                outcomes["exact"] += 1
+                assert member.etag in cache.verified
+            except DamagedMember:
+                assert not right
+                outcomes["refused"] += 1
+            finally:
+                stream.close()
+        return outcomes
+
+    outcomes, cache = run_with_cache(tmp_path, MemoryBackend(), fn)
+    assert outcomes["exact"] > 20 and outcomes["refused"] > 150, outcomes
+    assert cache.verified.damaged >= outcomes["refused"] and cache.whole_held == 0
+
+
+@requires_fuse
+def test_a_mount_refuses_the_members_a_wrong_index_misplaces(s3, s3_client, fresh_bucket, s3_env, mount_factory):
+    """An index rewritten with a member off by one, one pointing at the next file's tar header (that
+    file left out of the index), and one cut to a byte: EIO for those, the exact bytes for the rest."""
+    files = [SampleFile(f"d/{i:02d}.bin", 3000 + 1000 * i) for i in range(8)]
+    upload(s3_client, fresh_bucket, "raw/", files)
+    run_pack(s3, fresh_bucket)
+    dest = backend(s3, fresh_bucket, "packed/")
+    index = current_index(dest)
+    members = dict(index.members)
+    m1, m3, m4, m6 = (members[f"d/0{i}.bin"] for i in (1, 3, 4, 6))
+    members[m1.path] = Member(m1.path, m1.shard, m1.offset + 1, m1.size, m1.mtime_ns, m1.xxh64, m1.source_etag)
+    del members[m4.path]  # its header is now free for another member to point at
+    members[m3.path] = Member(m3.path, m3.shard, m4.offset - 512, m3.size, m3.mtime_ns, m3.xxh64, m3.source_etag)
+    members[m6.path] = Member(m6.path, m6.shard, m6.offset, 1, m6.mtime_ns, m6.xxh64, m6.source_etag)
+    s3_client.put_object(Bucket=fresh_bucket, Key="packed/" + layout.index_key(1),
+                         Body=layout.encode_index(Index(1, index.source, index.created, index.shards, members, index.dirs)))
+    with mount_factory(f"s3://{fresh_bucket}/packed/") as m:
+        for f in files:
+            path = m.mountpoint / f.key
+            if f.key == m4.path:
+                assert not path.exists()
+            elif f.key in (m1.path, m3.path, m6.path):
+                with pytest.raises(OSError) as raised:
+                    path.read_bytes()
+                assert errno_of(raised.value) == errno.EIO, f.key
+            else:
+                assert path.read_bytes() == f.content()
+        assert "do not match the file's checksum" in m.log()
+
+
 # -- the locality order ----------------------------------------------------------------------------------
 
 def test_the_local_order_is_exact_deterministic_and_reads_a_few_shards_at_a_time():
@@ -477,7 +620,7 @@ def test_peers_are_answered_for_the_shards_of_packed_members_and_nothing_else():
 
     bs = 1 << 20
     shard = ObjectInfo("shards/000001-00000.tar", (2 << 20) + 5000, 0, '"s1"')
-    members = [ObjectInfo(f"m/{i}", 1000, 0, member_etag(shard, 512 + 1536 * i)) for i in range(5)]
+    members = [ObjectInfo(f"m/{i}", 1000, 0, member_etag(shard, 512 + 1536 * i, "0" * 16)) for i in range(5)]
     plain = ObjectInfo("plain.bin", 10, 0, '"p"')
 
     class Cache:
@@ -501,12 +644,12 @@ def test_peers_are_answered_for_the_shards_of_packed_members_and_nothing_else():
     assert ask(shard, 2) == f"{shard.key}#2".encode()  # the shard its members are stored in
     assert ask(plain, 0) == b"plain.bin#0"
     for other in (shard._replace(etag='"old"'), ObjectInfo("shards/000009-00000.tar", bs, 0, '"s1"'),
-                  ObjectInfo("index/000001.json.gz", 100, 0, '"i"')):
+                  ObjectInfo("index/000001.jsonl.gz", 100, 0, '"i"')):
         with pytest.raises(wire.Rejected) as refused:
             ask(other, 0)
         assert refused.value.status == 404
     second = ObjectInfo("shards/000002-00000.tar", bs, 0, '"s2"')
-    view2, _ = index.apply({"n/x": ObjectInfo("n/x", 10, 0, member_etag(second, 0))}, set(), version=2, created=2.0)
+    view2, _ = index.apply({"n/x": ObjectInfo("n/x", 10, 0, member_etag(second, 512, "0" * 16))}, set(), version=2, created=2.0)
     answers.namespace = lambda: view2
     assert ask(second, 0) == f"{second.key}#0".encode() and ask(shard, 0)  # a change set adds its shards
     view.close()
@@ -561,9 +704,9 @@ def test_the_prefetch_plan_of_members_reads_their_shards_blocks():
     bs = 1 << 20
     shard = ObjectInfo("shards/000001-00000.tar", (3 << 20) + 100, 0, '"s"')
     # three members: inside block 0, across blocks 0-1, and the shard's short last block
-    members = [ObjectInfo("a", 1000, 0, member_etag(shard, 512)),
-               ObjectInfo("b", 4096, 0, member_etag(shard, bs - 1024)),
-               ObjectInfo("c", 100, 0, member_etag(shard, 3 << 20))]
+    members = [ObjectInfo("a", 1000, 0, member_etag(shard, 512, "0" * 16)),
+               ObjectInfo("b", 4096, 0, member_etag(shard, bs - 1024, "0" * 16)),
+               ObjectInfo("c", 100, 0, member_etag(shard, 3 << 20, "0" * 16))]
     plain = ObjectInfo("p", bs + 1, 0, '"p"')
 
     def bid(obj, i):

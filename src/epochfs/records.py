@@ -101,32 +101,36 @@ def record_problem(obj: ObjectInfo, utf8_sizes: tuple[int, int] | None = None) -
 
 #: The ETag of a file of a packed dataset starts with this: its bytes are a range of a shard object, and
 #: the rest says which (:func:`member_etag`). It names the member's version exactly: the shard's key and
-#: ETag and the offset in it, so a repacked or changed file gets another.
+#: ETag, the offset in it and the checksum of the member's own bytes, so a repacked or changed file gets
+#: another, and a reader can check that the range holds the file's bytes (:func:`member_checksum`).
 MEMBER_TAG = "tar:"
+_XXH64_HEX = frozenset("0123456789abcdef")
 
 
-def member_etag(shard: ObjectInfo, offset: int) -> str:
-    """The ETag of the member whose bytes start at ``offset`` of ``shard``:
-    ``tar:OFFSET:SHARD_SIZE:LEN(SHARD_ETAG):SHARD_ETAG SHARD_KEY`` (the last two back to back)."""
-    return f"{MEMBER_TAG}{offset}:{shard.size}:{len(shard.etag)}:{shard.etag}{shard.key}"
+def member_etag(shard: ObjectInfo, offset: int, xxh64: str) -> str:
+    """The ETag of the member whose bytes start at ``offset`` of ``shard`` and whose xxh64 (16 hex digits)
+    is ``xxh64``: ``tar:OFFSET:SHARD_SIZE:XXH64:LEN(SHARD_ETAG):SHARD_ETAG SHARD_KEY`` (the last two back
+    to back)."""
+    return f"{MEMBER_TAG}{offset}:{shard.size}:{xxh64}:{len(shard.etag)}:{shard.etag}{shard.key}"
 
 
-def _parse_location(etag: str) -> tuple[ObjectInfo, int] | None:
-    parts = etag[len(MEMBER_TAG):].split(":", 3)
-    if len(parts) != 4 or not all(p.isascii() and p.isdigit() for p in parts[:3]):
+def _parse_location(etag: str) -> tuple[ObjectInfo, int, int] | None:
+    parts = etag[len(MEMBER_TAG):].split(":", 4)
+    if (len(parts) != 5 or not all(p.isascii() and p.isdigit() and len(p) <= 20 for p in (parts[0], parts[1], parts[3]))
+            or len(parts[2]) != 16 or not _XXH64_HEX.issuperset(parts[2])):
         return None
-    offset, size, elen = int(parts[0]), int(parts[1]), int(parts[2])
-    rest = parts[3]
+    offset, size, elen = int(parts[0]), int(parts[1]), int(parts[3])
+    rest = parts[4]
     if not 0 < elen < len(rest):
         return None
-    return ObjectInfo(rest[elen:], size, 0, rest[:elen]), offset
+    return ObjectInfo(rest[elen:], size, 0, rest[:elen]), offset, int(parts[2], 16)
 
 
 def _location_problem(obj: ObjectInfo) -> str | None:
     parsed = _parse_location(obj.etag)
     if parsed is None:
-        return "not OFFSET:SIZE:LENGTH:ETAG KEY"
-    shard, offset = parsed
+        return "not OFFSET:SIZE:XXH64:LENGTH:ETAG KEY (a pack listed or imported by an earlier epochfs: list it again)"
+    shard, offset, _ = parsed
     if not 0 <= offset <= shard.size <= MAX_OBJECT_SIZE or offset + obj.size > shard.size:
         return f"bytes [{offset}, {offset + obj.size}) outside a shard of {shard.size}"
     if shard.key.endswith("/") or shard.key.startswith(MEMBER_TAG) or shard.etag.startswith(MEMBER_TAG):
@@ -143,7 +147,18 @@ def stored_extent(obj: ObjectInfo) -> tuple[ObjectInfo, int]:
     parsed = _parse_location(obj.etag)
     if parsed is None:
         raise ValueError(f"{obj.key}: malformed packed member location")
-    return parsed
+    return parsed[0], parsed[1]
+
+
+def member_checksum(obj: ObjectInfo) -> int | None:
+    """The xxh64 (seed 0) of a packed member's bytes, which every byte served for it is checked against
+    first; None for a plain object (its blocks carry their own checksums)."""
+    if not obj.etag.startswith(MEMBER_TAG):
+        return None
+    parsed = _parse_location(obj.etag)
+    if parsed is None:
+        raise ValueError(f"{obj.key}: malformed packed member location")
+    return parsed[2]
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,14 @@ from epochfs.backend.base import Backend
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
 from epochfs.cache.keys import block_bounds, block_id, range_blocks
-from epochfs.cache.members import MemberStream
+from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import Pusher
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
 from epochfs.errors import BackendUnavailable, EpochfsError
-from epochfs.records import ObjectInfo, stored_extent
+from epochfs.records import ObjectInfo, member_checksum, stored_extent
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,7 @@ class BlockCache:
         self._fetched_bytes = {True: 0, False: 0}
         self._peer_bytes = 0
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
+        self.verified = Verified()  # packed members checked against their checksums
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
 
     def wire(self, *, observer: ReadObserver | None = None, pusher: Pusher | None = None) -> None:
@@ -180,11 +181,15 @@ class BlockCache:
         """Length of block ``index`` of ``obj`` (ValueError if it has no such block)."""
         return block_bounds(index, obj.size, self.block_size)[1]
 
-    async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview:
-        """Bytes [offset, offset + size) of ``obj``, clipped to its size."""
+    async def read(self, obj: ObjectInfo, offset: int, size: int, *,
+                   counted: tuple[int, int] | None = None) -> bytes | memoryview:
+        """Bytes [offset, offset + size) of ``obj``, clipped to its size. ``counted``: the range of ``obj``
+        a reader asked for, which the statistics count (default: all that is read)."""
         parts = []
         for index, length, lo, hi in range_blocks(offset, size, obj.size, self.block_size):
-            parts.append(await self._read_block(obj, index, length, lo, hi))
+            asked = None if counted is None else _overlap(counted, index * self.block_size + lo,
+                                                          index * self.block_size + hi)
+            parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked))
         if len(parts) == 1:
             return parts[0]
         return b"".join(parts)
@@ -198,11 +203,12 @@ class BlockCache:
         data = await self._read_block(obj, index, length, 0, length, for_peer=True)
         return None if warm else bytes(data)
 
-    def read_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
+    def read_now(self, obj: ObjectInfo, offset: int, size: int, *,
+                 counted: tuple[int, int] | None = None) -> bytes | memoryview | None:
         """Bytes [offset, offset + size) of ``obj`` if they are at hand (a completed fetch kept in
         memory, or a small range of a block on the cache disk), read and verified now; None if getting
         them would wait (a fetch, a large read from disk, more than one block): then :meth:`read`.
-        Counted only when answered."""
+        Counted only when answered (``counted`` as for :meth:`read`)."""
         end = min(offset + size, obj.size)
         if offset >= end:
             return b""
@@ -211,7 +217,7 @@ class BlockCache:
             return None
         lo = offset - index * self.block_size
         return self._block_now(obj, index, self.block_length(obj, index), lo, end - index * self.block_size,
-                               end - offset)
+                               end - offset if counted is None else _overlap(counted, offset, end))
 
     def read_whole_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
         """:meth:`read_whole` if the bytes are at hand (as :meth:`read_now`), else None."""
@@ -382,7 +388,9 @@ class BlockCache:
             self.observer.opened(obj)
         stored, base = stored_extent(obj)
         if stored is not obj:
-            return MemberStream(self, obj, stored, base)
+            checksum = member_checksum(obj)
+            assert checksum is not None
+            return MemberStream(self, obj, stored, base, checksum)
         return ReadStream(self, obj, inode)
 
     def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:
@@ -559,3 +567,8 @@ class BlockCache:
             peer_bytes=self._peer_bytes,
             **({} if self.pusher is None else self.pusher.statistics()._asdict()),
         )
+
+
+def _overlap(span: tuple[int, int], lo: int, hi: int) -> int:
+    """How many bytes of [lo, hi) lie in ``span``."""
+    return max(0, min(hi, span[1]) - max(lo, span[0]))
