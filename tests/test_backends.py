@@ -265,3 +265,38 @@ def test_the_upload_bandwidth_cap_holds_for_concurrent_uploads_in_total(s3, fres
     assert [o.size for o in objs] == [size, size]
     assert elapsed >= 0.8 * 2 * size / cap, f"{2 * size} bytes in {elapsed:.2f} s: over the {cap} B/s cap"
     assert backend.read_range("f1", objs[1].etag, size - 5, 5) == b"\x01" * 5
+
+
+def test_an_upload_confirms_its_key_and_attribute_records_read_back(s3, s3_client, fresh_bucket, s3_env, tmp_path):
+    """An endpoint that stores a name under another key (SeaweedFS: a backslash becomes '/') fails the
+    upload with KeyRefused, never a success; attribute records are applied to a listing (files and
+    directories, the strictest where several name one key) and the reserved prefix is never listed."""
+    from epochfs.backend import attrs
+    from epochfs.errors import KeyRefused
+
+    backend = s3_backend(s3, fresh_bucket, "ckpt/")
+    path = tmp_path / "f"
+    path.write_bytes(b"data")
+    with pytest.raises(KeyRefused, match="another key|does not list"):
+        backend.upload_file(str(path), "back\\slash.pt")
+    backend.upload_file(str(path), "d/plain.pt")
+    backend.upload_file(str(path), "d/private.pt")
+    backend.put_attributes("d/private.pt", 0o640, 1000, 1000)
+    backend.put_attributes("d/private.pt", 0o604, 1000, 1000)  # two records: 0o600 together
+    backend.put_attributes("d/", 0o750, 7, 8)
+    s3_client.put_object(Bucket=fresh_bucket, Key="ckpt/.epochfs/attrs/not-a-record", Body=b"")
+    listed = {o.key: o for o in backend.list_objects()}
+    assert set(listed) == {"back/slash.pt", "d/plain.pt", "d/private.pt", "d/"}
+    assert (listed["d/private.pt"].mode, listed["d/private.pt"].uid) == (0o600, 1000)
+    assert (listed["d/"].mode, listed["d/"].uid, listed["d/"].gid) == (0o750, 7, 8)
+    assert listed["d/plain.pt"].mode is None
+    backend.put_attributes("d/private.pt", 0o600, 2000, 1000)  # owners that disagree: the default owner
+    got = {o.key: o for o in backend.list_objects()}["d/private.pt"]
+    assert (got.mode, got.uid, got.gid) == (0o600, None, 1000)
+    keep = backend.put_attributes("d/private.pt", 0o644, 1000, 1000)
+    backend.drop_attributes("d/private.pt", keep=keep)
+    assert {o.key: o for o in backend.list_objects()}["d/private.pt"].mode == 0o644
+    backend.drop_attributes("d/private.pt")
+    assert {o.key: o for o in backend.list_objects()}["d/private.pt"].mode is None
+    assert backend.key_problem(".epochfs/x")[1] == 1  # EPERM
+    assert attrs.parse("f-" + "0" * 32 + ".77777.0.0") is None  # a mode past 0o7777

@@ -219,6 +219,90 @@ def test_a_private_file_stays_private_through_upload_relist_and_remount(s3_clien
         m.stop()
 
 
+def as_user(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=60,
+                          errors="replace")
+
+
+def test_a_private_checkpoint_stays_private_on_every_fresh_mount_of_the_bucket(s3_client, fresh_bucket,
+                                                                                mount_factory, shared_dir):
+    """Owners and modes live in the bucket (attribute records), so a mount on another node, read-only or
+    write-back, that lists the bucket afresh presents a private file and directory as written: another
+    user cannot read them. The records are epochfs's own: hidden from the mount, and no writer can make
+    a name under them."""
+    source = f"s3://{fresh_bucket}/ckpt"
+    m = shared_mount(mount_factory, shared_dir, source, "--dir-mode", "1777")
+    m.start()
+    mine = m.path("mine")
+    assert as_nobody("mkdir", "-m", "700", str(mine)).returncode == 0
+    assert as_nobody("sh", "-c", f"echo nobody-secret > {mine}/ckpt.pt", umask="077").returncode == 0
+    old = os.umask(0o077)
+    try:
+        m.path("root.pt").write_bytes(b"root-secret\n")
+    finally:
+        os.umask(old)
+    m.path("public.pt").write_bytes(b"for everyone\n")
+    for name in (".epochfs", ".epochfs/attrs/f-0.777.0.0"):
+        with pytest.raises(OSError) as refused:
+            m.path(name).write_bytes(b"x")
+        assert refused.value.errno in (errno.EPERM, errno.ENOENT), name
+    assert sync(m).returncode == 0
+    records = [k for k in keys_of(s3_client, fresh_bucket, "ckpt/.epochfs/attrs/")]
+    assert len(records) == 4, records  # three files and the directory made here
+    m.stop()
+    for i, extra in enumerate([(), ("--writeback",)]):
+        fresh = mount_factory(source, "--allow-other", *extra, cache_dir=shared_dir / f"fresh{i}", name=f"unused-f{i}")
+        fresh.mountpoint = shared_dir / f"fresh{i}-mnt"
+        fresh.mountpoint.mkdir()
+        with fresh:
+            assert sorted(os.listdir(fresh.mountpoint)) == ["mine", "public.pt", "root.pt"]  # no .epochfs
+            st = os.stat(fresh.path("mine"))
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o700, NOBODY)
+            st = os.stat(fresh.path("mine") / "ckpt.pt")
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, NOBODY)
+            st = os.stat(fresh.path("root.pt"))
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, 0)
+            assert stat.S_IMODE(os.stat(fresh.path("public.pt")).st_mode) == 0o644
+            assert as_nobody("cat", str(fresh.path("mine") / "ckpt.pt")).stdout == "nobody-secret\n"
+            for user, path in (("nobody", "root.pt"), ("daemon", "mine/ckpt.pt"), ("daemon", "root.pt")):
+                denied = as_user(user, "cat", str(fresh.path(path)))
+                assert denied.returncode != 0 and "Permission denied" in denied.stderr, (user, path, denied)
+            assert as_user("daemon", "cat", str(fresh.path("public.pt"))).stdout == "for everyone\n"
+
+
+def test_names_the_backend_cannot_store_are_refused_when_made(s3_client, fresh_bucket, mount_factory):
+    """S3 stores 1,024 bytes of key: a file, a directory or a rename whose key would be longer is
+    ENAMETOOLONG at once (never accepted and retried for ever); a backslash, which SeaweedFS stores
+    under another key, is EINVAL; and an upload confirms the key it wrote."""
+    source = f"s3://{fresh_bucket}/ckpt"
+    m = mount_factory(source, "--writeback")
+    with m:
+        deep = m.path("/".join(["d" * 250] * 4))
+        deep.mkdir(parents=True)
+        ok = deep / ("n" * (1024 - len("ckpt/") - 4 * 251))  # exactly 1,024 bytes of key
+        ok.write_bytes(b"fits")
+        for name, code in ((deep / ("n" * (1025 - len("ckpt/") - 4 * 251)), errno.ENAMETOOLONG),
+                           (m.path("back\\slash.pt"), errno.EINVAL)):
+            with pytest.raises(OSError) as refused:
+                name.write_bytes(b"x")
+            assert refused.value.errno == code, name
+        with pytest.raises(OSError) as refused:
+            (deep / ("e" * 20)).mkdir()
+        assert refused.value.errno == errno.ENAMETOOLONG
+        short = m.path("s")
+        short.mkdir()
+        (short / ("f" * 200)).write_bytes(b"x")
+        m.path("t" * 250).mkdir()
+        (m.path("t" * 250) / ("u" * 250)).mkdir()
+        (m.path("t" * 250) / ("u" * 250) / ("v" * 250)).write_bytes(b"y")
+        with pytest.raises(OSError) as refused:  # moved under a long name, a file inside would not fit
+            os.rename(m.path("t" * 250), deep / "w")
+        assert refused.value.errno == errno.ENAMETOOLONG
+        assert sync(m).returncode == 0
+        keys = keys_of(s3_client, fresh_bucket, "ckpt/d")
+        assert f"ckpt/{ok.relative_to(m.mountpoint)}" in keys
+
+
 def test_users_own_what_they_make_the_sticky_bit_holds_and_a_quota_bounds_them(s3_client, fresh_bucket,
                                                                                mount_factory, shared_dir):
     source = f"s3://{fresh_bucket}/ckpt"

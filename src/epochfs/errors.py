@@ -32,6 +32,11 @@ class ObjectChanged(BackendError):
     """
 
 
+class KeyRefused(BackendError):
+    """The backend will not store an object under the key asked for (too long, a name it changes):
+    retrying cannot help."""
+
+
 class AccessDenied(BackendError):
     """The backend refused the credentials for this object."""
 

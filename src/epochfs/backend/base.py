@@ -195,6 +195,20 @@ class Backend(abc.ABC):
         """Delete ``key`` (done if it is already gone)."""
         raise NotImplementedError
 
+    def key_problem(self, key: str) -> tuple[str, int] | None:
+        """Why a writer may not make ``key`` (a file, or a directory as ``path/``) here, with the errno
+        it gets; None if it may. Checked when the name is made, so no write is accepted that could
+        never be uploaded."""
+        return None
+
+    def put_attributes(self, key: str, mode: int, uid: int, gid: int) -> str | None:
+        """Record ``key``'s owner and mode where every later listing finds them (before the object
+        is written); the record's name, or None where the backend keeps no records."""
+        return None
+
+    def drop_attributes(self, key: str, keep: str | None = None) -> None:  # noqa: B027 - optional hook
+        """Remove ``key``'s attribute records except ``keep`` (after its object is replaced or deleted)."""
+
     def copy(self, src: str, dst: str) -> ObjectInfo:
         """Copy ``src`` to ``dst`` within the backend and return the new object."""
         raise NotImplementedError

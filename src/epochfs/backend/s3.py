@@ -16,6 +16,7 @@ ETag, so a block of a different version can never be returned.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ import botocore.exceptions
 import botocore.httpsession
 import pycurl
 
+from epochfs.backend import attrs
 from epochfs.backend.base import (
     Backend,
     BackendSettings,
@@ -42,7 +44,14 @@ from epochfs.backend.base import (
     servable,
 )
 from epochfs.curlio import Answer, new_handle
-from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged, UploadCancelled
+from epochfs.errors import (
+    AccessDenied,
+    BackendUnavailable,
+    ConfigError,
+    KeyRefused,
+    ObjectChanged,
+    UploadCancelled,
+)
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -75,6 +84,12 @@ _CREDENTIAL_SOURCES = {
     "custom-process": "a credential_process", "explicit": "explicit settings",
 }
 
+
+_KEY_REFUSED_CODES = {"KeyTooLongError", "InvalidObjectName", "InvalidKey"}
+#: Longest key S3 stores (UTF-8 bytes, the prefix included).
+MAX_S3_KEY = 1024
+#: Most attribute records one listing takes (a name each; far more than any checkpoint area holds).
+MAX_ATTRIBUTE_RECORDS = 10_000_000
 
 _TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
 
@@ -286,12 +301,93 @@ class S3Backend(Backend):
                     raise UploadCancelled(f"upload of {key} cancelled")
                 future.result()
             info = self._head(key)
+            self._confirm(key)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
                 boto3.exceptions.S3UploadFailedError) as exc:
             self._stats.record("put", "error")
+            code = _code(exc)
+            if code in _KEY_REFUSED_CODES:
+                raise KeyRefused(f"upload of {key}: the endpoint refuses the key ({code})") from None
             raise self._denied_or_unavailable(f"upload of {key}", exc) from None
         self._stats.record("put", "ok")
         return info
+
+    def _confirm(self, key: str) -> None:
+        """That the object just written is listed under exactly ``key``: an endpoint that stores a name
+        under another key (SeaweedFS turns a backslash into a ``/``) must not be taken at its word."""
+        full = self.prefix + key
+        listed = self._uploader().list_objects_v2(Bucket=self.bucket, Prefix=full, MaxKeys=1).get("Contents", ())
+        if not listed or listed[0].get("Key") != full:
+            raise KeyRefused(f"upload of {key}: the endpoint did not store it under that key (it lists "
+                             f"{listed[0].get('Key')[:300]!r} there)" if listed else
+                             f"upload of {key}: the endpoint does not list the object under that key")
+
+    def key_problem(self, key: str) -> tuple[str, int] | None:
+        """Why a writer may not make ``key`` here, with the errno it gets (None if it may): S3's 1,024
+        bytes a key (the prefix included), a backslash (which some endpoints store under another key),
+        and the reserved ``.epochfs/``."""
+        if attrs.reserved(key):
+            return f"{key[:300]!r} is reserved for epochfs's own records", errno.EPERM
+        if "\\" in key:
+            return "a backslash in a name is stored as another key by some S3 endpoints", errno.EINVAL
+        size = len((self.prefix + key).encode("utf-8"))
+        if size > MAX_S3_KEY:
+            return f"its key would be {size} bytes; S3 stores at most {MAX_S3_KEY}", errno.ENAMETOOLONG
+        return None
+
+    # -- attribute records (owners and modes in the bucket: epochfs.backend.attrs) ---------------------------
+
+    def attribute_records(self) -> attrs.Records:
+        """The source's attribute records: one listing of the reserved prefix."""
+        records = attrs.Records()
+        paginator = self._client.get_paginator("list_objects_v2")
+        where = self.prefix + attrs.ATTR_DIR
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=where):
+                self._stats.record("list", "ok")
+                for obj in page.get("Contents", ()):
+                    key = obj["Key"]
+                    if isinstance(key, str) and key.startswith(where):
+                        records.add(key[len(where):])
+                if len(records) + records.malformed > MAX_ATTRIBUTE_RECORDS:
+                    raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: more than "
+                                             f"{MAX_ATTRIBUTE_RECORDS} attribute records")
+        except botocore.exceptions.ClientError as exc:
+            self._stats.record("list", "error")
+            raise self._listing_error(exc, where) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            self._stats.record("list", "error")
+            raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: {exc}") from None
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            self._stats.record("list", "error")
+            raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: malformed answer "
+                                     f"({type(exc).__name__})") from None
+        if records.malformed:
+            log.warning("%d keys under %s are not attribute records: ignored", records.malformed, where)
+        return records
+
+    def put_attributes(self, key: str, mode: int, uid: int, gid: int) -> str:
+        """Record ``key``'s owner and mode (before its object is written); the record's key."""
+        record = attrs.record_key(key, mode, uid, gid)
+        try:
+            self._uploader().put_object(Bucket=self.bucket, Key=self.prefix + record, Body=b"")
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            self._stats.record("put", "error")
+            raise self._denied_or_unavailable(f"attribute record of {key}", exc) from None
+        self._stats.record("put", "ok")
+        return record
+
+    def drop_attributes(self, key: str, keep: str | None = None) -> None:
+        """Delete ``key``'s attribute records but ``keep`` (after its object is replaced or deleted)."""
+        where = self.prefix + attrs.record_prefix(key)
+        try:
+            listed = self._uploader().list_objects_v2(Bucket=self.bucket, Prefix=where).get("Contents", ())
+            for obj in listed:
+                if obj.get("Key") != (None if keep is None else self.prefix + keep):
+                    self._uploader().delete_object(Bucket=self.bucket, Key=obj["Key"])
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            self._stats.record("delete", "error")
+            raise self._denied_or_unavailable(f"attribute records of {key}", exc) from None
 
     def _limiter(self, bandwidth: float) -> Any:
         """The bandwidth limiter shared by the uploads capped at ``bandwidth`` bytes/s."""
@@ -340,7 +436,9 @@ class S3Backend(Backend):
             self._upload_client.close()
 
     def list_objects(self) -> Iterator[ObjectInfo]:
-        return servable(self._listing())
+        """The objects under the prefix, each with the owner and mode its attribute record gives, and
+        nothing of the reserved ``.epochfs/`` prefix."""
+        return servable(self.attribute_records().apply(self._listing()))
 
     def _listing(self) -> Iterator[ObjectInfo]:
         paginator = self._client.get_paginator("list_objects_v2")
@@ -362,12 +460,7 @@ class S3Backend(Backend):
             raise ConfigError(_NO_CREDENTIALS) from None
         except botocore.exceptions.ClientError as exc:
             self._stats.record("list", "error")
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code == "NoSuchBucket":
-                raise ConfigError(f"bucket {self.bucket!r} does not exist") from None
-            if code in _DENIED_CODES:
-                raise self._denied(f"listing s3://{self.bucket}/{self.prefix}", code) from None
-            raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: {code}") from None
+            raise self._listing_error(exc, self.prefix) from None
         except botocore.exceptions.BotoCoreError as exc:
             self._stats.record("list", "error")
             raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: {exc}") from None
@@ -376,6 +469,14 @@ class S3Backend(Backend):
             self._stats.record("list", "error")
             raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: malformed answer "
                                      f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+    def _listing_error(self, exc: botocore.exceptions.ClientError, where: str) -> Exception:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code == "NoSuchBucket":
+            return ConfigError(f"bucket {self.bucket!r} does not exist")
+        if code in _DENIED_CODES:
+            return self._denied(f"listing s3://{self.bucket}/{where}", code)
+        return BackendUnavailable(f"listing s3://{self.bucket}/{where}: {code}")
 
     def read_range(self, key: str, etag: str, start: int, length: int) -> bytes | bytearray:
         if length == 0:
@@ -506,3 +607,12 @@ class S3Backend(Backend):
             return self._denied(key, code or str(status))
         self._stats.record("get", "error")
         return BackendUnavailable(f"{key}: HTTP {status} {code}".strip())
+
+
+def _code(exc: Exception) -> str:
+    """The S3 error code of a failed call (nested in an upload's failure), or ""."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    m = re.search(r"\(([A-Za-z]+)\)", str(exc))  # S3UploadFailedError: "... (KeyTooLongError) ..."
+    return m.group(1) if m else ""

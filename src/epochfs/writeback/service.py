@@ -85,6 +85,13 @@ def _path(parent: Node, name: bytes) -> str:
     return path
 
 
+def _check_key(backend: Backend, key: str) -> None:
+    """Refuse a name the backend could never store (ENAMETOOLONG, EINVAL, EPERM), when it is made."""
+    problem = backend.key_problem(key)
+    if problem is not None:
+        raise Refused(f"{key[:300]!r}: {problem[0]}", problem[1])
+
+
 @dataclass(frozen=True)
 class WritebackSettings:
     """What write-back needs of the mount's options."""
@@ -106,10 +113,11 @@ class WriteBack:
         if tree.overlay is None:
             raise ValueError("write-back needs a tree with an overlay (Tree(namespace, Overlay()))")
         self.overlay = tree.overlay
+        self.backend = backend
         self.owed = Owed(store, user_quota=settings.user_quota)
         self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=settings.upload_bandwidth,
                                concurrency=settings.upload_concurrency, demand_waiting=demand_waiting,
-                               publish=publish)
+                               publish=publish, fail=self._fail)
         self._handles: dict[int, Handle] = {}
 
     # -- start-up -------------------------------------------------------------------------------------------
@@ -194,6 +202,7 @@ class WriteBack:
     def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, LocalFile]:
         """A new file (or an existing one replaced), open for writing: (handle, file)."""
         path = _path(parent, name)
+        _check_key(self.backend, path)
         existing = self.tree.resolve(path)
         if existing is not None and existing.is_dir:
             raise Refused(f"{path} is a directory", errno.EISDIR)
@@ -404,6 +413,7 @@ class WriteBack:
 
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> LocalDir:
         path = _path(parent, name)
+        _check_key(self.backend, path + "/")
         if self.tree.resolve(path) is not None:
             raise Refused(f"{path} exists", errno.EEXIST)
         d = LocalDir(self.overlay.new_inode(), path, time.time_ns(), mode & 0o1777, uid, gid)
@@ -465,6 +475,11 @@ class WriteBack:
             return
         if dst_path.startswith(src_path + "/"):
             raise Refused("cannot move a directory into itself", errno.EINVAL)
+        _check_key(self.backend, dst_path + ("/" if src.is_dir else ""))
+        if src.is_dir:  # every name it holds gets longer or shorter with it
+            for p, e in list(self.overlay.entries.items()):
+                if p.startswith(src_path + "/"):
+                    _check_key(self.backend, dst_path + p[len(src_path):] + ("/" if e.is_dir else ""))
         dst = self.tree.resolve(dst_path)
         if dst is not None and flags & 1:
             raise Refused(f"{dst_path} exists", errno.EEXIST)

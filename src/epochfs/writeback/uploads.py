@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.errors import BackendError, EpochfsError
+from epochfs.errors import BackendError, EpochfsError, KeyRefused
 from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.owed import Owed, Pending
@@ -29,6 +29,7 @@ from epochfs.writeback.tree import LocalFile, Overlay, Stored, Tree
 log = logging.getLogger(__name__)
 
 Publish = Callable[[dict[str, ObjectInfo], set[str]], Awaitable[None]]
+Fail = Callable[[LocalFile, str], None]  # a file that can never be uploaded as it is
 
 
 class Uploads:
@@ -37,7 +38,7 @@ class Uploads:
 
     def __init__(self, owed: Owed, journal: Journal, backend: Backend, tree: Tree, overlay: Overlay, *,
                  bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
-                 publish: Publish) -> None:
+                 publish: Publish, fail: Fail | None = None) -> None:
         self.owed = owed
         self.journal = journal
         self.backend = backend
@@ -47,6 +48,8 @@ class Uploads:
         self.concurrency = max(1, concurrency)
         self.demand_waiting = demand_waiting
         self.publish = publish
+        self.fail = fail
+        self._recorded: set[tuple[str, int, int, int]] = set()  # directories' attribute records written
         self._uploads_running = 0  # upload threads still running (abandoned ones included)
         self._uploads_done = threading.Condition()
 
@@ -79,15 +82,29 @@ class Uploads:
             started.append(upload_id)
             self.journal.put_multipart(upload_id, key)
 
+        dirs = self._directories(key)
+        mode, uid, gid = f.mode, f.uid, f.gid
+
         def upload() -> ObjectInfo:
             try:
+                # Owners and modes first (of the directories made here, then the file): a listing that
+                # sees the object sees its record, so it is never presented more open than written.
+                for d in dirs:
+                    self.backend.put_attributes(*d)
+                record = self.backend.put_attributes(key, mode, uid, gid)
                 fd = self.journal.open_data(f.id, os.O_RDONLY)  # this very file, whatever is at its name later
                 try:
-                    return self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
-                                                    cancelled=cancel, metadata=attributes,
-                                                    multipart_started=multipart_started)
+                    obj = self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
+                                                   cancelled=cancel, metadata=attributes,
+                                                   multipart_started=multipart_started)
                 finally:
                     os.close(fd)
+                self._recorded.update(dirs)
+                try:
+                    self.backend.drop_attributes(key, keep=record)  # an earlier version's, if other
+                except BackendError as exc:  # (left: the strictest of a key's records wins)
+                    log.warning("could not remove earlier attribute records of %s: %s", key, exc)
+                return obj
             finally:
                 with self._uploads_done:
                     self._uploads_running -= 1
@@ -104,6 +121,13 @@ class Uploads:
                 raise
             for upload_id in started:
                 self.journal.drop_multipart(upload_id)
+        except KeyRefused as exc:
+            self.owed.errors += 1
+            if self.fail is not None:
+                self.fail(f, str(exc))
+            else:
+                log.warning("%s", exc)
+            return
         except BackendError as exc:
             if not cancel.is_set():
                 self.owed.errors += 1
@@ -154,6 +178,20 @@ class Uploads:
         self.owed.touch()
         log.info("uploaded %s (%d bytes)", key, size)
 
+    def _directories(self, key: str) -> list[tuple[str, int, int, int]]:
+        """The attribute records owed for the directories made here above ``key`` (each once)."""
+        out = []
+        parent = key.rpartition("/")[0]
+        while parent:
+            node = self.tree.resolve(parent)
+            made = node.record() if node is not None and node.made_here and node.is_dir else None
+            if made is not None and made.mode is not None and made.uid is not None and made.gid is not None:
+                record = (parent + "/", made.mode, made.uid, made.gid)
+                if record not in self._recorded:
+                    out.append(record)
+            parent = parent.rpartition("/")[0]
+        return out
+
     async def _abort_unfinished(self) -> None:
         """Abort the multipart uploads nobody will complete (cut off by a crash, failed, cancelled)."""
         for upload_id, key in list(self.owed.aborts.items()):
@@ -185,7 +223,7 @@ class Uploads:
                     continue  # void meanwhile: a new file took the key
                 self.owed.deleting.add(key)
                 try:
-                    await trio.to_thread.run_sync(self.backend.delete, key, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(self._delete, key, abandon_on_cancel=True)
                 except BackendError as exc:
                     self.owed.errors += 1
                     if key in self.owed.deletes:
@@ -200,6 +238,14 @@ class Uploads:
                     self.owed.deleted.add(key)
                     self.owed.publish_now.set()
                     self.owed.touch()
+
+    def _delete(self, key: str) -> None:
+        """The object, then its attribute records (they are never less strict than an object there)."""
+        self.backend.delete(key)
+        try:
+            self.backend.drop_attributes(key)
+        except BackendError as exc:  # (left: harmless without its object, and strict with a new one)
+            log.warning("could not remove the attribute records of %s: %s", key, exc)
 
     async def _publisher(self) -> None:
         while True:
