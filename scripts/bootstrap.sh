@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 # fuse3: fusermount3 (mounts by users other than root); prometheus: promtool for the alert rule tests and the
 # server the scrape test starts on loopback; systemd: systemd-analyze for the unit file test; util-linux:
 # mount(8) for the fstab test, fincore for the page-cache probes;
-# redis-server: the shared metadata store tests
-packages=(fuse3 prometheus systemd util-linux redis-server)
+# redis-server: the shared metadata store tests; openssl: the certificates of the TLS store test
+packages=(fuse3 prometheus systemd util-linux redis-server openssl)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
 
 missing=()

@@ -256,20 +256,26 @@ def published(s3, s3_client, fresh_bucket, redis_server):
     yield files, redis.Redis(port=redis_server.port), f"epochfs:s3://{fresh_bucket}/:"
 
 
+def plain(value: bytes | str) -> bytes:
+    """A value as a store without a password holds it (format 3: a first byte 0, then the payload)."""
+    return b"\x00" + (value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value)
+
+
 def _corruptions(prefix: str):
     """(what, {key: value}) pairs, each a malformed field a shared store could hold for version 2."""
     from epochfs.meta.base import _RECORD
 
-    info = {"format": 2, "source": "x", "version": 2, "created": 1.0, "objects": 1, "chunks": 1}
+    info = {"format": 3, "source": "x", "version": 2, "created": 1.0, "objects": 1, "chunks": 1}
     v = f"{prefix}v2:"
     rec = _RECORD.pack(5, 0, 3, 3, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
-    return [
+    cases = [
         ("version not a number", {prefix + "current": b"two"}),
         ("version negative", {prefix + "current": b"-2"}),
         ("version huge", {prefix + "current": b"9" * 40}),
         ("info not JSON", {prefix + "current": b"2", v + "info": b"{oops"}),
         ("info a list", {prefix + "current": b"2", v + "info": b"[1]"}),
-        ("old format", {prefix + "current": b"2", v + "info": json.dumps({**info, "format": 1})}),
+        ("info too long", {prefix + "current": b"2", v + "info": json.dumps({**info, "pad": "x" * 5000})}),
+        ("old format", {prefix + "current": b"2", v + "info": json.dumps({**info, "format": 2})}),
         ("absurd chunk count", {prefix + "current": b"2", v + "info": json.dumps({**info, "chunks": 10**9})}),
         ("absurd object count", {prefix + "current": b"2", v + "info": json.dumps({**info, "objects": 10**12})}),
         ("created not a number", {prefix + "current": b"2", v + "info": json.dumps({**info, "created": "now"})}),
@@ -282,6 +288,10 @@ def _corruptions(prefix: str):
         ("fewer objects than the info says", {prefix + "current": b"2", v + "info": json.dumps({**info, "objects": 2}),
                                               v + "chunk:0": rec + b'abc"e"'}),
     ]
+    wrapped = [(what, {k: plain(val) for k, val in values.items()}) for what, values in cases]
+    # values of an earlier format (no first byte), or signed where this node holds no key to check
+    return [*wrapped, ("a value of the earlier format", {prefix + "current": b"2"}),
+            ("a value of no format", {prefix + "current": b"\x07" + b"2"})]
 
 
 @requires_fuse
@@ -304,7 +314,7 @@ def test_every_malformed_shared_snapshot_is_refused_and_the_mount_keeps_serving(
         assert "still serving version 1" in m.log()
         assert "Traceback" not in m.log()
 
-    r.set(prefix + "current", b"not-a-version")  # restarting on an invalid snapshot: this node's copy
+    r.set(prefix + "current", plain(b"not-a-version"))  # restarting on an invalid snapshot: this node's copy
     with m:
         assert "serving this node's copy of snapshot version 1" in m.log()
         for f in files:
@@ -416,18 +426,25 @@ def test_nodes_apply_each_others_change_sets_in_proportion(redis_server, tmp_pat
     assert "caught up from version 5 to 6 by 1 change sets" in caplog.text
     assert b.namespace.resolve("ckpt/3.pt") is not None and b.statistics().objects == 2004
 
+    from epochfs.meta.redis import _encode_removed
+
     r = redis.Redis(port=redis_server.port)
     prefix = "epochfs:two:"
-    bad = {"format": 2, "source": "s3://b/", "version": 7, "created": 1.0, "objects": -1, "chunks": 0,
+    bad = {"format": 3, "source": "s3://b/", "version": 7, "created": 1.0, "objects": -1, "chunks": 0,
            "base": 6, "removed": 1}
+    one = _encode_removed(["a"])
     for what, values in [
-        ("deleted keys not JSON", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": b"{"}),
-        ("deleted keys miscounted", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": b"[]"}),
-        ("base not before it", {f"{prefix}v7:info": json.dumps({**bad, "base": 7}), f"{prefix}v7:removed": b'["a"]'}),
+        ("deleted keys not decodable", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": b"{"}),
+        ("deleted keys miscounted", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": _encode_removed([])}),
+        ("deleted keys cut short", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": one[:-1]}),
+        ("deleted keys followed by bytes", {f"{prefix}v7:info": json.dumps(bad), f"{prefix}v7:removed": one + b"x"}),
+        ("a deleted key too long", {f"{prefix}v7:info": json.dumps(bad),
+                                    f"{prefix}v7:removed": _encode_removed(["k" * 5000])}),
+        ("base not before it", {f"{prefix}v7:info": json.dumps({**bad, "base": 7}), f"{prefix}v7:removed": one}),
         ("a count on a change set", {f"{prefix}v7:info": json.dumps({**bad, "objects": 3}),
-                                     f"{prefix}v7:removed": b'["a"]'}),
+                                     f"{prefix}v7:removed": one}),
     ]:
-        r.mset({**values, f"{prefix}current": b"7"})
+        r.mset({**{k: plain(v) for k, v in values.items()}, f"{prefix}current": plain(b"7")})
         with pytest.raises(SnapshotInvalid):
             trio.run(b.refresh)
         assert b.namespace.version == 6 and b.namespace.resolve("ckpt/3.pt") is not None, what
@@ -484,9 +501,11 @@ def test_fuzzed_change_sets_are_refused_or_applied_and_the_node_keeps_serving(re
     junk = [None, True, -1, 0, 1, 2, 10**20, 1.5, float("nan"), "x", "", [], {}, ["a"], [1], ["\udcff"],
             ["a" * 5000], ["../x", "", "a//b", "d0/"]]
     outcomes = {"applied": 0, "refused": 0}
+    from epochfs.meta.redis import _encode_removed
+
     for _ in range(150):
         version = node.namespace.version + 1
-        info = {"format": 2, "source": "s3://b/", "version": version, "created": 1.0, "objects": -1,
+        info = {"format": 3, "source": "s3://b/", "version": version, "created": 1.0, "objects": -1,
                 "chunks": 1, "base": node.namespace.version, "removed": 1}
         removed: object = [objs(200)[rng.randrange(200)].key]
         chunk = encode_objects([ObjectInfo(f"new/{version}", 3, 0, '"n"')])
@@ -502,13 +521,13 @@ def test_fuzzed_change_sets_are_refused_or_applied_and_the_node_keeps_serving(re
                     b[rng.randrange(len(b))] = rng.randrange(256)
                 chunk = bytes(b[:rng.randrange(len(b) + 1)]) if rng.random() < 0.3 else bytes(b)
         try:
-            raw_removed = json.dumps(removed).encode("utf-8", "surrogatepass")
-        except (TypeError, ValueError):
-            raw_removed = b"{"
+            raw_removed = _encode_removed(removed)  # type: ignore[arg-type]
+        except (TypeError, AttributeError, UnicodeEncodeError):
+            raw_removed = rng.randbytes(rng.randrange(12))
         before = node.namespace.version
-        r.mset({f"{prefix}v{version}:info": json.dumps(info).encode("utf-8", "surrogatepass"),
-                f"{prefix}v{version}:removed": raw_removed, f"{prefix}v{version}:chunk:0": chunk,
-                f"{prefix}current": str(version)})
+        r.mset({f"{prefix}v{version}:info": plain(json.dumps(info)),
+                f"{prefix}v{version}:removed": plain(raw_removed), f"{prefix}v{version}:chunk:0": plain(chunk),
+                f"{prefix}current": plain(str(version))})
         try:
             trio.run(node.refresh)
         except EpochfsError:
@@ -518,7 +537,7 @@ def test_fuzzed_change_sets_are_refused_or_applied_and_the_node_keeps_serving(re
             outcomes["applied"] += 1
         assert node.namespace.resolve("d1/f0000001.bin") is not None or node.namespace.version > before
         r.delete(*r.keys(f"{prefix}v{version}:*"))
-        r.set(f"{prefix}current", str(node.namespace.version))
+        r.set(f"{prefix}current", plain(str(node.namespace.version)))
         r.set(f"{prefix}next-version", str(node.namespace.version))
     assert outcomes["refused"] > 50 and outcomes["applied"] > 0, outcomes
     node.close()

@@ -17,6 +17,7 @@ from epochfs.backend.base import DEFAULT_ATTEMPTS, DEFAULT_CONCURRENCY, DEFAULT_
 from epochfs.cache import policies
 from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from epochfs.errors import ConfigError
+from epochfs.meta.base import StoreAccess
 from epochfs.prefetch.plan import DEFAULT_LEAD
 from epochfs.records import Source
 
@@ -166,6 +167,15 @@ class Config:
         None, "namespace", "metadata store: redis://HOST:PORT/DB to load the snapshot published by 'epochfs "
         "import' (shared by every node; the source is never listed), or lmdb://PATH (default: LMDB in the cache "
         "directory)", metavar="URL", parse=str, example='"redis://10.0.0.9:6379/0"')
+    meta_password_file: Path | None = option(
+        None, "namespace", "file holding the shared store's password (mode 0600, the daemon's user; or "
+        "EPOCHFS_META_PASSWORD): it authenticates the connection (a user name goes in the URL: "
+        "redis://USER@HOST:6379/0) and signs every record published, so owners and modes are taken only from "
+        "records its holders wrote; without it a shared store is not trusted for them", metavar="FILE",
+        parse=Path, example='"/etc/epochfs/redis-password"')
+    meta_ca_file: Path | None = option(
+        None, "namespace", "CA certificates a rediss:// store's certificate must chain to (default: the "
+        "system's)", metavar="FILE", parse=Path, example='"/etc/epochfs/redis-ca.pem"')
     meta_name: str | None = option(None, "namespace", "dataset name in a shared store (default: the source URL)",
                                    metavar="NAME", parse=str, example='"imagenet"')
     meta_poll: float = option(
@@ -238,6 +248,10 @@ class Config:
         None, "mount", "log here (default: stderr with --foreground, else <cache-dir>/epochfs.log)",
         metavar="FILE", parse=Path, example='"/var/log/epochfs/data.log"')
     debug: bool = option(False, "mount", "debug logging")
+
+    def store_access(self) -> StoreAccess:
+        """The shared store's password (from its file, else the environment) and certificates."""
+        return store_access(self.meta_password_file, self.meta_ca_file)
 
     def node_name(self) -> str:
         """The ``node`` label of every series: ``--node``, else the host name."""
@@ -317,6 +331,25 @@ class Config:
 
         check_options(listen_text=self.peer_listen, advertise=self.peer_advertise, token_file=self.peer_token_file,
                       meta=self.meta, cache=self.peer_cache, timeout=self.peer_timeout)
+
+
+#: Where a shared store's password may come from besides --meta-password-file (a container's secret).
+PASSWORD_ENV = "EPOCHFS_META_PASSWORD"
+
+
+def store_access(password_file: Path | None, ca_file: Path | None) -> StoreAccess:
+    """A shared store's access: the password from ``password_file`` (a private file) or
+    ``$EPOCHFS_META_PASSWORD``; ``ca_file`` checked to be readable."""
+    from epochfs.private import read_secret
+
+    password = None
+    if password_file is not None:
+        password = read_secret(password_file, "--meta-password-file")
+    elif os.environ.get(PASSWORD_ENV):
+        password = os.environ[PASSWORD_ENV].strip().encode("utf-8", "surrogateescape")
+    if ca_file is not None and not os.access(ca_file, os.R_OK):
+        raise ConfigError(f"--meta-ca-file {ca_file}: not a readable file")
+    return StoreAccess(password, str(ca_file) if ca_file is not None else None)
 
 
 def parse_mode(text: str) -> int:

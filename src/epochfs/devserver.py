@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import boto3
 import botocore.config
@@ -158,16 +159,70 @@ class LocalS3:
 
 class LocalRedis:
     """A redis-server (apt package redis-server) on 127.0.0.1, without persistence, for the shared
-    metadata store in tests and benchmarks."""
+    metadata store in tests and benchmarks. ``password``: the user ``epochfs`` needs it (and the URL
+    names that user); ``open_default``: the default user stays open without a password beside it (a
+    store anyone can write to, as a careless deployment has); ``tls``: TLS only, with a certificate of a
+    CA made here (``ca_file``; the ``openssl`` command makes them)."""
 
-    def __init__(self, workdir: Path) -> None:
+    USER = "epochfs"
+
+    def __init__(self, workdir: Path, *, password: str | None = None, open_default: bool = False,
+                 tls: bool = False) -> None:
         self.workdir = Path(workdir)
         self.port = free_ports(1)[0]
+        self.password = password
+        self.open_default = open_default
+        self.tls = tls
+        self.ca_file = self.workdir / "ca.crt" if tls else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        user = f"{self.USER}@" if self.password else ""
+        return f"{'rediss' if self.tls else 'redis'}://{user}127.0.0.1:{self.port}/0"
+
+    def client(self, *, as_default: bool = False) -> Any:
+        """A client of the store: as ``epochfs`` with the password, or ``as_default`` without one."""
+        import redis
+
+        tls = {"ssl": True, "ssl_ca_certs": str(self.ca_file), "ssl_cert_reqs": "required"} if self.tls else {}
+        if self.password and not as_default:
+            return redis.Redis(port=self.port, username=self.USER, password=self.password, **tls)
+        return redis.Redis(port=self.port, **tls)
+
+    def _config(self) -> Path:
+        lines = ["bind 127.0.0.1", 'save ""', "appendonly no", f"dir {self.workdir}"]
+        if self.password:
+            lines.append(f"user {self.USER} on >{self.password} ~* &* +@all")
+            lines.append("user default on nopass ~* &* +@all" if self.open_default else "user default off")
+        if self.tls:
+            self._certificates()
+            lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.workdir / 'server.crt'}",
+                      f"tls-key-file {self.workdir / 'server.key'}", f"tls-ca-cert-file {self.ca_file}",
+                      "tls-auth-clients no"]
+        else:
+            lines.append(f"port {self.port}")
+        path = self.workdir / "redis.conf"
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o600)
+        return path
+
+    def _certificates(self) -> None:
+        openssl = shutil.which("openssl")
+        if not openssl:
+            raise RuntimeError("openssl is missing: apt-get install openssl")
+        w = self.workdir
+
+        def run(*args: str) -> None:
+            subprocess.run([openssl, *args], check=True, capture_output=True)
+
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(w / "ca.key"), "-out", str(w / "ca.crt"),
+            "-days", "2", "-subj", "/CN=epochfs test CA")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(w / "server.key"), "-out", str(w / "server.csr"),
+            "-subj", "/CN=127.0.0.1")
+        (w / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run("x509", "-req", "-in", str(w / "server.csr"), "-CA", str(w / "ca.crt"), "-CAkey", str(w / "ca.key"),
+            "-CAcreateserial", "-out", str(w / "server.crt"), "-days", "2", "-extfile", str(w / "ext"))
 
     def start(self, timeout: float = 10.0) -> LocalRedis:
         import redis
@@ -176,10 +231,9 @@ class LocalRedis:
         if not binary:
             raise RuntimeError("redis-server is missing: apt-get install redis-server")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
+        self.proc = subprocess.Popen([binary, str(self._config())], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        client = self.client()
         deadline = time.monotonic() + timeout
         while True:
             try:

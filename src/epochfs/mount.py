@@ -42,6 +42,7 @@ from epochfs.jobs import Jobs
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
+from epochfs.meta.vouched import Vouched
 from epochfs.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
 from epochfs.mountpoint import check_mountpoint
 from epochfs.pack.listing import dataset_listing
@@ -161,7 +162,13 @@ class Daemon:
                                 make_policy(config.eviction))
         self.store.open()
         opened.callback(self.store.close)
-        meta = open_meta(config.meta, config.cache_dir, config.meta_name)
+        meta = open_meta(config.meta, config.cache_dir, config.meta_name, config.store_access())
+        if meta.shared and not meta.trusted:
+            log.warning("the shared store %s is not authenticated (no --meta-password-file): owners and modes "
+                        "are taken from the bucket's attribute records only, and an entry whose owner and mode "
+                        "only the store holds (a file:// source, a pack of one) is presented to the mount's owner "
+                        "only", meta.url)
+            meta = Vouched(meta, self.backend.attribute_records)
         with contextlib.ExitStack() as loading:
             loading.callback(meta.close)
             self.snapshots = Snapshots(meta, SnapshotSettings(

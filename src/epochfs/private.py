@@ -133,3 +133,27 @@ class PrivateLogFile(logging.handlers.RotatingFileHandler):
     def _open(self):  # type: ignore[no-untyped-def]
         fd = open_private(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
+def read_secret(path: Path | str, option: str, *, low: int = 1, high: int = 4096) -> bytes:
+    """The secret in ``path`` (stripped of surrounding white space, ``low`` to ``high`` bytes): a regular
+    file of this user that nobody else can read, opened without following a symlink and without
+    blocking (a FIFO there is refused, not waited on). ``option`` names it in errors."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{option} {path} is not a regular file")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(f"{option} {path} must belong to this user and be readable by nobody else "
+                              f"(chmod 600): it is mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}")
+        raw = os.read(fd, high + 4097)
+    finally:
+        os.close(fd)
+    secret = raw.strip()
+    if not low <= len(secret) <= high:
+        raise ConfigError(f"{option} {path}: the secret must be {low} to {high} bytes")
+    return secret

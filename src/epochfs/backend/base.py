@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from epochfs.backend import attrs
 from epochfs.errors import BackendUnavailable
 from epochfs.records import MAX_MTIME_NS, MIN_MTIME_NS, ObjectInfo, Source, record_problem
 from epochfs.stats import Histogram, HistogramSnapshot
@@ -200,6 +201,11 @@ class Backend(abc.ABC):
         it gets; None if it may. Checked when the name is made, so no write is accepted that could
         never be uploaded."""
         return None
+
+    def attribute_records(self) -> attrs.Records:
+        """The owners and modes the backend keeps for objects it holds (:mod:`epochfs.backend.attrs`);
+        none where it keeps no records (a directory's own are in its listing)."""
+        return attrs.Records()
 
     def put_attributes(self, key: str, mode: int, uid: int, gid: int) -> str | None:
         """Record ``key``'s owner and mode where every later listing finds them (before the object

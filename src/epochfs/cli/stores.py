@@ -20,7 +20,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "to the store, atomically: daemons mounting with --meta load it instead of listing.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     im.add_argument("source", metavar="SOURCE")
-    im.add_argument("--meta", required=True, metavar="URL", help="redis://HOST:PORT/DB or lmdb://PATH")
+    im.add_argument("--meta", required=True, metavar="URL", help="redis[s]://[USER@]HOST:PORT/DB or lmdb://PATH")
+    im.add_argument("--meta-password-file", type=Path, metavar="FILE",
+                    help="file holding the store's password (mode 0600; or EPOCHFS_META_PASSWORD): the records "
+                    "published are signed with it, and mounts with it take owners and modes from them")
+    im.add_argument("--meta-ca-file", type=Path, metavar="FILE",
+                    help="CA certificates a rediss:// store's certificate must chain to (default: the system's)")
     im.add_argument("--name", metavar="NAME", help="dataset name in the store (default: the source URL)")
     im.add_argument("--endpoint-url", metavar="URL")
     im.add_argument("--region", help="the bucket's region (default: from the AWS configuration, or as the "
@@ -65,13 +70,14 @@ def cmd_import(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from epochfs.backend import BackendSettings, open_backend
+    from epochfs.config import store_access
     from epochfs.meta import open_meta
     from epochfs.pack.listing import dataset_listing
 
     source = Source.parse(args.source)
     backend = open_backend(BackendSettings(source, endpoint_url=args.endpoint_url, region=args.region,
                                            profile=args.profile))
-    store = open_meta(args.meta, Path("."), args.name)
+    store = open_meta(args.meta, Path("."), args.name, store_access(args.meta_password_file, args.meta_ca_file))
     started = time.monotonic()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed:,} objects"),
                   TimeElapsedColumn()) as progress:

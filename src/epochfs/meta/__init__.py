@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from epochfs.errors import ConfigError
-from epochfs.meta.base import MetaStore, Snapshot
+from epochfs.meta.base import MetaStore, Snapshot, StoreAccess
 
 
-def open_meta(url: str | None, cache_dir: Path, name: str | None = None) -> MetaStore:
-    """The store for ``url``: ``lmdb://PATH`` or ``redis://HOST:PORT/DB``; None = LMDB in the cache dir."""
+def open_meta(url: str | None, cache_dir: Path, name: str | None = None,
+              access: StoreAccess | None = None) -> MetaStore:
+    """The store for ``url``: ``lmdb://PATH`` or ``redis[s]://[USER@]HOST:PORT/DB``; None = LMDB in the
+    cache dir. ``access``: a shared store's password and certificates."""
     if url is None:
         from epochfs.meta.lmdb import LmdbMetaStore
 
@@ -23,8 +25,8 @@ def open_meta(url: str | None, cache_dir: Path, name: str | None = None) -> Meta
     if url.startswith(("redis://", "rediss://")):
         from epochfs.meta.redis import RedisMetaStore
 
-        return RedisMetaStore(url, name)
+        return RedisMetaStore(url, name, access or StoreAccess())
     raise ConfigError(f"--meta {url!r}: expected lmdb://PATH or redis://HOST:PORT/DB")
 
 
-__all__ = ["MetaStore", "Snapshot", "open_meta"]
+__all__ = ["MetaStore", "Snapshot", "StoreAccess", "open_meta"]

@@ -31,6 +31,17 @@ class SnapshotInvalid(EpochfsError):
 
 
 @dataclass(frozen=True)
+class StoreAccess:
+    """How to reach a shared store and vouch for what it holds: ``password`` (read from a private file
+    or the environment, never the command line) authenticates the connection and signs every record
+    published, so a node takes owners and modes only from records signed with it; ``ca_file``: the
+    certificates a ``rediss://`` store's must chain to (default: the system's)."""
+
+    password: bytes | None = None
+    ca_file: str | None = None
+
+
+@dataclass(frozen=True)
 class Head:
     """What identifies a version, read without its objects."""
 
@@ -87,13 +98,23 @@ def encode_objects(objects: Iterable[ObjectInfo]) -> bytes:
     return bytes(out)
 
 
-def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
-    """The records of one chunk, every field checked; :class:`SnapshotInvalid` for the first bad one."""
+#: The attributes an entry is presented with when its record claims its own owner and mode but comes from
+#: a store that cannot vouch for them (:func:`decode_objects` with ``trusted=False``): the mount's owner
+#: only, until a source that can vouch (the bucket's attribute records) says otherwise.
+CLOSED_FILE, CLOSED_DIR = 0o400, 0o500
+
+
+def decode_objects(raw: bytes | memoryview, *, limit: int | None = None, trusted: bool = True) -> list[ObjectInfo]:
+    """The records of one chunk, every field checked; :class:`SnapshotInvalid` for the first bad one or
+    past ``limit`` records. Untrusted (a store that is not authenticated), a record's owner and mode
+    are not taken: one that claims its own is closed to the mount's owner (:data:`CLOSED_FILE`)."""
     data = bytes(raw)
     objects: list[ObjectInfo] = []
     append, unpack, head, end, pos = objects.append, _RECORD.unpack_from, _RECORD.size, len(data), 0
     problem_of = record_problem
     while pos < end:
+        if limit is not None and len(objects) >= limit:
+            raise SnapshotInvalid(f"more than {limit} records in one chunk")
         if pos + head > end:
             raise SnapshotInvalid(f"record at byte {pos} is cut short")
         size, mtime_ns, klen, elen, mode, uid, gid = unpack(data, pos)
@@ -114,8 +135,15 @@ def decode_objects(raw: bytes | memoryview) -> list[ObjectInfo]:
         problem = problem_of(obj, (klen, elen))
         if problem:
             raise SnapshotInvalid(f"record at byte {at}: {problem}")
+        if not trusted and (obj.mode is not None or obj.uid is not None or obj.gid is not None):
+            obj = closed(obj)
         append(obj)
     return objects
+
+
+def closed(obj: ObjectInfo) -> ObjectInfo:
+    """``obj`` presented to the mount's owner only (its claimed owner and mode not taken)."""
+    return obj._replace(mode=CLOSED_DIR if obj.key.endswith("/") or not obj.key else CLOSED_FILE, uid=None, gid=None)
 
 
 def merged(objects: Iterable[ObjectInfo], added: dict[str, ObjectInfo], removed: set[str]) -> list[ObjectInfo]:
@@ -149,6 +177,9 @@ class MetaStore(Protocol):
     url: str
     #: Shared by the nodes of a cluster: a node loads what was published and never lists the source.
     shared: bool
+    #: Whether the owners and modes it holds can be taken: only its holders can have written them (a
+    #: private directory, or a shared store whose records are signed with a secret no local user has).
+    trusted: bool
 
     def head(self, source: str) -> Head | None:
         """The current version's number, time and size, without its objects (None if none was

@@ -63,6 +63,7 @@ class _Stored:
 
 class LmdbMetaStore:
     shared = False
+    trusted = True  # in the private cache directory (or a path root chose)
 
     def __init__(self, path: Path):
         self.path = Path(path)

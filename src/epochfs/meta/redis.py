@@ -13,19 +13,32 @@ written beside it (:meth:`compact`, without the lock: a version never changes on
 node that has no version to start from loads the newest full copy and the change sets after it.
 Versions far behind the newest full copy are deleted (a node loading one right then sees it vanish and
 retries with the current one).
+
+Whoever can write to the store decides what the namespace holds, so what it may decide is bounded. With
+a password (:class:`~epochfs.meta.base.StoreAccess`: from a private file, never the command line) the
+connection is authenticated and every value the nodes write is signed (a keyed BLAKE3 MAC over the
+value and the key it is stored under, with a key derived from the password): a value that is not signed
+with it is refused, and owners and modes are taken from the records. Without one the store is not
+trusted for them: a record that claims its own owner and mode is presented to the mount's owner only
+(:func:`~epochfs.meta.base.decode_objects`), until the bucket's own attribute records say otherwise.
+Every value is bounded in what it costs to decode: an info record of at most 4 KiB of JSON, chunks of
+at most ``_CHUNK`` records, deleted keys as length-prefixed UTF-8.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
 import re
+import struct
 import time
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import blake3
 import redis
 
 from epochfs.errors import BackendUnavailable, ConfigError
@@ -36,6 +49,7 @@ from epochfs.meta.base import (
     Progress,
     Snapshot,
     SnapshotInvalid,
+    StoreAccess,
     decode_objects,
     encode_objects,
 )
@@ -43,8 +57,13 @@ from epochfs.records import MAX_KEY_BYTES, ObjectInfo
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 2
+_FORMAT = 3
 _CHUNK = 20_000  # objects per chunk value
+_MAX_INFO = 4096  # bytes of an info record's JSON
+_SIGNED, _PLAIN = b"\x01", b"\x00"  # the first byte of every value: signed (a 16-byte MAC follows) or not
+_MAC = 16
+_KEY_CONTEXT = "epochfs 2026-12-02 shared store records v1 MAC key"
+_COUNT = struct.Struct("<I")
 _KEEP = 2  # full versions kept by an import: the current one and the one before
 COMPACT_AFTER = 64  # change sets after a full copy before another is written
 _LAG = 2 * COMPACT_AFTER  # change sets kept behind the newest full copy, for nodes catching up
@@ -87,6 +106,8 @@ def _version(raw: bytes, where: str) -> int:
 def _info(raw: bytes, version: int, url: str) -> _Info:
     """The info record of a version, checked: the right format and version, counts in range."""
     what = f"snapshot version {version} in {url}"
+    if len(raw) > _MAX_INFO:
+        raise SnapshotInvalid(f"{what}: its info is longer than {_MAX_INFO} bytes")
     try:
         info = json.loads(raw)
     except ValueError:
@@ -115,40 +136,112 @@ def _info(raw: bytes, version: int, url: str) -> _Info:
     return _Info(source, float(created), objects, chunks, base, removed if change else 0)
 
 
+def _encode_removed(keys: list[str]) -> bytes:
+    """Deleted keys as a count, then each key's UTF-8 length and bytes."""
+    out = bytearray(_COUNT.pack(len(keys)))
+    for key in keys:
+        raw = key.encode("utf-8")
+        out += _COUNT.pack(len(raw)) + raw
+    return bytes(out)
+
+
 def _removed(raw: bytes | None, expected: int, what: str) -> set[str]:
+    """The deleted keys of a change set, checked (``expected`` of them, each UTF-8 of at most
+    ``MAX_KEY_BYTES`` without NUL): decoding costs their bytes, nothing more."""
     if raw is None:
         raise SnapshotInvalid(f"{what}: its deleted keys are missing")
+    if len(raw) < _COUNT.size or _COUNT.unpack_from(raw)[0] != expected:
+        raise SnapshotInvalid(f"{what}: its deleted keys are not the {expected} its info says")
+    keys, pos = set(), _COUNT.size
+    for _ in range(expected):
+        if pos + _COUNT.size > len(raw):
+            raise SnapshotInvalid(f"{what}: its deleted keys are cut short")
+        (size,) = _COUNT.unpack_from(raw, pos)
+        pos += _COUNT.size
+        if size > MAX_KEY_BYTES or pos + size > len(raw):
+            raise SnapshotInvalid(f"{what}: a deleted key is longer than {MAX_KEY_BYTES} bytes or cut short")
+        try:
+            key = raw[pos:pos + size].decode("utf-8")
+        except UnicodeDecodeError:
+            raise SnapshotInvalid(f"{what}: a deleted key is not UTF-8") from None
+        if "\x00" in key:
+            raise SnapshotInvalid(f"{what}: a deleted key holds a NUL")
+        keys.add(key)
+        pos += size
+    if pos != len(raw):
+        raise SnapshotInvalid(f"{what}: bytes follow its deleted keys")
+    return keys
+
+
+def _plain_url(url: str) -> tuple[urllib.parse.ParseResult, str]:
+    """The URL parsed, and as logs and errors show it (no user name's password: there is none)."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
+        raise ConfigError(f"--meta {url!r}: expected redis[s]://[USER@]HOST[:PORT][/DB]")
+    if parsed.password is not None:
+        raise ConfigError("--meta: a password in the URL would show in process listings and logs; put it in "
+                          "a file of mode 0600 and give --meta-password-file (or EPOCHFS_META_PASSWORD)")
     try:
-        keys = json.loads(raw)
+        port = parsed.port or 6379
     except ValueError:
-        raise SnapshotInvalid(f"{what}: its deleted keys are not JSON") from None
-    if not isinstance(keys, list) or len(keys) != expected or not all(_key_ok(k) for k in keys):
-        raise SnapshotInvalid(f"{what}: its deleted keys are malformed")
-    return set(keys)
-
-
-def _key_ok(key: object) -> bool:
-    """A deleted key as a record's key may be: text that is UTF-8 (JSON can carry lone surrogates),
-    at most ``MAX_KEY_BYTES``."""
-    if not isinstance(key, str):
-        return False
-    try:
-        return len(key.encode("utf-8")) <= MAX_KEY_BYTES
-    except UnicodeEncodeError:
-        return False
+        raise ConfigError(f"--meta {url!r}: the port is not a number") from None
+    user = f"{parsed.username}@" if parsed.username else ""
+    return parsed, f"{parsed.scheme}://{user}{parsed.hostname}:{port}{parsed.path or '/0'}"
 
 
 class RedisMetaStore:
     shared = True
 
-    def __init__(self, url: str, name: str | None = None) -> None:
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
-            raise ConfigError(f"--meta {url!r}: expected redis://HOST[:PORT][/DB]")
-        self.url = f"{parsed.scheme}://{parsed.hostname}:{parsed.port or 6379}{parsed.path or '/0'}"
+    def __init__(self, url: str, name: str | None = None, access: StoreAccess | None = None) -> None:
+        access = access or StoreAccess()
+        parsed, self.url = _plain_url(url)
         self.name = name
-        self._redis = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5,
-                                           health_check_interval=30)
+        self._key = (blake3.blake3(access.password, derive_key_context=_KEY_CONTEXT).digest()
+                     if access.password else None)
+        #: Owners and modes are taken only from values signed with the password.
+        self.trusted = self._key is not None
+        tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
+               **({"ssl_ca_certs": access.ca_file} if access.ca_file else {})} if parsed.scheme == "rediss" else {}
+        if access.ca_file and parsed.scheme != "rediss":
+            raise ConfigError("--meta-ca-file is for a TLS store: use rediss://")
+        self._redis = redis.Redis.from_url(
+            url, password=access.password.decode("utf-8", "surrogateescape") if access.password else None,
+            socket_timeout=10, socket_connect_timeout=5, health_check_interval=30, **tls)
+
+    # -- signed values -------------------------------------------------------------------------------
+
+    def _mac(self, name: str, payload: bytes) -> bytes:
+        assert self._key is not None
+        mac = blake3.blake3(key=self._key)
+        raw = name.encode("utf-8")
+        mac.update(len(raw).to_bytes(8, "little"))
+        mac.update(raw)
+        mac.update(payload)
+        return mac.digest(_MAC)
+
+    def _wrap(self, name: str, payload: bytes) -> bytes:
+        """The value stored under ``name``: signed when this node holds the password."""
+        return _PLAIN + payload if self._key is None else _SIGNED + self._mac(name, payload) + payload
+
+    def _unwrap(self, name: str, raw: bytes | None) -> bytes | None:
+        """The payload of the value stored under ``name`` (None if there is none): with the password,
+        only a value signed with it for that very key (:class:`SnapshotInvalid` otherwise)."""
+        if raw is None:
+            return None
+        if raw[:1] == _PLAIN and self._key is None:
+            return raw[1:]
+        if raw[:1] != _SIGNED or len(raw) < 1 + _MAC:
+            raise SnapshotInvalid(f"{name} in {self.url} is not a value of this epochfs (format {_FORMAT})"
+                                  + ("; it is not signed: publish it again with --meta-password-file"
+                                     if self._key is not None and raw[:1] == _PLAIN else ""))
+        payload = raw[1 + _MAC:]
+        if self._key is not None and not hmac.compare_digest(raw[1:1 + _MAC], self._mac(name, payload)):
+            raise SnapshotInvalid(f"{name} in {self.url} is not signed with this store's password (written by "
+                                  "someone who does not hold it): refused")
+        return payload
+
+    def _get(self, name: str) -> bytes | None:
+        return self._unwrap(name, self._call(self._redis.get, name))
 
     def _prefix(self, source: str) -> str:
         return f"epochfs:{self.name or source}:"
@@ -164,15 +257,16 @@ class RedisMetaStore:
             raise MetaUnavailable(f"metadata store {self.url}: {_plain(exc)}") from None
 
     def current_version(self, source: str) -> int | None:
-        raw = self._call(self._redis.get, self._prefix(source) + "current")
-        return None if raw is None else _version(raw, f"{self._prefix(source)}current")
+        name = self._prefix(source) + "current"
+        raw = self._get(name)
+        return None if raw is None else _version(raw, name)
 
     def head(self, source: str) -> Head | None:
         for _ in range(3):  # the version may be replaced while we read it
             version = self.current_version(source)
             if version is None:
                 return None
-            raw = self._call(self._redis.get, f"{self._prefix(source)}v{version}:info")
+            raw = self._get(f"{self._prefix(source)}v{version}:info")
             if raw is not None:
                 info = _info(raw, version, self.url)
                 return Head(info.source, version, info.created, info.objects)
@@ -184,7 +278,7 @@ class RedisMetaStore:
         commands, so they land before what names them). The number of chunks."""
         chunks = 0
         for start in range(0, len(objects), _CHUNK):
-            pipe.set(f"{key}{chunks}", encode_objects(objects[start:start + _CHUNK]))
+            pipe.set(f"{key}{chunks}", self._wrap(f"{key}{chunks}", encode_objects(objects[start:start + _CHUNK])))
             chunks += 1
             if chunks % 10 == 0:
                 self._call(pipe.execute)
@@ -202,14 +296,14 @@ class RedisMetaStore:
             chunks = self._call(pipe.execute)
             if any(c is None for c in chunks):
                 return None
-            for c in chunks:
-                objects += decode_objects(c)
+            for n, c in enumerate(chunks, start=first):
+                objects += decode_objects(self._unwrap(f"{vp}{name}{n}", c) or b"", limit=_CHUNK, trusted=self.trusted)
             if len(objects) > limit:
                 raise SnapshotInvalid(f"{what} holds more objects than its info says ({limit})")
         return objects
 
     def _version_info(self, source: str, version: int) -> _Info:
-        raw = self._call(self._redis.get, f"{self._prefix(source)}v{version}:info")
+        raw = self._get(f"{self._prefix(source)}v{version}:info")
         if raw is None:
             raise _Gone
         return _info(raw, version, self.url)
@@ -220,9 +314,11 @@ class RedisMetaStore:
         vp = f"{self._prefix(source)}v{version}:"
         what = f"snapshot version {version} in {self.url}"
         if info.base is not None:
-            whole = self._call(self._redis.get, vp + "full")
+            whole = self._get(vp + "full")
             if whole is None:
                 return None
+            if len(whole) > _MAX_INFO:
+                raise SnapshotInvalid(f"{what}: its full copy's record is longer than {_MAX_INFO} bytes")
             try:
                 copy = json.loads(whole)
                 objects, chunks = copy["objects"], copy["chunks"]
@@ -247,7 +343,7 @@ class RedisMetaStore:
         added = self._chunks(vp, "chunk:", info.chunks, MAX_OBJECTS, what)
         if added is None:
             raise _Gone
-        removed = _removed(self._call(self._redis.get, vp + "removed"), info.removed, what)
+        removed = _removed(self._get(vp + "removed"), info.removed, what)
         return Change(version, info.created, {o.key: o for o in added}, removed)
 
     def changes(self, source: str, after: int, upto: int) -> list[Change] | None:
@@ -313,11 +409,12 @@ class RedisMetaStore:
         pipe = self._redis.pipeline(transaction=False)
         chunks = self._set_chunks(pipe, f"{vp}chunk:", listed, progress)
         created = time.time()
-        pipe.set(vp + "info", json.dumps({"format": _FORMAT, "source": source, "version": version,
-                                          "created": created, "objects": len(listed), "chunks": chunks}))
+        pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
+            "format": _FORMAT, "source": source, "version": version, "created": created, "objects": len(listed),
+            "chunks": chunks}).encode()))
         self._call(pipe.execute)
-        self._call(self._redis.set, prefix + "current", str(version))  # the atomic switch
-        self._call(self._redis.set, prefix + "full", str(version))
+        self._call(self._redis.set, prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch
+        self._call(self._redis.set, prefix + "full", self._wrap(prefix + "full", str(version).encode()))
         if progress:
             progress(len(listed))
         self._forget(prefix, version - _KEEP + 1, 10)
@@ -342,12 +439,12 @@ class RedisMetaStore:
             gone = sorted(removed - added.keys())
             pipe = self._redis.pipeline(transaction=False)
             chunks = self._set_chunks(pipe, f"{vp}chunk:", records)
-            pipe.set(vp + "removed", json.dumps(gone))
+            pipe.set(vp + "removed", self._wrap(vp + "removed", _encode_removed(gone)))
             created = time.time()
-            pipe.set(vp + "info", json.dumps({"format": _FORMAT, "source": source, "version": version,
-                                              "created": created, "objects": -1, "chunks": chunks,
-                                              "base": base, "removed": len(gone)}))
-            pipe.set(prefix + "current", str(version))  # the switch, after the version's own keys
+            pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
+                "format": _FORMAT, "source": source, "version": version, "created": created, "objects": -1,
+                "chunks": chunks, "base": base, "removed": len(gone)}).encode()))
+            pipe.set(prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch, last
             self._call(pipe.execute)
             return Head(source, version, created, -1, base=base)
         finally:
@@ -359,8 +456,11 @@ class RedisMetaStore:
     def compaction_due(self, source: str) -> bool:
         """Whether the current version is ``COMPACT_AFTER`` change sets past the newest full copy."""
         current = self.current_version(source)
-        raw = self._call(self._redis.get, self._prefix(source) + "full")
-        full = int(raw) if raw is not None and raw.isdigit() else 0
+        try:
+            raw = self._get(self._prefix(source) + "full")
+        except SnapshotInvalid:
+            raw = None
+        full = int(raw) if raw is not None and raw.isdigit() and len(raw) <= 18 else 0
         return current is not None and current - full >= COMPACT_AFTER
 
     def compact(self, source: str) -> int | None:
@@ -373,8 +473,8 @@ class RedisMetaStore:
         vp = f"{prefix}v{version}:"
         pipe = self._redis.pipeline(transaction=False)
         chunks = self._set_chunks(pipe, f"{vp}fullchunk:", objects)
-        pipe.set(vp + "full", json.dumps({"objects": len(objects), "chunks": chunks}))
-        pipe.set(prefix + "full", str(version))
+        pipe.set(vp + "full", self._wrap(vp + "full", json.dumps({"objects": len(objects), "chunks": chunks}).encode()))
+        pipe.set(prefix + "full", self._wrap(prefix + "full", str(version).encode()))
         self._call(pipe.execute)
         self._forget(prefix, version - _LAG, COMPACT_AFTER + 8)
         log.info("wrote a full copy of snapshot version %d of %s (%d objects)", version, source,
@@ -406,10 +506,11 @@ class RedisMetaStore:
         self._call(self._redis.zrem, self._prefix(source) + "peers", member)
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
-        self._call(self._redis.set, f"{self._prefix(source)}manifest:{name}", text.encode())
+        key = f"{self._prefix(source)}manifest:{name}"
+        self._call(self._redis.set, key, self._wrap(key, text.encode()))
 
     def get_manifest(self, source: str, name: str) -> str | None:
-        raw = self._call(self._redis.get, f"{self._prefix(source)}manifest:{name}")
+        raw = self._get(f"{self._prefix(source)}manifest:{name}")
         if raw is None:
             return None
         try:

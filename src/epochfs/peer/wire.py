@@ -29,7 +29,6 @@ import hmac
 import ipaddress
 import os
 import re
-import stat
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from pathlib import Path
 import blake3
 
 from epochfs.errors import ConfigError
+from epochfs.private import read_secret
 from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, text_problem
 
 PREFIX = "/v2/block/"
@@ -213,25 +213,12 @@ def parse_target(raw: bytes) -> BlockRequest:
 def load_token(path: Path) -> bytes:
     """The shared token from ``path``: a regular file of this user that nobody else can read."""
     try:
-        # O_NONBLOCK: a FIFO planted there must not hang the mount (it is refused below, not read)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError as exc:
-        raise ConfigError(f"--peer-token-file {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"--peer-token-file {path} is not a regular file")
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ConfigError(f"--peer-token-file {path} must belong to this user and be readable by nobody "
-                              f"else (chmod 600): it is mode {stat.S_IMODE(st.st_mode):04o}, uid {st.st_uid}")
-        raw = os.read(fd, MAX_TOKEN + 1)
-    finally:
-        os.close(fd)
-    token = raw.strip()
-    if not MIN_TOKEN <= len(token) <= MAX_TOKEN:
-        raise ConfigError(f"--peer-token-file {path}: the token must be {MIN_TOKEN} to {MAX_TOKEN} bytes "
-                          "(e.g. from: openssl rand -hex 32)")
-    return token
+        return read_secret(path, "--peer-token-file", low=MIN_TOKEN, high=MAX_TOKEN)
+    except ConfigError as exc:
+        if "the secret must be" in str(exc):
+            raise ConfigError(f"--peer-token-file {path}: the token must be {MIN_TOKEN} to {MAX_TOKEN} bytes "
+                              "(e.g. from: openssl rand -hex 32)") from None
+        raise
 
 
 def split_addr(text: str, *, any_port: bool = False) -> tuple[str, int] | None:
