@@ -63,24 +63,71 @@ def test_source_modes_and_owners_are_presented_and_uniform_options_override_them
     assert stat.S_IMODE(lookup(uniform, "d").st_mode) == 0o550
 
 
-def test_a_listing_keeps_the_snapshot_it_was_opened_on(monkeypatch):
+def test_a_listing_holds_no_version_and_continues_from_any_offset_at_once(monkeypatch):
+    """A listing is the directory as it is now: a refresh while it is open neither breaks it nor is held
+    back by it (the handle holds no version of the tree), and the kernel's offset of any entry (a seek,
+    telldir/seekdir) continues the listing from that entry with one lookup, on whichever version is
+    current, each name once."""
+    from epochfs.meta.namespace import name_cookie
+
     before = ns(*(ObjectInfo(f"d/{i:03d}", 1, 0, "e") for i in range(50)))
-    after = build_namespace([ObjectInfo("other/x", 1, 0, "e")], mtime_ns=2, previous=before)
+    after = build_namespace([*(ObjectInfo(f"d/{i:03d}", 1, 0, "e") for i in range(50)),
+                             ObjectInfo("d/new", 1, 0, "e")], mtime_ns=2, previous=before)
     ops = ops_for(before)
-    listed: list[bytes] = []
+    listed: list[tuple[bytes, int]] = []
 
     def reply(token, name, attrs, next_id):
-        listed.append(name)
+        listed.append((name, next_id))
         return len(listed) % 10 != 0  # the kernel's buffer fills every 10 entries
 
     monkeypatch.setattr(fuse, "readdir_reply", reply)
     d = run(ops.lookup, ROOT_INODE, b"d", CTX).st_ino
     fh = run(ops.opendir, d, CTX)
+    assert ops._dirs[fh].inode == d  # (the node alone)
     run(ops.readdir, fh, 0, None)
+    before.close()  # nothing of the listing needs the version it began on
     ops.namespace = after  # a refresh switches snapshots while the listing is open
-    while len(listed) < 50:
-        run(ops.readdir, fh, len(listed), None)
-    assert listed == [f"{i:03d}".encode() for i in range(50)]
+    while True:
+        had = len(listed)
+        run(ops.readdir, fh, listed[-1][1], None)
+        if len(listed) == had:
+            break
+    names = [n for n, _ in listed]
+    assert sorted(names) == sorted([f"{i:03d}".encode() for i in range(50)] + [b"new"])
+    assert names == sorted(names, key=lambda n: (name_cookie(n), n)) and len(set(names)) == len(names)
+    for k in (0, 7, 23, 49):  # a seek to the offset of entry k lists what follows it, at once
+        name, offset = listed[k]
+        tail = len(listed)
+        run(ops.readdir, fh, offset, None)
+        assert listed[tail][0] == names[k + 1]
+    run(ops.releasedir, fh)
+
+
+def test_a_readdir_costs_the_entries_it_answers_wherever_it_starts(monkeypatch):
+    """In a directory of 20,000 names, a listing started at any offset (a seek far into it, an offset
+    no entry has, the very end) decodes only the entries it answers, never the ones before."""
+    from epochfs.meta.namespace import Namespace
+
+    big = ns(*(ObjectInfo(f"d/{i:06d}", 1, 0, "e") for i in range(20_000)))
+    ops = ops_for(big)
+    d = run(ops.lookup, ROOT_INODE, b"d", CTX).st_ino
+    fh = run(ops.opendir, d, CTX)
+    cookies = [c for c, _, _ in big.entries_after(d, 0)]
+    decoded = []
+    real = Namespace._found
+    monkeypatch.setattr(Namespace, "_found", lambda self, raw: decoded.append(1) or real(self, raw))
+    answered: list[bytes] = []
+
+    def reply(token, name, attrs, next_id):
+        answered.append(name)
+        return len(answered) % 16 != 0
+
+    monkeypatch.setattr(fuse, "readdir_reply", reply)
+    for offset in (cookies[19_000], cookies[5] + 1, cookies[-1], (1 << 62) - 1, 12345):
+        decoded.clear()
+        answered.clear()
+        run(ops.readdir, fh, offset, None)
+        assert len(decoded) <= len(answered) + 1, (offset, len(decoded))
     run(ops.releasedir, fh)
 
 

@@ -370,3 +370,67 @@ def test_idle_connections_cannot_block_the_metrics_scrapes(s3_client, fresh_buck
         finally:
             for s in idle:
                 s.close()
+
+
+GETDENTS = r'''
+import ctypes, os, random, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+buf = ctypes.create_string_buffer(4096)
+def getdents():
+    n = libc.syscall(217, fd, buf, 4096)  # getdents64
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "getdents64")
+    return n
+getdents()  # the handle is open and has read a little
+print("open", flush=True)
+rng = random.Random(int(sys.argv[2]))
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:  # seek anywhere and read on, as long as it is told
+    os.lseek(fd, rng.randrange(1 << 62), os.SEEK_SET)
+    getdents()
+time.sleep(float(sys.argv[4]))
+'''
+
+
+def test_a_directory_held_open_or_seeked_by_another_user_holds_nothing_back(shared_dir, mount_factory):
+    """Another user holds a listing of a large directory open (reading on from random offsets) while the
+    source changes and the mount refreshes again and again: every refresh succeeds, the namespace index
+    does not grow by a copy per refresh (nothing the handle holds pins a version), and the listing and
+    lookups of everyone else go on."""
+    src = shared_dir / "src"
+    big = src / "big"
+    big.mkdir(parents=True)
+    for i in range(5000):
+        (big / f"{i:05d}.bin").write_bytes(b"")
+    os.chmod(src, 0o755)
+    os.chmod(big, 0o755)
+    m = mount_factory(f"file://{src}", "--allow-other", name="unused")
+    m.mountpoint = shared_dir / "mnt"
+    m.mountpoint.mkdir()
+    with m:
+        script = shared_dir / "getdents.py"
+        script.write_text(GETDENTS)
+        script.chmod(0o644)
+        holders = [subprocess.Popen(["runuser", "-u", "nobody", "--", "python3", str(script), str(m.mountpoint / "big"),
+                                     str(seed), str(seconds), "60"], stdout=subprocess.PIPE, text=True)
+                   for seed, seconds in ((1, 0), (2, 20))]
+        try:
+            for h in holders:
+                assert h.stdout.readline() == "open\n"
+            index = m.cache_dir / "namespace" / "data.mdb"
+            sizes = []
+            for i in range(12):
+                (src / f"new{i}.bin").write_bytes(b"x")
+                r = subprocess.run([*EPOCHFS, "refresh", str(m.mountpoint)], capture_output=True, text=True,
+                                   timeout=60)
+                assert r.returncode == 0, r.stderr
+                sizes.append(index.stat().st_size)
+                assert (m.mountpoint / f"new{i}.bin").read_bytes() == b"x"
+            assert sizes[-1] <= 2 * sizes[1], sizes  # (a pinned version grew it by a copy per refresh)
+            assert len(os.listdir(m.mountpoint / "big")) == 5000
+            assert all(h.poll() is None for h in holders)  # their listings still open, never an error
+        finally:
+            for h in holders:
+                h.kill()
+                h.wait()

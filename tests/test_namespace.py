@@ -1,7 +1,7 @@
 import logging
 
 from epochfs.meta.index import build as build_namespace
-from epochfs.meta.namespace import ROOT_INODE, Dir, File, unsafe_reason
+from epochfs.meta.namespace import ROOT_INODE, Dir, File, name_cookie, unsafe_reason
 from epochfs.records import ObjectInfo
 
 
@@ -10,7 +10,10 @@ def obj(key, size=1):
 
 
 def names(ns, node):
-    return [name for name, _ in ns.entries(node.inode)]
+    """A directory's names, sorted (a listing gives them in cookie order: checked here too)."""
+    listed = [name for name, _ in ns.entries(node.inode)]
+    assert listed == sorted(listed, key=lambda n: (name_cookie(n), n))
+    return sorted(listed)
 
 
 def test_tree_and_lookup():
@@ -159,7 +162,7 @@ def test_paths_longer_than_an_index_key_resolve_and_change():
     f = ns.resolve(deep + "/f")
     assert isinstance(f, File) and f.obj.size == 3
     parent = ns.resolve(deep)
-    assert [name for name, _ in ns.entries(parent.inode)] == [b"f", b"g"]
+    assert names(ns, parent) == [b"f", b"g"]
     assert ns.lookup(parent.inode, b"g").obj.size == 4
     ns2, _ = index.apply({deep + "/f": obj(deep + "/f", 9)}, {deep + "/g"}, version=2, created=2.0)
     assert ns2.info["objects"] == 1
@@ -170,7 +173,11 @@ def test_paths_longer_than_an_index_key_resolve_and_change():
 def test_walk_gives_every_file_under_a_directory_once():
     ns = build_namespace([obj(k) for k in ("a/x", "a/b/c", "a/b/d/e", "a.txt", "b/y", "a/b/d/f", "a/z")])
     a = ns.resolve("a")
-    assert [f.path for f in ns.walk(a.inode)] == ["a/b/c", "a/b/d/e", "a/b/d/f", "a/x", "a/z"]
+    walked = [f.path for f in ns.walk(a.inode)]
+    assert sorted(walked) == ["a/b/c", "a/b/d/e", "a/b/d/f", "a/x", "a/z"]
+    for under in ("a/b/", "a/b/d/"):  # depth first: a directory's files come together
+        at = [i for i, p in enumerate(walked) if p.startswith(under)]
+        assert at == list(range(at[0], at[0] + len(at)))
     assert sorted(f.path for f in ns.walk(ROOT_INODE)) == sorted(f.path for f in ns.files())
 
 

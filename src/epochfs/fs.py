@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
-import itertools
 import logging
 import os
 import stat
@@ -34,7 +33,7 @@ from epochfs.cache.members import MemberStream
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
-from epochfs.meta.namespace import ROOT_INODE, Dir, Namespace
+from epochfs.meta.namespace import ROOT_INODE, Namespace
 from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
 from epochfs.writeback.service import WriteBack
@@ -177,7 +176,7 @@ class Operations:
         self._bound: OrderedDict[tuple[int, int], ReadStream | MemberStream] = OrderedDict()
         self._retired: OrderedDict[int, Node] = OrderedDict()
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
-        self._dirs: dict[int, list[tuple[bytes, Node]] | tuple[Namespace, Dir, list[Any]]] = {}
+        self._dirs: dict[int, Node] = {}  # open directories: only the node (no version of the tree is held)
         self._next_fh = 1
         self._file_default, self._dir_default = (0o644, 0o755) if self.present.writable else (0o444, 0o555)
 
@@ -282,33 +281,23 @@ class Operations:
         if not node.is_dir:
             raise fuse.FUSEError(errno.ENOTDIR)
         fh = self._new_fh()
-        # A listing reads the tree it was opened on: the snapshot's directory as it is (cheap), or, with
-        # this node's changes on top, the names as they are now.
-        if self.tree.overlay and (node.made_here or node.path in self.tree.overlay.children
-                                  or self.tree.overlay.hidden):
-            self._dirs[fh] = self.tree.listing(node)
-        else:
-            assert node.in_snapshot
-            self._dirs[fh] = (self.namespace, node, [0, b""])  # the offset and the name read last
+        self._dirs[fh] = node
         return fh
 
     @_translated
     def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
-        listing = self._dirs[fh]
-        if isinstance(listing, list):
-            for i in range(start_id, len(listing)):
-                name, child = listing[i]
-                if not fuse.readdir_reply(token, name, self._attrs(child), i + 1):
-                    break
-            return
-        namespace, node, at = listing
-        if start_id != at[0]:  # a seek: walk to it
-            skipped = list(itertools.islice(namespace.entries(node.inode), start_id))
-            at[:] = [len(skipped), skipped[-1][0] if skipped else b""]
-        for name, child in namespace.entries(node.inode, at[1]):
-            if not fuse.readdir_reply(token, name, self._attrs(child), at[0] + 1):
-                break
-            at[:] = [at[0] + 1, name]
+        """A listing is the directory as it is now, in cookie order; the offset of each entry is its
+        cookie (the one before it where two names share one, so the second is repeated at worst, never
+        lost). A handle holds no version of the tree, and continuing from any offset is one lookup."""
+        held: tuple[int, bytes, Node] | None = None
+        for entry in self.tree.entries(self._dirs[fh], start_id):
+            if held is not None:
+                cookie, name, child = held
+                if not fuse.readdir_reply(token, name, self._attrs(child), cookie if entry[0] != cookie else cookie - 1):
+                    return
+            held = entry
+        if held is not None:
+            fuse.readdir_reply(token, held[1], self._attrs(held[2]), held[0])
 
     @_translated
     def releasedir(self, fh: int) -> None:

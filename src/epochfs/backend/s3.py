@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import boto3.exceptions
@@ -55,6 +55,7 @@ from epochfs.errors import (
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
 _CHANGED_STATUS = {404, 412, 416}  # gone, another version, or shorter than the snapshot says
@@ -340,28 +341,12 @@ class S3Backend(Backend):
     def attribute_records(self) -> attrs.Records:
         """The source's attribute records: one listing of the reserved prefix."""
         records = attrs.Records()
-        paginator = self._client.get_paginator("list_objects_v2")
         where = self.prefix + attrs.ATTR_DIR
-        try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=where):
-                self._stats.record("list", "ok")
-                for obj in page.get("Contents", ()):
-                    key = obj["Key"]
-                    if isinstance(key, str) and key.startswith(where):
-                        records.add(key[len(where):])
-                if len(records) + records.malformed > MAX_ATTRIBUTE_RECORDS:
-                    raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: more than "
-                                             f"{MAX_ATTRIBUTE_RECORDS} attribute records")
-        except botocore.exceptions.ClientError as exc:
-            self._stats.record("list", "error")
-            raise self._listing_error(exc, where) from None
-        except botocore.exceptions.BotoCoreError as exc:
-            self._stats.record("list", "error")
-            raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: {exc}") from None
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
-            self._stats.record("list", "error")
-            raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: malformed answer "
-                                     f"({type(exc).__name__})") from None
+        for name in self._list(where, lambda key, _: key[len(where):]):
+            records.add(name)
+            if len(records) + records.malformed > MAX_ATTRIBUTE_RECORDS:
+                raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: more than {MAX_ATTRIBUTE_RECORDS} "
+                                         "attribute records")
         if records.malformed:
             log.warning("%d keys under %s are not attribute records: ignored", records.malformed, where)
         return records
@@ -441,33 +426,35 @@ class S3Backend(Backend):
         return servable(self.attribute_records().apply(self._listing()))
 
     def _listing(self) -> Iterator[ObjectInfo]:
+        return self._list(self.prefix, lambda key, obj: ObjectInfo(
+            key=key[len(self.prefix):], size=int(obj["Size"]),
+            mtime_ns=int(obj["LastModified"].timestamp() * 1_000_000_000), etag=obj.get("ETag", "")))
+
+    def _list(self, where: str, convert: Callable[[str, Any], T]) -> Iterator[T]:
+        """``convert(key, entry)`` of every object listed under ``where`` (a key not under it is skipped
+        with a warning). Whatever the answer is, what fails is an epochfs error, an entry that is not
+        one (a field missing, a size that is no number) included."""
         paginator = self._client.get_paginator("list_objects_v2")
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=where):
                 self._stats.record("list", "ok")
                 for obj in page.get("Contents", ()):
                     key = obj["Key"]
-                    if not key.startswith(self.prefix):
-                        log.warning("skipping listed object %r: not under the prefix %r", key[:300], self.prefix)
+                    if not key.startswith(where):
+                        log.warning("skipping listed object %r: not under the prefix %r", key[:300], where)
                         continue
-                    yield ObjectInfo(
-                        key=key[len(self.prefix):],
-                        size=int(obj["Size"]),
-                        mtime_ns=int(obj["LastModified"].timestamp() * 1_000_000_000),
-                        etag=obj.get("ETag", ""),
-                    )
+                    yield convert(key, obj)
         except botocore.exceptions.NoCredentialsError:
             raise ConfigError(_NO_CREDENTIALS) from None
         except botocore.exceptions.ClientError as exc:
             self._stats.record("list", "error")
-            raise self._listing_error(exc, self.prefix) from None
+            raise self._listing_error(exc, where) from None
         except botocore.exceptions.BotoCoreError as exc:
             self._stats.record("list", "error")
-            raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: {exc}") from None
+            raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: {exc}") from None
         except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RuntimeError) as exc:
-            # An answer that parsed as XML but is not a listing (a field missing, a size that is no number).
             self._stats.record("list", "error")
-            raise BackendUnavailable(f"listing s3://{self.bucket}/{self.prefix}: malformed answer "
+            raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: malformed answer "
                                      f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def _listing_error(self, exc: botocore.exceptions.ClientError, where: str) -> Exception:

@@ -4,8 +4,9 @@ snapshot version and read through its memory map by :class:`~epochfs.meta.namesp
 Tables (each in two generations, ``0`` and ``1``; ``info`` names the one being served):
 
 - ``n<g>``: inode (8 bytes, big-endian) -> the node's record (:data:`~epochfs.meta.namespace.RECORD`);
-- ``k<g>``: parent inode + name -> child inode + its record (a directory's names come out sorted, each
-  with what a listing shows);
+- ``k<g>``: parent inode + the name's cookie + name -> child inode + its record (a directory's names come
+  out in cookie order, each with what a listing shows, and a listing resumes at any cookie:
+  :func:`~epochfs.meta.namespace.name_cookie`);
 - ``p<g>``: the path's hash (:func:`~epochfs.meta.namespace.path_key`) -> inode + record (checked to
   hold the path);
 - ``h<g>``: the path's hash -> the record of a file hidden by a directory of the same name (it shows
@@ -57,6 +58,7 @@ from epochfs.meta.namespace import (
     encode_dir,
     encode_file,
     inode_key,
+    kid_key,
     path_key,
     record_path,
     unsafe_reason,
@@ -66,7 +68,7 @@ from epochfs.records import MEMBER_TAG, ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: directory entries in cookie order
 _BATCH = 20_000  # objects per write transaction of a build
 _KNOWN = 1 << 16  # directories remembered while staging
 _ROOT = b"root"  # the root's record in the scratch table (other keys are 16 bytes + a name)
@@ -313,7 +315,7 @@ class NamespaceIndex:
                     if not inode:
                         inode, fresh = fresh, fresh + 1
                     number = inode.to_bytes(8, "big")
-                    kid_items.append((parent_key + key[16:], number + record))
+                    kid_items.append((kid_key(parent_key, key[16:]), number + record))
                     node_items.append((number, record))
                     path_items.append((xxhash.xxh3_128_digest(path), number + record))
                     if kind == KIND_FILE:
@@ -322,9 +324,10 @@ class NamespaceIndex:
                         dirs += 1
                         queue.append(inode)
                     at = cursor.next()
-                # Inodes and (parent, name) keys grow as they are given out: appended, unless numbers
-                # of the previous version are reused.
+                # Inodes and (parent, cookie, name) keys grow as they are given out: appended, unless
+                # numbers of the previous version are reused.
                 ordered = previous is None
+                kid_items.sort()
                 txn.cursor(db=kids).putmulti(kid_items, append=ordered)
                 txn.cursor(db=nodes).putmulti(node_items, append=ordered)
                 txn.cursor(db=paths).putmulti(path_items)
@@ -414,7 +417,7 @@ class _Edit:
             parent_path, _, name = path.rpartition("/")
             at = self._at(parent_path)
             assert at is not None
-            self.txn.put(at[0] + name.encode("utf-8"), inode + record, db=self.kids)
+            self.txn.put(kid_key(at[0], name.encode("utf-8")), inode + record, db=self.kids)
 
     def _changed(self, path: str, inode: bytes | None) -> None:
         parent_path, _, name = path.rpartition("/")
@@ -455,7 +458,7 @@ class _Edit:
         parent_path, _, name = path.rpartition("/")
         at = self._at(parent_path)
         assert at is not None
-        self.txn.delete(at[0] + name.encode("utf-8"), db=self.kids)
+        self.txn.delete(kid_key(at[0], name.encode("utf-8")), db=self.kids)
         shown = self.txn.pop(path_key(path), db=self.hidden) if kind == KIND_DIR else None
         if shown is not None:
             self._put(path, shown, None)

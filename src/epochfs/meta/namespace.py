@@ -14,9 +14,11 @@ A key ending in ``/`` with no data is a directory marker: it makes the directory
 carries the directory's attributes where the source has them (mode, owner, mtime). The empty key is the
 marker of the root.
 
-A :class:`Namespace` is one version, unchanging while anyone holds it (an LMDB read transaction): a
-listing opened on it and the files opened through it keep what they saw while newer versions are
-written beside it. Its lookups may be called from any thread.
+A :class:`Namespace` is one version, unchanging while anyone holds it (an LMDB read transaction): the
+files opened through it keep what they saw while newer versions are written beside it. A directory's
+entries are in the order of their names' cookies (:func:`name_cookie`), so a listing is continued from
+any offset on whichever version is current, and nothing a reader holds keeps a version alive. Its
+lookups may be called from any thread.
 """
 
 from __future__ import annotations
@@ -144,6 +146,21 @@ def inode_key(inode: int) -> bytes:
     return inode.to_bytes(8, "big")
 
 
+_COOKIE = (1 << 62) - 1
+
+
+def name_cookie(name: bytes) -> int:
+    """Where ``name`` stands in its directory's listing: a 62-bit hash of it (never 0, which is the
+    listing's start). A listing goes in cookie order, so the kernel's offset of an entry is its cookie
+    and a listing continues from any offset with one lookup, whatever the directory's size."""
+    return xxhash.xxh3_64_intdigest(name) & _COOKIE or 1
+
+
+def kid_key(parent: bytes, name: bytes) -> bytes:
+    """A directory entry's key in the index: the parent's inode, the name's cookie, the name."""
+    return parent + name_cookie(name).to_bytes(8, "big") + name
+
+
 def path_key(path: str) -> bytes:
     """A path's key in the index: its hash (LMDB keys are at most 511 bytes; a path may be 4000). The
     node found under it is checked to have the path."""
@@ -228,7 +245,7 @@ class Namespace:
         if not name or not 0 < parent < 1 << 63:
             return None
         with self._lock:
-            raw = self._txn.get(inode_key(parent) + name, db=self._kids)
+            raw = self._txn.get(kid_key(inode_key(parent), name), db=self._kids)
         if raw is None:
             return None
         node = self._found(raw)
@@ -323,12 +340,20 @@ class Namespace:
                 return
             key, first = chunk[-1][0], False
 
-    def entries(self, inode: int, after: bytes = b"") -> Iterator[tuple[bytes, Dir | File]]:
-        """The names in directory ``inode`` in byte order (those after ``after``), with their nodes."""
+    def entries(self, inode: int) -> Iterator[tuple[bytes, Dir | File]]:
+        """The names in directory ``inode`` in cookie order (:func:`name_cookie`), with their nodes."""
+        for _, name, node in self.entries_after(inode, 0):
+            yield name, node
+
+    def entries_after(self, inode: int, cookie: int) -> Iterator[tuple[int, bytes, Dir | File]]:
+        """The entries of directory ``inode`` whose cookie is above ``cookie``, in cookie order (then
+        name order), with their cookies: found with one lookup, wherever the listing stands."""
+        if not 0 <= cookie <= _COOKIE:
+            return
         prefix = inode_key(inode)
-        for key, value in self._scan(self._kids, prefix + after, prefix):
-            if len(key) > 8 and key[8:] != after:
-                yield key[8:], self._found(value)
+        for key, value in self._scan(self._kids, prefix + (cookie + 1).to_bytes(8, "big"), prefix):
+            if len(key) > 16:
+                yield int.from_bytes(key[8:16], "big"), key[16:], self._found(value)
 
     def path_entry(self, path: str) -> tuple[int, int] | None:
         """The inode and kind at ``path``, without decoding its node."""
@@ -355,7 +380,7 @@ class Namespace:
                 yield node
 
     def walk(self, inode: int) -> Iterator[File]:
-        """The files under directory ``inode``, depth first, each directory's names in byte order."""
+        """The files under directory ``inode``, depth first, each directory's names in cookie order."""
         stack = [self.entries(inode)]
         while stack:
             for _, node in stack[-1]:

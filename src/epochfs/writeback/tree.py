@@ -13,12 +13,13 @@ Paths are relative to the source root, ``/``-separated, as in the namespace.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from epochfs.meta.namespace import Dir, Namespace
+from epochfs.meta.namespace import Namespace, name_cookie
 from epochfs.records import ObjectInfo
 
 OVERLAY_INODES = 1 << 48
@@ -201,23 +202,29 @@ class Tree:
             return None
         return self.resolve(f"{parent.path}/{text}" if parent.path else text)
 
-    def listing(self, parent: Dir | LocalDir) -> list[tuple[bytes, Node]]:
-        """The names in a directory, sorted, with their nodes: the snapshot's directory at that path
-        (a directory made here may have been published since) and the overlay's entries."""
+    def entries(self, parent: Node, after: int = 0) -> Iterator[tuple[int, bytes, Node]]:
+        """The entries of a directory whose cookie is above ``after``, in cookie order
+        (:func:`~epochfs.meta.namespace.name_cookie`), with their cookies: the snapshot's directory at
+        that path (a directory made here may have been published since) with the overlay's entries
+        merged in. Each step costs the entries it yields (and the snapshot's entries this node hid)."""
         o = self.overlay
-        out: dict[bytes, Node] = {}
         snap = parent if parent.in_snapshot else self.namespace.resolve(parent.path)
+        base: Iterator[tuple[int, bytes, Node]] = iter(())
         if snap is not None and snap.is_dir:
-            if o is None or (parent.in_snapshot and parent.path not in o.children and not o.hidden):
-                return list(self.namespace.entries(snap.inode))
-            for name, node in self.namespace.entries(snap.inode):
-                if node.path not in o.hidden and node.path not in o.entries:
-                    out[name] = node
-        if o is not None:
-            prefix = parent.path + "/" if parent.path else ""
-            for text in o.children.get(parent.path, ()):
-                out[text.encode("utf-8")] = o.entries[prefix + text]
-        return sorted(out.items())
+            base = self.namespace.entries_after(snap.inode, after)
+        if o is None or (parent.in_snapshot and parent.path not in o.children and not o.hidden):
+            yield from base
+            return
+        prefix = parent.path + "/" if parent.path else ""
+        local = []
+        for text in o.children.get(parent.path, ()):
+            name = text.encode("utf-8")
+            cookie = name_cookie(name)
+            if cookie > after:
+                local.append((cookie, name, o.entries[prefix + text]))
+        local.sort(key=lambda e: e[:2])
+        kept = ((c, n, node) for c, n, node in base if node.path not in o.hidden and node.path not in o.entries)
+        yield from heapq.merge(kept, local, key=lambda e: e[:2])
 
-    def is_empty_dir(self, node: Dir | LocalDir) -> bool:
-        return not self.listing(node)
+    def is_empty_dir(self, node: Node) -> bool:
+        return next(self.entries(node), None) is None
