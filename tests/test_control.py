@@ -159,3 +159,24 @@ def test_client_reports_an_empty_or_garbled_answer_in_one_line(tmp_path, monkeyp
             request(tmp_path, "status", timeout=5)
     t.join(5)
     server.close()
+
+
+def test_a_line_that_would_decode_to_millions_of_values_is_refused_before_it_is_parsed():
+    """What a line costs to decode is bounded by what it may hold: a report or a chunk of a few MiB of
+    empty lists (tens of bytes of memory each once decoded) is refused before json.loads sees it, in
+    bounded memory; an ordinary chunk of 100,000 entries is not."""
+    import tracemalloc
+
+    bombs = [b'{"op": "report", "job": "j", "rank": 0, "steps": 1, "data_wait": 0, "compute": 0, "x": ['
+             + b"[]," * (2 << 20) + b"[]]}", b"[" + b"{}," * (2 << 20) + b"{}]"]
+    for bomb in bombs:
+        tracemalloc.start()
+        try:
+            with pytest.raises(p.BadRequest, match="JSON values"):
+                p.parse(bomb) if bomb.startswith(b"{") else p.parse_chunk(bomb)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak
+    chunk = json.dumps([[i, f"train/class{i % 1000}/img{i}.jpg"] for i in range(p.CHUNK_ENTRIES)]).encode()
+    assert len(p.parse_chunk(chunk)) == p.CHUNK_ENTRIES

@@ -434,3 +434,43 @@ def test_a_directory_held_open_or_seeked_by_another_user_holds_nothing_back(shar
             for h in holders:
                 h.kill()
                 h.wait()
+
+
+def test_clients_that_ask_and_never_read_cannot_block_the_metrics_scrapes(s3_client, fresh_bucket, mount_factory):
+    """Sixteen connections ask for a metrics page of well over 30 KiB (256 job ranks) and never read it:
+    every scrape still gets its page, each taking the slot of a client that stopped reading."""
+    from epochfs.control import request
+
+    def stalled_client() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # (before connecting: a small window)
+        s.settimeout(5)
+        s.connect((host, int(port)))
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        return s
+
+    s3_client.put_object(Bucket=fresh_bucket, Key="a.bin", Body=b"a")
+    with mount_factory(f"s3://{fresh_bucket}") as m:
+        for rank in range(256):
+            request(m.mountpoint, "report", job="resnet50-long-job-name", rank=rank, steps=5, data_wait=1.0,
+                    compute=2.0, gpu_utilization=50.0)
+        host, port = m.status()["metrics_addr"].rsplit(":", 1)
+        stalled = []
+        try:
+            for _ in range(16):
+                stalled.append(stalled_client())
+            time.sleep(0.5)
+            sizes = []
+            for _ in range(25):
+                with socket.create_connection((host, int(port)), timeout=5) as s:
+                    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                    reply = b""
+                    while chunk := s.recv(65536):
+                        reply += chunk
+                assert reply.startswith(b"HTTP/1.1 200") and b"epochfs_job_steps_total" in reply
+                sizes.append(len(reply))
+                stalled.append(stalled_client())  # and the stalled ones keep coming
+            assert min(sizes) > 30 << 10
+        finally:
+            for s in stalled:
+                s.close()

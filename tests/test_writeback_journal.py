@@ -87,7 +87,8 @@ def test_malformed_records_are_dropped_and_the_good_ones_kept(tmp_path):
             (b"M/" + key_hash("id1"), json.dumps({"key": "k", "upload_id": "id2"}).encode()),
             (b"M/" + key_hash("id\n"), json.dumps({"key": "k", "upload_id": "id\n"}).encode())]
     raw += [(b"f/x", b"\xff\xfe"), (b"f/y", b"{not json"), (b"zz", b"{}"), (b"x/", b"{}"), (b"x/\xff", b"{}"),
-            (b"u/\xff", b"{}"), (b"x/../../etc", b"{}")]
+            (b"u/\xff", b"{}"), (b"x/../../etc", b"{}"),
+            (b"X/" + key_hash("bomb"), b'{"key": "bomb", "x": [' + b"[]," * (1 << 20) + b"[]]}")]  # not decoded
     with j._env.begin(write=True) as txn:
         for k, v in raw:
             txn.put(k, v)

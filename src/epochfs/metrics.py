@@ -356,6 +356,7 @@ class MetricsServer:
                     await self._reply(stream, 405, b"method not allowed\n", "text/plain")
                 elif parts[1].split(b"?")[0] in (b"/metrics", b"/"):
                     body = self.render()
+                    slot.sending = True  # (a client that does not read its page gives up its slot to the next)
                     await self._reply(stream, 200, body if parts[0] == b"GET" else b"", CONTENT_TYPE, len(body))
                 else:
                     await self._reply(stream, 404, b"not found; try /metrics\n", "text/plain")

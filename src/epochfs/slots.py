@@ -2,9 +2,12 @@
 
 A server holds at most ``capacity`` connections. A new connection gets a slot at once; it *earns* it by
 what it sends (a complete request, an authenticated one). When the slots are full, a new connection
-takes the slot of the oldest one that has not earned its own, whose handler is cancelled; if every
-slot is earned, the new connection is refused. So connections that open and send nothing cannot hold
-a server shut: an honest client is served as soon as it asks. Not thread-safe (the trio thread owns it).
+takes the slot of the oldest one that has not earned its own, whose handler is cancelled; failing that,
+of the oldest one whose answer is being sent (:attr:`Slot.sending`: a client that asks and never reads
+holds nothing once it has been answered as far as its socket takes); if every slot is earned and
+working, the new connection is refused. So connections that open and send nothing, or ask and never
+read, cannot hold a server shut: an honest client is served as soon as it asks. Not thread-safe (the
+trio thread owns it).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import trio
 class Slot:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # the connection's handler runs in it
     earned: bool = False
+    sending: bool = False  # its answer is being written: the client has been served all it reads
 
 
 class Slots:
@@ -28,7 +32,8 @@ class Slots:
     def take(self) -> Slot | None:
         """A slot for a new connection, or None when every slot is earned."""
         if len(self._held) >= self.capacity:
-            oldest = next((s for s in self._held if not s.earned), None)
+            oldest = next((s for s in self._held if not s.earned), None) or next(
+                (s for s in self._held if s.sending), None)
             if oldest is None:
                 return None
             del self._held[oldest]

@@ -54,6 +54,10 @@ from epochfs.jobs import JOB_NAME, Report
 MAX_LINE = 32 << 20
 #: Entries per chunk line of a streamed request (about 4 MiB of JSON for ordinary paths).
 CHUNK_ENTRIES = 100_000
+#: Most JSON values one line may decode to, counted before it is parsed (its commas, lists and objects):
+#: what a line costs the daemon's memory is bounded by what it may hold, whatever its bytes expand to
+#: (a chunk of 100,000 entries is about 300,000).
+MAX_VALUES = 1 << 20
 MAX_PATH_BYTES = 4096
 MAX_NAME = 255
 MAX_SOURCE = 4096
@@ -224,10 +228,7 @@ def parse(line: bytes) -> Request:
     """The typed request in one line of the protocol; :class:`BadRequest` if it is not one."""
     if len(line) > MAX_LINE:
         raise BadRequest(f"request larger than {MAX_LINE} bytes (stream long manifests in chunks)")
-    try:
-        obj = json.loads(line)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise BadRequest(f"not a JSON line: {exc}"[:200]) from None
+    obj = _loads(line, "a request")
     if not isinstance(obj, dict):
         raise BadRequest("a request is a JSON object")
     op = obj.get("op")
@@ -289,13 +290,21 @@ def parse_chunk(line: bytes) -> tuple[tuple[int, str], ...]:
     """The entries of one chunk line of a streamed request (empty: the last); :class:`BadRequest`."""
     if len(line) > MAX_LINE:
         raise BadRequest(f"chunk larger than {MAX_LINE} bytes")
-    try:
-        value = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"a chunk is not a JSON line: {exc}"[:200]) from None
+    value = _loads(line, "a chunk")
     if isinstance(value, list) and len(value) > CHUNK_ENTRIES:
         raise BadRequest(f"a chunk holds at most {CHUNK_ENTRIES} entries")
     return _entries(value)
+
+
+def _loads(line: bytes, what: str) -> Any:
+    """One JSON line, refused before it is parsed if it would decode to more than :data:`MAX_VALUES`."""
+    values = line.count(b",") + line.count(b"[") + line.count(b"{")
+    if values > MAX_VALUES:
+        raise BadRequest(f"{what} of more than {MAX_VALUES} JSON values")
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"{what} is not a JSON line: {exc}"[:200]) from None
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -52,6 +52,8 @@ from epochfs.records import MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo, record_p
 log = logging.getLogger(__name__)
 
 MAX_UPLOAD_ID = 1024
+#: Longest journal record decoded (a 4 KiB key escaped in full, and the fields): its cost is bounded.
+MAX_RECORD = 64 << 10
 
 
 @dataclass
@@ -182,6 +184,8 @@ class Journal:
             for raw_key, raw in txn.cursor():
                 key = bytes(raw_key)
                 try:
+                    if len(raw) > MAX_RECORD:  # (a key of 4 KiB escaped whole, and the fields)
+                        raise ValueError("record too long")
                     value = json.loads(bytes(raw))
                     kind, name = key[:2], key[2:]
                     if kind == b"f/":
