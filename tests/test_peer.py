@@ -368,6 +368,14 @@ def test_a_captured_request_is_worthless_elsewhere_and_once_used(cluster):
     # the same request again (a replay): refused
     st, hdrs, _, _ = signed_get(b.peer_addr, wire.HELLO, keys, headers=sent)
     assert st == 401 and wire.ANSWER_HEADER not in hdrs
+    # and after b restarts on the same address, whose memory of used requests is new: refused still
+    b.stop()
+    b.start()
+    st, hdrs, body, _ = signed_get(b.peer_addr, wire.HELLO, keys, headers=sent)
+    assert st == 401 and wire.ANSWER_HEADER not in hdrs and b"before this member started" in body
+    time.sleep(1.1)  # (a request signed in the second b started in is refused: signatures count whole seconds)
+    st, _, _, _ = signed_get(b.peer_addr, wire.HELLO, keys)  # a fresh one is answered
+    assert st == 204
 
 
 def test_connections_without_the_token_cannot_hold_the_peer_port_shut(cluster):

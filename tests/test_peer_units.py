@@ -94,8 +94,11 @@ def test_an_answer_is_bound_to_its_request_its_status_and_its_body():
 
 
 def test_a_request_is_accepted_once_and_the_memory_of_nonces_is_bounded():
-    replays = wire.Replays(capacity=3)
     now = 1_000_000.0
+    replays = wire.Replays(capacity=3, started=now - 0.5)
+    with pytest.raises(wire.Rejected, match="before this member started") as exc:  # (its memory begins then)
+        replays.admit("z" * 32, int(now) - 1, now)
+    assert exc.value.status == 401
     replays.admit("a" * 32, int(now), now)
     with pytest.raises(wire.Rejected, match="replayed") as exc:
         replays.admit("a" * 32, int(now), now + 10)

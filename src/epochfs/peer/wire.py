@@ -27,8 +27,10 @@ from __future__ import annotations
 import heapq
 import hmac
 import ipaddress
+import math
 import os
 import re
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,15 +142,20 @@ def hmac_equal(a: str, b: str) -> bool:
 
 class Replays:
     """The nonces of the requests an owner accepted, kept until their signatures expire: a request
-    seen once is refused again. Bounded: past ``capacity`` live nonces new requests are refused (503)
-    until old ones expire. Not thread-safe (the peer port's trio thread owns it)."""
+    seen once is refused again. The memory is this process's, so a request signed before it began
+    (``started``, rounded up to a whole second, the signatures' unit) is refused too: one captured
+    before a restart is not good after it. Bounded: past ``capacity`` live nonces new requests are
+    refused (503) until old ones expire. Not thread-safe (the peer port's trio thread owns it)."""
 
-    def __init__(self, capacity: int = 500_000) -> None:
+    def __init__(self, capacity: int = 500_000, started: float | None = None) -> None:
         self.capacity = capacity
+        self.since = math.ceil(time.time() if started is None else started)
         self._seen: set[str] = set()
         self._expiry: list[tuple[int, str]] = []
 
     def admit(self, nonce: str, sent: int, now: float) -> None:
+        if sent < self.since:
+            raise Rejected(401, "signed before this member started (its memory of used requests begins then)")
         while self._expiry and self._expiry[0][0] < now:
             self._seen.discard(heapq.heappop(self._expiry)[1])
         if nonce in self._seen:
