@@ -323,3 +323,73 @@ def test_a_handler_that_answers_nonsense_is_answered_eio_and_the_session_goes_on
     s._handle(memoryview(request(abi.STATFS, unique=4)))
     assert [(u, e) for u, e, _ in pipe.replies()] == [(1, errno.EIO), (2, errno.EIO), (3, errno.EIO), (4, 0)]
     pipe.close()
+
+
+#: The minors of the kernels the session must speak: 7.31 (Linux 5.4: Ubuntu 20.04), 7.33 (5.11), 7.34
+#: (5.14-5.15: RHEL 9, Ubuntu 22.04), 7.36 (5.17: flags2), 7.37 (6.1: Debian 12), 7.38 (6.2: the
+#: extension header), 7.39 (6.6-6.8: Ubuntu 24.04) and 7.44 (6.18: this machine).
+KERNEL_MINORS = [31, 33, 34, 35, 36, 37, 38, 39, 44]
+#: Reply sizes (header included) as a kernel of every one of those minors reads them.
+REPLY_SIZES = {abi.LOOKUP: 16 + 128, abi.GETATTR: 16 + 104, abi.OPEN: 16 + 16, abi.STATFS: 16 + 80,
+               abi.INIT: 16 + 64}
+
+
+def fake_init(minor: int, flags: int, *, unique: int = 1) -> bytes:
+    """The INIT a kernel of 7.``minor`` sends, offering ``flags``: 16 bytes of arguments before 7.36, then
+    64 with ``flags2``."""
+    body = struct.pack("<IIII", 7, minor, 1 << 20, flags & 0xFFFFFFFF)
+    if minor >= 36:
+        body += struct.pack("<I", flags >> 32) + b"\0" * 44
+    return request(abi.INIT, body, unique=unique)
+
+
+@pytest.mark.parametrize("minor", KERNEL_MINORS)
+def test_the_session_speaks_each_kernels_minor_and_uses_only_what_it_offers(minor):
+    """A fake kernel of each minor: INIT answered with min(ours, its) and only flags it offered (every
+    flag the daemon wants that it has, nothing it lacks), replies of the sizes that kernel reads, the
+    in-header's padding before 7.38 never read as an extension length, and zero-message opens only
+    where the kernel offers them."""
+    offered = 0
+    for flag, since in abi.FLAG_MINOR.items():
+        if since <= minor:
+            offered |= flag
+    pipe = Pipe(adapter())
+    s = pipe.session
+    s._handle(memoryview(fake_init(minor, offered)))
+    (u, e, body), = pipe.replies()
+    assert e == 0 and len(body) + 16 == REPLY_SIZES[abi.INIT]
+    major, got_minor, _, flags = struct.unpack_from("<IIII", body)
+    max_pages, flags2 = struct.unpack_from("<H", body, 28)[0], struct.unpack_from("<I", body, 32)[0]
+    assert (major, got_minor, s.minor) == (7, min(minor, abi.MINOR), min(minor, abi.MINOR))
+    assert flags & ~offered == 0 and flags2 == 0
+    from epochfs.kernel.session import WANT
+    assert flags == WANT & offered & 0xFFFFFFFF  # every wanted flag the kernel has
+    assert max_pages == (256 if flags & abi.MAX_PAGES else 0)
+    # the header's padding, which becomes total_extlen at 7.38: a kernel before that may leave it anything
+    raw = bytearray(request(abi.LOOKUP, b"a\0", unique=2))
+    struct.pack_into("<H", raw, 36, 3 if minor < 38 else 0)
+    s._handle(memoryview(bytes(raw)))
+    (u, e, body), = pipe.replies()
+    assert (u, e, len(body) + 16) == (2, 0, REPLY_SIZES[abi.LOOKUP])
+    inode = struct.unpack_from("<Q", body)[0]
+    for unique, opcode, arg in ((3, abi.GETATTR, struct.pack("<IIQ", 0, 0, 0)), (4, abi.STATFS, b"")):
+        s._handle(memoryview(request(opcode, arg, unique=unique, nodeid=inode if opcode == abi.GETATTR else 1)))
+        (u, e, body), = pipe.replies()
+        assert (u, e, len(body) + 16) == (unique, 0, REPLY_SIZES[opcode])
+    pipe.close()
+    # zero-message opens: ENOSYS to OPEN only for a kernel that offers NO_OPEN_SUPPORT (all of these do)
+    for offers in (offered, offered & ~abi.NO_OPEN_SUPPORT):
+        ops = adapter()
+        ops.zero_open = True
+        pipe = Pipe(ops)
+        ops.session = pipe.session
+        pipe.session._handle(memoryview(fake_init(minor, offers)))
+        pipe.replies()
+        pipe.session._handle(memoryview(request(abi.OPEN, struct.pack("<II", os.O_RDONLY, 0), unique=5,
+                                                nodeid=inode)))
+        (u, e, body), = pipe.replies()
+        if offers & abi.NO_OPEN_SUPPORT:
+            assert e == errno.ENOSYS
+        else:
+            assert e == 0 and len(body) + 16 == REPLY_SIZES[abi.OPEN]
+        pipe.close()

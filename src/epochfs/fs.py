@@ -310,7 +310,7 @@ class Operations:
         node = self._node(inode)
         if node.is_dir:
             raise fuse.FUSEError(errno.EISDIR)
-        if self.zero_open and not flags & _WRITE_FLAGS:
+        if self.zero_open and not flags & _WRITE_FLAGS and (self.session is None or self.session.can(fuse.NO_OPEN_SUPPORT)):
             # The kernel stops sending OPEN and RELEASE for this mount and keeps the page cache across
             # opens: a file in the page cache is then read with no request at all.
             raise fuse.FUSEError(errno.ENOSYS)

@@ -2,6 +2,7 @@
 protocol's bytes, pure), :mod:`~epochfs.kernel.session` (a mount and its request loop),
 :mod:`~epochfs.kernel.types` (what handlers take and return)."""
 
+from epochfs.kernel.abi import NO_OPEN_SUPPORT
 from epochfs.kernel.session import MountError, Session
 from epochfs.kernel.types import (
     ENOATTR,
@@ -16,5 +17,6 @@ from epochfs.kernel.types import (
     readdir_reply,
 )
 
-__all__ = ["ENOATTR", "ROOT_INODE", "EntryAttributes", "FUSEError", "FileInfo", "MountError", "ReaddirToken",
+__all__ = ["ENOATTR", "NO_OPEN_SUPPORT", "ROOT_INODE", "EntryAttributes", "FUSEError", "FileInfo", "MountError",
+           "ReaddirToken",
            "RequestContext", "Session", "SetattrFields", "StatvfsData", "readdir_reply"]

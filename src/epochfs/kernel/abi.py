@@ -1,4 +1,13 @@
-"""The FUSE kernel protocol, version 7.38 (``linux/fuse.h``): request parsing and reply encoding, pure.
+"""The FUSE kernel protocol, versions 7.31 to 7.38 (``linux/fuse.h``): request parsing and reply
+encoding, pure.
+
+Every minor from 7.31 (Linux 5.4: Ubuntu 20.04) on is spoken, each as that minor's kernel expects it:
+the replies this module encodes have the same layout in all of them (``fuse_entry_out``, ``fuse_attr_out``
+and ``fuse_open_out`` since 7.9, ``fuse_init_out`` with ``max_pages`` since 7.28; ``fuse_attr.flags``,
+7.32, and ``flags2``, 7.36, are written 0), and what a minor adds is used only where it is negotiated:
+``fuse_init_in``'s ``flags2`` only with ``FUSE_INIT_EXT`` (7.36), ``fuse_in_header.total_extlen`` only
+from 7.38 (before, that field is padding), INIT flags only those the kernel offers
+(:data:`FLAG_MINOR` says where each appeared).
 
 A request is the 40-byte ``fuse_in_header`` and the opcode's arguments; a reply is the 16-byte
 ``fuse_out_header`` and the opcode's result. Nothing here touches ``/dev/fuse``: :func:`parse` turns a
@@ -39,6 +48,14 @@ NO_OPEN_SUPPORT = 1 << 17
 PARALLEL_DIROPS = 1 << 18
 MAX_PAGES = 1 << 22
 INIT_EXT = 1 << 30
+#: The minor each INIT flag this module knows appeared in (a kernel of an earlier one never offers it).
+FLAG_MINOR = {ASYNC_READ: 6, ATOMIC_O_TRUNC: 9, BIG_WRITES: 9, AUTO_INVAL_DATA: 20, DO_READDIRPLUS: 21,
+              ASYNC_DIO: 22, WRITEBACK_CACHE: 23, NO_OPEN_SUPPORT: 23, PARALLEL_DIROPS: 25, MAX_PAGES: 28,
+              INIT_EXT: 36}
+#: The oldest minor spoken.
+OLDEST = 31
+#: The minor where the in-header's padding became ``total_extlen``.
+EXTLEN_MINOR = 38
 
 # open reply flags
 FOPEN_DIRECT_IO = 1 << 0
@@ -131,13 +148,15 @@ def _fixed(st: struct.Struct, data: memoryview) -> tuple[Any, ...]:
     return st.unpack_from(data)
 
 
-def parse(buf: memoryview | bytes) -> Request:
-    """The request in ``buf`` (one read of ``/dev/fuse``). Names and written data are copied out, so
-    ``buf`` may be reused at once. Raises :class:`Malformed`."""
+def parse(buf: memoryview | bytes, minor: int = MINOR) -> Request:
+    """The request in ``buf`` (one read of ``/dev/fuse``) of protocol 7.``minor``. Names and written data
+    are copied out, so ``buf`` may be reused at once. Raises :class:`Malformed`."""
     view = memoryview(buf)
     if len(view) < IN_HEADER.size:
         raise Malformed("shorter than a request header")
     length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = IN_HEADER.unpack_from(view)
+    if minor < EXTLEN_MINOR:
+        extlen = 0  # (padding before 7.38)
     if length != len(view):
         raise Malformed(f"header says {length} bytes, {len(view)} read")
     end = length - extlen * 8

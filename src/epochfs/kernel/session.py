@@ -77,6 +77,7 @@ class Session:
         self.fd = -1
         self.negotiated = 0  # the INIT flags both sides have
         self.kernel_minor = 0
+        self.minor = abi.MINOR  # the protocol minor spoken: the lower of the kernel's and ours
         self._root_mounted = False
         self._cancel: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
@@ -210,7 +211,7 @@ class Session:
 
     def _handle(self, view: memoryview) -> None:
         try:
-            req = abi.parse(view)
+            req = abi.parse(view, self.minor)
         except abi.Malformed as exc:
             log.warning("a request that does not parse (%s): answered EIO", exc)
             if len(view) >= abi.IN_HEADER.size:
@@ -319,17 +320,23 @@ class Session:
                 log.error("the kernel speaks FUSE %d.%d; this daemon needs 7.31 or later", a["major"], a["minor"])
                 self._send([abi.error(req.unique, errno.EPROTO)])
             return
-        if a["minor"] < 31:
-            log.error("the kernel speaks FUSE 7.%d; this daemon needs 7.31 or later", a["minor"])
+        if a["minor"] < abi.OLDEST:
+            log.error("the kernel speaks FUSE 7.%d; this daemon needs 7.%d or later", a["minor"], abi.OLDEST)
             self._send([abi.error(req.unique, errno.EPROTO)])
             return
         self.kernel_minor = a["minor"]
+        self.minor = min(abi.MINOR, a["minor"])
         want = WANT | (abi.WRITEBACK_CACHE if getattr(self.ops, "enable_writeback_cache", False) else 0)
         flags = want & a["flags"]
         self.negotiated = flags | (a["flags"] & abi.NO_OPEN_SUPPORT)
-        out = abi.INIT_OUT.pack(abi.MAJOR, min(abi.MINOR, a["minor"]), a["max_readahead"], flags & 0xFFFFFFFF,
+        out = abi.INIT_OUT.pack(abi.MAJOR, self.minor, a["max_readahead"], flags & 0xFFFFFFFF,
                                 0, 0, MAX_WRITE, 1, MAX_PAGES if flags & abi.MAX_PAGES else 0, 0, 0)
         self._send(abi.reply(req.unique, out))
+
+    def can(self, flag: int) -> bool:
+        """Whether the kernel offered INIT ``flag`` (e.g. ``NO_OPEN_SUPPORT``: it takes ENOSYS to an OPEN
+        as "open without asking from now on")."""
+        return bool(self.negotiated & flag)
 
     # -- notifications (any thread) ---------------------------------------------------------------------
 
