@@ -164,9 +164,10 @@ class Config:
         parse=lambda t: parse_size(t), example='"20G"')
     # -- namespace
     meta: str | None = option(
-        None, "namespace", "metadata store: redis://HOST:PORT/DB to load the snapshot published by 'epochfs "
-        "import' (shared by every node; the source is never listed), or lmdb://PATH (default: LMDB in the cache "
-        "directory)", metavar="URL", parse=str, example='"redis://10.0.0.9:6379/0"')
+        None, "namespace", "metadata store: redis://[USER@]HOST:PORT/DB (rediss:// for TLS) to load the snapshot "
+        "published by 'epochfs import' (shared by every node; the source is never listed; a password goes in "
+        "--meta-password-file, never the URL), or lmdb://PATH (default: LMDB in the cache directory)",
+        metavar="URL", parse=str, example='"rediss://epochfs@10.0.0.9:6379/0"')
     meta_password_file: Path | None = option(
         None, "namespace", "file holding the shared store's password (mode 0600, the daemon's user; or "
         "EPOCHFS_META_PASSWORD): it authenticates the connection (a user name goes in the URL: "
