@@ -29,9 +29,12 @@ MiB = 1 << 20
 
 
 def keys_of(s3_client, bucket: str, prefix: str = "") -> dict[str, int]:
+    """The objects under ``prefix`` and their sizes: the data, without epochfs's attribute records
+    (``.epochfs/``) unless ``prefix`` asks for them."""
     out: dict[str, int] = {}
     for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])
+                    if "/.epochfs/" not in "/" + o["Key"] or ".epochfs/" in prefix})
     return out
 
 

@@ -16,7 +16,6 @@ ETag, so a block of a different version can never be returned.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -43,14 +42,13 @@ from epochfs.backend.base import (
     retry,
     servable,
 )
+from epochfs.backend.s3_writes import S3Writes
 from epochfs.curlio import Answer, new_handle
 from epochfs.errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigError,
-    KeyRefused,
     ObjectChanged,
-    UploadCancelled,
 )
 from epochfs.records import ObjectInfo
 
@@ -86,16 +84,13 @@ _CREDENTIAL_SOURCES = {
 }
 
 
-_KEY_REFUSED_CODES = {"KeyTooLongError", "InvalidObjectName", "InvalidKey"}
-#: Longest key S3 stores (UTF-8 bytes, the prefix included).
-MAX_S3_KEY = 1024
 #: Most attribute records one listing takes (a name each; far more than any checkpoint area holds).
 MAX_ATTRIBUTE_RECORDS = 10_000_000
 
 _TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
 
 
-class S3Backend(Backend):
+class S3Backend(S3Writes, Backend):
     def __init__(self, settings: BackendSettings) -> None:
         self.bucket = settings.source.bucket
         self.prefix = settings.source.prefix
@@ -171,32 +166,6 @@ class S3Backend(Backend):
     def statistics(self) -> BackendStats:
         return self._stats.snapshot()
 
-    # -- writing -----------------------------------------------------------------------------------------
-
-    writable = True
-    PART_SIZE = 16 << 20
-    MULTIPART_THRESHOLD = 64 << 20
-
-    def _uploader(self) -> Any:
-        if self._upload_client is None:
-            s = self._settings
-            self._upload_client = self._session.client(
-                "s3", endpoint_url=s.endpoint_url, region_name=self._region, config=botocore.config.Config(
-                    retries={"mode": "standard", "max_attempts": s.attempts}, max_pool_connections=32,
-                    connect_timeout=5, read_timeout=60,
-                    s3={"addressing_style": "path" if s.endpoint_url else "auto"}, user_agent_extra="epochfs"))
-            self._upload_client.meta.events.register("after-call.s3.CreateMultipartUpload", self._multipart_started)
-        return self._upload_client
-
-    def _multipart_started(self, parsed: Any = None, **_: Any) -> None:
-        """A multipart upload was created (an s3transfer thread): tell the upload of that key its id."""
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("UploadId"), str):
-            return
-        with self._watch_lock:
-            watchers = list(self._multipart_watchers.get(str(parsed.get("Key")), ()))
-        for started in watchers:
-            started(parsed["UploadId"])
-
     def _denied_or_unavailable(self, what: str, exc: Exception) -> Exception:
         response = getattr(exc, "response", None)  # None on connection errors, even on a ClientError
         code = response.get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
@@ -253,91 +222,6 @@ class S3Backend(Backend):
         self._stats.record("head", "ok")
         return info
 
-    def _head(self, key: str) -> ObjectInfo:
-        head = self._uploader().head_object(Bucket=self.bucket, Key=self.prefix + key)
-        return ObjectInfo(key=key, size=int(head["ContentLength"]), etag=head["ETag"],
-                          mtime_ns=int(head["LastModified"].timestamp() * 1_000_000_000))
-
-    def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
-                    cancelled: threading.Event | None = None, metadata: dict[str, str] | None = None,
-                    multipart_started: Callable[[str], None] | None = None) -> ObjectInfo:
-        if multipart_started is None:
-            return self._upload(path, key, bandwidth, cancelled, metadata)
-        full = self.prefix + key
-        with self._watch_lock:
-            self._multipart_watchers.setdefault(full, []).append(multipart_started)
-        try:
-            return self._upload(path, key, bandwidth, cancelled, metadata)
-        finally:
-            with self._watch_lock:
-                watchers = self._multipart_watchers[full]
-                watchers.remove(multipart_started)
-                if not watchers:
-                    del self._multipart_watchers[full]
-
-    def _upload(self, path: str, key: str, bandwidth: float | None, cancelled: threading.Event | None,
-                metadata: dict[str, str] | None) -> ObjectInfo:
-        import boto3.s3.transfer
-
-        size = os.path.getsize(path)
-        config = boto3.s3.transfer.TransferConfig(
-            multipart_threshold=self.MULTIPART_THRESHOLD, max_concurrency=4,
-            multipart_chunksize=max(self.PART_SIZE, -(-size // 9000)),  # S3 allows 10,000 parts
-            max_bandwidth=int(bandwidth) if bandwidth else None)
-        try:
-            with boto3.s3.transfer.create_transfer_manager(self._uploader(), config) as manager:
-                if bandwidth and hasattr(manager, "_bandwidth_limiter"):
-                    # One bucket of tokens for every upload of this backend: --upload-bandwidth caps them
-                    # in total, not each of the --upload-concurrency uploads.
-                    manager._bandwidth_limiter = self._limiter(bandwidth)
-                future = manager.upload(path, self.bucket, self.prefix + key,
-                                        extra_args={"Metadata": metadata} if metadata else None)
-                while not future.done():
-                    if cancelled is None:
-                        time.sleep(0.05)
-                    elif cancelled.wait(0.05):
-                        future.cancel()  # a multipart upload is aborted: no partial object stays
-                        break
-                if cancelled is not None and cancelled.is_set():
-                    raise UploadCancelled(f"upload of {key} cancelled")
-                future.result()
-            info = self._head(key)
-            self._confirm(key)
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
-                boto3.exceptions.S3UploadFailedError) as exc:
-            self._stats.record("put", "error")
-            code = _code(exc)
-            if code in _KEY_REFUSED_CODES:
-                raise KeyRefused(f"upload of {key}: the endpoint refuses the key ({code})") from None
-            raise self._denied_or_unavailable(f"upload of {key}", exc) from None
-        self._stats.record("put", "ok")
-        return info
-
-    def _confirm(self, key: str) -> None:
-        """That the object just written is listed under exactly ``key``: an endpoint that stores a name
-        under another key (SeaweedFS turns a backslash into a ``/``) must not be taken at its word."""
-        full = self.prefix + key
-        listed = self._uploader().list_objects_v2(Bucket=self.bucket, Prefix=full, MaxKeys=1).get("Contents", ())
-        if not listed or listed[0].get("Key") != full:
-            raise KeyRefused(f"upload of {key}: the endpoint did not store it under that key (it lists "
-                             f"{listed[0].get('Key')[:300]!r} there)" if listed else
-                             f"upload of {key}: the endpoint does not list the object under that key")
-
-    def key_problem(self, key: str) -> tuple[str, int] | None:
-        """Why a writer may not make ``key`` here, with the errno it gets (None if it may): S3's 1,024
-        bytes a key (the prefix included), a backslash (which some endpoints store under another key),
-        and the reserved ``.epochfs/``."""
-        if attrs.reserved(key):
-            return f"{key[:300]!r} is reserved for epochfs's own records", errno.EPERM
-        if "\\" in key:
-            return "a backslash in a name is stored as another key by some S3 endpoints", errno.EINVAL
-        size = len((self.prefix + key).encode("utf-8"))
-        if size > MAX_S3_KEY:
-            return f"its key would be {size} bytes; S3 stores at most {MAX_S3_KEY}", errno.ENAMETOOLONG
-        return None
-
-    # -- attribute records (owners and modes in the bucket: epochfs.backend.attrs) ---------------------------
-
     def attribute_records(self) -> attrs.Records:
         """The source's attribute records: one listing of the reserved prefix."""
         records = attrs.Records()
@@ -350,70 +234,6 @@ class S3Backend(Backend):
         if records.malformed:
             log.warning("%d keys under %s are not attribute records: ignored", records.malformed, where)
         return records
-
-    def put_attributes(self, key: str, mode: int, uid: int, gid: int) -> str:
-        """Record ``key``'s owner and mode (before its object is written); the record's key."""
-        record = attrs.record_key(key, mode, uid, gid)
-        try:
-            self._uploader().put_object(Bucket=self.bucket, Key=self.prefix + record, Body=b"")
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            self._stats.record("put", "error")
-            raise self._denied_or_unavailable(f"attribute record of {key}", exc) from None
-        self._stats.record("put", "ok")
-        return record
-
-    def drop_attributes(self, key: str, keep: str | None = None) -> None:
-        """Delete ``key``'s attribute records but ``keep`` (after its object is replaced or deleted)."""
-        where = self.prefix + attrs.record_prefix(key)
-        try:
-            listed = self._uploader().list_objects_v2(Bucket=self.bucket, Prefix=where).get("Contents", ())
-            for obj in listed:
-                if obj.get("Key") != (None if keep is None else self.prefix + keep):
-                    self._uploader().delete_object(Bucket=self.bucket, Key=obj["Key"])
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            self._stats.record("delete", "error")
-            raise self._denied_or_unavailable(f"attribute records of {key}", exc) from None
-
-    def _limiter(self, bandwidth: float) -> Any:
-        """The bandwidth limiter shared by the uploads capped at ``bandwidth`` bytes/s."""
-        from s3transfer.bandwidth import BandwidthLimiter, LeakyBucket
-
-        with self._watch_lock:
-            limiter = self._limiters.get(int(bandwidth))
-            if limiter is None:
-                limiter = self._limiters[int(bandwidth)] = BandwidthLimiter(LeakyBucket(int(bandwidth)))
-            return limiter
-
-    def abort_multipart(self, key: str, upload_id: str) -> None:
-        try:
-            self._uploader().abort_multipart_upload(Bucket=self.bucket, Key=self.prefix + key, UploadId=upload_id)
-        except botocore.exceptions.ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchUpload", "404"):
-                return  # completed or aborted already
-            self._stats.record("abort", "error")
-            raise self._denied_or_unavailable(f"abort of an upload of {key}", exc) from None
-        except botocore.exceptions.BotoCoreError as exc:
-            self._stats.record("abort", "error")
-            raise self._denied_or_unavailable(f"abort of an upload of {key}", exc) from None
-        self._stats.record("abort", "ok")
-
-    def delete(self, key: str) -> None:
-        try:
-            self._uploader().delete_object(Bucket=self.bucket, Key=self.prefix + key)
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            self._stats.record("delete", "error")
-            raise self._denied_or_unavailable(f"delete of {key}", exc) from None
-        self._stats.record("delete", "ok")
-
-    def copy(self, src: str, dst: str) -> ObjectInfo:
-        try:
-            self._uploader().copy({"Bucket": self.bucket, "Key": self.prefix + src}, self.bucket, self.prefix + dst)
-            info = self._head(dst)
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            self._stats.record("copy", "error")
-            raise self._denied_or_unavailable(f"copy of {src} to {dst}", exc) from None
-        self._stats.record("copy", "ok")
-        return info
 
     def close(self) -> None:
         self._client.close()
@@ -595,11 +415,3 @@ class S3Backend(Backend):
         self._stats.record("get", "error")
         return BackendUnavailable(f"{key}: HTTP {status} {code}".strip())
 
-
-def _code(exc: Exception) -> str:
-    """The S3 error code of a failed call (nested in an upload's failure), or ""."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        return str(response.get("Error", {}).get("Code", ""))
-    m = re.search(r"\(([A-Za-z]+)\)", str(exc))  # S3UploadFailedError: "... (KeyTooLongError) ..."
-    return m.group(1) if m else ""
