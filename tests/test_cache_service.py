@@ -321,8 +321,13 @@ def test_read_now_answers_only_what_is_at_hand_and_counts_only_what_it_answers(t
     async def fn(cache):
         out = {"cold": cache.read_now(OBJ, 10, 100), "stats0": cache.statistics()}
         await cache.read(OBJ, 0, 10)  # blocks 0 and the last fetched
+        gate = threading.Event()  # the last block's fill is held until the fast path has been asked
+        write_temp = cache.store.write_temp
+        cache.store.write_temp = lambda *a, **k: gate.wait(10) and write_temp(*a, **k)
         await cache.read(OBJ, OBJ.size - 10, 10)
         out["filling"] = cache.read_now(OBJ, OBJ.size - 10, 10)  # (a fill still writing it: wait)
+        gate.set()
+        cache.store.write_temp = write_temp
         while cache.statistics().inflight:  # noqa: ASYNC110 - fills finish in worker threads
             await trio.sleep(0.01)
         cache._recent.clear()  # (only the disk copy)
