@@ -25,6 +25,7 @@ TOKEN = b"fuzzing-token-of-enough-length"
 KEYS = wire.Keys(TOKEN)
 OTHER = wire.Keys(b"another-token-of-enough-length")
 BLOCK = bytes(random.Random(0).getrandbits(8) for _ in range(70_001))
+SINCE = str(int(time.time()) - 60).encode()  # a hello's answer: the second the member started
 
 
 class Hostile:
@@ -63,7 +64,7 @@ class Hostile:
         mac, _, _ = KEYS.verify(self.addr, h.path, h.headers.get(wire.TIME_HEADER), h.headers.get(wire.NONCE_HEADER),
                                 h.headers.get(wire.AUTH_HEADER), time.time())
         hello = h.path == wire.HELLO
-        status, body = (204, b"") if hello else (200, BLOCK)
+        status, body = (200, SINCE) if hello else (200, BLOCK)
         if self.honest:
             return status, [("Content-Length", str(len(body))), (wire.ANSWER_HEADER, KEYS.answer_mac(mac, status, body))], \
                 body, False
@@ -86,7 +87,7 @@ class Hostile:
             _, signed_mac = KEYS.headers(self.addr, h.path, time.time())  # the MAC of another request
         elif what == 6:
             signed_status = rng.choice([200, 204, 404])
-            signed_body = rng.choice([b"", BLOCK, BLOCK[:-1]])
+            signed_body = rng.choice([b"", BLOCK, BLOCK[:-1], SINCE + b"0", b"-1"])
         headers = [("Content-Length", str(len(body)))]
         answer = keys.answer_mac(signed_mac, signed_status, signed_body)
         if what == 7:
@@ -94,7 +95,7 @@ class Hostile:
         if what != 8:
             headers.append((wire.ANSWER_HEADER, answer))
         honest = (status, body, signed_status, signed_body, keys, signed_mac) == \
-            ((204, b"") if hello else (200, BLOCK)) + ((204, b"") if hello else (200, BLOCK)) + (KEYS, mac) \
+            ((200, SINCE) if hello else (200, BLOCK)) + ((200, SINCE) if hello else (200, BLOCK)) + (KEYS, mac) \
             and what != 7 and what != 8
         return status, headers, body, not honest and rng.random() < 0.3
 

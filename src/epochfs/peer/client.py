@@ -38,6 +38,7 @@ class PeerClient:
         self.keys = keys
         self.timeout = timeout
         self._local = threading.local()
+        self._since: dict[str, int] = {}  # member -> the second it started (from its hello)
 
     def _curl(self) -> pycurl.Curl:
         curl = getattr(self._local, "curl", None)
@@ -60,10 +61,13 @@ class PeerClient:
         return bytes(data)
 
     def hello(self, member: str, timeout: float) -> None:
-        """Have ``member`` prove that it holds the cluster's token; :class:`PeerFailure` if it does not."""
-        status, _ = self._ask(member, wire.HELLO, 4096, timeout)
-        if status != 204:
+        """Have ``member`` prove that it holds the cluster's token; :class:`PeerFailure` if it does not.
+        Its answer says when it started: requests to it are signed no earlier (it refuses older ones)."""
+        status, body = self._ask(member, wire.HELLO, 4096, timeout)
+        since = wire.parse_since(bytes(body)) if status == 200 else None
+        if since is None:
             raise PeerFailure("declined", f"{member}: HTTP {status} to a hello", status)
+        self._since[member] = since
 
     def _ask(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
         try:
@@ -73,7 +77,7 @@ class PeerClient:
             raise
 
     def _exchange(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
-        headers, mac = self.keys.headers(member, target, time.time())
+        headers, mac = self.keys.headers(member, target, max(time.time(), self._since.get(member, 0)))
         answer = Answer(limit)
         curl = self._curl()
         curl.setopt(pycurl.URL, f"http://{member}{target}")

@@ -133,12 +133,13 @@ class PeerServer:
             now = time.time()
             mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
                                                 fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
-            self.replays.admit(nonce, sent, now)
+            self.replays.admit(nonce, sent, now, hello=target == wire.HELLO)
         except wire.Rejected as exc:
             self.stats.rejected += 1
             await self._send(conn, stream, exc.status, str(exc).encode(), None)
             return False
-        status, body, hello = 204, b"", target == wire.HELLO
+        hello = target == wire.HELLO
+        status, body = (200, str(self.replays.since).encode()) if hello else (204, b"")
         try:
             if request.method != b"GET":
                 raise wire.Rejected(405, "only GET")

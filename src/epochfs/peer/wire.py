@@ -136,6 +136,11 @@ class Keys:
         return sent_mac is not None and hmac_equal(self.answer_mac(request_mac, status, body), sent_mac)
 
 
+def parse_since(body: bytes) -> int | None:
+    """A hello's answer: the second the member started (its :attr:`Replays.since`), or None."""
+    return int(body) if body.isdigit() and len(body) <= 12 else None
+
+
 def hmac_equal(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("ascii", "replace"), b.encode("ascii", "replace"))
 
@@ -143,9 +148,11 @@ def hmac_equal(a: str, b: str) -> bool:
 class Replays:
     """The nonces of the requests an owner accepted, kept until their signatures expire: a request
     seen once is refused again. The memory is this process's, so a request signed before it began
-    (``started``, rounded up to a whole second, the signatures' unit) is refused too: one captured
-    before a restart is not good after it. Bounded: past ``capacity`` live nonces new requests are
-    refused (503) until old ones expire. Not thread-safe (the peer port's trio thread owns it)."""
+    (:attr:`since`: ``started`` rounded up to a whole second, the signatures' unit) is refused too: one
+    captured before a restart is not good after it. A hello is exempt (it gives nothing but proof and
+    :attr:`since`, which its answer carries, so the asker signs its next requests no earlier). Bounded:
+    past ``capacity`` live nonces new requests are refused (503) until old ones expire. Not
+    thread-safe (the peer port's trio thread owns it)."""
 
     def __init__(self, capacity: int = 500_000, started: float | None = None) -> None:
         self.capacity = capacity
@@ -153,8 +160,8 @@ class Replays:
         self._seen: set[str] = set()
         self._expiry: list[tuple[int, str]] = []
 
-    def admit(self, nonce: str, sent: int, now: float) -> None:
-        if sent < self.since:
+    def admit(self, nonce: str, sent: int, now: float, *, hello: bool = False) -> None:
+        if sent < self.since and not hello:
             raise Rejected(401, "signed before this member started (its memory of used requests begins then)")
         while self._expiry and self._expiry[0][0] < now:
             self._seen.discard(heapq.heappop(self._expiry)[1])
