@@ -63,6 +63,21 @@ class Mount:
         return self.mountpoint / key
 
 
+def as_user(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
+    """``cmd`` run as another local user (``runuser``)."""
+    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=60,
+                          errors="replace")
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``path`` as a file only its owner may read (umask 077 while it is created)."""
+    old = os.umask(0o077)
+    try:
+        path.write_bytes(data)
+    finally:
+        os.umask(old)
+
+
 def read_all(path: Path, read_size: int = 1 << 20) -> bytes:
     with open(path, "rb", buffering=0) as f:
         chunks = []

@@ -21,7 +21,7 @@ from epochfs.meta.base import CLOSED_DIR, CLOSED_FILE, SnapshotInvalid, decode_o
 from epochfs.records import ObjectInfo
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS
+from .helpers import EPOCHFS, as_user, write_private
 from .test_meta import wait_for
 
 SECRET = b"correct-horse-battery-staple"
@@ -134,10 +134,6 @@ def test_tls_and_a_password_work_end_to_end(s3, s3_client, fresh_bucket, tmp_pat
 
 # -- through mounts ---------------------------------------------------------------------------------------
 
-def as_user(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=60,
-                          errors="replace")
-
 
 @pytest.fixture
 def shared_dir():
@@ -188,11 +184,7 @@ def test_a_store_writer_cannot_give_anyone_a_private_checkpoint(s3, s3_client, f
         a = mount_factory(source, "--writeback", "--meta", server.url, *extra, cache_dir=shared_dir / "ca",
                           name="unused-a")
         a.start()
-        old = os.umask(0o077)
-        try:
-            a.path("secret.pt").write_bytes(b"weights\n")
-        finally:
-            os.umask(old)
+        write_private(a.path("secret.pt"), b"weights\n")
         a.path("public.pt").write_bytes(b"for all\n")
         assert subprocess.run([*EPOCHFS, "sync", str(a.mountpoint)], capture_output=True, timeout=120).returncode == 0
         b = mount_factory(source, "--allow-other", "--meta", server.url, "--meta-poll", "0.3", *extra,

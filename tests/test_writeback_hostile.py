@@ -20,7 +20,7 @@ import pytest
 
 from .conftest import requires_fuse
 from .faultproxy import Fault, FaultProxy
-from .helpers import EPOCHFS
+from .helpers import EPOCHFS, as_user, write_private
 from .test_writeback import body, daemon_pid, keys_of, sync
 
 pytestmark = requires_fuse
@@ -193,11 +193,7 @@ def test_a_private_file_stays_private_through_upload_relist_and_remount(s3_clien
     source = f"s3://{fresh_bucket}/ckpt"
     m = shared_mount(mount_factory, shared_dir, source, "--dir-mode", "1777")
     m.start()
-    old = os.umask(0o077)
-    try:
-        m.path("private.pt").write_bytes(b"secret\n")
-    finally:
-        os.umask(old)
+    write_private(m.path("private.pt"), b"secret\n")
     assert "Permission denied" in as_nobody("cat", str(m.path("private.pt"))).stderr
     assert sync(m).returncode == 0
     head = s3_client.head_object(Bucket=fresh_bucket, Key="ckpt/private.pt")
@@ -219,10 +215,6 @@ def test_a_private_file_stays_private_through_upload_relist_and_remount(s3_clien
         m.stop()
 
 
-def as_user(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=60,
-                          errors="replace")
-
 
 def test_a_private_checkpoint_stays_private_on_every_fresh_mount_of_the_bucket(s3_client, fresh_bucket,
                                                                                 mount_factory, shared_dir):
@@ -236,11 +228,7 @@ def test_a_private_checkpoint_stays_private_on_every_fresh_mount_of_the_bucket(s
     mine = m.path("mine")
     assert as_nobody("mkdir", "-m", "700", str(mine)).returncode == 0
     assert as_nobody("sh", "-c", f"echo nobody-secret > {mine}/ckpt.pt", umask="077").returncode == 0
-    old = os.umask(0o077)
-    try:
-        m.path("root.pt").write_bytes(b"root-secret\n")
-    finally:
-        os.umask(old)
+    write_private(m.path("root.pt"), b"root-secret\n")
     m.path("public.pt").write_bytes(b"for everyone\n")
     for name in (".epochfs", ".epochfs/attrs/f-0.777.0.0"):
         with pytest.raises(OSError) as refused:
