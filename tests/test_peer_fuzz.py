@@ -151,8 +151,9 @@ def test_random_member_entries_are_literal_addresses_of_the_family_or_ignored():
     entries += [b"10.0.0.2:9570", b"[fd00::2]:9570"]
 
     class Store:
-        def heartbeat(self, *args: object) -> list[object]:
-            return [*entries, 7, None, "10.0.0.3:9570"]  # (not bytes: as a broken store might answer)
+        def heartbeat(self, *args: object) -> dict[str, list[object]]:
+            junk = [*entries, 7, None, "10.0.0.3:9570"]  # (not bytes: as a broken store might answer)
+            return {"peer": junk, "server": junk[::-1]}
 
         def leave(self, *args: object) -> None:
             pass

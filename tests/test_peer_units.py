@@ -172,12 +172,12 @@ class FakeStore:
         self.answer = answer
         self.left = []
 
-    def heartbeat(self, source, member, ttl, limit):
+    def heartbeat(self, source, member, ttl, limit, role="peer"):
         if isinstance(self.answer, Exception):
             raise self.answer
-        return self.answer
+        return self.answer if isinstance(self.answer, dict) else {"peer": self.answer}
 
-    def leave(self, source, member):
+    def leave(self, source, member, role="peer"):
         self.left.append(member)
 
 
@@ -225,7 +225,7 @@ def test_the_member_list_from_the_store_is_checked_and_every_member_proven():
 def test_proofs_that_never_answer_do_not_hold_up_the_heartbeat():
     store = FakeStore([f"10.0.1.{i}:9570".encode() for i in range(1, 101)])
     beats = []
-    store.heartbeat = lambda *a: beats.append(1) or store.answer
+    store.heartbeat = lambda *a: beats.append(1) or {"peer": store.answer}
 
     def prove(member):
         time.sleep(1.0)

@@ -98,7 +98,7 @@ class Config:
     definition of its command-line flag, config-file key, help text and default."""
 
     source: Source
-    mountpoint: Path
+    mountpoint: Path | None  # None: a cache node (``epochfs serve``), which mounts nothing
     # -- object store
     endpoint_url: str | None = option(
         None, "object store", "S3-compatible endpoint (MinIO, SeaweedFS, Ceph); enables path-style addressing",
@@ -204,6 +204,18 @@ class Config:
     peer_timeout: float = option(
         5.0, "cluster cache", "a block request to a member that takes longer is given up and the block read from "
         "the backend", metavar="SECONDS", parse=float)
+    peer_role: str = option(
+        "peer", "cluster cache", "'peer': with --peer-listen, this node holds and serves its share of the blocks "
+        "(where no cache node is up); 'client': it asks the cache nodes (epochfs serve) and the serving peers, "
+        "and never serves nor holds a share, so a node that comes and goes moves nothing (needs --meta and "
+        "--peer-token-file, not --peer-listen)", metavar="ROLE", parse=str)
+    replicas: int = option(
+        1, "cluster cache", "how many members hold each block (the same on every node): losing one of them then "
+        "costs nothing but bandwidth", metavar="R", parse=int)
+    link_capacity: float | None = option(
+        None, "cluster cache", "this node's network link, e.g. 25Gbit: what the peer tier sends over it is "
+        "exported as a utilisation, and the 70% rule fires for a cache node group past it", metavar="RATE",
+        parse=lambda t: parse_rate(t), example='"25Gbit"')
     # -- metrics
     metrics_addr: str | None = option(
         None, "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "
@@ -264,13 +276,26 @@ class Config:
             return Path(DEFAULT_TARGETS_DIR) if os.geteuid() == 0 else None
         return None if self.metrics_targets.strip().lower() == "off" else Path(os.path.abspath(self.metrics_targets))
 
+    def instance(self) -> str:
+        """What tells this daemon from the node's others (the ``mountpoint`` label): its mount point, or
+        ``serve:<dataset>`` for a cache node (the cache node group it belongs to)."""
+        if self.mountpoint is not None:
+            return str(self.mountpoint)
+        return f"serve:{self.meta_name or self.source.url}"
+
+    @property
+    def serving(self) -> bool:
+        """A cache node (``epochfs serve``): no mount, a member of the cluster tier that holds its share."""
+        return self.mountpoint is None
+
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mountpoint", Path(os.path.abspath(self.mountpoint)))
         cache_dir = Path(os.path.abspath(self.cache_dir)) if self.cache_dir else default_cache_dir(self.source)
         object.__setattr__(self, "cache_dir", cache_dir)
         object.__setattr__(self, "fuse_options", tuple(self.fuse_options))
-        if cache_dir == self.mountpoint or self.mountpoint in cache_dir.parents:
-            raise ConfigError("the cache directory cannot be inside the mount point")
+        if self.mountpoint is not None:
+            object.__setattr__(self, "mountpoint", Path(os.path.abspath(self.mountpoint)))
+            if cache_dir == self.mountpoint or self.mountpoint in cache_dir.parents:
+                raise ConfigError("the cache directory cannot be inside the mount point")
         if self.block_size < MIN_BLOCK_SIZE or self.block_size > MAX_BLOCK_SIZE:
             raise ConfigError("--block-size must be between 64K and 64M")
         if self.block_size % (64 << 10):
@@ -331,7 +356,8 @@ class Config:
         from epochfs.peer.rules import check_options
 
         check_options(listen_text=self.peer_listen, advertise=self.peer_advertise, token_file=self.peer_token_file,
-                      meta=self.meta, cache=self.peer_cache, timeout=self.peer_timeout)
+                      meta=self.meta, cache=self.peer_cache, timeout=self.peer_timeout, role=self.peer_role,
+                      replicas=self.replicas, serving=self.serving, writeback=self.writeback)
 
 
 #: Where a shared store's password may come from besides --meta-password-file (a container's secret).

@@ -145,8 +145,9 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self._stopped: trio.Event | None = None  # a cache node's: set to stop it
         # Read-only mounts open files with no request; each inode number is then one version of a file.
-        self.zero_open = not config.open_requests and not config.writeback
+        self.zero_open = not config.open_requests and not config.writeback and not config.serving
         # A malformed address fails before the cache is locked.
         metrics_addr = parse_addr(config.metrics_addr or DEFAULT_ADDR)
         with contextlib.ExitStack() as opened:  # a part that fails to open closes those opened before it
@@ -182,14 +183,14 @@ class Daemon:
         self.writeback: WriteBack | None = None
         self.peer: PeerTier | None = None
         self.peer_server: PeerServer | None = None
-        if config.peer_listen:
+        if config.peer_listen or config.peer_role == "client" or config.serving:
             self._open_peer()
         self.cache = BlockCache(self.store, self.backend, CacheSettings(
             block_size=config.block_size, concurrency=config.backend_concurrency,
             readahead_blocks=config.readahead_blocks,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
-        if self.peer is not None:
+        if self.peer is not None and self.peer.members.role != "client":
             self._serve_peers()
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
             capacity=config.cache_size, max_inflight=config.backend_concurrency,
@@ -198,11 +199,11 @@ class Daemon:
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)
-        self.metrics = MetricsServer(*metrics_addr, self.collect, str(config.mountpoint), node=config.node_name(),
+        self.metrics = MetricsServer(*metrics_addr, self.collect, config.instance(), node=config.node_name(),
                                      fallback=config.metrics_addr is None,
                                      targets=config.targets_dir()) if metrics_addr else None
         info = MountInfo(
-            source=config.source.url, mountpoint=str(config.mountpoint), cache_dir=str(config.cache_dir),
+            source=config.source.url, mountpoint=config.instance(), cache_dir=str(config.cache_dir),
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),
             metrics_addr=lambda: f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
             node=config.node_name(),
@@ -230,13 +231,15 @@ class Daemon:
         """The cluster cache tier's block source and its membership in the shared store (the cache is
         built on it)."""
         config = self.config
-        assert config.peer_listen is not None and config.peer_token_file is not None
+        assert config.peer_token_file is not None
         keys = Keys(load_token(config.peer_token_file))
         client = PeerClient(keys, config.peer_timeout)
+        role = "server" if config.serving else config.peer_role
         members = Membership(self.snapshots.store, self.backend.source_id,
-                             config.peer_advertise or config.peer_listen,
-                             prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)))
-        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache)
+                             config.peer_advertise or config.peer_listen or "client",
+                             prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role)
+        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas,
+                             link_capacity=config.link_capacity)
 
     def _serve_peers(self) -> None:
         """The peer port, answering other members from the cache."""
@@ -296,14 +299,27 @@ class Daemon:
     def _terminate(self) -> None:
         if self.session is not None:
             self.session.terminate()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    def _announce_node(self, ready: Ready) -> None:
+        assert self.peer_server is not None
+        log.info("cache node of %s serving on %s:%d", self.config.source.url, self.peer_server.host,
+                 self.peer_server.port)
+        for warning in self.warnings:
+            log.warning("%s", warning)
+        ready(None, self.warnings)
+        sd_notify(f"READY=1\nSTATUS=cache node of {self.config.source.url} on {self.peer.members.me if self.peer else ''}\n"
+                  f"MAINPID={os.getpid()}")
 
     async def run(self, ready: Ready) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.cache.run)
-            if self.peer is not None and self.peer_server is not None:
-                await nursery.start(self.peer_server.run)
-                if self.config.peer_advertise is None:  # port 0: the one the system gave
-                    self.peer.members.rename(f"{self.peer_server.host}:{self.peer_server.port}")
+            if self.peer is not None:
+                if self.peer_server is not None:
+                    await nursery.start(self.peer_server.run)
+                    if self.config.peer_advertise is None:  # port 0: the one the system gave
+                        self.peer.members.rename(f"{self.peer_server.host}:{self.peer_server.port}")
                 await nursery.start(self.peer.members.run)
             await nursery.start(self.prefetcher.run)
             await nursery.start(self.snapshots.run)
@@ -312,10 +328,16 @@ class Daemon:
             await nursery.start(self.control.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.run)
+            if self.config.serving:
+                self._stopped = trio.Event()
             nursery.start_soon(self._handle_signals)
-            nursery.start_soon(self._announce, ready)
-            assert self.session is not None
-            await self.session.run()
+            if self._stopped is not None:  # a cache node: no mount; it serves until told to stop
+                self._announce_node(ready)
+                await self._stopped.wait()
+            else:
+                nursery.start_soon(self._announce, ready)
+                assert self.session is not None
+                await self.session.run()
             nursery.cancel_scope.cancel()
 
     async def _handle_signals(self) -> None:
@@ -374,7 +396,10 @@ def _epochfs_error(exc: BaseException) -> EpochfsError | None:
 
 
 def run(config: Config, ready: Ready) -> int:
-    """Mount and serve until unmounted. Calls ``ready`` exactly once. Returns the exit code."""
+    """Mount and serve until unmounted (a cache node: serve until SIGTERM). Calls ``ready`` exactly once.
+    Returns the exit code."""
+    if config.serving:
+        return _serve(config, ready)
     mountpoint = str(config.mountpoint)
     try:
         check_mountpoint(mountpoint, config.allow_non_empty)
@@ -407,4 +432,30 @@ def run(config: Config, ready: Ready) -> int:
     session.close(unmount=True)
     daemon.close()
     log.info("unmounted %s", mountpoint)
+    return 0
+
+
+def _serve(config: Config, ready: Ready) -> int:
+    """A cache node: the daemon's services without a mount, until SIGINT or SIGTERM."""
+    try:
+        raise_descriptor_limit()
+        daemon = Daemon(config)
+    except EpochfsError as exc:
+        ready(str(exc), [])
+        return 2 if isinstance(exc, ConfigError) else 1
+    except Exception as exc:
+        log.exception("start-up failed")
+        ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
+        return 1
+    try:
+        trio.run(daemon.run, ready)
+    except BaseException as exc:
+        known = _epochfs_error(exc)
+        if known is None:
+            log.exception("cache node failed")
+        daemon.close()
+        ready(str(known) if known else f"cache node failed: {exc!r}; see the log", [])
+        return 2 if isinstance(known, ConfigError) else 1
+    daemon.close()
+    log.info("cache node of %s stopped", config.source.url)
     return 0

@@ -203,6 +203,24 @@ class BlockCache:
         data = await self._read_block(obj, index, length, 0, length, for_peer=True)
         return None if warm else bytes(data)
 
+    async def read_stored(self, obj: ObjectInfo, index: int) -> bytes | None:
+        """Block ``index`` of ``obj`` if this node holds it (in memory or on the cache disk, verified),
+        else None: never fetched (another cache node filling its share asks this). Not counted."""
+        bid, length = self.block_id(obj, index), self.block_length(obj, index)
+        flight = self._flights.get(bid)
+        if flight is not None and not flight.warm:  # on its way here: wait for it
+            await flight.event.wait()
+            if flight.error is None and flight.data is not None and len(flight.data) == length:
+                return bytes(flight.data)
+        kept = self._recent.get(bid)
+        if kept is not None and len(kept[0]) == length:
+            return bytes(kept[0])
+        meta = self.store.lookup(bid)
+        if meta is None or meta.length != length:
+            return None
+        data = await self._read_from_disk(bid, meta, 0, length)
+        return None if data is None else bytes(data)
+
     def read_now(self, obj: ObjectInfo, offset: int, size: int, *,
                  counted: tuple[int, int] | None = None) -> bytes | memoryview | None:
         """Bytes [offset, offset + size) of ``obj`` if they are at hand (a completed fetch kept in

@@ -37,6 +37,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(run=cmd_mount)
 
+    s = sub.add_parser(
+        "serve", help="run a cache node of the cluster tier (no mount)",
+        description="Run a dedicated cache node of SOURCE: a member of the cluster cache tier that mounts "
+        "nothing, holds the blocks it owns on its cache disk (rendezvous hashing over the cache nodes, "
+        "--replicas of each), fetches a missing one once for every node that asks (from the other cache "
+        "nodes if they hold it, else the backend) and answers GPU nodes mounted with --peer-role client "
+        "(or --peer-listen). Needs --meta (the shared store the members meet in), --peer-listen and "
+        "--peer-token-file. Returns once it serves (exit 0) or failed; with --foreground stays attached "
+        "and stops on SIGINT/SIGTERM. 'epochfs status CACHE_DIR' and 'epochfs cluster status' show it.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("source", metavar="SOURCE", nargs="?", help="s3://BUCKET[/PREFIX] or file:///PATH")
+    s.add_argument("--config", metavar="FILE", help="TOML file with any of these options (and source); "
+                   "command-line flags override it")
+    add_mount_options(s, serving=True)
+    s.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    s.set_defaults(run=cmd_serve)
+
     u = sub.add_parser("umount", help="unmount and wait for the daemon to finish",
                        description="Unmount MOUNTPOINT and wait until its daemon has exited. "
                        "A dead mount (daemon killed) is cleared with a lazy unmount.")
@@ -66,8 +84,12 @@ def setup_logging(config: Config) -> None:
         logging.getLogger(noisy).setLevel(logging.INFO if config.debug else logging.WARNING)
 
 
-def cmd_mount(args: argparse.Namespace) -> int:
-    config = config_from(args)
+def cmd_serve(args: argparse.Namespace) -> int:
+    return cmd_mount(args, serving=True)
+
+
+def cmd_mount(args: argparse.Namespace, *, serving: bool = False) -> int:
+    config = config_from(args, serving=serving)
     if not config.foreground:
         return _spawn_daemon(config, args.argv)
 

@@ -58,9 +58,18 @@ def mount_options() -> Iterator[MountOption]:
             yield MountOption(f.name, key, flag, opt, f.default)
 
 
-def add_mount_options(parser: argparse.ArgumentParser) -> None:
-    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+#: What a cache node (``epochfs serve``) takes: no mount, no prefetcher of its own, no write-back.
+SERVE_GROUPS = ("object store", "cache", "namespace", "cluster cache", "metrics")
+SERVE_EXTRA = {"foreground", "log_file", "debug"}
+NOT_SERVED = {"peer_role", "peer_cache"}  # a cache node is a server and keeps its share
+
+
+def add_mount_options(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
+    wanted = SERVE_GROUPS if serving else GROUPS
+    groups = {name: parser.add_argument_group(name) for name in GROUPS if name in wanted or serving and name == "mount"}
     for mo in mount_options():
+        if serving and (mo.option.group not in SERVE_GROUPS and mo.name not in SERVE_EXTRA or mo.name in NOT_SERVED):
+            continue
         help_text = mo.option.help
         if mo.shown() and not isinstance(mo.default, bool):
             help_text += f" (default: {mo.shown()})"
@@ -123,20 +132,24 @@ def _file_value(mo: MountOption, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {str(exc).removeprefix(mo.flag + ': ')}") from None
 
 
-def config_from(args: argparse.Namespace) -> Config:
-    """The Config of ``epochfs mount``: its config file (``--config``), overridden by the flags given."""
+def config_from(args: argparse.Namespace, *, serving: bool = False) -> Config:
+    """The Config of ``epochfs mount`` (``serving``: of ``epochfs serve``, a cache node): its config file
+    (``--config``), overridden by the flags given."""
     values: dict[str, Any] = file_values(args.config) if getattr(args, "config", None) else {}
     for mo in mount_options():
         if hasattr(args, mo.name):
             values[mo.name] = getattr(args, mo.name)
     source = args.source or values.pop("source", None)
-    mountpoint = args.mountpoint or values.pop("mountpoint", None)
+    mountpoint = None if serving else getattr(args, "mountpoint", None) or values.pop("mountpoint", None)
     values.pop("source", None)
     values.pop("mountpoint", None)
-    if not source or not mountpoint:
-        raise ConfigError("give SOURCE and MOUNTPOINT (on the command line or as source/mountpoint in --config)")
+    if serving:
+        values["peer_role"] = "server"
+    if not source or not (mountpoint or serving):
+        raise ConfigError("give SOURCE and MOUNTPOINT (on the command line or as source/mountpoint in --config)"
+                          if not serving else "give SOURCE (on the command line or as source in --config)")
     try:
-        return Config(source=Source.parse(source), mountpoint=Path(mountpoint), **values)
+        return Config(source=Source.parse(source), mountpoint=Path(mountpoint) if mountpoint else None, **values)
     except ConfigError as exc:
         if getattr(args, "config", None):
             raise ConfigError(f"{exc} (set in config file {args.config} or on the command line)") from None

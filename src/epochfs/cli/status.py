@@ -219,7 +219,10 @@ def format_status(s: dict[str, Any]) -> str:
 def format_peer(p: dict[str, Any]) -> list[str]:
     r = p["requests"]
     failed = r["unavailable"] + r["bad"] + r["declined"]
-    lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks; this node {p['me']}"
+    role = p.get("role", "peer")
+    what = {"server": f"a cache node ({p['me']})", "client": "a client (asks, never serves)"}.get(role, p["me"])
+    replicas = f", {p['replicas']} replicas of each" if p.get("replicas", 1) > 1 else ""
+    lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks{replicas}; this node {what}"
              + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
              f"           from peers {human(p['bytes_in'])} in {r['ok']} blocks ({failed} requests fell back to the "
              f"backend); served {human(p['bytes_out'])} in {r['served']} blocks, rejected {r['rejected']}"]

@@ -13,9 +13,11 @@ import os
 import socket
 import stat
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from epochfs.control.creds import peer_uid
+from epochfs.control.paths import socket_path
 from epochfs.control.protocol import CHUNK_ENTRIES, encode
 from epochfs.errors import ConfigError, EpochfsError
 
@@ -25,6 +27,8 @@ _MAX_REPLY = 256 << 20
 
 
 def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
+    """The control socket of the mount at ``mountpoint``, or of the cache node (``epochfs serve``) whose
+    cache directory it is."""
     try:
         path = os.getxattr(mountpoint, CONTROL_XATTR).decode("utf-8", "replace")
     except OSError as exc:
@@ -33,8 +37,12 @@ def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
             raise EpochfsError(f"the daemon of {where} is gone (the mount is dead): clear it with "
                                f"'epochfs umount {where}' and mount again") from None
         if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
-            raise EpochfsError(f"{where} is not an epochfs mount") from None
-        raise EpochfsError(f"{where}: {exc.strerror}") from None
+            node = socket_path(Path(where), create=False) if os.path.isdir(where) else None
+            if node is None or not os.path.exists(node):
+                raise EpochfsError(f"{where} is not an epochfs mount (nor a cache node's cache directory)") from None
+            path = str(node)
+        else:
+            raise EpochfsError(f"{where}: {exc.strerror}") from None
     trusted = {0, os.geteuid()}
     try:
         st = os.lstat(path)

@@ -12,7 +12,6 @@ number and in time (``RECEIVE_TIMEOUT`` for each line).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -23,35 +22,16 @@ from typing import Any
 import trio
 
 from epochfs.control.creds import peer_uid
+from epochfs.control.paths import runtime_dir, socket_path  # noqa: F401 - (the daemon's)
 from epochfs.control.protocol import MAX_LINE, BadRequest, Request, encode, parse, parse_chunk
 from epochfs.errors import ConfigError, EpochfsError
-from epochfs.private import private_dir
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[..., Awaitable[dict[str, Any]]]  # (request) or, streamed, (request, chunks)
 Chunks = AsyncIterator[tuple[tuple[int, str], ...]]
-_SUN_PATH_MAX = 107
 MAX_CONNECTIONS = 32
 RECEIVE_TIMEOUT = 60.0  # seconds to deliver a whole request
-
-
-def runtime_dir() -> Path:
-    """A private directory for sockets whose natural path is too long: ``/run/epochfs`` for root,
-    ``$XDG_RUNTIME_DIR/epochfs`` (or ``~/.cache/epochfs/run``) otherwise; never a shared ``/tmp`` path."""
-    if os.geteuid() == 0:
-        return private_dir("/run/epochfs")
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return private_dir(Path(xdg) / "epochfs" if xdg else Path.home() / ".cache" / "epochfs" / "run")
-
-
-def socket_path(cache_dir: Path) -> Path:
-    """``<cache-dir>/control.sock``, or a short path in :func:`runtime_dir` when that is too long."""
-    path = Path(cache_dir).resolve() / "control.sock"
-    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
-        return path
-    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
-    return runtime_dir() / f"{digest}.sock"
 
 
 class ControlServer:

@@ -490,20 +490,49 @@ class RedisMetaStore:
 
     # -- cluster members (the peer tier) --------------------------------------------------------------
 
-    def heartbeat(self, source: str, member: str, ttl: float, limit: int) -> list[bytes]:
-        """Renew ``member`` for ``ttl`` seconds (by the store's clock, so the nodes' clocks do not matter),
-        forget members whose time ran out, and return the live ones (at most ``limit``), unchecked."""
-        key = self._prefix(source) + "peers"
+    #: The member list of each role: GPU nodes that serve (``peer``) and cache nodes (``server``).
+    ROLES = {"peer": "peers", "server": "servers"}
+    MAX_STATS = 4096  # bytes of one member's published statistics
+
+    def heartbeat(self, source: str, member: str | None, ttl: float, limit: int,
+                  role: str = "peer") -> dict[str, list[bytes]]:
+        """Renew ``member`` in its ``role``'s list for ``ttl`` seconds (by the store's clock, so the
+        nodes' clocks do not matter; None: a client, listed nowhere), forget members whose time ran out,
+        and return the live ones of every role (at most ``limit`` each), unchecked."""
         seconds, micros = self._call(self._redis.time)
         now = seconds + micros / 1e6
         pipe = self._redis.pipeline(transaction=True)
-        pipe.zadd(key, {member: now + ttl})
-        pipe.zremrangebyscore(key, "-inf", now)
-        pipe.zrangebyscore(key, now, "+inf", start=0, num=limit)
-        return list(self._call(pipe.execute)[2])
+        if member is not None:
+            pipe.zadd(self._prefix(source) + self.ROLES[role], {member: now + ttl})
+        for name in self.ROLES.values():
+            pipe.zremrangebyscore(self._prefix(source) + name, "-inf", now)
+            pipe.zrangebyscore(self._prefix(source) + name, now, "+inf", start=0, num=limit)
+        answers = self._call(pipe.execute)[1 if member is not None else 0:]
+        return {role: list(answers[2 * i + 1]) for i, role in enumerate(self.ROLES)}
 
-    def leave(self, source: str, member: str) -> None:
-        self._call(self._redis.zrem, self._prefix(source) + "peers", member)
+    def leave(self, source: str, member: str, role: str = "peer") -> None:
+        self._call(self._redis.zrem, self._prefix(source) + self.ROLES[role], member)
+        self._call(self._redis.hdel, self._prefix(source) + "member-stats", member)
+
+    def publish_stats(self, source: str, member: str, stats: bytes) -> None:
+        """A member's statistics for ``epochfs cluster status`` (what it claims; signed with the store's
+        password where there is one)."""
+        key = self._prefix(source) + "member-stats"
+        self._call(self._redis.hset, key, member, self._wrap(f"{key}:{member}", stats[:self.MAX_STATS]))
+
+    def member_stats(self, source: str, limit: int) -> dict[str, bytes]:
+        """Every member's published statistics (unchecked beyond their signature and size)."""
+        key = self._prefix(source) + "member-stats"
+        out = {}
+        for name, raw in list(self._call(self._redis.hscan_iter, key))[:limit]:
+            try:
+                member = name.decode("ascii")
+                payload = self._unwrap(f"{key}:{member}", raw)
+            except (UnicodeDecodeError, SnapshotInvalid):
+                continue
+            if payload is not None and len(payload) <= self.MAX_STATS:
+                out[member] = payload
+        return out
 
     def put_manifest(self, source: str, name: str, text: str) -> None:
         key = f"{self._prefix(source)}manifest:{name}"

@@ -1,8 +1,14 @@
 """Cluster membership through the shared Redis store: no other coordination service.
 
-Each member renews itself in a sorted set every ``HEARTBEAT`` seconds, with an expiry ``TTL`` seconds
-ahead by the store's clock; a member that stops renewing (killed, partitioned) drops out of every node's
-view within ``TTL`` plus one heartbeat.
+Each member renews itself in its role's sorted set every ``HEARTBEAT`` seconds, with an expiry ``TTL``
+seconds ahead by the store's clock; a member that stops renewing (killed, partitioned) drops out of every
+node's view within ``TTL`` plus one heartbeat.
+
+**Roles.** A ``peer`` is a GPU node's mount that serves (the tier among GPU nodes); a ``server`` is a
+dedicated cache node (``epochfs serve``); a ``client`` is a mount that asks and never serves: it is
+listed nowhere, so it never owns a block and its coming and going moves nothing. Where any server is
+proven, the servers own every block (a GPU node's cache is volatile, a cache node's is not); else the
+peers do. A server looks at servers only.
 
 Anyone who can write to the store can add an entry, so an entry is only a candidate. It must be a
 literal IP address and port of this node's address family (nothing is resolved by name), and it must
@@ -37,10 +43,14 @@ log = logging.getLogger(__name__)
 MAX_MEMBERS = 10_000
 
 
-class MemberStore(Protocol):
-    def heartbeat(self, source: str, member: str, ttl: float, limit: int) -> list[bytes]: ...
+ROLES = ("peer", "server", "client")
 
-    def leave(self, source: str, member: str) -> None: ...
+
+class MemberStore(Protocol):
+    def heartbeat(self, source: str, member: str | None, ttl: float, limit: int,
+                  role: str = "peer") -> dict[str, list[bytes]]: ...
+
+    def leave(self, source: str, member: str, role: str = "peer") -> None: ...
 
 
 Prove = Callable[[str], None]  # raises (with the reason) unless the member proved it holds the token
@@ -53,15 +63,18 @@ class Membership:
     PROOFS_AT_ONCE = 16
     PROOF_INTERVAL = 0.5  # how often the prover looks for candidates due
 
-    def __init__(self, store: MemberStore, source: str, me: str, prove: Prove) -> None:
+    def __init__(self, store: MemberStore, source: str, me: str, prove: Prove, *, role: str = "peer") -> None:
+        if role not in ROLES:
+            raise ValueError(role)
         self.store = store
         self.source = source
         self.me = me
         self.prove = prove
-        self.ring = Ring([me])
+        self.role = role
+        self.ring = Ring([] if role == "client" else [me])
         self.reachable = True
         self._lock = threading.Lock()
-        self._listed: frozenset[str] = frozenset()  # valid candidates in the store's list, not this node
+        self._listed: dict[str, str] = {}  # valid candidates in the store's lists (not this node) -> role
         self._proven: set[str] = set()
         self._retry: dict[str, tuple[float, float]] = {}  # member -> (not before (monotonic), backoff)
         self._proving: set[str] = set()
@@ -71,7 +84,7 @@ class Membership:
     def rename(self, me: str) -> None:
         """This member's address, once it is known (a port the system picked); before :meth:`run`."""
         self.me = me
-        self.ring = Ring([me])
+        self.ring = Ring([] if self.role == "client" else [me])
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await self.beat()
@@ -88,8 +101,10 @@ class Membership:
 
     async def beat(self) -> None:
         """Renew this node's entry and take the store's list of candidates."""
+        me = None if self.role == "client" else self.me
         try:
-            raw = await trio.to_thread.run_sync(self.store.heartbeat, self.source, self.me, self.TTL, MAX_MEMBERS)
+            raw = await trio.to_thread.run_sync(self.store.heartbeat, self.source, me, self.TTL, MAX_MEMBERS,
+                                                self._role_listed)
         except BackendUnavailable as exc:
             if self.reachable:
                 log.warning("peer membership: %s; keeping the last member list", exc)
@@ -98,10 +113,16 @@ class Membership:
         if not self.reachable:
             log.info("peer membership: the store answers again")
         self.reachable = True
-        listed = frozenset(m for m in map(self._checked, raw) if m is not None and m != self.me)
+        listed: dict[str, str] = {}
+        for role, entries in raw.items():
+            if self.role == "server" and role != "server":
+                continue  # a cache node serves from the backend and the other cache nodes only
+            for m in map(self._checked, entries):
+                if m is not None and m != self.me:
+                    listed.setdefault(m, role)
         with self._lock:
             self._listed = listed
-            self._proven &= listed
+            self._proven &= listed.keys()
             for member in [m for m in self._retry if m not in listed]:
                 del self._retry[member]
             self._rebuild()
@@ -166,10 +187,28 @@ class Membership:
     def down(self) -> tuple[str, ...]:
         """Listed members that are not (or no longer) trusted: bypassed."""
         with self._lock:
-            return tuple(sorted(self._listed - self._proven))
+            return tuple(sorted(self._listed.keys() - self._proven))
+
+    def roles(self) -> dict[str, str]:
+        """Every listed member's role (this node's too, unless it is a client)."""
+        with self._lock:
+            out = dict(self._listed)
+        if self.role != "client":
+            out[self.me] = self.role
+        return out
+
+    @property
+    def _role_listed(self) -> str:
+        return "server" if self.role == "server" else "peer"
 
     def _rebuild(self) -> None:  # (under the lock)
-        ring = Ring({self.me, *self._proven})
+        servers = {m for m in self._proven if self._listed.get(m) == "server"}
+        if self.role == "server":
+            servers.add(self.me)
+        if servers:
+            ring = Ring(servers)
+        else:
+            ring = Ring({*self._proven, *([self.me] if self.role == "peer" else [])})
         if ring != self.ring:
             joined, left = set(ring.members) - set(self.ring.members), set(self.ring.members) - set(ring.members)
             log.info("peer members: %d (%s)", len(ring), ", ".join(
@@ -192,7 +231,9 @@ class Membership:
         return text
 
     def _leave(self) -> None:
+        if self.role == "client":
+            return
         try:
-            self.store.leave(self.source, self.me)
+            self.store.leave(self.source, self.me, self._role_listed)
         except BackendUnavailable as exc:
             log.info("could not leave the member list (%s); it expires in %.0fs", exc, self.TTL)

@@ -37,6 +37,14 @@ class Ring:
                 best, best_weight = member, weight
         return best
 
+    def owners(self, bid: bytes, count: int, exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """The ``count`` members that hold ``bid`` (its replicas), first choice first, among those not in
+        ``exclude``: the rendezvous ranking's head, so a member joining or leaving changes a block's
+        holders only where it ranks among them."""
+        ranked = sorted(((-xxhash.xxh3_64_intdigest(bid, seed=seed), member) for seed, member in self._seeds
+                         if member not in exclude))
+        return [member for _, member in ranked[:count]]
+
     def __len__(self) -> int:
         return len(self.members)
 

@@ -9,12 +9,33 @@ from epochfs.peer.wire import is_wildcard, member_addr, split_addr
 
 
 def check_options(*, listen_text: str | None, advertise: str | None, token_file: Path | None, meta: str | None,
-                  cache: str, timeout: float) -> None:
-    """The rules a mount's peer options must keep; :class:`ConfigError` naming the option that breaks one."""
+                  cache: str, timeout: float, role: str = "peer", replicas: int = 1, serving: bool = False,
+                  writeback: bool = False) -> None:
+    """The rules a mount's (or a cache node's, ``serving``) peer options must keep; :class:`ConfigError`
+    naming the option that breaks one."""
+    if not 1 <= replicas <= 16:
+        raise ConfigError("--replicas must be from 1 to 16")
+    if serving:
+        if role != "server":
+            raise ConfigError("a cache node is a server (epochfs serve)")
+        if listen_text is None:
+            raise ConfigError("epochfs serve needs --peer-listen HOST:PORT: the cache node answers there")
+        if writeback:
+            raise ConfigError("a cache node writes nothing: --writeback is for mounts")
+    elif role == "server":
+        raise ConfigError("--peer-role server is a cache node's: run 'epochfs serve' instead of mounting")
+    elif role == "client":
+        if listen_text is not None or advertise is not None:
+            raise ConfigError("--peer-role client never serves: drop --peer-listen and --peer-advertise")
+        _needs_store_and_token(meta, token_file, "--peer-role client")
+        _check_timeout(cache, timeout)
+        return
+    elif role != "peer":
+        raise ConfigError(f"--peer-role {role!r}: choose peer or client")
     if listen_text is None:
         for flag, value in (("--peer-advertise", advertise), ("--peer-token-file", token_file)):
             if value is not None:
-                raise ConfigError(f"{flag} needs --peer-listen")
+                raise ConfigError(f"{flag} needs --peer-listen (or --peer-role client)")
         return
     listen = split_addr(listen_text, any_port=True)
     if listen is None:
@@ -33,12 +54,20 @@ def check_options(*, listen_text: str | None, advertise: str | None, token_file:
     elif member_addr(f"{listen[0]}:{listen[1] or 1}") is None:
         raise ConfigError(f"--peer-listen {listen_text}: other members reach this node at a literal IP "
                           "address (members never look up names): give one, or --peer-advertise IP:PORT")
+    _needs_store_and_token(meta, token_file, "--peer-listen")
+    _check_timeout(cache, timeout)
+
+
+def _needs_store_and_token(meta: str | None, token_file: Path | None, what: str) -> None:
     if not (meta or "").startswith(("redis://", "rediss://")):
-        raise ConfigError("--peer-listen needs a shared store: --meta redis://HOST:PORT/DB (the members "
+        raise ConfigError(f"{what} needs a shared store: --meta redis://HOST:PORT/DB (the members "
                           "find each other there)")
     if token_file is None:
-        raise ConfigError("--peer-listen needs --peer-token-file: members sign their requests with a "
+        raise ConfigError(f"{what} needs --peer-token-file: members sign their requests with a "
                           "shared secret")
+
+
+def _check_timeout(cache: str, timeout: float) -> None:
     if cache not in ("all", "owned"):
         raise ConfigError(f"--peer-cache {cache!r}: choose all or owned")
     if not 0 < timeout <= 300:

@@ -1,15 +1,23 @@
 """The cluster cache tier: the block source the cache fetches through, and the answers to other members.
 
-**Fetching** (worker threads, one per block fetch). The owner of a block is its rendezvous choice among
-the members that proved they hold the cluster's token (:mod:`.members`). If that is this node (or it is
-alone), the block comes from the backend. Otherwise the owner is asked; it serves the block from its
+**Fetching** (worker threads, one per block fetch). The owners of a block are its ``replicas`` first
+rendezvous choices among the members that proved they hold the cluster's token (:mod:`.members`: the
+cache nodes where there are any, else the serving GPU nodes). They are asked in turn; if one of them
+is this node (or it is alone), the block comes from the backend. An owner asked it serves the block from its
 cache or fetches it from the backend once (its own single flight serves every member asking at the
 same time). Only an authenticated answer (:mod:`.wire`) of exactly the block's length is used. If the
 owner cannot be reached, times out, answers something unauthenticated or fails (a 5xx, a refusal),
 it is distrusted: out of the ring until it proves itself again (its blocks go to their next choice
-meanwhile), and this block comes from the backend at once. An owner that says it does not have this
+meanwhile), and the next owner is asked, then the backend. An owner that says it does not have this
 object version (404, 409, 412) keeps its place unless it says so ``DECLINES_IN_A_ROW`` times in a row;
 the block comes from the backend.
+
+**Cache nodes** (``role="server"``, ``epochfs serve``) keep only the blocks they own. One asked for a
+block it does not hold asks the other owners and the next cache nodes for it first (stored-only
+requests: never fetched there), then the backend: a cache node that joins fills its share from the
+others, and one that leaves hands its share to the next. With ``replicas`` above one, a cache node that
+fetched a block from the backend has its other owners warm it (in the background; they take it from
+this node), so each block crosses the backend link once and is held ``replicas`` times.
 
 **Keeping.** With ``mode="all"`` a node caches every block it reads, so later epochs are local. With
 ``mode="owned"`` it caches only the blocks it owns, and the members' caches add up to one cache; blocks
@@ -27,6 +35,7 @@ thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections import Counter
@@ -59,6 +68,9 @@ class PeerStats:
     requests: dict[str, int]  # outcome -> count (asked: ok, unavailable, bad, declined; answered: served, rejected)
     bytes_in: int
     bytes_out: int
+    role: str = "peer"  # peer, server (a cache node) or client
+    replicas: int = 1
+    link_capacity: float | None = None  # bytes/s of this node's link (--link-capacity)
 
 
 class PeerCache(Protocol):
@@ -70,18 +82,24 @@ class PeerCache(Protocol):
 
     async def read_for_peer(self, obj: ObjectInfo, index: int, warm: bool) -> bytes | None: ...
 
+    async def read_stored(self, obj: ObjectInfo, index: int) -> bytes | None: ...
+
 
 class PeerTier:
     DECLINES_IN_A_ROW = 8
     OBJECT_STATUSES = (404, 409, 412)  # "not this object version here": no fault of the member
 
-    def __init__(self, backend: Backend, members: Membership, client: PeerClient, *, mode: str) -> None:
-        if mode not in MODES:
+    def __init__(self, backend: Backend, members: Membership, client: PeerClient, *, mode: str,
+                 replicas: int = 1, link_capacity: float | None = None) -> None:
+        if mode not in MODES or replicas < 1:
             raise ValueError(mode)
         self.backend = backend
         self.members = members
         self.client = client
-        self.mode = mode
+        self.mode = "owned" if members.role == "server" else mode
+        self.replicas = replicas
+        self.link_capacity = link_capacity
+        self._replicating: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._declines: Counter[str] = Counter()
         self._outcomes: Counter[str] = Counter()
@@ -89,34 +107,67 @@ class PeerTier:
 
     # -- the block source (worker threads) ---------------------------------------------------------------
 
-    def owner(self, bid: bytes) -> str | None:
+    def owners(self, bid: bytes) -> list[str]:
+        """The members that hold ``bid``, first choice first (none: this node is alone)."""
         ring = self.members.ring
-        return ring.owner(bid) if len(ring) > 1 else None
+        if not len(ring) or ring.members == (self.members.me,):
+            return []
+        return ring.owners(bid, self.replicas)
 
     def keeps(self, bid: bytes) -> bool:
-        """Whether this node caches ``bid`` (always, unless ``owned`` and another member owns it)."""
+        """Whether this node caches ``bid`` (always, unless ``owned`` and other members own it)."""
         if self.mode == "all":
             return True
-        owner = self.owner(bid)
-        return owner is None or owner == self.members.me
+        owners = self.owners(bid)
+        return not owners or self.members.me in owners
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
                    warm: bool) -> tuple[bytes | None, bool]:
-        """The block's bytes and whether they came from a peer; ``direct``: from the backend, never a
-        peer; ``warm``: only make sure its owner has it (None when it does)."""
-        owner = None if direct else self.owner(bid)
-        if owner is not None and owner != self.members.me:
-            try:
-                data = self.client.get(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm))
-            except PeerFailure as exc:
-                self._failed(owner, exc)
-            else:
-                with self._lock:
-                    self._outcomes["ok"] += 1
-                    self._declines.pop(owner, None)
-                    self._bytes_in += len(data) if data else 0
-                return data, True
+        """The block's bytes and whether they came from a peer; ``direct``: not from its owners (this
+        node answers a member: a cache node still asks the others for what they hold); ``warm``: only
+        make sure an owner has it (None when it does)."""
+        if not direct:
+            for owner in self.owners(bid):
+                if owner == self.members.me:
+                    break
+                got = self._ask(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm))
+                if got is not None:
+                    return got[0], True
+        elif self.members.role == "server":
+            ring, me = self.members.ring, self.members.me
+            for other in ring.owners(bid, self.replicas, exclude={me}):
+                got = self._ask(other, wire.BlockRequest(bid, obj.key, obj.etag, index, length, stored=True))
+                if got is not None:
+                    return got[0], True
+            data = self.backend.read_range(obj.key, obj.etag, start, length)
+            owners = self.owners(bid)
+            if self.replicas > 1 and me in owners:  # the other replicas take it from here
+                for other in owners:
+                    if other != me:
+                        self._replicas().submit(self._ask, other, wire.BlockRequest(
+                            bid, obj.key, obj.etag, index, length, warm=True))
+            return data, False
         return self.backend.read_range(obj.key, obj.etag, start, length), False
+
+    def _replicas(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._replicating is None:
+                self._replicating = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="replicate")
+            return self._replicating
+
+    def _ask(self, member: str, req: wire.BlockRequest) -> tuple[bytes | None] | None:
+        """(the answer,) of ``member``, or None if it failed (distrusted where it must be)."""
+        try:
+            data = self.client.get(member, req)
+        except PeerFailure as exc:
+            if not (req.stored and exc.kind == "declined" and exc.status == 404):  # (not held there: fine)
+                self._failed(member, exc)
+            return None
+        with self._lock:
+            self._outcomes["ok"] += 1
+            self._declines.pop(member, None)
+            self._bytes_in += len(data) if data else 0
+        return (data,)
 
     def _failed(self, owner: str, exc: PeerFailure) -> None:
         with self._lock:
@@ -143,7 +194,8 @@ class PeerTier:
             outcomes["rejected"] = served.rejected
         return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=self.members.down(),
                          store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
-                         bytes_out=served.served_bytes if served else 0)
+                         bytes_out=served.served_bytes if served else 0, role=self.members.role,
+                         replicas=self.replicas, link_capacity=self.link_capacity)
 
 
 class PeerAnswers:
@@ -170,6 +222,11 @@ class PeerAnswers:
             raise wire.Rejected(404, "no such block") from None
         if length != req.length or cache.block_id(obj, req.index) != req.bid:
             raise wire.Rejected(409, "another block geometry (is --block-size the same on every node?)")
+        if req.stored:
+            data = await cache.read_stored(obj, req.index)
+            if data is None:
+                raise wire.Rejected(404, "not held here")
+            return data
         try:
             return await cache.read_for_peer(obj, req.index, req.warm)
         except ObjectChanged as exc:

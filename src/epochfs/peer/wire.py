@@ -12,7 +12,9 @@ to, as the member list has it: a request is good only at the member it was made 
 ``CLOCK_SKEW`` seconds of its time, and only once (the owner remembers the nonces it has seen).
 
 Answer: ``200`` with the block's bytes, ``204`` to a warm request (``w=1``: make sure you have it, send
-nothing) or to a hello, or an error status with a one-line reason; every answer carries
+nothing), ``200`` with the second the member started to a hello, ``404`` to a stored-only request
+(``s=1``: only if you hold it, never fetch it: how a cache node fills its share from the others before
+the backend) for a block it does not hold, or an error status with a one-line reason; every answer carries
 ``X-Epochfs-Answer``, the answer MAC over the request's MAC, the status and the body. Only a member that
 holds the token can make it, and only for that request: a recorded answer does not fit another request,
 and a body changed on the way does not fit its MAC. Nothing that fails these checks is used.
@@ -71,10 +73,12 @@ class BlockRequest:
     index: int
     length: int
     warm: bool = False
+    stored: bool = False  # only from the asked member's own cache: never fetched there
 
     def target(self) -> str:
         query = urllib.parse.urlencode({"k": self.key, "e": self.etag, "i": self.index, "n": self.length,
-                                        **({"w": 1} if self.warm else {})}, quote_via=urllib.parse.quote)
+                                        **({"w": 1} if self.warm else {}), **({"s": 1} if self.stored else {})},
+                                       quote_via=urllib.parse.quote)
         return f"{PREFIX}{self.bid.hex()}?{query}"
 
 
@@ -215,13 +219,16 @@ def parse_target(raw: bytes) -> BlockRequest:
                                       errors="strict", max_num_fields=8)
     except (ValueError, UnicodeDecodeError):
         raise Rejected(400, "malformed query") from None
-    if set(query) - {"k", "e", "i", "n", "w"}:
+    if set(query) - {"k", "e", "i", "n", "w", "s"}:
         raise Rejected(400, "unknown query field")
-    warm = "w" in query
-    if warm and query["w"] != ["1"]:
-        raise Rejected(400, "'w' must be 1")
+    warm, stored = "w" in query, "s" in query
+    for flag, given in (("w", warm), ("s", stored)):
+        if given and query[flag] != ["1"]:
+            raise Rejected(400, f"'{flag}' must be 1")
+    if warm and stored:
+        raise Rejected(400, "a request is warm or stored-only, not both")
     return BlockRequest(bytes.fromhex(hexid), _text(query, "k", MAX_KEY_BYTES), _text(query, "e", MAX_ETAG_BYTES),
-                        _int(query, "i", MAX_OBJECT_SIZE), _int(query, "n", MAX_BLOCK), warm)
+                        _int(query, "i", MAX_OBJECT_SIZE), _int(query, "n", MAX_BLOCK), warm, stored)
 
 
 def load_token(path: Path) -> bytes:

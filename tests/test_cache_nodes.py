@@ -1,0 +1,198 @@
+"""Dedicated cache nodes (``epochfs serve``): GPU nodes mounted as clients read through them, each block
+crosses the backend link once for the cluster, replicas survive a node's death, a node that joins fills
+its share from the others, and nothing a client does moves a block."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.devserver import free_ports
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS, read_all
+from .test_peer import FILES, TOTAL, backend_bytes, dataset, read_everything, redis_url, token_file  # noqa: F401
+
+pytestmark = requires_fuse
+MiB = 1 << 20
+
+
+class CacheNode:
+    """An ``epochfs serve`` daemon on 127.0.0.1."""
+
+    def __init__(self, tier: Tier, n: int, *args: str) -> None:
+        self.tier = tier
+        self.port = free_ports(1)[0]
+        self.addr = f"127.0.0.1:{self.port}"
+        self.cache_dir = tier.tmp / f"server{n}"
+        self.args = ["serve", tier.dataset, "--meta", tier.redis_url, "--peer-listen", self.addr,
+                     "--peer-token-file", str(tier.token_file), "--block-size", "1M", "--cache-dir",
+                     str(self.cache_dir), "--endpoint-url", tier.s3.endpoint, "--metrics-addr", "127.0.0.1:0",
+                     "--metrics-targets", "off", *args]
+
+    def start(self) -> CacheNode:
+        r = subprocess.run([*EPOCHFS, *self.args], env=self.tier.s3.env(), capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, f"serve failed: {r.stderr}\n{self.log()}"
+        return self
+
+    def status(self) -> dict:
+        from epochfs.control import request
+
+        return request(self.cache_dir, "status")
+
+    def pid(self) -> int:
+        return int(self.status()["pid"])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        try:
+            pid = self.pid()
+        except Exception:  # noqa: BLE001 - already gone
+            return
+        os.kill(pid, sig)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        path = self.cache_dir / "epochfs.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class Tier:
+    def __init__(self, mount_factory, s3, source: str, store_url: str, token: Path, tmp_path: Path):
+        self.make, self.s3, self.dataset = mount_factory, s3, source
+        self.redis_url, self.token_file, self.tmp = store_url, token, tmp_path
+        subprocess.run([*EPOCHFS, "import", source, "--meta", store_url, "--endpoint-url", s3.endpoint],
+                       check=True, capture_output=True, env=s3.env())
+        self.servers: list[CacheNode] = []
+        self.clients = []
+
+    def server(self, *args: str) -> CacheNode:
+        node = CacheNode(self, len(self.servers), *args).start()
+        self.servers.append(node)
+        return node
+
+    def client(self, *args: str):
+        n = len(self.clients)
+        m = self.make(self.dataset, "--meta", self.redis_url, "--peer-role", "client", "--peer-token-file",
+                      str(self.token_file), "--block-size", "1M", *args, name=f"client{n}",
+                      cache_dir=self.tmp / f"client-cache{n}")
+        m.start()
+        self.clients.append(m)
+        return m
+
+    def wait_servers(self, count: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        for m in [*self.clients, *self.servers]:
+            while len(m.status()["peer"]["members"]) != count:
+                assert time.monotonic() < deadline, m.status()["peer"]
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def tier(mount_factory, s3, dataset, redis_url, token_file, tmp_path):  # noqa: F811
+    t = Tier(mount_factory, s3, dataset, redis_url, token_file, tmp_path)
+    yield t
+    t.close()
+
+
+def held(node: CacheNode) -> int:
+    return node.status()["store"]["used_bytes"]
+
+
+def test_clients_read_through_cache_nodes_and_each_block_crosses_the_backend_once(tier):
+    """Two cache nodes, two GPU nodes mounted as clients: byte-exact reads; the cluster fetches the
+    dataset from the backend once (the cache nodes, once each block); each cache node holds only its
+    share; the clients are listed nowhere (they own nothing)."""
+    servers = [tier.server(), tier.server()]
+    clients = [tier.client(), tier.client()]
+    tier.wait_servers(2)
+    threads = [threading.Thread(target=read_everything, args=(c, i)) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for c in clients:
+        read_everything(c, 9)
+    fetched = sum(backend_bytes(n) for n in [*servers, *clients])
+    assert TOTAL <= fetched <= 1.05 * TOTAL, (fetched, TOTAL)
+    assert sum(backend_bytes(c) for c in clients) == 0  # every block came through a cache node
+    shares = [held(s) for s in servers]
+    assert sum(shares) <= 1.05 * TOTAL and all(0 < s < 0.9 * TOTAL for s in shares), shares
+    for c in clients:
+        p = c.status()["peer"]
+        assert p["role"] == "client" and p["requests"]["ok"] > 0
+        assert p["requests"]["unavailable"] == p["requests"]["bad"] == 0
+        assert sorted(p["members"]) == sorted(s.addr for s in servers)
+    for s in servers:
+        assert s.status()["peer"]["role"] == "server" and s.status()["peer"]["bytes_out"] > 0
+    text = subprocess.run([*EPOCHFS, "status", str(servers[0].cache_dir)], capture_output=True, text=True)
+    assert text.returncode == 0 and "cache node" in text.stdout, text.stdout + text.stderr
+
+
+def test_a_replica_survives_a_cache_node_killed_mid_epoch(tier):
+    """With --replicas 2 both cache nodes hold every block; one killed mid-epoch costs the readers at
+    most --peer-timeout, never a wrong byte, and nothing more from the backend."""
+    args = ("--replicas", "2")
+    servers = [tier.server(*args), tier.server(*args)]
+    c = tier.client(*args, "--peer-timeout", "2")
+    tier.wait_servers(2)
+    read_everything(c, 0)
+    first = sum(backend_bytes(n) for n in [*servers, c])
+    assert first <= 1.05 * TOTAL
+    assert all(held(s) >= 0.95 * TOTAL for s in servers)  # each holds the whole dataset
+
+    subprocess.run(["sync"])
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    errors, halfway, killed = [], threading.Event(), threading.Event()
+
+    def reader():
+        try:
+            for n, f in enumerate(FILES):
+                if n == len(FILES) // 2:
+                    halfway.set()
+                    killed.wait(10)
+                assert read_all(c.path(f.key), 70_001) == f.content(), f.key
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    survivor_before = backend_bytes(servers[1])
+    t = threading.Thread(target=reader)
+    t.start()
+    assert halfway.wait(60)
+    servers[0].stop(signal.SIGKILL)
+    started = time.monotonic()
+    killed.set()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+    assert time.monotonic() - started < 20
+    assert backend_bytes(servers[1]) == survivor_before and backend_bytes(c) == 0  # the survivor held them all
+
+
+def test_a_cache_node_that_joins_fills_its_share_from_the_others(tier):
+    """Two cache nodes hold the dataset; a third joins: the blocks it now owns come from the other two
+    (stored-only requests), not from the backend."""
+    servers = [tier.server(), tier.server()]
+    c = tier.client()
+    tier.wait_servers(2)
+    read_everything(c, 0)
+    assert sum(held(s) for s in servers) >= 0.95 * TOTAL
+    third = tier.server()
+    fresh = tier.client()  # a GPU node arriving with an empty cache
+    tier.wait_servers(3)
+    read_everything(fresh, 1)
+    p = third.status()["peer"]
+    assert held(third) > 0.15 * TOTAL and p["bytes_in"] >= held(third) * 0.9, (held(third), p)
+    assert backend_bytes(third) == 0  # its share came from the cache nodes that held it before
+    assert backend_bytes(c) == backend_bytes(fresh) == 0
