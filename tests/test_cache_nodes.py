@@ -4,6 +4,7 @@ its share from the others, and nothing a client does moves a block."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -196,3 +197,41 @@ def test_a_cache_node_that_joins_fills_its_share_from_the_others(tier):
     assert held(third) > 0.15 * TOTAL and p["bytes_in"] >= held(third) * 0.9, (held(third), p)
     assert backend_bytes(third) == 0  # its share came from the cache nodes that held it before
     assert backend_bytes(c) == backend_bytes(fresh) == 0
+
+
+def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists_them(tier):
+    """`epochfs cluster warmup` (resumable, exit 0 once every block is held by its owners) fills the two
+    cache nodes with one read of the dataset from the backend; a client that arrives after reads it all
+    with nothing more from the backend; `epochfs cluster status` lists the members, roles, what they hold."""
+    args = ("--replicas", "2")
+    servers = [tier.server(*args), tier.server(*args)]
+    tier.wait_servers(2)
+    base = [*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url, "--peer-token-file",
+            str(tier.token_file), "--block-size", "1M", "--replicas", "2"]
+    half = [f.key for f in FILES[: len(FILES) // 2]]
+    r = subprocess.run([*base, *half], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    first = sum(backend_bytes(s) for s in servers)
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120)  # the rest: resumed, not repeated
+    assert r.returncode == 0 and "held by their owners (2 each, 2 cache nodes)" in r.stdout, r.stderr
+    warmed = sum(backend_bytes(s) for s in servers)
+    assert first < warmed <= 1.05 * TOTAL, (first, warmed, TOTAL)
+    assert all(held(s) >= 0.95 * TOTAL for s in servers)
+    c = tier.client(*args)
+    tier.wait_servers(2)
+    read_everything(c, 3)
+    assert backend_bytes(c) == 0 and sum(backend_bytes(s) for s in servers) == warmed
+    st = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url, "--json",
+                         "--peer-token-file", str(tier.token_file)], capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0, st.stderr
+    rows = {r["member"]: r for r in json.loads(st.stdout)["members"]}
+    assert set(rows) == {s.addr for s in servers}  # the client is listed nowhere
+    for s in servers:
+        row = rows[s.addr]
+        assert row["role"] == "server" and row["health"] == "up" and row["held_bytes"] >= 0.95 * TOTAL
+    text = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "2 cache nodes" in text and servers[0].addr in text
+    servers[1].stop(signal.SIGKILL)
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "did not prove" in r.stderr  # a cache node down: not every owner holds

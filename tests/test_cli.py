@@ -210,3 +210,17 @@ def test_the_dev_server_has_help_and_stops_seaweedfs_with_it(tmp_path):
             time.sleep(0.05)
     finally:
         proc.kill()
+
+
+def test_paths_may_follow_options():
+    """`epochfs warmup MOUNT --check images` and `epochfs cluster warmup SRC --meta URL a b`: PATHs given
+    after options are PATHs (argparse alone leaves them over as unknown arguments)."""
+    from epochfs.cli import build_parser, parse
+
+    args = parse(build_parser(), ["warmup", "/mnt/data", "--check", "images", "more"])
+    assert args.paths == ["images", "more"] and args.check
+    args = parse(build_parser(), ["cluster", "warmup", "s3://b/p", "--meta", "redis://h/0", "--peer-token-file",
+                                  "t", "a/b", "c"])
+    assert args.paths == ["a/b", "c"]
+    with pytest.raises(SystemExit):
+        parse(build_parser(), ["warmup", "/mnt/data", "--check", "--frobnicate"])

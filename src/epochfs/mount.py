@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import resource
@@ -146,6 +147,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._stopped: trio.Event | None = None  # a cache node's: set to stop it
+        self._link_sample: tuple[float, int] | None = None  # (when, bytes served) at the last heartbeat
         # Read-only mounts open files with no request; each inode number is then one version of a file.
         self.zero_open = not config.open_requests and not config.writeback and not config.serving
         # A malformed address fails before the cache is locked.
@@ -237,9 +239,26 @@ class Daemon:
         role = "server" if config.serving else config.peer_role
         members = Membership(self.snapshots.store, self.backend.source_id,
                              config.peer_advertise or config.peer_listen or "client",
-                             prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role)
+                             prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role,
+                             stats=self._member_stats)
         self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas,
                              link_capacity=config.link_capacity)
+
+    def _member_stats(self) -> bytes:
+        """What this member publishes of itself at each heartbeat (``epochfs cluster status``): its role,
+        what it holds and has served, and its link's utilisation since the last heartbeat."""
+        assert self.peer is not None
+        now, out = time.monotonic(), self.peer_server.stats.served_bytes if self.peer_server else 0
+        then, before = self._link_sample or (now, out)
+        rate = (out - before) / (now - then) if now > then else 0.0
+        self._link_sample = (now, out)
+        st, capacity = self.store.statistics(), self.config.link_capacity
+        return json.dumps({
+            "role": self.peer.members.role, "node": self.config.node_name(), "held_bytes": st.used_bytes,
+            "capacity_bytes": st.capacity_bytes, "served_bytes": out, "out_bytes_per_second": rate,
+            "link_capacity": capacity, "utilization": rate / capacity if capacity else None,
+            "down": list(self.peer.members.down()), "snapshot": self.snapshots.snapshot.version,
+            "replicas": self.config.replicas, "updated": time.time()}).encode()
 
     def _serve_peers(self) -> None:
         """The peer port, answering other members from the cache."""

@@ -1,6 +1,6 @@
 """Command line: arguments -> calls, errors -> one line and an exit code. One module per command family:
-:mod:`.mount` (mount, umount), :mod:`.status` (status, stats), :mod:`.epoch` (prefetch, warmup, manifest,
-plan), :mod:`.stores` (import, refresh, fsck), :mod:`.pack` (pack); :mod:`.options` derives the mount options from
+:mod:`.mount` (mount, serve, umount), :mod:`.status` (status, stats), :mod:`.epoch` (prefetch, warmup, manifest,
+plan), :mod:`.stores` (import, refresh, fsck), :mod:`.pack` (pack), :mod:`.cluster` (cluster status, warmup); :mod:`.options` derives the mount options from
 :class:`~epochfs.config.Config`.
 
 Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
@@ -13,7 +13,7 @@ import difflib
 import os
 import sys
 
-from epochfs.cli import epoch, mount, pack, status, stores
+from epochfs.cli import cluster, epoch, mount, pack, status, stores
 from epochfs.cli.common import EPILOG
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.version import __version__
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"epochfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for family in (mount, epoch, stores, pack, status):
+    for family in (mount, epoch, stores, pack, status, cluster):
         family.add_parsers(sub)
     parser.set_defaults(commands=sub.choices)
     return parser
@@ -39,6 +39,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     """The arguments; an unknown one is an error of the command it was given to (its usage, and the
     option it most likely meant), not of the top level."""
     args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "paths", None), list) and not any(w.startswith("-") for w in extra):
+        args.paths += extra  # PATHs given after options (argparse leaves them over when options come between)
+        extra = []
     if extra:
         command: argparse.ArgumentParser = args.commands[args.command]
         known = [o for a in command._actions for o in a.option_strings]

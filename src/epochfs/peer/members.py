@@ -50,10 +50,13 @@ class MemberStore(Protocol):
     def heartbeat(self, source: str, member: str | None, ttl: float, limit: int,
                   role: str = "peer") -> dict[str, list[bytes]]: ...
 
+    def publish_stats(self, source: str, member: str, stats: bytes) -> None: ...
+
     def leave(self, source: str, member: str, role: str = "peer") -> None: ...
 
 
 Prove = Callable[[str], None]  # raises (with the reason) unless the member proved it holds the token
+Stats = Callable[[], bytes]  # what this member publishes of itself at each heartbeat (epochfs cluster status)
 
 
 class Membership:
@@ -63,7 +66,8 @@ class Membership:
     PROOFS_AT_ONCE = 16
     PROOF_INTERVAL = 0.5  # how often the prover looks for candidates due
 
-    def __init__(self, store: MemberStore, source: str, me: str, prove: Prove, *, role: str = "peer") -> None:
+    def __init__(self, store: MemberStore, source: str, me: str, prove: Prove, *, role: str = "peer",
+                 stats: Stats | None = None) -> None:
         if role not in ROLES:
             raise ValueError(role)
         self.store = store
@@ -71,6 +75,7 @@ class Membership:
         self.me = me
         self.prove = prove
         self.role = role
+        self.stats = stats
         self.ring = Ring([] if role == "client" else [me])
         self.reachable = True
         self._lock = threading.Lock()
@@ -113,6 +118,11 @@ class Membership:
         if not self.reachable:
             log.info("peer membership: the store answers again")
         self.reachable = True
+        if self.stats is not None and me is not None:
+            try:
+                await trio.to_thread.run_sync(self.store.publish_stats, self.source, me, self.stats())
+            except BackendUnavailable:
+                pass  # (the next heartbeat publishes them again)
         listed: dict[str, str] = {}
         for role, entries in raw.items():
             if self.role == "server" and role != "server":

@@ -1,0 +1,284 @@
+"""``epochfs cluster status`` and ``epochfs cluster warmup``: the cache tier of a dataset as a whole, from
+the shared store the members meet in (no mount needed).
+
+``status`` lists the members the store holds (cache nodes and serving GPU nodes) with what each
+publishes of itself at its heartbeat: role, bytes held and served, its link's utilisation; with the
+peer token it also asks each for its proof, so a member that does not answer shows as such.
+
+``warmup`` fills the cache nodes before the GPUs arrive: it reads the published snapshot, computes every
+block of the files selected (a packed member's blocks of its shard), and asks each block's owners (the
+same rendezvous ranking the members use, ``--replicas`` of them) to hold it, in parallel, with a progress
+line; a block an owner holds already is answered at once, so a run cut short or repeated picks up where
+it stopped. It exits 0 only once every selected block is held by every one of its owners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from epochfs.cli.common import EPILOG, human
+from epochfs.config import parse_rate, parse_size, store_access
+from epochfs.errors import ConfigError, EpochfsError
+from epochfs.records import ObjectInfo, Source
+
+HEARTBEAT_STALE = 10.0  # seconds after which a member's published statistics are old
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("cluster", help="the cluster cache tier as a whole: status, warmup",
+                       description="The cache tier of a dataset, from the shared store its members meet in.")
+    csub = c.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("source", metavar="SOURCE", help="the dataset's source, as the members mount it")
+        p.add_argument("--meta", required=True, metavar="URL", help="the shared store (redis[s]://...)")
+        p.add_argument("--meta-name", metavar="NAME", help="the dataset's name in the store (default: SOURCE)")
+        p.add_argument("--meta-password-file", type=Path, metavar="FILE", help="the store's password (mode 0600)")
+        p.add_argument("--meta-ca-file", type=Path, metavar="FILE", help="CA certificates of a rediss:// store")
+
+    s = csub.add_parser("status", help="the members, their roles, what they hold and serve",
+                        description="List the members of SOURCE's cluster tier: role, bytes held, bytes served, "
+                        "link utilisation (against their --link-capacity) and health.", epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    common(s)
+    s.add_argument("--peer-token-file", type=Path, metavar="FILE",
+                   help="the members' token: ask each for its proof (health)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(run=cmd_status)
+
+    w = csub.add_parser(
+        "warmup", help="fill the cache nodes with a dataset (or paths of it) before the GPUs arrive",
+        description="Have every block of the selected files (PATHs relative to the dataset's root, a "
+        "--manifest, or everything) held by its owners among the cache nodes, in parallel. Resumable: a "
+        "block already held is answered at once. Exit 0 only when every selected block is held by its "
+        "owners; 1 with what is missing otherwise. Ctrl-C stops sending (what was warmed stays).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common(w)
+    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories of the dataset (default: all)")
+    w.add_argument("--manifest", metavar="FILE", help="the files to warm, one path a line")
+    w.add_argument("--peer-token-file", type=Path, required=True, metavar="FILE", help="the members' token")
+    w.add_argument("--block-size", type=parse_size, default=4 << 20, metavar="SIZE",
+                   help="the members' --block-size (default: 4M)")
+    w.add_argument("--replicas", type=int, default=1, metavar="R", help="the members' --replicas (default: 1)")
+    w.add_argument("--concurrency", type=int, default=16, metavar="N",
+                   help="blocks asked for at once, in all (default: 16)")
+    w.add_argument("--bandwidth", type=parse_rate, metavar="RATE",
+                   help="cap on the bytes warmed per second, e.g. 2Gbit (default: none)")
+    w.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="how long one owner may take to fetch one block (default: 120)")
+    w.add_argument("--quiet", "-q", action="store_true", help="no progress line")
+    w.set_defaults(run=cmd_warmup)
+
+
+def _store(args: argparse.Namespace) -> tuple[Any, str]:
+    from epochfs.meta.redis import RedisMetaStore
+
+    if not args.meta.startswith(("redis://", "rediss://")):
+        raise ConfigError("--meta: the cluster tier meets in a shared store: redis[s]://HOST:PORT/DB")
+    source_id = Source.parse(args.source).url
+    store = RedisMetaStore(args.meta, args.meta_name, store_access(args.meta_password_file, args.meta_ca_file))
+    return store, source_id
+
+
+def _members(store: Any, source_id: str) -> dict[str, str]:
+    """Member address -> role, as the store lists them (checked: literal addresses only)."""
+    from epochfs.peer.wire import member_addr
+
+    out: dict[str, str] = {}
+    for role, entries in store.heartbeat(source_id, None, 0.0, 10_000).items():
+        for raw in entries:
+            addr = member_addr(raw.decode("ascii", "replace")) if isinstance(raw, bytes) and len(raw) <= 64 else None
+            if addr is not None:
+                out.setdefault(addr, role)
+    return out
+
+
+def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0) -> tuple[Any, dict[str, str | None]]:
+    """A peer client and, for each member, None if it proved it holds the token, else why not."""
+    from epochfs.peer.client import PeerClient
+    from epochfs.peer.wire import Keys, load_token
+
+    client = PeerClient(Keys(load_token(token_file)), timeout)
+
+    def one(addr: str) -> str | None:
+        try:
+            client.hello(addr, timeout)
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed proof
+            return str(exc)[:200]
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return client, dict(zip(addrs, pool.map(one, addrs), strict=True))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    store, source_id = _store(args)
+    try:
+        members = _members(store, source_id)
+        stats = store.member_stats(source_id, 10_000)
+    finally:
+        store.close()
+    proofs = _prove(sorted(members), args.peer_token_file)[1] if args.peer_token_file else {}
+    now = time.time()
+    rows = []
+    for addr in sorted(members, key=lambda a: (members[a] != "server", a)):
+        row: dict[str, Any] = {"member": addr, "role": members[addr]}
+        try:
+            published = json.loads(stats[addr]) if addr in stats else None
+        except ValueError:
+            published = None
+        if isinstance(published, dict):
+            row.update({k: published.get(k) for k in ("node", "held_bytes", "capacity_bytes", "served_bytes",
+                                                      "out_bytes_per_second", "link_capacity", "utilization",
+                                                      "down", "snapshot", "replicas")})
+            updated = published.get("updated")
+            row["age_seconds"] = now - updated if isinstance(updated, (int, float)) else None
+        health = "up"
+        if row.get("age_seconds") is None:
+            health = "no statistics"
+        elif row["age_seconds"] > HEARTBEAT_STALE:
+            health = f"stale ({row['age_seconds']:.0f} s)"
+        if addr in proofs:
+            health = health if proofs[addr] is None else f"not answering: {proofs[addr]}"
+        row["health"] = health
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"source": source_id, "members": rows}, indent=1))
+        return 0
+    servers = sum(1 for r in rows if r["role"] == "server")
+    print(f"cluster tier of {source_id}: {servers} cache nodes, {len(rows) - servers} serving GPU nodes")
+    for r in rows:
+        util = r.get("utilization")
+        link = (f"{util:.0%} of {human(r['link_capacity'])}/s" if isinstance(util, float) and r.get("link_capacity")
+                else f"{human(r.get('out_bytes_per_second') or 0)}/s out")
+        held = r.get("held_bytes")
+        print(f"  {r['member']:<22} {r['role']:<6} " + (
+            f"holds {human(held)} of {human(r.get('capacity_bytes') or 0)}, served {human(r.get('served_bytes') or 0)}, "
+            f"link {link}; {r['health']}" if isinstance(held, int) else r["health"]))
+    return 0
+
+
+def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[ObjectInfo]:
+    from epochfs.prefetch import manifest
+
+    if not args.paths and not args.manifest:
+        return [o for o in objects if not o.key.endswith("/")]
+    by_key = {o.key: o for o in objects if not o.key.endswith("/")}
+    wanted: list[ObjectInfo] = []
+    missing = []
+    names = [e.path for e in manifest.read(args.manifest)] if args.manifest else []
+    for name in [*names, *args.paths]:
+        key = name.strip("/")
+        if key in by_key:
+            wanted.append(by_key[key])
+            continue
+        under = [o for k, o in by_key.items() if k.startswith(key + "/") or not key]
+        if not under:
+            missing.append(name)
+        wanted += under
+    if missing:
+        raise ConfigError(f"{len(missing)} paths are not in the dataset's snapshot, such as {missing[0]!r}")
+    return list({o.key: o for o in wanted}.values())
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from epochfs.cache.keys import block_id, extent_blocks
+    from epochfs.peer.client import PeerFailure
+    from epochfs.peer.ring import Ring
+    from epochfs.peer.wire import BlockRequest
+    from epochfs.records import stored_extent
+
+    if args.replicas < 1 or args.concurrency < 1:
+        raise ConfigError("--replicas and --concurrency must be at least 1")
+    store, source_id = _store(args)
+    try:
+        snapshot = store.load(source_id)
+        members = _members(store, source_id)
+    finally:
+        store.close()
+    if snapshot is None:
+        raise ConfigError(f"no snapshot of {source_id} in the store: publish one with epochfs import")
+    servers = sorted(a for a, role in members.items() if role == "server") or sorted(members)
+    if not servers:
+        raise EpochfsError("no member of the cluster tier is up (start the cache nodes: epochfs serve)")
+    client, proofs = _prove(servers, args.peer_token_file)
+    client.timeout = args.timeout
+    down = {a: why for a, why in proofs.items() if why is not None}
+    ring = Ring([a for a in servers if a not in down])
+    if not len(ring):
+        raise EpochfsError("no cache node proved it holds the token: " + "; ".join(f"{a}: {w}" for a, w in down.items()))
+    blocks: dict[bytes, tuple[ObjectInfo, int, int]] = {}
+    for obj in _selected(list(snapshot.objects), args):
+        stored, base = stored_extent(obj)
+        for index, length, _ in extent_blocks(base, obj.size, stored.size, args.block_size):
+            blocks.setdefault(block_id(source_id, stored.key, stored.etag, index, block_size=args.block_size),
+                              (stored, index, length))
+    work = [(owner, bid, *blocks[bid]) for bid in blocks for owner in ring.owners(bid, args.replicas)]
+    total = sum(w[4] for w in work)
+    done, failed, per_node = [0, 0], Counter[str](), Counter[str]()
+    lock, stop = threading.Lock(), threading.Event()
+    started = time.monotonic()
+
+    def warm(owner: str, bid: bytes, obj: ObjectInfo, index: int, length: int) -> None:
+        if stop.is_set():
+            return
+        if args.bandwidth:  # keep to the cap: this block may start once the bytes before it had their time
+            with lock:
+                due = started + (done[0] + length) / args.bandwidth
+            time.sleep(max(0.0, due - time.monotonic()))
+        try:
+            client.get(owner, BlockRequest(bid, obj.key, obj.etag, index, length, warm=True))
+        except PeerFailure as exc:
+            with lock:
+                failed[f"{owner}: {str(exc)[:120]}"] += 1
+            return
+        with lock:
+            done[0] += length
+            done[1] += 1
+            per_node[owner] += length
+
+    def progress(final: bool = False) -> None:
+        if args.quiet or not sys.stderr.isatty() and not final:
+            return
+        seconds = max(time.monotonic() - started, 1e-6)
+        nodes = ", ".join(f"{a} {human(n)}" for a, n in sorted(per_node.items()))
+        print(f"\rwarmed {human(done[0])} of {human(total)} ({done[1]}/{len(work)} blocks) at "
+              f"{human(done[0] / seconds)}/s; {nodes}", end="\n" if final else "", file=sys.stderr, flush=True)
+
+    pool = concurrent.futures.ThreadPoolExecutor(args.concurrency, thread_name_prefix="warm")
+    try:
+        # First each block's first owner (it fetches it once), then its other owners (they take it from
+        # the first, never the backend again).
+        for phase in (0, 1):
+            pending = {pool.submit(warm, *w) for w in work if (w[0] == ring.owners(w[1], 1)[0]) == (phase == 0)}
+            while pending:
+                _, pending = concurrent.futures.wait(pending, timeout=0.5)
+                progress()
+    except KeyboardInterrupt:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        progress(final=True)
+        print("epochfs: cancelled; what was warmed stays (run again to finish)", file=sys.stderr)
+        return 130
+    pool.shutdown(wait=True)
+    progress(final=True)
+    missing = len(work) - done[1]
+    if down:
+        print(f"epochfs: {len(down)} cache nodes did not prove themselves and were left out: "
+              + "; ".join(f"{a}: {w}" for a, w in sorted(down.items())), file=sys.stderr)
+    if missing:
+        for what, n in failed.most_common(5):
+            print(f"epochfs: {n} blocks failed at {what}", file=sys.stderr)
+        print(f"epochfs: {missing} of {len(work)} blocks are not held by their owners (run again)", file=sys.stderr)
+        return 1
+    print(f"epochfs: {len(blocks)} blocks ({human(sum(b[2] for b in blocks.values()))}) held by their owners "
+          f"({args.replicas} each, {len(ring)} cache nodes) in {time.monotonic() - started:.1f}s")
+    return 0 if not down else 1
