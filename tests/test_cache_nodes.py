@@ -235,3 +235,37 @@ def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists
     servers[1].stop(signal.SIGKILL)
     r = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "did not prove" in r.stderr  # a cache node down: not every owner holds
+
+
+def test_a_node_that_joins_with_rebalance_fills_its_share_and_one_that_leaves_hands_it_over(tier):
+    """A third cache node started with --rebalance takes its whole share at once, from the two that hold
+    the dataset (nothing from the backend); a cache node stopped (SIGTERM) hands its share to the next
+    owners before it leaves: the others then hold the whole dataset, and a client reads it all with
+    nothing more from the backend."""
+    servers = [tier.server(), tier.server()]
+    tier.wait_servers(2)
+    r = subprocess.run([*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url, "--peer-token-file",
+                        str(tier.token_file), "--block-size", "1M"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    warmed = sum(backend_bytes(s) for s in servers)
+    third = tier.server("--rebalance")
+    tier.wait_servers(3)
+    deadline = time.monotonic() + 30
+    while "rebalance: filled" not in third.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "rebalance: filled" in third.log(), third.log()[-2000:]
+    assert held(third) > 0.15 * TOTAL and backend_bytes(third) == 0, (held(third), TOTAL)
+    rest = [servers[1], third]
+    before = [backend_bytes(s) for s in rest]
+    leaving = servers[0]
+    leaving.stop(signal.SIGTERM)
+    assert "blocks over to their next owners" in leaving.log(), leaving.log()[-2000:]
+    assert sum(held(s) for s in rest) >= 0.95 * TOTAL  # its share went to the others ...
+    assert [backend_bytes(s) for s in rest] == before  # ... from it, not from the backend
+    c = tier.client()
+    deadline = time.monotonic() + 20
+    while len(c.status()["peer"]["members"]) != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    read_everything(c, 5)
+    assert backend_bytes(c) == 0 and [backend_bytes(s) for s in rest] == before
+    assert warmed <= 1.05 * TOTAL  # the dataset crossed the backend link once, all told

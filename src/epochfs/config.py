@@ -212,6 +212,9 @@ class Config:
     replicas: int = option(
         1, "cluster cache", "how many members hold each block (the same on every node): losing one of them then "
         "costs nothing but bandwidth", metavar="R", parse=int)
+    rebalance: bool = option(
+        False, "cluster cache", "a cache node (epochfs serve) that joins fills its whole share at once, from the "
+        "other cache nodes first and the backend after, instead of as it is asked")
     link_capacity: float | None = option(
         None, "cluster cache", "this node's network link, e.g. 25Gbit: what the peer tier sends over it is "
         "exported as a utilisation, and the 70% rule fires for a cache node group past it", metavar="RATE",
@@ -357,7 +360,8 @@ class Config:
 
         check_options(listen_text=self.peer_listen, advertise=self.peer_advertise, token_file=self.peer_token_file,
                       meta=self.meta, cache=self.peer_cache, timeout=self.peer_timeout, role=self.peer_role,
-                      replicas=self.replicas, serving=self.serving, writeback=self.writeback)
+                      replicas=self.replicas, serving=self.serving, writeback=self.writeback,
+                      rebalance=self.rebalance)
 
 
 #: Where a shared store's password may come from besides --meta-password-file (a container's secret).

@@ -47,12 +47,14 @@ from epochfs.meta.vouched import Vouched
 from epochfs.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
 from epochfs.mountpoint import check_mountpoint
 from epochfs.pack.listing import dataset_listing
+from epochfs.peer import share
 from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerAnswers, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
+from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree
@@ -321,6 +323,50 @@ class Daemon:
         if self._stopped is not None:
             self._stopped.set()
 
+    HANDOVER_SECONDS = 60.0  # what a cache node that leaves spends at most handing its share over
+
+    async def _hand_over(self) -> None:
+        """A cache node told to stop: the blocks it holds go to their next owners (they take them from
+        it while it still serves), then it leaves."""
+        assert self.peer is not None
+        deadline = time.monotonic() + self.HANDOVER_SECONDS
+        done, failed = await trio.to_thread.run_sync(
+            share.hand_over, self.peer, self.snapshots.namespace, self.cache.block_id, self.config.block_size,
+            lambda bid: self.store.lookup(bid) is not None, deadline, abandon_on_cancel=True)
+        if done or failed:
+            log.info("handed %d blocks over to their next owners (%d not: they are fetched on demand)", done, failed)
+
+    async def _rebalance(self) -> None:
+        """A cache node that joins with --rebalance: fill its share now (from the other cache nodes, then
+        the backend), not as it is asked."""
+        assert self.peer is not None
+        tier, members = self.peer, self.peer.members
+        with trio.move_on_after(3 * members.HEARTBEAT + 2):
+            while len(members.ring) < 2:  # noqa: ASYNC110 - the ring is replaced by the proofs (threads)
+                await trio.sleep(0.2)
+
+        def mine() -> list[tuple[ObjectInfo, int]]:
+            return [(obj, index) for obj, index, _, bid in share.blocks(self.snapshots.namespace, self.cache.block_id,
+                                                                        self.config.block_size)
+                    if members.me in tier.owners(bid) and self.store.lookup(bid) is None]
+
+        todo = await trio.to_thread.run_sync(mine)
+        log.info("rebalance: filling %d blocks of this node's share", len(todo))
+        limiter, failed = trio.CapacityLimiter(8), 0
+
+        async def one(obj: ObjectInfo, index: int) -> None:
+            nonlocal failed
+            async with limiter:
+                try:
+                    await self.cache.read_for_peer(obj, index, True)
+                except EpochfsError:
+                    failed += 1
+
+        async with trio.open_nursery() as nursery:
+            for obj, index in todo:
+                nursery.start_soon(one, obj, index)
+        log.info("rebalance: filled %d blocks (%d failed: fetched on demand)", len(todo) - failed, failed)
+
     def _announce_node(self, ready: Ready) -> None:
         assert self.peer_server is not None
         log.info("cache node of %s serving on %s:%d", self.config.source.url, self.peer_server.host,
@@ -352,7 +398,10 @@ class Daemon:
             nursery.start_soon(self._handle_signals)
             if self._stopped is not None:  # a cache node: no mount; it serves until told to stop
                 self._announce_node(ready)
+                if self.config.rebalance:
+                    nursery.start_soon(self._rebalance)
                 await self._stopped.wait()
+                await self._hand_over()
             else:
                 nursery.start_soon(self._announce, ready)
                 assert self.session is not None

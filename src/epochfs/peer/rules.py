@@ -10,11 +10,13 @@ from epochfs.peer.wire import is_wildcard, member_addr, split_addr
 
 def check_options(*, listen_text: str | None, advertise: str | None, token_file: Path | None, meta: str | None,
                   cache: str, timeout: float, role: str = "peer", replicas: int = 1, serving: bool = False,
-                  writeback: bool = False) -> None:
+                  writeback: bool = False, rebalance: bool = False) -> None:
     """The rules a mount's (or a cache node's, ``serving``) peer options must keep; :class:`ConfigError`
     naming the option that breaks one."""
     if not 1 <= replicas <= 16:
         raise ConfigError("--replicas must be from 1 to 16")
+    if rebalance and not serving:
+        raise ConfigError("--rebalance is for a cache node (epochfs serve): a mount holds no share to fill")
     if serving:
         if role != "server":
             raise ConfigError("a cache node is a server (epochfs serve)")

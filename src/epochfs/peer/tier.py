@@ -130,13 +130,13 @@ class PeerTier:
             for owner in self.owners(bid):
                 if owner == self.members.me:
                     break
-                got = self._ask(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm))
+                got = self.ask(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm))
                 if got is not None:
                     return got[0], True
         elif self.members.role == "server":
             ring, me = self.members.ring, self.members.me
             for other in ring.owners(bid, self.replicas, exclude={me}):
-                got = self._ask(other, wire.BlockRequest(bid, obj.key, obj.etag, index, length, stored=True))
+                got = self.ask(other, wire.BlockRequest(bid, obj.key, obj.etag, index, length, stored=True))
                 if got is not None:
                     return got[0], True
             data = self.backend.read_range(obj.key, obj.etag, start, length)
@@ -144,7 +144,7 @@ class PeerTier:
             if self.replicas > 1 and me in owners:  # the other replicas take it from here
                 for other in owners:
                     if other != me:
-                        self._replicas().submit(self._ask, other, wire.BlockRequest(
+                        self._replicas().submit(self.ask, other, wire.BlockRequest(
                             bid, obj.key, obj.etag, index, length, warm=True))
             return data, False
         return self.backend.read_range(obj.key, obj.etag, start, length), False
@@ -155,7 +155,7 @@ class PeerTier:
                 self._replicating = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="replicate")
             return self._replicating
 
-    def _ask(self, member: str, req: wire.BlockRequest) -> tuple[bytes | None] | None:
+    def ask(self, member: str, req: wire.BlockRequest) -> tuple[bytes | None] | None:
         """(the answer,) of ``member``, or None if it failed (distrusted where it must be)."""
         try:
             data = self.client.get(member, req)
