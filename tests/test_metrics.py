@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import urllib.parse
@@ -285,6 +287,20 @@ def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_
             exported = set()
             for fam in text_string_to_metric_families(scrape_text(m)):
                 exported |= {s.name for s in fam.samples}
+        # and a dedicated cache node of the same dataset, with its link's capacity
+        node_dir = tmp_path / "cache-node"
+        r = subprocess.run([*EPOCHFS, "serve", source, "--meta", redis_server.url, "--peer-listen", "127.0.0.1:0",
+                            "--peer-token-file", str(token), "--cache-dir", str(node_dir), "--endpoint-url",
+                            s3.endpoint, "--metrics-addr", "127.0.0.1:0", "--metrics-targets", "off",
+                            "--link-capacity", "10Gbit"], capture_output=True, text=True, env=s3.env(), timeout=60)
+        assert r.returncode == 0, r.stderr
+        status = request(node_dir, "status")
+        try:
+            with urllib.request.urlopen(f"http://{status['metrics_addr']}/metrics", timeout=10) as answer:
+                for fam in text_string_to_metric_families(answer.read().decode()):
+                    exported |= {s.name for s in fam.samples}
+        finally:
+            os.kill(status["pid"], signal.SIGTERM)
     finally:
         redis_server.stop()
     missing = dashboard_metric_names() - exported

@@ -92,6 +92,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
+    "peer_link_capacity_bytes": ("gauge", "This node's network link for the cluster tier (--link-capacity), "
+                                 "bytes/s: what the tier sends is measured against it (absent when not set)."),
+    "cache_node": ("gauge", "1 on a dedicated cache node (epochfs serve): its series' mountpoint label names "
+                   "its cache node group, serve:<dataset>."),
 }
 
 
@@ -144,6 +148,10 @@ def sample_of(c: Collected) -> Sample:
     peer = c.peer
     if peer is not None:
         values["peer_members"] = len(peer.members)
+        if peer.link_capacity:
+            values["peer_link_capacity_bytes"] = peer.link_capacity
+        if peer.role == "server":
+            values["cache_node"] = 1
     jobs: dict[str, dict[tuple[str, str], float]] = {}
     for j in c.jobs:
         key = (j.job, str(j.rank))
