@@ -44,6 +44,23 @@ def test_systemd_unit_verifies(tmp_path):
         assert f"\n{forbidden}" not in text, f"{forbidden} would hide the mount from the host"
 
 
+def test_the_cache_node_unit_verifies(tmp_path):
+    """deploy/systemd/epochfs-serve@.service: a notify service of `epochfs serve` that stops by handing its
+    share over (SIGTERM, time for it), with the protections a service that mounts nothing can have."""
+    analyze = shutil.which("systemd-analyze")
+    assert analyze
+    epochfs = Path(sys.executable).with_name("epochfs")
+    source = ROOT / "deploy" / "systemd" / "epochfs-serve@.service"
+    unit = tmp_path / "epochfs-serve@imagenet.service"
+    unit.write_text(source.read_text().replace("/usr/local/bin/epochfs", str(epochfs)))
+    result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    text = source.read_text()
+    for line in ("Type=notify", "serve --config /etc/epochfs/serve-%i.toml --foreground", "KillSignal=SIGTERM",
+                 "Restart=on-failure", "ProtectSystem=strict", "PrivateDevices=yes", "CapabilityBoundingSet=\n"):
+        assert line in text, line
+
+
 def parse_mount(argv: list[str]):
     return config_from(build_parser().parse_args(argv))
 
