@@ -269,3 +269,45 @@ def test_a_node_that_joins_with_rebalance_fills_its_share_and_one_that_leaves_ha
     read_everything(c, 5)
     assert backend_bytes(c) == 0 and [backend_bytes(s) for s in rest] == before
     assert warmed <= 1.05 * TOTAL  # the dataset crossed the backend link once, all told
+
+
+def test_cache_nodes_that_lie_fill_up_or_restart_empty_never_cost_a_wrong_byte(tier, tmp_path):
+    """A planted 'cache node' in the store answering junk, and a real one with another token, are never
+    asked for a block; a cache node whose disk holds a tenth of its share reads through and still
+    serves; one restarted with an empty cache on the same address is asked again and serves right
+    bytes. Every read byte-exact throughout."""
+    import redis
+
+    from .test_peer import FakePeer, junk_answer
+
+    fake = FakePeer(junk_answer)
+    other_token = tmp_path / "other-token"
+    other_token.write_text(os.urandom(16).hex())
+    other_token.chmod(0o600)
+    try:
+        r = redis.Redis.from_url(tier.redis_url)
+        r.zadd(f"epochfs:{tier.dataset}/:servers", {fake.addr: float(r.time()[0]) + 3600})
+        small = tier.server("--cache-size", str(TOTAL // 10 // MiB * MiB or MiB))
+        stranger = CacheNode(tier, 9, "--peer-token-file", str(other_token))
+        stranger.start()
+        c = tier.client("--peer-timeout", "2")
+        deadline = time.monotonic() + 20
+        while len(c.status()["peer"]["members"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        p = c.status()["peer"]
+        assert p["members"] == [small.addr] and {fake.addr, stranger.addr} <= set(p["down"]), p
+        read_everything(c, 0)
+        assert fake.block_requests() == [] and stranger.status()["peer"]["requests"]["served"] == 0
+        assert held(small) <= TOTAL // 10 + MiB and small.status()["peer"]["bytes_out"] > 0  # read through
+        stranger.stop()
+        # restarted empty on the same address
+        small.stop(signal.SIGKILL)
+        import shutil
+
+        shutil.rmtree(small.cache_dir)
+        small.start()
+        fresh = tier.client("--peer-timeout", "2")
+        read_everything(fresh, 1)
+        assert fresh.status()["peer"]["requests"]["ok"] > 0
+    finally:
+        fake.close()
