@@ -300,3 +300,15 @@ def test_an_upload_confirms_its_key_and_attribute_records_read_back(s3, s3_clien
     assert {o.key: o for o in backend.list_objects()}["d/private.pt"].mode is None
     assert backend.key_problem(".epochfs/x")[1] == 1  # EPERM
     assert attrs.parse("f-" + "0" * 32 + ".77777.0.0") is None  # a mode past 0o7777
+
+
+def test_an_object_listed_with_a_quoted_empty_etag_cannot_be_pinned():
+    """SeaweedFS's remote storage lists an origin's objects with ETag "" until it has read them: such an
+    object's version cannot be pinned, so it is skipped like one without an ETag (a directory marker may
+    have none)."""
+    from epochfs.backend.base import listing_problem
+    from epochfs.records import ObjectInfo
+
+    assert "no ETag" in listing_problem(ObjectInfo("d/a.bin", 5, 0, '""'))
+    assert listing_problem(ObjectInfo("d/", 0, 0, '""')) is None
+    assert listing_problem(ObjectInfo("d/a.bin", 5, 0, '"e"')) is None

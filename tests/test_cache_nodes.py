@@ -311,3 +311,30 @@ def test_cache_nodes_that_lie_fill_up_or_restart_empty_never_cost_a_wrong_byte(t
         assert fresh.status()["peer"]["requests"]["ok"] > 0
     finally:
         fake.close()
+
+
+def test_a_shared_cache_the_user_already_runs_in_front_of_the_origin(tmp_path, s3, s3_client, fresh_bucket,
+                                                                      mount_factory):
+    """The recipe of docs/cluster-cache.md: a SeaweedFS server that mounts the origin bucket as remote
+    storage (read through, kept) is the endpoint the GPU nodes mount; epochfs adds its verified local
+    tier on top. Byte-exact; a second GPU node reads the dataset without the origin being asked again."""
+    from epochfs.devserver import LocalS3
+    from epochfs.sample import upload
+
+    upload(s3_client, fresh_bucket, "ds/", FILES)
+    near = LocalS3(tmp_path / "near", remote_origins=True).start()
+    try:
+        gets = s3.request_count(fresh_bucket)
+        near.mount_remote(s3.endpoint, fresh_bucket, "near")  # and warmed: remote.cache
+        warmed = s3.request_count(fresh_bucket) - gets
+        assert warmed > 0
+        for n in range(2):  # two GPU nodes: the origin is not asked again
+            m = mount_factory("s3://near/ds", "--endpoint-url", near.endpoint, name=f"m{n}", cache_dir=tmp_path / f"c{n}")
+            with m:
+                read_everything(m, n)
+                assert backend_bytes(m) >= TOTAL * 0.95  # every block through the near cluster
+        # no file was read from the origin again: what it saw after the warmup is the near cluster passing
+        # each mount's listing on (one each)
+        assert s3.request_count(fresh_bucket) - gets <= warmed + 2
+    finally:
+        near.stop()

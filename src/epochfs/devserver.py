@@ -59,8 +59,10 @@ class LocalS3:
     """A SeaweedFS server with the S3 gateway. Any credentials are accepted, unless ``verify_signatures``:
     then only the development credentials, and every request's signature is checked."""
 
-    def __init__(self, data_dir: Path, log_file: Path | None = None, verify_signatures: bool = False) -> None:
+    def __init__(self, data_dir: Path, log_file: Path | None = None, verify_signatures: bool = False,
+                 remote_origins: bool = False) -> None:
         self.verify_signatures = verify_signatures
+        self.remote_origins = remote_origins  # may mount an origin on loopback (remote.mount: tests only)
         self.data_dir = Path(data_dir)
         self.log_file = log_file or self.data_dir / "weed.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -86,6 +88,9 @@ class LocalS3:
             "-volume.preStopSeconds=0", "-volume.max=1000", "-master.volumeSizeLimitMB=256",
             f"-metricsPort={metrics}", "-metricsIp=127.0.0.1",
         ]
+        if self.remote_origins:
+            cmd += ["-volume.allowUntrustedRemoteEndpoints", "-filer.allowUntrustedRemoteEndpoints",
+                    "-s3.allowUntrustedRemoteEndpoints"]
         if self.verify_signatures:
             config = self.data_dir / "s3-identities.json"
             config.write_text(json.dumps({"identities": [{
@@ -115,6 +120,25 @@ class LocalS3:
 
     def client(self):  # type: ignore[no-untyped-def]
         return client_for(self.endpoint)
+
+    def shell(self, commands: str, timeout: float = 120.0) -> str:
+        """Run ``weed shell`` commands against this server; their output."""
+        master, filer, master_grpc, filer_grpc = self._ports[1], self._ports[3], self._ports[4], self._ports[6]
+        r = subprocess.run([weed_binary(), "shell", f"-master=127.0.0.1:{master}.{master_grpc}",
+                            f"-filer=127.0.0.1:{filer}.{filer_grpc}"], input=commands + "\nexit\n",
+                           capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"weed shell failed: {r.stderr[-2000:]}")
+        return r.stdout
+
+    def mount_remote(self, origin_endpoint: str, origin_bucket: str, bucket: str) -> None:
+        """Serve ``origin_bucket`` of another S3 endpoint as this server's ``bucket``, read through and
+        kept here (SeaweedFS's remote storage: a shared cache in front of the origin)."""
+        self.shell(f"remote.configure -name=origin -type=s3 -s3.access_key={ACCESS_KEY} -s3.secret_key={SECRET_KEY} "
+                   f"-s3.endpoint={origin_endpoint} -s3.force_path_style=true -s3.region=us-east-1\n"
+                   f"remote.mount -dir=/buckets/{bucket} -remote=origin/{origin_bucket}\n"
+                   # cached before it is read: only then does it list its objects' ETags
+                   f"remote.cache -dir=/buckets/{bucket} -deleteLocalExtra=false")
 
     def request_count(self, bucket: str, method: str = "GET") -> int:
         """Requests of ``method`` the endpoint has answered for ``bucket`` (from its own metrics)."""

@@ -85,6 +85,8 @@ def record_problem(obj: ObjectInfo, utf8_sizes: tuple[int, int] | None = None) -
         return problem
     marker = not obj.key or obj.key.endswith("/")
     problem = text_problem(obj.etag, "ETag", MAX_ETAG_BYTES, empty=marker, size=esize)
+    if problem is None and obj.etag == '""' and not marker:  # (a quoted nothing: SeaweedFS's remote storage
+        problem = "ETag is empty"  # lists its origin's objects so until it has read them)
     if problem:
         return "no ETag (its version could not be pinned)" if problem == "ETag is empty" else problem
     if obj.etag.startswith(MEMBER_TAG):
