@@ -91,6 +91,10 @@ CASES = {
     "small-files": lambda s: s["snapshot"].update(bytes=1000 * 100 * 1024),
     "writeback-backlog": lambda s: s.update(writeback={"pending_bytes": 4 << 30, "oldest_pending_seconds": 300.0}),
     "slow-checkpoints": lambda s: s["jobs"][0]["window"].update(saves=2, save_seconds=150.0),
+    "cache-tier": lambda s: s.update(peer={"role": "client", "bytes_in": 80 * MiB,
+                                           "requests": {"unavailable": 0, "bad": 0}}),
+    "cache-tier-failing": lambda s: s.update(peer={"role": "client", "bytes_in": 10 * MiB,
+                                                   "requests": {"unavailable": 3, "bad": 1}}),
 }
 
 

@@ -26,6 +26,7 @@ SLOW_BACKEND = 0.020  # seconds, median of a block request
 SMALL_FILES = 1 << 20  # average object size below which small files dominate
 BACKLOG_SECONDS = 60.0  # the oldest written file waiting this long for its upload
 SLOW_SAVE = 30.0  # seconds a checkpoint save keeps the job from training
+CACHE_TIER = 0.5  # of the bytes read that came from the cluster tier's members
 
 
 def _share(part: float, whole: float) -> float | None:
@@ -69,7 +70,12 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
     backend = after["backend"]["bytes"] - before["backend"]["bytes"]
     latency = after["backend"].get("request_seconds")
     snap = after["snapshot"]
+    p0, p1 = before.get("peer") or {}, after.get("peer") or {}
+    peer_in = p1.get("bytes_in", 0) - p0.get("bytes_in", 0) if p1 else 0
+    failed = sum(p1.get("requests", {}).get(k, 0) - p0.get("requests", {}).get(k, 0) for k in ("unavailable", "bad"))
     return {"hit_ratio": _share(hit, hit + miss),
+            "peer_role": p1.get("role"), "peer_share": _share(peer_in, hit + miss) if p1 else None,
+            "peer_failures": failed,
             "backend_bytes_per_second": backend / seconds if seconds > 0 else 0.0,
             "backend_bandwidth_limit": after["backend"].get("bandwidth_limit"),
             "backend_median_seconds": HistogramSnapshot.from_dict(latency).quantile(0.5) if latency else None,
@@ -111,6 +117,16 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     if avg is not None and avg < SMALL_FILES:
         found("small-files", f"objects average {avg / 1024:.0f} KiB: each costs a request and an open",
               "pack them into shards (WebDataset, TFRecord) or hand over the order so they are fetched ahead")
+    share = m.get("peer_share")
+    if share is not None and share >= CACHE_TIER:
+        found("cache-tier", f"{share:.0%} of what this node reads comes from the cluster tier's "
+              f"{'cache nodes' if m.get('peer_role') == 'client' else 'members'}",
+              "if they are busy (`epochfs cluster status SOURCE --meta URL` shows their link load; "
+              "EpochfsCacheNodesBusy fires past 70%), add a cache node: `epochfs serve SOURCE ... --rebalance`")
+    if m.get("peer_failures"):
+        found("cache-tier-failing", f"{m['peer_failures']} requests to the cluster tier failed (no answer in "
+              "time, or one that did not check out) and went to the backend",
+              "see `epochfs status` for the members bypassed and their logs; --peer-timeout bounds each wait")
     wb = m["writeback"]
     if wb and wb["pending_bytes"] and wb["oldest_pending_seconds"] > BACKLOG_SECONDS:
         found("writeback-backlog", f"{wb['pending_bytes']} bytes written wait for upload, the oldest "
