@@ -70,6 +70,7 @@ class FaultProxy:
         self.matching = 0
         self.injected = 0
         self.redirects = 0  # answers of the "region" kind that were redirects
+        self.delay = 0.0  # seconds every request waits before it is passed on (a distant endpoint)
         self.log: list[tuple[float, str, str, str]] = []  # (time, method, path, what happened)
         self._lock = threading.Lock()
         proxy = self
@@ -128,6 +129,8 @@ class FaultProxy:
             return fault.kind
 
     def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        if self.delay:
+            time.sleep(self.delay)
         length = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(length) if length else b""
         kind = self._choose(h.command, h.headers)

@@ -232,9 +232,9 @@ def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists
     text = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url],
                           capture_output=True, text=True, timeout=60).stdout
     assert "2 cache nodes" in text and servers[0].addr in text
-    servers[1].stop(signal.SIGKILL)
+    servers[1].stop(signal.SIGKILL)  # its entry stays in the store until it expires: left out, and named
     r = subprocess.run(base, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "did not prove" in r.stderr  # a cache node down: not every owner holds
+    assert r.returncode == 0 and "did not prove" in r.stderr and servers[1].addr in r.stderr, r.stderr
 
 
 def test_a_node_that_joins_with_rebalance_fills_its_share_and_one_that_leaves_hands_it_over(tier):

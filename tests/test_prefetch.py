@@ -70,6 +70,38 @@ def test_first_epoch_runs_from_cache_with_a_manifest(s3_client, fresh_bucket, mo
         assert misses >= len(order) and hits <= len(order) * 0.05, (hits, misses)
 
 
+def test_a_reader_that_pauses_keeps_its_lead(s3, s3_client, fresh_bucket, mount_factory, tmp_path):
+    """30 ms to the endpoint. An epoch handed over before the reader starts, and a reader that stops
+    halfway (validation, a checkpoint): what it reads after the pause was fetched during it, so the
+    reads after it are hits, as fast as the reader goes (its rate before the pause does not count the
+    pause)."""
+    from epochfs import Client
+
+    from .faultproxy import FaultProxy
+
+    files = dataset(60, lambda i: MiB - 7 * i)  # one block each
+    upload(s3_client, fresh_bucket, "", files)
+    order = shuffled(files, seed=5, epoch=0)
+    proxy = FaultProxy(s3.port).start()
+    proxy.delay = 0.03
+    try:
+        with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--endpoint-url", proxy.endpoint) as m:
+            Client(m.mountpoint).hand_over([f.key for f in order], epoch=0)
+            time.sleep(4)  # the reader has not started: a paused reader
+            head = order[:25]
+            train_epoch(m, head, step=0.0)
+            c = m.status()["cache"]
+            assert c["hit_bytes"] >= 0.95 * sum(f.size for f in head), c
+            time.sleep(4)  # validation
+            before = m.status()["cache"]
+            train_epoch(m, order[25:], step=0.0)
+            after = m.status()["cache"]
+            hits = after["hit_bytes"] - before["hit_bytes"]
+            assert hits >= 0.95 * sum(f.size for f in order[25:]), (hits, after)
+    finally:
+        proxy.stop()
+
+
 def test_second_epoch_backend_bytes_are_near_the_offline_optimum(s3_client, fresh_bucket, mount_factory, tmp_path):
     n, size = 64, 256 * KiB
     files = dataset(n, lambda i: size)

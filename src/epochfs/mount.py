@@ -341,8 +341,8 @@ class Daemon:
         the backend), not as it is asked."""
         assert self.peer is not None
         tier, members = self.peer, self.peer.members
-        with trio.move_on_after(3 * members.HEARTBEAT + 2):
-            while len(members.ring) < 2:  # noqa: ASYNC110 - the ring is replaced by the proofs (threads)
+        with trio.move_on_after(3 * members.HEARTBEAT + 2):  # until the others are proven (or failed)
+            while len(members.ring) < 2 or not members.settled():  # noqa: ASYNC110 - proofs run in threads
                 await trio.sleep(0.2)
 
         def mine() -> list[tuple[ObjectInfo, int]]:
@@ -351,12 +351,14 @@ class Daemon:
                     if members.me in tier.owners(bid) and self.store.lookup(bid) is None]
 
         todo = await trio.to_thread.run_sync(mine)
-        log.info("rebalance: filling %d blocks of this node's share", len(todo))
+        log.info("rebalance: filling %d blocks of this node's share (of %d cache nodes)", len(todo), len(members.ring))
         limiter, failed = trio.CapacityLimiter(8), 0
 
         async def one(obj: ObjectInfo, index: int) -> None:
             nonlocal failed
             async with limiter:
+                if members.me not in tier.owners(self.cache.block_id(obj, index)):
+                    return  # (the members changed meanwhile: no longer this node's)
                 try:
                     await self.cache.read_for_peer(obj, index, True)
                 except EpochfsError:

@@ -194,18 +194,15 @@ class Membership:
         log.warning("peer %s bypassed, asked to prove itself again in %.0fs: %s", member, self.RETRY_MIN,
                     printable(why))
 
+    def settled(self) -> bool:
+        """Whether every listed candidate has been tried at least once (proven, or failed its proof)."""
+        with self._lock:
+            return not self._proving and all(m in self._proven or m in self._retry for m in self._listed)
+
     def down(self) -> tuple[str, ...]:
         """Listed members that are not (or no longer) trusted: bypassed."""
         with self._lock:
             return tuple(sorted(self._listed.keys() - self._proven))
-
-    def roles(self) -> dict[str, str]:
-        """Every listed member's role (this node's too, unless it is a client)."""
-        with self._lock:
-            out = dict(self._listed)
-        if self.role != "client":
-            out[self.me] = self.role
-        return out
 
     @property
     def _role_listed(self) -> str:

@@ -3,7 +3,7 @@
 **Fetching** (worker threads, one per block fetch). The owners of a block are its ``replicas`` first
 rendezvous choices among the members that proved they hold the cluster's token (:mod:`.members`: the
 cache nodes where there are any, else the serving GPU nodes). They are asked in turn; if one of them
-is this node (or it is alone), the block comes from the backend. An owner asked it serves the block from its
+is this node (or it is alone), the block comes from the backend. An owner asked serves the block from its
 cache or fetches it from the backend once (its own single flight serves every member asking at the
 same time). Only an authenticated answer (:mod:`.wire`) of exactly the block's length is used. If the
 owner cannot be reached, times out, answers something unauthenticated or fails (a 5xx, a refusal),

@@ -28,6 +28,11 @@ the reader:
   time, one 50 ms away gets many: measured, 16 prefetches in flight against a fast local backend cost
   the reader up to 10 points of AU by crowding its demand fetches on a CPU-bound endpoint. Prefetch
   never delays demand: it waits while a demand fetch is queued, and uses its own capacity limiter.
+- **A reader that pauses keeps its lead.** A training loop stops reading for validation and checkpoints,
+  and may hand an epoch over before it starts: time when fetching costs the reads nothing. Once the
+  reader has not moved for ``PAUSE`` seconds (or has not started), the window opens to a quarter of
+  the cache (still only what the policy admits), so the bytes it will read next keep arriving; when it
+  reads again, the window is its rate's once more and the cursor stays where the pause took it.
 - **Hand-over.** A new manifest is appended after the rest of the current one (``epochfs prefetch`` while
   an epoch is finishing), or replaces it.
 
@@ -129,6 +134,7 @@ class Prefetcher:
     MIN_INFLIGHT = 2
     MIN_LEAD = 0.25  # seconds of reading kept ahead, at the least
     LATENCY_LEADS = 20  # the lead in fetch latencies: a fast backend needs little lead
+    PAUSE = 1.0  # seconds without the reader moving after which it counts as paused
 
     def __init__(self, cache: BlockCache, settings: PrefetchSettings) -> None:
         self.cache = cache
@@ -148,8 +154,9 @@ class Prefetcher:
         self._latency = 0.05  # EWMA of prefetch fetch latency, seconds
         self._tokens = 0.0
         self._tokens_at = time.monotonic()
-        self._consumed = 0  # bytes of plans the reader has moved over, across plan rebuilds
-        self._advances: deque[tuple[float, int]] = deque(maxlen=256)  # (time, bytes consumed then)
+        self._advances: deque[tuple[float, int]] = deque(maxlen=256)  # (seconds, bytes) of each move while reading
+        self._active = [0.0, 0]  # their sums: the reader's rate is over the time it was reading, not its pauses
+        self._moved = time.monotonic()  # when the reader last moved, or the plan changed
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._jobs: dict[int, WarmupJob] = {}
@@ -193,6 +200,7 @@ class Prefetcher:
             self._position = self._cursor = built.files[self._file_pos].first + within if built.files else 0
             self.policy.plan(built.blocks, built.uses)
             self.policy.advance(self._position)
+            self._moved = time.monotonic()
             self._wake.set()
         how = "merged with the other ranks' shares" if merged else "appended" if current else "loaded"
         log.info("prefetch plan: %d files %s (%d files, %d blocks, %d bytes in the plan)", len(objs), how,
@@ -224,11 +232,20 @@ class Prefetcher:
         pos = plan.files[fi].first + index
         if pos <= self._position or pos >= len(plan):
             return
-        self._consumed += plan.offsets[pos] - plan.offsets[self._position]
+        moved = plan.offsets[pos] - plan.offsets[self._position]
         self._file_pos = fi
         self._position = pos
         self.policy.advance(pos)
-        self._advances.append((time.monotonic(), self._consumed))
+        now = time.monotonic()
+        gap, self._moved = now - self._moved, now
+        if gap <= self.PAUSE:  # (a move after a pause: the pause is not reading time)
+            if len(self._advances) == self._advances.maxlen:
+                old_seconds, old_bytes = self._advances[0]
+                self._active[0] -= old_seconds
+                self._active[1] -= old_bytes
+            self._advances.append((gap, moved))
+            self._active[0] += gap
+            self._active[1] += moved
         self._wake.set()
 
     # -- the scheduler ---------------------------------------------------------------------------------
@@ -238,7 +255,8 @@ class Prefetcher:
             self._nursery = nursery
             task_status.started()
             while True:
-                await self._wake.wait()
+                with trio.move_on_after(self.PAUSE):  # (also: notice the reader pausing)
+                    await self._wake.wait()
                 self._wake = trio.Event()
                 await self._fill()
 
@@ -252,9 +270,15 @@ class Prefetcher:
         """Bytes to keep fetched ahead of the reader: its rate times a lead of ``LATENCY_LEADS`` fetch
         latencies (at least ``MIN_LEAD`` seconds, at most ``--prefetch-lead``), at least what is in
         flight, at most a quarter of the cache."""
+        if self.paused():
+            return self.capacity // 4
         seconds = min(self.lead, max(self.MIN_LEAD, self.LATENCY_LEADS * self._latency))
         floor = self._target_inflight() * self._avg_block()
         return int(min(self.capacity // 4, max(floor, seconds * self._reader_rate())))
+
+    def paused(self) -> bool:
+        """Whether the reader has not moved for ``PAUSE`` seconds (or not yet started) with a plan ahead."""
+        return self._plan is not None and not self._finished() and time.monotonic() - self._moved > self.PAUSE
 
     def _target_inflight(self) -> int:
         """Fetches to keep in flight (Little's law): twice what carries the reader's rate at the observed
@@ -408,13 +432,11 @@ class Prefetcher:
     # -- statistics ------------------------------------------------------------------------------------
 
     def _reader_rate(self) -> float:
-        adv = self._advances
-        if len(adv) < 2:
+        """Bytes per second the reader reads while it reads (its last 256 moves; pauses left out)."""
+        seconds, nbytes = self._active
+        if len(self._advances) < 2 or seconds <= 0 or time.monotonic() - self._moved > 30:
             return 0.0
-        (t0, b0), (t1, b1) = adv[0], adv[-1]
-        if time.monotonic() - t1 > 30 or t1 <= t0:
-            return 0.0
-        return (b1 - b0) / (t1 - t0)
+        return nbytes / seconds
 
     def statistics(self) -> PrefetchStats:
         plan = self._plan
