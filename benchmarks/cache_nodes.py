@@ -250,8 +250,8 @@ def main() -> int:
 
         log_text = (servers[2].cache / "epochfs.log").read_text(errors="replace")
         owned = int(re.search(r"rebalance: filling (\d+) blocks", log_text)[1])
-        blocks_total = sum(-(-f.size // (4 * MiB)) for f in files)
-        out["join"] = {"held_bytes": held_third, "share_of_dataset": held_third / total,
+        blocks_total = sum(-(-f.size // (4 * MiB)) for f in [*files, *ones])  # (the dataset holds both)
+        out["join"] = {"held_bytes": held_third, "share_of_dataset": held_third / (total + sum(f.size for f in ones)),
                        "owned_blocks": owned, "blocks": blocks_total, "held_blocks": third["store"]["blocks"],
                        "backend_bytes": servers[2].backend_bytes(),
                        "from_other_nodes_bytes": third["peer"]["bytes_in"],
