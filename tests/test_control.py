@@ -72,6 +72,9 @@ VALID = {  # what the protocol documents for each field
     "saves": lambda v: _is_int(v, 0, 10**9),
     "save_seconds": lambda v: _is_number(v, 0, 86400),
 }
+VALID_FOR = {  # where one operation's field means something else than another's
+    ("report", "epoch"): lambda v: v is None or _is_int(v, 0, 1 << 20),  # a pass over the loader
+}
 
 
 @pytest.mark.parametrize("op", p.OPERATIONS)
@@ -84,7 +87,7 @@ def test_every_field_of_every_operation_refuses_every_wrong_type(op):
     for field in (*required, *optional):
         for value in WRONG_VALUES:
             line = json.dumps({**base, field: value}).encode() + b"\n"
-            if VALID[field](value):
+            if VALID_FOR.get((op, field), VALID[field])(value):
                 p.parse(line)
             else:
                 with pytest.raises(p.BadRequest):

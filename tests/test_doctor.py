@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import copy
 import json
+import random
+import re
 import subprocess
+import sys
 import time
 
 import pytest
 
-from epochfs.doctor import compare, diagnose
+from epochfs.config import parse_size, read_config_file
+from epochfs.cost import Prices, cost_table, prices_from
+from epochfs.doctor import compare, diagnose, render, size_flag
+from epochfs.errors import ConfigError
 from epochfs.sample import SampleFile, upload
 from epochfs.watch import watch
 
@@ -19,27 +25,37 @@ from .helpers import EPOCHFS
 MiB = 1 << 20
 
 
-def job(name="train", rank=0, steps=100, wait=1.0, compute=9.0, gpu=None, saves=0, save_seconds=0.0):
+GiB = 1 << 30
+DATASET = 1000 * 64 * MiB
+
+
+def job(name="train", rank=0, steps=100, wait=1.0, compute=9.0, gpu=None, saves=0, save_seconds=0.0, epochs=()):
+    """One rank as ``status`` lists it; ``epochs``: (epoch, steps, wait, compute) rows."""
     return {"job": name, "rank": rank, "steps": steps, "data_wait_seconds": wait, "compute_seconds": compute,
             "gpu_utilization": gpu, "last_report": 0.0,
             "window": {"seconds": 60.0, "reports": 12, "steps": steps, "data_wait": wait, "compute": compute,
-                       "saves": saves, "save_seconds": save_seconds}}
+                       "saves": saves, "save_seconds": save_seconds},
+            "epochs": [{"epoch": n, "steps": s, "data_wait": w, "compute": c, "first_report": 100.0 * n,
+                        "last_report": 100.0 * n + 90} for n, s, w, c in epochs]}
 
 
 def healthy():
-    """A mount in good shape: a manifest handed over, everything hit, large objects, a quiet backend."""
-    return {"cache": {"hit_bytes": 100 * MiB, "miss_bytes": 0},
-            "backend": {"bytes": 10 * MiB, "bandwidth_limit": 1e9,
+    """A mount in good shape: the order handed over, the dataset cached in a cache that holds it, large
+    objects, a quiet backend, every read a hit."""
+    return {"mountpoint": "/mnt/data", "source": "s3://bucket/train", "eviction": "manifest", "backend_concurrency": 16,
+            "cache": {"hit_bytes": 100 * MiB, "miss_bytes": 0},
+            "backend": {"bytes": 10 * MiB, "bandwidth_limit": 1e9, "requests": {"get/ok": 10},
                         "request_seconds": {"bounds": [0.005, 0.01, 0.05], "counts": [90, 10, 0, 0], "sum": 0.5, "count": 100}},
-            "snapshot": {"bytes": 1000 * 64 * MiB, "objects": 1000},
+            "snapshot": {"bytes": DATASET, "objects": 1000, "shards": 0},
             "prefetch": {"files": 500, "plan_bytes": 10 * MiB},
-            "store": {"capacity_bytes": 100 * MiB},
+            "store": {"capacity_bytes": 128 * GiB, "used_bytes": DATASET},
+            "errors": {},
             "writeback": None,
             "jobs": [job()]}
 
 
-def doctor(after, before=None, seconds=2.0, name=None):
-    return diagnose(before or healthy(), after, seconds, name)
+def doctor(after, before=None, seconds=2.0, name=None, **kw):
+    return diagnose(before or healthy(), after, seconds, name, **kw)
 
 
 def test_the_verdict_follows_the_operators_rules():
@@ -70,6 +86,55 @@ def test_ranks_are_summed_and_a_job_can_be_chosen():
     assert doctor(s)["job"]["ranks"] == 3
 
 
+def test_the_first_epoch_and_the_later_ones_are_judged_apart():
+    """A first epoch that waited 57% and a second that waited 12% are not "balanced 35%": the verdict is
+    the later epochs', the cold read has its own line and its own finding."""
+    s = healthy()
+    s["store"]["used_bytes"] = DATASET // 2  # (the cache is not warm yet: a new job's first epoch waits again)
+    s["jobs"] = [job(wait=69.0, compute=111.0, epochs=[(0, 100, 57.0, 43.0), (1, 100, 12.0, 88.0)])]
+    r = doctor(s)
+    first, later = r["job"]["phases"]["first"], r["job"]["phases"]["later"]
+    assert first["data_wait_fraction"] == pytest.approx(0.57) and first["verdict"] == "storage-bound"
+    assert later["data_wait_fraction"] == pytest.approx(0.12) and later["verdict"] == "compute-bound"
+    assert r["verdict"] == "compute-bound" and r["data_wait_fraction"] == pytest.approx(0.12)
+    assert r["judged_on"].startswith("epoch 1 (100 steps")
+    assert [f["cause"] for f in r["findings"]] == ["cold-first-epoch"]
+    text = render(r, "/mnt/data")
+    assert "first epoch    storage-bound, waited 57%" in text and "epoch 1" in text and "12%" in text
+    # Only the first epoch so far: it is what the verdict is judged on.
+    s["jobs"] = [job(wait=57.0, compute=43.0, epochs=[(0, 100, 57.0, 43.0)])]
+    r = doctor(s)
+    assert r["verdict"] == "storage-bound" and r["judged_on"].startswith("the first epoch")
+
+
+def test_a_cold_first_epoch_with_the_order_handed_over_is_not_a_missing_manifest():
+    s = healthy()
+    s["cache"] = {"hit_bytes": 20 * MiB, "miss_bytes": 80 * MiB}  # the cold read
+    s["store"]["used_bytes"] = DATASET // 4
+    s["jobs"] = [job(wait=60.0, compute=40.0, epochs=[(0, 100, 60.0, 40.0)])]
+    r = doctor(s, s)
+    assert [f["cause"] for f in r["findings"]] == ["cold-first-epoch"]
+    f = r["findings"][0]
+    assert "not a missing plan" in f["evidence"] and "`epochfs warmup /mnt/data`" in f["fix"]
+    assert any("order is handed over" in x for x in r["in_place"])
+    assert any("3.1x the dataset" in x or "2.0x the dataset" in x for x in r["in_place"])
+    # A cache too small for the dataset: warm what the first epoch reads.
+    s["store"]["capacity_bytes"] = 16 * GiB
+    assert "--manifest" in doctor(s, s)["findings"][0]["fix"]
+    # Through cache nodes: warm them.
+    s["peer"] = {"role": "client", "bytes_in": 0, "requests": {"unavailable": 0, "bad": 0}}
+    assert "epochfs cluster warmup s3://bucket/train" in doctor(s, s)["findings"][0]["fix"]
+
+
+def test_a_balanced_job_hears_what_would_move_it():
+    s = healthy()
+    s["prefetch"].update(files=0, plan_bytes=0)
+    s["jobs"] = [job(wait=3.0, compute=7.0)]
+    r = doctor(s)
+    assert r["verdict"] == "balanced" and [f["cause"] for f in r["findings"]] == ["no-manifest"]
+    assert "what would move it" in render(r, "/mnt/data")
+
+
 def starving():
     s = healthy()
     s["jobs"] = [job(wait=8.0, compute=2.0)]
@@ -79,42 +144,98 @@ def starving():
 def test_a_healthy_mount_has_no_findings_even_for_a_starving_job():
     r = doctor(starving())
     assert r["verdict"] == "storage-bound" and r["findings"] == []
+    assert "the mount's own state shows no cause" in render(r, "/mnt/data")
 
 
+def _cache_size_advised(s, r):
+    flag = re.search(r"--cache-size (\S+?)`", r["findings"][0]["fix"])[1]
+    s["store"]["capacity_bytes"] = parse_size(flag)
+
+
+def _first_epoch(s):
+    s["jobs"] = [job(wait=8.0, compute=2.0, epochs=[(0, 100, 8.0, 2.0)])]
+    s["store"]["used_bytes"] = DATASET // 10
+
+
+# cause -> (the state that shows it, the state once its fix is applied)
 CASES = {
-    "no-manifest": lambda s: s["prefetch"].update(files=0, plan_bytes=0),
-    "low-hit-ratio": lambda s: s["cache"].update(hit_bytes=150 * MiB, miss_bytes=50 * MiB),
-    "cache-too-small": lambda s: s["prefetch"].update(plan_bytes=500 * MiB),
-    "backend-saturated": lambda s: s["backend"].update(bytes=10 * MiB + int(1.8e9)),  # 0.9 GB/s of 1 GB/s
-    "backend-latency": lambda s: s["backend"].update(
-        request_seconds={"bounds": [0.005, 0.01, 0.05], "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}),
-    "small-files": lambda s: s["snapshot"].update(bytes=1000 * 100 * 1024),
-    "writeback-backlog": lambda s: s.update(writeback={"pending_bytes": 4 << 30, "oldest_pending_seconds": 300.0}),
-    "slow-checkpoints": lambda s: s["jobs"][0]["window"].update(saves=2, save_seconds=150.0),
-    "cache-tier": lambda s: s.update(peer={"role": "client", "bytes_in": 80 * MiB,
-                                           "requests": {"unavailable": 0, "bad": 0}}),
-    "cache-tier-failing": lambda s: s.update(peer={"role": "client", "bytes_in": 10 * MiB,
-                                                   "requests": {"unavailable": 3, "bad": 1}}),
+    "read-errors": (lambda s: s.update(errors={"EACCES": 453, "EIO": 2}), lambda s, r: s.update(errors={})),
+    "cold-first-epoch": (_first_epoch, lambda s, r: s["store"].update(used_bytes=DATASET)),  # epochfs warmup
+    "no-manifest": (lambda s: s["prefetch"].update(files=0, plan_bytes=0),
+                    lambda s, r: s["prefetch"].update(files=500, plan_bytes=DATASET)),
+    "cache-too-small": (lambda s: (s["store"].update(capacity_bytes=10 * GiB),
+                                   s["cache"].update(hit_bytes=150 * MiB, miss_bytes=50 * MiB)),
+                        _cache_size_advised),
+    "low-hit-ratio": (lambda s: (s.update(eviction="lru"), s["cache"].update(hit_bytes=150 * MiB, miss_bytes=50 * MiB)),
+                      lambda s, r: s.update(eviction="manifest", cache={"hit_bytes": 100 * MiB, "miss_bytes": 0})),
+    "small-files": (lambda s: s["snapshot"].update(bytes=1000 * 100 * 1024),
+                    lambda s, r: s["snapshot"].update(shards=4)),  # epochfs pack, and the packed prefix mounted
+    "backend-saturated": (lambda s: s["backend"].update(bytes=10 * MiB + int(1.8e9)),  # 0.9 GB/s of 1 GB/s
+                          lambda s, r: s["backend"].update(bytes=10 * MiB + int(0.4e9))),  # (fetched once by peers)
+    "cache-tier": (lambda s: s.update(peer={"role": "client", "bytes_in": 80 * MiB,
+                                            "requests": {"unavailable": 0, "bad": 0}}),
+                   lambda s, r: s.update(jobs=[job(wait=1.0, compute=9.0)])),  # (a cache node added: no wait)
+    "cache-tier-failing": (lambda s: s.update(peer={"role": "client", "bytes_in": 10 * MiB,
+                                                    "requests": {"unavailable": 3, "bad": 1}}),
+                           lambda s, r: s["peer"].update(requests={"unavailable": 0, "bad": 0})),
+    "backend-latency": (lambda s: (s["backend"].update(request_seconds={"bounds": [0.005, 0.01, 0.05],
+                                                                        "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}),
+                                   s["cache"].update(hit_bytes=280 * MiB, miss_bytes=20 * MiB)),
+                        lambda s, r: s["cache"].update(hit_bytes=300 * MiB, miss_bytes=0)),  # fetched ahead in time
+    "slow-checkpoints": (lambda s: s["jobs"][0]["window"].update(saves=2, save_seconds=150.0),
+                         lambda s, r: s["jobs"][0]["window"].update(saves=2, save_seconds=3.0)),  # (--writeback)
+    "writeback-backlog": (lambda s: s.update(writeback={"pending_bytes": 4 << 30, "oldest_pending_seconds": 300.0}),
+                          lambda s, r: s.update(writeback={"pending_bytes": 1 << 20, "oldest_pending_seconds": 2.0})),
 }
 
 
 @pytest.mark.parametrize("cause", CASES)
 def test_each_cause_is_named_with_its_fix_only_when_the_state_shows_it(cause):
+    show, fix = CASES[cause]
     after = starving()
-    CASES[cause](after)
-    r = doctor(after)
+    show(after)
+    r = doctor(after, copy.deepcopy(healthy()) if cause != "read-errors" else None)
     assert [f["cause"] for f in r["findings"]] == [cause]
     assert r["findings"][0]["fix"] and r["findings"][0]["evidence"]
+    assert f"{cause}:" in render(r, "/mnt/data")
+    # The fix applied, the finding is gone.
+    fix(after, r)
+    assert cause not in [f["cause"] for f in doctor(after)["findings"]]
     # The same state on a job that does not wait is not a finding: the doctor answers the job's question.
-    after["jobs"] = [job(wait=0.5, compute=9.5, saves=2, save_seconds=150.0)]
-    assert doctor(after)["findings"] == []
+    show(after)
+    if cause != "read-errors":
+        after["jobs"] = [job(wait=0.5, compute=9.5, saves=2, save_seconds=150.0)]
+        assert doctor(after)["findings"] == []
+
+
+def test_fixes_in_place_are_never_advised():
+    s = starving()
+    s["snapshot"].update(bytes=1000 * 100 * 1024, shards=3)  # small files, packed already
+    s["backend"]["request_seconds"] = {"bounds": [0.005, 0.01, 0.05], "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}
+    s["cache"].update(hit_bytes=180 * MiB, miss_bytes=20 * MiB)
+    fixes = " ".join(f["fix"] for f in doctor(s)["findings"])
+    assert "pack" not in fixes and "hand over" not in fixes and "EpochfsSampler" not in fixes
+    assert "--backend-concurrency 32" in fixes  # (twice the 16 in use)
+    r = doctor(s)
+    assert any("packed (3 shards)" in x for x in r["in_place"])
+
+
+def test_sizes_in_advice_are_flags_to_paste():
+    assert size_flag(332346060) == "1G"
+    assert size_flag(300 * GiB) == "300G"
+    assert size_flag(300.5 * GiB) == "301G"
+    assert size_flag(1536 * GiB) == "1.5T"
+    assert parse_size(size_flag(7 * 1024 * GiB + 1)) >= 7 * 1024 * GiB + 1
 
 
 def test_the_hit_ratio_is_the_windows_and_falls_back_to_the_totals():
     before, after = starving(), copy.deepcopy(starving())
+    after["eviction"] = "lru"
     before["cache"] = {"hit_bytes": 100 * MiB, "miss_bytes": 0}
     after["cache"] = {"hit_bytes": 110 * MiB, "miss_bytes": 10 * MiB}  # half of what was read lately missed
     assert [f["cause"] for f in doctor(after, before)["findings"]] == ["low-hit-ratio"]
+    after["cache"] = {"hit_bytes": 100 * MiB, "miss_bytes": 0}  # nothing read since: the totals
+    assert doctor(after, before)["findings"] == []
 
 
 def test_compare_lines_up_before_and_after():
@@ -131,10 +252,146 @@ def test_compare_lines_up_before_and_after():
     assert rows["step time, s"] == ("0.1000", "0.1000")
 
 
+def _two_ranks_three_epochs(wait_later):
+    """2 ranks; epoch 0 cold, epochs 1-2 each 180 s x wait_later waiting a rank, the rest computing."""
+    s = healthy()
+    later = [(n, 1000, 1800 * wait_later, 1800 * (1 - wait_later)) for n in (1, 2)]
+    s["jobs"] = [job(rank=r, epochs=[(0, 1000, 900.0, 900.0), *later]) for r in (0, 1)]
+    s["job_epochs"] = {"train": [{"epoch": 0, "time": 0, "gets": 0, "lists": 0, "bytes": 0},
+                                 {"epoch": 1, "time": 1, "gets": 16_000, "lists": 4, "bytes": 64 * GiB},
+                                 {"epoch": 2, "time": 2, "gets": 17_000, "lists": 14, "bytes": 68 * GiB}]}
+    s["backend"]["usage"] = {"gets": 17_500, "lists": 14, "bytes": 70 * GiB}
+    return s
+
+
+def test_the_cost_of_an_epoch_and_of_a_day_by_hand():
+    prices = prices_from({"price_gb": 0.09}, price_get=0.0004, gpu_hour=2.0)
+    r = doctor(_two_ranks_three_epochs(0.1), prices=prices)
+    later = r["cost"]["later"]
+    assert later["measured_on"] == "epoch 1"  # the last whole epoch of the phase (2 is being read)
+    e = later["epoch"]
+    # epoch 1: 1,000 GETs and 10 LISTs (0.0004 + 0.00005 $), 4 GiB at $0.09 (0.36 $); 2 ranks waited
+    # 180 s each: 0.1 GPU hours, $0.20.
+    assert e["get_requests"] == 1000 and e["list_requests"] == 10 and e["bytes"] == 4 * GiB
+    assert e["requests_usd"] == pytest.approx(0.00045)
+    assert e["transfer_usd"] == pytest.approx(0.36)
+    assert e["gpu_hours_lost"] == pytest.approx(0.1) and e["gpu_usd"] == pytest.approx(0.20)
+    assert e["total_usd"] == pytest.approx(0.56045)
+    # an epoch is 1,800 s of one rank: 48 a day
+    assert later["epochs_per_day"] == pytest.approx(48.0)
+    assert later["day"]["gpu_hours_lost"] == pytest.approx(4.8) and later["day"]["total_usd"] == pytest.approx(26.9016)
+    first = r["cost"]["first"]  # epoch 0: 16,000 GETs, 64 GiB, 2 x 900 s waited
+    assert first["epoch"]["bytes"] == 64 * GiB and first["epoch"]["gpu_hours_lost"] == pytest.approx(0.5)
+    text = render(r, "/mnt/data")
+    assert "per epoch: 1,010 requests ($0.0005), 4.0 GB from the backend ($0.36); 0.10 GPU hours" in text
+    assert "per day (48.0 epochs like it)" in text and "total $26.90" in text
+    assert text.count("per day") == 1  # (the first epoch is read once a run)
+    # Without --gpu-hour: the hours, no money for them.
+    r = doctor(_two_ranks_three_epochs(0.1))
+    assert r["cost"]["later"]["epoch"]["gpu_usd"] is None and "--gpu-hour prices them" in render(r, "/mnt/data")
+
+
+def test_compare_shows_what_a_change_saves_per_day():
+    prices = prices_from({}, gpu_hour=3.0)
+    before = doctor(_two_ranks_three_epochs(0.3), prices=prices)
+    after = doctor(_two_ranks_three_epochs(0.05), prices=prices)
+    rows = {w: (b, a) for w, b, a in compare(before, after)}
+    # 2 ranks x 540 s vs 90 s a 1,800 s epoch, 48 a day: 14.4 vs 2.4 GPU hours
+    assert rows["GPU hours waiting per day"] == ("14.40", "2.40")
+    assert rows["GPU time waiting per day, $"] == ("$43.20", "$7.20")
+    saved = float(rows["saved per day, $"][1].lstrip("$").replace(",", ""))
+    assert saved == pytest.approx(36.0, abs=0.01)
+
+
+def test_prices_come_from_flags_over_the_config_file_over_the_defaults(tmp_path):
+    assert prices_from() == Prices(0.0004, 0.005, 0.0, None)
+    cfg = tmp_path / "data.toml"
+    cfg.write_text('source = "s3://b/p"\n[cost]\nprice_gb = 0.09\ngpu_hour = 2.5\n')
+    assert prices_from(cost_table(str(cfg)), gpu_hour=4.0) == Prices(0.0004, 0.005, 0.09, 4.0)
+    for bad in ('[cost]\nprice_gb = -1\n', '[cost]\nprice_gb = "cheap"\n', '[cost]\nbogus = 1\n',
+                'cost = 3\n', '[cost]\nprice_get = 1e300\n'):
+        cfg.write_text(bad)
+        with pytest.raises(ConfigError):
+            prices_from(cost_table(str(cfg)))
+    # The mount reads the same file and leaves the [cost] table to the doctor.
+    cfg.write_text('source = "s3://b/p"\n[cost]\ngpu_hour = 2.5\n')
+    assert read_config_file(cfg) == {"source": "s3://b/p"}
+
+
+def _random_status(rng):
+    """A status reply in any state a mount can be in: fields at their edges, jobs with and without
+    epochs, saves only, no GPU, peers and write-back or not."""
+    def num(lo=0.0, hi=1e6):
+        return rng.choice([0, 0.0, lo, hi, rng.uniform(lo, hi), 1e-9])
+
+    s = healthy()
+    s["cache"] = {"hit_bytes": rng.choice([0, rng.randrange(1 << 40)]), "miss_bytes": rng.choice([0, rng.randrange(1 << 40)])}
+    s["snapshot"] = {"bytes": rng.choice([0, rng.randrange(1 << 50)]), "objects": rng.choice([0, rng.randrange(10**7)]),
+                     "shards": rng.choice([0, 5])}
+    s["store"] = {"capacity_bytes": rng.randrange(1, 1 << 45), "used_bytes": rng.randrange(0, 1 << 45)}
+    s["prefetch"] = {"files": rng.choice([0, 7]), "plan_bytes": rng.randrange(0, 1 << 45)}
+    s["eviction"] = rng.choice(["manifest", "lru", "none"])
+    s["backend"]["bandwidth_limit"] = rng.choice([None, 0, 1e3, 1e9])
+    s["backend"]["bytes"] = rng.randrange(0, 1 << 40)
+    s["backend"]["request_seconds"] = rng.choice([None, s["backend"]["request_seconds"]])
+    s["errors"] = rng.choice([{}, {"EIO": 3}, {"EACCES": 0}])
+    s["writeback"] = rng.choice([None, {"pending_bytes": 0, "oldest_pending_seconds": 0.0},
+                                 {"pending_bytes": 5, "oldest_pending_seconds": 999.0}])
+    if rng.random() < 0.3:
+        s["peer"] = {"role": rng.choice(["client", "peer", "server"]), "bytes_in": rng.randrange(0, 1 << 30),
+                     "requests": {"unavailable": rng.randrange(3), "bad": 0}}
+    jobs = []
+    for rank in range(rng.randrange(0, 4)):
+        epochs = [(n, rng.choice([0, 1, 100]), num(), num()) for n in sorted(rng.sample(range(5), rng.randrange(0, 4)))]
+        j = job(rank=rank, steps=rng.choice([0, 10]), wait=num(), compute=num(), gpu=rng.choice([None, 0.0, 55.0]),
+                saves=rng.choice([0, 2]), save_seconds=num(), epochs=epochs)
+        if j["window"]["steps"] == 0:
+            j["window"].update(data_wait=0.0, compute=0.0)
+        jobs.append(j)
+    s["jobs"] = jobs
+    if rng.random() < 0.5:
+        s["job_epochs"] = {"train": [{"epoch": n, "time": n, "gets": n * rng.randrange(1000), "lists": n,
+                                      "bytes": n * rng.randrange(1 << 30)} for n in range(rng.randrange(0, 4))]}
+        s["backend"]["usage"] = {"gets": rng.randrange(10**6), "lists": 3, "bytes": rng.randrange(1 << 40)}
+    return s
+
+
+def test_doctor_never_fails_on_any_state_a_mount_can_be_in():
+    rng = random.Random(40)
+    for _ in range(3000):
+        before, after = _random_status(rng), _random_status(rng)
+        if rng.random() < 0.5:  # (usually the same mount a moment later)
+            before = copy.deepcopy(after)
+        prices = rng.choice([Prices(), prices_from(gpu_hour=2.0, price_gb=0.09)])
+        r = doctor(after, before, seconds=rng.choice([0.0, 2.0]), name=rng.choice([None, "train", "eval"]),
+                   prices=prices, checkpoints=rng.choice([None, _random_status(rng)]))
+        json.dumps(r)
+        text = render(r, "/mnt/data", None, rng.choice([None, r]))
+        assert text.split(":", 1)[0] in ("storage-bound", "compute-bound", "balanced", "no-job-data")
+
+
+def test_a_checkpoint_mount_that_only_saw_saves_reads_as_such():
+    s = healthy()
+    s["jobs"] = [job(steps=0, wait=0.0, compute=0.0, saves=3, save_seconds=12.0)]
+    r = doctor(s)
+    assert r["verdict"] == "no-job-data" and r["job"]["checkpoint_save_seconds"] == pytest.approx(4.0)
+    assert "checkpoint saves only" in render(r, "/mnt/ckpt")
+    # The data mount's doctor reads the checkpoint mount's saves (--checkpoints).
+    data = starving()
+    r = doctor(data, checkpoints=s)
+    assert r["job"]["checkpoint_save_seconds"] == pytest.approx(4.0)
+    s["jobs"] = [job(steps=0, wait=0.0, compute=0.0, saves=2, save_seconds=90.0)]
+    r = doctor(data, checkpoints=s)
+    assert [f["cause"] for f in r["findings"]] == ["slow-checkpoints"] and "--writeback" in r["findings"][0]["fix"]
+    s["writeback"] = {"pending_bytes": 0, "oldest_pending_seconds": 0.0}
+    assert "writes back already" in doctor(data, checkpoints=s)["findings"][0]["fix"]
+
+
 @requires_fuse
 def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"d/{i}.bin", 2048) for i in range(30)]
-    upload(s3_client, fresh_bucket, "", files)
+    fresh = [SampleFile(f"e/{i}.bin", 3000) for i in range(30)]  # (read first by the job with epochs)
+    upload(s3_client, fresh_bucket, "", files + fresh)
     m = mount_factory(f"s3://{fresh_bucket}")
     with m:
         def run(*args):
@@ -146,7 +403,7 @@ def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucke
         assert json.loads(run("--json"))["verdict"] == "no-job-data"
         assert "no-job-data" in run()
 
-        def slow():  # a loader that keeps the loop waiting: 20 ms per sample, no compute
+        def slow(files=files):  # a loader that keeps the loop waiting: 20 ms per sample, no compute
             for f in files:
                 time.sleep(0.02)
                 yield m.path(f.key).read_bytes()
@@ -165,3 +422,34 @@ def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucke
         bad = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--compare", str(tmp_path / "nope.json")],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "--compare" in bad.stderr
+
+        # Two passes: the daemon keeps them apart, with the backend's usage where each began.
+        list(watch(slow(fresh), m.mountpoint, job="epochs", interval=0.05))
+        list(watch(slow(fresh), m.mountpoint, job="epochs", interval=0.05))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and [e["epoch"] for j in m.status()["jobs"] if j["job"] == "epochs"
+                                               for e in j["epochs"]] != [0, 1]:
+            time.sleep(0.05)
+        st = m.status()
+        (ranks,) = [j for j in st["jobs"] if j["job"] == "epochs"]
+        assert [e["steps"] for e in ranks["epochs"]] == [30, 30]
+        marks = st["job_epochs"]["epochs"]
+        assert [mk["epoch"] for mk in marks] == [0, 1] and marks[1]["gets"] >= marks[0]["gets"]
+        r = json.loads(run("--json", "--job", "epochs", "--gpu-hour", "2.5"))
+        assert r["job"]["phases"]["first"]["steps"] == 30 and r["job"]["phases"]["later"]["steps"] == 30
+        assert r["cost"]["first"]["measured_on"] == "epoch 0" and r["cost"]["prices"]["gpu_hour"] == 2.5
+        # (the first pass read the files from the backend; the second, from the cache)
+        # (where a pass began is where the daemon heard of it, a moment after: most of the first pass's)
+        assert r["cost"]["first"]["epoch"]["get_requests"] >= 20 and r["cost"]["later"]["epoch"]["get_requests"] <= 2
+        text = run("--job", "epochs")
+        assert "first epoch" in text and "cost of the first epoch (epoch 0)" in text
+
+        # A process that saves a checkpoint and exits at once still reports the save; the doctor of a
+        # mount that saw only saves says so.
+        script = ("import time, epochfs.watch as w\n"
+                  f"with w.saving({str(m.mountpoint)!r}, job='saver'):\n    time.sleep(0.2)\n")
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        saved = [j for j in m.status()["jobs"] if j["job"] == "saver"]
+        assert saved and saved[0]["saves"] == 1 and saved[0]["save_seconds"] >= 0.2
+        text = run("--job", "saver")
+        assert text.startswith("no-job-data: saver reported checkpoint saves only")

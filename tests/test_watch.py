@@ -14,7 +14,7 @@ import pytest
 
 from epochfs.control import request
 from epochfs.errors import EpochfsError
-from epochfs.jobs import MAX_ENTRIES, WINDOW, Jobs, Report
+from epochfs.jobs import MAX_ENTRIES, MAX_EPOCHS, WINDOW, Jobs, Report
 from epochfs.sample import SampleFile, upload
 from epochfs.watch import Meter, Reporter, _reporters, job_name, job_rank, saving, watch
 
@@ -127,6 +127,24 @@ def test_checkpoint_saves_are_timed_as_the_job_sees_them_and_reported(tmp_path, 
     assert sent["saves"] == 2 and 0.05 <= sent["save_seconds"] < 1.0 and sent["steps"] == 0
 
 
+def test_a_save_is_reported_to_the_data_mount_the_job_watches_too(tmp_path, monkeypatch):
+    data_rec, ckpt_rec = Recorder(), Recorder()
+    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
+    data_reporter = Reporter(data, "both", 0, Meter(), interval=3600, send=data_rec)
+    ckpt_reporter = Reporter(ckpt, "both", 0, Meter(), interval=3600, send=ckpt_rec)
+    other = Reporter(data, "someone-else", 0, Meter(), interval=3600, send=Recorder())
+    monkeypatch.setattr(_reporters, "_by_key", {})  # (this process's other reporters are not this test's)
+    for r in (data_reporter, ckpt_reporter, other):
+        monkeypatch.setitem(_reporters._by_key, (r.mountpoint, r.job, r.rank), r)
+    list(watch(range(4), data, reporter=data_reporter))
+    with saving(ckpt, job="both", rank=0):
+        pass
+    _reporters.flush_all(budget=5.0)  # (what runs at exit)
+    assert [r.get("saves", 0) for r in ckpt_rec.sent] == [1]
+    assert sum(r.get("saves", 0) for r in data_rec.sent) == 1 and sum(r["steps"] for r in data_rec.sent) == 4
+    assert other.meter.saves == 0
+
+
 def test_job_names_and_ranks(monkeypatch):
     assert job_name("resnet50") == "resnet50"
     assert job_name("my job/../x\n") == "my_job_.._x_"
@@ -153,6 +171,62 @@ def test_jobs_keep_totals_a_window_and_a_bounded_number_of_entries():
     assert len(stats) == MAX_ENTRIES
     assert ("a", 0) not in {(s.job, s.rank) for s in stats}  # the least recently reported went first
     assert ("many", MAX_ENTRIES + 9) in {(s.job, s.rank) for s in stats}
+
+
+def test_each_report_names_the_pass_its_steps_belong_to(tmp_path):
+    """Two passes between two reports still reach the daemon as two reports, one per epoch, and what a
+    report that failed carried is sent again, split the same way."""
+    rec = Recorder(fail=OSError("daemon gone"))
+    reporter = Reporter(tmp_path, "j", 0, Meter(), interval=3600, send=rec)
+    list(watch(range(3), tmp_path, reporter=reporter))
+    list(watch(range(5), tmp_path, reporter=reporter))
+    reporter.report()  # lost
+    rec.fail = None
+    it = watch(range(7), tmp_path, reporter=reporter)
+    next(it), next(it)  # the third pass, two steps in
+    reporter.report()
+    assert [(r["epoch"], r["steps"]) for r in rec.sent] == [(0, 3), (1, 5), (2, 2)]
+    list(it)
+    reporter.report()
+    reporter.close()
+    assert [(r["epoch"], r["steps"]) for r in rec.sent][3:] == [(2, 5)]
+    assert sum(r["data_wait"] + r["compute"] for r in rec.sent) == pytest.approx(
+        reporter.meter.data_wait + reporter.meter.compute)
+
+
+def test_jobs_keep_each_epoch_and_where_it_began_in_the_backend():
+    jobs = Jobs()
+    usage = [0, 0, 0]
+
+    def report(rank, epoch, steps, now, wait=1.0, compute=3.0):
+        r = Report("train", rank, steps, wait, compute, epoch=epoch)
+        jobs.report(r, now, tuple(usage) if jobs.new_epoch(r) else None)
+
+    report(0, 0, 10, 100.0)
+    report(1, 0, 10, 101.0)
+    usage[:] = [500, 2, 1 << 30]
+    report(0, 1, 4, 200.0)
+    usage[:] = [510, 2, (1 << 30) + 5]
+    report(1, 1, 4, 201.0)  # (the job's mark for epoch 1 was set by rank 0)
+    report(0, 1, 6, 250.0)
+    marks = jobs.marks("train")
+    assert [(m.epoch, m.usage) for m in marks] == [(0, (0, 0, 0)), (1, (500, 2, 1 << 30))]
+    by_rank = {s.rank: s for s in jobs.statistics()}
+    assert [(e.epoch, e.steps, e.first_report, e.last_report) for e in by_rank[0].epochs] == [
+        (0, 10, 100.0, 100.0), (1, 10, 200.0, 250.0)]
+    # The job runs again: its epochs begin afresh, and so do its marks.
+    usage[:] = [900, 3, 2 << 30]
+    report(0, 0, 2, 400.0)
+    assert [(m.epoch, m.usage) for m in jobs.marks("train")] == [(0, (900, 3, 2 << 30))]
+    assert [(e.epoch, e.steps) for e in {s.rank: s for s in jobs.statistics()}[0].epochs] == [(0, 2)]
+    report(1, 0, 2, 401.0)  # its other rank restarts after the new mark was set: the mark stays
+    assert [m.usage for m in jobs.marks("train")] == [(900, 3, 2 << 30)]
+    # Bounded: the last MAX_EPOCHS epochs of a rank, and marks of a job.
+    for n in range(1, MAX_EPOCHS + 20):
+        report(0, n, 1, 500.0 + n)
+    rank0 = {s.rank: s for s in jobs.statistics()}[0]
+    assert len(rank0.epochs) == MAX_EPOCHS and rank0.epochs[-1].epoch == MAX_EPOCHS + 19
+    assert len(jobs.marks("train")) == MAX_EPOCHS
 
 
 def test_watch_costs_microseconds_per_step(tmp_path):

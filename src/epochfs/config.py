@@ -407,7 +407,10 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {exc}") from None
     out: dict[str, Any] = {}
     for key, value in data.items():
+        if key == "cost" and isinstance(value, dict):
+            continue  # the prices `epochfs doctor` and `epochfs plan --config` read (epochfs.cost)
         if isinstance(value, dict):
-            raise ConfigError(f"config file {path}: [{key}]: tables are not supported; put keys at the top level")
+            raise ConfigError(f"config file {path}: [{key}]: tables are not supported; put keys at the top level "
+                              "(the one table is [cost], the prices doctor and plan read)")
         out[key.replace("-", "_")] = value
     return out

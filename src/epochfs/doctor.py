@@ -1,20 +1,29 @@
-"""``epochfs doctor``: is the training job waiting for storage, and if so, why. Pure: it reads two
-``status`` replies taken ``seconds`` apart (the jobs' own reports, see :mod:`epochfs.watch`, and the
-mount's state) and returns a verdict with its findings.
+"""``epochfs doctor``: is the training job waiting for storage, and if so, why, what is already in place,
+what to change, and what it costs. Pure: it reads two ``status`` replies taken ``seconds`` apart (the
+jobs' own reports, see :mod:`epochfs.watch`, and the mount's state) and returns a verdict with its
+findings.
 
 The rules are the operators' ones:
 
 - a job that waits for data more than half of its step time, or whose GPU is under 50% busy while it
   waits at least a fifth, is ``storage-bound``; one that waits under a fifth is ``compute-bound``; in
-  between, ``balanced``; without reports in the daemon's window, ``no-job-data``;
-- for a storage-bound job, each cause the mount's own state (or the job's timed checkpoint saves) shows
-  is a finding with its fix.
+  between, ``balanced``; without reports, ``no-job-data``;
+- the first epoch (the cold read) and the later ones (read from the cache) are judged apart, as each
+  report names its epoch; the verdict is the later epochs' once there are any, else the first's (a job
+  whose reports name no epoch is judged over the daemon's window, the last 10 minutes);
+- for a storage-bound or balanced job, each cause the mount's state shows is a finding: what shows it,
+  and the fix, as a command or flag to paste, only where it is not in place already, most helpful first;
+- what an epoch and a day cost: the backend's requests and bytes of each epoch (the mount's counters
+  where the job's epochs began) and the GPU hours spent waiting, at the operator's prices
+  (:mod:`epochfs.cost`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from epochfs.cost import DAY, Cost, Prices, Usage, describe, usage_of
 from epochfs.stats import HistogramSnapshot
 
 STORAGE_BOUND = 0.5  # of step time spent waiting for data
@@ -27,37 +36,94 @@ SMALL_FILES = 1 << 20  # average object size below which small files dominate
 BACKLOG_SECONDS = 60.0  # the oldest written file waiting this long for its upload
 SLOW_SAVE = 30.0  # seconds a checkpoint save keeps the job from training
 CACHE_TIER = 0.5  # of the bytes read that came from the cluster tier's members
+HEADROOM = 1.1  # the cache size advised: the dataset and a tenth
+WARM = 0.95  # of the dataset cached: a job started now reads it warm
+
+#: Findings, most helpful first (the order they are listed in).
+ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
+         "backend-saturated", "cache-tier", "cache-tier-failing", "backend-latency", "slow-checkpoints",
+         "writeback-backlog")
 
 
 def _share(part: float, whole: float) -> float | None:
     return part / whole if whole > 0 else None
 
 
-def job_view(status: dict[str, Any], job: str | None) -> dict[str, Any] | None:
-    """The chosen job's ranks summed over the daemon's window (None: no reports there)."""
-    ranks = [j for j in status.get("jobs", []) if job is None or j["job"] == job]
-    ranks = [j for j in ranks if j["window"]["steps"] or j["window"].get("saves")]
-    if not ranks:
-        return None
-    wait = sum(j["window"]["data_wait"] for j in ranks)
-    compute = sum(j["window"]["compute"] for j in ranks)
-    steps = sum(j["window"]["steps"] for j in ranks)
-    gpus = [j["gpu_utilization"] for j in ranks if j["gpu_utilization"] is not None]
-    saves = sum(j["window"].get("saves", 0) for j in ranks)
-    save_seconds = sum(j["window"].get("save_seconds", 0.0) for j in ranks)
-    return {"jobs": sorted({j["job"] for j in ranks}), "ranks": len(ranks), "steps": steps,
-            "data_wait_fraction": _share(wait, wait + compute),
-            "step_seconds": (wait + compute) / steps if steps else None, "gpu_utilization": sum(gpus) / len(gpus) if gpus else None,
-            "checkpoint_save_seconds": save_seconds / saves if saves else None}
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def verdict_of(view: dict[str, Any] | None) -> str:
-    if view is None or view["data_wait_fraction"] is None:
+def _ranks(status: dict[str, Any], job: str | None) -> list[dict[str, Any]]:
+    return [j for j in status.get("jobs") or [] if isinstance(j, dict) and (job is None or j.get("job") == job)]
+
+
+def verdict_of(wait: float | None, gpu: float | None) -> str:
+    if wait is None:
         return "no-job-data"
-    wait, gpu = view["data_wait_fraction"], view["gpu_utilization"]
     if wait > STORAGE_BOUND or (gpu is not None and gpu < GPU_IDLE and wait >= COMPUTE_BOUND):
         return "storage-bound"
     return "compute-bound" if wait < COMPUTE_BOUND else "balanced"
+
+
+def _phase(name: str, rows: list[tuple[int, dict[str, Any]]], ranks: int, gpu: float | None) -> dict[str, Any] | None:
+    """One phase (the first epoch, or the later ones) summed over the ranks' per-epoch totals."""
+    if not rows:
+        return None
+    wait = sum(float(e.get("data_wait", 0.0)) for _, e in rows)
+    compute = sum(float(e.get("compute", 0.0)) for _, e in rows)
+    steps = sum(int(e.get("steps", 0)) for _, e in rows)
+    epochs = sorted({n for n, _ in rows})
+    fraction = _share(wait, wait + compute)
+    if not steps or fraction is None:
+        return None
+    return {"phase": name, "epochs": [epochs[0], epochs[-1]], "epoch_count": len(epochs), "steps": steps,
+            "data_wait_fraction": fraction, "verdict": verdict_of(fraction, gpu),
+            "seconds": max(float(e.get("last_report", 0.0)) for _, e in rows)
+            - min(float(e.get("first_report", 0.0)) for _, e in rows),
+            # an epoch's length as one rank sees it, and the GPU time all ranks waited in one epoch
+            "epoch_seconds": (wait + compute) / ranks / len(epochs),
+            "gpu_hours_lost_per_epoch": wait / 3600 / len(epochs), "ranks": ranks}
+
+
+def job_view(status: dict[str, Any], job: str | None) -> dict[str, Any] | None:
+    """The chosen job's ranks: summed over the daemon's window, and per phase where the reports name
+    their epochs (None: no reports in the window and no epochs)."""
+    ranks = _ranks(status, job)
+    recent = [j for j in ranks if (j.get("window") or {}).get("steps") or (j.get("window") or {}).get("saves")]
+    by_epoch = [(int(e["epoch"]), e) for j in ranks for e in j.get("epochs") or []
+                if isinstance(e, dict) and isinstance(e.get("epoch"), int)]
+    if not recent and not by_epoch:
+        return None
+    win = [j.get("window") or {} for j in recent]
+    wait = sum(float(w.get("data_wait", 0.0)) for w in win)
+    compute = sum(float(w.get("compute", 0.0)) for w in win)
+    steps = sum(int(w.get("steps", 0)) for w in win)
+    gpus = [g for j in ranks if (g := _num(j.get("gpu_utilization"))) is not None]
+    gpu = sum(gpus) / len(gpus) if gpus else None
+    saves = sum(int(w.get("saves", 0)) for w in win)
+    save_seconds = sum(float(w.get("save_seconds", 0.0)) for w in win)
+    with_epochs = len({j.get("rank") for j in ranks if j.get("epochs")}) or 1
+    phases = {"first": _phase("first", [(n, e) for n, e in by_epoch if n == 0], with_epochs, gpu),
+              "later": _phase("later", [(n, e) for n, e in by_epoch if n > 0], with_epochs, gpu)}
+    window_fraction = _share(wait, wait + compute)
+    current = phases["later"] or phases["first"]
+    return {"jobs": sorted({str(j.get("job")) for j in ranks}), "ranks": len(ranks), "steps": steps,
+            "window_data_wait_fraction": window_fraction,
+            "data_wait_fraction": current["data_wait_fraction"] if current else window_fraction,
+            "judged_on": current["phase"] if current else "window",
+            "phases": phases,
+            "step_seconds": (wait + compute) / steps if steps else None, "gpu_utilization": gpu,
+            "checkpoint_save_seconds": save_seconds / saves if saves else None}
+
+
+def describe_window(view: dict[str, Any]) -> str:
+    """What the verdict was judged on, in words."""
+    phase = view["phases"].get(view["judged_on"]) if view["judged_on"] != "window" else None
+    if phase is None:
+        return "the reports of the last 10 minutes"
+    lo, hi = phase["epochs"]
+    which = "the first epoch" if phase["phase"] == "first" else (f"epoch {lo}" if lo == hi else f"epochs {lo}-{hi}")
+    return f"{which} ({phase['steps']} steps over {phase['seconds']:.0f} s)"
 
 
 def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -73,6 +139,8 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
     p0, p1 = before.get("peer") or {}, after.get("peer") or {}
     peer_in = p1.get("bytes_in", 0) - p0.get("bytes_in", 0) if p1 else 0
     failed = sum(p1.get("requests", {}).get(k, 0) - p0.get("requests", {}).get(k, 0) for k in ("unavailable", "bad"))
+    store = after["store"]
+    errors = {k: n - (before.get("errors") or {}).get(k, 0) for k, n in (after.get("errors") or {}).items()}
     return {"hit_ratio": _share(hit, hit + miss),
             "peer_role": p1.get("role"), "peer_share": _share(peer_in, hit + miss) if p1 else None,
             "peer_failures": failed,
@@ -80,43 +148,110 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "backend_bandwidth_limit": after["backend"].get("bandwidth_limit"),
             "backend_median_seconds": HistogramSnapshot.from_dict(latency).quantile(0.5) if latency else None,
             "average_object_bytes": snap["bytes"] / snap["objects"] if snap["objects"] else None,
+            "dataset_bytes": snap["bytes"], "shards": snap.get("shards", 0),
             "manifest_files": after["prefetch"]["files"], "plan_bytes": after["prefetch"]["plan_bytes"],
-            "cache_capacity_bytes": after["store"]["capacity_bytes"],
+            "cache_capacity_bytes": store["capacity_bytes"], "cached_bytes": store.get("used_bytes"),
+            "eviction": after.get("eviction"), "source": after.get("source", "SOURCE"),
+            "mountpoint": after.get("mountpoint", "MOUNTPOINT"),
+            "backend_concurrency": after.get("backend_concurrency"),
+            "errors": {k: n for k, n in errors.items() if n > 0},
+            "errors_total": {k: n for k, n in (after.get("errors") or {}).items() if n > 0},
             "writeback": after.get("writeback")}
 
 
-def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[dict[str, str]]:
-    """What the mount's state shows that makes a job wait for data, each with its fix."""
+def size_flag(nbytes: float) -> str:
+    """A size as ``--cache-size`` takes it, rounded up: ``320G``, ``1.5T``."""
+    gib = nbytes / (1 << 30)
+    if gib >= 1024:
+        return f"{math.ceil(gib / 1024 * 10) / 10:g}T"
+    return f"{max(1, math.ceil(gib))}G"
+
+
+def in_place(m: dict[str, Any]) -> list[str]:
+    """What the mount already does that the findings would otherwise advise."""
     out = []
+    if m["manifest_files"]:
+        out.append(f"the epoch's order is handed over ({m['manifest_files']} files in the plan)")
+    dataset, cap = m["dataset_bytes"], m["cache_capacity_bytes"]
+    if dataset and cap >= dataset:
+        out.append(f"the cache holds {cap / dataset:.1f}x the dataset")
+    if dataset and m.get("cached_bytes") is not None:
+        out.append(f"{min(1.0, m['cached_bytes'] / dataset):.0%} of the dataset's size is cached")
+    if m["shards"]:
+        out.append(f"the dataset is packed ({m['shards']} shards)")
+    if m.get("peer_role"):
+        out.append("reads through the cluster tier's cache nodes" if m["peer_role"] == "client"
+                   else "shares blocks with the cluster tier")
+    if m.get("eviction") == "manifest" and m["manifest_files"]:
+        out.append("eviction follows the plan (manifest)")
+    if m.get("writeback"):
+        out.append("writes go to the cache first (--writeback)")
+    return out
+
+
+def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """What the mount's state shows that makes the job wait for data, each with its fix, the ones in
+    place left out; most helpful first (:data:`ORDER`)."""
+    out: dict[str, dict[str, str]] = {}
+    mnt, src = m["mountpoint"], m["source"]
+    phases = (view or {}).get("phases") or {}
+    first = phases.get("first")
+    judged = (view or {}).get("judged_on", "window")
+    dataset, cap = m["dataset_bytes"], m["cache_capacity_bytes"]
+    handed = bool(m["manifest_files"])
+    fits = bool(dataset) and cap >= dataset
+    warm = bool(dataset) and (m.get("cached_bytes") or 0) >= WARM * dataset
 
     def found(cause: str, evidence: str, fix: str) -> None:
-        out.append({"cause": cause, "evidence": evidence, "fix": fix})
+        out[cause] = {"cause": cause, "evidence": evidence, "fix": fix}
 
-    if not m["manifest_files"]:
-        found("no-manifest", "no epoch order was handed over: nothing is prefetched ahead of the reader",
-              "wrap the sampler in epochfs.torch.EpochfsSampler, or run `epochfs prefetch MOUNT --manifest FILE` "
-              "before each epoch")
-    if m["hit_ratio"] is not None and m["hit_ratio"] < HIT_RATIO:
-        found("low-hit-ratio", f"hit ratio {m['hit_ratio']:.0%} (under {HIT_RATIO:.0%})",
-              "hand over the epoch's order so the first pass hits, and give the cache room for the working set "
-              "(`epochfs plan` says how much)")
-    if m["plan_bytes"] > m["cache_capacity_bytes"]:
-        found("cache-too-small", f"the handed-over plan needs {m['plan_bytes']} bytes, the cache holds "
-              f"{m['cache_capacity_bytes']}", f"mount with --cache-size of at least {m['plan_bytes']} bytes "
-              "(or a larger cache disk)")
+    if m["errors"]:
+        named = ", ".join(f"{k} {n}" for k, n in sorted(m["errors"].items(), key=lambda kv: -kv[1]))
+        found("read-errors", f"reads answered with errors while the doctor watched: {named}",
+              f"`epochfs status {mnt}` and the daemon's log name the cause; EACCES or EPERM from the backend: "
+              "the credentials or the bucket policy; EIO: the backend failing (its requests in the log)")
+    if first and first["verdict"] in ("storage-bound", "balanced") and not warm:
+        plan = " (the order was handed over: these are the cold read's misses, not a missing plan)" if handed else ""
+        if m.get("peer_role") == "client":
+            fix = f"warm the cache nodes before the job: `epochfs cluster warmup {src} --meta URL`"
+        elif fits:
+            fix = f"warm the cache before the job starts: `epochfs warmup {mnt}` (the dataset fits the cache)"
+        else:
+            fix = (f"warm what the first epoch reads before the job starts: `epochfs warmup {mnt} --manifest "
+                   "FIRST-EPOCH.txt` (the whole dataset does not fit the cache)")
+        found("cold-first-epoch", f"the first epoch waited {first['data_wait_fraction']:.0%} of step time reading "
+              f"from the backend{plan}", fix)
+    if not handed:
+        found("no-manifest", "no epoch order was handed over: nothing is fetched ahead of the reader",
+              "wrap the sampler: `sampler = epochfs.torch.EpochfsSampler(sampler, MOUNTPOINT)`, or run "
+              f"`epochfs prefetch {mnt} --manifest FILE` before each epoch")
+    hit = m["hit_ratio"]
+    steady = judged != "first"  # (a first epoch's misses are the cold read)
+    if steady and hit is not None and hit < HIT_RATIO:
+        if dataset and not fits:
+            found("cache-too-small", f"hit ratio {hit:.0%} with a cache of {size_flag(cap)} for a dataset of "
+                  f"{size_flag(dataset)}: each epoch evicts what the next one reads",
+                  f"remount with `--cache-size {size_flag(dataset * HEADROOM)}` (the dataset and a tenth; a larger "
+                  "cache disk if this one is smaller)")
+        elif handed and m.get("eviction") not in (None, "manifest"):
+            found("low-hit-ratio", f"hit ratio {hit:.0%} with the order handed over and --eviction {m['eviction']}",
+                  "remount with `--eviction manifest`: it keeps what the plan reads next")
+        elif fits and handed:
+            found("low-hit-ratio", f"hit ratio {hit:.0%} though the cache holds the dataset and the order is "
+                  "handed over", f"`epochfs warmup {mnt} --check` shows what is cached; misses then come from "
+                  "objects that changed (a new snapshot) or reads outside the handed-over order")
+    avg = m["average_object_bytes"]
+    if avg is not None and avg < SMALL_FILES and not m["shards"]:
+        found("small-files", f"objects average {avg / 1024:.0f} KiB: each costs a request and an open",
+              f"pack them: `epochfs pack {src} {src.rstrip('/')}-packed` and mount the packed prefix (members read "
+              "as the same files, a shard per request)")
     limit = m["backend_bandwidth_limit"]
     if limit and m["backend_bytes_per_second"] > BACKEND_BUSY * limit:
+        fix = ("add a cache node: `epochfs serve SOURCE ... --rebalance`" if m.get("peer_role") == "client" else
+               "share fetches across the nodes (`--peer-listen ADDR --peer-token-file F --meta redis://...`) or "
+               "cache more of the dataset: the link is the bound")
         found("backend-saturated", f"the backend link is {m['backend_bytes_per_second'] / limit:.0%} busy "
-              f"(over {BACKEND_BUSY:.0%} of --backend-bandwidth)",
-              "share fetches across the nodes (--peer-listen) or cache more of the dataset: the link is the bound")
-    if m["backend_median_seconds"] is not None and m["backend_median_seconds"] > SLOW_BACKEND:
-        found("backend-latency", f"a block request takes {m['backend_median_seconds'] * 1000:.0f} ms (median)",
-              "keep more requests in flight: --backend-concurrency and --readahead higher, or a manifest so the "
-              "prefetcher fetches ahead")
-    avg = m["average_object_bytes"]
-    if avg is not None and avg < SMALL_FILES:
-        found("small-files", f"objects average {avg / 1024:.0f} KiB: each costs a request and an open",
-              "pack them into shards (WebDataset, TFRecord) or hand over the order so they are fetched ahead")
+              f"(over {BACKEND_BUSY:.0%} of --backend-bandwidth)", fix)
     share = m.get("peer_share")
     if share is not None and share >= CACHE_TIER:
         found("cache-tier", f"{share:.0%} of what this node reads comes from the cluster tier's "
@@ -126,42 +261,190 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     if m.get("peer_failures"):
         found("cache-tier-failing", f"{m['peer_failures']} requests to the cluster tier failed (no answer in "
               "time, or one that did not check out) and went to the backend",
-              "see `epochfs status` for the members bypassed and their logs; --peer-timeout bounds each wait")
-    wb = m["writeback"]
-    if wb and wb["pending_bytes"] and wb["oldest_pending_seconds"] > BACKLOG_SECONDS:
-        found("writeback-backlog", f"{wb['pending_bytes']} bytes written wait for upload, the oldest "
-              f"{wb['oldest_pending_seconds']:.0f} s", "uploads compete with reads for the link: cap them "
-              "(--upload-bandwidth) or save checkpoints less often")
+              f"`epochfs status {mnt}` lists the members bypassed; their logs say why; --peer-timeout bounds each wait")
+    median = m["backend_median_seconds"]
+    if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99):
+        conc = m.get("backend_concurrency")
+        more = f"--backend-concurrency {max(32, 2 * conc)}" if conc else "--backend-concurrency 32"
+        fix = f"keep more requests in flight: remount with `{more}`"
+        if not handed:
+            fix += ", and hand over the order so the prefetcher fetches ahead"
+        found("backend-latency", f"a block request takes {median * 1000:.0f} ms (median)", fix)
     save = view.get("checkpoint_save_seconds") if view else None
     if save is not None and save > SLOW_SAVE:
         found("slow-checkpoints", f"a checkpoint save takes {save:.0f} s as the job sees it",
-              "save to an epochfs --writeback mount: saves at local-disk speed, uploaded in the background")
+              "save to a write-back mount: `epochfs mount s3://BUCKET/ckpt /mnt/ckpt --writeback`, saves return at "
+              "local-disk speed and upload in the background" if not m.get("checkpoint_writeback") else
+              "the checkpoint mount writes back already: its cache disk is the bound (a faster disk, or fewer "
+              "bytes per save)")
+    wb = m["writeback"]
+    if wb and wb.get("pending_bytes") and wb.get("oldest_pending_seconds", 0) > BACKLOG_SECONDS:
+        found("writeback-backlog", f"{wb['pending_bytes']} bytes written wait for upload, the oldest "
+              f"{wb['oldest_pending_seconds']:.0f} s", "uploads compete with reads for the link: cap them "
+              "(--upload-bandwidth) or save checkpoints less often")
+    return [out[c] for c in ORDER if c in out]
+
+
+def _usage(status: dict[str, Any]) -> Usage:
+    b = status.get("backend") or {}
+    u = b.get("usage")
+    if isinstance(u, dict):
+        return Usage(float(u.get("gets", 0)), float(u.get("lists", 0)), float(u.get("bytes", 0)))
+    return usage_of(b.get("requests") or {}, int(b.get("bytes", 0)))
+
+
+def costs_of(after: dict[str, Any], view: dict[str, Any] | None, job: str | None, prices: Prices) -> dict[str, Any]:
+    """Per phase, what an epoch costs and a day of it: the backend's usage between the marks where the
+    job's epochs began (the last whole epoch of the phase, else the one being read, so far), and the GPU
+    hours its ranks waited."""
+    out: dict[str, Any] = {"prices": prices.as_dict()}
+    if view is None:
+        return out
+    names = [job] if job else view["jobs"]
+    marks: dict[int, Usage] = {}
+    for name in names:
+        for mk in (after.get("job_epochs") or {}).get(name, []):
+            u = Usage(float(mk["gets"]), float(mk["lists"]), float(mk["bytes"]))
+            n = int(mk["epoch"])
+            marks[n] = u if n not in marks else Usage(min(u.gets, marks[n].gets), min(u.lists, marks[n].lists),
+                                                      min(u.bytes, marks[n].bytes))
+    now = _usage(after)
+    for name, phase in view["phases"].items():
+        if phase is None:
+            continue
+        lo, hi = phase["epochs"]
+        whole = [n for n in range(lo, hi + 1) if n in marks and n + 1 in marks]
+        if whole:
+            n = whole[-1]
+            used, measured = marks[n + 1] - marks[n], f"epoch {n}"
+        elif hi in marks:
+            used, measured = now - marks[hi], f"epoch {hi}, so far"
+        else:
+            continue
+        epoch = Cost(used, phase["gpu_hours_lost_per_epoch"], prices)
+        per_day = DAY / phase["epoch_seconds"] if phase["epoch_seconds"] > 0 else 0.0
+        out[name] = {"measured_on": measured, "epoch": epoch.as_dict(), "epochs_per_day": per_day,
+                     "day": epoch.scaled(per_day).as_dict()}
     return out
 
 
-def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job: str | None = None) -> dict[str, Any]:
-    """The doctor's answer (what ``epochfs doctor --json`` prints)."""
+def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job: str | None = None,
+             prices: Prices | None = None, checkpoints: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The doctor's answer (what ``epochfs doctor --json`` prints). ``checkpoints``: the status of the
+    job's checkpoint mount (``--checkpoints``), whose timed saves count with the job's."""
     view = job_view(after, job)
-    verdict = verdict_of(view)
+    if checkpoints is not None and view is not None:
+        theirs = job_view(checkpoints, job)
+        if theirs and theirs["checkpoint_save_seconds"] is not None and view["checkpoint_save_seconds"] is None:
+            view["checkpoint_save_seconds"] = theirs["checkpoint_save_seconds"]
+    verdict = verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else "no-job-data"
     mount = mount_view(before, after, seconds)
+    if checkpoints is not None:
+        mount["checkpoint_writeback"] = bool(checkpoints.get("writeback"))
+    first = (view or {}).get("phases", {}).get("first")
+    troubled = verdict in ("storage-bound", "balanced") or bool(first and first["verdict"] != "compute-bound")
+    findings = findings_of(mount, view) if troubled or mount["errors"] else []
     return {"verdict": verdict, "job": view,
             "data_wait_fraction": view["data_wait_fraction"] if view else None,
-            "mount": mount, "findings": findings_of(mount, view) if verdict == "storage-bound" else []}
+            "judged_on": describe_window(view) if view else None,
+            "mount": mount, "in_place": in_place(mount), "findings": findings,
+            "cost": costs_of(after, view, job, prices or Prices())}
 
 
 COMPARED = [("data wait share", ("data_wait_fraction",), "{:.0%}"), ("step time, s", ("job", "step_seconds"), "{:.4f}"),
             ("GPU utilisation, %", ("job", "gpu_utilization"), "{:.0f}"), ("hit ratio", ("mount", "hit_ratio"), "{:.1%}"),
             ("backend bytes/s while doctor ran", ("mount", "backend_bytes_per_second"), "{:.0f}"),
-            ("checkpoint save, s", ("job", "checkpoint_save_seconds"), "{:.2f}")]
+            ("checkpoint save, s", ("job", "checkpoint_save_seconds"), "{:.2f}"),
+            ("GPU hours waiting per day", ("cost", "*", "day", "gpu_hours_lost"), "{:.2f}"),
+            ("backend requests per day, $", ("cost", "*", "day", "requests_usd"), "${:.2f}"),
+            ("backend transfer per day, $", ("cost", "*", "day", "transfer_usd"), "${:.2f}"),
+            ("GPU time waiting per day, $", ("cost", "*", "day", "gpu_usd"), "${:.2f}"),
+            ("total per day, $", ("cost", "*", "day", "total_usd"), "${:.2f}")]
 
 
 def compare(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Rows (what, before, after) of two diagnoses (``--save``, then ``--compare``)."""
+    """Rows (what, before, after) of two diagnoses (``--save``, then ``--compare``); money is the per-day
+    cost of the phase each was judged on, and the last row what the change saves per day."""
     def get(d: dict[str, Any], path: tuple[str, ...], fmt: str) -> str:
-        for key in path:
-            d = d.get(key) if isinstance(d, dict) else None  # type: ignore[assignment]
-        return fmt.format(d) if isinstance(d, (int, float)) else "-"
+        v = _get(d, path)
+        return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
-    rows = [("verdict", before.get("verdict", "-"), after.get("verdict", "-"))]
+    rows = [("verdict", str(before.get("verdict", "-")), str(after.get("verdict", "-")))]
     rows += [(what, get(before, path, fmt), get(after, path, fmt)) for what, path, fmt in COMPARED]
+    b, a = _get(before, ("cost", "*", "day", "total_usd")), _get(after, ("cost", "*", "day", "total_usd"))
+    if isinstance(b, (int, float)) and isinstance(a, (int, float)):
+        rows.append(("saved per day, $", "", f"${b - a:,.2f}"))
     return rows
+
+
+def _get(d: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if key == "*":  # the phase the diagnosis was judged on: the later epochs once there are any
+            key = "later" if isinstance(d, dict) and isinstance(d.get("later"), dict) else "first"
+        d = d.get(key) if isinstance(d, dict) else None
+    return d
+
+
+def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
+           earlier: dict[str, Any] | None = None) -> str:
+    """The diagnosis as ``epochfs doctor`` prints it (any state a mount can be in, never an error)."""
+    lines = []
+    view = result.get("job")
+    wait = result.get("data_wait_fraction")
+    if view is None:
+        lines.append(f"no-job-data: no training job reported to {mountpoint} in the last 10 minutes"
+                     + (f" under the name {job!r}" if job else "")
+                     + " (wrap the loader: `for batch in epochfs.watch.watch(loader, MOUNTPOINT, job=NAME)`)")
+    elif wait is None:
+        saves = view.get("checkpoint_save_seconds")
+        took = f", a save taking {saves:.1f} s as the job sees it" if isinstance(saves, (int, float)) else ""
+        lines.append(f"no-job-data: {', '.join(view['jobs'])} reported checkpoint saves only{took}: no training "
+                     "steps (wrap the data loader, on the data mount, with epochfs.watch.watch; `epochfs doctor "
+                     "DATA-MOUNT --checkpoints THIS-MOUNT` reads these saves with its steps)")
+    else:
+        gpu = view.get("gpu_utilization")
+        gpu_text = f", GPU {gpu:.0f}% busy" if isinstance(gpu, (int, float)) else ""
+        lines.append(f"{result['verdict']}: {', '.join(view['jobs'])} ({view['ranks']} rank(s)) waited for data "
+                     f"{wait:.0%} of step time{gpu_text}, over {result.get('judged_on') or 'its reports'}")
+        phases = view.get("phases") or {}
+        for name, label in (("first", "first epoch"), ("later", "later epochs")):
+            ph = phases.get(name)
+            if ph is None:
+                continue
+            lo, hi = ph["epochs"]
+            which = label if name == "first" else (f"epoch {lo}" if lo == hi else f"epochs {lo}-{hi}")
+            lines.append(f"  {which:<14} {ph['verdict']}, waited {ph['data_wait_fraction']:.0%} "
+                         f"({ph['steps']} steps, {ph['epoch_seconds']:.0f} s an epoch)")
+    placed = result.get("in_place") or []
+    if placed and view is not None:
+        lines.append("  in place: " + "; ".join(placed))
+    findings = result.get("findings") or []
+    if findings:
+        heading = {"balanced": "what would move it", "compute-bound": "worth doing"}.get(result.get("verdict", ""),
+                                                                                        "what to change")
+        lines.append(f"  {heading}, most helpful first:")
+    for n, f in enumerate(findings, 1):
+        lines.append(f"  {n}. {f['cause']}: {f['evidence']}\n     fix: {f['fix']}")
+    if result.get("verdict") == "storage-bound" and not findings:
+        lines.append("  the mount's own state shows no cause: look at the loader (workers, decoding) and the node")
+    cost = result.get("cost") or {}
+    for name, label in (("first", "the first epoch"), ("later", "a later epoch")):
+        c = cost.get(name)
+        if not isinstance(c, dict):
+            continue
+        prices = Prices(**cost["prices"])
+        lines.append(f"  cost of {label} ({c['measured_on']}):")
+        rows = [("per epoch", "epoch")] if name == "first" and isinstance(cost.get("later"), dict) else \
+            [("per epoch", "epoch"), (f"per day ({c['epochs_per_day']:.1f} epochs like it)", "day")]
+        for what, key in rows:
+            d = c[key]
+            lines.append("    " + describe(Cost(Usage(d["get_requests"], d["list_requests"], d["bytes"]),
+                                                d["gpu_hours_lost"], prices), what))
+    if view is not None and not any(isinstance(cost.get(k), dict) for k in ("first", "later")):
+        lines.append("  cost: not yet known (it needs the job's epochs: epochfs.watch.watch names them)")
+    if earlier is not None:
+        rows = compare(earlier, result)
+        width = max(len(w) for w, _, _ in rows)
+        lines.append(f"\n{'':{width}}  {'before':>14}  {'after':>14}")
+        lines += [f"{what:{width}}  {b:>14}  {a:>14}" for what, b, a in rows]
+    return "\n".join(lines)

@@ -6,6 +6,12 @@ Reports carry what happened since the previous one (deltas), so a job that resta
 totals and the exported counters never go back. At most :data:`MAX_ENTRIES` job x rank entries are kept;
 the one reported least recently is forgotten first. Each entry keeps its reports of the last
 :data:`WINDOW` seconds, for answers about "now" rather than since the mount started.
+
+A report may name the pass over the loader it belongs to (``epoch``: 0 for the first pass of the job's
+process): each entry then keeps its totals per epoch (the last :data:`MAX_EPOCHS`), and each job the
+mount's backend usage when its first report of each epoch arrived (:meth:`Jobs.marks`), so that what an
+epoch asked of the backend is a difference of two marks. An epoch number lower than one already seen
+is a job that started again: its epochs begin afresh.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass, field
 MAX_ENTRIES = 256
 WINDOW = 600.0  # seconds of reports kept per entry
 MAX_SAMPLES = 1024  # reports kept per entry within the window
+MAX_EPOCHS = 64  # epochs kept per entry, and marks per job
+MAX_EPOCH = 1 << 20
 #: A job name: what a Prometheus label, a log line and a file name can all carry unescaped.
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
@@ -33,6 +41,7 @@ class Report:
     gpu_utilization: float | None = None  # percent, averaged over the interval, where known
     saves: int = 0  # checkpoint saves timed (epochfs.watch.saving)
     save_seconds: float = 0.0  # how long they took, as the job saw it
+    epoch: int | None = None  # the pass over the loader these steps belong to (None: not said)
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,28 @@ class JobStats:
     #                                                                  saves, save_seconds) in the window
     saves: int = 0
     save_seconds: float = 0.0
+    epochs: tuple[EpochStats, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EpochStats:
+    """One rank's totals of one epoch."""
+
+    epoch: int
+    steps: int
+    data_wait: float
+    compute: float
+    first_report: float  # when its first and last reports arrived (the daemon's clock)
+    last_report: float
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """The mount's backend usage when a job's first report of ``epoch`` arrived."""
+
+    epoch: int
+    time: float
+    usage: tuple[int, int, int]  # (GET-class requests, LIST requests, bytes read), since the mount started
 
 
 @dataclass
@@ -61,13 +92,30 @@ class _Entry:
     save_seconds: float = 0.0
     recent: deque[tuple[float, int, float, float, int, float]] = field(
         default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    epochs: OrderedDict[int, list[float]] = field(default_factory=OrderedDict)  # epoch -> [steps, wait,
+    #                                                                            compute, first, last]
 
 
 class Jobs:
     def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
+        self._marks: dict[str, OrderedDict[int, Mark]] = {}
 
-    def report(self, r: Report, now: float) -> None:
+    def new_epoch(self, r: Report) -> bool:
+        """Whether ``r`` is its job's first report of its epoch (the caller then passes the backend's
+        usage to :meth:`report`)."""
+        return r.epoch is not None and (r.epoch not in self._marks.get(r.job, ()) or self._restarted(r) is not None)
+
+    def _restarted(self, r: Report) -> float | None:
+        """When ``r``'s rank last reported before it started again (None: it did not start again)."""
+        entry = self._entries.get((r.job, r.rank))
+        if r.epoch is None or entry is None or not entry.epochs:
+            return None
+        last = next(reversed(entry.epochs))
+        return entry.epochs[last][4] if r.epoch < last else None
+
+    def report(self, r: Report, now: float, usage: tuple[int, int, int] | None = None) -> None:
+        restarted = self._restarted(r)
         key = (r.job, r.rank)
         entry = self._entries.pop(key, None) or _Entry()
         self._entries[key] = entry  # most recently reported last
@@ -84,8 +132,52 @@ class Jobs:
         entry.recent.append((now, r.steps, r.data_wait, r.compute, r.saves, r.save_seconds))
         while entry.recent and entry.recent[0][0] < now - WINDOW:
             entry.recent.popleft()
+        if r.epoch is not None:
+            self._count_epoch(entry, r, now)
+            self._mark(r, now, usage, restarted)
+
+    @staticmethod
+    def _count_epoch(entry: _Entry, r: Report, now: float) -> None:
+        assert r.epoch is not None
+        if entry.epochs and r.epoch < next(reversed(entry.epochs)):
+            entry.epochs.clear()  # the rank started again
+        totals = entry.epochs.get(r.epoch)
+        if totals is None:
+            totals = entry.epochs[r.epoch] = [0, 0.0, 0.0, now, now]
+            while len(entry.epochs) > MAX_EPOCHS:
+                entry.epochs.popitem(last=False)
+        totals[0] += r.steps
+        totals[1] += r.data_wait
+        totals[2] += r.compute
+        totals[4] = now
+
+    def _mark(self, r: Report, now: float, usage: tuple[int, int, int] | None, restarted: float | None) -> None:
+        assert r.epoch is not None
+        marks = self._marks.get(r.job)
+        if marks is None:
+            for job in [j for j in self._marks if not any(k[0] == j for k in self._entries)]:
+                del self._marks[job]  # (a job whose every rank was forgotten)
+            marks = self._marks[r.job] = OrderedDict()
+        if restarted is not None:  # the marks its earlier run set are not this run's
+            for epoch in [e for e, m in marks.items() if e >= r.epoch and m.time <= restarted]:
+                del marks[epoch]
+        if r.epoch in marks or usage is None:
+            return
+        late = bool(marks) and r.epoch < next(reversed(marks))
+        marks[r.epoch] = Mark(r.epoch, now, usage)
+        if late:  # (a rank that reports an epoch the others skipped: kept in epoch order)
+            ordered = sorted(marks.items())
+            marks.clear()
+            marks.update(ordered)
+        while len(marks) > MAX_EPOCHS:
+            marks.popitem(last=False)
+
+    def marks(self, job: str) -> tuple[Mark, ...]:
+        """The backend usage at the start of each epoch of ``job`` the mount has seen, oldest first."""
+        return tuple(self._marks.get(job, {}).values())
 
     def statistics(self) -> tuple[JobStats, ...]:
         return tuple(JobStats(job, rank, e.steps, e.data_wait, e.compute, e.gpu, e.last, tuple(e.recent), e.saves,
-                              e.save_seconds)
+                              e.save_seconds, tuple(EpochStats(n, int(t[0]), t[1], t[2], t[3], t[4])
+                                                    for n, t in e.epochs.items()))
                      for (job, rank), e in self._entries.items())

@@ -210,7 +210,8 @@ class Daemon:
             source=config.source.url, mountpoint=config.instance(), cache_dir=str(config.cache_dir),
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),
             metrics_addr=lambda: f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
-            node=config.node_name(),
+            node=config.node_name(), backend_concurrency=config.backend_concurrency,
+            readahead_blocks=config.readahead_blocks,
         )
         self.jobs = Jobs()
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,

@@ -13,7 +13,12 @@ background thread reports what was measured since its previous report to the mou
 ``interval`` seconds over the control socket, and a last time when the loop ends. Reporting never
 blocks or breaks training: a daemon that is gone, slow or refuses (another user's mount) costs a
 warning logged once, and measuring goes on. Each pass over the loader (an epoch) ends with one log
-line: ``epoch 3 (resnet50 rank 0): waited for data 62% of step time (1250 steps, 88.1 s)``.
+line: ``epoch 3 (resnet50 rank 0): waited for data 62% of step time (1250 steps, 88.1 s)``; each
+report names the pass its steps belong to, so the daemon keeps the first epoch (the cold read) apart
+from the later ones (``epochfs doctor``'s verdicts per epoch). At exit the process sends what it still
+holds (at most :data:`EXIT_BUDGET` seconds), so a script that saves a checkpoint and ends reports it.
+A save timed by :func:`saving` is reported to its own mount and to each mount the job watches in this
+process (the data mount's doctor sees the saves that stall the job).
 
 The rank is the argument, else ``torch.distributed``'s if it is initialised, else ``$RANK``, else 0;
 the job name the argument, else ``$EPOCHFS_JOB``, else the script's name. With NVML (``pynvml``)
@@ -22,12 +27,14 @@ importable and a GPU present, the reporter also samples this rank's GPU utilisat
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -41,6 +48,7 @@ T = TypeVar("T")
 
 INTERVAL = 5.0  # seconds between reports
 TIMEOUT = 2.0  # a report the daemon has not answered by then is given up (the next one carries it)
+EXIT_BUDGET = 5.0  # seconds a process's exit may wait for its last reports
 
 
 def job_name(job: str | None) -> str:
@@ -70,7 +78,7 @@ def job_rank(rank: int | None) -> int:
 class Meter:
     """Totals of one rank's loop, written by the loop (single writer) and read by the reporter."""
 
-    __slots__ = ("steps", "data_wait", "compute", "saves", "save_seconds")
+    __slots__ = ("steps", "data_wait", "compute", "saves", "save_seconds", "marks")
 
     def __init__(self) -> None:
         self.steps = 0
@@ -78,6 +86,8 @@ class Meter:
         self.compute = 0.0
         self.saves = 0
         self.save_seconds = 0.0
+        # (epoch, steps, data_wait, compute) where each pass began: the loop appends, the reporter takes
+        self.marks: deque[tuple[int, int, float, float]] = deque()
 
 
 class _Gpu:
@@ -116,6 +126,9 @@ class Reporter:
         self.epochs = 0  # passes over a loader through watch() (the epoch log line's number)
         self._send = send or self._request
         self._sent: tuple[int, float, float, int, float] = (0, 0.0, 0.0, 0, 0.0)
+        self._epoch: int | None = None  # the pass the steps after ``_sent`` belong to
+        self._pending: list[tuple[int, int, float, float]] = []  # marks taken, not yet reported past
+        self._announced: int | None = None  # the last pass the daemon heard of
         self._warned = False
         self._wake = threading.Event()
         self._stop = False
@@ -137,27 +150,45 @@ class Reporter:
             self.report()
 
     def report(self) -> None:
-        """Send what was measured since the last report that reached the daemon."""
+        """Send what was measured since the last report that reached the daemon: one report per pass
+        over the loader it covers, each naming its epoch."""
         with self._lock:
             m = self.meter
             now = (m.steps, m.data_wait, m.compute, m.saves, m.save_seconds)
-            steps, wait, compute, saves, saving = (a - b for a, b in zip(now, self._sent, strict=True))
-            if steps <= 0 and saves <= 0:
-                return
+            while m.marks and all(a <= b for a, b in zip(m.marks[0][1:], now, strict=False)):
+                self._pending.append(m.marks.popleft())  # (a mark taken after ``now`` waits its turn)
             gpu = self._gpu.utilization() if self._gpu is not None else None
-            fields = {"job": self.job, "rank": self.rank, "steps": steps, "data_wait": max(0.0, wait),
-                      "compute": max(0.0, compute), "gpu_utilization": gpu}
-            if saves:
-                fields.update(saves=saves, save_seconds=max(0.0, saving))
-            try:
-                self._send(fields)
-            except (EpochfsError, OSError, ValueError) as exc:
-                if not self._warned:
-                    log.warning("epochfs.watch: cannot report to the daemon at %s (%s); measuring goes on",
-                                self.mountpoint, exc)
-                    self._warned = True
-                return  # not sent: the next report carries it
-            self._sent = now
+            while True:
+                last = not self._pending
+                upto = now if last else (*self._pending[0][1:], self._sent[3], self._sent[4])
+                steps, wait, compute, saves, saving = (a - b for a, b in zip(upto, self._sent, strict=True))
+                begun = last and self._epoch is not None and self._epoch != self._announced
+                if steps > 0 or saves > 0 or begun:  # (a pass that began is said at once: the daemon
+                    #                                   notes the backend's usage where it began)
+                    fields = {"job": self.job, "rank": self.rank, "steps": steps, "data_wait": max(0.0, wait),
+                              "compute": max(0.0, compute), "gpu_utilization": gpu}
+                    if self._epoch is not None:
+                        fields["epoch"] = self._epoch
+                    if saves:
+                        fields.update(saves=saves, save_seconds=max(0.0, saving))
+                    if not self._deliver(fields):
+                        return  # not sent: the next report carries it
+                    self._announced = self._epoch
+                self._sent = upto
+                if last:
+                    return
+                self._epoch = self._pending.pop(0)[0]
+
+    def _deliver(self, fields: dict[str, Any]) -> bool:
+        try:
+            self._send(fields)
+        except (EpochfsError, OSError, ValueError) as exc:
+            if not self._warned:
+                log.warning("epochfs.watch: cannot report to the daemon at %s (%s); measuring goes on",
+                            self.mountpoint, exc)
+                self._warned = True
+            return False
+        return True
 
     def flush(self) -> None:
         """Have the reporter send now (in the background: the loop does not wait)."""
@@ -175,6 +206,8 @@ def watch(loader: Iterable[T], mountpoint: str | os.PathLike[str], *, job: str |
         reporter = _reporters.get(os.path.abspath(mountpoint), job_name(job), job_rank(rank), interval)
     meter = reporter.meter
     started = (meter.steps, meter.data_wait, meter.compute)
+    meter.marks.append((reporter.epochs, *started))
+    reporter.flush()  # (the daemon hears at once that a pass began)
     clock = time.perf_counter
     it = iter(loader)
     epoch_start = clock()
@@ -212,9 +245,11 @@ def saving(mountpoint: str | os.PathLike[str], *, job: str | None = None, rank: 
     try:
         yield
     finally:
-        reporter.meter.save_seconds += time.perf_counter() - start
-        reporter.meter.saves += 1
-        reporter.flush()
+        took = time.perf_counter() - start
+        for r in _reporters.of_job(reporter):  # this mount's, and the data mounts' the job reports to
+            r.meter.save_seconds += took
+            r.meter.saves += 1
+            r.flush()
 
 
 class _Reporters:
@@ -233,5 +268,30 @@ class _Reporters:
                 reporter = self._by_key[key] = Reporter(mountpoint, job, rank, Meter(), interval=interval)
             return reporter
 
+    def of_job(self, reporter: Reporter) -> list[Reporter]:
+        """``reporter`` and the other mounts' reporters of its job and rank in this process."""
+        with self._lock:
+            others = [r for r in self._by_key.values() if (r.job, r.rank) == (reporter.job, reporter.rank)]
+        return [reporter, *(r for r in others if r is not reporter)]
+
+    def flush_all(self, budget: float = EXIT_BUDGET) -> None:
+        """Send what every reporter holds, waiting at most ``budget`` seconds in all (at exit: a process
+        that saves a checkpoint and ends still reports it)."""
+        with self._lock:
+            reporters = list(self._by_key.values())
+        if not reporters:
+            return
+        done = threading.Event()
+
+        def send() -> None:
+            for r in reporters:
+                r.close()
+                r.report()
+            done.set()
+
+        threading.Thread(target=send, name="epochfs-watch-exit", daemon=True).start()
+        done.wait(budget)
+
 
 _reporters = _Reporters()
+atexit.register(_reporters.flush_all)

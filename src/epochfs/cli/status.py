@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from epochfs.cli.common import human
+from epochfs.cost import add_price_options
 from epochfs.errors import ConfigError, EpochfsError
 
 
@@ -28,18 +29,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
     st.set_defaults(run=cmd_stats)
 
-    d = sub.add_parser("doctor", help="is the training job waiting for storage, and why",
+    d = sub.add_parser("doctor", help="is the training job waiting for storage, why, and what it costs",
                        description="Verdict on the jobs reporting to MOUNTPOINT (epochfs.watch in the training "
                        "loop): storage-bound (waits for data over half of each step, or its GPU is under 50% "
-                       "busy while it waits), compute-bound (waits under a fifth), balanced, or no-job-data; "
-                       "for a storage-bound job, each cause the mount's state shows and its fix.")
+                       "busy while it waits), compute-bound (waits under a fifth), balanced, or no-job-data; the "
+                       "first epoch (the cold read) and the later ones apart. Then what the mount already does, "
+                       "each cause its state shows with the fix (a command or flag to paste), most helpful first, "
+                       "and what an epoch and a day cost: backend requests and bytes, and GPU hours spent waiting, "
+                       "at the prices below.")
     d.add_argument("mountpoint", metavar="MOUNTPOINT")
     d.add_argument("--job", metavar="NAME", help="only this job (default: every job reporting)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
                    help="how long to watch the mount's rates (default: 2)")
     d.add_argument("--save", metavar="FILE", help="also write the diagnosis to FILE (the state before a change)")
-    d.add_argument("--compare", metavar="FILE", help="compare with a diagnosis saved earlier (--save)")
+    d.add_argument("--compare", metavar="FILE", help="compare with a diagnosis saved earlier (--save): rates, "
+                   "and what a day costs, before and after")
+    d.add_argument("--checkpoints", metavar="MOUNTPOINT",
+                   help="the job's checkpoint mount: its timed saves (epochfs.watch.saving) count with the job's "
+                   "steps, and its write-back state with the advice")
+    add_price_options(d)
     d.set_defaults(run=cmd_doctor)
 
     s = sub.add_parser("status", help="one-shot state of a mount",
@@ -69,10 +78,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from epochfs.control import request
-    from epochfs.doctor import compare, diagnose
+    from epochfs.cost import prices_of
+    from epochfs.doctor import compare, diagnose, render
 
     if args.interval < 0 or args.interval > 600:
         raise ConfigError("--interval must be between 0 and 600 seconds")
+    prices = prices_of(args)
     earlier = None
     if args.compare:
         try:
@@ -82,10 +93,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             raise EpochfsError(f"--compare {args.compare}: {exc}") from None
         if not isinstance(earlier, dict) or "verdict" not in earlier:
             raise EpochfsError(f"--compare {args.compare}: not a diagnosis saved with --save")
+    checkpoints = request(args.checkpoints, "status") if args.checkpoints else None
     before = request(args.mountpoint, "status")
     time.sleep(args.interval)
     after = request(args.mountpoint, "status")
-    result = diagnose(before, after, args.interval, args.job)
+    result = diagnose(before, after, args.interval, args.job, prices, checkpoints)
     if args.save:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=2, sort_keys=True)
@@ -95,25 +107,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             out["compare"] = [{"what": w, "before": b, "after": a} for w, b, a in compare(earlier, result)]
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
-    view = result["job"]
-    if view is None:
-        print(f"no-job-data: no training job reported to {args.mountpoint} in the last 10 minutes"
-              + (f" under the name {args.job!r}" if args.job else "")
-              + " (wrap the loader: `for batch in epochfs.watch.watch(loader, MOUNTPOINT, job=NAME)`)")
-    else:
-        gpu = f", GPU {view['gpu_utilization']:.0f}% busy" if view["gpu_utilization"] is not None else ""
-        print(f"{result['verdict']}: {', '.join(view['jobs'])} ({view['ranks']} rank(s), {view['steps']} steps) "
-              f"waited for data {result['data_wait_fraction']:.0%} of step time{gpu}")
-    for n, f in enumerate(result["findings"], 1):
-        print(f"  {n}. {f['cause']}: {f['evidence']}\n     fix: {f['fix']}")
-    if result["verdict"] == "storage-bound" and not result["findings"]:
-        print("  the mount's own state shows no cause: look at the loader (workers, decoding) and the node")
-    if earlier is not None:
-        rows = compare(earlier, result)
-        width = max(len(w) for w, _, _ in rows)
-        print(f"\n{'':{width}}  {'before':>14}  {'after':>14}")
-        for what, b, a in rows:
-            print(f"{what:{width}}  {b:>14}  {a:>14}")
+    print(render(result, args.mountpoint, args.job, earlier))
     return 0
 
 

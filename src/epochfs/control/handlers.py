@@ -21,6 +21,7 @@ import trio
 from epochfs.collected import Collected
 from epochfs.control import protocol as p
 from epochfs.control.server import Chunks, Handler
+from epochfs.cost import usage_of
 from epochfs.errors import ConfigError
 from epochfs.jobs import Jobs, JobStats, Report
 from epochfs.meta.namespace import File, Namespace
@@ -50,6 +51,8 @@ class MountInfo:
     started: float
     metrics_addr: Callable[[], str | None]
     node: str = "localhost"  # the ``node`` label of its series
+    backend_concurrency: int | None = None  # what the doctor's advice starts from
+    readahead_blocks: int | None = None
 
 
 def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], source: str, *,
@@ -148,11 +151,17 @@ class ControlHandlers:
         return out
 
     async def report(self, request: Report) -> dict[str, Any]:
-        self.jobs.report(request, time.time())
+        usage = None
+        if self.jobs.new_epoch(request):  # the backend's counters where this epoch began
+            backend = self.collect().backend
+            u = usage_of(backend.requests, backend.bytes_read)
+            usage = (int(u.gets), int(u.lists), int(u.bytes))
+        self.jobs.report(request, time.time(), usage)
         return {}
 
     async def status(self, request: p.Status) -> dict[str, Any]:
-        return status_of(self.info, self.collect())
+        c = self.collect()
+        return status_of(self.info, c, marks_of(self.jobs, c.jobs))
 
     async def refresh(self, request: p.Refresh) -> dict[str, Any]:
         return await self.snapshots.refresh()
@@ -237,12 +246,26 @@ def job_of(j: JobStats) -> dict[str, Any]:
                      "reports": len(j.recent), "steps": sum(r[1] for r in j.recent),
                      "data_wait": sum(r[2] for r in j.recent), "compute": sum(r[3] for r in j.recent),
                      "saves": sum(r[4] for r in j.recent), "save_seconds": sum(r[5] for r in j.recent)}
+    out["epochs"] = [dataclasses.asdict(e) for e in j.epochs]
     return out
 
 
-def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
+def marks_of(jobs: Jobs, stats: tuple[JobStats, ...]) -> dict[str, list[dict[str, Any]]]:
+    """Per job, the backend usage where each of its epochs began (``status``'s ``job_epochs``)."""
+    out = {}
+    for name in sorted({j.job for j in stats}):
+        marks = jobs.marks(name)
+        if marks:
+            out[name] = [{"epoch": m.epoch, "time": m.time, "gets": m.usage[0], "lists": m.usage[1],
+                          "bytes": m.usage[2]} for m in marks]
+    return out
+
+
+def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str, Any]]] | None = None
+              ) -> dict[str, Any]:
     """The reply to ``status`` (``epochfs status --json`` prints it)."""
     snap = c.snapshot
+    usage = usage_of(c.backend.requests, c.backend.bytes_read)  # (what the backend bills)
     return {
         "metrics_addr": info.metrics_addr(),
         "node": info.node,
@@ -255,11 +278,13 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
         "mountpoint": info.mountpoint,
         "cache_dir": info.cache_dir,
         "block_size": info.block_size,
+        "backend_concurrency": info.backend_concurrency,
+        "readahead_blocks": info.readahead_blocks,
         "meta": {"url": snap.store, "reachable": snap.reachable, "error": snap.error,
                  "latest_version": snap.latest_version},
         "snapshot": {"version": snap.version, "created": snap.created, "age_seconds": time.time() - snap.created,
                      "objects": snap.objects, "files": snap.files, "directories": snap.directories,
-                     "bytes": snap.bytes},
+                     "bytes": snap.bytes, "shards": snap.shards},
         "eviction": info.eviction,
         "prefetch": vars(c.prefetch),
         "cache": vars(c.cache),
@@ -269,9 +294,11 @@ def status_of(info: MountInfo, c: Collected) -> dict[str, Any]:
             "bytes": c.backend.bytes_read,
             "bandwidth_limit": c.backend_bandwidth,
             "request_seconds": c.backend.request_seconds.as_dict() if c.backend.request_seconds else None,
+            "usage": {"gets": int(usage.gets), "lists": int(usage.lists), "bytes": int(usage.bytes)},
         },
         "writeback": vars(c.writeback) if c.writeback is not None else None,
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down)}
         if c.peer is not None else None,
         "jobs": [job_of(j) for j in c.jobs],
+        "job_epochs": job_epochs or {},
     }

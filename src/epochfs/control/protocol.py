@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epochfs.errors import EpochfsError
-from epochfs.jobs import JOB_NAME, Report
+from epochfs.jobs import JOB_NAME, MAX_EPOCH, Report
 
 #: Longest line accepted, checked before it is parsed: a request, or one chunk of streamed entries.
 MAX_LINE = 32 << 20
@@ -219,7 +219,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "get_manifest": (("name",), {}),
     "sync": ((), {"paths": [], "wait": 10.0}),
     "report": (("job", "rank", "steps", "data_wait", "compute"), {"gpu_utilization": None, "saves": 0,
-                                                                   "save_seconds": 0.0}),
+                                                                   "save_seconds": 0.0, "epoch": None}),
 }
 OPERATIONS = tuple(_FIELDS)
 
@@ -283,7 +283,8 @@ def _report(f: dict[str, Any]) -> Report:
                   _seconds(f["data_wait"], "data_wait", MAX_REPORT_SECONDS),
                   _seconds(f["compute"], "compute", MAX_REPORT_SECONDS), None if gpu is None else float(gpu),
                   _int(f["saves"], "saves", 0, MAX_REPORT_STEPS), _seconds(f["save_seconds"], "save_seconds",
-                                                                           MAX_REPORT_SECONDS))
+                                                                           MAX_REPORT_SECONDS),
+                  None if f["epoch"] is None else _int(f["epoch"], "epoch", 0, MAX_EPOCH))
 
 
 def parse_chunk(line: bytes) -> tuple[tuple[int, str], ...]:

@@ -66,6 +66,7 @@ class SnapshotStats:
     reachable: bool
     error: str | None
     latest_version: int
+    shards: int = 0  # packed shards the files' bytes are in (0: a plain dataset)
 
 
 class Snapshots:
@@ -329,8 +330,10 @@ class Snapshots:
 
     def statistics(self) -> SnapshotStats:
         ns, snap = self.namespace, self.snapshot
+        stored = ns.info.get("stored")
         return SnapshotStats(snap.version, snap.created, snap.objects, ns.file_count, ns.dir_count,
-                             ns.total_bytes, self.store.url, self.error is None, self.error, self.latest_version)
+                             ns.total_bytes, self.store.url, self.error is None, self.error, self.latest_version,
+                             len(stored) if isinstance(stored, list) else 0)
 
 
 def _readable(objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
