@@ -110,8 +110,38 @@ def test_block_gets_are_signed_correctly_for_an_endpoint_that_checks(tmp_path, m
             assert f"access key ID ...{key[-4:]}" in r.stderr and secret not in r.stderr
             assert f"endpoint {server.endpoint}" in r.stderr and "region us-east-1" in r.stderr
             assert "Traceback" not in r.stderr and not os.path.ismount(tmp_path / "mnt")
-    finally:
+        # With a snapshot already stored (a mount that worked before), a refused mount still fails at
+        # once, with the reason: it never mounts to fail every read with EACCES.
+        mount = [*EPOCHFS, "mount", "s3://signed/p", str(tmp_path / "mnt"), "--endpoint-url", server.endpoint,
+                 "--cache-dir", str(tmp_path / "kept"), "--metrics-addr", "off"]
+        ok = subprocess.run(mount, capture_output=True, text=True, env=server.env(), timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        assert sorted(os.listdir(tmp_path / "mnt")) == ["100%", "a b", "plain.bin", "unicode"]
+        unmount(tmp_path / "mnt")
+        env = {**server.env(), "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+        r = subprocess.run(mount, capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode != 0 and "refuses this mount" in r.stderr and "SignatureDoesNotMatch" in r.stderr, r.stderr
+        assert not os.path.ismount(tmp_path / "mnt")
+        # An endpoint that does not answer: the stored snapshot is served, and the mount says so.
         server.stop()
+        r = subprocess.run(mount, capture_output=True, text=True, env=server.env(), timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "does not answer" in r.stderr and "serving the stored snapshot" in r.stderr, r.stderr
+        assert "plain.bin" in os.listdir(tmp_path / "mnt")
+        unmount(tmp_path / "mnt")
+    finally:
+        if os.path.ismount(tmp_path / "mnt"):
+            unmount(tmp_path / "mnt")
+        server.stop()
+
+
+def unmount(path):
+    """Unmount and wait for the daemon to let its cache directory go."""
+    subprocess.run(["fusermount3", "-u", str(path)], check=True, timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and subprocess.run(["pgrep", "-f", f"epochfs mount .* {path} "],
+                                                         capture_output=True).returncode == 0:
+        time.sleep(0.1)
 
 
 def test_missing_credentials_are_a_clear_error(s3, fresh_bucket, s3_env, monkeypatch):

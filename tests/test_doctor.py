@@ -318,6 +318,36 @@ def test_prices_come_from_flags_over_the_config_file_over_the_defaults(tmp_path)
     assert read_config_file(cfg) == {"source": "s3://b/p"}
 
 
+def test_plan_prices_a_simulated_epoch_by_hand(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    for i in range(10):
+        (root / f"{i}.bin").write_bytes(b"x" * MiB)
+    manifest = tmp_path / "order.txt"
+    manifest.write_text("".join(f"{i}.bin\n" for i in range(10)))
+    out = subprocess.run([*EPOCHFS, "plan", "--manifest", str(manifest), "--root", str(root), "--cache-size", "64M",
+                          "--block-size", "1M", "--json", "--price-get", "1", "--price-gb", "1024",
+                          "--epoch-hours", "0.001", "--backend-bandwidth", "1MB", "--gpus", "8", "--gpu-hour", "3"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cost = json.loads(out.stdout)["policies"]["lru"]["cost"]
+    e = cost["epoch"]  # a cold epoch: 10 blocks of 1 MiB fetched, a GET each
+    assert e["get_requests"] == 10 and e["bytes"] == 10 * MiB
+    assert e["requests_usd"] == pytest.approx(0.01) and e["transfer_usd"] == pytest.approx(10.0)
+    # fetching 10 MiB at 1 MB/s takes 10.49 s; computing takes 3.6 s: 6.89 s of waiting on 8 GPUs
+    wait_h = (10 * MiB / 1e6 - 3.6) / 3600
+    assert cost["wait_hours"] == pytest.approx(wait_h)
+    assert e["gpu_hours_lost"] == pytest.approx(8 * wait_h) and e["gpu_usd"] == pytest.approx(24 * wait_h)
+    assert cost["epochs_per_day"] == pytest.approx(24 / (0.001 + wait_h))
+    assert cost["day"]["total_usd"] == pytest.approx(e["total_usd"] * cost["epochs_per_day"])
+    text = subprocess.run([*EPOCHFS, "plan", "--manifest", str(manifest), "--root", str(root), "--cache-size", "64M",
+                           "--block-size", "1M"], capture_output=True, text=True, timeout=60).stdout
+    assert "per epoch: 10 requests (<$0.0001), 0.0 GB from the backend ($0.00)" in text
+    bad = subprocess.run([*EPOCHFS, "plan", "--manifest", str(manifest), "--root", str(root), "--cache-size", "64M",
+                          "--price-get", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "not a price" in bad.stderr
+
+
 def _random_status(rng):
     """A status reply in any state a mount can be in: fields at their edges, jobs with and without
     epochs, saves only, no GPU, peers and write-back or not."""

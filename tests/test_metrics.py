@@ -313,6 +313,12 @@ def test_status_json(mount_factory, sample_bucket):
         result = subprocess.run([*EPOCHFS, "status", str(m.mountpoint), "--json"], capture_output=True, text=True)
         status = json.loads(result.stdout)
         assert {"cache", "store", "prefetch", "backend", "snapshot", "read_seconds"} <= set(status)
+        # A directory inside the mount names the same mount.
+        inside = next(p for p in m.mountpoint.iterdir() if p.is_dir())
+        result = subprocess.run([*EPOCHFS, "status", str(inside)], capture_output=True, text=True)
+        assert result.returncode == 0 and f"mount      {m.mountpoint}" in result.stdout, result.stderr
+        assert "no read answered with an error" in result.stdout
+        assert "least recently used: no order handed over yet" in result.stdout
 
 
 
@@ -326,6 +332,15 @@ def test_stats_view_refreshes(mount_factory, sample_bucket, sample_files):
         for row in ("hit ratio (bytes)", "backend, on demand", "backend, prefetched", "read latency p50 / p99",
                     "prefetch"):
             assert row in result.stdout
+        # Into a pipe with no --count: each refresh is written out as it comes.
+        proc = subprocess.Popen([*EPOCHFS, "stats", str(m.mountpoint), "--interval", "0.2"], stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            first = proc.stdout.readline() + proc.stdout.readline()
+            assert "epochfs" in first
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_status_lines_say_what_the_prefetch_state_is():
@@ -340,6 +355,18 @@ def test_status_lines_say_what_the_prefetch_state_is():
     assert "n/a" not in format_prefetch({**base, "queued_bytes": 1 << 20, "inflight": 1})
     assert format_prefetch({**base, "active": False}).endswith("done")
     assert "no manifest" in format_prefetch({**base, "blocks": 0})
+
+
+def test_status_lines_name_reader_errors_and_the_policy_evictions_followed():
+    from epochfs.cli.status import eviction_policy, reader_errors
+
+    s = {"errors": {"EACCES": 906, "EIO": 0, "ESTALE": 3},
+         "backend": {"requests": {"get/denied": 906, "get/ok": 10, "head/missing": 4, "list/error": 1}},
+         "eviction": "manifest", "prefetch": {"blocks": 0}}
+    assert reader_errors(s) == "reads answered EACCES 906, ESTALE 3; backend requests failed: get/denied 906, list/error 1"
+    assert reader_errors({"errors": {}, "backend": {"requests": {"head/missing": 2}}}) == "no read answered with an error"
+    assert eviction_policy(s).startswith("least recently used: no order handed over yet")
+    assert eviction_policy({**s, "prefetch": {"blocks": 5}}) == "the handed-over order"
 
 
 def test_quantiles_are_interpolated_within_their_bucket():

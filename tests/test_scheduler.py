@@ -119,7 +119,7 @@ def test_bandwidth_cap_paces_prefetch(tmp_path):
     assert fetched <= rate * elapsed + BS
 
 
-def test_warmup_fills_without_evicting(tmp_path):
+def test_warmup_fills_at_most_the_cache_and_never_evicts_what_it_warmed(tmp_path):
     files = objs(10)
 
     async def fn(cache, pf, backend):
@@ -130,6 +130,25 @@ def test_warmup_fills_without_evicting(tmp_path):
     job, store = with_prefetcher(tmp_path, fn, capacity=6 * BS)
     assert job.done_bytes == 6 * BS and job.skipped_bytes == 4 * BS
     assert store.evictions == 0 and store.used_bytes == 6 * BS
+
+
+def test_warmup_into_a_full_cache_evicts_what_the_plan_does_not_read(tmp_path):
+    """A cache an epoch filled: a warmup of other files evicts blocks no handed-over order reads, and
+    keeps the ones the plan reads next."""
+    old, planned, new = objs(4, prefix="old"), objs(2, prefix="next"), objs(3, prefix="new")
+
+    async def fn(cache, pf, backend):
+        for f in old + planned:  # an epoch read them: the cache is full
+            await cache.read(f, 0, BS)
+        await pf.load(planned)  # the next epoch's order reads only these
+        job = pf.warmup(new)
+        await job.done.wait()
+        return job, {f.key: cache.is_cached(cache.block_id(f, 0)) for f in old + planned + new}
+
+    job, cached = with_prefetcher(tmp_path, fn, capacity=6 * BS)
+    assert job.done_bytes == 3 * BS and job.skipped_bytes == 0
+    assert all(cached[f.key] for f in planned + new)
+    assert sum(cached[f.key] for f in old) == 1
 
 
 def test_a_merge_keeps_the_reader_where_it_is_and_its_rate_positive(tmp_path):

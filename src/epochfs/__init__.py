@@ -1,4 +1,4 @@
-"""epochfs: a read-only FUSE cache for training data in object storage.
+"""epochfs: a FUSE cache for training data in object storage (read-only, or written back for checkpoints).
 
 ``epochfs.Client(mountpoint)`` is the Python API (:mod:`epochfs.client`); ``epochfs.torch.EpochfsSampler``
 hands each epoch's order to the daemon from a PyTorch sampler (:mod:`epochfs.torch`).

@@ -109,6 +109,8 @@ def usd(value: float | None) -> str:
     """Dollars as an operator reads them: cents where they matter, four places below a cent."""
     if value is None:
         return "-"
+    if 0 < value < 0.0001:
+        return "<$0.0001"
     if value != 0 and abs(value) < 0.01:
         return f"${value:.4f}"
     return f"${value:,.2f}"
@@ -123,6 +125,11 @@ def describe(c: Cost, what: str) -> str:
     gpu = f"{c.gpu_hours_lost:,.2f} GPU hours waiting for data"
     gpu += f" ({usd(c.gpu_usd)})" if c.gpu_usd is not None else " (--gpu-hour prices them)"
     return f"{what}: {backend}; {gpu}; total {usd(c.total_usd)}"
+
+
+def describe_dict(d: Mapping[str, Any], prices: Prices, what: str) -> str:
+    """:func:`describe` of a cost as :meth:`Cost.as_dict` wrote it."""
+    return describe(Cost(Usage(d["get_requests"], d["list_requests"], d["bytes"]), d["gpu_hours_lost"], prices), what)
 
 
 def _price(value: Any, name: str) -> float:
@@ -197,3 +204,20 @@ def add_price_options(parser: Any) -> None:
 def prices_of(args: Any) -> Prices:
     return prices_from(cost_table(args.config), price_get=args.price_get, price_list=args.price_list,
                        price_gb=args.price_gb, gpu_hour=args.gpu_hour)
+
+
+def predicted(miss_blocks: int, miss_bytes: int, prices: Prices, *, epoch_hours: float | None = None,
+              gpus: int = 1, bandwidth: float | None = None) -> dict[str, Any]:
+    """What a simulated epoch (``epochfs plan``) costs: a GET per block fetched, its bytes; with the
+    epoch's compute time (``epoch_hours``, the job's time without waiting) and the backend's bandwidth,
+    the data wait a prefetched epoch cannot avoid (fetching what misses takes longer than computing:
+    a lower bound) in GPU hours of ``gpus``, and the epochs of a day."""
+    wait = None
+    if epoch_hours is not None and bandwidth:
+        wait = max(0.0, miss_bytes / bandwidth / 3600 - epoch_hours)
+    epoch = Cost(Usage(miss_blocks, 0, miss_bytes), None if wait is None else wait * gpus, prices)
+    out: dict[str, Any] = {"epoch": epoch.as_dict(), "wait_hours": wait}
+    if epoch_hours:
+        per_day = 24.0 / (epoch_hours + (wait or 0.0))
+        out.update(epochs_per_day=per_day, day=epoch.scaled(per_day).as_dict())
+    return out

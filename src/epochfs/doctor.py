@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from epochfs.cost import DAY, Cost, Prices, Usage, describe, usage_of
+from epochfs.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
 from epochfs.stats import HistogramSnapshot
 
 STORAGE_BOUND = 0.5  # of step time spent waiting for data
@@ -436,10 +436,7 @@ def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
         lines.append(f"  cost of {label} ({c['measured_on']}):")
         rows = [("per epoch", "epoch")] if name == "first" and isinstance(cost.get("later"), dict) else \
             [("per epoch", "epoch"), (f"per day ({c['epochs_per_day']:.1f} epochs like it)", "day")]
-        for what, key in rows:
-            d = c[key]
-            lines.append("    " + describe(Cost(Usage(d["get_requests"], d["list_requests"], d["bytes"]),
-                                                d["gpu_hours_lost"], prices), what))
+        lines += ["    " + describe_dict(c[key], prices, what) for what, key in rows]
     if view is not None and not any(isinstance(cost.get(k), dict) for k in ("first", "later")):
         lines.append("  cost: not yet known (it needs the job's epochs: epochfs.watch.watch names them)")
     if earlier is not None:

@@ -38,7 +38,12 @@ class KeyRefused(BackendError):
 
 
 class AccessDenied(BackendError):
-    """The backend refused the credentials for this object."""
+    """The backend refused the credentials for this object. ``policy``: the credentials are valid and a
+    policy refuses this request (another request may be allowed); otherwise they are not valid at all."""
+
+    def __init__(self, message: str, *, policy: bool = False) -> None:
+        super().__init__(message)
+        self.policy = policy
 
 
 class NotFound(EpochfsError):

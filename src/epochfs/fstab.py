@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         if arg.startswith("-o") and len(arg) > 2:
             options.append(arg[2:])
         elif arg in ("-s", "-f", "-n", "-v", "-r", "-w") or arg.startswith("-t"):
-            pass  # sloppy, fake, no-mtab, verbose, ro/rw: nothing to do for a read-only FUSE mount
+            pass  # sloppy, fake, no-mtab, verbose, ro/rw: the options say whether it writes (writeback=...)
         else:
             positional.append(arg)
         i += 1

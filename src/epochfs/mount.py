@@ -37,7 +37,7 @@ from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR
 from epochfs.control.handlers import ControlHandlers, MountInfo
 from epochfs.control.server import ControlServer, socket_path
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
 from epochfs.fs import KernelPages, Operations, Presentation
 from epochfs.jobs import Jobs
 from epochfs.meta import open_meta
@@ -163,6 +163,7 @@ class Daemon:
             config.source, endpoint_url=config.endpoint_url, region=config.region, timeout=config.backend_timeout,
             attempts=config.backend_attempts, concurrency=config.backend_concurrency, profile=config.profile))
         opened.callback(self.backend.close)
+        unreachable = self._check_access(config)
         self.store = BlockStore(config.cache_dir, config.cache_size, config.free_space_ratio,
                                 make_policy(config.eviction))
         self.store.open()
@@ -231,6 +232,26 @@ class Daemon:
         if config.push_ahead:
             self.cache.wire(pusher=Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
         self.warnings = startup_warnings(config, self.snapshots.snapshot.objects)
+        if unreachable is not None:
+            self.warnings.append(f"{config.source.url} does not answer ({unreachable}): serving the stored snapshot "
+                                 f"version {self.snapshots.snapshot.version}; what is not cached fails to read (EIO) "
+                                 "until it answers")
+
+    def _check_access(self, config: Config) -> str | None:
+        """Fail now if the source refuses this mount (wrong secret, unknown key, no access to the bucket,
+        no bucket, not an S3 endpoint), even with a snapshot stored; say why if it does not answer (a
+        stored snapshot is then served). A cache node and a write-back mount ask too."""
+        try:
+            self.backend.check_access()
+        except BackendUnavailable as exc:
+            return str(exc)
+        except AccessDenied as exc:
+            if exc.policy and config.meta:  # (nodes that read a published snapshot may be allowed reads only)
+                log.warning("%s: listing is refused (%s); reads will say whether the credentials may read",
+                            config.source.url, exc)
+                return None
+            raise ConfigError(f"{config.source.url}: the backend refuses this mount: {exc}") from None
+        return None
 
     def _open_peer(self) -> None:
         """The cluster cache tier's block source and its membership in the shared store (the cache is

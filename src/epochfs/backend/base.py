@@ -167,6 +167,12 @@ class Backend(abc.ABC):
         returns None: it serves plain datasets only."""
         return None
 
+    def check_access(self) -> None:  # noqa: B027 - optional: a source that cannot refuse has nothing to check
+        """Ask the source once whether it serves this mount (the credentials, the bucket, the endpoint),
+        before a stored snapshot is served: :class:`~epochfs.errors.AccessDenied` or
+        :class:`~epochfs.errors.ConfigError` say what is wrong for good, :class:`BackendUnavailable`
+        that it does not answer now."""
+
     @abc.abstractmethod
     def statistics(self) -> BackendStats:
         """Cumulative request and byte counters."""

@@ -175,7 +175,8 @@ class S3Backend(S3Writes, Backend):
 
     def _denied(self, what: str, code: str) -> AccessDenied:
         """A refusal that says what it means and which credentials were refused, where to check."""
-        return AccessDenied(f"{what}: {code}: {_DENIED_MEANING.get(code, 'refused')}; {self._whose()}")
+        return AccessDenied(f"{what}: {code}: {_DENIED_MEANING.get(code, 'refused')}; {self._whose()}",
+                            policy=code not in ("InvalidAccessKeyId", "SignatureDoesNotMatch"))
 
     def _whose(self) -> str:
         try:
@@ -277,10 +278,28 @@ class S3Backend(S3Writes, Backend):
             raise BackendUnavailable(f"listing s3://{self.bucket}/{where}: malformed answer "
                                      f"({type(exc).__name__}: {str(exc)[:200]})") from None
 
+    def check_access(self) -> None:
+        """One LIST of at most one key under the prefix."""
+        try:
+            self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+            self._stats.record("list", "ok")
+        except botocore.exceptions.NoCredentialsError:
+            raise ConfigError(_NO_CREDENTIALS) from None
+        except botocore.exceptions.ClientError as exc:
+            self._stats.record("list", "error")
+            raise self._listing_error(exc, self.prefix) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            self._stats.record("list", "error")
+            raise BackendUnavailable(f"{self._settings.endpoint_url or self._base_url}: {exc}") from None
+
     def _listing_error(self, exc: botocore.exceptions.ClientError, where: str) -> Exception:
         code = exc.response.get("Error", {}).get("Code", "")
         if code == "NoSuchBucket":
-            return ConfigError(f"bucket {self.bucket!r} does not exist")
+            return ConfigError(f"bucket {self.bucket!r} does not exist at {self._settings.endpoint_url or self._base_url}")
+        if code in ("404", "NotFound", "405", "MethodNotAllowed", "400"):  # an answer with no S3 error in it
+            return ConfigError(f"the endpoint {self._settings.endpoint_url or self._base_url} answered {code} to a "
+                               f"listing of s3://{self.bucket}/{where}: is it an S3 endpoint (--endpoint-url, with "
+                               "the S3 API's port)?")
         if code in _DENIED_CODES:
             return self._denied(f"listing s3://{self.bucket}/{where}", code)
         return BackendUnavailable(f"listing s3://{self.bucket}/{where}: {code}")

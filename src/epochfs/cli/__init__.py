@@ -22,8 +22,9 @@ from epochfs.version import __version__
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="epochfs",
-        description="Read-only FUSE mount of an S3 prefix or a slow shared directory, "
-        "served through a persistent, checksummed local block cache.",
+        description="FUSE mount of an S3 prefix or a slow shared directory for training data: read "
+        "through a persistent, checksummed local block cache, prefetched in the epoch's order, shared with "
+        "the cluster's cache nodes; read-only by default, or written back (--writeback) for checkpoints.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -11,7 +11,8 @@ import time
 
 from epochfs.cli.common import human
 from epochfs.client import merge_rank
-from epochfs.config import parse_size
+from epochfs.config import parse_rate, parse_size
+from epochfs.cost import add_price_options
 from epochfs.errors import ConfigError
 from epochfs.prefetch.manifest import Entry, mount_relative
 
@@ -19,6 +20,13 @@ from epochfs.prefetch.manifest import Entry, mount_relative
 def size_arg(text: str) -> int:
     try:
         return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def rate_arg(text: str) -> float:
+    try:
+        return parse_rate(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -56,8 +64,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=cmd_prefetch)
 
     w = sub.add_parser("warmup", parents=[order], help="fill the cache now, with a progress bar",
-                       description="Fetch files (or everything a manifest names) into the cache now, without "
-                       "evicting anything; stops caching when the cache is full.")
+                       description="Fetch files (or everything a manifest names) into the cache now. A full "
+                       "cache makes room as its eviction policy says (blocks the handed-over order does not "
+                       "read first, or the least recently used); a warmup never fills more than the cache holds, "
+                       "so it never evicts what it warmed: the rest is reported as not cached.")
     w.add_argument("mountpoint", metavar="MOUNTPOINT")
     w.add_argument("paths", nargs="*", metavar="PATH",
                    help="files or directories under the mount (relative to the current directory); none and no "
@@ -80,6 +90,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sizes.add_argument("--mount", metavar="MOUNTPOINT", help="take file sizes from this mount")
     sizes.add_argument("--root", metavar="DIR", help="take file sizes from this directory")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    cost = pl.add_argument_group("the cost of an epoch")
+    cost.add_argument("--epoch-hours", type=float, metavar="H",
+                      help="what one epoch takes the job with no data wait (its compute): gives the epochs of a "
+                      "day and, with --backend-bandwidth, the wait fetching cannot hide")
+    cost.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs that wait when the job waits "
+                      "(default: 1)")
+    cost.add_argument("--backend-bandwidth", type=rate_arg, metavar="RATE",
+                      help="what the backend gives this node (10Gbit, 400MB)")
+    add_price_options(pl)
     pl.set_defaults(run=cmd_plan)
 
     mf = sub.add_parser("manifest", parents=[order], help="write an epoch manifest",
@@ -184,8 +203,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     print(f"epochfs: warmed {human(job['done_bytes'])} of {human(job['total_bytes'])} "
           f"in {job['elapsed']:.1f}s")
     if job["skipped_bytes"]:
-        print(f"epochfs: the cache is full: {human(job['skipped_bytes'])} not cached (grow --cache-size, or "
-              "warm less)", file=sys.stderr)
+        print(f"epochfs: the cache is full: {human(job['skipped_bytes'])} not cached (the cache holds less than "
+              "this warmup, or the rest is what the handed-over order reads: grow --cache-size, or warm less)",
+              file=sys.stderr)
     for err in job["errors"]:
         print(f"epochfs: {err}", file=sys.stderr)
     return 1 if job["errors"] or job["skipped_bytes"] else 0
@@ -230,14 +250,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         before = _sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest)
         previous = block_sequence(before, args.block_size, _stored(args, before))
     from epochfs.cache.policies import names
+    from epochfs.cost import describe_dict, predicted, prices_of
 
+    if args.epoch_hours is not None and not 0 < args.epoch_hours <= 10_000:
+        raise ConfigError("--epoch-hours must be a number of hours above 0")
+    if args.gpus < 1:
+        raise ConfigError("--gpus must be at least 1")
+    prices = prices_of(args)
     results = [simulate(current, args.cache_size, name, warmup=previous) for name in names()]
+    costs = {r.policy: predicted(r.reads - r.hits, r.miss_bytes, prices, epoch_hours=args.epoch_hours,
+                                 gpus=args.gpus, bandwidth=args.backend_bandwidth) for r in results}
     total = sum(size for _, size in current)
     if args.json:
         print(json.dumps({"epoch_bytes": total, "cache_size": args.cache_size, "block_size": args.block_size,
-                          "note": PLAN_NOTE,
+                          "note": PLAN_NOTE, "prices": prices.as_dict(),
                           "policies": {r.policy: {"hit_ratio": r.hit_ratio, "backend_bytes": r.miss_bytes,
-                                                  "hits": r.hits, "reads": r.reads} for r in results}}, indent=2))
+                                                  "hits": r.hits, "reads": r.reads, "cost": costs[r.policy]}
+                                       for r in results}}, indent=2))
         return 0
     print(f"epoch: {len(current)} blocks, {human(total)}; cache {human(args.cache_size)}"
           + (" (warm from the previous epoch)" if previous else " (cold)"))
@@ -245,6 +274,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.policy:<10} {human(r.miss_bytes):>26} {r.hit_ratio:>30.1%}")
     print(PLAN_NOTE)
+    print("\nWhat it costs" + ("" if args.backend_bandwidth and args.epoch_hours else
+                              " (--epoch-hours and --backend-bandwidth add the wait fetching cannot hide)") + ":")
+    for r in results:
+        c = costs[r.policy]
+        print(f"{r.policy:<10} " + describe_dict(c["epoch"], prices, "per epoch"))
+        if "day" in c:
+            print(f"{'':<10} " + describe_dict(c["day"], prices, f"per day ({c['epochs_per_day']:.1f} epochs)"))
     return 0
 
 

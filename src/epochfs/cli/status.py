@@ -167,6 +167,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     console = Console()
     prev, when = request(args.mountpoint, "status"), time.monotonic()
     frames = 0
+    if not console.is_terminal:  # a pipe or a file: one table per refresh, each written out at once
+        try:
+            while args.count is None or frames < args.count:
+                time.sleep(args.interval)
+                cur, now = request(args.mountpoint, "status"), time.monotonic()
+                console.print(stats_table(prev, cur, now - when))
+                console.file.flush()
+                prev, when = cur, now
+                frames += 1
+        except (KeyboardInterrupt, BrokenPipeError):
+            pass
+        return 0
     with Live(console=console, auto_refresh=False, transient=False) as live:
         try:
             while args.count is None or frames < args.count:
@@ -202,12 +214,33 @@ def format_status(s: dict[str, Any]) -> str:
         f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
         f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
         f"{c['inflight']} in flight",
-        f"evictions  {st['evictions']} ({s['eviction']}); corrupt blocks {st['corrupt_blocks']}; "
+        f"evictions  {st['evictions']} ({eviction_policy(s)}); corrupt blocks {st['corrupt_blocks']}; "
         f"fill errors {st['fill_errors']}",
+        f"errors     {reader_errors(s)}",
         format_prefetch(s["prefetch"]),
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
         *(format_peer(s["peer"]) if s.get("peer") else []),
     ])
+
+
+def eviction_policy(s: dict[str, Any]) -> str:
+    """The policy evictions followed: the manifest's only once an order was handed over."""
+    if s["eviction"] == "manifest" and not s["prefetch"]["blocks"]:
+        return "least recently used: no order handed over yet (--eviction manifest)"
+    return {"manifest": "the handed-over order", "lru": "least recently used"}.get(s["eviction"], s["eviction"])
+
+
+def reader_errors(s: dict[str, Any]) -> str:
+    """Reads answered with an error, by errno, and the backend requests that failed (what a mount
+    whose credentials are refused shows first)."""
+    errors = {k: n for k, n in (s.get("errors") or {}).items() if n}
+    failed = {k: n for k, n in (s.get("backend") or {}).get("requests", {}).items()
+              if n and k.split("/", 1)[-1] in ("error", "denied", "changed")}
+    parts = [f"reads answered {', '.join(f'{k} {n}' for k, n in sorted(errors.items(), key=lambda kv: -kv[1]))}"
+             if errors else "no read answered with an error"]
+    if failed:
+        parts.append("backend requests failed: " + ", ".join(f"{k} {n}" for k, n in sorted(failed.items())))
+    return "; ".join(parts)
 
 
 def format_peer(p: dict[str, Any]) -> list[str]:

@@ -26,9 +26,24 @@ PID_XATTR = "user.epochfs.pid"
 _MAX_REPLY = 256 << 20
 
 
+def _mount_root(path: str) -> str:
+    """The mount point of the file system ``path`` is on (``path`` itself for a mount root)."""
+    here = os.path.abspath(path)
+    while not os.path.ismount(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    return here
+
+
 def _socket_of(mountpoint: str | os.PathLike[str]) -> str:
-    """The control socket of the mount at ``mountpoint``, or of the cache node (``epochfs serve``) whose
-    cache directory it is."""
+    """The control socket of the mount at ``mountpoint`` (or of the mount a path inside it is on), or of
+    the cache node (``epochfs serve``) whose cache directory it is."""
+    if os.path.isdir(mountpoint) and not os.path.ismount(mountpoint):
+        root = _mount_root(os.fspath(mountpoint))
+        try:
+            os.getxattr(root, CONTROL_XATTR)
+            mountpoint = root  # (a directory inside a mount: its mount's daemon)
+        except OSError:
+            pass
     try:
         path = os.getxattr(mountpoint, CONTROL_XATTR).decode("utf-8", "replace")
     except OSError as exc:

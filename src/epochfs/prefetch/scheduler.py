@@ -350,7 +350,10 @@ class Prefetcher:
     # -- warmup ----------------------------------------------------------------------------------------
 
     def warmup(self, objs: Sequence[ObjectInfo]) -> WarmupJob:
-        """Fetch every block of ``objs`` now, without evicting anything; progress in the returned job."""
+        """Fetch every block of ``objs`` now; progress in the returned job. A block is cached if the store
+        admits it (evicting only what the policy gives up for it: under the manifest policy, blocks the
+        handed-over order does not read; under LRU, the least recently used), and the job never fills
+        more than the cache holds (it would evict what it warmed): the rest is skipped."""
         job = WarmupJob(next(self._job_ids), sum(o.size for o in objs), len(objs))
         self._jobs[job.id] = job
         assert self._nursery is not None
@@ -370,6 +373,7 @@ class Prefetcher:
     async def _run_warmup(self, job: WarmupJob, objs: list[ObjectInfo]) -> None:
         slots = trio.Semaphore(self.max_inflight)
         bs = self.cache.block_size
+        filled = 0  # bytes this job has had cached
         async def one(obj: ObjectInfo, fetch: Fetch, size: int) -> None:
             try:
                 error = await fetch.wait()
@@ -394,10 +398,12 @@ class Prefetcher:
                         job.done_bytes += size
                         continue
                     await slots.acquire()
-                    if not self.cache.has_room(length):  # (a started fetch has reserved its room)
+                    # (a started fetch has reserved its room)
+                    if filled + length > self.capacity or not self.cache.would_admit(bid, length):
                         slots.release()
                         job.skipped_bytes += size
                         continue
+                    filled += length
                     await self._throttle(length)  # --prefetch-bandwidth caps warmup too
                     fetch = self.cache.fetch(stored, index, bid)
                     if fetch is None:  # cached meanwhile
