@@ -157,6 +157,38 @@ def test_missing_credentials_are_a_clear_error(s3, fresh_bucket, s3_env, monkeyp
 def test_missing_bucket_is_a_clear_error(s3, s3_env):
     with pytest.raises(ConfigError, match="does not exist"):
         list(s3_backend(s3, "no-such-bucket-here").list_objects())
+    with pytest.raises(ConfigError, match="does not exist"):
+        s3_backend(s3, "no-such-bucket-here").check_access()
+
+
+def test_an_endpoint_that_is_not_s3_is_named_as_such(s3_env):
+    """A web server that answers 404 to everything (a wrong port, a proxy's page): the error says what
+    the user did, not "listing ...: 404"."""
+    import http.server
+    import threading
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server interface
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html>not here</html>")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        backend = open_backend(BackendSettings(Source.parse("s3://walk/train"), endpoint_url=endpoint, attempts=1))
+        with pytest.raises(ConfigError, match="is it an S3 endpoint") as err:
+            backend.check_access()
+        assert endpoint in str(err.value)
+        with pytest.raises(ConfigError, match="is it an S3 endpoint"):
+            list(backend.list_objects())
+    finally:
+        server.shutdown()
 
 
 def test_directory_backend(tmp_path):

@@ -296,6 +296,9 @@ class S3Backend(S3Writes, Backend):
         code = exc.response.get("Error", {}).get("Code", "")
         if code == "NoSuchBucket":
             return ConfigError(f"bucket {self.bucket!r} does not exist at {self._settings.endpoint_url or self._base_url}")
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if not code and status:
+            code = str(status)
         if code in ("404", "NotFound", "405", "MethodNotAllowed", "400"):  # an answer with no S3 error in it
             return ConfigError(f"the endpoint {self._settings.endpoint_url or self._base_url} answered {code} to a "
                                f"listing of s3://{self.bucket}/{where}: is it an S3 endpoint (--endpoint-url, with "

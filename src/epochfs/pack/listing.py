@@ -10,7 +10,7 @@ import logging
 from collections.abc import Iterator
 
 from epochfs.backend.base import Backend, servable
-from epochfs.errors import ConfigError
+from epochfs.errors import BackendError, ConfigError
 from epochfs.pack.layout import (
     MAX_INDEX_BYTES,
     MAX_POINTER_BYTES,
@@ -48,7 +48,11 @@ def current_index(backend: Backend) -> Index | None:
 def dataset_listing(backend: Backend, *, writable: bool = False) -> Iterator[ObjectInfo]:
     """The objects a mount of ``backend``'s root serves. A packed root is read-only: ``writable`` (a
     write-back mount) on one is a :class:`ConfigError`."""
-    index = current_index(backend)
+    try:
+        index = current_index(backend)
+    except BackendError as exc:  # (the error names what the user asked for, not the probe)
+        exc.args = (f"reading {backend.source_id}: looking for a pack's pointer ({POINTER}): {exc}",)
+        raise
     if index is None:
         for obj in backend.list_objects():
             if obj.etag.startswith(MEMBER_TAG):  # only a pack's index locates bytes in other objects
