@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -313,6 +314,11 @@ def test_prices_come_from_flags_over_the_config_file_over_the_defaults(tmp_path)
         cfg.write_text(bad)
         with pytest.raises(ConfigError):
             prices_from(cost_table(str(cfg)))
+    # The example config's table, uncommented, is what it says.
+    example = (Path(__file__).resolve().parents[1] / "deploy" / "epochfs.example.toml").read_text()
+    table = example[example.index("# [cost]"):]
+    cfg.write_text("\n".join(line.removeprefix("# ") for line in table.splitlines()) + "\n")
+    assert prices_from(cost_table(str(cfg))) == Prices(0.0004, 0.005, 0.0, 2.5)
     # The mount reads the same file and leaves the [cost] table to the doctor.
     cfg.write_text('source = "s3://b/p"\n[cost]\ngpu_hour = 2.5\n')
     assert read_config_file(cfg) == {"source": "s3://b/p"}
