@@ -5,10 +5,12 @@ and ``epochfs doctor`` on the mounts before and after the change.
 2. epochfs, the job pointed at the mount as is (cold cache, no manifest): ``doctor --save``;
 3. epochfs with the sampler hook (the epoch's order handed over at its start): ``doctor --compare``.
 
-One simulated accelerator reads a fresh seeded shuffle of 100 KiB files in batches through a pool of
-readers (two batches ahead) and computes (sleeps) a fixed time per batch, behind the latency proxy.
+One simulated accelerator reads a fresh seeded shuffle of 100 KiB files per epoch, in batches through
+a pool of readers (two batches ahead), and computes (sleeps) a fixed time per batch, behind the latency
+proxy; ``--epochs`` passes (default 2: the cold read and one from the cache). The doctor prices GPU time
+at ``--gpu-hour``.
 
-    sudo .venv/bin/python benchmarks/jobview.py [--files 1000] [--latency-ms 20] [--compute-ms 40]
+    sudo .venv/bin/python benchmarks/jobview.py [--files 1000] [--latency-ms 20] [--compute-ms 40] [--epochs 2]
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ def train(loader: Iterator[int], compute: float, reporting: Path, job: str, repo
 
 
 def doctor(mount: Path, job: str, *extra: str) -> tuple[dict, str]:
-    cmd = [str(VENV_BIN / "epochfs"), "doctor", str(mount), "--job", job, "--interval", "1"]
-    result = json.loads(subprocess.run([*cmd, "--json", *extra], capture_output=True, text=True, check=True).stdout)
-    text = subprocess.run([*cmd, *extra], capture_output=True, text=True, check=True).stdout
+    cmd = [str(VENV_BIN / "epochfs"), "doctor", str(mount), "--job", job, "--interval", "1", *extra]
+    result = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout)
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return result, text
 
 
@@ -73,6 +75,8 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=1000)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--compute-ms", type=float, default=40.0, help="compute per batch of 8")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--gpu-hour", type=float, default=2.5, help="what the doctor prices a GPU hour at")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "jobview")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
@@ -93,11 +97,12 @@ def main() -> int:
             return len(client.get_object(Bucket="bench", Key="ds/" + key)["Body"].read())
 
         meter = Meter()  # raw S3 has no daemon to report to: the job's own measurements
-        raw = train(batches(get, order, batch, workers), compute, args.work, "raw-s3",
-                    Reporter(args.work, "raw-s3", 0, meter, interval=3600, send=lambda fields: None))
-        raw["data_wait_fraction"] = meter.data_wait / (meter.data_wait + meter.compute)
+        reporter = Reporter(args.work, "raw-s3", 0, meter, interval=3600, send=lambda fields: None)
+        epochs = [train(batches(get, shuffled(keys, 42, e), batch, workers), compute, args.work, "raw-s3", reporter)
+                  for e in range(args.epochs)]
+        raw = {"epochs": epochs, "data_wait_fraction": meter.data_wait / (meter.data_wait + meter.compute)}
         out["raw S3"] = raw
-        log(f"raw S3: AU {raw['au']:.0%}, waited for data {raw['data_wait_fraction']:.0%} of step time")
+        log(f"raw S3: AU {[round(e['au'], 2) for e in epochs]}, waited for data {raw['data_wait_fraction']:.0%}")
 
         saved = args.work / "before.json"
         for manifest in (False, True):
@@ -106,16 +111,20 @@ def main() -> int:
             c.mount()
             drop_page_cache()
             job = "resnet"
-            if manifest:
-                c.hand_over(order, 0, replace=True)  # what EpochfsSampler does at the epoch's start
-            run = train(batches(lambda k, root=c.root: len((root / k).read_bytes()), order, batch, workers),
-                        compute, c.root, job)
+            epochs = []
+            for e in range(args.epochs):
+                order = shuffled(keys, 42, e)
+                if manifest:
+                    c.hand_over(order, e, replace=True)  # what EpochfsSampler does at the epoch's start
+                epochs.append(train(batches(lambda k, root=c.root: len((root / k).read_bytes()), order, batch,
+                                            workers), compute, c.root, job))
             time.sleep(1.5)  # the last report lands
-            result, text = doctor(c.root, job, *(["--compare", str(saved)] if manifest else ["--save", str(saved)]))
-            run.update(verdict=result["verdict"], data_wait_fraction=result["data_wait_fraction"],
-                       findings=[f["cause"] for f in result["findings"]], doctor=text)
+            result, text = doctor(c.root, job, "--gpu-hour", str(args.gpu_hour),
+                                  *(["--compare", str(saved)] if manifest else ["--save", str(saved)]))
+            run = {"epochs": epochs, "verdict": result["verdict"], "data_wait_fraction": result["data_wait_fraction"],
+                   "findings": [f["cause"] for f in result["findings"]], "doctor": text, "cost": result["cost"]}
             out["epochfs + sampler hook" if manifest else "epochfs"] = run
-            log(f"{c.name}: AU {run['au']:.0%}, doctor: {result['verdict']} {run['findings']}")
+            log(f"{c.name}: AU {[round(e['au'], 2) for e in epochs]}, doctor: {result['verdict']} {run['findings']}")
             c.unmount()
     finally:
         proxy.stop()
@@ -123,12 +132,16 @@ def main() -> int:
 
     lines = [f"# The job's view, {datetime.date.today().isoformat()}: {args.files} x 100 KiB, batches of {batch}, "
              f"{args.compute_ms:g} ms compute per batch, {workers} readers, {args.latency_ms:g} ms added latency, "
-             "cold cache, first epoch", "",
-             "| run | AU | data wait share (watch) | doctor's verdict | findings |", "|---|---|---|---|---|"]
+             f"cold cache, {args.epochs} epochs", "",
+             "| run | AU, first epoch | AU, later epochs | data wait share (doctor's) | doctor's verdict | findings |",
+             "|---|---|---|---|---|---|"]
     for name in ("raw S3", "epochfs", "epochfs + sampler hook"):
         r = out[name]
-        lines.append(f"| {name} | {r['au']:.0%} | {r['data_wait_fraction']:.0%} | {r.get('verdict', '(no daemon)')} | "
-                     f"{', '.join(r.get('findings', [])) or '-'} |")
+        later = [e["au"] for e in r["epochs"][1:]]
+        lines.append(f"| {name} | {r['epochs'][0]['au']:.0%} | {sum(later) / len(later):.0%} | "
+                     if later else f"| {name} | {r['epochs'][0]['au']:.0%} | - | ")
+        lines[-1] += (f"{r['data_wait_fraction']:.0%} | {r.get('verdict', '(no daemon)')} | "
+                      f"{', '.join(r.get('findings', [])) or '-'} |")
     lines += ["", "`epochfs doctor` on the plain mount (saved with `--save`):", "", "```",
               out["epochfs"]["doctor"].rstrip(), "```", "",
               "`epochfs doctor --compare` on the mount with the sampler hook:", "", "```",

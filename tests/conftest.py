@@ -98,5 +98,26 @@ def _no_stale_mounts(tmp_path: Path):
                 subprocess.run(["fusermount3", "-uz", target], capture_output=True)
 
 
+#: Fixtures that start a server or mount: a test that uses one (or is marked ``mounts``) is left out of
+#: the quick tier, unless it is marked ``quick`` (the tier's real mount).
+HEAVY_FIXTURES = {"s3", "private_s3", "mount_factory", "redis_server", "redis_url", "cluster", "tier"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--quick", action="store_true",
+                     help="the quick tier: every module's unit tests and one real mount (scripts/test.sh --quick)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    keep, drop = [], []
+    for item in items:
+        heavy = bool(HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))) or item.get_closest_marker("mounts")
+        (drop if heavy and not item.get_closest_marker("quick") else keep).append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     logging.getLogger("botocore").setLevel(logging.WARNING)

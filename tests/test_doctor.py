@@ -300,6 +300,7 @@ def test_compare_shows_what_a_change_saves_per_day():
     # 2 ranks x 540 s vs 90 s a 1,800 s epoch, 48 a day: 14.4 vs 2.4 GPU hours
     assert rows["GPU hours waiting per day"] == ("14.40", "2.40")
     assert rows["GPU time waiting per day, $"] == ("$43.20", "$7.20")
+    assert rows["first epoch: data wait share"] == ("50%", "50%")  # (the same cold read in both)
     saved = float(rows["saved per day, $"][1].lstrip("$").replace(",", ""))
     assert saved == pytest.approx(36.0, abs=0.01)
 

@@ -122,7 +122,8 @@ def describe(c: Cost, what: str) -> str:
                f"{c.usage.bytes / GB:,.1f} GB from the backend ({usd(c.transfer_usd)})")
     if c.gpu_hours_lost is None:
         return f"{what}: {backend}"
-    gpu = f"{c.gpu_hours_lost:,.2f} GPU hours waiting for data"
+    hours = f"{c.gpu_hours_lost:,.2f}" if c.gpu_hours_lost >= 0.01 or not c.gpu_hours_lost else f"{c.gpu_hours_lost:.4f}"
+    gpu = f"{hours} GPU hours waiting for data"
     gpu += f" ({usd(c.gpu_usd)})" if c.gpu_usd is not None else " (--gpu-hour prices them)"
     return f"{what}: {backend}; {gpu}; total {usd(c.total_usd)}"
 

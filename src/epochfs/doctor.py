@@ -21,6 +21,7 @@ The rules are the operators' ones:
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Any
 
 from epochfs.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
@@ -193,7 +194,7 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     """What the mount's state shows that makes the job wait for data, each with its fix, the ones in
     place left out; most helpful first (:data:`ORDER`)."""
     out: dict[str, dict[str, str]] = {}
-    mnt, src = m["mountpoint"], m["source"]
+    mnt, src = shlex.quote(str(m["mountpoint"])), shlex.quote(str(m["source"]))  # (pasted into a shell)
     phases = (view or {}).get("phases") or {}
     first = phases.get("first")
     judged = (view or {}).get("judged_on", "window")
@@ -243,7 +244,8 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     avg = m["average_object_bytes"]
     if avg is not None and avg < SMALL_FILES and not m["shards"]:
         found("small-files", f"objects average {avg / 1024:.0f} KiB: each costs a request and an open",
-              f"pack them: `epochfs pack {src} {src.rstrip('/')}-packed` and mount the packed prefix (members read "
+              f"pack them: `epochfs pack {src} {shlex.quote(str(m['source']).rstrip('/') + '-packed')}` and mount the "
+              "packed prefix (members read "
               "as the same files, a shard per request)")
     limit = m["backend_bandwidth_limit"]
     if limit and m["backend_bytes_per_second"] > BACKEND_BUSY * limit:
@@ -355,6 +357,10 @@ COMPARED = [("data wait share", ("data_wait_fraction",), "{:.0%}"), ("step time,
             ("GPU utilisation, %", ("job", "gpu_utilization"), "{:.0f}"), ("hit ratio", ("mount", "hit_ratio"), "{:.1%}"),
             ("backend bytes/s while doctor ran", ("mount", "backend_bytes_per_second"), "{:.0f}"),
             ("checkpoint save, s", ("job", "checkpoint_save_seconds"), "{:.2f}"),
+            ("first epoch: data wait share", ("job", "phases", "first", "data_wait_fraction"), "{:.0%}"),
+            ("first epoch: GPU hours waiting", ("cost", "first", "epoch", "gpu_hours_lost"), "{:.3f}"),
+            ("first epoch: total, $", ("cost", "first", "epoch", "total_usd"), "${:.4f}"),
+            ("per day (the later epochs', else the first's):", (), ""),
             ("GPU hours waiting per day", ("cost", "*", "day", "gpu_hours_lost"), "{:.2f}"),
             ("backend requests per day, $", ("cost", "*", "day", "requests_usd"), "${:.2f}"),
             ("backend transfer per day, $", ("cost", "*", "day", "transfer_usd"), "${:.2f}"),
@@ -370,7 +376,8 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, st
         return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
     rows = [("verdict", str(before.get("verdict", "-")), str(after.get("verdict", "-")))]
-    rows += [(what, get(before, path, fmt), get(after, path, fmt)) for what, path, fmt in COMPARED]
+    rows += [(what, get(before, path, fmt), get(after, path, fmt)) if path else (what, "", "")
+             for what, path, fmt in COMPARED]
     b, a = _get(before, ("cost", "*", "day", "total_usd")), _get(after, ("cost", "*", "day", "total_usd"))
     if isinstance(b, (int, float)) and isinstance(a, (int, float)):
         rows.append(("saved per day, $", "", f"${b - a:,.2f}"))
