@@ -73,6 +73,7 @@ def test_block_gets_address_keys_that_need_escaping(s3, s3_client, fresh_bucket,
         assert backend.read_range(key, listed[key].etag, 65_535, 4_466) == pattern(key, 0, 65_535, 4_466), key
 
 
+@pytest.mark.mounts
 def test_block_gets_are_signed_correctly_for_an_endpoint_that_checks(tmp_path, monkeypatch):
     """Against an endpoint that verifies every signature: block GETs (signed by libcurl) of keys that
     need escaping are accepted; a wrong secret is EACCES at once, not retried."""

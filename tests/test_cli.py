@@ -190,6 +190,7 @@ def cmdline(proc: Path) -> bytes:
         return b""
 
 
+@pytest.mark.mounts
 def test_the_dev_server_has_help_and_stops_seaweedfs_with_it(tmp_path):
     import sys
 

@@ -48,6 +48,7 @@ def test_whole_dataset_reads_byte_for_byte(mount_factory, sample_bucket, sample_
         assert oct(st.st_mode & 0o777) == oct(0o444)
 
 
+@pytest.mark.quick  # the quick tier's real mount: S3 through the cache, odd sizes, every block boundary
 def test_odd_read_sizes_and_random_offsets(mount_factory, sample_bucket, sample_files):
     with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M") as m:
         rng = random.Random(1234)

@@ -197,9 +197,9 @@ def example_config() -> str:
     lines += ["", "# -- prices (US dollars): what `epochfs doctor --config` and `epochfs plan --config` read; the",
               "# mount itself ignores this table. Defaults: AWS S3 Standard list prices (us-east-1); GPU time has",
               "# none (the doctor then shows hours).",
-              "# [cost]", f"# price_get = {PRICE_GET:g}     # per 1,000 GET/HEAD requests",
-              f"# price_list = {PRICE_LIST:g}     # per 1,000 LIST requests",
-              f"# price_gb = {PRICE_GB:g}          # per GB read (2^30 bytes; internet egress: about 0.09)",
-              "# gpu_hour = 2.5        # one GPU for one hour"]
+              "# [cost]", f"#  price_get = {PRICE_GET:g}     # per 1,000 GET/HEAD requests",
+              f"#  price_list = {PRICE_LIST:g}     # per 1,000 LIST requests",
+              f"#  price_gb = {PRICE_GB:g}          # per GB read (2^30 bytes; internet egress: about 0.09)",
+              "#  gpu_hour = 2.5        # one GPU for one hour"]
     return "\n".join(lines) + "\n"
 
