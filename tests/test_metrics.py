@@ -269,6 +269,17 @@ def dashboard_metric_names() -> set[str]:
     return names
 
 
+def test_the_errors_panel_shows_failures_not_the_answers_that_are_expected():
+    """A pack pointer's HEAD answered "missing" on every plain dataset is how the probe works, not an
+    error; the help says what the program does."""
+    dash = json.loads((ROOT / "deploy" / "grafana" / "epochfs-dashboard.json").read_text())
+    (panel,) = [p for p in dash["panels"] if p.get("title") == "Errors"]
+    backend = [t["expr"] for t in panel["targets"] if "epochfs_backend_requests_total" in t["expr"]]
+    assert backend and all('outcome!~"ok|missing"' in e for e in backend)
+    out = subprocess.run([*EPOCHFS, "--help"], capture_output=True, text=True).stdout
+    assert "Read-only FUSE" not in out and "--writeback" in out
+
+
 @requires_fuse
 def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_bucket, sample_files, s3, tmp_path):
     redis_server = LocalRedis(tmp_path / "redis").start()  # every optional part on: write-back, cluster tier
