@@ -493,17 +493,9 @@ def run(config: Config, ready: Ready) -> int:
     if config.serving:
         return _serve(config, ready)
     mountpoint = str(config.mountpoint)
-    try:
-        check_mountpoint(mountpoint, config.allow_non_empty)
-        raise_descriptor_limit()
-        daemon = Daemon(config)
-    except EpochfsError as exc:
-        ready(str(exc), [])
-        return 2 if isinstance(exc, ConfigError) else 1
-    except Exception as exc:
-        log.exception("start-up failed")
-        ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
-        return 1
+    daemon = _start(config, ready, lambda: check_mountpoint(mountpoint, config.allow_non_empty))
+    if not isinstance(daemon, Daemon):
+        return daemon
     try:
         session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options())
         session.mount()
@@ -511,27 +503,35 @@ def run(config: Config, ready: Ready) -> int:
         daemon.close()
         ready(f"cannot mount {mountpoint}: {exc}", [])
         return 1
-    try:
-        trio.run(daemon.run, ready)
-    except BaseException as exc:
-        known = _epochfs_error(exc)
-        if known is None:
-            log.exception("daemon failed")
+
+    def closed() -> None:
         session.close(unmount=True)
         daemon.close()
-        ready(str(known) if known else f"daemon failed: {exc!r}; see the log", [])
-        return 2 if isinstance(known, ConfigError) else 1
-    session.close(unmount=True)
-    daemon.close()
-    log.info("unmounted %s", mountpoint)
-    return 0
+
+    code = _until_stopped(daemon, ready, "daemon", closed)
+    if code == 0:
+        log.info("unmounted %s", mountpoint)
+    return code
 
 
 def _serve(config: Config, ready: Ready) -> int:
     """A cache node: the daemon's services without a mount, until SIGINT or SIGTERM."""
+    daemon = _start(config, ready)
+    if not isinstance(daemon, Daemon):
+        return daemon
+    code = _until_stopped(daemon, ready, "cache node", daemon.close)
+    if code == 0:
+        log.info("cache node of %s stopped", config.source.url)
+    return code
+
+
+def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None) -> Daemon | int:
+    """The daemon's parts opened, or the exit code of why not (``ready`` told)."""
     try:
+        if check is not None:
+            check()
         raise_descriptor_limit()
-        daemon = Daemon(config)
+        return Daemon(config)
     except EpochfsError as exc:
         ready(str(exc), [])
         return 2 if isinstance(exc, ConfigError) else 1
@@ -539,15 +539,18 @@ def _serve(config: Config, ready: Ready) -> int:
         log.exception("start-up failed")
         ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
         return 1
+
+
+def _until_stopped(daemon: Daemon, ready: Ready, what: str, closed: Callable[[], None]) -> int:
+    """Run the daemon's services until they stop; ``closed`` closes what runs. The exit code."""
     try:
         trio.run(daemon.run, ready)
     except BaseException as exc:
         known = _epochfs_error(exc)
         if known is None:
-            log.exception("cache node failed")
-        daemon.close()
-        ready(str(known) if known else f"cache node failed: {exc!r}; see the log", [])
+            log.exception("%s failed", what)
+        closed()
+        ready(str(known) if known else f"{what} failed: {exc!r}; see the log", [])
         return 2 if isinstance(known, ConfigError) else 1
-    daemon.close()
-    log.info("cache node of %s stopped", config.source.url)
+    closed()
     return 0
