@@ -221,10 +221,15 @@ def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists
     tier.wait_servers(2)
     read_everything(c, 3)
     assert backend_bytes(c) == 0 and sum(backend_bytes(s) for s in servers) == warmed
-    st = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url, "--json",
-                         "--peer-token-file", str(tier.token_file)], capture_output=True, text=True, timeout=60)
-    assert st.returncode == 0, st.stderr
-    rows = {r["member"]: r for r in json.loads(st.stdout)["members"]}
+    deadline = time.monotonic() + 15  # (what a member holds is published at its heartbeat, every 2 s)
+    while True:
+        st = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url, "--json",
+                             "--peer-token-file", str(tier.token_file)], capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        rows = {r["member"]: r for r in json.loads(st.stdout)["members"]}
+        if all(r["held_bytes"] >= 0.95 * TOTAL for r in rows.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert set(rows) == {s.addr for s in servers}  # the client is listed nowhere
     for s in servers:
         row = rows[s.addr]

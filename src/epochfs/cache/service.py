@@ -363,6 +363,11 @@ class BlockCache:
         """Resident in the store."""
         return self.store.lookup(bid) is not None
 
+    def keeps(self, bid: bytes) -> bool:
+        """Whether this node stores the block when it fetches it (a cluster tier may keep it at its owner
+        only)."""
+        return self.source.keeps(bid)
+
     def would_admit(self, bid: bytes, nbytes: int) -> bool:
         """Whether the store would cache this block now (evicting what its policy gives up for it)."""
         return self.store.would_admit(bid, nbytes)

@@ -398,12 +398,13 @@ class Prefetcher:
                         job.done_bytes += size
                         continue
                     await slots.acquire()
-                    # (a started fetch has reserved its room)
-                    if filled + length > self.capacity or not self.cache.would_admit(bid, length):
-                        slots.release()
-                        job.skipped_bytes += size
-                        continue
-                    filled += length
+                    # (a started fetch has reserved its room; a block kept at its owner only costs none here)
+                    if self.cache.keeps(bid):
+                        if filled + length > self.capacity or not self.cache.would_admit(bid, length):
+                            slots.release()
+                            job.skipped_bytes += size
+                            continue
+                        filled += length
                     await self._throttle(length)  # --prefetch-bandwidth caps warmup too
                     fetch = self.cache.fetch(stored, index, bid)
                     if fetch is None:  # cached meanwhile
