@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 # redis-server: the shared metadata store tests; openssl: the certificates of the TLS store test
 packages=(fuse3 prometheus systemd util-linux redis-server openssl)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
+# kubectl: renders the Kubernetes overlays offline (kubectl kustomize); Debian's kubernetes-client has it
+command -v kubectl >/dev/null || packages+=(kubernetes-client)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -21,6 +21,7 @@ import resource
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 # Called once: (None, warnings) when mounted (things the user should know: an empty source, say), else
 # (the error message, []).
 Ready = Callable[[str | None, Sequence[str]], None]
+ACCESS_CHECK_SECONDS = 10.0  # how long a mount waits for the backend to say whether it serves it
 
 
 def sd_notify(message: str) -> bool:
@@ -241,8 +243,16 @@ class Daemon:
         """Fail now if the source refuses this mount (wrong secret, unknown key, no access to the bucket,
         no bucket, not an S3 endpoint), even with a snapshot stored; say why if it does not answer (a
         stored snapshot is then served). A cache node and a write-back mount ask too."""
+        answer: list[BaseException | None] = []
+        asked = threading.Thread(target=lambda: answer.append(_raised(self.backend.check_access)), daemon=True,
+                                 name="epochfs-check-access")
+        asked.start()
+        asked.join(ACCESS_CHECK_SECONDS)  # (an endpoint that does not answer is not waited for past this)
         try:
-            self.backend.check_access()
+            if not answer:
+                raise BackendUnavailable(f"no answer within {ACCESS_CHECK_SECONDS:g} s")
+            if answer[0] is not None:
+                raise answer[0]
         except BackendUnavailable as exc:
             return str(exc)
         except AccessDenied as exc:
@@ -459,6 +469,14 @@ class Daemon:
         """Close every part, the last opened first (the write-back before its journal, the snapshots
         before the store and the backend)."""
         self._opened.close()
+
+
+def _raised(fn: Callable[[], None]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
+        return exc
+    return None
 
 
 def _invalidate(session: kernel.Session, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:

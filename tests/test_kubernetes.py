@@ -1,0 +1,310 @@
+"""Where clusters run: the Kustomize overlays render offline and validate against the Kubernetes
+schemas, the configs they carry are valid epochfs configs, Fluid's ThinRuntime entry mounts what a
+Dataset declares, and the Slurm prolog/epilog mount a job's datasets and unmount after the last job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.cli import build_parser
+from epochfs.cli.options import config_from
+from epochfs.errors import ConfigError
+from epochfs.fluid import config_text
+from epochfs.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+
+yaml = pytest.importorskip("yaml")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+K8S_VERSION = "1.30"  # the schemas validated against (a version the Kubernetes project still patches)
+CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    assert path, "kubectl is missing: scripts/bootstrap.sh installs it (apt package kubernetes-client)"
+    return path
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def validate(doc: dict) -> None:
+    if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+        assert doc["metadata"]["name"] and doc["spec"]
+        return
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def parse(argv: list[str]):
+    return config_from(build_parser().parse_args(argv), serving=argv[0] == "serve")
+
+
+def configs(docs: list[dict], tmp_path: Path) -> dict[str, Path]:
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "epochfs-config"]
+    out = {}
+    for name, text in cm["data"].items():
+        out[name] = tmp_path / name
+        out[name].write_text(text)
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders_offline_and_validates_against_the_schemas(overlay, tmp_path):
+    docs = render(overlay)
+    for doc in docs:
+        validate(doc)
+    (ns,) = by_kind(docs, "Namespace")
+    assert all(d["metadata"].get("namespace") == ns["metadata"]["name"] for d in docs if d is not ns)
+    (ds,) = by_kind(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["securityContext"]["privileged"] is True
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
+    assert mounts["mnt"]["mountPropagation"] == "Bidirectional" and volumes["mnt"]["hostPath"]["path"] == "/mnt/epochfs"
+    assert volumes["cache"]["hostPath"]["path"] == "/var/cache/epochfs"
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:2] == ["epochfs", "umount"]
+    assert c["readinessProbe"]["exec"]["command"][:2] == ["epochfs", "status"]
+    assert any(p["name"] == "metrics" for p in c["ports"])
+    assert ds["spec"]["updateStrategy"]["type"] == "OnDelete"
+    # The configs are epochfs configs; the node's mount is where the probes and the hook look.
+    files = configs(docs, tmp_path)
+    cfg = parse(["mount", "--config", str(files["data.toml"])])
+    assert str(cfg.mountpoint) == c["readinessProbe"]["exec"]["command"][2] == c["lifecycle"]["preStop"]["exec"][
+        "command"][2]
+    assert str(cfg.mountpoint).startswith(mounts["mnt"]["mountPath"] + "/") and cfg.allow_other
+    assert str(cfg.cache_dir).startswith(mounts["cache"]["mountPath"] + "/")
+    # Secrets come from Secrets: files or the environment, never the command line.
+    for d in docs:
+        for container in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            assert not any(w in " ".join(container.get("args", [])).lower() for w in ("secret", "password=", "token="))
+        assert d["kind"] != "Secret", "Secrets are made by the operator, not shipped with placeholder values"
+
+
+def test_cache_nodes_are_their_own_workload_and_the_gpu_nodes_their_clients(tmp_path):
+    docs = render("cache-nodes")
+    (sts,) = by_kind(docs, "StatefulSet")
+    (svc,) = by_kind(docs, "Service")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["args"][0] == "serve" and "$(POD_IP):9570" in c["args"]
+    assert svc["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 60  # the hand-over's minute
+    files = configs(docs, tmp_path)
+    serve = parse(["serve", "--config", str(files["cache.toml"]), "--peer-advertise", "10.0.0.7:9570"])
+    node = parse(["mount", "--config", str(files["data.toml"])])
+    assert serve.serving and serve.rebalance and serve.replicas == node.replicas == 2
+    assert node.peer_role == "client" and node.meta == serve.meta
+    secrets = {v["secret"]["secretName"] for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert secrets == {"epochfs-peer", "epochfs-redis"}
+    for cfg in (serve, node):  # the files the Secrets are mounted as
+        assert str(cfg.peer_token_file).startswith("/etc/epochfs-secrets/peer/")
+        assert str(cfg.meta_password_file).startswith("/etc/epochfs-secrets/redis/")
+
+
+def test_the_training_pod_example_reads_the_node_mount_read_only():
+    (pod,) = [d for d in yaml.safe_load_all((K8S / "examples" / "training-pod.yaml").read_text()) if d]
+    validate(pod)
+    (m,) = pod["spec"]["containers"][0]["volumeMounts"]
+    assert m["mountPropagation"] == "HostToContainer" and m["readOnly"] is True
+    assert pod["spec"]["volumes"][0]["hostPath"]["path"] == "/mnt/epochfs/data"
+
+
+def test_the_container_image_installs_the_pinned_package():
+    text = (ROOT / "deploy" / "container" / "Containerfile").read_text()
+    assert "fuse3" in text and "pip install --no-cache-dir /src" in text and 'ENTRYPOINT ["epochfs"]' in text
+    assert "epochfs-fluid-mount" in text
+
+
+# -- Fluid ------------------------------------------------------------------------------------------
+
+
+def fluid_config(source: str, target: str, **options) -> dict:
+    return {"mounts": [{"mountPoint": source, "name": "ds", "options": options}], "targetPath": target}
+
+
+def test_a_fluid_dataset_becomes_an_epochfs_config(tmp_path):
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy" / "fluid" / "dataset.yaml").read_text()) if d]
+    (dataset,) = by_kind(docs, "Dataset")
+    (pod,) = by_kind(docs, "Pod")
+    validate(pod)
+    mount = dataset["spec"]["mounts"][0]
+    text, target = config_text(fluid_config(mount["mountPoint"], "/runtime-mnt/thin/default/imagenet/thin-fuse",
+                                            **mount["options"]))
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    cfg = parse(["mount", "--config", str(path)])
+    assert cfg.source.url == "s3://training-data/imagenet/" and str(cfg.mountpoint) == target
+    assert cfg.allow_other and cfg.cache_size == 500 << 30 and cfg.endpoint_url == "http://minio.storage.svc:9000"
+    (profile,) = [d for d in yaml.safe_load_all((ROOT / "deploy" / "fluid" / "runtime-profile.yaml").read_text())]
+    assert profile["kind"] == "ThinRuntimeProfile" and profile["spec"]["fuse"]["command"] == ["epochfs-fluid-mount"]
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"mounts": [], "targetPath": "/x"}, "exactly one mount"),
+    (fluid_config("s3://b/p", "relative"), "absolute targetPath"),
+    (fluid_config("s3://b/p", "/x", cache_sise="1G"), "not an epochfs mount option"),
+    (fluid_config("s3://b/p", "/x", mountpoint="/elsewhere"), "set by Fluid"),
+    (fluid_config("s3://b/p", "/x", aws_secret_access_key="k"), "credentials go in the environment"),
+    (fluid_config("s3://b/p", "/x", meta_password="p"), "credentials go in the environment"),
+    (fluid_config("s3://b/p", "/x", writeback="maybe"), "expected true or false"),
+    (fluid_config("s3://b/p", "/x", endpoint_url="http://a\nsource = 'x'"), "control character"),
+    (fluid_config("s3://b/p", "/x", cache_size={"a": 1}), "expected a string or a number"),
+    ([1, 2], "not a JSON object"),
+])
+def test_a_fluid_config_that_is_not_one_is_refused_with_what_is_wrong(config, message):
+    with pytest.raises(ConfigError, match=message):
+        config_text(config)
+
+
+def test_fluid_entry_checks_every_value_before_it_mounts(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fluid_config("s3://b/p", str(tmp_path / "mnt"), cache_size="lots")))
+    r = subprocess.run([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "cache_size" in r.stderr and "not a size" in r.stderr
+    assert not (tmp_path / "mnt").exists()
+    cfg.write_text(json.dumps(fluid_config("s3://b/p", str(tmp_path / "mnt"), cache_size="2G")))
+    r = subprocess.run([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg), "--print"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and 'cache_size = "2G"' in r.stdout and "allow_other = true" in r.stdout
+
+
+@requires_fuse
+def test_the_fluid_fuse_pod_mounts_the_dataset_and_unmounts_on_sigterm(tmp_path, s3, s3_client, fresh_bucket):
+    files = [SampleFile(f"d/{i}.bin", 5000 + i) for i in range(5)]
+    upload(s3_client, fresh_bucket, "", files)
+    target = tmp_path / "runtime-mnt" / "thin" / "default" / "ds" / "thin-fuse"
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fluid_config(f"s3://{fresh_bucket}", str(target), endpoint_url=s3.endpoint,
+                                           cache_dir=str(tmp_path / "cache"), metrics_addr="off")))
+    proc = subprocess.Popen([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg)], env={**os.environ, **s3.env()},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.ismount(target) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert os.path.ismount(target), proc.stderr.read() if proc.poll() is not None else "not mounted"
+        for f in files:
+            assert (target / f.key).read_bytes() == f.content()
+        proc.send_signal(signal.SIGTERM)  # Fluid stops the FUSE pod
+        proc.wait(timeout=60)
+        assert not os.path.ismount(target)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if os.path.ismount(target):
+            subprocess.run(["fusermount3", "-uz", str(target)], check=False)
+
+
+# -- Slurm ------------------------------------------------------------------------------------------
+
+SLURM = ROOT / "deploy" / "slurm"
+
+
+class Node:
+    """A node's view for the prolog and epilog: /etc/epochfs, the run directory, and stand-ins for
+    systemctl and scontrol that record what they are asked."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.etc, self.run, self.bin = root / "etc", root / "run", root / "bin"
+        for d in (self.etc, self.bin):
+            d.mkdir(parents=True)
+        self.calls = root / "calls"
+        self.fail = root / "fail"  # units that fail to start, one per line
+        for tool in ("systemctl", "scontrol"):
+            path = self.bin / tool
+            path.write_text(f"""#!/usr/bin/env bash
+echo "{tool} $*" >> "{self.calls}"
+if [ "{tool}" = scontrol ]; then printf '   JobId=%s\\n   Comment=%s\\n' "$4" "$(cat "{root}/comment" 2>/dev/null)"; fi
+if [ "{tool}" = systemctl ] && [ "$1" = start ] && grep -qx "$2" "{self.fail}" 2>/dev/null; then exit 1; fi
+""")
+            path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+    def dataset(self, name: str) -> None:
+        (self.etc / f"{name}.toml").write_text('source = "s3://b/p"\n')
+
+    def script(self, which: str, job: int, comment: str | None = None, via_scontrol: bool = False, **env: str):
+        e = {"PATH": f"{self.bin}:{os.environ['PATH']}", "EPOCHFS_ETC": str(self.etc),
+             "EPOCHFS_SLURM_RUN": str(self.run), "SLURM_JOB_ID": str(job), **env}
+        if comment is not None and not via_scontrol:
+            e["SLURM_JOB_COMMENT"] = comment
+        if via_scontrol:
+            (self.root / "comment").write_text(comment or "")
+        return subprocess.run(["bash", str(SLURM / f"{which}.sh")], env=e, capture_output=True, text=True, timeout=60)
+
+    def units(self) -> list[str]:
+        return [line for line in self.calls.read_text().splitlines() if line.startswith("systemctl")] \
+            if self.calls.exists() else []
+
+
+def test_slurm_mounts_a_jobs_datasets_and_unmounts_after_the_last_job(tmp_path):
+    node = Node(tmp_path)
+    node.dataset("imagenet")
+    node.dataset("coco")
+    assert node.script("prolog", 101, "epochfs=imagenet,coco").returncode == 0
+    assert node.units() == ["systemctl start epochfs@imagenet.service", "systemctl start epochfs@coco.service"]
+    r = node.script("prolog", 102, "priority epochfs=imagenet", via_scontrol=True)  # the comment from scontrol
+    assert r.returncode == 0, r.stderr
+    assert node.units()[-1] == "systemctl start epochfs@imagenet.service"
+    assert node.script("epilog", 101).returncode == 0
+    assert node.units()[-1] == "systemctl stop epochfs@coco.service"  # imagenet: job 102 still reads it
+    assert node.script("epilog", 102).returncode == 0
+    assert node.units()[-1] == "systemctl stop epochfs@imagenet.service"
+    assert node.script("prolog", 103, "no datasets here").returncode == 0 and node.script("epilog", 103).returncode == 0
+    assert len(node.units()) == 5
+    # Kept mounted between jobs when asked.
+    node.script("prolog", 104, "epochfs=coco")
+    node.script("epilog", 104, EPOCHFS_SLURM_KEEP="1")
+    assert node.units()[-1] == "systemctl start epochfs@coco.service"
+
+
+@pytest.mark.parametrize("comment,message", [
+    ("epochfs=../../etc/passwd", "not a dataset name"),
+    ("epochfs=$(reboot)", "not a dataset name"),
+    ("epochfs=missing", "which this node does not have"),
+    ("epochfs=broken", "did not mount for job 7"),
+])
+def test_slurm_refuses_what_it_cannot_mount_with_the_reason(tmp_path, comment, message):
+    node = Node(tmp_path)
+    node.dataset("broken")
+    node.fail.write_text("epochfs@broken.service\n")
+    r = node.script("prolog", 7, comment)
+    assert r.returncode == 1 and message in r.stderr, r.stderr
+    assert not list(node.run.glob("*/7"))  # nothing recorded for the epilog to stop
+    assert node.script("epilog", 7).returncode == 0
+    assert not any("stop" in u for u in node.units())
+
+
+def test_slurm_scripts_refuse_an_odd_job_id(tmp_path):
+    node = Node(tmp_path)
+    for which in ("prolog", "epilog"):
+        r = subprocess.run(["bash", str(SLURM / f"{which}.sh")], capture_output=True, text=True, timeout=60,
+                           env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1/../2",
+                                "EPOCHFS_SLURM_RUN": str(node.run), "EPOCHFS_ETC": str(node.etc)})
+        assert r.returncode == 1 and "odd SLURM_JOB_ID" in r.stderr
