@@ -276,6 +276,7 @@ def config(**kw):
 
 @pytest.mark.parametrize("kw,message", [
     (dict(peer_listen="10.0.0.1:9570", meta=None), "needs a shared store"),
+    (dict(peer_listen="10.0.0.1:9570", meta="lmdb:///var/cache/meta"), "needs a shared store"),
     (dict(peer_listen="10.0.0.1:9570", peer_token_file=None), "needs --peer-token-file"),
     (dict(peer_listen="0.0.0.0:9570"), "wildcard"),
     (dict(peer_listen="10.0.0.1"), "expected HOST:PORT"),
@@ -298,3 +299,6 @@ def test_peer_options_that_work():
     assert config(peer_listen="10.0.0.1:9570").peer_cache == "all"
     assert config(peer_listen="0.0.0.0:9570", peer_advertise="10.0.0.1:9570").peer_advertise == "10.0.0.1:9570"
     assert config(peer_listen="127.0.0.1:0").peer_listen == "127.0.0.1:0"
+    # the members meet in a store found through Redis Sentinel as well
+    sentinel = "redis+sentinel://10.0.0.7:26379,10.0.0.8:26379/epochfs/0"
+    assert config(peer_listen="10.0.0.1:9570", meta=sentinel).meta == sentinel

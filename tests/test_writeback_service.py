@@ -92,7 +92,7 @@ def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
     bucket, room, published = Bucket(), Room(capacity), []
     tree = Tree(build_namespace(list(objects)), Overlay())
 
-    async def publish(added, removed):  # as the snapshots do: a new version, the namespace rebuilt from it
+    async def publish(added, removed, publication):  # as the snapshots do: a new version, the namespace rebuilt
         published.append((dict(added), set(removed)))
         current = [f.obj for f in tree.namespace.files()]
         tree.namespace = build_namespace(merged(current, added, removed), previous=tree.namespace)

@@ -164,7 +164,8 @@ class Config:
         parse=lambda t: parse_size(t), example='"20G"')
     # -- namespace
     meta: str | None = option(
-        None, "namespace", "metadata store: redis://[USER@]HOST:PORT/DB (rediss:// for TLS) to load the snapshot "
+        None, "namespace", "metadata store: redis://[USER@]HOST:PORT/DB (rediss:// for TLS), or through Redis "
+        "Sentinel redis+sentinel://[USER@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB], to load the snapshot "
         "published by 'epochfs import' (shared by every node; the source is never listed; a password goes in "
         "--meta-password-file, never the URL), or lmdb://PATH (default: LMDB in the cache directory)",
         metavar="URL", parse=str, example='"rediss://epochfs@10.0.0.9:6379/0"')

@@ -191,12 +191,13 @@ class LocalRedis:
     USER = "epochfs"
 
     def __init__(self, workdir: Path, *, password: str | None = None, open_default: bool = False,
-                 tls: bool = False) -> None:
+                 tls: bool = False, replica_of: LocalRedis | None = None) -> None:
         self.workdir = Path(workdir)
         self.port = free_ports(1)[0]
         self.password = password
         self.open_default = open_default
         self.tls = tls
+        self.replica_of = replica_of  # a replica of that server (for Sentinel's failovers)
         self.ca_file = self.workdir / "ca.crt" if tls else None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -216,6 +217,10 @@ class LocalRedis:
 
     def _config(self) -> Path:
         lines = ["bind 127.0.0.1", 'save ""', "appendonly no", f"dir {self.workdir}"]
+        if self.replica_of is not None:
+            lines.append(f"replicaof 127.0.0.1 {self.replica_of.port}")
+            if self.password:
+                lines += [f"masteruser {self.USER}", f"masterauth {self.password}"]
         if self.password:
             lines.append(f"user {self.USER} on >{self.password} ~* &* +@all")
             lines.append("user default on nopass ~* &* +@all" if self.open_default else "user default off")
@@ -273,6 +278,78 @@ class LocalRedis:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class LocalSentinels:
+    """Redis Sentinels (``redis-server --sentinel``) on 127.0.0.1 watching ``master`` as ``service``,
+    quick to fail over (a master silent for ``down_after`` seconds), for the failover tests. ``url``:
+    the ``--meta`` of a store they manage."""
+
+    def __init__(self, workdir: Path, master: LocalRedis, *, count: int = 3, service: str = "epochfs",
+                 down_after: float = 1.0, failover_timeout: float = 5.0) -> None:
+        self.workdir = Path(workdir)
+        self.master = master
+        self.service = service
+        self.ports = free_ports(count)
+        self.down_after, self.failover_timeout = down_after, failover_timeout
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        user = f"{LocalRedis.USER}@" if self.master.password else ""
+        return f"redis+sentinel://{user}{','.join(f'127.0.0.1:{p}' for p in self.ports)}/{self.service}/0"
+
+    def _config(self, port: int) -> Path:
+        d = self.workdir / f"sentinel-{port}"
+        d.mkdir(parents=True, exist_ok=True)
+        quorum = len(self.ports) // 2 + 1
+        lines = ["bind 127.0.0.1", f"port {port}", f"dir {d}",
+                 f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} {quorum}",
+                 f"sentinel down-after-milliseconds {self.service} {int(self.down_after * 1000)}",
+                 f"sentinel failover-timeout {self.service} {int(self.failover_timeout * 1000)}",
+                 f"sentinel parallel-syncs {self.service} 1"]
+        if self.master.password:
+            lines += [f"sentinel auth-user {self.service} {LocalRedis.USER}",
+                      f"sentinel auth-pass {self.service} {self.master.password}"]
+        path = d / "sentinel.conf"  # (Sentinel rewrites it as it learns)
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def start(self, timeout: float = 15.0) -> LocalSentinels:
+        import redis
+
+        binary = shutil.which("redis-server")
+        if not binary:
+            raise RuntimeError("redis-server is missing: apt-get install redis-server")
+        for port in self.ports:
+            self.procs[port] = subprocess.Popen([binary, str(self._config(port)), "--sentinel"],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        for port in self.ports:
+            while True:
+                try:
+                    if redis.Redis(port=port).execute_command("SENTINEL", "get-master-addr-by-name", self.service):
+                        break
+                except redis.exceptions.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the sentinels did not start")
+                time.sleep(0.05)
+        return self
+
+    def master_address(self) -> tuple[str, int]:
+        import redis
+
+        host, port = redis.Redis(port=self.ports[0]).execute_command("SENTINEL", "get-master-addr-by-name",
+                                                                     self.service)
+        return host.decode(), int(port)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "snapshot_version": ("gauge", "Version of the namespace snapshot being served."),
     "snapshot_objects": ("gauge", "Objects in the namespace snapshot."),
     "meta_reachable": ("gauge", "1 if the metadata store answered the last request, else 0 (serving the loaded snapshot)."),
+    "meta_master_since_timestamp_seconds": ("gauge", "A Sentinel-managed store: since when (Unix time) the master "
+                                            "named by the address label is the one in use (a failover starts a "
+                                            "new series)."),
     "writeback_pending_bytes": ("gauge", "Bytes written through the mount and not yet in the backend (--writeback)."),
     "writeback_pending_files": ("gauge", "Files written through the mount and not yet in the backend."),
     "writeback_oldest_pending_seconds": ("gauge", "How long the oldest closed file not yet in the backend has waited."),
@@ -111,6 +114,7 @@ class Sample:
     peer_bytes: dict[str, int] | None = None
     peer_requests: dict[str, int] | None = None
     jobs: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)  # series -> (job, rank) -> value
+    meta_master: dict[str, float] = field(default_factory=dict)  # address -> since (a Sentinel store)
 
 
 def sample_of(c: Collected) -> Sample:
@@ -165,7 +169,8 @@ def sample_of(c: Collected) -> Sample:
     return Sample(values, c.backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},
                   errors, histograms,
                   peer_bytes={"in": peer.bytes_in, "out": peer.bytes_out} if peer else None,
-                  peer_requests=dict(peer.requests) if peer else None, jobs=jobs)
+                  peer_requests=dict(peer.requests) if peer else None, jobs=jobs,
+                  meta_master={snap.master: snap.master_since or 0.0} if snap.master else {})
 
 
 class DaemonCollector(Collector):
@@ -195,6 +200,8 @@ class DaemonCollector(Collector):
             labelled += [("peer_bytes", ["direction"], s.peer_bytes.items()),
                          ("peer_requests", ["outcome"], s.peer_requests.items())]
         labelled += [(short, ["job", "rank"], series.items()) for short, series in s.jobs.items()]
+        if s.meta_master:
+            labelled.append(("meta_master_since_timestamp_seconds", ["address"], s.meta_master.items()))
         for short, label, series in labelled:
             fam = self._family(short, label)
             for key, n in sorted(series):

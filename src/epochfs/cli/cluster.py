@@ -81,10 +81,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _store(args: argparse.Namespace) -> tuple[Any, str]:
+    from epochfs.meta.base import SHARED_FORMS, is_shared
     from epochfs.meta.redis import RedisMetaStore
 
-    if not args.meta.startswith(("redis://", "rediss://")):
-        raise ConfigError("--meta: the cluster tier meets in a shared store: redis[s]://HOST:PORT/DB")
+    if not is_shared(args.meta):
+        raise ConfigError(f"--meta: the cluster tier meets in a shared store: {SHARED_FORMS}")
     source_id = Source.parse(args.source).url
     store = RedisMetaStore(args.meta, args.meta_name, store_access(args.meta_password_file, args.meta_ca_file))
     return store, source_id

@@ -208,7 +208,9 @@ def format_status(s: dict[str, Any]) -> str:
         f"{s['metrics_addr'] or 'off'})",
         f"snapshot   version {snap['version']}, taken {age(snap['age_seconds'])} ago: {snap['files']} files, "
         f"{snap['directories']} directories, {human(snap['bytes'])}; store {s['meta']['url']}"
-        + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})"),
+        + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})")
+        + (f"; master {s['meta']['master']} since {age(time.time() - s['meta']['master_since'])} ago"
+           if s["meta"].get("master") and s["meta"].get("master_since") else ""),
         f"cache      {human(st['used_bytes'])} of {human(st['capacity_bytes'])} in {st['blocks']} blocks "
         f"({s['cache_dir']})" + bounded_by_disk(st),
         f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",

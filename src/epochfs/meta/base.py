@@ -30,6 +30,16 @@ class SnapshotInvalid(EpochfsError):
     keeps serving what it has (or, at start-up, this node's local copy)."""
 
 
+#: URL schemes of a store shared by nodes (Redis, directly or found through Redis Sentinel).
+SHARED_SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://")
+SHARED_FORMS = "redis[s]://[USER@]HOST:PORT/DB or redis[s]+sentinel://[USER@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+
+
+def is_shared(url: str | None) -> bool:
+    """Whether ``url`` names a store shared by nodes."""
+    return (url or "").startswith(SHARED_SCHEMES)
+
+
 @dataclass(frozen=True)
 class StoreAccess:
     """How to reach a shared store and vouch for what it holds: ``password`` (read from a private file
@@ -194,9 +204,12 @@ class MetaStore(Protocol):
     def save(self, source: str, objects: Iterable[ObjectInfo], progress: Progress | None = None) -> Snapshot:
         """Publish a new version atomically and return it."""
 
-    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str], *,
+               publication: str | None = None) -> Head:
         """Publish the current version with objects put and deleted (write-back), atomically with
-        respect to other nodes doing the same; return the new version's identity."""
+        respect to other nodes doing the same; return the new version's identity. ``publication`` names
+        the change: a shared store that already holds a change of that name returns its version instead
+        of taking it twice (the writer's earlier try got through, its answer did not)."""
 
     def changes(self, source: str, after: int, upto: int) -> list[Change] | None:
         """A shared store: the change sets that take version ``after`` to ``upto`` (None when the way

@@ -204,7 +204,8 @@ class LmdbMetaStore:
         txn.put(b"info", json.dumps({"format": _FORMAT, "source": source, "version": version, "created": created,
                                      "objects": count}).encode())
 
-    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str], *,
+               publication: str | None = None) -> Head:
         """The stored version with ``added`` and ``removed`` applied, in one transaction and in time
         proportional to the change (one daemon owns this store: its cache directory is locked)."""
         with self._env().begin(write=True) as txn:

@@ -65,6 +65,7 @@ _MAC = 16
 _KEY_CONTEXT = "epochfs 2026-12-02 shared store records v1 MAC key"
 _COUNT = struct.Struct("<I")
 _KEEP = 2  # full versions kept by an import: the current one and the one before
+_PUBLICATION_MEMORY = 86400  # seconds a change set's name is kept (a writer retries within that)
 COMPACT_AFTER = 64  # change sets after a full copy before another is written
 _LAG = 2 * COMPACT_AFTER  # change sets kept behind the newest full copy, for nodes catching up
 
@@ -189,17 +190,65 @@ def _plain_url(url: str) -> tuple[urllib.parse.ParseResult, str]:
     return parsed, f"{parsed.scheme}://{user}{parsed.hostname}:{port}{parsed.path or '/0'}"
 
 
+@dataclass(frozen=True)
+class SentinelTarget:
+    """Where a Sentinel-managed store is: the sentinels, the service they watch, the database."""
+
+    tls: bool
+    user: str | None
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+
+
+def _sentinel_url(url: str) -> tuple[SentinelTarget, str]:
+    """``redis[s]+sentinel://[USER@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]`` parsed, and as logs show it."""
+    scheme, _, rest = url.partition("://")
+    netloc, _, path = rest.partition("/")
+    usage = "expected redis+sentinel://[USER@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+    user, at, hosts = netloc.rpartition("@")
+    if ":" in user:
+        raise ConfigError("--meta: a password in the URL would show in process listings and logs; put it in "
+                          "a file of mode 0600 and give --meta-password-file (or EPOCHFS_META_PASSWORD)")
+    sentinels = []
+    for item in hosts.split(","):
+        host, _, port = item.strip().rpartition(":")
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--meta {url!r}: {item!r} is not HOST:PORT of a sentinel; {usage}")
+        sentinels.append((host, int(port)))
+    parts = [p for p in path.split("/") if p]
+    if not parts or len(parts) > 2 or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", parts[0]) or (
+            len(parts) == 2 and not parts[1].isdigit()):
+        raise ConfigError(f"--meta {url!r}: name the service the sentinels watch (and a database number); {usage}")
+    target = SentinelTarget(scheme == "rediss+sentinel", user or None, tuple(sentinels), parts[0],
+                            int(parts[1]) if len(parts) == 2 else 0)
+    shown = f"{scheme}://{user + at}{','.join(f'{h}:{p}' for h, p in sentinels)}/{target.service}/{target.db}"
+    return target, shown
+
+
 class RedisMetaStore:
     shared = True
+    #: How long a write waits for a replica to hold it (a Sentinel store): a publication is acknowledged
+    #: only once a replica has it, so a failover does not lose it.
+    REPLICA_WAIT = 5.0
 
     def __init__(self, url: str, name: str | None = None, access: StoreAccess | None = None) -> None:
         access = access or StoreAccess()
-        parsed, self.url = _plain_url(url)
         self.name = name
         self._key = (blake3.blake3(access.password, derive_key_context=_KEY_CONTEXT).digest()
                      if access.password else None)
         #: Owners and modes are taken only from values signed with the password.
         self.trusted = self._key is not None
+        self._sentinel: SentinelTarget | None = None
+        self.master: tuple[str, int] | None = None  # (a Sentinel store) the master last in use
+        self.master_since: float | None = None  # when that master was first used
+        self._alone_since: float | None = None  # since when the master has had no replica to wait for
+        if "+sentinel://" in url:
+            self._sentinel, self.url = _sentinel_url(url)
+            self._open_sentinel(access)
+            return
+        parsed, self.url = _plain_url(url)
         tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
                **({"ssl_ca_certs": access.ca_file} if access.ca_file else {})} if parsed.scheme == "rediss" else {}
         if access.ca_file and parsed.scheme != "rediss":
@@ -207,6 +256,56 @@ class RedisMetaStore:
         self._redis = redis.Redis.from_url(
             url, password=access.password.decode("utf-8", "surrogateescape") if access.password else None,
             socket_timeout=10, socket_connect_timeout=5, health_check_interval=30, **tls)
+
+    def _open_sentinel(self, access: StoreAccess) -> None:
+        import redis.sentinel
+
+        target = self._sentinel
+        assert target is not None
+        if access.ca_file and not target.tls:
+            raise ConfigError("--meta-ca-file is for a TLS store: use rediss+sentinel://")
+        tls = {"ssl": True, "ssl_cert_reqs": "required", "ssl_check_hostname": True,
+               **({"ssl_ca_certs": access.ca_file} if access.ca_file else {})} if target.tls else {}
+        timeouts = {"socket_timeout": 10, "socket_connect_timeout": 5}
+        # The sentinels answer without a password (bind them to the cluster's network): they only say
+        # where the master is, and what a node then reads from it is signed (--meta-password-file).
+        self._sentinels = redis.sentinel.Sentinel(list(target.sentinels), sentinel_kwargs={**timeouts, **tls},
+                                                  **timeouts)
+        self._redis = self._sentinels.master_for(
+            target.service, db=target.db, username=target.user,
+            password=access.password.decode("utf-8", "surrogateescape") if access.password else None,
+            health_check_interval=30, **timeouts, **tls)
+
+    def _note_master(self) -> None:
+        """Which master the last call went to (a Sentinel store): a change is logged and kept for status."""
+        if self._sentinel is None:
+            return
+        address = getattr(self._redis.connection_pool, "master_address", None)
+        if address is None or tuple(address) == self.master:
+            return
+        before, self.master, self.master_since = self.master, (str(address[0]), int(address[1])), time.time()
+        if before is not None:
+            log.warning("metadata store %s: the master is now %s:%d (was %s:%d): a failover", self.url,
+                        *self.master, *before)
+
+    def _replicated(self, what: str) -> None:
+        """A Sentinel store: wait until a replica holds what was just written, or fail (not acknowledged:
+        the writer publishes it again, and a publication already there is found and not repeated)."""
+        if self._sentinel is None:
+            return
+        connected = self._call(self._redis.info, "replication").get("connected_slaves", 0)
+        if not connected:
+            if self._alone_since is None:  # (after a failover, until a replica comes back: said once)
+                self._alone_since = time.time()
+                log.warning("metadata store %s: the master has no replica; what is published now is in one "
+                            "place until one joins", self.url)
+            return
+        self._alone_since = None
+        replicas = self._call(self._redis.execute_command, "WAIT", 1, int(self.REPLICA_WAIT * 1000))
+        if not isinstance(replicas, int) or replicas < 1:
+            raise MetaUnavailable(f"metadata store {self.url}: {what} reached the master but none of its "
+                                  f"{connected} replicas within {self.REPLICA_WAIT:g} s; not acknowledged (a "
+                                  "failover could lose it)")
 
     # -- signed values -------------------------------------------------------------------------------
 
@@ -248,7 +347,9 @@ class RedisMetaStore:
 
     def _call(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
-            return fn(*args)
+            answer = fn(*args)
+            self._note_master()
+            return answer
         except redis.exceptions.TimeoutError:
             raise MetaUnavailable(f"metadata store {self.url} did not answer in time") from None
         except redis.exceptions.ConnectionError as exc:
@@ -415,15 +516,20 @@ class RedisMetaStore:
         self._call(pipe.execute)
         self._call(self._redis.set, prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch
         self._call(self._redis.set, prefix + "full", self._wrap(prefix + "full", str(version).encode()))
+        self._replicated(f"snapshot version {version}")
         if progress:
             progress(len(listed))
         self._forget(prefix, version - _KEEP + 1, 10)
         return Snapshot(source, version, created, listed)
 
-    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str]) -> Head:
+    def update(self, source: str, added: dict[str, ObjectInfo], removed: set[str], *,
+               publication: str | None = None) -> Head:
         """Publish ``added`` and ``removed`` as a change set on the current version (``objects`` in the
         answer is -1: the count is known to whoever applies it). The lock that numbers change sets is
-        held for the change's own size; it expires if its holder dies."""
+        held for the change's own size; it expires if its holder dies. ``publication`` (see
+        :meth:`MetaStore.update`): its version is recorded with the change set, before the switch to it,
+        so a change set the current version includes is never published twice, and one a failover lost
+        (the record may survive the switch, never the other way round) is published again."""
         prefix = self._prefix(source)
         lock = self._redis.lock(prefix + "update-lock", timeout=30, blocking_timeout=60)
         if not self._call(lock.acquire):
@@ -431,6 +537,12 @@ class RedisMetaStore:
                                   "for a minute")
         try:
             base = self.current_version(source)
+            done = self._published(source, publication, base) if publication else None
+            if done is not None:
+                log.info("change set %s is already in %s as version %d (the answer was lost, not the write)",
+                         publication, self.url, done.version)
+                self._replicated(f"change set {done.version}")
+                return done
             if base is None:
                 return self.save(source, added.values()).head
             version = int(self._call(self._redis.incr, prefix + "next-version"))
@@ -444,14 +556,34 @@ class RedisMetaStore:
             pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
                 "format": _FORMAT, "source": source, "version": version, "created": created, "objects": -1,
                 "chunks": chunks, "base": base, "removed": len(gone)}).encode()))
+            if publication:
+                pipe.set(prefix + "pub:" + publication, self._wrap(prefix + "pub:" + publication,
+                                                                   str(version).encode()), ex=_PUBLICATION_MEMORY)
             pipe.set(prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch, last
             self._call(pipe.execute)
+            self._replicated(f"change set {version}")
             return Head(source, version, created, -1, base=base)
         finally:
             try:
                 lock.release()
             except redis.exceptions.RedisError:
                 pass  # expired (its timeout bounds any hold)
+
+    def _published(self, source: str, publication: str, current: int | None) -> Head | None:
+        """The change set named ``publication`` if the current version includes it."""
+        name = self._prefix(source) + "pub:" + publication
+        try:
+            raw = self._get(name)
+            version = _version(raw, name) if raw is not None else None
+        except SnapshotInvalid:
+            return None  # (not one of ours: publish)
+        if version is None or current is None or version > current:
+            return None  # never recorded, or its switch was lost: publish it (again)
+        try:
+            info = self._version_info(source, version)
+        except (_Gone, SnapshotInvalid):  # (long since folded into a full copy)
+            return Head(source, version, 0.0, -1)
+        return Head(source, version, info.created, -1, base=info.base)
 
     def compaction_due(self, source: str) -> bool:
         """Whether the current version is ``COMPACT_AFTER`` change sets past the newest full copy."""

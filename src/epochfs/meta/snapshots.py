@@ -22,6 +22,7 @@ All state lives on the trio thread; store calls and index writes run in worker t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -67,6 +68,8 @@ class SnapshotStats:
     error: str | None
     latest_version: int
     shards: int = 0  # packed shards the files' bytes are in (0: a plain dataset)
+    master: str | None = None  # a Sentinel store: the master in use (HOST:PORT)
+    master_since: float | None = None  # and since when
 
 
 class Snapshots:
@@ -259,14 +262,16 @@ class Snapshots:
         """The identity of the version a view of the index serves."""
         return Head(self.settings.source_id, view.version, float(view.info["created"]), view.info["objects"])
 
-    async def apply(self, added: dict[str, ObjectInfo], removed: set[str]) -> None:
+    async def apply(self, added: dict[str, ObjectInfo], removed: set[str], publication: str | None = None) -> None:
         """Publish this node's writes (objects uploaded, objects deleted) as a new version of the
         store's snapshot, and serve it: applied to the tree as change sets when the new version descends
         from the one served by change sets (the common case), else built whole. Raises
-        :class:`EpochfsError` if the store cannot take it (the caller tries again later)."""
+        :class:`EpochfsError` if the store cannot take it (the caller tries again later, under the same
+        ``publication`` name: a store that already holds it does not take it twice)."""
         async with self._switching:
             source = self.settings.source_id
-            head = await self._call(self.store.update, source, added, removed)
+            head = await self._call(functools.partial(self.store.update, publication=publication), source, added,
+                                    removed)
             mine = Change(head.version, head.created, added, removed)
             changes: list[Change] | None = None
             if head.base == self.namespace.version:
@@ -333,7 +338,11 @@ class Snapshots:
         stored = ns.info.get("stored")
         return SnapshotStats(snap.version, snap.created, snap.objects, ns.file_count, ns.dir_count,
                              ns.total_bytes, self.store.url, self.error is None, self.error, self.latest_version,
-                             len(stored) if isinstance(stored, list) else 0)
+                             len(stored) if isinstance(stored, list) else 0, *self._master())
+
+    def _master(self) -> tuple[str | None, float | None]:
+        master = getattr(self.store, "master", None)
+        return (f"{master[0]}:{master[1]}", getattr(self.store, "master_since", None)) if master else (None, None)
 
 
 def _readable(objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:

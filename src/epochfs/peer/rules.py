@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from epochfs.errors import ConfigError
+from epochfs.meta.base import SHARED_FORMS, is_shared
 from epochfs.peer.wire import is_wildcard, member_addr, split_addr
 
 
@@ -61,9 +62,9 @@ def check_options(*, listen_text: str | None, advertise: str | None, token_file:
 
 
 def _needs_store_and_token(meta: str | None, token_file: Path | None, what: str) -> None:
-    if not (meta or "").startswith(("redis://", "rediss://")):
-        raise ConfigError(f"{what} needs a shared store: --meta redis://HOST:PORT/DB (the members "
-                          "find each other there)")
+    if not is_shared(meta):
+        raise ConfigError(f"{what} needs a shared store: --meta {SHARED_FORMS} (the members find each "
+                          "other there)")
     if token_file is None:
         raise ConfigError(f"{what} needs --peer-token-file: members sign their requests with a "
                           "shared secret")

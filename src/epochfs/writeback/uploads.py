@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -28,7 +29,9 @@ from epochfs.writeback.tree import LocalFile, Overlay, Stored, Tree
 
 log = logging.getLogger(__name__)
 
-Publish = Callable[[dict[str, ObjectInfo], set[str]], Awaitable[None]]
+#: ``publish(added, removed, publication)``: ``publication`` names the batch, the same on every try of it,
+#: so that a store that already holds it (the answer was lost, not the write) does not take it twice.
+Publish = Callable[[dict[str, ObjectInfo], set[str], str], Awaitable[None]]
 Fail = Callable[[LocalFile, str], None]  # a file that can never be uploaded as it is
 
 
@@ -48,6 +51,7 @@ class Uploads:
         self.concurrency = max(1, concurrency)
         self.demand_waiting = demand_waiting
         self.publish = publish
+        self._batch: tuple[str, dict[str, ObjectInfo], set[str]] | None = None  # (name, added, removed) to retry
         self.fail = fail
         self._recorded: set[tuple[str, int, int, int]] = set()  # directories' attribute records written
         self._uploads_running = 0  # upload threads still running (abandoned ones included)
@@ -255,16 +259,21 @@ class Uploads:
             await self.publish_pending()
 
     async def publish_pending(self) -> None:
-        """Publish uploads and deletes to the metadata store; keep them for the next try if it fails."""
-        added, removed = dict(self.owed.uploaded), set(self.owed.deleted)
-        if not added and not removed:
-            return
+        """Publish uploads and deletes to the metadata store; keep them for the next try if it fails. A
+        batch that failed is tried again as it was, under its name, before anything newer joins one."""
+        if self._batch is None:
+            added, removed = dict(self.owed.uploaded), set(self.owed.deleted)
+            if not added and not removed:
+                return
+            self._batch = (uuid.uuid4().hex, added, removed)
+        publication, added, removed = self._batch
         try:
-            await self.publish(added, removed)
+            await self.publish(added, removed, publication)
         except EpochfsError as exc:
             log.warning("could not publish %d uploads and %d deletes (%s); retrying", len(added), len(removed), exc)
             self.owed.publish_now.set()
             return
+        self._batch = None
         self.journal.published(set(added), removed)
         for key, obj in added.items():
             if self.owed.uploaded.get(key) is obj:
@@ -277,6 +286,8 @@ class Uploads:
             self.owed.deleted.discard(key)
             if self.tree.namespace.resolve(key) is None:
                 self.overlay.hidden.discard(key)
+        if self.owed.uploaded or self.owed.deleted:
+            self.owed.publish_now.set()  # (what came after the batch)
         self.owed.touch()
 
     async def sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
@@ -294,8 +305,9 @@ class Uploads:
                     f.since = min(f.since, time.monotonic() - self.owed.SETTLE)
                 self.owed.kick()
                 await changed.wait()
-            if self.owed.uploaded or self.owed.deleted:
-                await self.publish_pending()
+            for _ in range(2):  # (a batch tried before, then what came after it)
+                if self.owed.uploaded or self.owed.deleted:
+                    await self.publish_pending()
         return self.owed.pending(prefixes)
 
     def close(self, wait: float = 5.0) -> None:
