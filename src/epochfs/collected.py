@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from epochfs.backend.base import BackendStats
+    from epochfs.cache.passthrough import PassthroughStats
     from epochfs.cache.service import CacheStats
     from epochfs.cache.store import StoreStats
     from epochfs.fs import FsStats
@@ -34,3 +35,4 @@ class Collected:
     writeback: WritebackStats | None = None
     peer: PeerStats | None = None
     jobs: tuple[JobStats, ...] = ()
+    passthrough: PassthroughStats | None = None

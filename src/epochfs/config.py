@@ -256,6 +256,16 @@ class Config:
         False, "mount", "have the kernel ask the daemon at every open and close of a file; without it a "
         "read-only mount opens files with no request, so a file already in the page cache is read with no "
         "daemon work at all (write-back mounts always ask)")
+    passthrough: bool = option(
+        False, "mount", "let the kernel read a cached file itself (FUSE passthrough, Linux 6.9+, root): an "
+        "object whose blocks are all cached is copied whole into the cache once, and later opens of it are "
+        "read by the kernel from that file at the disk's speed, with no daemon work. Those reads are not "
+        "checked one by one: the copy is checked when it is made, at each open (the file written, unchanged) "
+        "and by a daily scrub; a damaged one is never served again. Opens then ask the daemon "
+        "(--open-requests); not with --writeback. Off where the kernel has no passthrough, with a warning")
+    passthrough_size: int | None = option(
+        None, "mount", "bound of the whole copies --passthrough keeps (default: half of --cache-size; they count "
+        "against it)", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')
     attr_timeout: float = option(3600.0, "mount", "how long the kernel may cache names and attributes",
                                  metavar="SECONDS", parse=float)
     fuse_options: tuple[str, ...] = option((), "mount", "extra FUSE mount option (repeatable)", flag="-o",
@@ -326,6 +336,11 @@ class Config:
             raise ConfigError(f"--eviction {self.eviction!r}: choose {', '.join(policies.names())}")
         if self.upload_concurrency < 1:
             raise ConfigError("--upload-concurrency must be >= 1")
+        if self.passthrough and self.writeback:
+            raise ConfigError("--passthrough serves cached objects read-only: not with --writeback (the kernel "
+                              "allows no write-back cache with it)")
+        if self.passthrough_size is not None and not self.block_size <= self.passthrough_size <= self.cache_size:
+            raise ConfigError("--passthrough-size must be between a block and --cache-size")
         if self.writeback and self.source.scheme != "s3":
             raise ConfigError(f"--writeback needs an S3 source; {self.source.url} is read-only")
         for name in ("prefetch_bandwidth", "backend_bandwidth", "upload_bandwidth"):

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from epochfs import kernel as fuse
 from epochfs.cache.members import MemberStream
+from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
 from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
@@ -158,6 +159,7 @@ class Operations:
         tree: Tree | None = None,
         writeback: WriteBack | None = None,
         zero_open: bool = False,
+        passthrough: Passthrough | None = None,
     ) -> None:
         self.tree = tree or Tree(namespace)
         self.tree.namespace = namespace
@@ -172,7 +174,11 @@ class Operations:
         self._streams: dict[int, ReadStream | MemberStream] = {}
         # Zero-message opens (read-only mounts): OPEN answers ENOSYS once and the kernel then opens files
         # without asking; reads come with file handle 0 and are bound to a reader here instead.
-        self.zero_open = zero_open and writeback is None
+        self.zero_open = zero_open and writeback is None and passthrough is None
+        # Passthrough (read-only mounts): a cached object's open is answered with its whole file, which
+        # the kernel then reads itself; asked for at INIT (the session reads this attribute).
+        self.passthrough = passthrough if writeback is None else None
+        self.want_passthrough = self.passthrough is not None
         self._bound: OrderedDict[tuple[int, int], ReadStream | MemberStream] = OrderedDict()
         self._retired: OrderedDict[int, Node] = OrderedDict()
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
@@ -318,6 +324,13 @@ class Operations:
         if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
             return fuse.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
+        if self.passthrough is not None and self.session is not None and self.passthrough.active:
+            if not self.session.can(fuse.PASSTHROUGH):
+                self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
+            backing = self.passthrough.open(inode, node.obj, fh)
+            if backing:
+                self.cache.opened(node.obj)  # (what the prefetch plan learns from an open)
+                return fuse.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
         self._streams[fh] = self.cache.open_stream(node.obj, inode)
         return fuse.FileInfo(fh=fh, keep_cache=True)
 
@@ -328,6 +341,9 @@ class Operations:
         function that waits for them (run as a task). ``fh`` 0: a read with no open handle."""
         started = time.perf_counter()
         stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off)
+        if stream is None and fh not in self._local:  # (a passthrough open the kernel reads through us after all)
+            node = self._node(inode)
+            stream = self._streams[fh] = self.cache.open_stream(node.obj, inode)
         if stream is None:
             data = self._writer().read(self._local[fh], off, size)
         else:
@@ -378,6 +394,8 @@ class Operations:
 
     @_translated
     def release(self, fh: int) -> None:
+        if self.passthrough is not None:
+            self.passthrough.release(fh)
         stream = self._streams.pop(fh, None)
         if stream is not None:
             stream.close()

@@ -84,6 +84,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "writeback_oldest_pending_seconds": ("gauge", "How long the oldest closed file not yet in the backend has waited."),
     "writeback_uploaded_bytes": ("counter", "Bytes of written files uploaded to the backend."),
     "writeback_uploaded_files": ("counter", "Written files uploaded to the backend."),
+    "passthrough_opens": ("counter", "Opens the kernel read itself from a whole cached file (--passthrough): "
+                          "their reads reach no daemon series (not in cache_hits)."),
+    "passthrough_whole_bytes": ("gauge", "Bytes of the whole copies kept for passthrough (within the cache's bound)."),
+    "passthrough_damaged": ("counter", "Whole copies that failed a check (at open or by the scrub) and were removed."),
     "peer_bytes": ("counter", "Block bytes exchanged with members of the cluster cache tier: in (fetched from "
                    "an owner instead of the backend), out (served to a member)."),
     "peer_requests": ("counter", "Block requests of the cluster cache tier by outcome: ok, unavailable, bad, "
@@ -146,6 +150,10 @@ def sample_of(c: Collected) -> Sample:
             "writeback_uploaded_bytes": wb.uploaded_bytes, "writeback_uploaded_files": wb.uploaded_files,
         })
         errors["upload"] = wb.upload_errors
+    pt = c.passthrough
+    if pt is not None:
+        values.update({"passthrough_opens": pt.opens, "passthrough_whole_bytes": pt.whole_bytes,
+                       "passthrough_damaged": pt.damaged})
     histograms = {"read_seconds": c.fs.read_seconds}
     if c.backend.request_seconds is not None:
         histograms["backend_request_seconds"] = c.backend.request_seconds

@@ -29,10 +29,12 @@ import trio
 
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
+from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
+from epochfs.cache.whole import WholeFiles
 from epochfs.collected import Collected
 from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR
@@ -131,6 +133,9 @@ def raise_descriptor_limit() -> None:
 def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:
     """What the user should hear about a mount that is otherwise fine."""
     warnings = []
+    if config.passthrough and not config.serving and os.geteuid() != 0:
+        warnings.append("--passthrough needs root (the kernel registers backing files only for CAP_SYS_ADMIN): "
+                        "files are read through the daemon")
     if not snapshot_objects and not config.writeback:  # a write-back mount often starts empty
         warnings.append(f"{config.source.url} lists no objects: the mount is empty. Check the bucket and prefix; "
                         "the empty listing is not kept (the next mount lists again)")
@@ -153,7 +158,8 @@ class Daemon:
         self._stopped: trio.Event | None = None  # a cache node's: set to stop it
         self._link_sample: tuple[float, int] | None = None  # (when, bytes served) at the last heartbeat
         # Read-only mounts open files with no request; each inode number is then one version of a file.
-        self.zero_open = not config.open_requests and not config.writeback and not config.serving
+        self.zero_open = (not config.open_requests and not config.writeback and not config.serving
+                          and not config.passthrough)
         # A malformed address fails before the cache is locked.
         metrics_addr = parse_addr(config.metrics_addr or DEFAULT_ADDR)
         with contextlib.ExitStack() as opened:  # a part that fails to open closes those opened before it
@@ -203,6 +209,11 @@ class Daemon:
             capacity=config.cache_size, max_inflight=config.backend_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
         self.cache.wire(observer=self.prefetcher)
+        self.passthrough: Passthrough | None = None
+        if config.passthrough and not config.serving and os.geteuid() == 0:
+            whole = WholeFiles(config.cache_dir, self.store, config.passthrough_size or config.cache_size // 2)
+            whole.open()
+            self.passthrough = Passthrough(whole, self.cache, lambda: self.session)
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)
@@ -229,7 +240,7 @@ class Daemon:
             },
             presentation=Presentation(writable=config.writeback, file_mode=config.file_mode,
                                       dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
-            tree=self.tree, writeback=self.writeback, zero_open=self.zero_open,
+            tree=self.tree, writeback=self.writeback, zero_open=self.zero_open, passthrough=self.passthrough,
         )
         if config.push_ahead:
             self.cache.wire(pusher=Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
@@ -341,7 +352,8 @@ class Daemon:
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
                          backend_bandwidth=self.config.backend_bandwidth,
                          writeback=self.writeback.statistics() if self.writeback else None,
-                         peer=self.peer.statistics(self.peer_server.stats if self.peer_server else None) if self.peer else None, jobs=self.jobs.statistics())
+                         peer=self.peer.statistics(self.peer_server.stats if self.peer_server else None) if self.peer else None, jobs=self.jobs.statistics(),
+                         passthrough=self.passthrough.statistics() if self.passthrough else None)
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
@@ -421,6 +433,8 @@ class Daemon:
                         self.peer.members.rename(f"{self.peer_server.host}:{self.peer_server.port}")
                 await nursery.start(self.peer.members.run)
             await nursery.start(self.prefetcher.run)
+            if self.passthrough is not None:
+                await nursery.start(self.passthrough.run)
             await nursery.start(self.snapshots.run)
             if self.writeback is not None:
                 await nursery.start(self.writeback.run)

@@ -33,6 +33,18 @@ def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int
     return h.digest()
 
 
+def whole_id(source_id: str, key: str, etag: str, size: int) -> str:
+    """Hex id of version ``etag`` (``size`` bytes) of ``key`` in ``source_id``, held whole
+    (:mod:`epochfs.cache.whole`): another version, another id."""
+    h = hashlib.blake2b(digest_size=16, person=b"epochfs-whole-v1")
+    for part in (source_id, key, etag):
+        raw = part.encode("utf-8", "surrogateescape")
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+    h.update(size.to_bytes(8, "little"))
+    return h.hexdigest()
+
+
 def block_relpath(bid: bytes) -> str:
     """Where a block lives under the cache's ``blocks/`` directory: one level of 256 directories. (Two
     levels would put each block of a small cache in a directory of its own: one more directory to read

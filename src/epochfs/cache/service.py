@@ -171,6 +171,11 @@ class BlockCache:
 
     # -- reading ---------------------------------------------------------------------------------------
 
+    @property
+    def source_id(self) -> str:
+        """The source the cached blocks are of (part of every block's id)."""
+        return self._source
+
     def block_id(self, obj: ObjectInfo, index: int) -> bytes:
         return self._block_id(obj.key, obj.etag, index)
 
@@ -404,11 +409,15 @@ class BlockCache:
             started += 1
         return started
 
+    def opened(self, obj: ObjectInfo) -> None:
+        """``obj`` was opened (the prefetch plan follows the reader by its opens)."""
+        if self.observer is not None:
+            self.observer.opened(obj)
+
     def open_stream(self, obj: ObjectInfo, inode: int = 0) -> ReadStream | MemberStream:
         """A reader of ``obj``; ``inode``: the kernel's for it (where blocks may be pushed; 0: nowhere).
         A packed member's reader reads the range of its shard."""
-        if self.observer is not None:
-            self.observer.opened(obj)
+        self.opened(obj)
         stored, base = stored_extent(obj)
         if stored is not obj:
             checksum = member_checksum(obj)

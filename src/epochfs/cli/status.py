@@ -221,6 +221,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"errors     {reader_errors(s)}",
         format_prefetch(s["prefetch"]),
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
+        *([format_passthrough(s["passthrough"])] if s.get("passthrough") else []),
         *(format_peer(s["peer"]) if s.get("peer") else []),
     ])
 
@@ -259,6 +260,13 @@ def format_peer(p: dict[str, Any]) -> list[str]:
         mark = " (this node)" if member == p["me"] else " (bypassed: not answering)" if member in p["down"] else ""
         lines.append(f"           member {member}{mark}")
     return lines
+
+
+def format_passthrough(p: dict[str, Any]) -> str:
+    state = "on" if p["active"] else "OFF (the kernel refused a backing file: see the log)"
+    damaged = f"; {p['damaged']} damaged copies removed" if p["damaged"] else ""
+    return (f"passthrough {state}: {p['opens']} opens read by the kernel, {p['cached_opens']} through the daemon; "
+            f"{p['whole_files']} whole copies ({human(p['whole_bytes'])} of {human(p['whole_limit'])}){damaged}")
 
 
 def format_writeback(w: dict[str, Any]) -> str:

@@ -298,6 +298,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
             "usage": {"gets": int(usage.gets), "lists": int(usage.lists), "bytes": int(usage.bytes)},
         },
         "writeback": vars(c.writeback) if c.writeback is not None else None,
+        "passthrough": vars(c.passthrough) if c.passthrough is not None else None,
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down)}
         if c.peer is not None else None,
         "jobs": [job_of(j) for j in c.jobs],

@@ -2,7 +2,7 @@
 protocol's bytes, pure), :mod:`~epochfs.kernel.session` (a mount and its request loop),
 :mod:`~epochfs.kernel.types` (what handlers take and return)."""
 
-from epochfs.kernel.abi import NO_OPEN_SUPPORT
+from epochfs.kernel.abi import NO_OPEN_SUPPORT, PASSTHROUGH
 from epochfs.kernel.session import MountError, Session
 from epochfs.kernel.types import (
     ENOATTR,
@@ -17,6 +17,6 @@ from epochfs.kernel.types import (
     readdir_reply,
 )
 
-__all__ = ["ENOATTR", "NO_OPEN_SUPPORT", "ROOT_INODE", "EntryAttributes", "FUSEError", "FileInfo", "MountError",
+__all__ = ["ENOATTR", "NO_OPEN_SUPPORT", "PASSTHROUGH", "ROOT_INODE", "EntryAttributes", "FUSEError", "FileInfo", "MountError",
            "ReaddirToken",
            "RequestContext", "Session", "SetattrFields", "StatvfsData", "readdir_reply"]

@@ -1,5 +1,5 @@
-"""The FUSE kernel protocol, versions 7.31 to 7.38 (``linux/fuse.h``): request parsing and reply
-encoding, pure.
+"""The FUSE kernel protocol, versions 7.31 to 7.38, and 7.40's passthrough where it is negotiated
+(``linux/fuse.h``): request parsing and reply encoding, pure.
 
 Every minor from 7.31 (Linux 5.4: Ubuntu 20.04) on is spoken, each as that minor's kernel expects it:
 the replies this module encodes have the same layout in all of them (``fuse_entry_out``, ``fuse_attr_out``
@@ -7,7 +7,10 @@ and ``fuse_open_out`` since 7.9, ``fuse_init_out`` with ``max_pages`` since 7.28
 7.32, and ``flags2``, 7.36, are written 0), and what a minor adds is used only where it is negotiated:
 ``fuse_init_in``'s ``flags2`` only with ``FUSE_INIT_EXT`` (7.36), ``fuse_in_header.total_extlen`` only
 from 7.38 (before, that field is padding), INIT flags only those the kernel offers
-(:data:`FLAG_MINOR` says where each appeared).
+(:data:`FLAG_MINOR` says where each appeared). Passthrough (7.40, :data:`PASSTHROUGH`): the INIT reply's
+``max_stack_depth`` and an open reply's ``backing_id`` (both were unused fields before, and are read
+only when the flag is negotiated); the backing ids themselves come from ioctls on ``/dev/fuse``
+(:data:`BACKING_OPEN`, :data:`BACKING_CLOSE`).
 
 A request is the 40-byte ``fuse_in_header`` and the opcode's arguments; a reply is the 16-byte
 ``fuse_out_header`` and the opcode's result. Nothing here touches ``/dev/fuse``: :func:`parse` turns a
@@ -48,20 +51,29 @@ NO_OPEN_SUPPORT = 1 << 17
 PARALLEL_DIROPS = 1 << 18
 MAX_PAGES = 1 << 22
 INIT_EXT = 1 << 30
+PASSTHROUGH = 1 << 37  # (flags2 bit 5)
 #: The minor each INIT flag this module knows appeared in (a kernel of an earlier one never offers it).
 FLAG_MINOR = {ASYNC_READ: 6, ATOMIC_O_TRUNC: 9, BIG_WRITES: 9, AUTO_INVAL_DATA: 20, DO_READDIRPLUS: 21,
               ASYNC_DIO: 22, WRITEBACK_CACHE: 23, NO_OPEN_SUPPORT: 23, PARALLEL_DIROPS: 25, MAX_PAGES: 28,
-              INIT_EXT: 36}
+              INIT_EXT: 36, PASSTHROUGH: 40}
 #: The oldest minor spoken.
 OLDEST = 31
 #: The minor where the in-header's padding became ``total_extlen``.
 EXTLEN_MINOR = 38
+#: The minor spoken when passthrough is negotiated (its fields are 7.40's).
+PASSTHROUGH_MINOR = 40
 
 # open reply flags
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NONSEEKABLE = 1 << 2
 FOPEN_NOFLUSH = 1 << 5
+FOPEN_PASSTHROUGH = 1 << 7
+
+# ioctls on /dev/fuse (7.40): register an open file as a backing file (an id back), and let one go
+BACKING_MAP = struct.Struct("<iIQ")  # fd, flags, padding
+BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
+BACKING_CLOSE = 0x4004E502  # _IOW(229, 2, uint32_t)
 
 # setattr valid bits
 FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
@@ -76,12 +88,12 @@ OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 _ATTR = "QQQQQQIIIIIIIIII"
 ATTR_OUT = struct.Struct("<QII" + _ATTR)
 ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)
-OPEN_OUT = struct.Struct("<QII")
+OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
 WRITE_OUT = struct.Struct("<II")
 XATTR_SIZE_OUT = struct.Struct("<II")
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 INIT_IN = struct.Struct("<IIII")
-INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")
+INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # ... max_pages map_alignment flags2 max_stack_depth
 DIRENT = struct.Struct("<QQII")
 NOTIFY_STORE_OUT = struct.Struct("<QQII")
 NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")
@@ -278,8 +290,8 @@ def attr_out(a: Any) -> bytes:
     return ATTR_OUT.pack(av, avn, 0, *_attr_fields(a))
 
 
-def open_out(fh: int, flags: int) -> bytes:
-    return OPEN_OUT.pack(fh, flags, 0)
+def open_out(fh: int, flags: int, backing_id: int = 0) -> bytes:
+    return OPEN_OUT.pack(fh, flags, backing_id)
 
 
 def statfs_out(s: Any) -> bytes:

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 MAX_WRITE = 1 << 20
 BUFFER = MAX_WRITE + (64 << 10)  # the largest request: a WRITE of MAX_WRITE bytes and its header
 MAX_PAGES = 256
+#: File systems stacked under a backing file (a passthrough mount's cache is on a plain local one).
+PASSTHROUGH_DEPTH = 1
 
 WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES | abi.AUTO_INVAL_DATA | abi.DO_READDIRPLUS
         | abi.ASYNC_DIO | abi.PARALLEL_DIROPS | abi.MAX_PAGES)
@@ -315,7 +317,7 @@ class Session:
         a = req.args
         if a["major"] != abi.MAJOR:
             if a["major"] > abi.MAJOR:  # tell it ours and wait for its INIT of that version
-                self._send(abi.reply(req.unique, abi.INIT_OUT.pack(abi.MAJOR, abi.MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0)))
+                self._send(abi.reply(req.unique, abi.INIT_OUT.pack(abi.MAJOR, abi.MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)))
             else:
                 log.error("the kernel speaks FUSE %d.%d; this daemon needs 7.31 or later", a["major"], a["minor"])
                 self._send([abi.error(req.unique, errno.EPROTO)])
@@ -326,17 +328,39 @@ class Session:
             return
         self.kernel_minor = a["minor"]
         self.minor = min(abi.MINOR, a["minor"])
-        want = WANT | (abi.WRITEBACK_CACHE if getattr(self.ops, "enable_writeback_cache", False) else 0)
+        writeback = getattr(self.ops, "enable_writeback_cache", False)
+        want = WANT | (abi.WRITEBACK_CACHE if writeback else 0)
+        if getattr(self.ops, "want_passthrough", False) and not writeback:  # (the kernel refuses both)
+            want |= abi.INIT_EXT | abi.PASSTHROUGH
         flags = want & a["flags"]
+        if flags & abi.PASSTHROUGH and not flags & abi.INIT_EXT:
+            flags &= ~abi.PASSTHROUGH
+        if flags & abi.PASSTHROUGH:
+            self.minor = min(abi.PASSTHROUGH_MINOR, a["minor"])
         self.negotiated = flags | (a["flags"] & abi.NO_OPEN_SUPPORT)
         out = abi.INIT_OUT.pack(abi.MAJOR, self.minor, a["max_readahead"], flags & 0xFFFFFFFF,
-                                0, 0, MAX_WRITE, 1, MAX_PAGES if flags & abi.MAX_PAGES else 0, 0, 0)
+                                0, 0, MAX_WRITE, 1, MAX_PAGES if flags & abi.MAX_PAGES else 0, 0, flags >> 32,
+                                PASSTHROUGH_DEPTH if flags & abi.PASSTHROUGH else 0)
         self._send(abi.reply(req.unique, out))
 
     def can(self, flag: int) -> bool:
         """Whether the kernel offered INIT ``flag`` (e.g. ``NO_OPEN_SUPPORT``: it takes ENOSYS to an OPEN
         as "open without asking from now on")."""
         return bool(self.negotiated & flag)
+
+    # -- passthrough (7.40; root) ------------------------------------------------------------------------
+
+    def backing_open(self, fd: int) -> int:
+        """Register the open file ``fd`` as a backing file: its id, for :class:`FileInfo`'s
+        ``backing_id`` (the kernel then reads it itself). Raises OSError: EPERM without CAP_SYS_ADMIN,
+        EOPNOTSUPP/ENOTTY where passthrough was not negotiated or the kernel has none."""
+        if not self.can(abi.PASSTHROUGH):
+            raise OSError(errno.EOPNOTSUPP, "passthrough was not negotiated")
+        return _ioctl_int(self.fd, abi.BACKING_OPEN, abi.BACKING_MAP.pack(fd, 0, 0))
+
+    def backing_close(self, backing_id: int) -> None:
+        """Let a backing id go (opens already given it keep their file until they are released)."""
+        _ioctl_int(self.fd, abi.BACKING_CLOSE, backing_id.to_bytes(4, "little"))
 
     # -- notifications (any thread) ---------------------------------------------------------------------
 
@@ -427,9 +451,22 @@ def _setattr(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
     return abi.reply(req.unique, abi.attr_out(fn(req.nodeid, attr, fields, fh, _ctx(req))))
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _ioctl_int(fd: int, request: int, arg: bytes) -> int:
+    """An ioctl whose answer is its return value (``fcntl.ioctl`` gives back the buffer instead)."""
+    buf = ctypes.create_string_buffer(arg, len(arg))
+    rc = _LIBC.ioctl(ctypes.c_int(fd), ctypes.c_ulong(request), buf)
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return int(rc)
+
+
 def _open(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
     info: FileInfo = fn(req.nodeid, req.args["flags"], _ctx(req))
-    return abi.reply(req.unique, abi.open_out(info.fh, info.flags()))
+    return abi.reply(req.unique, abi.open_out(info.fh, info.flags(), info.backing_id))
 
 
 def _opendir(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:

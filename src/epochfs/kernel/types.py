@@ -50,8 +50,12 @@ class FileInfo:
     keep_cache: bool = True
     direct_io: bool = False
     nonseekable: bool = False
+    #: A passthrough open (:meth:`Session.backing_open`): the kernel reads this backing file itself.
+    backing_id: int = 0
 
     def flags(self) -> int:
+        if self.backing_id:
+            return abi.FOPEN_PASSTHROUGH
         return ((abi.FOPEN_KEEP_CACHE if self.keep_cache else 0) | (abi.FOPEN_DIRECT_IO if self.direct_io else 0)
                 | (abi.FOPEN_NONSEEKABLE if self.nonseekable else 0))
 
