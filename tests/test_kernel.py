@@ -22,6 +22,7 @@ from epochfs import kernel as fuse
 from epochfs.fs import Operations, Presentation
 from epochfs.kernel import abi
 from epochfs.kernel.session import Session
+from epochfs.kernel.types import FileInfo
 from epochfs.meta.index import build as build_namespace
 from epochfs.records import ObjectInfo
 
@@ -393,3 +394,37 @@ def test_the_session_speaks_each_kernels_minor_and_uses_only_what_it_offers(mino
         else:
             assert e == 0 and len(body) + 16 == REPLY_SIZES[abi.OPEN]
         pipe.close()
+
+
+@pytest.mark.parametrize("minor", KERNEL_MINORS)
+def test_passthrough_is_asked_for_only_where_the_kernel_offers_it_and_never_with_a_writeback_cache(minor):
+    """A kernel of 7.40 or later that offers FUSE_PASSTHROUGH gets it asked for (flags2 bit 5, with
+    FUSE_INIT_EXT), 7.40 spoken and a stack depth of 1, in the 64-byte reply; an earlier one, one that
+    does not offer it, or a mount with a write-back cache: nothing of it. An open answered with a backing
+    id carries FOPEN_PASSTHROUGH and the id, in the same 16 bytes."""
+    offered = 0
+    for flag, since in abi.FLAG_MINOR.items():
+        if since <= minor:
+            offered |= flag
+    for offers, writeback in ((offered, False), (offered & ~abi.PASSTHROUGH, False), (offered, True)):
+        ops = adapter()
+        ops.want_passthrough = True
+        ops.enable_writeback_cache = writeback
+        pipe = Pipe(ops)
+        s = pipe.session
+        s._handle(memoryview(fake_init(minor, offers)))
+        (u, e, body), = pipe.replies()
+        assert e == 0 and len(body) + 16 == REPLY_SIZES[abi.INIT]
+        _, got_minor, _, flags = struct.unpack_from("<IIII", body)
+        flags2, depth = struct.unpack_from("<II", body, 32)
+        if minor >= 40 and offers & abi.PASSTHROUGH and not writeback:
+            assert flags & abi.INIT_EXT and flags2 == abi.PASSTHROUGH >> 32 and depth == 1
+            assert got_minor == s.minor == 40 and s.can(abi.PASSTHROUGH)
+        else:
+            assert flags2 & (abi.PASSTHROUGH >> 32) == 0 and depth == 0 and not s.can(abi.PASSTHROUGH)
+            assert got_minor == min(minor, abi.MINOR)
+        pipe.close()
+    info = FileInfo(fh=7, keep_cache=True, backing_id=3)
+    raw = abi.open_out(info.fh, info.flags(), info.backing_id)
+    assert len(raw) == 16 and struct.unpack("<QIi", raw) == (7, abi.FOPEN_PASSTHROUGH, 3)
+    assert struct.unpack("<QIi", abi.open_out(7, FileInfo(fh=7).flags())) == (7, abi.FOPEN_KEEP_CACHE, 0)

@@ -266,6 +266,9 @@ class Config:
     passthrough_size: int | None = option(
         None, "mount", "bound of the whole copies --passthrough keeps (default: half of --cache-size; they count "
         "against it)", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')
+    passthrough_scrub: float = option(
+        86400.0, "mount", "hash every whole copy --passthrough keeps again at least this often (at 64 MiB/s at "
+        "most; 0: only when it is made and at each open)", metavar="SECONDS", parse=float)
     attr_timeout: float = option(3600.0, "mount", "how long the kernel may cache names and attributes",
                                  metavar="SECONDS", parse=float)
     fuse_options: tuple[str, ...] = option((), "mount", "extra FUSE mount option (repeatable)", flag="-o",
@@ -339,6 +342,8 @@ class Config:
         if self.passthrough and self.writeback:
             raise ConfigError("--passthrough serves cached objects read-only: not with --writeback (the kernel "
                               "allows no write-back cache with it)")
+        if self.passthrough_scrub < 0:
+            raise ConfigError("--passthrough-scrub must be >= 0 seconds")
         if self.passthrough_size is not None and not self.block_size <= self.passthrough_size <= self.cache_size:
             raise ConfigError("--passthrough-size must be between a block and --cache-size")
         if self.writeback and self.source.scheme != "s3":

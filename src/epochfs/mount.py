@@ -213,7 +213,8 @@ class Daemon:
         if config.passthrough and not config.serving and os.geteuid() == 0:
             whole = WholeFiles(config.cache_dir, self.store, config.passthrough_size or config.cache_size // 2)
             whole.open()
-            self.passthrough = Passthrough(whole, self.cache, lambda: self.session)
+            self.passthrough = Passthrough(whole, self.cache, lambda: self.session,
+                                           scrub_every=config.passthrough_scrub)
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)

@@ -110,6 +110,8 @@ class Passthrough:
                 st.passed.add(fh)
                 self.opens += 1
                 return backing
+        elif self.active and self._eligible(obj):
+            self._consider(obj)  # (for the opens after these)
         st.cached.add(fh)
         self.cached_opens += 1
         return 0
@@ -174,7 +176,7 @@ class Passthrough:
         wid = self._wid(obj)
         if wid in self._queue or wid in self.whole.files or obj.size > self.whole.limit:
             return
-        if all(self.cache.is_resident(self.cache.block_id(obj, i)) for i in range(self._blocks(obj))):
+        if all(self.cache.is_coming(self.cache.block_id(obj, i)) for i in range(self._blocks(obj))):
             self._queue[wid] = obj
             self._wake.set()
 

@@ -364,6 +364,10 @@ class BlockCache:
         """Resident in the store, or being fetched."""
         return bid in self._flights or self.store.lookup(bid) is not None
 
+    def is_coming(self, bid: bytes) -> bool:
+        """Resident in the store, or being fetched (:meth:`read_stored` waits for it)."""
+        return bid in self._flights or self.store.lookup(bid) is not None
+
     def is_resident(self, bid: bytes) -> bool:
         """Resident in the store."""
         return self.store.lookup(bid) is not None
