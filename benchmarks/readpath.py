@@ -66,6 +66,18 @@ class Floor(Contender):
         self.pid = self.proc.pid
 
 
+def copied(c: Epochfs, timeout: float = 120.0) -> None:
+    """Wait until a --passthrough mount has made its whole copies of what was read."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = c.status()["passthrough"] or {}
+        if p.get("whole_files", 0) >= 1:
+            log(f"{c.name}: {p['whole_files']} whole copies")
+            return
+        time.sleep(0.2)
+    log(f"{c.name}: no whole copy made in {timeout:g} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=1000)
@@ -125,6 +137,8 @@ def main() -> int:
                     drop_page_cache()
                     record(c.name, "cold large MiB/s", seq_read(c.root / large.key) / MiB)
                     time.sleep(1)  # what was written behind the reader lands
+                    if isinstance(c, Epochfs) and "--passthrough" in c.extra:
+                        copied(c)  # (the whole copy a later epoch's opens read, made during this one)
                     c.unmount()  # a fresh mount over the filled cache: nothing of the cold pass in memory
                     c._mount()
                     wait_mounted(c.root)

@@ -42,7 +42,7 @@ def job(name="train", rank=0, steps=100, wait=1.0, compute=9.0, gpu=None, saves=
 
 def healthy():
     """A mount in good shape: the order handed over, the dataset cached in a cache that holds it, large
-    objects, a quiet backend, every read a hit."""
+    objects, a quiet backend, every read a hit, the kernel reading cached files itself."""
     return {"mountpoint": "/mnt/data", "source": "s3://bucket/train", "eviction": "manifest", "backend_concurrency": 16,
             "cache": {"hit_bytes": 100 * MiB, "miss_bytes": 0},
             "backend": {"bytes": 10 * MiB, "bandwidth_limit": 1e9, "requests": {"get/ok": 10},
@@ -52,6 +52,7 @@ def healthy():
             "store": {"capacity_bytes": 128 * GiB, "used_bytes": DATASET},
             "errors": {},
             "writeback": None,
+            "passthrough": {"active": True, "opens": 900, "cached_opens": 100},
             "jobs": [job()]}
 
 
@@ -171,6 +172,8 @@ CASES = {
                       lambda s, r: s.update(eviction="manifest", cache={"hit_bytes": 100 * MiB, "miss_bytes": 0})),
     "small-files": (lambda s: s["snapshot"].update(bytes=1000 * 100 * 1024),
                     lambda s, r: s["snapshot"].update(shards=4)),  # epochfs pack, and the packed prefix mounted
+    "warm-read-path": (lambda s: s.update(passthrough=None),  # every read a hit, the daemon reading them
+                       lambda s, r: s.update(passthrough={"active": True, "opens": 1, "cached_opens": 0})),
     "backend-saturated": (lambda s: s["backend"].update(bytes=10 * MiB + int(1.8e9)),  # 0.9 GB/s of 1 GB/s
                           lambda s, r: s["backend"].update(bytes=10 * MiB + int(0.4e9))),  # (fetched once by peers)
     "cache-tier": (lambda s: s.update(peer={"role": "client", "bytes_in": 80 * MiB,
@@ -490,3 +493,23 @@ def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucke
         assert saved and saved[0]["saves"] == 1 and saved[0]["save_seconds"] >= 0.2
         text = run("--job", "saver")
         assert text.startswith("no-job-data: saver reported checkpoint saves only")
+
+
+def test_a_warm_job_that_waits_hears_of_passthrough_only_where_it_would_help():
+    s = starving()
+    s["passthrough"] = None
+    r = doctor(s)
+    assert [f["cause"] for f in r["findings"]] == ["warm-read-path"] and "`--passthrough`" in r["findings"][0]["fix"]
+    s["passthrough"] = {"active": False, "opens": 0, "cached_opens": 10}  # asked for, refused by the kernel
+    f = doctor(s)["findings"][0]
+    assert f["cause"] == "warm-read-path" and "as root on Linux 6.9" in f["fix"]
+    s["passthrough"] = {"active": True, "opens": 10, "cached_opens": 0}
+    r = doctor(s)
+    assert r["findings"] == [] and any("--passthrough" in x for x in r["in_place"])
+    s["passthrough"] = None
+    for change in (lambda t: t["snapshot"].update(shards=4),  # packed: members are read through the daemon
+                   lambda t: t["cache"].update(hit_bytes=90 * MiB, miss_bytes=10 * MiB),  # not warm: misses first
+                   lambda t: t.update(jobs=[job(wait=1.0, compute=9.0)])):  # not waiting
+        t = copy.deepcopy(s)
+        change(t)
+        assert "warm-read-path" not in [f["cause"] for f in doctor(t)["findings"]]

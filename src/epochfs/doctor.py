@@ -34,6 +34,7 @@ HIT_RATIO = 0.85  # the alert's threshold
 BACKEND_BUSY = 0.7  # of --backend-bandwidth
 SLOW_BACKEND = 0.020  # seconds, median of a block request
 SMALL_FILES = 1 << 20  # average object size below which small files dominate
+WARM_HITS = 0.99  # of the bytes read were cache hits: what is left is the read path from the cache
 BACKLOG_SECONDS = 60.0  # the oldest written file waiting this long for its upload
 SLOW_SAVE = 30.0  # seconds a checkpoint save keeps the job from training
 CACHE_TIER = 0.5  # of the bytes read that came from the cluster tier's members
@@ -42,7 +43,7 @@ WARM = 0.95  # of the dataset cached: a job started now reads it warm
 
 #: Findings, most helpful first (the order they are listed in).
 ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
-         "backend-saturated", "cache-tier", "cache-tier-failing", "backend-latency", "slow-checkpoints",
+         "warm-read-path", "backend-saturated", "cache-tier", "cache-tier-failing", "backend-latency", "slow-checkpoints",
          "writeback-backlog")
 
 
@@ -157,7 +158,7 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "backend_concurrency": after.get("backend_concurrency"),
             "errors": {k: n for k, n in errors.items() if n > 0},
             "errors_total": {k: n for k, n in (after.get("errors") or {}).items() if n > 0},
-            "writeback": after.get("writeback")}
+            "writeback": after.get("writeback"), "passthrough": after.get("passthrough")}
 
 
 def size_flag(nbytes: float) -> str:
@@ -187,6 +188,8 @@ def in_place(m: dict[str, Any]) -> list[str]:
         out.append("eviction follows the plan (manifest)")
     if m.get("writeback"):
         out.append("writes go to the cache first (--writeback)")
+    if (m.get("passthrough") or {}).get("active"):
+        out.append("the kernel reads cached files itself (--passthrough)")
     return out
 
 
@@ -247,6 +250,21 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               f"pack them: `epochfs pack {src} {shlex.quote(str(m['source']).rstrip('/') + '-packed')}` and mount the "
               "packed prefix (members read "
               "as the same files, a shard per request)")
+    judged_phase = (phases.get("later") or phases.get("first")) if phases else None
+    verdict = judged_phase["verdict"] if judged_phase else (
+        verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else None)
+    pt = m.get("passthrough")
+    if (verdict == "storage-bound" and hit is not None and hit >= WARM_HITS
+            and avg is not None and avg >= SMALL_FILES and not m["shards"] and not m.get("writeback")
+            and not (pt or {}).get("active")):
+        if pt is None:
+            found("warm-read-path", f"the job waits for data though {hit:.0%} of what it reads is cached: the "
+                  "daemon's read path is the bound", "remount with `--passthrough` (the daemon as root, Linux 6.9+): "
+                  "the kernel then reads a cached file from the cache disk itself, at the disk's speed")
+        else:
+            found("warm-read-path", f"the job waits for data though {hit:.0%} of what it reads is cached, and "
+                  "--passthrough is off (the kernel refused it)", "run the daemon as root on Linux 6.9 or later "
+                  "(the kernel registers backing files only for CAP_SYS_ADMIN); the daemon's log says which")
     limit = m["backend_bandwidth_limit"]
     if limit and m["backend_bytes_per_second"] > BACKEND_BUSY * limit:
         fix = ("add a cache node: `epochfs serve SOURCE ... --rebalance`" if m.get("peer_role") == "client" else
