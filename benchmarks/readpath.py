@@ -226,6 +226,11 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
             r = paired(("epochfs", what), (ref, what))
             if r:
                 lines.append(f"| epochfs / {ref}, {what} | {r} |")
+    for what in MEASURES:  # the variant against the same references
+        for ref in peers + ["raw disk", "raw boto3"]:
+            r = paired(("epochfs-variant", what), (ref, what))
+            if r:
+                lines.append(f"| epochfs-variant / {ref}, {what} | {r} |")
     r = paired(("epochfs", "warm small files/s, 16 readers"), ("epochfs", "warm small files/s, 1 readers"))
     if r:
         lines.append(f"| epochfs 16 readers / 1 reader, warm small | {r} |")
