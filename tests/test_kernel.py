@@ -222,7 +222,8 @@ def test_unknown_mount_options_are_refused_with_their_name():
     with pytest.raises(fuse.MountError, match="'frobnicate'"):
         Session(adapter(), "/", ["ro", "frobnicate"])
     s = Session(adapter(), "/", ["ro", "nosuid", "allow_other", "fsname=s3://b/p\\,q", "subtype=epochfs"])
-    assert s.flags == 1 | 2 and s.data == ["allow_other"] and s.source == "s3://b/p,q" and s.fstype == "fuse.epochfs"
+    o = s.options
+    assert o.flags == 1 | 2 and o.data == ("allow_other",) and o.source == "s3://b/p,q" and o.fstype == "fuse.epochfs"
 
 
 NOBODY_MOUNT = r'''

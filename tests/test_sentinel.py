@@ -18,7 +18,7 @@ import pytest
 from epochfs.devserver import LocalRedis, LocalSentinels
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.meta import StoreAccess, open_meta
-from epochfs.meta.redis import _sentinel_url
+from epochfs.meta.redis_link import _sentinel_url
 from epochfs.records import ObjectInfo
 from epochfs.sample import SampleFile, upload
 

@@ -265,7 +265,7 @@ class Config:
         "(--open-requests); not with --writeback. Off where the kernel has no passthrough, with a warning")
     passthrough_size: int | None = option(
         None, "mount", "bound of the whole copies --passthrough keeps (default: half of --cache-size; they count "
-        "against it)", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')
+        "against it, so it bounds them too)", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')
     passthrough_scrub: float = option(
         86400.0, "mount", "hash every whole copy --passthrough keeps again at least this often (at 64 MiB/s at "
         "most; 0: only when it is made and at each open)", metavar="SECONDS", parse=float)
@@ -344,8 +344,8 @@ class Config:
                               "allows no write-back cache with it)")
         if self.passthrough_scrub < 0:
             raise ConfigError("--passthrough-scrub must be >= 0 seconds")
-        if self.passthrough_size is not None and not self.block_size <= self.passthrough_size <= self.cache_size:
-            raise ConfigError("--passthrough-size must be between a block and --cache-size")
+        if self.passthrough_size is not None and self.passthrough_size < self.block_size:
+            raise ConfigError("--passthrough-size must hold at least one block (the cache's bound applies too)")
         if self.writeback and self.source.scheme != "s3":
             raise ConfigError(f"--writeback needs an S3 source; {self.source.url} is read-only")
         for name in ("prefetch_bandwidth", "backend_bandwidth", "upload_bandwidth"):

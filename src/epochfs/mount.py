@@ -211,7 +211,8 @@ class Daemon:
         self.cache.wire(observer=self.prefetcher)
         self.passthrough: Passthrough | None = None
         if config.passthrough and not config.serving and os.geteuid() == 0:
-            whole = WholeFiles(config.cache_dir, self.store, config.passthrough_size or config.cache_size // 2)
+            whole = WholeFiles(config.cache_dir, self.store,
+                               min(config.passthrough_size or config.cache_size // 2, config.cache_size))
             whole.open()
             self.passthrough = Passthrough(whole, self.cache, lambda: self.session,
                                            scrub_every=config.passthrough_scrub)

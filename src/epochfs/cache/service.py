@@ -31,12 +31,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 
 from epochfs.backend.base import Backend
+from epochfs.cache.flights import CacheSettings, CacheStats, Fetch, ReadObserver
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
 from epochfs.cache.keys import block_bounds, block_id, range_blocks
@@ -50,64 +49,6 @@ from epochfs.errors import BackendUnavailable, EpochfsError
 from epochfs.records import ObjectInfo, member_checksum, stored_extent
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    hits: int
-    misses: int
-    hit_bytes: int
-    miss_bytes: int
-    demand_fetches: int
-    prefetch_fetches: int
-    demand_bytes: int  # from the backend
-    prefetch_bytes: int  # from the backend
-    inflight: int
-    peer_bytes: int = 0  # fetched from peers (demand and prefetch)
-    pushed_blocks: int = 0  # pushed into the kernel page cache ahead of readers (see cache.push)
-    pushed_bytes: int = 0
-    push_failures: int = 0  # pushes refused by the kernel, or of blocks found damaged
-    push_stale: int = 0  # pushes whose file changed meanwhile (its pages dropped again)
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """What the block cache service needs of the mount's options."""
-
-    block_size: int
-    concurrency: int  # backend fetches at once, demand and prefetch each
-    readahead_blocks: int  # blocks fetched ahead of a sequential reader
-    fetch_timeout: float = 60.0  # a fill gives up after this long, whatever its thread is doing
-
-
-class ReadObserver(Protocol):
-    """Told where the reader is (the prefetcher follows it)."""
-
-    def opened(self, obj: ObjectInfo) -> None: ...
-
-    def touched(self, obj: ObjectInfo, index: int) -> None: ...
-
-
-class Fetch:
-    """One block being fetched (single flight: every reader of the block waits on the same one)."""
-
-    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "read_to_end")
-
-    def __init__(self, demand: bool, direct: bool = False, warm: bool = False, near: bool = True) -> None:
-        self.event = trio.Event()
-        self.data: bytes | None = None
-        self.error: EpochfsError | None = None
-        self.demand = demand
-        self.direct = direct  # for a peer: from the backend, never another peer
-        self.warm = warm  # a prefetch that only warms the block's owner: no bytes for readers
-        self.near = near  # a reader is at or right behind this block: keep it in memory, write it around
-        self.from_peer = False
-        self.read_to_end = False  # a reader read the block's last byte (it has moved on)
-
-    async def wait(self) -> EpochfsError | None:
-        """Wait for the fetch; its error, or None when the bytes arrived."""
-        await self.event.wait()
-        return self.error
 
 
 class BlockCache:

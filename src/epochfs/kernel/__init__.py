@@ -3,7 +3,8 @@ protocol's bytes, pure), :mod:`~epochfs.kernel.session` (a mount and its request
 :mod:`~epochfs.kernel.types` (what handlers take and return)."""
 
 from epochfs.kernel.abi import NO_OPEN_SUPPORT, PASSTHROUGH
-from epochfs.kernel.session import MountError, Session
+from epochfs.kernel.mounting import MountError
+from epochfs.kernel.session import Session
 from epochfs.kernel.types import (
     ENOATTR,
     ROOT_INODE,

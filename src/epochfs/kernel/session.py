@@ -1,5 +1,6 @@
-"""One FUSE mount: ``/dev/fuse`` opened and mounted, its requests read and answered on the trio thread,
-notifications sent from any thread.
+"""One FUSE mount: ``/dev/fuse`` mounted (:mod:`epochfs.kernel.mounting`), INIT, its requests read and
+routed on the trio thread (each request's translation: :mod:`epochfs.kernel.translate`), notifications
+sent from any thread, backing files registered for passthrough.
 
 The handlers are the methods of an operations object (:class:`epochfs.fs.Operations`) named as the
 requests are (``lookup``, ``open``, ``read``...). A plain method is called as its request is read and
@@ -16,32 +17,19 @@ and the kernel's protocol in one module (:mod:`epochfs.kernel.abi`) where it can
 
 from __future__ import annotations
 
-import array
 import ctypes
-import ctypes.util
 import errno
-import inspect
 import logging
 import os
-import socket
-import stat
-import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
 
-from epochfs.kernel import abi
-from epochfs.kernel.types import (
-    EntryAttributes,
-    FileInfo,
-    FUSEError,
-    ReaddirToken,
-    RequestContext,
-    SetattrFields,
-)
+from epochfs.kernel import abi, mounting
+from epochfs.kernel.translate import DISPATCH, handlers_of, read_reply, waited_read
+from epochfs.kernel.types import FUSEError
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +42,8 @@ PASSTHROUGH_DEPTH = 1
 WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES | abi.AUTO_INVAL_DATA | abi.DO_READDIRPLUS
         | abi.ASYNC_DIO | abi.PARALLEL_DIROPS | abi.MAX_PAGES)
 
-_MS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "sync": 16, "dirsync": 128, "noatime": 1024,
-       "nodiratime": 2048}
-_NO_FLAG = {"rw", "suid", "dev", "exec", "atime", "diratime", "async"}
-_KERNEL = {"default_permissions", "allow_other"}
-_MNT_DETACH = 2
-
 #: Requests answered at most this many in a row before other trio tasks get a turn.
 BATCH = 32
-
-
-class MountError(RuntimeError):
-    """The file system could not be mounted."""
 
 
 class Session:
@@ -75,7 +53,8 @@ class Session:
     def __init__(self, ops: Any, mountpoint: str, options: Iterable[str]) -> None:
         self.ops = ops
         self.mountpoint = os.path.abspath(mountpoint)
-        self.flags, self.data, self.source, self.fstype, self.debug = _options(options)
+        self.options = mounting.parse_options(options)
+        self.debug = self.options.debug
         self.fd = -1
         self.negotiated = 0  # the INIT flags both sides have
         self.kernel_minor = 0
@@ -84,7 +63,7 @@ class Session:
         self._cancel: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._terminated = False
-        self._handlers = _handlers(ops)
+        self._handlers = handlers_of(ops)
         # A plain ``read_now`` answers the reads whose bytes are at hand with no task (see _answer_read).
         self._read_now: Callable[..., Any] | None = getattr(ops, "read_now", None)
         self._unmounted = threading.Event()
@@ -93,72 +72,13 @@ class Session:
 
     def mount(self) -> None:
         """Open ``/dev/fuse`` and mount it (directly as root, through ``fusermount3`` otherwise)."""
-        try:
-            st = os.stat(self.mountpoint)
-        except OSError as exc:
-            raise MountError(f"{self.mountpoint}: {exc.strerror}") from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise MountError(f"{self.mountpoint} is not a directory")
-        if os.geteuid() == 0:
-            self._mount_direct(st.st_mode)
-        else:
-            self._mount_fusermount()
-
-    def _mount_direct(self, mode: int) -> None:
-        try:
-            fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise MountError(f"cannot open /dev/fuse: {exc.strerror}") from None
-        data = ",".join([f"fd={fd}", f"rootmode={stat.S_IFMT(mode):o}", f"user_id={os.getuid()}",
-                         f"group_id={os.getgid()}", *self.data])
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        rc = libc.mount(self.source.encode(), self.mountpoint.encode(), self.fstype.encode(),
-                        ctypes.c_ulong(self.flags), data.encode())
-        if rc != 0:
-            err = ctypes.get_errno()
-            os.close(fd)
-            raise MountError(f"mount {self.mountpoint}: {os.strerror(err)}")
-        self.fd = fd
-        self._root_mounted = True
-
-    def _mount_fusermount(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        opts = [o for o, bit in _MS.items() if self.flags & bit] + list(self.data)
-        fsname = self.source.replace("\\", "\\\\").replace(",", "\\,")  # (its option parser splits at commas)
-        opts += [f"fsname={fsname}", f"subtype={self.fstype.removeprefix('fuse.')}"]
-        try:
-            proc = subprocess.run(["fusermount3", "-o", ",".join(opts), "--", self.mountpoint],
-                                  env={**os.environ, "_FUSE_COMMFD": str(theirs.fileno())},
-                                  pass_fds=(theirs.fileno(),), capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MountError(f"fusermount3: {exc}") from None
-        finally:
-            theirs.close()
-        try:
-            if proc.returncode != 0:
-                raise MountError(proc.stderr.strip() or f"fusermount3 exited {proc.returncode}")
-            fds = array.array("i")
-            _, anc, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(payload[:fds.itemsize])
-            if not fds:
-                raise MountError("fusermount3 passed no /dev/fuse descriptor")
-            self.fd = fds[0]
-            os.set_inheritable(self.fd, False)
-        finally:
-            ours.close()
+        self.fd, self._root_mounted = mounting.mount(self.mountpoint, self.options)
 
     def close(self, unmount: bool = True) -> None:
         """Unmount (lazily: open files keep the mount until closed) and close the device."""
         if unmount and self.fd >= 0 and not self._unmounted.is_set():
             self._unmounted.set()
-            if self._root_mounted:
-                libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-                libc.umount2(self.mountpoint.encode(), _MNT_DETACH)
-            else:
-                subprocess.run(["fusermount3", "-u", "-q", "-z", "--", self.mountpoint],
-                               capture_output=True, timeout=60, check=False)
+            mounting.unmount(self.mountpoint, self._root_mounted)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -243,7 +163,7 @@ class Session:
         if op == abi.READ and self._read_now is not None:
             self._answer_read(req)
             return
-        entry = _DISPATCH.get(op)
+        entry = DISPATCH.get(op)
         if entry is None:
             self._send([abi.error(req.unique, errno.ENOSYS)])
             return
@@ -283,10 +203,10 @@ class Session:
             return
         if callable(answer):
             assert self._nursery is not None
-            self._nursery.start_soon(self._answer_async, req, answer, _waited_read)
+            self._nursery.start_soon(self._answer_async, req, answer, waited_read)
             return
         try:
-            reply = _read_reply(req, answer)
+            reply = read_reply(req, answer)
         except Exception:
             log.exception("read answered with %s", type(answer).__name__)
             reply = [abi.error(req.unique, errno.EIO)]
@@ -385,72 +305,6 @@ class Session:
                                 bytes(name) + b"\0"))
 
 
-def _options(options: Iterable[str]) -> tuple[int, list[str], str, str, bool]:
-    flags, data, source, subtype, debug = 0, [], "epochfs", "", False
-    for opt in sorted(set(options)):
-        key, _, value = opt.partition("=")
-        if key in _MS and not value:
-            flags |= _MS[key]
-        elif key in _NO_FLAG and not value:
-            pass
-        elif key in _KERNEL and not value:
-            data.append(key)
-        elif key in ("max_read", "blksize") and value.isdigit():
-            data.append(opt)
-        elif key == "fsname" and value:
-            source = value.replace("\\,", ",").replace("\\\\", "\\")
-        elif key == "subtype" and value:
-            subtype = value
-        elif key == "debug" and not value:
-            debug = True
-        else:
-            raise MountError(f"unknown mount option {opt!r}")
-    return flags, data, source, f"fuse.{subtype}" if subtype else "fuse", debug
-
-
-# -- the requests: each turns a parsed request into a handler call and its reply ------------------------
-
-def _ctx(req: abi.Request, umask: int = 0) -> RequestContext:
-    return RequestContext(req.uid, req.gid, req.pid, umask)
-
-
-def _entry(s: Session, req: abi.Request, attr: EntryAttributes) -> list[bytes | memoryview]:
-    return abi.reply(req.unique, abi.entry_out(attr))
-
-
-def _done(req: abi.Request) -> list[bytes | memoryview]:
-    return abi.reply(req.unique)
-
-
-def _lookup(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return _entry(s, req, fn(req.nodeid, req.args["name"], _ctx(req)))
-
-
-def _getattr(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return abi.reply(req.unique, abi.attr_out(fn(req.nodeid, _ctx(req))))
-
-
-def _setattr(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    a = req.args
-    valid = a["valid"]
-    attr = EntryAttributes(st_ino=req.nodeid, st_mode=a["mode"], st_uid=a["uid"], st_gid=a["gid"], st_size=a["size"],
-                           st_atime_ns=a["atime"] * 10**9 + a["atimensec"],
-                           st_mtime_ns=a["mtime"] * 10**9 + a["mtimensec"],
-                           st_ctime_ns=a["ctime"] * 10**9 + a["ctimensec"])
-    now = time.time_ns()
-    if valid & abi.FATTR_ATIME_NOW:
-        attr.st_atime_ns = now
-    if valid & abi.FATTR_MTIME_NOW:
-        attr.st_mtime_ns = now
-    fields = SetattrFields(update_atime=bool(valid & (abi.FATTR_ATIME | abi.FATTR_ATIME_NOW)),
-                           update_mtime=bool(valid & (abi.FATTR_MTIME | abi.FATTR_MTIME_NOW)),
-                           update_ctime=bool(valid & abi.FATTR_CTIME), update_mode=bool(valid & abi.FATTR_MODE),
-                           update_uid=bool(valid & abi.FATTR_UID), update_gid=bool(valid & abi.FATTR_GID),
-                           update_size=bool(valid & abi.FATTR_SIZE))
-    fh = a["fh"] if valid & abi.FATTR_FH else None
-    return abi.reply(req.unique, abi.attr_out(fn(req.nodeid, attr, fields, fh, _ctx(req))))
-
-
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -464,138 +318,3 @@ def _ioctl_int(fd: int, request: int, arg: bytes) -> int:
     return int(rc)
 
 
-def _open(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    info: FileInfo = fn(req.nodeid, req.args["flags"], _ctx(req))
-    return abi.reply(req.unique, abi.open_out(info.fh, info.flags(), info.backing_id))
-
-
-def _opendir(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return abi.reply(req.unique, abi.open_out(fn(req.nodeid, _ctx(req)), 0))
-
-
-def _readdir(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    token = ReaddirToken(req.args["size"], req.opcode == abi.READDIRPLUS)
-    fn(req.args["fh"], req.args["offset"], token)
-    return abi.reply(req.unique, b"".join(token.parts))
-
-
-def _fh(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    fn(req.args["fh"])
-    return _done(req)
-
-
-def _create(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    a = req.args
-    info, attr = fn(req.nodeid, a["name"], a["mode"], a["flags"], _ctx(req, a["umask"]))
-    return abi.reply(req.unique, abi.entry_out(attr), abi.open_out(info.fh, info.flags()))
-
-
-def _write(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    n = fn(req.args["fh"], req.args["offset"], req.args["data"])
-    return abi.reply(req.unique, abi.WRITE_OUT.pack(n, 0))
-
-
-def _mkdir(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    a = req.args
-    return _entry(s, req, fn(req.nodeid, a["name"], a["mode"], _ctx(req, a["umask"])))
-
-
-def _mknod(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    a = req.args
-    return _entry(s, req, fn(req.nodeid, a["name"], a["mode"], a["rdev"], _ctx(req, a["umask"])))
-
-
-def _symlink(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return _entry(s, req, fn(req.nodeid, req.args["name"], req.args["target"], _ctx(req)))
-
-
-def _link(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return _entry(s, req, fn(req.args["oldnodeid"], req.nodeid, req.args["name"], _ctx(req)))
-
-
-def _name(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    fn(req.nodeid, req.args["name"], _ctx(req))
-    return _done(req)
-
-
-def _rename(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    a = req.args
-    fn(req.nodeid, a["old"], a["newdir"], a["new"], a["flags"], _ctx(req))
-    return _done(req)
-
-
-def _statfs(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return abi.reply(req.unique, abi.statfs_out(fn(_ctx(req))))
-
-
-def _getxattr(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    value = bytes(fn(req.nodeid, req.args["name"], _ctx(req)))
-    return _sized(req, value)
-
-
-def _listxattr(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    return _sized(req, abi.xattr_names(fn(req.nodeid, _ctx(req))))
-
-
-def _sized(req: abi.Request, value: bytes) -> list[bytes | memoryview]:
-    size = req.args["size"]
-    if size == 0:
-        return abi.reply(req.unique, abi.XATTR_SIZE_OUT.pack(len(value), 0))
-    if len(value) > size:
-        raise FUSEError(errno.ERANGE)
-    return abi.reply(req.unique, value)
-
-
-async def _read(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    a = req.args
-    return _read_reply(req, await fn(a["fh"], a["offset"], a["size"], req.nodeid, req.pid))
-
-
-async def _waited_read(s: Session, req: abi.Request, rest: Callable[[], Any]) -> Any:
-    return _read_reply(req, await rest())
-
-
-def _read_reply(req: abi.Request, data: bytes | memoryview) -> list[bytes | memoryview]:
-    if len(data) > req.args["size"]:
-        data = memoryview(data)[:req.args["size"]]
-    return abi.reply(req.unique, data)
-
-
-async def _fsync(s: Session, req: abi.Request, fn: Callable[..., Any]) -> Any:
-    await fn(req.args["fh"], req.args["datasync"])
-    return _done(req)
-
-
-_DISPATCH: dict[int, tuple[str, Callable[..., Any]]] = {
-    abi.LOOKUP: ("lookup", _lookup), abi.GETATTR: ("getattr", _getattr), abi.SETATTR: ("setattr", _setattr),
-    abi.OPEN: ("open", _open), abi.READ: ("read", _read), abi.WRITE: ("write", _write),
-    abi.RELEASE: ("release", _fh), abi.FLUSH: ("flush", _fh), abi.FSYNC: ("fsync", _fsync),
-    abi.OPENDIR: ("opendir", _opendir), abi.READDIR: ("readdir", _readdir),
-    abi.READDIRPLUS: ("readdir", _readdir), abi.RELEASEDIR: ("releasedir", _fh),
-    abi.CREATE: ("create", _create), abi.MKDIR: ("mkdir", _mkdir), abi.MKNOD: ("mknod", _mknod),
-    abi.SYMLINK: ("symlink", _symlink), abi.LINK: ("link", _link), abi.UNLINK: ("unlink", _name),
-    abi.RMDIR: ("rmdir", _name), abi.RENAME: ("rename", _rename), abi.RENAME2: ("rename", _rename),
-    abi.STATFS: ("statfs", _statfs), abi.GETXATTR: ("getxattr", _getxattr),
-    abi.LISTXATTR: ("listxattr", _listxattr),
-}
-
-_ASYNC_CALLS = {_read, _fsync}  # (READ goes through read_now where the handler has one)
-
-
-def _handlers(ops: Any) -> dict[str, tuple[Callable[..., Any], bool]]:
-    """The handlers ``ops`` has, and whether each is a coroutine function (then its request runs as a
-    task; the request kinds that may wait must have one)."""
-    found: dict[str, tuple[Callable[..., Any], bool]] = {}
-    names = {name for name, _ in _DISPATCH.values()} | {"forget"}
-    for name in names:
-        fn = getattr(ops, name, None)
-        if fn is None:
-            continue
-        is_async = inspect.iscoroutinefunction(fn)
-        needs_async = any(call in _ASYNC_CALLS for n, call in _DISPATCH.values() if n == name)
-        if is_async != needs_async and name != "forget":
-            raise TypeError(f"{type(ops).__name__}.{name} must be {'a coroutine' if needs_async else 'a plain'} function")
-        if name == "forget" and is_async:
-            raise TypeError(f"{type(ops).__name__}.forget must be a plain function")
-        found[name] = (fn, is_async)
-    return found
