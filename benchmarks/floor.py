@@ -19,21 +19,21 @@ import stat
 
 import trio
 
-from epochfs import kernel as fuse
+from epochfs import kernel
 
 
 class Floor:
     def __init__(self, root: str, blksize: int) -> None:
         self.blksize = blksize
-        self.paths = {fuse.ROOT_INODE: root}
-        self.inodes: dict[str, int] = {root: fuse.ROOT_INODE}
+        self.paths = {kernel.ROOT_INODE: root}
+        self.inodes: dict[str, int] = {root: kernel.ROOT_INODE}
         self.fds: dict[int, int] = {}
         self.by_inode: dict[int, int] = {}
         self.zero_open = True
 
-    def _attr(self, path: str) -> fuse.EntryAttributes:
+    def _attr(self, path: str) -> kernel.EntryAttributes:
         st = os.lstat(path)
-        a = fuse.EntryAttributes()
+        a = kernel.EntryAttributes()
         ino = self.inodes.get(path)
         if ino is None:
             ino = self.inodes[path] = len(self.paths) + 1
@@ -48,7 +48,7 @@ class Floor:
         try:
             return self._attr(os.path.join(self.paths[parent], os.fsdecode(name)))
         except OSError as exc:
-            raise fuse.FUSEError(exc.errno) from None
+            raise kernel.FUSEError(exc.errno) from None
 
     def getattr(self, inode, ctx):
         return self._attr(self.paths[inode])
@@ -60,17 +60,17 @@ class Floor:
         names = sorted(os.listdir(self.paths[inode]))
         for i in range(start, len(names)):
             attr = self._attr(os.path.join(self.paths[inode], names[i]))
-            if not fuse.readdir_reply(token, os.fsencode(names[i]), attr, i + 1):
+            if not kernel.readdir_reply(token, os.fsencode(names[i]), attr, i + 1):
                 break
 
     def open(self, inode, flags, ctx):
         if flags & (os.O_WRONLY | os.O_RDWR):
-            raise fuse.FUSEError(errno.EROFS)
+            raise kernel.FUSEError(errno.EROFS)
         if self.zero_open:
-            raise fuse.FUSEError(errno.ENOSYS)  # as epochfs's read-only mounts: no OPEN, no RELEASE
+            raise kernel.FUSEError(errno.ENOSYS)  # as epochfs's read-only mounts: no OPEN, no RELEASE
         fd = os.open(self.paths[inode], os.O_RDONLY)
         self.fds[fd] = fd
-        return fuse.FileInfo(fh=fd, keep_cache=True)
+        return kernel.FileInfo(fh=fd, keep_cache=True)
 
     def read_now(self, fh, off, size, inode=0, pid=0):  # answered as the request is read, as epochfs's warm reads
         if not fh:  # a zero-message open: one descriptor per inode, kept
@@ -97,7 +97,7 @@ def main() -> None:
     assert stat.S_ISDIR(os.stat(args.source).st_mode)
     floor = Floor(args.source, args.blksize)
     floor.zero_open = not args.open_requests
-    session = fuse.Session(floor, args.mountpoint,
+    session = kernel.Session(floor, args.mountpoint,
                            {"default_permissions", "fsname=floor", "ro"})
     session.mount()
     if args.readahead_kb:  # (the mount's device from mountinfo: a stat would wait for this daemon)

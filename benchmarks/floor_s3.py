@@ -18,7 +18,7 @@ import stat
 
 import trio
 
-from epochfs import kernel as fuse
+from epochfs import kernel
 from epochfs.backend.base import BackendSettings
 from epochfs.backend.s3 import S3Backend
 from epochfs.config import Source
@@ -28,10 +28,10 @@ from epochfs.mount import set_background_requests, set_kernel_readahead
 class ColdFloor:
     def __init__(self, backend: S3Backend) -> None:
         self.backend = backend
-        self.children: dict[int, dict[bytes, int]] = {fuse.ROOT_INODE: {}}
+        self.children: dict[int, dict[bytes, int]] = {kernel.ROOT_INODE: {}}
         self.objects: dict[int, tuple[str, str, int]] = {}  # inode -> key, etag, size
         for obj in backend.list_objects():
-            parent = fuse.ROOT_INODE
+            parent = kernel.ROOT_INODE
             *dirs, name = obj.key.split("/")
             for d in dirs:
                 inode = self.children[parent].get(d.encode())
@@ -43,10 +43,10 @@ class ColdFloor:
             self.objects[inode] = (obj.key, obj.etag, obj.size)
 
     def _new_inode(self) -> int:
-        return len(self.children) + len(self.objects) + fuse.ROOT_INODE
+        return len(self.children) + len(self.objects) + kernel.ROOT_INODE
 
-    def _attr(self, inode: int) -> fuse.EntryAttributes:
-        a = fuse.EntryAttributes()
+    def _attr(self, inode: int) -> kernel.EntryAttributes:
+        a = kernel.EntryAttributes()
         a.st_ino = inode
         if inode in self.children:
             a.st_mode, a.st_nlink = stat.S_IFDIR | 0o555, 2
@@ -58,7 +58,7 @@ class ColdFloor:
     def lookup(self, parent, name, ctx):
         inode = self.children.get(parent, {}).get(name)
         if inode is None:
-            raise fuse.FUSEError(errno.ENOENT)
+            raise kernel.FUSEError(errno.ENOENT)
         return self._attr(inode)
 
     def getattr(self, inode, ctx):
@@ -70,13 +70,13 @@ class ColdFloor:
     def readdir(self, inode, start, token):
         names = sorted(self.children[inode])
         for i in range(start, len(names)):
-            if not fuse.readdir_reply(token, names[i], self._attr(self.children[inode][names[i]]), i + 1):
+            if not kernel.readdir_reply(token, names[i], self._attr(self.children[inode][names[i]]), i + 1):
                 break
 
     def open(self, inode, flags, ctx):
         if flags & (os.O_WRONLY | os.O_RDWR):
-            raise fuse.FUSEError(errno.EROFS)
-        return fuse.FileInfo(fh=inode, keep_cache=True)
+            raise kernel.FUSEError(errno.EROFS)
+        return kernel.FileInfo(fh=inode, keep_cache=True)
 
     async def read(self, fh, off, size, inode=0, pid=0):
         key, etag, length = self.objects[fh]
@@ -84,7 +84,7 @@ class ColdFloor:
         return await trio.to_thread.run_sync(self.backend.read_range, key, etag, off, size)
 
 
-async def serve(session: fuse.Session, mountpoint: str) -> None:
+async def serve(session: kernel.Session, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(session.run)
         st = await trio.to_thread.run_sync(os.stat, mountpoint)
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--endpoint-url")
     args = ap.parse_args()
     backend = S3Backend(BackendSettings(Source.parse(args.source), endpoint_url=args.endpoint_url))
-    session = fuse.Session(ColdFloor(backend), args.mountpoint, {"default_permissions", "fsname=floor-s3", "ro"})
+    session = kernel.Session(ColdFloor(backend), args.mountpoint, {"default_permissions", "fsname=floor-s3", "ro"})
     session.mount()
     try:
         trio.run(serve, session, args.mountpoint)

@@ -256,9 +256,9 @@ def test_a_node_that_joins_with_rebalance_fills_its_share_and_one_that_leaves_ha
     third = tier.server("--rebalance")
     tier.wait_servers(3)
     deadline = time.monotonic() + 30
-    while "rebalance: filled" not in third.log() and time.monotonic() < deadline:
+    while "rebalance: done" not in third.log() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert "rebalance: filled" in third.log(), third.log()[-2000:]
+    assert "rebalance: done" in third.log(), third.log()[-2000:]
     assert held(third) > 0.15 * TOTAL and backend_bytes(third) == 0, (held(third), TOTAL)
     rest = [servers[1], third]
     before = [backend_bytes(s) for s in rest]

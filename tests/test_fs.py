@@ -11,7 +11,7 @@ import stat
 import pytest
 import trio
 
-from epochfs import kernel as fuse
+from epochfs import kernel
 from epochfs.errors import AccessDenied, BackendUnavailable, ObjectChanged
 from epochfs.fs import Operations, Presentation
 from epochfs.meta.index import NamespaceIndex
@@ -21,7 +21,7 @@ from epochfs.records import ObjectInfo
 
 from .helpers import FakeCache
 
-CTX = fuse.RequestContext()
+CTX = kernel.RequestContext()
 
 
 def ns(*objs: ObjectInfo) -> Namespace:
@@ -80,7 +80,7 @@ def test_a_listing_holds_no_version_and_continues_from_any_offset_at_once(monkey
         listed.append((name, next_id))
         return len(listed) % 10 != 0  # the kernel's buffer fills every 10 entries
 
-    monkeypatch.setattr(fuse, "readdir_reply", reply)
+    monkeypatch.setattr(kernel, "readdir_reply", reply)
     d = run(ops.lookup, ROOT_INODE, b"d", CTX).st_ino
     fh = run(ops.opendir, d, CTX)
     assert ops._dirs[fh].inode == d  # (the node alone)
@@ -122,7 +122,7 @@ def test_a_readdir_costs_the_entries_it_answers_wherever_it_starts(monkeypatch):
         answered.append(name)
         return len(answered) % 16 != 0
 
-    monkeypatch.setattr(fuse, "readdir_reply", reply)
+    monkeypatch.setattr(kernel, "readdir_reply", reply)
     for offset in (cookies[19_000], cookies[5] + 1, cookies[-1], (1 << 62) - 1, 12345):
         decoded.clear()
         answered.clear()
@@ -140,19 +140,19 @@ def test_reads_and_errors_through_the_one_errno_table():
     for exc, code in [(ObjectChanged("x"), errno.ESTALE), (AccessDenied("x"), errno.EACCES),
                       (BackendUnavailable("x"), errno.EIO), (RuntimeError("bug"), errno.EIO)]:
         ops.cache.error = exc
-        with pytest.raises(fuse.FUSEError) as info:
+        with pytest.raises(kernel.FUSEError) as info:
             run(ops.read, fi.fh, 0, 5)
         assert info.value.errno == code
     assert ops.statistics().errors == {"ESTALE": 1, "EACCES": 1, "EIO": 1, "internal": 1}
     for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_APPEND):
-        with pytest.raises(fuse.FUSEError) as info:
+        with pytest.raises(kernel.FUSEError) as info:
             run(ops.open, inode, flags, CTX)
         assert info.value.errno == errno.EROFS
-    with pytest.raises(fuse.FUSEError) as info:
+    with pytest.raises(kernel.FUSEError) as info:
         run(ops.lookup, ROOT_INODE, b"missing", CTX)
     assert info.value.errno == errno.ENOENT
     assert run(ops.getxattr, ROOT_INODE, b"user.x", CTX) == b"v"
-    with pytest.raises(fuse.FUSEError):
+    with pytest.raises(kernel.FUSEError):
         run(ops.getxattr, inode, b"user.x", CTX)
 
 
@@ -162,7 +162,7 @@ def test_a_read_only_mount_declines_flush_so_the_kernel_stops_sending_it():
     tree = ns(ObjectInfo("a", 5, 0, "e"))
     ops = ops_for(tree, {"a": b"hello"})
     fi = run(ops.open, run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino, os.O_RDONLY, CTX)
-    with pytest.raises(fuse.FUSEError) as info:
+    with pytest.raises(kernel.FUSEError) as info:
         run(ops.flush, fi.fh)
     assert info.value.errno == errno.ENOSYS
     assert ops.statistics().errors == {}
@@ -191,7 +191,7 @@ def test_zero_message_opens_read_each_inode_as_one_version_and_keep_old_ones_whi
     opened: list[ObjectInfo] = []
     ops = Operations(before, Versions({}), attr_timeout=60, root_xattrs={}, zero_open=True)
     held = run(ops.lookup, ROOT_INODE, b"a", CTX).st_ino
-    with pytest.raises(fuse.FUSEError) as info:
+    with pytest.raises(kernel.FUSEError) as info:
         run(ops.open, held, os.O_RDONLY, CTX)
     assert info.value.errno == errno.ENOSYS and ops.statistics().errors == {}
 
@@ -208,7 +208,7 @@ def test_zero_message_opens_read_each_inode_as_one_version_and_keep_old_ones_whi
     assert run(ops.getattr, held, CTX).st_mtime_ns == 0
     assert read(fresh, 2, 100) == b"BB" and opened[-1] == new
     ops.forget([(held, 1)])  # the kernel let go of it
-    with pytest.raises(fuse.FUSEError) as info:
+    with pytest.raises(kernel.FUSEError) as info:
         read(held, 0, 300)
     assert info.value.errno == errno.ENOENT
     for pid in range(1000, 1000 + ops.BOUND + 10):
@@ -221,3 +221,25 @@ def test_zero_message_opens_read_each_inode_as_one_version_and_keep_old_ones_whi
 
 async def _answer(data: bytes) -> bytes:
     return data
+
+
+def test_expected_answers_are_answered_and_counted_nowhere_failures_are_counted():
+    """An errno the kernel expects (no such attribute, a directory opened as a file, a file listed as a
+    directory, FLUSH on a read-only mount) is answered as such and is not an error in the metrics; a
+    backend failure is counted by its errno."""
+    ops = ops_for(ns(ObjectInfo("d/a", 3, 0, "e")), {"d/a": b"abc"})
+    d = run(ops.lookup, ROOT_INODE, b"d", CTX).st_ino
+    a = run(ops.lookup, d, b"a", CTX).st_ino
+    for call, code in ((lambda: ops.getxattr(ROOT_INODE, b"user.nope", CTX), kernel.ENOATTR),
+                       (lambda: ops.open(d, os.O_RDONLY, CTX), errno.EISDIR),
+                       (lambda: ops.opendir(a, CTX), errno.ENOTDIR),
+                       (lambda: ops.flush(1), errno.ENOSYS)):
+        with pytest.raises(kernel.FUSEError) as raised:
+            call()
+        assert raised.value.errno == code
+    assert ops.statistics().errors == {}
+    ops.cache.error = AccessDenied("no")  # (FakeCache: every read fails so)
+    fh = run(ops.open, a, os.O_RDONLY, CTX).fh
+    with pytest.raises(kernel.FUSEError) as raised:
+        run(ops.read, fh, 0, 3)
+    assert raised.value.errno == errno.EACCES and ops.statistics().errors == {"EACCES": 1}

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from epochfs import kernel as fuse
+from epochfs import kernel
 from epochfs.fs import Operations, Presentation
 from epochfs.kernel import abi
 from epochfs.kernel.session import Session
@@ -94,7 +94,7 @@ def test_damaged_requests_are_refused_as_malformed_never_another_error():
 
 
 def test_replies_encode_the_kernel_structures():
-    a = fuse.EntryAttributes(st_ino=5, st_mode=0o100444, st_nlink=1, st_size=10, st_blksize=4096, st_blocks=1,
+    a = kernel.EntryAttributes(st_ino=5, st_mode=0o100444, st_nlink=1, st_size=10, st_blksize=4096, st_blocks=1,
                              st_mtime_ns=3_000_000_007, entry_timeout=1.5, attr_timeout=2)
     entry = abi.entry_out(a)
     assert len(entry) == 128
@@ -102,17 +102,17 @@ def test_replies_encode_the_kernel_structures():
     assert (nodeid, ev, av, evn, avn) == (5, 1, 2, 500_000_000, 0)
     ino, size, blocks, at, mt, ct, atn, mtn, ctn, mode = struct.unpack_from("<QQQQQQIIII", entry, 40)
     assert (ino, size, mt, mtn, mode) == (5, 10, 3, 7, 0o100444)
-    assert len(abi.attr_out(a)) == 104 and len(abi.statfs_out(fuse.StatvfsData())) == 80
+    assert len(abi.attr_out(a)) == 104 and len(abi.statfs_out(kernel.StatvfsData())) == 80
     iov = abi.reply(9, b"abc", memoryview(b"de"))
     assert struct.unpack("<IiQ", iov[0]) == (21, 0, 9)
     assert struct.unpack("<IiQ", abi.error(9, errno.ENOENT)) == (16, -errno.ENOENT, 9)
 
 
 def test_a_listing_reply_stops_before_the_kernels_buffer_is_full():
-    a = fuse.EntryAttributes(st_ino=3, st_mode=0o100444)
-    token = fuse.ReaddirToken(size=1000, plus=True)
+    a = kernel.EntryAttributes(st_ino=3, st_mode=0o100444)
+    token = kernel.ReaddirToken(size=1000, plus=True)
     n = 0
-    while fuse.readdir_reply(token, f"entry-{n}".encode(), a, n + 1):
+    while kernel.readdir_reply(token, f"entry-{n}".encode(), a, n + 1):
         n += 1
     assert token.used <= 1000 and len(b"".join(token.parts)) == token.used and n == 1000 // 160
     ino, off, namelen, kind = struct.unpack_from("<QQII", b"".join(token.parts), 128)
@@ -219,7 +219,7 @@ def test_init_takes_only_what_both_sides_have_and_refuses_an_old_kernel():
 
 
 def test_unknown_mount_options_are_refused_with_their_name():
-    with pytest.raises(fuse.MountError, match="'frobnicate'"):
+    with pytest.raises(kernel.MountError, match="'frobnicate'"):
         Session(adapter(), "/", ["ro", "frobnicate"])
     s = Session(adapter(), "/", ["ro", "nosuid", "allow_other", "fsname=s3://b/p\\,q", "subtype=epochfs"])
     o = s.options
@@ -230,24 +230,24 @@ NOBODY_MOUNT = r'''
 import errno, os, stat, sys
 sys.path.insert(0, sys.argv[2])
 import trio
-from epochfs import kernel as fuse
+from epochfs import kernel
 
 class Ops:
     def lookup(self, parent, name, ctx):
         if parent == 1 and name == b"hello":
             return self.getattr(2, ctx)
-        raise fuse.FUSEError(errno.ENOENT)
+        raise kernel.FUSEError(errno.ENOENT)
     def getattr(self, inode, ctx):
         mode = stat.S_IFDIR | 0o755 if inode == 1 else stat.S_IFREG | 0o444
-        return fuse.EntryAttributes(st_ino=inode, st_mode=mode, st_nlink=1, st_size=0 if inode == 1 else 5)
+        return kernel.EntryAttributes(st_ino=inode, st_mode=mode, st_nlink=1, st_size=0 if inode == 1 else 5)
     def open(self, inode, flags, ctx):
-        return fuse.FileInfo(fh=inode)
+        return kernel.FileInfo(fh=inode)
     async def read(self, fh, off, size, inode=0, pid=0):
         return b"world"[off:off + size]
     def release(self, fh):
         pass
 
-session = fuse.Session(Ops(), sys.argv[1], {"ro", "fsname=a,b", "subtype=t", "default_permissions"})
+session = kernel.Session(Ops(), sys.argv[1], {"ro", "fsname=a,b", "subtype=t", "default_permissions"})
 session.mount()
 async def main():
     async with trio.open_nursery() as nursery:
@@ -281,7 +281,7 @@ def _mount_as_nobody(tmp_path: Path) -> None:
     for name in ("trio", "attr", "attrs", "sortedcontainers", "idna", "outcome", "sniffio"):
         if (packages / name).exists():
             shutil.copytree(packages / name, site / name)
-    shutil.copytree(Path(fuse.__file__).parents[1], site / "epochfs", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(kernel.__file__).parents[1], site / "epochfs", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "mnt").mkdir()
     shutil.chown(tmp_path / "mnt", "nobody")
     script = tmp_path / "mount.py"
@@ -315,7 +315,7 @@ def test_a_handler_that_answers_nonsense_is_answered_eio_and_the_session_goes_on
             return b""
 
         def statfs(self, ctx):
-            return fuse.StatvfsData(f_blocks=1)
+            return kernel.StatvfsData(f_blocks=1)
 
     pipe = Pipe(Nonsense())
     s = pipe.session

@@ -122,3 +122,24 @@ def test_no_room_outgrows_the_rest():
     long = {p.relative_to(SRC).as_posix(): n for p in SRC.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+def test_the_adapter_answers_errors_one_way():
+    """``fs.py`` raises domain errors (``errors.py``); only its ``_translated`` decorator turns them into
+    an errno, through ``errno_for``: no handler builds a kernel error itself."""
+    tree = ast.parse((SRC / "fs.py").read_text())
+    builders = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "FUSEError":
+                    builders.add(fn.name)
+    assert builders and builders <= {"_translated", "answer"}, builders
+
+
+def test_one_root_inode():
+    """The root's inode number is the protocol's, defined once."""
+    defined = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")
+               for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Assign)
+               and any(isinstance(t, ast.Name) and t.id == "ROOT_INODE" for t in node.targets)]
+    assert defined == ["kernel/abi.py"], defined

@@ -67,6 +67,15 @@ class Refused(EpochfsError):
         self.code = code
 
 
+class Answered(EpochfsError):
+    """An answer the kernel expects, not a failure: no such attribute, not a directory, an opcode this
+    mount does not take (ENOSYS: "do not send it again"). Answered with ``code`` and counted nowhere."""
+
+    def __init__(self, code: int, message: str = "") -> None:
+        super().__init__(message or errno.errorcode.get(code, str(code)))
+        self.code = code
+
+
 class CacheUnreadable(EpochfsError):
     """A cached block could not be read (out of descriptors or memory, a disk error). Not evidence of
     damage: the block is kept, the reader gets EIO."""
@@ -84,7 +93,7 @@ _ERRNO: tuple[tuple[type[BaseException], int], ...] = (
 
 def errno_for(exc: BaseException) -> int:
     """The errno a reader sees for ``exc``; anything unexpected is EIO."""
-    if isinstance(exc, Refused):
+    if isinstance(exc, (Refused, Answered)):
         return exc.code
     for cls, code in _ERRNO:
         if isinstance(exc, cls):

@@ -28,12 +28,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from epochfs import kernel as fuse
+from epochfs import kernel
 from epochfs.cache.members import MemberStream
 from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
-from epochfs.errors import EpochfsError, NotFound, Refused, errno_for
+from epochfs.errors import Answered, EpochfsError, NotFound, Refused, errno_for
 from epochfs.meta.namespace import ROOT_INODE, Namespace
 from epochfs.records import ObjectInfo
 from epochfs.stats import Histogram, HistogramSnapshot
@@ -46,7 +46,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
-assert ROOT_INODE == fuse.ROOT_INODE
 
 
 @dataclass(frozen=True)
@@ -59,19 +58,19 @@ def _translated(fn: F) -> F:
     """Turn domain errors into FUSEError through the one mapping; never let an exception escape. Wraps
     plain handlers and coroutine ones alike (the session answers a plain one as it reads the request)."""
 
-    def answer(self: Operations, exc: Exception) -> fuse.FUSEError:
-        if isinstance(exc, fuse.FUSEError):
-            return exc
+    def answer(self: Operations, exc: Exception) -> kernel.FUSEError:
         if isinstance(exc, EpochfsError):
             code = errno_for(exc)
+            if isinstance(exc, Answered):
+                return kernel.FUSEError(code)
             if not isinstance(exc, NotFound):
                 self.errors[errno.errorcode.get(code, str(code))] += 1
             log.log(logging.DEBUG if isinstance(exc, (NotFound, Refused)) else logging.WARNING,
                     "%s: %s (%s)", fn.__name__, exc, errno.errorcode.get(code, code))
-            return fuse.FUSEError(code)
+            return kernel.FUSEError(code)
         self.errors["internal"] += 1
         log.error("unexpected error in %s", fn.__name__, exc_info=exc)
-        return fuse.FUSEError(errno.EIO)
+        return kernel.FUSEError(errno.EIO)
 
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
@@ -168,7 +167,7 @@ class Operations:
         self.attr_timeout = attr_timeout
         self.root_xattrs = dict(root_xattrs)
         self.present = presentation or Presentation()
-        self.session: fuse.Session | None = None  # the mount serving these operations
+        self.session: kernel.Session | None = None  # the mount serving these operations
         self.errors: Counter[str] = Counter()
         self.read_latency = Histogram()
         self._streams: dict[int, ReadStream | MemberStream] = {}
@@ -221,8 +220,8 @@ class Operations:
 
     # -- attributes ------------------------------------------------------------------------------------
 
-    def _attrs(self, node: Node) -> fuse.EntryAttributes:
-        attr = fuse.EntryAttributes()
+    def _attrs(self, node: Node) -> kernel.EntryAttributes:
+        attr = kernel.EntryAttributes()
         attr.st_ino = node.inode
         attr.generation = 0
         attr.entry_timeout = self.attr_timeout
@@ -261,7 +260,7 @@ class Operations:
         return self.writeback
 
     @_translated
-    def lookup(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
+    def lookup(self, parent_inode: int, name: bytes, ctx: kernel.RequestContext) -> kernel.EntryAttributes:
         if self.tree.overlay is None:
             node: Node | None = self.namespace.lookup(parent_inode, name)
         else:
@@ -271,7 +270,7 @@ class Operations:
         return self._attrs(node)
 
     @_translated
-    def getattr(self, inode: int, ctx: fuse.RequestContext | None = None) -> fuse.EntryAttributes:
+    def getattr(self, inode: int, ctx: kernel.RequestContext | None = None) -> kernel.EntryAttributes:
         return self._attrs(self._node(inode))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -282,16 +281,16 @@ class Operations:
     # -- directories -----------------------------------------------------------------------------------
 
     @_translated
-    def opendir(self, inode: int, ctx: fuse.RequestContext) -> int:
+    def opendir(self, inode: int, ctx: kernel.RequestContext) -> int:
         node = self._node(inode)
         if not node.is_dir:
-            raise fuse.FUSEError(errno.ENOTDIR)
+            raise Answered(errno.ENOTDIR)
         fh = self._new_fh()
         self._dirs[fh] = node
         return fh
 
     @_translated
-    def readdir(self, fh: int, start_id: int, token: fuse.ReaddirToken) -> None:
+    def readdir(self, fh: int, start_id: int, token: kernel.ReaddirToken) -> None:
         """A listing is the directory as it is now, in cookie order; the offset of each entry is its
         cookie (the one before it where two names share one, so the second is repeated at worst, never
         lost). A handle holds no version of the tree, and continuing from any offset is one lookup."""
@@ -299,11 +298,11 @@ class Operations:
         for entry in self.tree.entries(self._dirs[fh], start_id):
             if held is not None:
                 cookie, name, child = held
-                if not fuse.readdir_reply(token, name, self._attrs(child), cookie if entry[0] != cookie else cookie - 1):
+                if not kernel.readdir_reply(token, name, self._attrs(child), cookie if entry[0] != cookie else cookie - 1):
                     return
             held = entry
         if held is not None:
-            fuse.readdir_reply(token, held[1], self._attrs(held[2]), held[0])
+            kernel.readdir_reply(token, held[1], self._attrs(held[2]), held[0])
 
     @_translated
     def releasedir(self, fh: int) -> None:
@@ -312,27 +311,27 @@ class Operations:
     # -- files -----------------------------------------------------------------------------------------
 
     @_translated
-    def open(self, inode: int, flags: int, ctx: fuse.RequestContext) -> fuse.FileInfo:
+    def open(self, inode: int, flags: int, ctx: kernel.RequestContext) -> kernel.FileInfo:
         node = self._node(inode)
         if node.is_dir:
-            raise fuse.FUSEError(errno.EISDIR)
-        if self.zero_open and not flags & _WRITE_FLAGS and (self.session is None or self.session.can(fuse.NO_OPEN_SUPPORT)):
+            raise Answered(errno.EISDIR)
+        if self.zero_open and not flags & _WRITE_FLAGS and (self.session is None or self.session.can(kernel.NO_OPEN_SUPPORT)):
             # The kernel stops sending OPEN and RELEASE for this mount and keeps the page cache across
             # opens: a file in the page cache is then read with no request at all.
-            raise fuse.FUSEError(errno.ENOSYS)
+            raise Answered(errno.ENOSYS)
         fh = self._new_fh()
         if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
-            return fuse.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
+            return kernel.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
         if self.passthrough is not None and self.session is not None and self.passthrough.active:
-            if not self.session.can(fuse.PASSTHROUGH):
+            if not self.session.can(kernel.PASSTHROUGH):
                 self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
             backing = self.passthrough.open(inode, node.obj, fh)
             if backing:
                 self.cache.opened(node.obj)  # (what the prefetch plan learns from an open)
-                return fuse.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
+                return kernel.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
         self._streams[fh] = self.cache.open_stream(node.obj, inode)
-        return fuse.FileInfo(fh=fh, keep_cache=True)
+        return kernel.FileInfo(fh=fh, keep_cache=True)
 
     @_translated
     def read_now(self, fh: int, off: int, size: int, inode: int = 0,
@@ -382,7 +381,7 @@ class Operations:
             return stream
         node = self._node(inode)
         if node.is_dir or not node.in_backend:
-            raise fuse.FUSEError(errno.EBADF)
+            raise Answered(errno.EBADF)
         if stream is not None:
             stream.close()
         stream = self._bound[key] = self.cache.open_stream(node.obj, inode)
@@ -407,11 +406,11 @@ class Operations:
 
     @_translated
     def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: fuse.RequestContext) -> tuple[fuse.FileInfo, fuse.EntryAttributes]:
+                     ctx: kernel.RequestContext) -> tuple[kernel.FileInfo, kernel.EntryAttributes]:
         handle, f = self._writer().create(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid)
         fh = self._new_fh()
         self._local[fh] = handle
-        return fuse.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
+        return kernel.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
 
     @_translated
     def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -422,7 +421,7 @@ class Operations:
         if self.writeback is None:
             # Nothing to do at close() on a read-only mount: ENOSYS tells the kernel never to send FLUSH
             # again, one request less per file read.
-            raise fuse.FUSEError(errno.ENOSYS)
+            raise Answered(errno.ENOSYS)
         local = self._local.get(fh)
         if local is not None:
             self._writer().flush(local)
@@ -434,8 +433,8 @@ class Operations:
             await self._writer().fsync(local)
 
     @_translated
-    def setattr(self, inode: int, attr: fuse.EntryAttributes, fields: fuse.SetattrFields,
-                      fh: int | None, ctx: fuse.RequestContext) -> fuse.EntryAttributes:
+    def setattr(self, inode: int, attr: kernel.EntryAttributes, fields: kernel.SetattrFields,
+                      fh: int | None, ctx: kernel.RequestContext) -> kernel.EntryAttributes:
         wb = self._writer()
         node = self._node(inode)
         if fields.update_size:
@@ -450,38 +449,38 @@ class Operations:
 
     @_translated
     def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: fuse.RequestContext) -> fuse.EntryAttributes:
+                    ctx: kernel.RequestContext) -> kernel.EntryAttributes:
         return self._attrs(self._writer().mkdir(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid))
 
     @_translated
-    def rmdir(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
+    def rmdir(self, parent_inode: int, name: bytes, ctx: kernel.RequestContext) -> None:
         self._writer().rmdir(self._node(parent_inode), name)
 
     @_translated
-    def unlink(self, parent_inode: int, name: bytes, ctx: fuse.RequestContext) -> None:
+    def unlink(self, parent_inode: int, name: bytes, ctx: kernel.RequestContext) -> None:
         self._writer().unlink(self._node(parent_inode), name)
 
     @_translated
     def link(self, inode: int, new_parent_inode: int, new_name: bytes,
-                   ctx: fuse.RequestContext) -> fuse.EntryAttributes:
+                   ctx: kernel.RequestContext) -> kernel.EntryAttributes:
         self._writer()
         raise Refused("objects cannot be hard-linked", errno.EPERM)
 
     @_translated
     def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: fuse.RequestContext) -> fuse.EntryAttributes:
+                      ctx: kernel.RequestContext) -> kernel.EntryAttributes:
         self._writer()
         raise Refused("the mount holds files and directories only", errno.EPERM)
 
     @_translated
     def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: fuse.RequestContext) -> fuse.EntryAttributes:
+                    ctx: kernel.RequestContext) -> kernel.EntryAttributes:
         self._writer()
         raise Refused("the mount holds files and directories only", errno.EPERM)
 
     @_translated
     def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
-                     flags: int, ctx: fuse.RequestContext) -> None:
+                     flags: int, ctx: kernel.RequestContext) -> None:
         self._writer().rename(self._node(parent_inode_old), name_old, self._node(parent_inode_new), name_new, flags)
 
     def _new_fh(self) -> int:
@@ -495,8 +494,8 @@ class Operations:
     # -- file system -----------------------------------------------------------------------------------
 
     @_translated
-    def statfs(self, ctx: fuse.RequestContext) -> fuse.StatvfsData:
-        st = fuse.StatvfsData()
+    def statfs(self, ctx: kernel.RequestContext) -> kernel.StatvfsData:
+        st = kernel.StatvfsData()
         st.f_bsize = st.f_frsize = 4096
         st.f_blocks = -(-self.namespace.total_bytes // 4096)
         st.f_bfree = st.f_bavail = 0
@@ -510,14 +509,14 @@ class Operations:
         return st
 
     @_translated
-    def getxattr(self, inode: int, name: bytes, ctx: fuse.RequestContext) -> bytes:
+    def getxattr(self, inode: int, name: bytes, ctx: kernel.RequestContext) -> bytes:
         self._node(inode)
         getter = self.root_xattrs.get(bytes(name)) if inode == ROOT_INODE else None
         if getter is None:
-            raise fuse.FUSEError(fuse.ENOATTR)
+            raise Answered(kernel.ENOATTR)
         return getter()
 
     @_translated
-    def listxattr(self, inode: int, ctx: fuse.RequestContext) -> Sequence[bytes]:
+    def listxattr(self, inode: int, ctx: kernel.RequestContext) -> Sequence[bytes]:
         self._node(inode)
         return list(self.root_xattrs) if inode == ROOT_INODE else []

@@ -382,6 +382,8 @@ class Daemon:
         if done or failed:
             log.info("handed %d blocks over to their next owners (%d not: they are fetched on demand)", done, failed)
 
+    REBALANCE_ROUNDS = 3  # fills of a joining node's share while the members it sees keep changing
+
     async def _rebalance(self) -> None:
         """A cache node that joins with --rebalance: fill its share now (from the other cache nodes, then
         the backend), not as it is asked."""
@@ -396,24 +398,31 @@ class Daemon:
                                                                         self.config.block_size)
                     if members.me in tier.owners(bid) and self.store.lookup(bid) is None]
 
-        todo = await trio.to_thread.run_sync(mine)
-        log.info("rebalance: filling %d blocks of this node's share (of %d cache nodes)", len(todo), len(members.ring))
-        limiter, failed = trio.CapacityLimiter(8), 0
+        limiter = trio.CapacityLimiter(8)
+        for _ in range(self.REBALANCE_ROUNDS):  # (again while the members change under it: its share moved)
+            ring = tuple(members.ring.members)
+            todo = await trio.to_thread.run_sync(mine)
+            log.info("rebalance: filling %d blocks of this node's share (of %d cache nodes)", len(todo),
+                     len(ring))
+            failed = 0
 
-        async def one(obj: ObjectInfo, index: int) -> None:
-            nonlocal failed
-            async with limiter:
-                if members.me not in tier.owners(self.cache.block_id(obj, index)):
-                    return  # (the members changed meanwhile: no longer this node's)
-                try:
-                    await self.cache.read_for_peer(obj, index, True)
-                except EpochfsError:
-                    failed += 1
+            async def one(obj: ObjectInfo, index: int) -> None:
+                nonlocal failed
+                async with limiter:
+                    if members.me not in tier.owners(self.cache.block_id(obj, index)):
+                        return  # (the members changed meanwhile: no longer this node's)
+                    try:
+                        await self.cache.read_for_peer(obj, index, True)
+                    except EpochfsError:
+                        failed += 1
 
-        async with trio.open_nursery() as nursery:
-            for obj, index in todo:
-                nursery.start_soon(one, obj, index)
-        log.info("rebalance: filled %d blocks (%d failed: fetched on demand)", len(todo) - failed, failed)
+            async with trio.open_nursery() as nursery:
+                for obj, index in todo:
+                    nursery.start_soon(one, obj, index)
+            log.info("rebalance: filled %d blocks (%d failed: fetched on demand)", len(todo) - failed, failed)
+            if tuple(members.ring.members) == ring:
+                break
+        log.info("rebalance: done (%d cache nodes)", len(members.ring.members))
 
     def _announce_node(self, ready: Ready) -> None:
         assert self.peer_server is not None

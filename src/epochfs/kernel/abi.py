@@ -29,7 +29,7 @@ from typing import Any
 MAJOR = 7
 MINOR = 38  # what this module speaks; the kernel adapts to it
 
-ROOT_INODE = 1
+ROOT_INODE = 1  # FUSE_ROOT_ID: the inode number of the mount's root (the namespace numbers from it)
 
 # opcodes
 LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK = 1, 2, 3, 4, 5, 6

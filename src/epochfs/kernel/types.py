@@ -1,5 +1,5 @@
-"""What a file system's handlers take and return (the names follow pyfuse3's, whose interface the
-adapter was first written against)."""
+"""What a file system's handlers take and return: attributes, an open file's answer, a request's
+caller, directory listings, and the error that answers an errno."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from epochfs.kernel import abi
 
-ROOT_INODE = abi.ROOT_INODE
 ENOATTR = errno.ENODATA
 
 

@@ -31,9 +31,9 @@ from typing import Any, NamedTuple, Protocol
 
 import xxhash
 
+from epochfs.kernel.abi import ROOT_INODE
 from epochfs.records import ObjectInfo
 
-ROOT_INODE = 1
 NAME_MAX = 255
 PATH_MAX = 4000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
