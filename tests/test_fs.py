@@ -68,7 +68,7 @@ def test_a_listing_holds_no_version_and_continues_from_any_offset_at_once(monkey
     back by it (the handle holds no version of the tree), and the kernel's offset of any entry (a seek,
     telldir/seekdir) continues the listing from that entry with one lookup, on whichever version is
     current, each name once."""
-    from epochfs.meta.namespace import name_cookie
+    from epochfs.meta.entries import name_cookie
 
     before = ns(*(ObjectInfo(f"d/{i:03d}", 1, 0, "e") for i in range(50)))
     after = build_namespace([*(ObjectInfo(f"d/{i:03d}", 1, 0, "e") for i in range(50)),

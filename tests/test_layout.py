@@ -143,3 +143,11 @@ def test_one_root_inode():
                for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == "ROOT_INODE" for t in node.targets)]
     assert defined == ["kernel/abi.py"], defined
+
+
+def test_packing_and_the_journal_take_name_rules_from_records_not_the_namespace():
+    """The rules for names (what a key may be) are records' ground rules: packing, the write-back journal
+    and the index hold keys to them without depending on the namespace view."""
+    g = graph()
+    for module in ("epochfs.pack.writer", "epochfs.writeback.journal", "epochfs.meta.entries", "epochfs.meta.nodes"):
+        assert "epochfs.meta.namespace" not in g[module], module

@@ -10,8 +10,7 @@ from dataclasses import asdict
 
 import pytest
 
-from epochfs.meta.namespace import PATH_MAX, unsafe_reason
-from epochfs.records import ObjectInfo
+from epochfs.records import PATH_MAX, ObjectInfo, unsafe_reason
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal, key_hash
 
 

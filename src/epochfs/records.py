@@ -14,6 +14,7 @@ a peer's request is answered 400.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
@@ -194,3 +195,34 @@ class Source:
         if self.scheme == "s3":
             return f"s3://{self.bucket}/{self.prefix}"
         return f"file://{self.prefix}"
+
+
+#: The longest name and path a mount takes (bytes of UTF-8).
+NAME_MAX = 255
+PATH_MAX = 4000
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def unsafe_reason(key: str) -> str | None:
+    """Why ``key`` cannot be a path of the mount, or None if it can."""
+    if key.isascii() and key.isprintable() and len(key) <= NAME_MAX:  # the common case, checked at once
+        inner = "/" + (key[:-1] if key.endswith("/") else key) + "/"
+        if "//" not in inner and "/./" not in inner and "/../" not in inner:
+            return None
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid UTF-8"
+    if len(raw) > PATH_MAX:
+        return f"path longer than {PATH_MAX} bytes"
+    if _CONTROL.search(key):
+        return "contains a NUL or control character"
+    parts = key[:-1].split("/") if key.endswith("/") else key.split("/")
+    for part in parts:
+        if part == "":
+            return "empty path component (leading '/' or '//')"
+        if part in (".", ".."):
+            return f"'{part}' path component"
+        if len(part.encode("utf-8")) > NAME_MAX:
+            return f"component longer than {NAME_MAX} bytes"
+    return None

@@ -24,7 +24,8 @@ from epochfs.control.server import Chunks, Handler
 from epochfs.cost import usage_of
 from epochfs.errors import ConfigError
 from epochfs.jobs import Jobs, JobStats, Report
-from epochfs.meta.namespace import File, Namespace
+from epochfs.meta.namespace import Namespace
+from epochfs.meta.nodes import File
 from epochfs.meta.snapshots import Snapshots
 from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks

@@ -47,13 +47,12 @@ from typing import Any
 import lmdb
 import xxhash
 
+from epochfs.kernel.abi import ROOT_INODE
 from epochfs.meta.base import Change
-from epochfs.meta.namespace import (
+from epochfs.meta.entries import (
     KIND_DIR,
     KIND_FILE,
     RECORD,
-    ROOT_INODE,
-    Namespace,
     checked_entry,
     encode_dir,
     encode_file,
@@ -61,10 +60,10 @@ from epochfs.meta.namespace import (
     kid_key,
     path_key,
     record_path,
-    unsafe_reason,
 )
+from epochfs.meta.namespace import Namespace
 from epochfs.private import private_dir
-from epochfs.records import MEMBER_TAG, ObjectInfo, stored_extent
+from epochfs.records import MEMBER_TAG, ObjectInfo, stored_extent, unsafe_reason
 
 log = logging.getLogger(__name__)
 

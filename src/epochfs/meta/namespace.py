@@ -16,165 +16,36 @@ marker of the root.
 
 A :class:`Namespace` is one version, unchanging while anyone holds it (an LMDB read transaction): the
 files opened through it keep what they saw while newer versions are written beside it. A directory's
-entries are in the order of their names' cookies (:func:`name_cookie`), so a listing is continued from
+entries are in the order of their names' cookies (:func:`epochfs.meta.entries.name_cookie`), so a listing is continued from
 any offset on whichever version is current, and nothing a reader holds keeps a version alive. Its
 lookups may be called from any thread.
 """
 
 from __future__ import annotations
 
-import re
-import struct
 import threading
 from collections.abc import Iterator
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import xxhash
 
 from epochfs.kernel.abi import ROOT_INODE
+from epochfs.meta.entries import (
+    COOKIE_MAX,
+    KIND_FILE,
+    checked_entry,
+    decode,
+    inode_key,
+    kid_key,
+    path_key,
+    record_path,
+)
+from epochfs.meta.nodes import Dir, File
 from epochfs.records import ObjectInfo
 
-NAME_MAX = 255
-PATH_MAX = 4000
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-#: A node's record in the index: kind, whether a directory has a marker, size, mtime_ns, mode, uid, gid
-#: (0xFFFFFFFF: not given), len(key), len(etag); then the key (a directory's path) and the ETag.
-RECORD = struct.Struct("<BBQqIIIHH")
-KIND_DIR, KIND_FILE = 0, 1
-_NONE = 0xFFFFFFFF
 _CHUNK = 1024  # entries read per turn of the lock when iterating
 _BULK = 16384  # paths resolved per turn of the lock
 _MEMO = 1 << 16  # decoded nodes kept per view (the hot set of readers)
-
-
-def unsafe_reason(key: str) -> str | None:
-    """Why ``key`` cannot be a path of the mount, or None if it can."""
-    if key.isascii() and key.isprintable() and len(key) <= NAME_MAX:  # the common case, checked at once
-        inner = "/" + (key[:-1] if key.endswith("/") else key) + "/"
-        if "//" not in inner and "/./" not in inner and "/../" not in inner:
-            return None
-    try:
-        raw = key.encode("utf-8")
-    except UnicodeEncodeError:
-        return "not valid UTF-8"
-    if len(raw) > PATH_MAX:
-        return f"path longer than {PATH_MAX} bytes"
-    if _CONTROL.search(key):
-        return "contains a NUL or control character"
-    parts = key[:-1].split("/") if key.endswith("/") else key.split("/")
-    for part in parts:
-        if part == "":
-            return "empty path component (leading '/' or '//')"
-        if part in (".", ".."):
-            return f"'{part}' path component"
-        if len(part.encode("utf-8")) > NAME_MAX:
-            return f"component longer than {NAME_MAX} bytes"
-    return None
-
-
-class Dir(NamedTuple):
-    """A directory of the snapshot (what a node can do: :class:`epochfs.writeback.tree.Node`)."""
-
-    inode: int
-    path: str
-    info: ObjectInfo | None = None  # its marker, if the listing had one
-
-    is_dir = True
-    in_backend = False
-    written_here = False
-    made_here = False
-    in_snapshot = True
-
-    def record(self) -> ObjectInfo | None:
-        return self.info
-
-
-class File(NamedTuple):  # immutable; a tuple builds in a fraction of a frozen dataclass's time
-    """An object of the snapshot."""
-
-    inode: int
-    path: str
-    obj: ObjectInfo
-
-    is_dir = False
-    in_backend = True
-    written_here = False
-    made_here = False
-    in_snapshot = True
-
-    def record(self) -> ObjectInfo | None:
-        return self.obj
-
-
-def _opt(value: int | None) -> int:
-    return _NONE if value is None else value
-
-
-def encode_file(obj: ObjectInfo) -> bytes:
-    key, etag = obj.key.encode("utf-8"), obj.etag.encode("utf-8")
-    return RECORD.pack(KIND_FILE, 1, obj.size, obj.mtime_ns, _opt(obj.mode), _opt(obj.uid), _opt(obj.gid),
-                       len(key), len(etag)) + key + etag
-
-
-def encode_dir(path: str, info: ObjectInfo | None) -> bytes:
-    key = path.encode("utf-8")
-    if info is None:
-        return RECORD.pack(KIND_DIR, 0, 0, 0, _NONE, _NONE, _NONE, len(key), 0) + key
-    etag = info.etag.encode("utf-8")
-    return RECORD.pack(KIND_DIR, 1, 0, info.mtime_ns, _opt(info.mode), _opt(info.uid), _opt(info.gid),
-                       len(key), len(etag)) + key + etag
-
-
-_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (decode is on every lookup)
-_HEAD = RECORD.size
-
-
-def decode(inode: int, raw: bytes) -> Dir | File:
-    kind, has, size, mtime, mode, uid, gid, klen, elen = RECORD.unpack_from(raw)
-    key = raw[_HEAD:_HEAD + klen].decode()
-    if kind == KIND_DIR and not has:
-        return _new(Dir, (inode, key, None))
-    etag = raw[_HEAD + klen:_HEAD + klen + elen].decode()
-    owner = (None if mode == _NONE else mode, None if uid == _NONE else uid, None if gid == _NONE else gid)
-    if kind == KIND_FILE:
-        return _new(File, (inode, key, _new(ObjectInfo, (key, size, mtime, etag, *owner))))
-    return _new(Dir, (inode, key, _new(ObjectInfo, (key + "/" if key else "", 0, mtime, etag, *owner))))
-
-
-def inode_key(inode: int) -> bytes:
-    return inode.to_bytes(8, "big")
-
-
-_COOKIE = (1 << 62) - 1
-
-
-def name_cookie(name: bytes) -> int:
-    """Where ``name`` stands in its directory's listing: a 62-bit hash of it (never 0, which is the
-    listing's start). A listing goes in cookie order, so the kernel's offset of an entry is its cookie
-    and a listing continues from any offset with one lookup, whatever the directory's size."""
-    return xxhash.xxh3_64_intdigest(name) & _COOKIE or 1
-
-
-def kid_key(parent: bytes, name: bytes) -> bytes:
-    """A directory entry's key in the index: the parent's inode, the name's cookie, the name."""
-    return parent + name_cookie(name).to_bytes(8, "big") + name
-
-
-def path_key(path: str) -> bytes:
-    """A path's key in the index: its hash (LMDB keys are at most 511 bytes; a path may be 4000). The
-    node found under it is checked to have the path."""
-    return xxhash.xxh3_128_digest(path.encode("utf-8"))
-
-
-def record_path(record: bytes) -> bytes:
-    """The path (a file's key) a node's record holds, undecoded."""
-    return record[RECORD.size:RECORD.size + RECORD.unpack_from(record)[7]]
-
-
-def checked_entry(raw: bytes | None, path: bytes) -> bytes | None:
-    """A path table's value (inode + record) if it is ``path``'s (the table is keyed by a hash)."""
-    return raw if raw is not None and record_path(raw[8:]) == path else None
 
 
 class Reader(Protocol):
@@ -341,14 +212,14 @@ class Namespace:
             key, first = chunk[-1][0], False
 
     def entries(self, inode: int) -> Iterator[tuple[bytes, Dir | File]]:
-        """The names in directory ``inode`` in cookie order (:func:`name_cookie`), with their nodes."""
+        """The names in directory ``inode`` in cookie order (:func:`epochfs.meta.entries.name_cookie`), with their nodes."""
         for _, name, node in self.entries_after(inode, 0):
             yield name, node
 
     def entries_after(self, inode: int, cookie: int) -> Iterator[tuple[int, bytes, Dir | File]]:
         """The entries of directory ``inode`` whose cookie is above ``cookie``, in cookie order (then
         name order), with their cookies: found with one lookup, wherever the listing stands."""
-        if not 0 <= cookie <= _COOKIE:
+        if not 0 <= cookie <= COOKIE_MAX:
             return
         prefix = inode_key(inode)
         for key, value in self._scan(self._kids, prefix + (cookie + 1).to_bytes(8, "big"), prefix):

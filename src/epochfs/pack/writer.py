@@ -39,11 +39,10 @@ import xxhash
 
 from epochfs.backend.base import Backend
 from epochfs.errors import BackendError, ConfigError, EpochfsError, ObjectChanged
-from epochfs.meta.namespace import unsafe_reason
 from epochfs.pack import layout
 from epochfs.pack.layout import Index, Member, PackInvalid
 from epochfs.pack.listing import current_index, read_object
-from epochfs.records import ObjectInfo
+from epochfs.records import ObjectInfo, unsafe_reason
 
 log = logging.getLogger(__name__)
 

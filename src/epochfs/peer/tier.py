@@ -45,7 +45,8 @@ from typing import Protocol
 
 from epochfs.backend.base import Backend
 from epochfs.errors import EpochfsError, ObjectChanged
-from epochfs.meta.namespace import File, Namespace
+from epochfs.meta.namespace import Namespace
+from epochfs.meta.nodes import File
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.members import Membership

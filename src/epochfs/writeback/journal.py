@@ -45,9 +45,8 @@ from typing import Any
 import lmdb
 
 from epochfs.errors import EpochfsError, NoSpace
-from epochfs.meta.namespace import unsafe_reason
 from epochfs.private import private_subdir
-from epochfs.records import MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo, record_problem
+from epochfs.records import MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo, record_problem, unsafe_reason
 
 log = logging.getLogger(__name__)
 

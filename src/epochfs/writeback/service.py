@@ -53,8 +53,8 @@ import trio
 
 from epochfs.backend.base import Backend
 from epochfs.errors import EpochfsError, NoSpace, NotFound, Refused
-from epochfs.meta.namespace import NAME_MAX, File, unsafe_reason
-from epochfs.records import MAX_OBJECT_SIZE
+from epochfs.meta.nodes import File
+from epochfs.records import MAX_OBJECT_SIZE, NAME_MAX, unsafe_reason
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of

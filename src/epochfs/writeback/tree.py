@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from epochfs.meta.namespace import Namespace, name_cookie
+from epochfs.meta.entries import name_cookie
+from epochfs.meta.namespace import Namespace
+from epochfs.meta.nodes import KINDS
 from epochfs.records import ObjectInfo
 
 OVERLAY_INODES = 1 << 48
@@ -38,11 +40,7 @@ class LocalDir:
     uid: int | None = None
     gid: int | None = None
 
-    is_dir = True
-    in_backend = False
-    written_here = False
-    made_here = True
-    in_snapshot = False
+    is_dir, in_backend, written_here, made_here, in_snapshot = KINDS["local dir"]
 
     def record(self) -> ObjectInfo | None:
         return ObjectInfo(self.path, 0, self.mtime_ns, "", self.mode, self.uid, self.gid)
@@ -67,11 +65,7 @@ class LocalFile:
     closed: bool = False  # as the journal has it: its last writable handle released since its last change
     failed: str = ""  # why a write of it failed: never uploaded as it is
 
-    is_dir = False
-    in_backend = False
-    written_here = True
-    made_here = True
-    in_snapshot = False
+    is_dir, in_backend, written_here, made_here, in_snapshot = KINDS["local file"]
 
     def record(self) -> ObjectInfo | None:
         return ObjectInfo(self.path, self.size, self.mtime_ns, "", self.mode, self.uid, self.gid)
@@ -85,11 +79,7 @@ class Stored:
     path: str
     obj: ObjectInfo
 
-    is_dir = False
-    in_backend = True
-    written_here = False
-    made_here = False
-    in_snapshot = False
+    is_dir, in_backend, written_here, made_here, in_snapshot = KINDS["stored"]
 
     def record(self) -> ObjectInfo | None:
         return self.obj
@@ -100,17 +90,18 @@ Entry = LocalDir | LocalFile | Stored
 
 class Node(Protocol):
     """What every entry of the tree can say of itself, so the write path and the FUSE adapter ask it
-    instead of testing its class: the snapshot's :class:`~epochfs.meta.namespace.Dir` and
-    :class:`~epochfs.meta.namespace.File`, and the overlay's :class:`LocalDir`, :class:`LocalFile`
+    instead of testing its class: the snapshot's :class:`~epochfs.meta.nodes.Dir` and
+    :class:`~epochfs.meta.nodes.File`, and the overlay's :class:`LocalDir`, :class:`LocalFile`
     and :class:`Stored`."""
 
     inode: int
     path: str
-    is_dir: ClassVar[bool]  # a directory: listed, never read
-    in_backend: ClassVar[bool]  # an object of the backend (``obj``): read through the cache, replaced, not changed
-    written_here: ClassVar[bool]  # a file whose bytes are on this node's disk, not yet uploaded
-    made_here: ClassVar[bool]  # made on this node and known only here (a LocalDir or a LocalFile)
-    in_snapshot: ClassVar[bool]  # a node of the snapshot being served, not of this node's overlay
+    # (what each means, and each kind's: :class:`epochfs.meta.nodes.Flags` and ``KINDS``)
+    is_dir: ClassVar[bool]
+    in_backend: ClassVar[bool]
+    written_here: ClassVar[bool]
+    made_here: ClassVar[bool]
+    in_snapshot: ClassVar[bool]
 
     def record(self) -> ObjectInfo | None:
         """What the mount presents of it: size, mtime, mode and owner (None where the source gives
