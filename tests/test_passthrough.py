@@ -183,6 +183,35 @@ def test_a_new_version_is_never_read_from_the_old_ones_copy(dataset, mount_facto
         read_odd(m.path(f.key), new, seed=5)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kill_9_while_copies_are_made_leaves_no_partial_copy_served(dataset, mount_factory, tmp_path, seed):
+    """The daemon killed at a random moment while it copies objects whole: the next mount takes up only
+    copies that were finished (named by their digest), every byte read after it is the object's."""
+    import signal
+
+    rng = random.Random(seed)
+    cache = tmp_path / "cache"
+    m = mount_factory(dataset, "--passthrough", cache_dir=cache)
+    m.start()
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    for f in FILES:
+        assert m.path(f.key).read_bytes() == f.content()  # each copied on its release, one at a time
+    time.sleep(rng.uniform(0.0, 0.3))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    m.start()  # recovers the dead mount point
+    names = sorted(c.name for c in (cache / "whole").iterdir())
+    assert all(len(n) == 65 and "." in n and not n.endswith(".tmp") for n in names), names
+    p = m.status()["passthrough"]
+    assert p["whole_files"] == len(names) and m.status()["store"]["pinned_bytes"] == p["whole_bytes"]
+    for f in FILES:
+        read_odd(m.path(f.key), f, seed=seed)
+    m.stop()
+
+
 def test_passthrough_is_refused_with_writeback(fresh_bucket, mount_factory):
     m = mount_factory(f"s3://{fresh_bucket}/x", "--passthrough", "--writeback")
     r = m.start(expect_ok=False)
