@@ -17,32 +17,31 @@ CHUNK_SIZE = 64 << 10
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 64 << 10, 64 << 20
 
 
+def _identity(person: bytes, parts: tuple[str, ...], *numbers: int) -> hashlib.blake2b:
+    """A BLAKE2b of length-prefixed UTF-8 ``parts`` and 8-byte ``numbers`` (no two tuples hash alike)."""
+    h = hashlib.blake2b(digest_size=16, person=person)
+    for part in parts:
+        raw = part.encode("utf-8", "surrogateescape")
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+    for n in numbers:
+        h.update(n.to_bytes(8, "little"))
+    return h
+
+
 def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int) -> bytes:
     """16-byte id of block ``index`` of version ``etag`` of ``key`` in ``source_id``, cut at ``block_size``.
 
     The block size is part of the id: a cache filled at one block size and mounted at another never
     takes a block cut at the old geometry for one of the new.
     """
-    h = hashlib.blake2b(digest_size=16, person=b"epochfs-block-v2")
-    for part in (source_id, key, etag):
-        raw = part.encode("utf-8", "surrogateescape")
-        h.update(len(raw).to_bytes(4, "little"))
-        h.update(raw)
-    h.update(block_size.to_bytes(8, "little"))
-    h.update(index.to_bytes(8, "little"))
-    return h.digest()
+    return _identity(b"epochfs-block-v2", (source_id, key, etag), block_size, index).digest()
 
 
 def whole_id(source_id: str, key: str, etag: str, size: int) -> str:
     """Hex id of version ``etag`` (``size`` bytes) of ``key`` in ``source_id``, held whole
     (:mod:`epochfs.cache.whole`): another version, another id."""
-    h = hashlib.blake2b(digest_size=16, person=b"epochfs-whole-v1")
-    for part in (source_id, key, etag):
-        raw = part.encode("utf-8", "surrogateescape")
-        h.update(len(raw).to_bytes(4, "little"))
-        h.update(raw)
-    h.update(size.to_bytes(8, "little"))
-    return h.hexdigest()
+    return _identity(b"epochfs-whole-v1", (source_id, key, etag), size).hexdigest()
 
 
 def block_relpath(bid: bytes) -> str:
