@@ -22,7 +22,7 @@ from epochfs import kernel
 from epochfs.fs import Operations, Presentation
 from epochfs.kernel import abi
 from epochfs.kernel.session import Session
-from epochfs.kernel.types import FileInfo
+from epochfs.kernel.types import FileInfo, FUSEError
 from epochfs.meta.index import build as build_namespace
 from epochfs.records import ObjectInfo
 
@@ -60,14 +60,14 @@ SAMPLES = [
 
 def test_requests_parse_to_their_arguments():
     parsed = [abi.parse(r) for r in SAMPLES]
-    assert parsed[0].args == {"name": b"name"} and (parsed[0].uid, parsed[0].pid) == (1000, 42)
-    assert parsed[3].args == {"fh": 1, "offset": 4096, "size": 131072} and parsed[3].nodeid == 2
-    assert parsed[6].args["data"] == b"hello" and parsed[6].args["offset"] == 10
-    assert parsed[7].args == {"flags": os.O_WRONLY, "mode": 0o644, "umask": 0o022, "name": b"new"}
-    assert parsed[9].args == {"newdir": 1, "flags": 0, "old": b"old", "new": b"new"}
-    assert parsed[10].args["valid"] == abi.FATTR_SIZE | abi.FATTR_MODE and parsed[10].args["size"] == 3
-    assert parsed[13].args["forgets"] == [(2, 1), (3, 1)]
-    assert parsed[11].args == {"size": 0, "name": b"user.x"}
+    assert parsed[0].args == abi.NameIn(b"name") and (parsed[0].uid, parsed[0].pid) == (1000, 42)
+    assert parsed[3].args == abi.ReadIn(fh=1, offset=4096, size=131072) and parsed[3].nodeid == 2
+    assert parsed[6].args.data == b"hello" and parsed[6].args.offset == 10
+    assert parsed[7].args == abi.CreateIn(flags=os.O_WRONLY, mode=0o644, umask=0o022, name=b"new")
+    assert parsed[9].args == abi.RenameIn(newdir=1, flags=0, old=b"old", new=b"new")
+    assert parsed[10].args.valid == abi.FATTR_SIZE | abi.FATTR_MODE and parsed[10].args.size == 3
+    assert parsed[13].args.forgets == [(2, 1), (3, 1)]
+    assert parsed[11].args == abi.GetxattrIn(size=0, name=b"user.x")
 
 
 def test_damaged_requests_are_refused_as_malformed_never_another_error():
@@ -429,3 +429,36 @@ def test_passthrough_is_asked_for_only_where_the_kernel_offers_it_and_never_with
     raw = abi.open_out(info.fh, info.flags(), info.backing_id)
     assert len(raw) == 16 and struct.unpack("<QIi", raw) == (7, abi.FOPEN_PASSTHROUGH, 3)
     assert struct.unpack("<QIi", abi.open_out(7, FileInfo(fh=7).flags())) == (7, abi.FOPEN_KEEP_CACHE, 0)
+
+
+def test_every_request_is_one_row_with_a_typed_handler():
+    """Each row of the table names a method of the operations interface that takes the arguments the
+    row passes, a coroutine exactly where the request may wait; its arguments have a typed row of their
+    own; the interface answers ENOSYS by default; and the adapter's methods keep the interface's
+    signatures."""
+    import inspect
+
+    from epochfs.fs import Operations as Adapter
+    from epochfs.kernel.operations import Operations
+    from epochfs.kernel.translate import ROWS
+
+    for opcode, row in ROWS.items():
+        assert opcode in abi.PARSERS, f"opcode {opcode} has no arguments row"
+        method = getattr(Operations, row.handler)
+        params = list(inspect.signature(method).parameters.values())[1:]
+        required = [p for p in params if p.default is inspect.Parameter.empty]
+        assert len(required) <= row.arity <= len(params), (row.handler, row.arity, params)
+        assert inspect.iscoroutinefunction(method) == row.waits, row.handler
+        mine = getattr(Adapter, row.handler)
+        assert len(inspect.signature(mine).parameters) == len(params) + 1, row.handler
+        assert inspect.iscoroutinefunction(mine) == row.waits, row.handler
+    with pytest.raises(FUSEError) as raised:
+        Operations().lookup(1, b"x", None)
+    assert raised.value.errno == errno.ENOSYS
+    pipe = Pipe(Operations())  # a file system that answers nothing: every request ENOSYS, no failure
+    pipe.session._handle(memoryview(fake_init(44, 0)))
+    pipe.replies()
+    pipe.session._handle(memoryview(request(abi.LOOKUP, b"a\0", unique=2)))
+    pipe.session._handle(memoryview(request(abi.FLUSH, struct.pack("<QIIQ", 1, 0, 0, 0), unique=3)))
+    assert [(u, e) for u, e, _ in pipe.replies()] == [(2, errno.ENOSYS), (3, errno.ENOSYS)]
+    pipe.close()

@@ -144,7 +144,7 @@ class KernelPages:
         self.ops.session.invalidate_inode(inode)
 
 
-class Operations:
+class Operations(kernel.Operations):
     enable_writeback_cache = False
 
     def __init__(

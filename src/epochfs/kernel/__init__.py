@@ -1,7 +1,8 @@
 """The FUSE kernel protocol spoken on ``/dev/fuse`` directly: :mod:`~epochfs.kernel.abi` (the
 protocol's bytes, pure), :mod:`~epochfs.kernel.mounting` (mount(2), fusermount3),
-:mod:`~epochfs.kernel.session` (INIT and the request loop), :mod:`~epochfs.kernel.translate` (each
-request's call and reply), :mod:`~epochfs.kernel.types` (what handlers take and return).
+:mod:`~epochfs.kernel.session` (INIT and the request loop), :mod:`~epochfs.kernel.translate` (a row
+per request: its call and reply), :mod:`~epochfs.kernel.operations` (the typed handlers' interface),
+:mod:`~epochfs.kernel.types` (what handlers take and return).
 
 :class:`Session` is loaded when first asked for (it brings the event loop): the protocol's constants
 (the root's inode number, say) cost a tool nothing to import."""
@@ -10,6 +11,7 @@ from typing import Any
 
 from epochfs.kernel.abi import NO_OPEN_SUPPORT, PASSTHROUGH, ROOT_INODE
 from epochfs.kernel.mounting import MountError
+from epochfs.kernel.operations import Operations
 from epochfs.kernel.types import (
     ENOATTR,
     EntryAttributes,
@@ -23,7 +25,7 @@ from epochfs.kernel.types import (
 )
 
 __all__ = ["ENOATTR", "NO_OPEN_SUPPORT", "PASSTHROUGH", "ROOT_INODE", "EntryAttributes", "FUSEError", "FileInfo",
-           "MountError", "ReaddirToken", "RequestContext", "Session", "SetattrFields", "StatvfsData",
+           "MountError", "Operations", "ReaddirToken", "RequestContext", "Session", "SetattrFields", "StatvfsData",
            "readdir_reply"]
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import stat
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 MAJOR = 7
 MINOR = 38  # what this module speaks; the kernel adapts to it
@@ -134,7 +134,7 @@ class Request:
     uid: int
     gid: int
     pid: int
-    args: dict[str, Any] = field(default_factory=dict)
+    args: Any = None  #: the opcode's arguments: one of the ``*In`` tuples below (``NoArgs`` where it has none)
 
 
 def _names(data: memoryview, count: int) -> list[bytes]:
@@ -175,76 +175,261 @@ def parse(buf: memoryview | bytes, minor: int = MINOR) -> Request:
     if end < IN_HEADER.size:
         raise Malformed("extensions longer than the request")
     data = view[IN_HEADER.size:end]
-    req = Request(opcode, unique, nodeid, uid, gid, pid)
-    a = req.args
-    if opcode in (LOOKUP, UNLINK, RMDIR):
-        a["name"], = _names(data, 1)
-    elif opcode in (READ, READDIR, READDIRPLUS):
-        a["fh"], a["offset"], a["size"], *_ = _fixed(_READ_IN, data)
-    elif opcode == WRITE:
-        a["fh"], a["offset"], size, a["write_flags"], *_ = _fixed(_WRITE_IN, data)
-        payload = data[_WRITE_IN.size:]
-        if len(payload) != size:
-            raise Malformed(f"write of {size} bytes carries {len(payload)}")
-        a["data"] = bytes(payload)
-    elif opcode in (OPEN, OPENDIR):
-        a["flags"], _ = _fixed(_OPEN_IN, data)
-    elif opcode in (RELEASE, RELEASEDIR):
-        a["fh"], a["flags"], a["release_flags"], _ = _fixed(_RELEASE_IN, data)
-    elif opcode == FLUSH:
-        a["fh"], *_ = _fixed(_FLUSH_IN, data)
-    elif opcode in (FSYNC, FSYNCDIR):
-        a["fh"], flags, _ = _fixed(_FSYNC_IN, data)
-        a["datasync"] = bool(flags & 1)
-    elif opcode == GETATTR:
-        flags, _, fh = _fixed(_GETATTR_IN, data)
-        a["fh"] = fh if flags & 1 else None
-    elif opcode == SETATTR:
-        (a["valid"], _, a["fh"], a["size"], _, a["atime"], a["mtime"], a["ctime"], a["atimensec"],
-         a["mtimensec"], a["ctimensec"], a["mode"], _, a["uid"], a["gid"], _) = _fixed(_SETATTR_IN, data)
-    elif opcode == CREATE:
-        a["flags"], a["mode"], a["umask"], _ = _fixed(_CREATE_IN, data)
-        a["name"], = _names(data[_CREATE_IN.size:], 1)
-    elif opcode == MKDIR:
-        a["mode"], a["umask"] = _fixed(_MKDIR_IN, data)
-        a["name"], = _names(data[_MKDIR_IN.size:], 1)
-    elif opcode == MKNOD:
-        a["mode"], a["rdev"], a["umask"], _ = _fixed(_MKNOD_IN, data)
-        a["name"], = _names(data[_MKNOD_IN.size:], 1)
-    elif opcode == SYMLINK:
-        a["name"], a["target"] = _names(data, 2)
-    elif opcode == RENAME:
-        a["newdir"], = _fixed(_RENAME_IN, data)
-        a["flags"] = 0
-        a["old"], a["new"] = _names(data[_RENAME_IN.size:], 2)
-    elif opcode == RENAME2:
-        a["newdir"], a["flags"], _ = _fixed(_RENAME2_IN, data)
-        a["old"], a["new"] = _names(data[_RENAME2_IN.size:], 2)
-    elif opcode == LINK:
-        a["oldnodeid"], = _fixed(_LINK_IN, data)
-        a["name"], = _names(data[_LINK_IN.size:], 1)
-    elif opcode == GETXATTR:
-        a["size"], _ = _fixed(_XATTR_IN, data)
-        a["name"], = _names(data[_XATTR_IN.size:], 1)
-    elif opcode == LISTXATTR:
-        a["size"], _ = _fixed(_XATTR_IN, data)
-    elif opcode == FORGET:
-        nlookup, = _fixed(_FORGET_IN, data)
-        a["forgets"] = [(nodeid, nlookup)]
-    elif opcode == BATCH_FORGET:
-        count, _ = _fixed(_BATCH_FORGET_IN, data)
-        body = data[_BATCH_FORGET_IN.size:]
-        if count * _FORGET_ONE.size > len(body):
-            raise Malformed(f"batch of {count} forgets in {len(body)} bytes")
-        a["forgets"] = [_FORGET_ONE.unpack_from(body, i * _FORGET_ONE.size) for i in range(count)]
-    elif opcode == INIT:
-        a["major"], a["minor"], a["max_readahead"], flags = _fixed(INIT_IN, data)
-        if flags & INIT_EXT and len(data) >= INIT_IN.size + 4:
-            flags |= struct.unpack_from("<I", data, INIT_IN.size)[0] << 32
-        a["flags"] = flags
-    elif opcode == INTERRUPT:
-        a["target"], = _fixed(_INTERRUPT_IN, data)
-    return req
+    parse_args = PARSERS.get(opcode)
+    args = parse_args(data, nodeid) if parse_args is not None else NoArgs()
+    return Request(opcode, unique, nodeid, uid, gid, pid, args)
+
+
+# -- each request's arguments: one typed row per opcode (:data:`PARSERS`) ---------------------------------
+
+class NoArgs(NamedTuple):
+    """A request with no arguments the daemon reads (GETATTR's flags aside, STATFS, DESTROY...)."""
+
+
+class NameIn(NamedTuple):  # LOOKUP, UNLINK, RMDIR
+    name: bytes
+
+
+class ReadIn(NamedTuple):  # READ, READDIR, READDIRPLUS
+    fh: int
+    offset: int
+    size: int
+
+
+class WriteIn(NamedTuple):
+    fh: int
+    offset: int
+    write_flags: int
+    data: bytes
+
+
+class OpenIn(NamedTuple):  # OPEN, OPENDIR
+    flags: int
+
+
+class ReleaseIn(NamedTuple):  # RELEASE, RELEASEDIR
+    fh: int
+    flags: int
+    release_flags: int
+
+
+class FlushIn(NamedTuple):
+    fh: int
+
+
+class FsyncIn(NamedTuple):  # FSYNC, FSYNCDIR
+    fh: int
+    datasync: bool
+
+
+class GetattrIn(NamedTuple):
+    fh: int | None  # the open file the kernel asks through, if it says
+
+
+class SetattrIn(NamedTuple):
+    valid: int  # FATTR_* bits: which of the rest to set
+    fh: int
+    size: int
+    atime: int
+    mtime: int
+    ctime: int
+    atimensec: int
+    mtimensec: int
+    ctimensec: int
+    mode: int
+    uid: int
+    gid: int
+
+
+class CreateIn(NamedTuple):
+    flags: int
+    mode: int
+    umask: int
+    name: bytes
+
+
+class MkdirIn(NamedTuple):
+    mode: int
+    umask: int
+    name: bytes
+
+
+class MknodIn(NamedTuple):
+    mode: int
+    rdev: int
+    umask: int
+    name: bytes
+
+
+class SymlinkIn(NamedTuple):
+    name: bytes
+    target: bytes
+
+
+class RenameIn(NamedTuple):  # RENAME, RENAME2
+    newdir: int
+    flags: int
+    old: bytes
+    new: bytes
+
+
+class LinkIn(NamedTuple):
+    oldnodeid: int
+    name: bytes
+
+
+class GetxattrIn(NamedTuple):
+    size: int
+    name: bytes
+
+
+class ListxattrIn(NamedTuple):
+    size: int
+
+
+class ForgetIn(NamedTuple):  # FORGET, BATCH_FORGET
+    forgets: list[tuple[int, int]]  # (inode, lookups to forget)
+
+
+class InitIn(NamedTuple):
+    major: int
+    minor: int
+    max_readahead: int
+    flags: int  # flags | flags2 << 32 (with INIT_EXT)
+
+
+class InterruptIn(NamedTuple):
+    target: int
+
+
+def _none(data: memoryview, nodeid: int) -> NoArgs:
+    return NoArgs()
+
+
+def _name(data: memoryview, nodeid: int) -> NameIn:
+    return NameIn(*_names(data, 1))
+
+
+def _read_in(data: memoryview, nodeid: int) -> ReadIn:
+    fh, offset, size, *_ = _fixed(_READ_IN, data)
+    return ReadIn(fh, offset, size)
+
+
+def _write_in(data: memoryview, nodeid: int) -> WriteIn:
+    fh, offset, size, write_flags, *_ = _fixed(_WRITE_IN, data)
+    payload = data[_WRITE_IN.size:]
+    if len(payload) != size:
+        raise Malformed(f"write of {size} bytes carries {len(payload)}")
+    return WriteIn(fh, offset, write_flags, bytes(payload))
+
+
+def _open_in(data: memoryview, nodeid: int) -> OpenIn:
+    return OpenIn(_fixed(_OPEN_IN, data)[0])
+
+
+def _release_in(data: memoryview, nodeid: int) -> ReleaseIn:
+    fh, flags, release_flags, _ = _fixed(_RELEASE_IN, data)
+    return ReleaseIn(fh, flags, release_flags)
+
+
+def _flush_in(data: memoryview, nodeid: int) -> FlushIn:
+    return FlushIn(_fixed(_FLUSH_IN, data)[0])
+
+
+def _fsync_in(data: memoryview, nodeid: int) -> FsyncIn:
+    fh, flags, _ = _fixed(_FSYNC_IN, data)
+    return FsyncIn(fh, bool(flags & 1))
+
+
+def _getattr_in(data: memoryview, nodeid: int) -> GetattrIn:
+    flags, _, fh = _fixed(_GETATTR_IN, data)
+    return GetattrIn(fh if flags & 1 else None)
+
+
+def _setattr_in(data: memoryview, nodeid: int) -> SetattrIn:
+    (valid, _, fh, size, _, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, _, uid, gid,
+     _) = _fixed(_SETATTR_IN, data)
+    return SetattrIn(valid, fh, size, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, uid, gid)
+
+
+def _create_in(data: memoryview, nodeid: int) -> CreateIn:
+    flags, mode, umask, _ = _fixed(_CREATE_IN, data)
+    return CreateIn(flags, mode, umask, *_names(data[_CREATE_IN.size:], 1))
+
+
+def _mkdir_in(data: memoryview, nodeid: int) -> MkdirIn:
+    mode, umask = _fixed(_MKDIR_IN, data)
+    return MkdirIn(mode, umask, *_names(data[_MKDIR_IN.size:], 1))
+
+
+def _mknod_in(data: memoryview, nodeid: int) -> MknodIn:
+    mode, rdev, umask, _ = _fixed(_MKNOD_IN, data)
+    return MknodIn(mode, rdev, umask, *_names(data[_MKNOD_IN.size:], 1))
+
+
+def _symlink_in(data: memoryview, nodeid: int) -> SymlinkIn:
+    return SymlinkIn(*_names(data, 2))
+
+
+def _rename_in(data: memoryview, nodeid: int) -> RenameIn:
+    newdir, = _fixed(_RENAME_IN, data)
+    return RenameIn(newdir, 0, *_names(data[_RENAME_IN.size:], 2))
+
+
+def _rename2_in(data: memoryview, nodeid: int) -> RenameIn:
+    newdir, flags, _ = _fixed(_RENAME2_IN, data)
+    return RenameIn(newdir, flags, *_names(data[_RENAME2_IN.size:], 2))
+
+
+def _link_in(data: memoryview, nodeid: int) -> LinkIn:
+    oldnodeid, = _fixed(_LINK_IN, data)
+    return LinkIn(oldnodeid, *_names(data[_LINK_IN.size:], 1))
+
+
+def _getxattr_in(data: memoryview, nodeid: int) -> GetxattrIn:
+    size, _ = _fixed(_XATTR_IN, data)
+    return GetxattrIn(size, *_names(data[_XATTR_IN.size:], 1))
+
+
+def _listxattr_in(data: memoryview, nodeid: int) -> ListxattrIn:
+    return ListxattrIn(_fixed(_XATTR_IN, data)[0])
+
+
+def _forget_in(data: memoryview, nodeid: int) -> ForgetIn:
+    nlookup, = _fixed(_FORGET_IN, data)
+    return ForgetIn([(nodeid, nlookup)])
+
+
+def _batch_forget_in(data: memoryview, nodeid: int) -> ForgetIn:
+    count, _ = _fixed(_BATCH_FORGET_IN, data)
+    body = data[_BATCH_FORGET_IN.size:]
+    if count * _FORGET_ONE.size > len(body):
+        raise Malformed(f"batch of {count} forgets in {len(body)} bytes")
+    return ForgetIn([_FORGET_ONE.unpack_from(body, i * _FORGET_ONE.size) for i in range(count)])
+
+
+def _init_in(data: memoryview, nodeid: int) -> InitIn:
+    major, minor, max_readahead, flags = _fixed(INIT_IN, data)
+    if flags & INIT_EXT and len(data) >= INIT_IN.size + 4:
+        flags |= struct.unpack_from("<I", data, INIT_IN.size)[0] << 32
+    return InitIn(major, minor, max_readahead, flags)
+
+
+def _interrupt_in(data: memoryview, nodeid: int) -> InterruptIn:
+    return InterruptIn(_fixed(_INTERRUPT_IN, data)[0])
+
+
+#: How each opcode's arguments are read (an opcode not here has none the daemon reads: :class:`NoArgs`).
+PARSERS: dict[int, Callable[[memoryview, int], Any]] = {
+    LOOKUP: _name, UNLINK: _name, RMDIR: _name,
+    READ: _read_in, READDIR: _read_in, READDIRPLUS: _read_in, WRITE: _write_in,
+    OPEN: _open_in, OPENDIR: _open_in, RELEASE: _release_in, RELEASEDIR: _release_in, FLUSH: _flush_in,
+    FSYNC: _fsync_in, FSYNCDIR: _fsync_in, GETATTR: _getattr_in, SETATTR: _setattr_in,
+    CREATE: _create_in, MKDIR: _mkdir_in, MKNOD: _mknod_in, SYMLINK: _symlink_in,
+    RENAME: _rename_in, RENAME2: _rename2_in, LINK: _link_in, GETXATTR: _getxattr_in, LISTXATTR: _listxattr_in,
+    FORGET: _forget_in, BATCH_FORGET: _batch_forget_in, INIT: _init_in, INTERRUPT: _interrupt_in,
+    STATFS: _none, DESTROY: _none,
+}
 
 
 # -- replies -------------------------------------------------------------------------------------------

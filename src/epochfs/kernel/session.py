@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from epochfs.kernel import abi, mounting
-from epochfs.kernel.translate import DISPATCH, handlers_of, read_reply, waited_read
+from epochfs.kernel.translate import ROWS, handlers_of, read_reply, waited_read
 from epochfs.kernel.types import FUSEError
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class Session:
             return
         if self.debug:
             log.debug("request %d: opcode %d inode %d %s", req.unique, req.opcode, req.nodeid,
-                      {k: v for k, v in req.args.items() if k != "data"})
+                      {k: v for k, v in req.args._asdict().items() if k != "data"})
         op = req.opcode
         if op == abi.INIT:
             self._init(req)
@@ -150,7 +150,7 @@ class Session:
             forget = self._handlers.get("forget")
             if forget is not None:
                 try:
-                    forget[0](req.args["forgets"])
+                    forget[0](req.args.forgets)
                 except Exception:
                     log.exception("forget failed")
             return
@@ -163,11 +163,11 @@ class Session:
         if op == abi.READ and self._read_now is not None:
             self._answer_read(req)
             return
-        entry = DISPATCH.get(op)
-        if entry is None:
+        row = ROWS.get(op)
+        if row is None:
             self._send([abi.error(req.unique, errno.ENOSYS)])
             return
-        name, call = entry
+        name, call = row.handler, row.call
         handler = self._handlers.get(name)
         if handler is None:
             self._send([abi.error(req.unique, errno.ENOSYS)])
@@ -178,7 +178,7 @@ class Session:
             self._nursery.start_soon(self._answer_async, req, fn, call)
             return
         try:
-            reply = call(self, req, fn)
+            reply = call(req, fn)
         except FUSEError as exc:
             self._send([abi.error(req.unique, exc.errno)])
         except Exception:
@@ -190,10 +190,10 @@ class Session:
     def _answer_read(self, req: abi.Request) -> None:
         """A READ through the handler's ``read_now``: answered at once if it has the bytes, else the
         coroutine function it returns runs as a task."""
-        a = req.args
+        a: abi.ReadIn = req.args
         assert self._read_now is not None
         try:
-            answer = self._read_now(a["fh"], a["offset"], a["size"], req.nodeid, req.pid)
+            answer = self._read_now(a.fh, a.offset, a.size, req.nodeid, req.pid)
         except FUSEError as exc:
             self._send([abi.error(req.unique, exc.errno)])
             return
@@ -214,7 +214,7 @@ class Session:
 
     async def _answer_async(self, req: abi.Request, fn: Callable[..., Any], call: Callable[..., Any]) -> None:
         try:
-            reply = await call(self, req, fn)
+            reply = await call(req, fn)
         except FUSEError as exc:
             reply = [abi.error(req.unique, exc.errno)]
         except Exception:  # (trio.Cancelled is not an Exception: the session is ending)
@@ -234,31 +234,31 @@ class Session:
                 log.warning("reply failed: %s", exc)
 
     def _init(self, req: abi.Request) -> None:
-        a = req.args
-        if a["major"] != abi.MAJOR:
-            if a["major"] > abi.MAJOR:  # tell it ours and wait for its INIT of that version
+        a: abi.InitIn = req.args
+        if a.major != abi.MAJOR:
+            if a.major > abi.MAJOR:  # tell it ours and wait for its INIT of that version
                 self._send(abi.reply(req.unique, abi.INIT_OUT.pack(abi.MAJOR, abi.MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)))
             else:
-                log.error("the kernel speaks FUSE %d.%d; this daemon needs 7.31 or later", a["major"], a["minor"])
+                log.error("the kernel speaks FUSE %d.%d; this daemon needs 7.31 or later", a.major, a.minor)
                 self._send([abi.error(req.unique, errno.EPROTO)])
             return
-        if a["minor"] < abi.OLDEST:
-            log.error("the kernel speaks FUSE 7.%d; this daemon needs 7.%d or later", a["minor"], abi.OLDEST)
+        if a.minor < abi.OLDEST:
+            log.error("the kernel speaks FUSE 7.%d; this daemon needs 7.%d or later", a.minor, abi.OLDEST)
             self._send([abi.error(req.unique, errno.EPROTO)])
             return
-        self.kernel_minor = a["minor"]
-        self.minor = min(abi.MINOR, a["minor"])
+        self.kernel_minor = a.minor
+        self.minor = min(abi.MINOR, a.minor)
         writeback = getattr(self.ops, "enable_writeback_cache", False)
         want = WANT | (abi.WRITEBACK_CACHE if writeback else 0)
         if getattr(self.ops, "want_passthrough", False) and not writeback:  # (the kernel refuses both)
             want |= abi.INIT_EXT | abi.PASSTHROUGH
-        flags = want & a["flags"]
+        flags = want & a.flags
         if flags & abi.PASSTHROUGH and not flags & abi.INIT_EXT:
             flags &= ~abi.PASSTHROUGH
         if flags & abi.PASSTHROUGH:
-            self.minor = min(abi.PASSTHROUGH_MINOR, a["minor"])
-        self.negotiated = flags | (a["flags"] & abi.NO_OPEN_SUPPORT)
-        out = abi.INIT_OUT.pack(abi.MAJOR, self.minor, a["max_readahead"], flags & 0xFFFFFFFF,
+            self.minor = min(abi.PASSTHROUGH_MINOR, a.minor)
+        self.negotiated = flags | (a.flags & abi.NO_OPEN_SUPPORT)
+        out = abi.INIT_OUT.pack(abi.MAJOR, self.minor, a.max_readahead, flags & 0xFFFFFFFF,
                                 0, 0, MAX_WRITE, 1, MAX_PAGES if flags & abi.MAX_PAGES else 0, 0, flags >> 32,
                                 PASSTHROUGH_DEPTH if flags & abi.PASSTHROUGH else 0)
         self._send(abi.reply(req.unique, out))
