@@ -6,6 +6,7 @@ hands each epoch's order to the daemon from a PyTorch sampler (:mod:`epochfs.tor
 
 from typing import Any
 
+from epochfs.backend import kinds as _kinds  # noqa: F401 - every source form known before a URL is read
 from epochfs.version import __version__
 
 

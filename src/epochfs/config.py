@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from epochfs.backend.base import DEFAULT_ATTEMPTS, DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT
+from epochfs.backend.kinds import kind_of
 from epochfs.cache import policies
 from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from epochfs.errors import ConfigError
@@ -346,8 +347,8 @@ class Config:
             raise ConfigError("--passthrough-scrub must be >= 0 seconds")
         if self.passthrough_size is not None and self.passthrough_size < self.block_size:
             raise ConfigError("--passthrough-size must hold at least one block (the cache's bound applies too)")
-        if self.writeback and self.source.scheme != "s3":
-            raise ConfigError(f"--writeback needs an S3 source; {self.source.url} is read-only")
+        if self.writeback and not kind_of(self.source).capabilities.write:
+            raise ConfigError(f"--writeback needs a source that can be written; {self.source.url} is read-only")
         for name in ("prefetch_bandwidth", "backend_bandwidth", "upload_bandwidth"):
             value = getattr(self, name)
             if value is not None and value <= 0:

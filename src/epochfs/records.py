@@ -13,11 +13,11 @@ a peer's request is answered 400.
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 from epochfs.errors import ConfigError
 
@@ -166,35 +166,45 @@ def member_checksum(obj: ObjectInfo) -> int | None:
 
 @dataclass(frozen=True)
 class Source:
-    """Where the dataset lives: ``s3://bucket/prefix`` or ``file:///path``."""
+    """Where the dataset lives: a URL of one of the registered forms (:func:`register_form`; the
+    backends declare theirs, :mod:`epochfs.backend.kinds`): ``s3://bucket/prefix``, ``file:///path``..."""
 
-    scheme: str  # "s3" or "file"
-    bucket: str  # S3 bucket; "" for file
-    prefix: str  # S3 key prefix ending in "/" or ""; absolute directory path for file
+    scheme: str  # the form's scheme ("s3", "file", ...)
+    bucket: str  # the form's place (an S3 bucket); "" where it has none (a local directory)
+    prefix: str  # within it: a key prefix ending in "/" or "" (S3), an absolute path (a directory)
 
     @classmethod
     def parse(cls, url: str) -> Source:
-        parsed = urlparse(url)
-        if parsed.scheme == "s3":
-            if not parsed.netloc:
-                raise ConfigError(f"{url!r}: an S3 source needs a bucket: s3://BUCKET[/PREFIX]")
-            prefix = parsed.path.lstrip("/")
-            if prefix and not prefix.endswith("/"):
-                prefix += "/"
-            return cls("s3", parsed.netloc, prefix)
-        if parsed.scheme == "file":
-            if parsed.netloc not in ("", "localhost"):
-                raise ConfigError(f"{url!r}: use file:///absolute/path")
-            # Existence is checked when the directory is listed: a mount with a stored snapshot
-            # keeps serving cached data while the shared file system is away.
-            return cls("file", "", os.path.abspath(unquote(parsed.path)))
-        raise ConfigError(f"{url!r}: the source must be s3://BUCKET[/PREFIX] or file:///PATH")
+        form = _FORMS.get(urlparse(url).scheme)
+        if form is None:
+            shapes = " or ".join(f.shape for f in _FORMS.values()) or "a registered form"
+            raise ConfigError(f"{url!r}: the source must be {shapes}" + "".join(f"; {p}" for p in FORM_PROBLEMS))
+        return form.parse(url)
 
     @property
     def url(self) -> str:
-        if self.scheme == "s3":
-            return f"s3://{self.bucket}/{self.prefix}"
-        return f"file://{self.prefix}"
+        return f"{self.scheme}://{self.bucket}{'' if self.prefix.startswith('/') else '/'}{self.prefix}"
+
+
+@dataclass(frozen=True)
+class SourceForm:
+    """One form of source URL: its scheme, its shape as errors show it, and how a URL of it is read
+    (checked: a :class:`ConfigError` that says what is wrong)."""
+
+    scheme: str
+    shape: str
+    parse: Callable[[str], Source]
+
+
+_FORMS: dict[str, SourceForm] = {}
+#: Why forms that were asked for are missing (a backend module that could not be loaded), said when a
+#: source is of no known form.
+FORM_PROBLEMS: list[str] = []
+
+
+def register_form(form: SourceForm) -> None:
+    """Make ``form`` a source URL mounts and tools take (each backend kind registers its own)."""
+    _FORMS[form.scheme] = form
 
 
 #: The longest name and path a mount takes (bytes of UTF-8).

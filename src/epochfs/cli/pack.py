@@ -59,14 +59,15 @@ def cmd_pack(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
-    from epochfs.backend import BackendSettings, open_backend
+    from epochfs.backend import BackendSettings, kind_of, open_backend
     from epochfs.errors import ConfigError
     from epochfs.pack.writer import PackSettings, pack
 
     source, dest = Source.parse(args.source), Source.parse(args.dest)
-    if dest.scheme != "s3":
-        raise ConfigError("DEST must be an S3 prefix (s3://BUCKET/PREFIX)")
-    if source.scheme == "s3" and source.bucket == dest.bucket and (
+    if not kind_of(dest).capabilities.write:
+        raise ConfigError(f"DEST must be a place that can be written (an S3 prefix, s3://BUCKET/PREFIX); {dest.url} "
+                          "cannot")
+    if (source.scheme, source.bucket) == (dest.scheme, dest.bucket) and (
             source.prefix.startswith(dest.prefix) or dest.prefix.startswith(source.prefix)):
         raise ConfigError("SOURCE and DEST overlap: pack into a prefix outside the source, and the source not into it")
     if args.jobs < 1 or args.readers < 1:
