@@ -24,12 +24,20 @@ pytestmark = requires_fuse
 
 
 def _kernel_passthrough() -> bool:
-    """Linux 6.9 or later, and root (the kernel registers backing files only for CAP_SYS_ADMIN)."""
+    """Linux 6.9 or later built with FUSE passthrough (where its config says), and root (the kernel
+    registers backing files only for CAP_SYS_ADMIN)."""
+    import gzip
+
     try:
         major, minor = (int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
     except ValueError:
         return False
-    return (major, minor) >= (6, 9) and os.geteuid() == 0
+    try:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            built = "CONFIG_FUSE_PASSTHROUGH=y" in f.read()
+    except OSError:
+        built = True  # (no config to read: the version decides)
+    return (major, minor) >= (6, 9) and built and os.geteuid() == 0
 
 
 needs_passthrough = pytest.mark.skipif(not _kernel_passthrough(), reason="FUSE passthrough: Linux 6.9+, as root")

@@ -18,7 +18,7 @@ import pytest
 from epochfs.devserver import LocalRedis, LocalSentinels
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.meta import StoreAccess, open_meta
-from epochfs.meta.redis_link import _sentinel_url
+from epochfs.meta.redis_link import _sentinel_url, online_replicas
 from epochfs.records import ObjectInfo
 from epochfs.sample import SampleFile, upload
 
@@ -63,8 +63,8 @@ class Cluster:
 
     def wait_replicated(self, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.master.client().info("replication").get("connected_slaves", 0) < 1:
-            assert time.monotonic() < deadline, "the replica did not connect"
+        while online_replicas(self.master.client().info("replication")) < 1:
+            assert time.monotonic() < deadline, "the replica did not come online"
             time.sleep(0.05)
 
     def store(self):
@@ -80,6 +80,17 @@ def cluster(tmp_path):
     c = Cluster(tmp_path)
     yield c
     c.stop()
+
+
+def test_only_replicas_online_are_waited_for():
+    """A replica still taking its first copy acknowledges no WAIT: the store does not wait on it (it gets
+    what is written with its copy); one online is waited for."""
+    info = {"role": "master", "connected_slaves": 1,
+            "slave0": {"ip": "127.0.0.1", "port": 6380, "state": "wait_bgsave", "offset": 0, "lag": 0}}
+    assert online_replicas(info) == 0
+    info["slave0"]["state"] = "online"
+    info["slave1"] = {"ip": "127.0.0.1", "port": 6381, "state": "send_bulk", "offset": 0, "lag": 0}
+    assert online_replicas(info) == 1
 
 
 def obj(key: str) -> ObjectInfo:

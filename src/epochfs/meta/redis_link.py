@@ -85,6 +85,13 @@ def _sentinel_url(url: str) -> tuple[SentinelTarget, str]:
     return target, shown
 
 
+def online_replicas(replication: dict[str, Any]) -> int:
+    """Replicas an ``INFO replication`` answer lists as online (past their first full copy: only those
+    acknowledge a ``WAIT``)."""
+    return sum(1 for key, value in replication.items()
+               if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+
+
 class Link:
     """One store's connection. ``client`` is redis-py's (a Sentinel store's follows the master)."""
 
@@ -146,12 +153,12 @@ class Link:
         the writer publishes it again, and a publication already there is found and not repeated)."""
         if self._sentinel is None:
             return
-        connected = self.call(self.client.info, "replication").get("connected_slaves", 0)
-        if not connected:
-            if self._alone_since is None:  # (after a failover, until a replica comes back: said once)
+        connected = online_replicas(self.call(self.client.info, "replication"))
+        if not connected:  # (none, or one still taking its first copy: it gets this write with that copy)
+            if self._alone_since is None:  # (after a failover, until a replica is online again: said once)
                 self._alone_since = time.time()
-                log.warning("metadata store %s: the master has no replica; what is published now is in one "
-                            "place until one joins", self.url)
+                log.warning("metadata store %s: the master has no replica online; what is published now is in "
+                            "one place until one is", self.url)
             return
         self._alone_since = None
         replicas = self.call(self.client.execute_command, "WAIT", 1, int(self.REPLICA_WAIT * 1000))
