@@ -245,8 +245,8 @@ def test_passthrough_is_refused_with_writeback(fresh_bucket, mount_factory):
 
 
 def test_whole_files_left_by_a_run_are_taken_up_and_anything_else_removed(tmp_path):
-    """What a killed daemon or another hand left in ``whole/``: a copy half written, a link, a name that
-    is not a copy's; only copies are taken up (pinned again), the rest removed."""
+    """What a killed daemon or another hand left in ``whole/``: a copy half written, a link, a directory,
+    a name that is not a copy's; only copies are taken up (pinned again), the rest removed."""
     from epochfs.cache.policies import make_policy
     from epochfs.cache.store import BlockStore
     from epochfs.cache.whole import WholeFiles
@@ -260,11 +260,13 @@ def test_whole_files_left_by_a_run_are_taken_up_and_anything_else_removed(tmp_pa
     for p in leftovers:
         p.write_bytes(b"y")
     os.symlink("/etc/passwd", whole.dir / f"{'e' * 32}.{'f' * 32}")
+    (whole.dir / f"{'9' * 32}.{'8' * 32}").mkdir()  # (a directory under a copy's name)
+    (whole.dir / f"{'9' * 32}.{'8' * 32}" / "x").write_bytes(b"z")
     whole.open()
     assert list(whole.files) == ["a" * 32] and whole.held == 1000 and store.pinned == 1000
     assert sorted(p.name for p in whole.dir.iterdir()) == [good.name]
     w = whole.get("a" * 32, 999)  # not the object's size: removed
     assert w is None and whole.held == 0 and store.pinned == 0 and not good.exists()
     assert whole.admit(40 * MIB) is False and whole.admit(8 * MIB) and store.pinned == 8 * MIB
-    whole.abandon(8 * MIB)
+    whole.abandon("a" * 32, 8 * MIB)
     store.close()

@@ -250,9 +250,7 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               f"pack them: `epochfs pack {src} {shlex.quote(str(m['source']).rstrip('/') + '-packed')}` and mount the "
               "packed prefix (members read "
               "as the same files, a shard per request)")
-    judged_phase = (phases.get("later") or phases.get("first")) if phases else None
-    verdict = judged_phase["verdict"] if judged_phase else (
-        verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else None)
+    verdict = verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else None  # (the judged phase's)
     pt = m.get("passthrough")
     if (verdict == "storage-bound" and hit is not None and hit >= WARM_HITS
             and avg is not None and avg >= SMALL_FILES and not m["shards"] and not m.get("writeback")

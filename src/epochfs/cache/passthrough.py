@@ -17,13 +17,12 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import trio
 import xxhash
 
-from epochfs.cache.keys import whole_id
+from epochfs.cache.keys import block_count, whole_id
 from epochfs.cache.service import BlockCache
 from epochfs.cache.whole import Whole, WholeFiles
 from epochfs.records import ObjectInfo, stored_extent
@@ -124,9 +123,9 @@ class Passthrough:
         if w is None:
             self._consider(obj)
             return 0
-        fd = self.whole.open_file(w)
         kernel = self._kernel()
-        if fd is None or kernel is None:
+        fd = self.whole.open_file(w) if kernel is not None else None
+        if kernel is None or fd is None:
             return 0
         try:
             st.backing = kernel.backing_open(fd)
@@ -181,7 +180,7 @@ class Passthrough:
             self._wake.set()
 
     def _blocks(self, obj: ObjectInfo) -> int:
-        return -(-obj.size // self.cache.block_size)
+        return block_count(obj.size, self.cache.block_size)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -220,12 +219,10 @@ class Passthrough:
         except (LookupError, OSError) as exc:
             if not isinstance(exc, LookupError):
                 log.warning("could not hold %s whole: %s", obj.key, exc)
-            self.whole.abandon(obj.size)
-            await trio.to_thread.run_sync(_discard, tmp)
+            self.whole.abandon(wid, obj.size)
             return None
         except BaseException:
-            self.whole.abandon(obj.size)
-            _discard(tmp)
+            self.whole.abandon(wid, obj.size)
             raise
         return self.whole.install(wid, h.hexdigest(), obj.size)
 
@@ -244,9 +241,3 @@ class Passthrough:
                                 sum(1 for st in self._inodes.values() if st.backing), w.files, w.bytes, w.limit,
                                 w.assembled, w.damaged, w.evicted)
 
-
-def _discard(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

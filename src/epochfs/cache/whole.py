@@ -32,6 +32,7 @@ from pathlib import Path
 
 import xxhash
 
+from epochfs.cache.packs import discard
 from epochfs.cache.store import BlockStore
 from epochfs.private import open_private, private_subdir
 
@@ -85,7 +86,7 @@ class WholeFiles:
             st = entry.stat(follow_symlinks=False)
             if (not stat.S_ISREG(st.st_mode) or len(wid) != 32 or len(digest) != 32
                     or not _hex(wid) or not _hex(digest) or wid in self.files):
-                _unlink(entry.path)  # (an interrupted write, or not ours)
+                discard(entry.path)  # (an interrupted write, or not ours: a link, a directory)
                 continue
             self.files[wid] = Whole(wid, digest, st.st_size, st.st_ino, st.st_mtime_ns)
             self.held += st.st_size
@@ -130,7 +131,7 @@ class WholeFiles:
             del self.files[w.wid]
             self.held -= w.size
             self.store.unpin(w.size)
-        _unlink(str(self.dir / w.name))
+        discard(str(self.dir / w.name))
 
     # -- filling -----------------------------------------------------------------------------------------
 
@@ -147,8 +148,9 @@ class WholeFiles:
                 self.remove(w)
         return self.held + size <= self.limit and self.store.pin(size)
 
-    def abandon(self, size: int) -> None:
-        """Give back an admission whose file was not made."""
+    def abandon(self, wid: str, size: int) -> None:
+        """Give back an admission whose file was not made, and what was written of it."""
+        discard(str(self.temp_path(wid)))
         self.store.unpin(size)
 
     def temp_path(self, wid: str) -> Path:
@@ -184,8 +186,7 @@ class WholeFiles:
             os.rename(tmp, self.dir / w.name)
         except OSError as exc:
             log.warning("whole cached file for %s not installed: %s", wid, exc)
-            _unlink(str(tmp))
-            self.abandon(size)
+            self.abandon(wid, size)
             return None
         w.ino, w.mtime_ns, w.verified = st.st_ino, st.st_mtime_ns, time.monotonic()
         old = self.files.pop(wid, None)
@@ -253,9 +254,3 @@ class WholeFiles:
 def _hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

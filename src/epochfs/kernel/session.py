@@ -252,9 +252,7 @@ class Session:
         want = WANT | (abi.WRITEBACK_CACHE if writeback else 0)
         if getattr(self.ops, "want_passthrough", False) and not writeback:  # (the kernel refuses both)
             want |= abi.INIT_EXT | abi.PASSTHROUGH
-        flags = want & a.flags
-        if flags & abi.PASSTHROUGH and not flags & abi.INIT_EXT:
-            flags &= ~abi.PASSTHROUGH
+        flags = want & a.flags  # (a kernel offers PASSTHROUGH only in flags2, which comes with INIT_EXT)
         if flags & abi.PASSTHROUGH:
             self.minor = min(abi.PASSTHROUGH_MINOR, a.minor)
         self.negotiated = flags | (a.flags & abi.NO_OPEN_SUPPORT)
