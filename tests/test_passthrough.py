@@ -102,6 +102,12 @@ def test_a_cached_object_is_read_by_the_kernel_with_every_byte_its_own(dataset, 
         assert "passthrough on: " in text and "1 whole copies" in text
         st = m.status()["store"]  # the copy counts against the cache's bound
         assert st["pinned_bytes"] == f.size and st["used_bytes"] + st["pinned_bytes"] <= 256 * MIB
+        import urllib.request
+
+        page = urllib.request.urlopen(f"http://{m.status()['metrics_addr']}/metrics", timeout=10).read().decode()
+        assert "epochfs_passthrough_opens_total{" in page and "epochfs_passthrough_damaged_total{" in page
+        assert [float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                if line.startswith("epochfs_passthrough_whole_bytes{")] == [f.size]
 
 
 @needs_passthrough
