@@ -86,16 +86,20 @@ def test_block_gets_are_signed_correctly_for_an_endpoint_that_checks(tmp_path, m
         client = server.client()
         client.create_bucket(Bucket="signed")
         for key in keys:
-            client.put_object(Bucket="signed", Key="p/" + key, Body=pattern(key, 0, 0, 200_000))
+            client.put_object(Bucket="signed", Key="p/" + key, Body=pattern(key, 0, 0, 3 << 20))
         backend = s3_backend(server, "signed", "p")
         listed = {o.key: o for o in backend.list_objects()}
-        for key in keys:
+        for key in keys:  # a short range (libcurl signs it) and a long one (botocore signs it; epochfs.httpio)
             assert backend.read_range(key, listed[key].etag, 1, 150_000) == pattern(key, 0, 1, 150_000), key
+            assert backend.read_range(key, listed[key].etag, 7, 2 << 20) == pattern(key, 0, 7, 2 << 20), key
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
         wrong = s3_backend(server, "signed", "p")
         with pytest.raises(AccessDenied) as denied:
             wrong.read_range("plain.bin", listed["plain.bin"].etag, 0, 10)
         assert wrong.statistics().requests == {("get", "denied"): 1}
+        with pytest.raises(AccessDenied):
+            wrong.read_range("plain.bin", listed["plain.bin"].etag, 0, 2 << 20)
+        assert wrong.statistics().requests == {("get", "denied"): 2}
         assert "credentials from the environment (AWS_ACCESS_KEY_ID)" in str(denied.value)
         # a mount refused: the code, what it means, which credentials were used and where to look
         (tmp_path / "mnt").mkdir()
@@ -259,16 +263,54 @@ def test_directory_backend_version_changes_with_an_in_place_rewrite_that_restore
         backend.read_range("f.bin", f.etag, 0, 1000)
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("size, stopped", [(1000, False), (4096, False), (4097, True), (1 << 20, True)])
-def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked):
-    """libcurl fills the body and stops at the limit itself, with a Content-Length or without one."""
+def _serving(handler_class):
+    """A local HTTP/1.1 server of ``handler_class`` on a free port; stop it with .shutdown()."""
     import http.server
     import threading
 
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _fetch(engine, port, limit, deadline=30.0):
+    """(body, stopped) of a GET of / through ``engine`` with a body limit."""
     import pycurl
 
+    from epochfs import httpio
     from epochfs.curlio import Answer, new_handle
+
+    if engine == "curl":
+        curl = new_handle()
+        answer = Answer(limit)
+        answer.attach(curl)
+        curl.setopt(pycurl.URL, f"http://127.0.0.1:{port}/")
+        curl.setopt(pycurl.PROXY, "")
+        try:
+            curl.perform()
+        except pycurl.error as exc:
+            assert Answer.overflowed(exc), exc
+            assert len(answer.body) <= limit
+            return None, True
+        return bytes(answer.body), False
+    client = httpio.Client("127.0.0.1", port, None)
+    try:
+        status, _, body = client.get("/", {}, limit, time.monotonic() + deadline)
+    except httpio.Overflow:
+        return None, True
+    finally:
+        client.close()
+    assert status == 200
+    return bytes(body), False
+
+
+@pytest.mark.parametrize("engine", ["curl", "stream"])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("size, stopped", [(1000, False), (4096, False), (4097, True), (1 << 20, True)])
+def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked, engine):
+    """Both engines of block GETs (libcurl; epochfs.httpio) fill the body and stop at the limit, with a
+    Content-Length or without one; what they return is aligned for O_DIRECT."""
+    import http.server
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -291,22 +333,85 @@ def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _serving(Handler)
     try:
-        curl = new_handle()
-        answer = Answer(4096)
-        answer.attach(curl)
-        curl.setopt(pycurl.URL, f"http://127.0.0.1:{server.server_port}/")
-        curl.setopt(pycurl.PROXY, "")
-        try:
-            curl.perform()
-        except pycurl.error as exc:
-            assert stopped and Answer.overflowed(exc)
-            assert len(answer.body) <= 4096
-        else:
-            assert not stopped and bytes(answer.body) == pattern("x", 0, 0, size)
+        body, was_stopped = _fetch(engine, server.server_port, 4096)
+        assert was_stopped == stopped
+        if not stopped:
+            assert body == pattern("x", 0, 0, size)
     finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_the_stream_engine_holds_a_dripping_answer_to_its_deadline(phase):
+    """One byte every 0.3 s never resets the deadline of an epochfs.httpio request: it ends in a
+    TimeoutError at the deadline, not when the server stops dripping."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"
+            body = b"x" * 100
+            if phase == "body":
+                self.wfile.write(head)
+                self.wfile.flush()
+            for byte in (head if phase == "headers" else body):
+                try:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.3)
+
+        def log_message(self, *args):
+            pass
+
+    server = _serving(Handler)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _fetch("stream", server.server_port, 4096, deadline=1.5)
+        assert time.monotonic() - started < 2.5
+    finally:
+        server.shutdown()
+
+
+def test_the_stream_engine_answers_with_an_aligned_body_and_reuses_its_connection():
+    """A body lands in memory aligned for O_DIRECT (the cache writes it from there), and the next request
+    on the thread's client goes over the same connection."""
+    import ctypes
+    import http.server
+
+    peers = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            peers.append(self.client_address)
+            body = pattern("y", 0, 0, 3 << 20)
+            self.send_response(206)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    from epochfs import httpio
+
+    server = _serving(Handler)
+    client = httpio.Client("127.0.0.1", server.server_port, None)
+    try:
+        for _ in range(2):
+            status, headers, body = client.get("/", {}, 4 << 20, time.monotonic() + 30)
+            assert status == 206 and headers["content-length"] == str(3 << 20)
+            assert body == pattern("y", 0, 0, 3 << 20)
+            assert ctypes.addressof(ctypes.c_char.from_buffer(body)) % 4096 == 0
+        assert len(peers) == 2 and peers[0] == peers[1]
+    finally:
+        client.close()
         server.shutdown()
 
 

@@ -3,12 +3,14 @@
 Listing goes through the boto3 client, with botocore's "standard" retry mode and a hook that makes it
 wait at least as long as a ``Retry-After`` header asks.
 
-Block GETs are the hot path. They go through libcurl (pycurl), which signs them itself (AWS SigV4 with
-the credentials of boto3's chain, re-read on every request so refreshed ones are used), sends them and
-reads the body with the GIL released: a cold small file costs a fraction of the CPU of a botocore
-request, and the whole request, headers and body included, is bounded by ``CURLOPT_TIMEOUT`` (a server
-that drips its answer cannot hold a read). Each worker thread keeps its own connection. The answer is
-checked completely (status, ETag, Content-Range, length; never more than the range is buffered);
+Block GETs are the hot path. A range shorter than :data:`STREAM_MIN` goes through libcurl (pycurl),
+which signs it itself (AWS SigV4 with the credentials of boto3's chain, re-read on every request so
+refreshed ones are used) and sends it with the GIL released: a cold small file costs a fraction of the
+CPU of a botocore request. A longer one (a block of a large file) is signed by botocore and received by
+:mod:`epochfs.httpio` straight into an aligned buffer, which costs far less CPU per byte (unless a proxy
+is configured for the endpoint: then libcurl, which honours it, takes every range). Either way the
+whole request, headers and body included, is bounded by one deadline (a server that drips its answer
+cannot hold a read), and each worker thread keeps its own connections. The answer is checked completely (status, ETag, Content-Range, length; never more than the range is buffered);
 throttling, 5xx and transport failures are retried by :func:`~epochfs.backend.base.retry` within one
 overall deadline, honouring ``Retry-After``. Every ranged GET carries ``If-Match`` with the snapshot's
 ETag, so a block of a different version can never be returned.
@@ -16,22 +18,28 @@ ETag, so a block of a different version can never be returned.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import re
+import ssl
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import boto3
 import boto3.exceptions
+import botocore.auth
+import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
 import botocore.httpsession
 import pycurl
 
+from epochfs import httpio
 from epochfs.backend import attrs
 from epochfs.backend.base import (
     Backend,
@@ -87,6 +95,9 @@ _CREDENTIAL_SOURCES = {
 #: Most attribute records one listing takes (a name each; far more than any checkpoint area holds).
 MAX_ATTRIBUTE_RECORDS = 10_000_000
 
+#: Ranges at least this long are received through :mod:`epochfs.httpio` (see the module's text).
+STREAM_MIN = 1 << 20
+
 _TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
 
 
@@ -122,6 +133,17 @@ class S3Backend(S3Writes, Backend):
         if not probe.path.endswith("/" + _PROBE_KEY):
             raise ConfigError(f"cannot address objects of bucket {self.bucket!r} at {probe.netloc}")
         self._base_url = f"{probe.scheme}://{probe.netloc}{probe.path[:-len(_PROBE_KEY)]}"
+        self._stream_to = self._stream_endpoint(probe)
+
+    def _stream_endpoint(self, url: urllib.parse.SplitResult) -> tuple[str, int | None, ssl.SSLContext | None] | None:
+        """Where :mod:`epochfs.httpio` sends long ranges: host, port and TLS context; None where a
+        proxy is configured for the endpoint (libcurl then takes every range, through it)."""
+        host = url.hostname or ""
+        if urllib.request.getproxies().get(url.scheme) and not urllib.request.proxy_bypass(host):
+            log.info("a proxy is configured for %s: every block GET goes through libcurl", url.netloc)
+            return None
+        context = httpio.tls_context(self._cainfo) if url.scheme == "https" else None
+        return host, url.port, context
 
     def _make_client(self, region: str | None) -> Any:
         s = self._settings
@@ -307,13 +329,14 @@ class S3Backend(S3Writes, Backend):
             return self._denied(f"listing s3://{self.bucket}/{where}", code)
         return BackendUnavailable(f"listing s3://{self.bucket}/{where}: {code}")
 
-    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes | bytearray:
+    def read_range(self, key: str, etag: str, start: int, length: int) -> bytes | memoryview:
         if length == 0:
             return b""
         what = f"GET {key} [{start}, {start + length})"
         deadline = time.monotonic() + self._timeout
+        get = self._stream_once if length >= STREAM_MIN and self._stream_to is not None else self._get_once
         return retry(
-            lambda: self._get_once(key, etag, start, length, deadline),
+            lambda: get(key, etag, start, length, deadline),
             what=what,
             deadline=deadline,
             attempts=self._attempts,
@@ -341,7 +364,7 @@ class S3Backend(S3Writes, Backend):
                 raise AccessDenied(_NO_CREDENTIALS)
         return self._credentials.get_frozen_credentials()  # refreshed by botocore when they expire
 
-    def _get_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> bytearray:
+    def _get_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> memoryview:
         started = time.monotonic()
         remaining_ms = int((deadline - started) * 1000)
         if remaining_ms <= 0:
@@ -373,13 +396,46 @@ class S3Backend(S3Writes, Backend):
                 raise BackendUnavailable(f"{key}: TLS: {message}") from None
             self._stats.record("get", "retry")
             raise TemporaryFailure(f"curl error {code}: {message}") from None
-        data = self._checked(curl.getinfo(pycurl.RESPONSE_CODE), answer, key, etag, start, length)
+        data = self._checked(curl.getinfo(pycurl.RESPONSE_CODE), answer.headers, answer.body, key, etag, start,
+                             length)
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data
 
-    def _checked(self, status: int, answer: Answer, key: str, etag: str, start: int, length: int) -> bytearray:
+    def _stream_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> memoryview:
+        """:meth:`_get_once` through :mod:`epochfs.httpio` (a long range)."""
+        started = time.monotonic()
+        if deadline <= started:
+            raise TemporaryFailure("deadline passed")
+        url = self._url(key)
+        request = botocore.awsrequest.AWSRequest(method="GET", url=url, headers={
+            "Range": f"bytes={start}-{start + length - 1}", "If-Match": etag})
+        botocore.auth.S3SigV4Auth(self._frozen_credentials(), "s3", self._region).add_auth(request)
+        client = getattr(self._local, "http", None)
+        if client is None:
+            assert self._stream_to is not None
+            client = self._local.http = httpio.Client(*self._stream_to)
+        try:
+            status, headers, body = client.get(urllib.parse.urlsplit(url).path, dict(request.headers.items()),
+                                               length, deadline)
+        except httpio.Overflow:
+            self._stats.record("get", "retry")
+            raise TemporaryFailure(f"answer longer than the {length}-byte range (Range ignored?)") from None
+        except ssl.SSLError as exc:
+            if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+                self._stats.record("get", "retry")
+                raise TemporaryFailure(f"TLS connection closed: {exc}") from None
+            self._stats.record("get", "error")
+            raise BackendUnavailable(f"{key}: TLS: {exc}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            self._stats.record("get", "retry")
+            raise TemporaryFailure(f"{type(exc).__name__}: {exc}") from None
+        data = self._checked(status, headers, body, key, etag, start, length)
+        self._stats.record("get", "ok", len(data), time.monotonic() - started)
+        return data
+
+    def _checked(self, status: int, headers: dict[str, str], data: memoryview, key: str, etag: str, start: int,
+                 length: int) -> memoryview:
         """The body of an answer to a ranged GET, if it is exactly the asked-for bytes of the version."""
-        headers, data = answer.headers, answer.body
         end = start + length - 1
         if status not in (200, 206):
             raise self._failure(key, etag, status, headers, bytes(data))

@@ -40,6 +40,23 @@ class CacheSettings:
     fetch_timeout: float = 60.0  # a fill gives up after this long, whatever its thread is doing
 
 
+class Kept:
+    """A block kept in memory for its readers' next requests (:attr:`BlockCache._recent`): its bytes,
+    whether reading them counts as a hit, whether the store has it too (then it leaves memory once its
+    readers were given all of it: later reads go to the verified block file), and how many bytes of it
+    they were given. Counting bytes, not watching for the last one: the kernel sends a sequential
+    reader's readahead requests concurrently, and the one that ends the block may be answered before
+    one in its middle, which would otherwise find the block gone from memory."""
+
+    __slots__ = ("data", "hit", "stored", "served")
+
+    def __init__(self, data: bytes | memoryview, hit: bool, stored: bool, served: int = 0) -> None:
+        self.data = data
+        self.hit = hit
+        self.stored = stored
+        self.served = served
+
+
 class ReadObserver(Protocol):
     """Told where the reader is (the prefetcher follows it)."""
 
@@ -51,7 +68,7 @@ class ReadObserver(Protocol):
 class Fetch:
     """One block being fetched (single flight: every reader of the block waits on the same one)."""
 
-    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "read_to_end")
+    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "served")
 
     def __init__(self, demand: bool, direct: bool = False, warm: bool = False, near: bool = True) -> None:
         self.event = trio.Event()
@@ -62,7 +79,7 @@ class Fetch:
         self.warm = warm  # a prefetch that only warms the block's owner: no bytes for readers
         self.near = near  # a reader is at or right behind this block: keep it in memory, write it around
         self.from_peer = False
-        self.read_to_end = False  # a reader read the block's last byte (it has moved on)
+        self.served = 0  # bytes of it the readers were given (once all were, the readers have moved on)
 
     async def wait(self) -> EpochfsError | None:
         """Wait for the fetch; its error, or None when the bytes arrived."""

@@ -27,13 +27,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from epochfs.buffers import ALIGN
+
 log = logging.getLogger(__name__)
 
 PACK_BELOW = 1 << 20  # blocks smaller than this go to pack files
 PACK_SIZE = 64 << 20  # a pack file takes blocks until this long, then the next one is started
 MAX_PACK = 0xFFFFFFFE  # pack numbers are 1 to this (an index entry holds 32 bits)
-ALIGN = 4096  # O_DIRECT: buffer address, file offset and length aligned to the device's block size;
-#               packed blocks start at multiples of it (a punched hole frees whole pages)
+# ALIGN (O_DIRECT: buffer address, file offset and length aligned to the device's block size): packed
+# blocks start at multiples of it too (a punched hole frees whole pages).
 _PACK_FDS = 64  # pack files kept open for reads
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

@@ -35,7 +35,7 @@ from collections import OrderedDict
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.cache.flights import CacheSettings, CacheStats, Fetch, ReadObserver
+from epochfs.cache.flights import CacheSettings, CacheStats, Fetch, Kept, ReadObserver
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
 from epochfs.cache.keys import block_bounds, block_id, range_blocks
@@ -75,10 +75,8 @@ class BlockCache:
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self.observer: ReadObserver | None = None
-        # Blocks just fetched for a reader (cached or not), kept for its next requests; each with whether
-        # reading it counts as a hit (cached, read ahead, or from a peer; not a demand read-through) and
-        # whether it is in the store (then it leaves memory once its last byte was read).
-        self._recent: OrderedDict[bytes, tuple[bytes, bool, bool]] = OrderedDict()
+        # Blocks just fetched for a reader (cached or not), kept for its next requests (see Kept).
+        self._recent: OrderedDict[bytes, Kept] = OrderedDict()
         self._recent_bytes = 0
         self.recent_max = max((concurrency + readahead_blocks) * block_size, 16 << 20)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
@@ -159,8 +157,8 @@ class BlockCache:
             if flight.error is None and flight.data is not None and len(flight.data) == length:
                 return bytes(flight.data)
         kept = self._recent.get(bid)
-        if kept is not None and len(kept[0]) == length:
-            return bytes(kept[0])
+        if kept is not None and len(kept.data) == length:
+            return bytes(kept.data)
         meta = self.store.lookup(bid)
         if meta is None or meta.length != length:
             return None
@@ -197,7 +195,7 @@ class BlockCache:
             return None
         kept = self._recent.get(bid)
         if kept is not None:
-            data, hit, _ = kept
+            data, hit = kept.data, kept.hit
         elif hi - lo < self.THREADED_READ:
             meta = self.store.lookup(bid)
             if meta is None or meta.length != length:
@@ -214,8 +212,7 @@ class BlockCache:
         if self.observer is not None:
             self.observer.touched(obj, index)
         self._count(hit, nbytes)
-        if hi == len(data):
-            self._passed(bid)
+        self._served(bid, hi - lo)
         return memoryview(data)[lo:hi]
 
     async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int, *,
@@ -231,10 +228,9 @@ class BlockCache:
         if flight is None:
             kept = self._recent.get(bid)
             if kept is not None:
-                data, hit, stored = kept
-                count(hit, nbytes)
-                if hi == len(data):
-                    self._passed(bid)
+                data = kept.data
+                count(kept.hit, nbytes)
+                self._served(bid, hi - lo)
                 return memoryview(data)[lo:hi]
             meta = self.store.lookup(bid)
             if meta is not None and meta.length != length:
@@ -271,9 +267,8 @@ class BlockCache:
             raise flight.error
         if flight.data is None:
             raise BackendUnavailable(f"{obj.key}: block {index} could not be read")
-        if hi == length:
-            flight.read_to_end = True  # (if its fill is still running, it will not keep the block)
-            self._passed(bid)  # (if the fill finished before this reader woke up and kept it)
+        flight.served += hi - lo  # (if its fill is still running and all was served, it does not keep it)
+        self._served(bid, hi - lo)  # (if the fill finished before this reader woke up and kept it)
         return memoryview(flight.data)[lo:hi]
 
     async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
@@ -380,7 +375,7 @@ class BlockCache:
         kept = self._recent.get(bid)
         flight = self._flights.get(bid)
         if kept is not None:
-            self._nursery.start_soon(pusher.push, obj, inode, index, bid, memoryview(kept[0]))
+            self._nursery.start_soon(pusher.push, obj, inode, index, bid, memoryview(kept.data))
         elif flight is not None and not flight.warm:
             self._nursery.start_soon(self._push_when_fetched, pusher, obj, inode, index, bid, flight)
         elif self.store.lookup(bid) is not None:
@@ -484,8 +479,9 @@ class BlockCache:
                     written = exc
             if isinstance(written, OSError):
                 log.warning("could not cache a block (%s); reading through", written)
-            if flight.data is not None and (not installed or flight.near and not flight.read_to_end):
-                self._keep_recent(bid, flight.data, installed or flight.from_peer or not flight.demand, installed)
+            if flight.data is not None and (not installed or flight.near and flight.served < length):
+                self._keep_recent(bid, Kept(flight.data, installed or flight.from_peer or not flight.demand,
+                                            installed, flight.served))
         finally:
             if isinstance(written, tuple) and not installed:
                 self.store.abandon(*written)  # written, but the fill gave up (deadline, error, shutdown)
@@ -496,21 +492,25 @@ class BlockCache:
             if not self._flights:
                 self._idle.set()
 
-    def _passed(self, bid: bytes) -> None:
-        """A reader read the block to its end: if the store has it, it leaves memory (later reads go to
-        the verified block file)."""
+    def _served(self, bid: bytes, nbytes: int) -> None:
+        """Readers were given ``nbytes`` more of a block: once they were given all of it and the store
+        has it, it leaves memory (later reads go to the verified block file)."""
         kept = self._recent.get(bid)
-        if kept is not None and kept[2]:
-            self._recent_bytes -= len(self._recent.pop(bid)[0])
+        if kept is None:
+            return
+        kept.served += nbytes
+        if kept.stored and kept.served >= len(kept.data):
+            del self._recent[bid]
+            self._recent_bytes -= len(kept.data)
 
-    def _keep_recent(self, bid: bytes, data: bytes, hit: bool, stored: bool) -> None:
+    def _keep_recent(self, bid: bytes, kept: Kept) -> None:
         old = self._recent.pop(bid, None)
         if old is not None:
-            self._recent_bytes -= len(old[0])
-        self._recent[bid] = (data, hit, stored)
-        self._recent_bytes += len(data)
+            self._recent_bytes -= len(old.data)
+        self._recent[bid] = kept
+        self._recent_bytes += len(kept.data)
         while self._recent_bytes > self.recent_max:
-            self._recent_bytes -= len(self._recent.popitem(last=False)[1][0])
+            self._recent_bytes -= len(self._recent.popitem(last=False)[1].data)
 
     def _deliver(self, flight: Fetch, data: bytes | None, from_peer: bool) -> None:
         """The bytes of a fetch arrived (called on the trio thread from the worker): release the readers."""

@@ -39,6 +39,7 @@ from typing import Any
 
 import lmdb
 
+from epochfs.buffers import is_aligned
 from epochfs.cache import packs as pk
 from epochfs.cache import recovery
 from epochfs.cache.format import BlockMeta, checksums, missing, verify, where
@@ -59,10 +60,14 @@ DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this larg
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 
 
-def _write_direct(fd: int, data: bytes | bytearray) -> None:
-    """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: through an aligned buffer, the
-    length rounded up to the alignment, then truncated to the true length."""
+def _write_direct(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: from where it is if it is aligned,
+    else through an aligned buffer, the length rounded up to the alignment, then truncated to the true
+    length."""
     n = len(data)
+    if is_aligned(data):
+        _pwrite_all(fd, memoryview(data))
+        return
     size = padded(n)
     buf: mmap.mmap | None = getattr(_aligned, "buf", None)
     if buf is None or len(buf) < size:
@@ -74,15 +79,20 @@ def _write_direct(fd: int, data: bytes | bytearray) -> None:
         buf[n:size] = bytes(size - n)
     with memoryview(buf) as whole:
         view = whole[:size]
-        written = 0
-        while written < size:
-            done = os.pwrite(fd, view[written:], written)
-            if done <= 0 or done % ALIGN:  # a short direct write cannot be continued aligned
-                raise OSError(errno.EIO, f"short direct write ({done} of {size - written} bytes)")
-            written += done
+        _pwrite_all(fd, view)
         view.release()
     if size > n:
         os.ftruncate(fd, n)
+
+
+def _pwrite_all(fd: int, view: memoryview) -> None:
+    """Write all of the aligned ``view`` at the start of ``fd`` (O_DIRECT)."""
+    written, size = 0, len(view)
+    while written < size:
+        done = os.pwrite(fd, view[written:], written)
+        if done <= 0 or done % ALIGN:  # a short direct write cannot be continued aligned
+            raise OSError(errno.EIO, f"short direct write ({done} of {size - written} bytes)")
+        written += done
 
 
 @dataclass(frozen=True)
@@ -426,7 +436,7 @@ class BlockStore:
         self.pending -= nbytes
         self._fill_errors += failed
 
-    def write_temp(self, bid: bytes, data: bytes | bytearray, around: bool = False) -> tuple[str, BlockMeta]:
+    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool = False) -> tuple[str, BlockMeta]:
         """Write a block to a new file under ``tmp/``, or a block smaller than :data:`PACK_BELOW` to the
         current pack (then the path returned is ""), and checksum it (worker thread: touches no state
         but the packs' write position and counts). Raises OSError and then leaves nothing behind.
@@ -464,7 +474,7 @@ class BlockStore:
             os.close(fd)
         return tmp, BlockMeta(len(data), checksums(bid, data))
 
-    def _wrote_direct(self, fd: int, data: bytes | bytearray) -> bool:
+    def _wrote_direct(self, fd: int, data: bytes | bytearray | memoryview) -> bool:
         """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
         still empty, if the file system takes O_DIRECT but not our alignment (EINVAL)."""
         try:
