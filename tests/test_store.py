@@ -573,3 +573,32 @@ def test_an_index_of_another_version_is_discarded_with_its_blocks(tmp_path, capl
     assert not (s.blocks_dir / block_relpath(bid(1))).exists()
     assert "is of another version (it has format 3, this version uses 4)" in caplog.text
     assert put(s, bid(1), b"b" * 10) and bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"b" * 10
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(tmp_path, packing):
+    """``read(nowait=True)`` answers from the page cache, or says WOULD_BLOCK for a worker thread to
+    read: it never starts the disk read on the event loop (cachestat, where the kernel has it)."""
+    from epochfs import pagecache
+    from epochfs.cache.store import WOULD_BLOCK
+
+    store = make(tmp_path, packing=packing)
+    data = os.urandom(100 << 10)
+    assert put(store, bid(1), data)
+    meta = store.lookup(bid(1))
+    path, offset, length = store.block_location(bid(1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if not pagecache.available():
+            pytest.skip("this kernel has no cachestat")
+        assert pagecache.resident(fd, offset, length) is False
+        assert store.read(bid(1), meta, 0, len(data), nowait=True) is WOULD_BLOCK
+        assert pagecache.resident(fd, offset, length) is False, "the disk read was started on the loop"
+        raw = store.pread_range(bid(1), meta, 0, len(data))  # (a worker thread's part)
+        assert bytes(store.finish_read(bid(1), meta, 0, len(data), raw)) == data
+        assert pagecache.resident(fd, offset, length) is True
+        assert bytes(store.read(bid(1), meta, 5, 70_000, nowait=True)) == data[5:70_000]
+    finally:
+        os.close(fd)

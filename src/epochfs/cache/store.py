@@ -39,6 +39,7 @@ from typing import Any
 
 import lmdb
 
+from epochfs import pagecache
 from epochfs.buffers import is_aligned
 from epochfs.cache import packs as pk
 from epochfs.cache import recovery
@@ -339,7 +340,10 @@ class BlockStore:
             at, shared = 0, False
             fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         try:
-            if nowait and self._nowait_works:
+            if nowait and pagecache.available():
+                if pagecache.resident(fd, at + start, end - start) is False:
+                    return None  # (a worker thread reads it; asking the kernel to try would start the read here)
+            elif nowait and self._nowait_works:
                 buf = bytearray(end - start)
                 try:
                     n = os.preadv(fd, [buf], at + start, os.RWF_NOWAIT)
