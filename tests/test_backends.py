@@ -480,3 +480,83 @@ def test_an_object_listed_with_a_quoted_empty_etag_cannot_be_pinned():
     assert "no ETag" in listing_problem(ObjectInfo("d/a.bin", 5, 0, '""'))
     assert listing_problem(ObjectInfo("d/", 0, 0, '""')) is None
     assert listing_problem(ObjectInfo("d/a.bin", 5, 0, '"e"')) is None
+
+
+def test_the_stream_engine_replaces_a_kept_connection_the_server_closed():
+    """A server that closes a keep-alive connection after its answer (without saying so): the next
+    request goes out again on a new connection at once, not as a failure."""
+    import http.server
+
+    peers = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            peers.append(self.client_address)
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"hello")
+            self.close_connection = True  # closed after the answer, which did not say so
+
+        def log_message(self, *args):
+            pass
+
+    from epochfs import httpio
+
+    server = _serving(Handler)
+    client = httpio.Client("127.0.0.1", server.server_port, None)
+    try:
+        for _ in range(3):
+            time.sleep(0.05)  # (the server's close has arrived)
+            assert client.get("/", {}, 100, time.monotonic() + 10)[2] == b"hello"
+        assert len(peers) == 3 and len(set(peers)) == 3
+    finally:
+        client.close()
+        server.shutdown()
+
+
+def test_the_stream_engine_speaks_tls_and_checks_the_certificate(tmp_path):
+    """Over https: the CA bundle the AWS client uses is trusted, an unknown certificate is refused
+    (not retried as a transport failure), and verification off (as the AWS client was told) reads."""
+    import http.server
+    import ssl
+
+    from epochfs import httpio
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            body = pattern("tls", 0, 0, 2 << 20)
+            self.send_response(206)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = _serving(Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    try:
+        for trust in (str(cert), False):
+            client = httpio.Client("127.0.0.1", server.server_port, httpio.tls_context(trust))
+            try:
+                status, _, body = client.get("/x", {}, 2 << 20, time.monotonic() + 30)
+                assert status == 206 and body == pattern("tls", 0, 0, 2 << 20)
+            finally:
+                client.close()
+        client = httpio.Client("127.0.0.1", server.server_port, httpio.tls_context(None))
+        with pytest.raises(ssl.SSLCertVerificationError):
+            client.get("/x", {}, 2 << 20, time.monotonic() + 30)
+    finally:
+        server.shutdown()

@@ -30,6 +30,10 @@ CONNECT_TIMEOUT = 5.0
 ERROR_BODY = 64 << 10
 
 
+#: What a kept connection the server has closed meanwhile fails with.
+_STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
 class Overflow(Exception):
     """The answer is longer than the caller allows."""
 
@@ -121,10 +125,19 @@ class Client:
         which for a success is at most ``limit`` bytes (:class:`Overflow` if it is longer) and for any
         other answer at most :data:`ERROR_BODY` (the rest unread). Raises OSError (TimeoutError once
         ``deadline`` passed; ssl.SSLError) or http.client.HTTPException on a transport failure; the
-        connection is then closed."""
+        connection is then closed. A kept connection the server closed meanwhile is replaced at once
+        (the request is sent again on a new one), as any client of keep-alive connections does."""
         conn = self._conn
-        if conn is None:
-            conn = self._conn = _Connection(self._host, self._port, self._context)
+        if conn is not None and conn.sock is not None:
+            try:
+                return self._get(conn, target, headers, limit, deadline)
+            except _STALE:
+                pass  # (closed by _get)
+        conn = self._conn = _Connection(self._host, self._port, self._context)
+        return self._get(conn, target, headers, limit, deadline)
+
+    def _get(self, conn: _Connection, target: str, headers: dict[str, str], limit: int,
+             deadline: float) -> tuple[int, dict[str, str], memoryview]:
         conn.deadline = deadline
         if conn.sock is not None:
             conn.sock.deadline = deadline
