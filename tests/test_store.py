@@ -602,3 +602,38 @@ def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(
         assert bytes(store.read(bid(1), meta, 5, 70_000, nowait=True)) == data[5:70_000]
     finally:
         os.close(fd)
+
+
+def test_block_files_read_keep_their_descriptors_until_the_block_goes(tmp_path):
+    """The trio thread's reads keep a block file open (no open per read), at most a bounded number, and
+    a block removed closes its descriptor: no deleted file is held open (its space is freed)."""
+    from epochfs.cache import store as store_mod
+
+    s = make(tmp_path, packing=False)
+    blocks = {bid(i): os.urandom(PACK_BELOW + i) for i in range(store_mod._BLOCK_FDS + 5)}
+    for b, data in blocks.items():
+        assert put(s, b, data)
+
+    def open_block_files():
+        out = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if str(tmp_path) in target and "/blocks/" in target:
+                out.add(target)
+        return out
+
+    for b, data in blocks.items():
+        meta = s.lookup(b)
+        for lo in (0, 1000, len(data) - 10):
+            assert bytes(s.read(b, meta, lo, lo + 10)) == data[lo:lo + 10]
+    held = open_block_files()
+    assert len(held) == store_mod._BLOCK_FDS, "one descriptor per recent block file, at most the limit"
+    last = list(blocks)[-1]
+    s.remove(last, len(blocks[last]))
+    assert not [t for t in open_block_files() if "(deleted)" in t]
+    assert len(open_block_files()) == store_mod._BLOCK_FDS - 1
+    s.close()
+    assert not open_block_files()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 
 _SYS_CACHESTAT = 451  # the same number on every architecture (asm-generic)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -33,6 +34,7 @@ except (OSError, AttributeError):  # not a C library that has syscall(2)
     _syscall = None
 
 _works = _syscall is not None
+_mine = threading.local()
 
 
 def available() -> bool:
@@ -47,9 +49,13 @@ def resident(fd: int, offset: int, length: int) -> bool | None:
     if not _works or length <= 0:
         return None if not _works else True
     first, last = offset // _PAGE, (offset + length - 1) // _PAGE
-    stat = _Stat()
-    rc = _syscall(_SYS_CACHESTAT, fd, ctypes.byref(_Range(first * _PAGE, (last - first + 1) * _PAGE)),
-                  ctypes.byref(stat), 0)
+    asked = getattr(_mine, "asked", None)
+    if asked is None:  # each thread's own structures, made once (the call is on the hot path)
+        asked = _mine.asked = (_Range(), _Stat())
+        _mine.refs = (ctypes.byref(asked[0]), ctypes.byref(asked[1]))
+    span, stat = asked
+    span.off, span.len = first * _PAGE, (last - first + 1) * _PAGE
+    rc = _syscall(_SYS_CACHESTAT, fd, *_mine.refs, 0)
     if rc != 0:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an old kernel, or a seccomp filter
             _works = False

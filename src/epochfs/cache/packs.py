@@ -24,10 +24,10 @@ import logging
 import os
 import shutil
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from epochfs.buffers import ALIGN
+from epochfs.cache.descriptors import Descriptors
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Packs:
         self._write_pack = 0  # the pack new blocks go to (0: none yet)
         self._write_off = 0
         self._last = 0  # the newest pack a block was installed in (to notice when it rolls over)
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._fds = Descriptors(self._open_pack, _PACK_FDS)
         self._closed = False
 
     def path(self, pack: int) -> str:
@@ -142,17 +142,13 @@ class Packs:
     # -- reads (trio thread) -----------------------------------------------------------------------------
 
     def fd(self, pack: int) -> int:
-        """A descriptor of a pack, kept open for the next reads: the pack's inode stays in memory, and a
-        read costs no open."""
-        fd = self._fds.get(pack)
-        if fd is not None:
-            self._fds.move_to_end(pack)
-            return fd
+        """A descriptor of a pack, kept open for the next reads (:class:`Descriptors`)."""
+        return self._fds.get(pack)
+
+    def _open_pack(self, pack: object) -> int:
+        assert isinstance(pack, int)
         fd = os.open(self.path(pack), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # blocks are read whole: no readahead past them
-        self._fds[pack] = fd
-        if len(self._fds) > _PACK_FDS:
-            os.close(self._fds.popitem(last=False)[1])
         return fd
 
     def own_fd(self, pack: int) -> int:
@@ -161,9 +157,7 @@ class Packs:
         return os.open(self.path(pack), _READ_FLAGS)
 
     def close_fds(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._fds.close()
 
     # -- writes -------------------------------------------------------------------------------------------
 
@@ -250,9 +244,7 @@ class Packs:
                 return
             self.live.pop(pack, None)
             self.pending.pop(pack, None)
-        fd = self._fds.pop(pack, None)
-        if fd is not None:
-            os.close(fd)
+        self._fds.forget(pack)
         discard(self.path(pack))
 
     def free_unreferenced(self, used: dict[int, list[tuple[int, int]]]) -> None:

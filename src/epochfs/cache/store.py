@@ -29,10 +29,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +38,14 @@ from typing import Any
 import lmdb
 
 from epochfs import pagecache
-from epochfs.buffers import is_aligned
 from epochfs.cache import packs as pk
 from epochfs.cache import recovery
+from epochfs.cache.descriptors import Descriptors
+from epochfs.cache.direct import write_direct
 from epochfs.cache.format import BlockMeta, checksums, missing, verify, where
 from epochfs.cache.index import Index, OtherFormat
 from epochfs.cache.keys import block_relpath, chunk_span
-from epochfs.cache.packs import ALIGN, Packs, discard, padded
+from epochfs.cache.packs import Packs, discard
 from epochfs.cache.policies import EvictionPolicy, make_room
 from epochfs.errors import CacheUnreadable, ConfigError
 from epochfs.private import open_private, private_dir, private_subdir, touch_private
@@ -54,46 +53,9 @@ from epochfs.private import open_private, private_dir, private_subdir, touch_pri
 log = logging.getLogger(__name__)
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_BLOCK_FDS = 64  # block files kept open for the trio thread's reads
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
 DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
-
-
-_aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
-
-
-def _write_direct(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: from where it is if it is aligned,
-    else through an aligned buffer, the length rounded up to the alignment, then truncated to the true
-    length."""
-    n = len(data)
-    if is_aligned(data):
-        _pwrite_all(fd, memoryview(data))
-        return
-    size = padded(n)
-    buf: mmap.mmap | None = getattr(_aligned, "buf", None)
-    if buf is None or len(buf) < size:
-        if buf is not None:
-            buf.close()
-        buf = _aligned.buf = mmap.mmap(-1, max(size, 4 << 20))  # page-aligned by construction
-    buf[:n] = data
-    if size > n:
-        buf[n:size] = bytes(size - n)
-    with memoryview(buf) as whole:
-        view = whole[:size]
-        _pwrite_all(fd, view)
-        view.release()
-    if size > n:
-        os.ftruncate(fd, n)
-
-
-def _pwrite_all(fd: int, view: memoryview) -> None:
-    """Write all of the aligned ``view`` at the start of ``fd`` (O_DIRECT)."""
-    written, size = 0, len(view)
-    while written < size:
-        done = os.pwrite(fd, view[written:], written)
-        if done <= 0 or done % ALIGN:  # a short direct write cannot be continued aligned
-            raise OSError(errno.EIO, f"short direct write ({done} of {size - written} bytes)")
-        written += done
 
 
 @dataclass(frozen=True)
@@ -142,6 +104,7 @@ class BlockStore:
         self._direct_works = True
         self.index = Index(self.index_dir)  # block id -> entry (cache/index.py)
         self.packs = Packs(self._packs)  # the small blocks' files (cache/packs.py)
+        self._block_fds = Descriptors(self._open_block, _BLOCK_FDS)  # the trio thread's reads of block files
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
         self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
         self.strays: set[str] = set()  # entries in blocks/ or packs/ that are not ours (removed unless inspecting)
@@ -211,6 +174,7 @@ class BlockStore:
             discard(path)
 
     def close(self) -> None:
+        self._block_fds.close()
         if self.index.is_open:
             self._consistent = self.packs.close() and self._consistent
             self.index.close(sync=not self._inspect)
@@ -257,6 +221,7 @@ class BlockStore:
         return {bid: meta for _, bid, meta in loaded}
 
     def _reset(self) -> None:
+        self._block_fds.close()
         self.index.close(sync=False)
         shutil.rmtree(self.index_dir, ignore_errors=True)
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
@@ -337,8 +302,8 @@ class BlockStore:
             at = meta.offset
             fd = self.packs.fd(meta.pack) if shared else self.packs.own_fd(meta.pack)
         else:
-            at, shared = 0, False
-            fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
+            at = 0
+            fd = self._block_fds.get(bid) if shared else self._open_block(bid)
         try:
             if nowait and pagecache.available():
                 if pagecache.resident(fd, at + start, end - start) is False:
@@ -360,6 +325,10 @@ class BlockStore:
         finally:
             if not shared:
                 os.close(fd)
+
+    def _open_block(self, bid: object) -> int:
+        assert isinstance(bid, bytes)
+        return os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
 
     verify = staticmethod(verify)
 
@@ -482,7 +451,7 @@ class BlockStore:
         """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
         still empty, if the file system takes O_DIRECT but not our alignment (EINVAL)."""
         try:
-            _write_direct(fd, data)
+            write_direct(fd, data)
             return True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
@@ -523,6 +492,7 @@ class BlockStore:
                 except FileExistsError:
                     pass
                 self._dirs.add(parent)
+            self._block_fds.forget(bid)  # (a descriptor of a file this one replaces)
             os.replace(tmp, f"{self._blocks}/{rel}")
         except OSError:
             try:
@@ -546,6 +516,7 @@ class BlockStore:
         if meta is not None and meta.pack:
             self.packs.free(meta.pack, meta.offset, meta.length)
         else:
+            self._block_fds.forget(bid)
             discard(f"{self._blocks}/{block_relpath(bid)}")
         if existed:
             self.used -= length

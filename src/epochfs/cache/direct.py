@@ -1,0 +1,49 @@
+"""Writing a block around the page cache (``O_DIRECT``): from where it is when it is aligned (a block
+received into :func:`epochfs.buffers.aligned_buffer`), else through a buffer of the thread's own."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+
+from epochfs.buffers import ALIGN, is_aligned
+from epochfs.cache.packs import padded
+
+_aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
+
+
+def write_direct(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: from where it is if it is aligned,
+    else through an aligned buffer, the length rounded up to the alignment, then truncated to the true
+    length."""
+    n = len(data)
+    if is_aligned(data):
+        _pwrite_all(fd, memoryview(data))
+        return
+    size = padded(n)
+    buf: mmap.mmap | None = getattr(_aligned, "buf", None)
+    if buf is None or len(buf) < size:
+        if buf is not None:
+            buf.close()
+        buf = _aligned.buf = mmap.mmap(-1, max(size, 4 << 20))  # page-aligned by construction
+    buf[:n] = data
+    if size > n:
+        buf[n:size] = bytes(size - n)
+    with memoryview(buf) as whole:
+        view = whole[:size]
+        _pwrite_all(fd, view)
+        view.release()
+    if size > n:
+        os.ftruncate(fd, n)
+
+
+def _pwrite_all(fd: int, view: memoryview) -> None:
+    """Write all of the aligned ``view`` at the start of ``fd`` (O_DIRECT)."""
+    written, size = 0, len(view)
+    while written < size:
+        done = os.pwrite(fd, view[written:], written)
+        if done <= 0 or done % ALIGN:  # a short direct write cannot be continued aligned
+            raise OSError(errno.EIO, f"short direct write ({done} of {size - written} bytes)")
+        written += done
