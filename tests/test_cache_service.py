@@ -274,6 +274,33 @@ def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cac
     assert arounds == [True, False]
 
 
+def test_a_block_leaves_memory_once_all_of_it_was_served_not_when_its_end_was(tmp_path):
+    """The kernel sends a sequential reader's readahead requests concurrently: the request that ends a
+    block may be answered before one in its middle. The block stays in memory until every byte of it
+    was served, so the middle one is not read back from the block file; after that, it is."""
+    backend = MemoryBackend()
+    disk_reads = []
+    quarter = BS // 4
+
+    async def fn(cache):
+        record_store_reads(cache, disk_reads)
+        parts = {}
+        await cache.read(OBJ, 0, 100)  # a miss: the block is fetched for this reader
+        await cache.wait_idle()  # filled, and kept in memory for the reader's next requests
+        for lo in (3 * quarter, 100, quarter, 2 * quarter):  # the end before the middle
+            hi = BS if lo == 3 * quarter else (quarter if lo == 100 else lo + quarter)
+            parts[lo] = bytes(await cache.read(OBJ, lo, hi - lo))
+        before = list(disk_reads)
+        again = bytes(await cache.read(OBJ, 5, 10))  # all of it was served: now from the block file
+        return parts, before, again
+
+    (parts, before, again), cache = run_with_cache(tmp_path, backend, fn)
+    for lo, data in parts.items():
+        assert data == pattern(OBJ.key, 0, lo, len(data))
+    assert before == [], "a part of the block was read back from disk while the block was in memory"
+    assert again == pattern(OBJ.key, 0, 5, 10) and len(disk_reads) == 1
+
+
 def test_a_small_object_is_read_whole_once_per_handle(tmp_path, monkeypatch):
     """The kernel may ask for a small file in pieces (its first page, then the rest): the handle reads
     the one block once, verified, and serves its later requests from it; statistics count what was
