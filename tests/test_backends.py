@@ -273,6 +273,27 @@ def _serving(handler_class):
     return server
 
 
+def _partial_content(body: bytes, peers: list | None = None):
+    """A handler answering every GET with 206 and ``body`` (recording each client's address in ``peers``)."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            if peers is not None:
+                peers.append(self.client_address)
+            self.send_response(206)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    return Handler
+
+
 def _fetch(engine, port, limit, deadline=30.0):
     """(body, stopped) of a GET of / through ``engine`` with a body limit."""
     import pycurl
@@ -381,27 +402,11 @@ def test_the_stream_engine_answers_with_an_aligned_body_and_reuses_its_connectio
     """A body lands in memory aligned for O_DIRECT (the cache writes it from there), and the next request
     on the thread's client goes over the same connection."""
     import ctypes
-    import http.server
-
-    peers = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self):
-            peers.append(self.client_address)
-            body = pattern("y", 0, 0, 3 << 20)
-            self.send_response(206)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
 
     from epochfs import httpio
 
-    server = _serving(Handler)
+    peers = []
+    server = _serving(_partial_content(pattern("y", 0, 0, 3 << 20), peers))
     client = httpio.Client("127.0.0.1", server.server_port, None)
     try:
         for _ in range(2):
@@ -520,7 +525,6 @@ def test_the_stream_engine_replaces_a_kept_connection_the_server_closed():
 def test_the_stream_engine_speaks_tls_and_checks_the_certificate(tmp_path):
     """Over https: the CA bundle the AWS client uses is trusted, an unknown certificate is refused
     (not retried as a transport failure), and verification off (as the AWS client was told) reads."""
-    import http.server
     import ssl
 
     from epochfs import httpio
@@ -530,20 +534,7 @@ def test_the_stream_engine_speaks_tls_and_checks_the_certificate(tmp_path):
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_GET(self):
-            body = pattern("tls", 0, 0, 2 << 20)
-            self.send_response(206)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = _serving(Handler)
+    server = _serving(_partial_content(pattern("tls", 0, 0, 2 << 20)))
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
