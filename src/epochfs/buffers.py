@@ -39,6 +39,10 @@ class _Pool:
                     m.resize(size)  # refused while a view of it is alive
                 except BufferError:
                     continue
+                except (OSError, ValueError, SystemError):  # a platform that cannot resize a map: no pool
+                    self.limit = self._bytes = 0
+                    self._maps.clear()
+                    break
                 return memoryview(m)
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
             if self._bytes + size <= self.limit:
