@@ -23,7 +23,7 @@ from epochfs.errors import EpochfsError
 from epochfs.sample import pattern
 
 KEY = "obj.bin"
-SIZE = 1 << 20
+SIZE = 3 << 20
 ETAG = '"0123456789abcdef0123456789abcdef"'
 DATA = pattern(KEY, 0, 0, SIZE)
 _RANGE = re.compile(r"bytes=(\d+)-(\d+)")
@@ -135,8 +135,13 @@ def credentials(monkeypatch):
     monkeypatch.delenv("AWS_PROFILE", raising=False)
 
 
+@pytest.mark.parametrize("engine", ["curl", "stream"])
 @pytest.mark.parametrize("seed", range(2))
-def test_random_answers_give_the_exact_bytes_or_an_error_within_the_deadline(credentials, seed):
+def test_random_answers_give_the_exact_bytes_or_an_error_within_the_deadline(credentials, seed, engine):
+    """Both engines of block GETs: ranges shorter than STREAM_MIN through libcurl, longer ones through
+    epochfs.httpio."""
+    from epochfs.backend.s3 import STREAM_MIN
+
     endpoint = Hostile(seed)
     timeout = 0.8
     backend = S3Backend(BackendSettings(Source.parse("s3://bucket/"), endpoint_url=endpoint.endpoint,
@@ -145,8 +150,12 @@ def test_random_answers_give_the_exact_bytes_or_an_error_within_the_deadline(cre
     served = failed = 0
     try:
         for _ in range(120):
-            start = rng.randrange(SIZE)
-            length = rng.randrange(1, min(SIZE - start, 200_000) + 1)
+            if engine == "curl":
+                start = rng.randrange(SIZE)
+                length = rng.randrange(1, min(SIZE - start, 200_000) + 1)
+            else:
+                length = rng.randrange(STREAM_MIN, STREAM_MIN + 600_000)
+                start = rng.randrange(SIZE - length)
             began = time.monotonic()
             try:
                 data = backend.read_range(KEY, ETAG, start, length)
@@ -160,7 +169,7 @@ def test_random_answers_give_the_exact_bytes_or_an_error_within_the_deadline(cre
             assert re.fullmatch(r"[a-z0-9-]{2,40}", backend._region), backend._region
         # Nothing the endpoint said leaves the client unable to read from it once it is honest.
         endpoint.honest = True
-        for start, length in [(0, 100), (SIZE - 7, 7), (12345, 65536)]:
+        for start, length in [(0, 100), (SIZE - 7, 7), (12345, 65536), (5, STREAM_MIN), (0, SIZE)]:
             assert bytes(backend.read_range(KEY, ETAG, start, length)) == DATA[start:start + length]
     finally:
         backend.close()
