@@ -551,3 +551,12 @@ def test_the_stream_engine_speaks_tls_and_checks_the_certificate(tmp_path):
             client.get("/x", {}, 2 << 20, time.monotonic() + 30)
     finally:
         server.shutdown()
+
+
+def test_the_stream_engine_connects_to_the_schemes_port_when_the_endpoint_names_none():
+    """https://host (AWS itself) is port 443 and http://host port 80, as the signature's Host says."""
+    from epochfs import httpio
+
+    assert httpio._Connection("s3.example.com", None, httpio.tls_context(None)).port == 443
+    assert httpio._Connection("s3.example.com", None, None).port == 80
+    assert httpio._Connection("s3.example.com", 8443, httpio.tls_context(None)).port == 8443

@@ -74,11 +74,11 @@ class _Connection(http.client.HTTPConnection):
     """An HTTP/1.1 connection whose socket keeps the current request's deadline."""
 
     def __init__(self, host: str, port: int | None, context: ssl.SSLContext | None) -> None:
+        if context is not None:
+            self.default_port = http.client.HTTPS_PORT  # (before the base class picks the port)
         super().__init__(host, port)
         self.context = context
         self.deadline = math.inf
-        if context is not None:
-            self.default_port = http.client.HTTPS_PORT
 
     def connect(self) -> None:
         left = self.deadline - time.monotonic()
