@@ -22,9 +22,9 @@ class Answer:
 
     The body is received into memory allocated once for ``limit`` bytes
     (:func:`epochfs.buffers.aligned_buffer`): no copy as it grows, and a block of it is written to the
-    cache disk from where it is. libcurl itself
-    stops a transfer that would exceed ``limit`` (``CURLOPT_MAXFILESIZE_LARGE``, which also applies to
-    answers of unknown length); the write callback refuses what would not fit all the same."""
+    cache disk from where it is. libcurl itself stops a transfer that would exceed ``limit``
+    (``CURLOPT_MAXFILESIZE_LARGE``, which also applies to answers of unknown length); the write
+    callback refuses what would not fit all the same."""
 
     __slots__ = ("headers", "limit", "_buffer", "_size")
 

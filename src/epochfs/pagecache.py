@@ -46,8 +46,10 @@ def resident(fd: int, offset: int, length: int) -> bool | None:
     """Whether every page of [offset, offset + length) of ``fd`` is in the page cache; None where the
     kernel cannot say (no ``cachestat``: ask :func:`available` first)."""
     global _works
-    if not _works or length <= 0:
-        return None if not _works else True
+    if not _works:
+        return None
+    if length <= 0:
+        return True
     first, last = offset // _PAGE, (offset + length - 1) // _PAGE
     asked = getattr(_mine, "asked", None)
     if asked is None:  # each thread's own structures, made once (the call is on the hot path)

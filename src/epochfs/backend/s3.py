@@ -10,9 +10,10 @@ CPU of a botocore request. A longer one (a block of a large file) is signed by b
 :mod:`epochfs.httpio` straight into an aligned buffer, which costs far less CPU per byte (unless a proxy
 is configured for the endpoint: then libcurl, which honours it, takes every range). Either way the
 whole request, headers and body included, is bounded by one deadline (a server that drips its answer
-cannot hold a read), and each worker thread keeps its own connections. The answer is checked completely (status, ETag, Content-Range, length; never more than the range is buffered);
-throttling, 5xx and transport failures are retried by :func:`~epochfs.backend.base.retry` within one
-overall deadline, honouring ``Retry-After``. Every ranged GET carries ``If-Match`` with the snapshot's
+cannot hold a read), and each worker thread keeps its own connections. The answer is checked completely
+(status, ETag, Content-Range, length; never more than the range is buffered); throttling, 5xx and
+transport failures are retried by :func:`~epochfs.backend.base.retry` within one overall deadline,
+honouring ``Retry-After``. Every ranged GET carries ``If-Match`` with the snapshot's
 ETag, so a block of a different version can never be returned.
 """
 
@@ -388,14 +389,8 @@ class S3Backend(S3Writes, Backend):
             curl.perform()
         except pycurl.error as exc:
             code, message = exc.args[0], exc.args[1] if len(exc.args) > 1 else ""
-            if answer.overflowed(exc):
-                self._stats.record("get", "retry")
-                raise TemporaryFailure(f"answer longer than the {length}-byte range (Range ignored?)") from None
-            if code in _TLS_FAILURES:
-                self._stats.record("get", "error")
-                raise BackendUnavailable(f"{key}: TLS: {message}") from None
-            self._stats.record("get", "retry")
-            raise TemporaryFailure(f"curl error {code}: {message}") from None
+            kind = "overflow" if answer.overflowed(exc) else "tls" if code in _TLS_FAILURES else "transport"
+            raise self._transfer_failed(key, length, kind, f"curl error {code}: {message}") from None
         data = self._checked(curl.getinfo(pycurl.RESPONSE_CODE), answer.headers, answer.body, key, etag, start,
                              length)
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
@@ -417,21 +412,27 @@ class S3Backend(S3Writes, Backend):
         try:
             status, headers, body = client.get(urllib.parse.urlsplit(url).path, dict(request.headers.items()),
                                                length, deadline)
-        except httpio.Overflow:
-            self._stats.record("get", "retry")
-            raise TemporaryFailure(f"answer longer than the {length}-byte range (Range ignored?)") from None
-        except ssl.SSLError as exc:
-            if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
-                self._stats.record("get", "retry")
-                raise TemporaryFailure(f"TLS connection closed: {exc}") from None
-            self._stats.record("get", "error")
-            raise BackendUnavailable(f"{key}: TLS: {exc}") from None
+        except httpio.Overflow as exc:
+            raise self._transfer_failed(key, length, "overflow", str(exc)) from None
         except (OSError, http.client.HTTPException) as exc:
-            self._stats.record("get", "retry")
-            raise TemporaryFailure(f"{type(exc).__name__}: {exc}") from None
+            closed = isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError))  # (not the certificate)
+            kind = "tls" if isinstance(exc, ssl.SSLError) and not closed else "transport"
+            raise self._transfer_failed(key, length, kind, f"{type(exc).__name__}: {exc}") from None
         data = self._checked(status, headers, body, key, etag, start, length)
         self._stats.record("get", "ok", len(data), time.monotonic() - started)
         return data
+
+    def _transfer_failed(self, key: str, length: int, kind: str, message: str) -> Exception:
+        """The error for a GET that got no complete answer, counted, whichever engine sent it: ``kind``
+        ``overflow`` (a body longer than the range) and ``transport`` are retried, ``tls`` (a
+        certificate or TLS setup refused) is not."""
+        if kind == "tls":
+            self._stats.record("get", "error")
+            return BackendUnavailable(f"{key}: TLS: {message}")
+        self._stats.record("get", "retry")
+        if kind == "overflow":
+            return TemporaryFailure(f"answer longer than the {length}-byte range (Range ignored?)")
+        return TemporaryFailure(message)
 
     def _checked(self, status: int, headers: dict[str, str], data: memoryview, key: str, etag: str, start: int,
                  length: int) -> memoryview:

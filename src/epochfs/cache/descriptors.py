@@ -9,15 +9,18 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-class Descriptors:
-    def __init__(self, opener: Callable[[Hashable], int], limit: int) -> None:
+class Descriptors(Generic[K]):
+    def __init__(self, opener: Callable[[K], int], limit: int) -> None:
         self._open = opener
         self.limit = limit
-        self._fds: OrderedDict[Hashable, int] = OrderedDict()
+        self._fds: OrderedDict[K, int] = OrderedDict()
 
-    def get(self, key: Hashable) -> int:
+    def get(self, key: K) -> int:
         """The descriptor of ``key``'s file, opened now if it is not kept (OSError as ``open`` raises)."""
         fd = self._fds.get(key)
         if fd is not None:
@@ -29,7 +32,7 @@ class Descriptors:
             os.close(self._fds.popitem(last=False)[1])
         return fd
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: K) -> None:
         """Close ``key``'s descriptor if one is kept (before its file is deleted or replaced)."""
         fd = self._fds.pop(key, None)
         if fd is not None:

@@ -87,7 +87,7 @@ class Packs:
         self._write_pack = 0  # the pack new blocks go to (0: none yet)
         self._write_off = 0
         self._last = 0  # the newest pack a block was installed in (to notice when it rolls over)
-        self._fds = Descriptors(self._open_pack, _PACK_FDS)
+        self._fds: Descriptors[int] = Descriptors(self._open_pack, _PACK_FDS)
         self._closed = False
 
     def path(self, pack: int) -> str:
@@ -145,8 +145,7 @@ class Packs:
         """A descriptor of a pack, kept open for the next reads (:class:`Descriptors`)."""
         return self._fds.get(pack)
 
-    def _open_pack(self, pack: object) -> int:
-        assert isinstance(pack, int)
+    def _open_pack(self, pack: int) -> int:
         fd = os.open(self.path(pack), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # blocks are read whole: no readahead past them
         return fd

@@ -104,7 +104,7 @@ class BlockStore:
         self._direct_works = True
         self.index = Index(self.index_dir)  # block id -> entry (cache/index.py)
         self.packs = Packs(self._packs)  # the small blocks' files (cache/packs.py)
-        self._block_fds = Descriptors(self._open_block, _BLOCK_FDS)  # the trio thread's reads of block files
+        self._block_fds: Descriptors[bytes] = Descriptors(self._open_block, _BLOCK_FDS)  # trio thread's reads
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
         self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
         self.strays: set[str] = set()  # entries in blocks/ or packs/ that are not ours (removed unless inspecting)
@@ -326,8 +326,7 @@ class BlockStore:
             if not shared:
                 os.close(fd)
 
-    def _open_block(self, bid: object) -> int:
-        assert isinstance(bid, bytes)
+    def _open_block(self, bid: bytes) -> int:
         return os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
 
     verify = staticmethod(verify)
@@ -409,7 +408,8 @@ class BlockStore:
         self.pending -= nbytes
         self._fill_errors += failed
 
-    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool = False) -> tuple[str, BlockMeta]:
+    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview,
+                   around: bool = False) -> tuple[str, BlockMeta]:
         """Write a block to a new file under ``tmp/``, or a block smaller than :data:`PACK_BELOW` to the
         current pack (then the path returned is ""), and checksum it (worker thread: touches no state
         but the packs' write position and counts). Raises OSError and then leaves nothing behind.
