@@ -378,6 +378,58 @@ def test_redis_change_sets_publish_the_change_and_load_whole(redis_server, monke
     store.close()
 
 
+def test_an_update_lock_left_by_a_lost_answer_is_released_by_its_holder_and_no_other(redis_server, monkeypatch):
+    """The master went away before the update lock was released (a failover, a dropped connection): the
+    same store's next update releases it at once instead of waiting out its 30 s timeout, and a lock that
+    expired meanwhile and another node took is left to that node."""
+    import redis
+    import redis.lock
+
+    from epochfs.meta.redis_link import MetaUnavailable
+
+    store = open_meta(redis_server.url, Path("."), "locks")
+    store.save("s3://b/", objs(3))
+    real = redis.lock.Lock.do_release
+    failures = []
+
+    def lost(self, token):
+        if not failures:  # the first release does not reach the master
+            failures.append(token)
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return real(self, token)
+
+    monkeypatch.setattr(redis.lock.Lock, "do_release", lost)
+    store.update("s3://b/", {"a": ObjectInfo("a", 1, 5, '"a"')}, set())
+    r = redis.Redis(port=redis_server.port)
+    name = "epochfs:locks:update-lock"
+    assert failures and r.get(name) == failures[0], "the lock is left held, as after a lost release"
+
+    # The master is still away at the next try: the release of the lost lock and the new acquire fail too.
+    def away(*args, **kwargs):
+        raise redis.exceptions.ConnectionError("Connection refused.")
+
+    with monkeypatch.context() as m:
+        m.setattr(redis.lock.Lock, "do_acquire", away)
+        m.setattr(store._redis, "eval", away)
+        with pytest.raises(MetaUnavailable):
+            store.update("s3://b/", {"b": ObjectInfo("b", 1, 5, '"b"')}, set())
+    assert r.get(name) == failures[0]
+    started = time.monotonic()
+    store.update("s3://b/", {"b": ObjectInfo("b", 1, 5, '"b"')}, set())
+    assert time.monotonic() - started < 5, "the store's own lost lock was waited out"
+    assert r.get(name) is None
+
+    # Lost again; meanwhile the lock expires and another node takes it: that one is not released for it.
+    failures.clear()
+    store.update("s3://b/", {"c": ObjectInfo("c", 1, 5, '"c"')}, set())
+    r.set(name, b"another-node", px=1500)
+    started = time.monotonic()
+    store.update("s3://b/", {"d": ObjectInfo("d", 1, 5, '"d"')}, set())
+    assert time.monotonic() - started > 1.0, "another node's lock was released by a store that did not hold it"
+    assert sorted(o.key for o in store.load("s3://b/").objects if len(o.key) == 1) == ["a", "b", "c", "d"]
+    store.close()
+
+
 def test_nodes_apply_each_others_change_sets_in_proportion(redis_server, tmp_path, caplog):
     """Two nodes on one shared snapshot: each publishes its writes as change sets, the other refreshes
     to them without loading the dataset, a node restarted after others published catches up by change

@@ -32,7 +32,9 @@ import json
 import logging
 import math
 import struct
+import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -63,6 +65,12 @@ _MAC = 16
 _KEY_CONTEXT = "epochfs 2026-12-02 shared store records v1 MAC key"
 _COUNT = struct.Struct("<I")
 _KEEP = 2  # full versions kept by an import: the current one and the one before
+_LOCK_TIMEOUT = 30  # seconds an update lock outlives a holder that died (held for milliseconds)
+_UNRELEASED_MAX = 256  # tokens of locks a store may hold unknowingly, kept to release (see update)
+#: Delete KEYS[1] if it holds any of ARGV (the tokens of this store's calls whose answers were lost).
+_RELEASE_ANY = """local held = redis.call('get', KEYS[1])
+for i = 1, #ARGV do if held == ARGV[i] then return redis.call('del', KEYS[1]) end end
+return 0"""
 _PUBLICATION_MEMORY = 86400  # seconds a change set's name is kept (a writer retries within that)
 COMPACT_AFTER = 64  # change sets after a full copy before another is written
 _LAG = 2 * COMPACT_AFTER  # change sets kept behind the newest full copy, for nodes catching up
@@ -176,6 +184,11 @@ class RedisMetaStore:
         self._redis = self._link.client
         self._call = self._link.call
         self._replicated = self._link.replicated
+        #: Update locks this store may hold and could not release (the master went away under the call):
+        #: name -> {token: when taken}. Released, those still its own, before its next update, so a failover
+        #: does not leave every writer waiting out the lock's timeout.
+        self._unreleased: dict[str, dict[bytes, float]] = {}
+        self._unreleased_guard = threading.Lock()
 
     @property
     def master(self) -> tuple[str, int] | None:
@@ -399,8 +412,15 @@ class RedisMetaStore:
         so a change set the current version includes is never published twice, and one a failover lost
         (the record may survive the switch, never the other way round) is published again."""
         prefix = self._prefix(source)
-        lock = self._redis.lock(prefix + "update-lock", timeout=30, blocking_timeout=60)
-        if not self._call(lock.acquire):
+        lock = self._redis.lock(prefix + "update-lock", timeout=_LOCK_TIMEOUT, blocking_timeout=60)
+        self._release_unreleased(lock.name)
+        token = uuid.uuid4().hex.encode()  # ours, known even when the answer to the acquire is lost
+        try:
+            acquired = self._call(lambda: lock.acquire(token=token))
+        except MetaUnavailable:
+            self._keep_unreleased(lock.name, token)
+            raise
+        if not acquired:
             raise MetaUnavailable(f"metadata store {self.url}: another node held the update lock of {source} "
                                   "for a minute")
         try:
@@ -434,8 +454,37 @@ class RedisMetaStore:
         finally:
             try:
                 lock.release()
-            except redis.exceptions.RedisError:
+            except redis.exceptions.LockError:
                 pass  # expired (its timeout bounds any hold)
+            except redis.exceptions.RedisError:  # not reached: released at the next update, or expires
+                self._keep_unreleased(lock.name, token)
+
+    def _keep_unreleased(self, name: str, token: bytes) -> None:
+        """``token`` may hold the lock ``name``: a call that took it (or asked to) lost its answer."""
+        now = time.monotonic()
+        with self._unreleased_guard:
+            tokens = self._unreleased.setdefault(name, {})
+            for old in [t for t, taken in tokens.items() if now - taken > _LOCK_TIMEOUT]:
+                del tokens[old]  # expired in the store by now
+            if len(tokens) >= _UNRELEASED_MAX:
+                del tokens[min(tokens, key=tokens.__getitem__)]
+            tokens[token] = now
+
+    def _release_unreleased(self, name: str) -> None:
+        """Release the update lock ``name`` if one of this store's calls took it and could not release
+        it, and it is still that call's (compared with its token in the store, in one script, as any
+        release is: a lock that expired and another node took is left alone). Unreachable: kept for the
+        next try."""
+        with self._unreleased_guard:
+            tokens = self._unreleased.pop(name, None)
+        if not tokens:
+            return
+        try:
+            if self._redis.eval(_RELEASE_ANY, 1, name, *tokens):
+                log.info("metadata store %s: released the update lock a failed call left behind", self.url)
+        except redis.exceptions.RedisError:
+            for token in tokens:
+                self._keep_unreleased(name, token)
 
     def _published(self, source: str, publication: str, current: int | None) -> Head | None:
         """The change set named ``publication`` if the current version includes it."""
