@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -150,6 +151,55 @@ def test_sequential_stream_reads_ahead(tmp_path):
     stats, _ = run_with_cache(tmp_path, backend, fn, readahead=3)
     assert stats.prefetch_fetches >= 3
     assert backend.calls[(OBJ.key, 3 * BS)] == 1
+
+
+def test_a_large_objects_bytes_at_hand_are_answered_at_once_and_each_request_counts_once(tmp_path):
+    """As the session asks (``read_now``, then ``read`` when that could not answer): a lone request of a
+    large object starts no readahead (it is noted once, not once per path); a sequential reader at odd
+    sizes gets the right bytes; once the page cache holds the blocks, every request within one block is
+    answered at once (no task), and counted once."""
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        async def request(stream, off, size):
+            data = stream.read_now(off, size)
+            if data is None:
+                return bytes(await stream.read(off, size)), False
+            return bytes(data), True
+
+        lone = await request(cache.open_stream(OBJ), 2 * BS + 5, 1000)
+        await cache.wait_idle()
+        out = {"lone": lone, "after lone": cache.statistics().prefetch_fetches}
+        rng = random.Random(39)
+        sizes = []
+        off = 0
+        while off < OBJ.size:
+            sizes.append(min(rng.randrange(1, BS // 3), OBJ.size - off))
+            off += sizes[-1]
+        for name in ("cold", "disk", "page cache"):
+            if name != "cold":
+                cache._recent.clear()  # (only the disk copy)
+            stream, off, got, now, before = cache.open_stream(OBJ), 0, [], [], cache.statistics().hits
+            for size in sizes:
+                data, at_once = await request(stream, off, size)
+                got.append(data)
+                now.append(at_once or off // BS != (off + size - 1) // BS)  # (two blocks: never at once)
+                off += size
+            await cache.wait_idle()
+            out[name] = (b"".join(got), all(now), cache.statistics().hits - before)
+        return out, sizes
+
+    (out, sizes), _ = run_with_cache(tmp_path, backend, fn, readahead=3)
+    assert out["lone"] == (pattern(OBJ.key, 0, 2 * BS + 5, 1000), False)
+    assert out["after lone"] == 0, "one request was counted as a sequential reader's"
+    for name in ("cold", "disk", "page cache"):
+        assert out[name][0] == pattern(OBJ.key, 0, 0, OBJ.size), name
+    spans, off = 0, 0
+    for size in sizes:
+        spans += (off + size - 1) // BS - off // BS + 1
+        off += size
+    assert out["page cache"][1], "a request whose block the page cache holds waited for a task"
+    assert out["page cache"][2] == spans  # one hit per block piece of each request, none twice
 
 
 def test_capacity_bounds_the_cache_while_reads_stay_correct(tmp_path):

@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 
 
 class BlockCache:
-    #: Reads of cached bytes at least this large are never answered by :meth:`read_now` (they go to a
-    #: worker thread unless the page cache holds them).
-    THREADED_READ = 512 << 10
     #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
     WHOLE_BUDGET = 64 << 20
 
@@ -169,8 +166,8 @@ class BlockCache:
     def read_now(self, obj: ObjectInfo, offset: int, size: int, *,
                  counted: tuple[int, int] | None = None) -> bytes | memoryview | None:
         """Bytes [offset, offset + size) of ``obj`` if they are at hand (a completed fetch kept in
-        memory, or a small range of a block on the cache disk), read and verified now; None if getting
-        them would wait (a fetch, a large read from disk, more than one block): then :meth:`read`.
+        memory, or a range of a cached block that the page cache holds), read and verified now; None if
+        getting them would wait (a fetch, the cache disk, more than one block): then :meth:`read`.
         Counted only when answered (``counted`` as for :meth:`read`)."""
         end = min(offset + size, obj.size)
         if offset >= end:
@@ -197,7 +194,7 @@ class BlockCache:
         kept = self._recent.get(bid)
         if kept is not None:
             data, hit = kept.data, kept.hit
-        elif hi - lo < self.THREADED_READ:
+        else:
             meta = self.store.lookup(bid)
             if meta is None or meta.length != length:
                 return None  # (a damaged length is dropped by the full read)
@@ -208,8 +205,6 @@ class BlockCache:
                 self.observer.touched(obj, index)
             self._count(True, nbytes)
             return read
-        else:
-            return None
         if self.observer is not None:
             self.observer.touched(obj, index)
         self._count(hit, nbytes)

@@ -24,6 +24,8 @@ class BlockCache(Protocol):
 
     async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview: ...
 
+    def read_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
+
     async def read_whole(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
 
     def read_whole_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
@@ -42,6 +44,9 @@ class ReadStream:
 
     WHOLE = 1 << 20
 
+    #: Requests at most that :meth:`read_now` noted and left to :meth:`read`.
+    WAITING = 64
+
     #: A read starting this close to where the previous one ended still counts as sequential
     #: (the kernel may deliver concurrent readahead requests slightly out of order).
     SLACK = 1 << 20
@@ -56,6 +61,8 @@ class ReadStream:
         self._ahead_from = 0  # first block index not yet handed to readahead
         self._whole: bytes | memoryview | None = None
         self._small = obj.size <= self.WHOLE and obj.size <= cache.block_size
+        self._large = obj.size > cache.block_size
+        self._waiting: set[tuple[int, int]] = set()  # requests read_now noted and left to read
 
     def close(self) -> None:
         if self._whole is not None:
@@ -63,10 +70,18 @@ class ReadStream:
             self._whole = None
 
     def read_now(self, offset: int, size: int) -> bytes | memoryview | None:
-        """:meth:`read` if it would not wait (a small object's bytes at hand), else None (and nothing
-        changed): then :meth:`read`."""
+        """:meth:`read` if it would not wait (a small object's bytes at hand; a larger one's in memory
+        or in the page cache), else None: then :meth:`read` (which does not count the request again)."""
         if not self._small:
-            return None
+            self._note(offset, size)
+            data = self.cache.read_now(self.obj, offset, size)
+            if data is None:
+                if len(self._waiting) >= self.WAITING:  # (reads that never came: the session ended)
+                    self._waiting.clear()
+                self._waiting.add((offset, size))
+                return None
+            self._follow(offset)
+            return data
         whole = self._whole
         if whole is None:
             whole = self.cache.read_whole_now(self.obj, offset, size)
@@ -94,6 +109,17 @@ class ReadStream:
             part = whole[offset:offset + size]
             cache.count_hit(len(part))
             return part
+        if (offset, size) in self._waiting:
+            self._waiting.discard((offset, size))
+        else:
+            self._note(offset, size)
+        data = await cache.read(self.obj, offset, size)
+        self._follow(offset)
+        return data
+
+    def _note(self, offset: int, size: int) -> None:
+        """A request at ``offset``: sequential detection, and readahead for a sequential reader."""
+        cache = self.cache
         if abs(offset - self._next) <= self.SLACK or self._pushed_to and self._pushed_gap(offset):
             self._sequential += 1
         else:
@@ -101,18 +127,18 @@ class ReadStream:
             self._ahead_from = 0
             self._pushed_to = 0
         self._next = offset + size
-        large = self.obj.size > cache.block_size
-        if self._sequential >= 2 and cache.readahead_blocks and large:
+        if self._sequential >= 2 and cache.readahead_blocks and self._large:
             current = offset // cache.block_size
             first = max(current + 1, self._ahead_from)
             last = min(current + 1 + cache.readahead_blocks, block_count(self.obj.size, cache.block_size))
             if first < last:
                 cache.prefetch(self.obj, range(first, last))
                 self._ahead_from = last
-        data = await cache.read(self.obj, offset, size)
-        if self._sequential >= 1 and large and cache.pusher is not None:
-            self._pushed_to = cache.pusher.follow(self.obj, self.inode, offset, self._pushed_to)
-        return data
+
+    def _follow(self, offset: int) -> None:
+        """Push the pages ahead of a sequential reader that was just answered at ``offset``."""
+        if self._sequential >= 1 and self._large and self.cache.pusher is not None:
+            self._pushed_to = self.cache.pusher.follow(self.obj, self.inode, offset, self._pushed_to)
 
     def _pushed_gap(self, offset: int) -> bool:
         """Whether ``offset`` is in the first page of a block pushed for this reader (the reader read
