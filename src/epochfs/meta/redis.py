@@ -459,16 +459,17 @@ class RedisMetaStore:
             except redis.exceptions.RedisError:  # not reached: released at the next update, or expires
                 self._keep_unreleased(lock.name, token)
 
-    def _keep_unreleased(self, name: str, token: bytes) -> None:
-        """``token`` may hold the lock ``name``: a call that took it (or asked to) lost its answer."""
+    def _keep_unreleased(self, name: str, token: bytes, taken: float | None = None) -> None:
+        """``token`` may hold the lock ``name``: a call that took it (or asked to; at ``taken``, by
+        default now) lost its answer."""
         now = time.monotonic()
         with self._unreleased_guard:
             tokens = self._unreleased.setdefault(name, {})
-            for old in [t for t, taken in tokens.items() if now - taken > _LOCK_TIMEOUT]:
+            for old in [t for t, at in tokens.items() if now - at > _LOCK_TIMEOUT]:
                 del tokens[old]  # expired in the store by now
             if len(tokens) >= _UNRELEASED_MAX:
                 del tokens[min(tokens, key=tokens.__getitem__)]
-            tokens[token] = now
+            tokens[token] = now if taken is None else taken
 
     def _release_unreleased(self, name: str) -> None:
         """Release the update lock ``name`` if one of this store's calls took it and could not release
@@ -483,8 +484,8 @@ class RedisMetaStore:
             if self._redis.eval(_RELEASE_ANY, 1, name, *tokens):
                 log.info("metadata store %s: released the update lock a failed call left behind", self.url)
         except redis.exceptions.RedisError:
-            for token in tokens:
-                self._keep_unreleased(name, token)
+            for token, taken in tokens.items():  # (when each was taken: they expire in the store from then)
+                self._keep_unreleased(name, token, taken)
 
     def _published(self, source: str, publication: str, current: int | None) -> Head | None:
         """The change set named ``publication`` if the current version includes it."""
