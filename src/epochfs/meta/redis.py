@@ -32,9 +32,7 @@ import json
 import logging
 import math
 import struct
-import threading
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -53,6 +51,7 @@ from epochfs.meta.base import (
     encode_objects,
 )
 from epochfs.meta.redis_link import Link, MetaUnavailable
+from epochfs.meta.redis_lock import UpdateLocks
 from epochfs.records import MAX_KEY_BYTES, ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -65,12 +64,6 @@ _MAC = 16
 _KEY_CONTEXT = "epochfs 2026-12-02 shared store records v1 MAC key"
 _COUNT = struct.Struct("<I")
 _KEEP = 2  # full versions kept by an import: the current one and the one before
-_LOCK_TIMEOUT = 30  # seconds an update lock outlives a holder that died (held for milliseconds)
-_UNRELEASED_MAX = 256  # tokens of locks a store may hold unknowingly, kept to release (see update)
-#: Delete KEYS[1] if it holds any of ARGV (the tokens of this store's calls whose answers were lost).
-_RELEASE_ANY = """local held = redis.call('get', KEYS[1])
-for i = 1, #ARGV do if held == ARGV[i] then return redis.call('del', KEYS[1]) end end
-return 0"""
 _PUBLICATION_MEMORY = 86400  # seconds a change set's name is kept (a writer retries within that)
 COMPACT_AFTER = 64  # change sets after a full copy before another is written
 _LAG = 2 * COMPACT_AFTER  # change sets kept behind the newest full copy, for nodes catching up
@@ -184,11 +177,7 @@ class RedisMetaStore:
         self._redis = self._link.client
         self._call = self._link.call
         self._replicated = self._link.replicated
-        #: Update locks this store may hold and could not release (the master went away under the call):
-        #: name -> {token: when taken}. Released, those still its own, before its next update, so a failover
-        #: does not leave every writer waiting out the lock's timeout.
-        self._unreleased: dict[str, dict[bytes, float]] = {}
-        self._unreleased_guard = threading.Lock()
+        self._locks = UpdateLocks(self._redis, self._call, self.url)  # numbering change sets
 
     @property
     def master(self) -> tuple[str, int] | None:
@@ -412,80 +401,40 @@ class RedisMetaStore:
         so a change set the current version includes is never published twice, and one a failover lost
         (the record may survive the switch, never the other way round) is published again."""
         prefix = self._prefix(source)
-        lock = self._redis.lock(prefix + "update-lock", timeout=_LOCK_TIMEOUT, blocking_timeout=60)
-        self._release_unreleased(lock.name)
-        token = uuid.uuid4().hex.encode()  # ours, known even when the answer to the acquire is lost
-        try:
-            acquired = self._call(lambda: lock.acquire(token=token))
-        except MetaUnavailable:
-            self._keep_unreleased(lock.name, token)
-            raise
-        if not acquired:
-            raise MetaUnavailable(f"metadata store {self.url}: another node held the update lock of {source} "
-                                  "for a minute")
-        try:
-            base = self.current_version(source)
-            done = self._published(source, publication, base) if publication else None
-            if done is not None:
-                log.info("change set %s is already in %s as version %d (the answer was lost, not the write)",
-                         publication, self.url, done.version)
-                self._replicated(f"change set {done.version}")
-                return done
-            if base is None:
-                return self.save(source, added.values()).head
-            version = int(self._call(self._redis.incr, prefix + "next-version"))
-            vp = f"{prefix}v{version}:"
-            records = list(added.values())
-            gone = sorted(removed - added.keys())
-            pipe = self._redis.pipeline(transaction=False)
-            chunks = self._set_chunks(pipe, f"{vp}chunk:", records)
-            pipe.set(vp + "removed", self._wrap(vp + "removed", _encode_removed(gone)))
-            created = time.time()
-            pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
-                "format": _FORMAT, "source": source, "version": version, "created": created, "objects": -1,
-                "chunks": chunks, "base": base, "removed": len(gone)}).encode()))
-            if publication:
-                pipe.set(prefix + "pub:" + publication, self._wrap(prefix + "pub:" + publication,
-                                                                   str(version).encode()), ex=_PUBLICATION_MEMORY)
-            pipe.set(prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch, last
-            self._call(pipe.execute)
-            self._replicated(f"change set {version}")
-            return Head(source, version, created, -1, base=base)
-        finally:
-            try:
-                lock.release()
-            except redis.exceptions.LockError:
-                pass  # expired (its timeout bounds any hold)
-            except redis.exceptions.RedisError:  # not reached: released at the next update, or expires
-                self._keep_unreleased(lock.name, token)
+        with self._locks.held(prefix + "update-lock", source):
+            return self._update(source, added, removed, publication)
 
-    def _keep_unreleased(self, name: str, token: bytes, taken: float | None = None) -> None:
-        """``token`` may hold the lock ``name``: a call that took it (or asked to; at ``taken``, by
-        default now) lost its answer."""
-        now = time.monotonic()
-        with self._unreleased_guard:
-            tokens = self._unreleased.setdefault(name, {})
-            for old in [t for t, at in tokens.items() if now - at > _LOCK_TIMEOUT]:
-                del tokens[old]  # expired in the store by now
-            if len(tokens) >= _UNRELEASED_MAX:
-                del tokens[min(tokens, key=tokens.__getitem__)]
-            tokens[token] = now if taken is None else taken
-
-    def _release_unreleased(self, name: str) -> None:
-        """Release the update lock ``name`` if one of this store's calls took it and could not release
-        it, and it is still that call's (compared with its token in the store, in one script, as any
-        release is: a lock that expired and another node took is left alone). Unreachable: kept for the
-        next try."""
-        with self._unreleased_guard:
-            tokens = self._unreleased.pop(name, None)
-        if not tokens:
-            return
-        try:
-            if self._redis.eval(_RELEASE_ANY, 1, name, *tokens):
-                log.info("metadata store %s: released the update lock a failed call left behind", self.url)
-        except redis.exceptions.RedisError:
-            for token, taken in tokens.items():  # (when each was taken: they expire in the store from then)
-                self._keep_unreleased(name, token, taken)
+    def _update(self, source: str, added: dict[str, ObjectInfo], removed: set[str],
+                publication: str | None) -> Head:
+        """:meth:`update`'s body, under the lock."""
+        prefix = self._prefix(source)
+        base = self.current_version(source)
+        done = self._published(source, publication, base) if publication else None
+        if done is not None:
+            log.info("change set %s is already in %s as version %d (the answer was lost, not the write)",
+                     publication, self.url, done.version)
+            self._replicated(f"change set {done.version}")
+            return done
+        if base is None:
+            return self.save(source, added.values()).head
+        version = int(self._call(self._redis.incr, prefix + "next-version"))
+        vp = f"{prefix}v{version}:"
+        records = list(added.values())
+        gone = sorted(removed - added.keys())
+        pipe = self._redis.pipeline(transaction=False)
+        chunks = self._set_chunks(pipe, f"{vp}chunk:", records)
+        pipe.set(vp + "removed", self._wrap(vp + "removed", _encode_removed(gone)))
+        created = time.time()
+        pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
+            "format": _FORMAT, "source": source, "version": version, "created": created, "objects": -1,
+            "chunks": chunks, "base": base, "removed": len(gone)}).encode()))
+        if publication:
+            pipe.set(prefix + "pub:" + publication, self._wrap(prefix + "pub:" + publication,
+                                                               str(version).encode()), ex=_PUBLICATION_MEMORY)
+        pipe.set(prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch, last
+        self._call(pipe.execute)
+        self._replicated(f"change set {version}")
+        return Head(source, version, created, -1, base=base)
 
     def _published(self, source: str, publication: str, current: int | None) -> Head | None:
         """The change set named ``publication`` if the current version includes it."""
