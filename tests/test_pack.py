@@ -719,6 +719,8 @@ def test_the_prefetch_plan_of_members_reads_their_shards_blocks():
     assert plan.total_bytes == 1000 + 4096 + 100 + bs + 1  # what the reader reads
     assert plan.fetch_bytes == bs + bs + 100 + bs + 1  # each distinct block once
     assert plan.uses[bid(shard, 0)] == [0, 1]
+    # what each position reads of its block (what is read into memory ahead of the reader)
+    assert [plan.span(p) for p in range(6)] == [(512, 1512), (bs - 1024, bs), (0, 3072), (0, 100), (0, bs), (0, 1)]
 
 
 @requires_fuse

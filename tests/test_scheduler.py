@@ -198,3 +198,67 @@ def test_hand_overs_of_several_ranks_for_one_epoch_are_merged_side_by_side(tmp_p
     assert keys == [k for pair in zip([o.key for o in r0], [o.key for o in r1], strict=True) for k in pair]
     assert merged == (True, 4, r0[2].key)  # still at rank 0's third file, now position 4
     assert nxt_epoch == (False, 16)
+
+
+def test_cached_bytes_the_reader_reads_next_are_read_into_memory_ahead_of_it(tmp_path):
+    """A warm epoch: the cached blocks the plan reads next are read from the cache disk into memory
+    ahead of the reader (at most ``WARM_AHEAD`` bytes ahead), so its reads are answered as they come
+    instead of each waiting for the disk."""
+    import os
+
+    import pytest
+
+    from epochfs import pagecache
+    from epochfs.cache.keys import block_relpath
+
+    if not pagecache.available():
+        pytest.skip("this kernel has no cachestat(2)")
+    files = objs(12)
+
+    def where(store, bid):
+        meta = store.lookup(bid)
+        path = store.packs.path(meta.pack) if meta.pack else str(store.root / "blocks" / block_relpath(bid))
+        return path, (meta.offset if meta.pack else 0), meta.length
+
+    def in_memory(store, bid) -> bool:
+        path, offset, length = where(store, bid)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return bool(pagecache.resident(fd, offset, length))
+        finally:
+            os.close(fd)
+
+    def evict(store, bid) -> None:
+        path, offset, length = where(store, bid)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # (dirty pages are not dropped)
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+    async def fn(cache, pf, backend):
+        job = pf.warmup(files)  # the epoch before left every block cached
+        await job.done.wait()
+        await cache.wait_idle()
+        bids = [cache.block_id(f, 0) for f in files]
+        for bid in bids:
+            evict(cache.store, bid)
+        before = [in_memory(cache.store, b) for b in bids]
+        pf.WARM_AHEAD = 4 * BS
+        await pf.load(files)
+        await trio.sleep(pf.PAUSE + 0.5)  # the reader has not started: the window is open
+        at_start = [in_memory(cache.store, b) for b in bids]
+        calls = sum(backend.calls.values())
+        for f in files[:5]:
+            await cache.read(f, 0, 10)
+            await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        later = [in_memory(cache.store, b) for b in bids]
+        return before, at_start, later, calls, sum(backend.calls.values())
+
+    before, at_start, later, calls, calls_after = with_prefetcher(tmp_path, fn)
+    assert not any(before), "the test could not take the blocks out of memory"
+    assert at_start == [True] * 4 + [False] * 8  # WARM_AHEAD bytes ahead, no further
+    assert later[4:8] == [True] * 4 and later[8:] == [False] * 4  # follows the reader (at file 5 of 12)
+    assert calls_after == calls == 12  # nothing fetched again: read from the cache disk

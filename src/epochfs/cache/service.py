@@ -314,6 +314,16 @@ class BlockCache:
         """Whether ``nbytes`` more fit now without evicting anything."""
         return self.store.has_room(nbytes)
 
+    def warm(self, bid: bytes, lo: int, hi: int) -> None:
+        """Have the kernel read bytes [lo, hi) of a cached block from the cache disk into memory, so the
+        reader that comes next is answered as it reads (not by a worker thread waiting for the disk).
+        Nothing for a block in flight or kept in memory, or not cached."""
+        if bid in self._flights or bid in self._recent:
+            return
+        meta = self.store.lookup(bid)
+        if meta is not None:
+            self.store.advise(bid, meta, lo, hi)
+
     def demand_waiting(self) -> bool:
         """Whether a demand fetch is waiting for a backend connection (prefetch then holds back)."""
         return self._demand_limiter.statistics().tasks_waiting > 0

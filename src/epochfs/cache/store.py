@@ -281,18 +281,22 @@ class BlockStore:
         assert not isinstance(data, OSError)
         return memoryview(data)[lo - start:hi - start]
 
-    def advise(self, bid: bytes, meta: BlockMeta) -> None:
-        """Ask the kernel to start reading a resident block into memory (a sequential reader comes
-        next)."""
+    def advise(self, bid: bytes, meta: BlockMeta, lo: int = 0, hi: int | None = None) -> None:
+        """Ask the kernel to start reading bytes [lo, hi) of a resident block (default: all of it; whole
+        checksum chunks) into memory: a reader comes next."""
+        hi = meta.length if hi is None else min(hi, meta.length)
+        if lo >= hi:
+            return
+        start, end = chunk_span(lo, hi, meta.length)
         try:
             if meta.pack:
-                os.posix_fadvise(self.packs.fd(meta.pack), meta.offset, meta.length, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self.packs.fd(meta.pack), meta.offset + start, end - start, os.POSIX_FADV_WILLNEED)
                 return
             fd = os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
         except OSError:
             return
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 

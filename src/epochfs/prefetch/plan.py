@@ -107,6 +107,17 @@ class Plan:
             return f.obj, index, self.blocks[pos], self.offsets[pos + 1] - self.offsets[pos]
         return f.stored, index, self.blocks[pos], block_bounds(index, f.stored.size, self.block_size)[1]
 
+    def span(self, pos: int) -> tuple[int, int]:
+        """[lo, hi): the bytes of the block at sequence position ``pos`` that its file reads (all of a
+        whole object's block; a packed member's own range in its shard's block)."""
+        f = self.files[self.block_file[pos]]
+        start = (f.index + pos - f.first) * self.block_size
+        stored_size = f.stored.size
+        if f.stored is f.obj:
+            return 0, min(self.block_size, stored_size - start)
+        _, base = stored_extent(f.obj)
+        return max(base, start) - start, min(base + f.obj.size, start + self.block_size, stored_size) - start
+
     def locate(self, key: str, from_file: int) -> int | None:
         """Index of the first occurrence of ``key`` at or after file ``from_file``."""
         occurrences = self._by_key.get(key)
