@@ -175,7 +175,7 @@ class Passthrough:
         wid = self._wid(obj)
         if wid in self._queue or wid in self.whole.files or obj.size > self.whole.limit:
             return
-        if all(self.cache.is_coming(self.cache.block_id(obj, i)) for i in range(self._blocks(obj))):
+        if all(self.cache.is_cached(self.cache.block_id(obj, i)) for i in range(self._blocks(obj))):
             self._queue[wid] = obj
             self._wake.set()
 

@@ -290,10 +290,6 @@ class BlockCache:
         return self.store.policy
 
     def is_cached(self, bid: bytes) -> bool:
-        """Resident in the store, or being fetched."""
-        return bid in self._flights or self.store.lookup(bid) is not None
-
-    def is_coming(self, bid: bytes) -> bool:
         """Resident in the store, or being fetched (:meth:`read_stored` waits for it)."""
         return bid in self._flights or self.store.lookup(bid) is not None
 
