@@ -153,6 +153,46 @@ def test_sequential_stream_reads_ahead(tmp_path):
     assert backend.calls[(OBJ.key, 3 * BS)] == 1
 
 
+def test_a_long_sequential_readers_window_grows_and_a_jump_starts_it_small_again(tmp_path):
+    """Readahead starts at ``readahead_blocks`` blocks ahead, doubles each time the reader has read
+    through as many blocks as are ahead of it, stops at ``GROWTH`` times that (or ``READAHEAD_BYTES``),
+    and starts small again after a jump."""
+    from epochfs.cache.streams import ReadStream
+
+    big = ObjectInfo("big", 128 * BS, 0, '"e"')
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        ahead = []  # per request: how far past the current block readahead has reached
+        real = cache.prefetch
+
+        def prefetch(obj, indices):
+            ahead.append((current, indices.stop - current - 1))
+            return real(obj, indices)
+
+        cache.prefetch = prefetch
+        stream = cache.open_stream(big)
+        for current in range(0, 40):
+            await stream.read(current * BS, BS)
+        reached = max(a for _, a in ahead)
+        ahead.clear()
+        for current in range(100, 104):  # a jump (farther than ReadStream.SLACK): sequential again
+            await stream.read(current * BS, BS)
+        await cache.wait_idle()
+        return reached, ahead
+
+    (reached, after_jump), _ = run_with_cache(tmp_path, backend, fn, readahead=2)
+    assert reached == 2 * ReadStream.GROWTH  # 2, 4, 8: grown, and no further
+    assert max(a for _, a in after_jump) == 2
+    grown = ReadStream.READAHEAD_BYTES
+    try:
+        ReadStream.READAHEAD_BYTES = 3 * BS  # the byte bound is lower than GROWTH times: it holds
+        (reached, _), _ = run_with_cache(tmp_path / "bytes", backend, fn, readahead=2)
+    finally:
+        ReadStream.READAHEAD_BYTES = grown
+    assert reached == 3
+
+
 def test_a_large_objects_bytes_at_hand_are_answered_at_once_and_each_request_counts_once(tmp_path):
     """As the session asks (``read_now``, then ``read`` when that could not answer): a lone request of a
     large object starts no readahead (it is noted once, not once per path); a sequential reader at odd

@@ -132,7 +132,8 @@ class Config:
                              metavar="SIZE", parse=lambda t: parse_size(t), shown="4M")
     free_space_ratio: float = option(0.10, "cache", "keep at least this fraction of the cache file system free",
                                      metavar="RATIO", parse=float)
-    readahead_blocks: int = option(4, "cache", "blocks fetched ahead of a sequential reader (0 disables)",
+    readahead_blocks: int = option(4, "cache", "blocks fetched ahead of a sequential reader at first; doubles as "
+                                   "it keeps up, to 4x (64 MiB at most); 0 disables",
                                    metavar="BLOCKS", parse=int, flag="--readahead")
     push_ahead: int = option(
         0, "cache", "blocks pushed into the kernel page cache ahead of a sequential reader, from worker "

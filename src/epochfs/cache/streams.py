@@ -34,7 +34,13 @@ class BlockCache(Protocol):
 
 
 class ReadStream:
-    """One open file: detects sequential reading and keeps ``readahead_blocks`` blocks in flight ahead.
+    """One open file: detects sequential reading and keeps blocks in flight ahead of a sequential
+    reader: ``readahead_blocks`` at first, twice as many each time the reader has read through as many
+    blocks as are ahead of it, up to :attr:`GROWTH` times as many or :attr:`READAHEAD_BYTES`, whichever
+    is less (never fewer than ``readahead_blocks``). A short sequential run costs a short window; a long
+    stream gets the requests in flight that carry a backend's rate (each fetch is one request, and one
+    stream's rate is what is in flight over the request's time: measured on 2 cores against a local S3
+    server, a cold 512 MiB stream read 1.16x as fast with 16 blocks of 4 MiB ahead as with 4).
 
     An object of at most :attr:`WHOLE` bytes in one block is read whole on the first request, verified,
     and later requests on the handle are served from those bytes until it is closed: with a large
@@ -51,6 +57,11 @@ class ReadStream:
     #: (the kernel may deliver concurrent readahead requests slightly out of order).
     SLACK = 1 << 20
 
+    #: How far a long sequential reader's readahead window grows: this many times ``readahead_blocks``,
+    #: and no more blocks than hold this many bytes.
+    GROWTH = 4
+    READAHEAD_BYTES = 64 << 20
+
     def __init__(self, cache: BlockCache, obj: ObjectInfo, inode: int = 0) -> None:
         self.cache = cache
         self.obj = obj
@@ -59,6 +70,8 @@ class ReadStream:
         self._next = 0
         self._sequential = 0
         self._ahead_from = 0  # first block index not yet handed to readahead
+        self._window = 0  # blocks kept in flight ahead of a sequential reader (0: not reading ahead yet)
+        self._grow_at = 0  # the block whose reading doubles the window
         self._whole: bytes | memoryview | None = None
         self._small = obj.size <= self.WHOLE and obj.size <= cache.block_size
         self._large = obj.size > cache.block_size
@@ -126,11 +139,19 @@ class ReadStream:
             self._sequential = 0
             self._ahead_from = 0
             self._pushed_to = 0
+            self._window = 0
         self._next = offset + size
         if self._sequential >= 2 and cache.readahead_blocks and self._large:
             current = offset // cache.block_size
+            if not self._window:
+                self._window = cache.readahead_blocks
+                self._grow_at = current + self._window
+            elif current >= self._grow_at:
+                most = min(self.GROWTH * cache.readahead_blocks, self.READAHEAD_BYTES // cache.block_size)
+                self._window = max(cache.readahead_blocks, min(2 * self._window, most))
+                self._grow_at = current + self._window
             first = max(current + 1, self._ahead_from)
-            last = min(current + 1 + cache.readahead_blocks, block_count(self.obj.size, cache.block_size))
+            last = min(current + 1 + self._window, block_count(self.obj.size, cache.block_size))
             if first < last:
                 cache.prefetch(self.obj, range(first, last))
                 self._ahead_from = last
