@@ -76,7 +76,7 @@ class BlockCache:
         # Blocks just fetched for a reader (cached or not), kept for its next requests (see Kept).
         self._recent: OrderedDict[bytes, Kept] = OrderedDict()
         self._recent_bytes = 0
-        self.recent_max = max((concurrency + readahead_blocks) * block_size, 16 << 20)
+        self.recent_max = max((concurrency + ReadStream.widest(readahead_blocks, block_size)) * block_size, 16 << 20)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}

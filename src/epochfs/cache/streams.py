@@ -77,6 +77,11 @@ class ReadStream:
         self._large = obj.size > cache.block_size
         self._waiting: set[tuple[int, int]] = set()  # requests read_now noted and left to read
 
+    @classmethod
+    def widest(cls, readahead_blocks: int, block_size: int) -> int:
+        """The most blocks a sequential reader's window grows to."""
+        return max(readahead_blocks, min(cls.GROWTH * readahead_blocks, cls.READAHEAD_BYTES // block_size))
+
     def close(self) -> None:
         if self._whole is not None:
             self.cache.whole_held -= len(self._whole)
@@ -147,8 +152,7 @@ class ReadStream:
                 self._window = cache.readahead_blocks
                 self._grow_at = current + self._window
             elif current >= self._grow_at:
-                most = min(self.GROWTH * cache.readahead_blocks, self.READAHEAD_BYTES // cache.block_size)
-                self._window = max(cache.readahead_blocks, min(2 * self._window, most))
+                self._window = min(2 * self._window, self.widest(cache.readahead_blocks, cache.block_size))
                 self._grow_at = current + self._window
             first = max(current + 1, self._ahead_from)
             last = min(current + 1 + self._window, block_count(self.obj.size, cache.block_size))
