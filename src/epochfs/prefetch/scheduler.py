@@ -39,7 +39,7 @@ the reader:
   block) are read into memory ahead of it (``posix_fadvise`` WILLNEED: the kernel reads them in the
   background), up to the window or ``WARM_AHEAD`` ahead, whichever is less; the reads are then
   answered as they come. Measured on a packed dataset's second epoch (local order, 20 ms, 2 cores):
-  AU 91% against 70-71%, as high as the local disk's.
+  AU 90% against 74%, as high as the local disk's.
 - **Hand-over.** A new manifest is appended after the rest of the current one (``epochfs prefetch`` while
   an epoch is finishing), or replaces it.
 
