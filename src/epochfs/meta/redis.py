@@ -402,39 +402,33 @@ class RedisMetaStore:
         (the record may survive the switch, never the other way round) is published again."""
         prefix = self._prefix(source)
         with self._locks.held(prefix + "update-lock", source):
-            return self._update(source, added, removed, publication)
-
-    def _update(self, source: str, added: dict[str, ObjectInfo], removed: set[str],
-                publication: str | None) -> Head:
-        """:meth:`update`'s body, under the lock."""
-        prefix = self._prefix(source)
-        base = self.current_version(source)
-        done = self._published(source, publication, base) if publication else None
-        if done is not None:
-            log.info("change set %s is already in %s as version %d (the answer was lost, not the write)",
-                     publication, self.url, done.version)
-            self._replicated(f"change set {done.version}")
-            return done
-        if base is None:
-            return self.save(source, added.values()).head
-        version = int(self._call(self._redis.incr, prefix + "next-version"))
-        vp = f"{prefix}v{version}:"
-        records = list(added.values())
-        gone = sorted(removed - added.keys())
-        pipe = self._redis.pipeline(transaction=False)
-        chunks = self._set_chunks(pipe, f"{vp}chunk:", records)
-        pipe.set(vp + "removed", self._wrap(vp + "removed", _encode_removed(gone)))
-        created = time.time()
-        pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
-            "format": _FORMAT, "source": source, "version": version, "created": created, "objects": -1,
-            "chunks": chunks, "base": base, "removed": len(gone)}).encode()))
-        if publication:
-            pipe.set(prefix + "pub:" + publication, self._wrap(prefix + "pub:" + publication,
-                                                               str(version).encode()), ex=_PUBLICATION_MEMORY)
-        pipe.set(prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch, last
-        self._call(pipe.execute)
-        self._replicated(f"change set {version}")
-        return Head(source, version, created, -1, base=base)
+            base = self.current_version(source)
+            done = self._published(source, publication, base) if publication else None
+            if done is not None:
+                log.info("change set %s is already in %s as version %d (the answer was lost, not the write)",
+                         publication, self.url, done.version)
+                self._replicated(f"change set {done.version}")
+                return done
+            if base is None:
+                return self.save(source, added.values()).head
+            version = int(self._call(self._redis.incr, prefix + "next-version"))
+            vp = f"{prefix}v{version}:"
+            records = list(added.values())
+            gone = sorted(removed - added.keys())
+            pipe = self._redis.pipeline(transaction=False)
+            chunks = self._set_chunks(pipe, f"{vp}chunk:", records)
+            pipe.set(vp + "removed", self._wrap(vp + "removed", _encode_removed(gone)))
+            created = time.time()
+            pipe.set(vp + "info", self._wrap(vp + "info", json.dumps({
+                "format": _FORMAT, "source": source, "version": version, "created": created, "objects": -1,
+                "chunks": chunks, "base": base, "removed": len(gone)}).encode()))
+            if publication:
+                pipe.set(prefix + "pub:" + publication, self._wrap(prefix + "pub:" + publication,
+                                                                   str(version).encode()), ex=_PUBLICATION_MEMORY)
+            pipe.set(prefix + "current", self._wrap(prefix + "current", str(version).encode()))  # the switch, last
+            self._call(pipe.execute)
+            self._replicated(f"change set {version}")
+            return Head(source, version, created, -1, base=base)
 
     def _published(self, source: str, publication: str, current: int | None) -> Head | None:
         """The change set named ``publication`` if the current version includes it."""
