@@ -20,6 +20,7 @@ class PlanFile:
     segment: int  # which hand-over it came from (consecutive files of one manifest share it)
     stored: ObjectInfo  # the object its bytes are in: itself, or a packed member's shard
     index: int  # the block of ``stored`` its first byte is in
+    base: int  # where its bytes start in ``stored`` (0 for a whole object)
 
 
 #: Seconds of reading the prefetch window covers at most, by default (the scheduler's and the mount
@@ -71,7 +72,7 @@ class Plan:
             stored, base = stored_extent(obj)
             spans = list(extent_blocks(base, obj.size, stored.size, block_size))
             self.files.append(PlanFile(obj, len(self.blocks), len(spans), epoch, segment, stored,
-                                       spans[0][0] if spans else 0))
+                                       spans[0][0] if spans else 0, base))
             self.segment_end[segment] = fi
             self._by_key.setdefault(obj.key, []).append(fi)
             for i, whole, length in spans:  # (a member counts the bytes it has in each block)
@@ -115,8 +116,7 @@ class Plan:
         stored_size = f.stored.size
         if f.stored is f.obj:
             return 0, min(self.block_size, stored_size - start)
-        _, base = stored_extent(f.obj)
-        return max(base, start) - start, min(base + f.obj.size, start + self.block_size, stored_size) - start
+        return max(f.base, start) - start, min(f.base + f.obj.size, start + self.block_size, stored_size) - start
 
     def locate(self, key: str, from_file: int) -> int | None:
         """Index of the first occurrence of ``key`` at or after file ``from_file``."""
