@@ -157,7 +157,7 @@ def test_a_long_sequential_readers_window_grows_and_a_jump_starts_it_small_again
     """Readahead starts at ``readahead_blocks`` blocks ahead, doubles each time the reader has read
     through as many blocks as are ahead of it, stops at ``GROWTH`` times that (or ``READAHEAD_BYTES``),
     and starts small again after a jump."""
-    from epochfs.cache.streams import ReadStream
+    from epochfs.cache.readahead import Readahead
 
     big = ObjectInfo("big", 128 * BS, 0, '"e"')
     backend = MemoryBackend()
@@ -176,21 +176,65 @@ def test_a_long_sequential_readers_window_grows_and_a_jump_starts_it_small_again
             await stream.read(current * BS, BS)
         reached = max(a for _, a in ahead)
         ahead.clear()
-        for current in range(100, 104):  # a jump (farther than ReadStream.SLACK): sequential again
+        for current in range(100, 104):  # a jump (farther than Readahead.SLACK): sequential again
             await stream.read(current * BS, BS)
         await cache.wait_idle()
         return reached, ahead
 
     (reached, after_jump), _ = run_with_cache(tmp_path, backend, fn, readahead=2)
-    assert reached == 2 * ReadStream.GROWTH  # 2, 4, 8: grown, and no further
+    assert reached == 2 * Readahead.GROWTH  # 2, 4, 8: grown, and no further
     assert max(a for _, a in after_jump) == 2
-    grown = ReadStream.READAHEAD_BYTES
+    grown = Readahead.READAHEAD_BYTES
     try:
-        ReadStream.READAHEAD_BYTES = 3 * BS  # the byte bound is lower than GROWTH times: it holds
+        Readahead.READAHEAD_BYTES = 3 * BS  # the byte bound is lower than GROWTH times: it holds
         (reached, _), _ = run_with_cache(tmp_path / "bytes", backend, fn, readahead=2)
     finally:
-        ReadStream.READAHEAD_BYTES = grown
+        Readahead.READAHEAD_BYTES = grown
     assert reached == 3
+
+
+def test_a_large_packed_members_window_grows_as_a_streams_and_stops_at_the_members_end(tmp_path):
+    """A member larger than a block is read through (and checked) at its first read; its shard's
+    blocks ahead of the read-through come with the same growing window as a whole object's stream, and
+    readahead never asks for a block of the shard past the member's last (nor one before its first)."""
+    import xxhash
+
+    from epochfs.cache.readahead import Readahead
+    from epochfs.records import member_etag
+
+    shard = ObjectInfo("s/shard-0.tar", 48 * BS, 0, '"s1"')
+    base, size = 3 * BS + 100, 30 * BS
+    digest = xxhash.xxh64_hexdigest(pattern(shard.key, 0, base, size))
+    member = ObjectInfo("m/big.bin", size, 0, member_etag(shard, base, digest))
+    first, last = base // BS, (base + size - 1) // BS
+    backend = MemoryBackend()
+
+    async def fn(cache):
+        asked, read_at = [], [first - 1]
+        real_prefetch, real_read = cache.prefetch, cache.read
+
+        def prefetch(obj, indices):
+            assert obj.key == shard.key
+            asked.append((read_at[-1] + 1, indices))  # (the block read next, what readahead asked for)
+            return real_prefetch(obj, indices)
+
+        async def read(obj, offset, size, **kw):
+            data = await real_read(obj, offset, size, **kw)
+            read_at.append((offset + size - 1) // BS)
+            return data
+
+        cache.prefetch, cache.read = prefetch, read
+        stream = cache.open_stream(member)
+        data = bytes(await stream.read(BS, 5000))
+        await cache.wait_idle()
+        return data, asked
+
+    (data, asked), _ = run_with_cache(tmp_path, backend, fn, readahead=2)
+    assert data == pattern(shard.key, 0, base + BS, 5000)
+    assert min(r.start for _, r in asked) == first + 1 and max(r.stop for _, r in asked) == last + 1
+    assert max(r.stop - 1 - current for current, r in asked) == 2 * Readahead.GROWTH  # 2, 4, 8: grown
+    assert all(backend.calls[(shard.key, i * BS)] == 1 for i in range(first, last + 1))
+    assert not any(backend.calls[(shard.key, i * BS)] for i in list(range(first)) + list(range(last + 1, 48)))
 
 
 def test_a_large_objects_bytes_at_hand_are_answered_at_once_and_each_request_counts_once(tmp_path):

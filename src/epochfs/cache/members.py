@@ -23,6 +23,7 @@ from typing import Protocol
 import xxhash
 
 from epochfs.cache.keys import blocks_for_range
+from epochfs.cache.readahead import Readahead
 from epochfs.errors import EpochfsError
 from epochfs.records import ObjectInfo
 
@@ -77,11 +78,12 @@ class BlockCache(Protocol):
 
 
 class MemberStream:
-    """One open member. A sequential reader of a member larger than a block has the next
-    ``readahead_blocks`` blocks of its range fetched ahead (never past the member's end); the kernel's page
-    cache keeps what it read (pushing pages is for whole objects, whose blocks align with the file)."""
+    """One open member. A member larger than a block has the blocks of its range ahead of the reader
+    fetched as a whole object's are (:class:`~epochfs.cache.readahead.Readahead`: while it is read
+    through at its first read, and then for a sequential reader), never past the member's end; the
+    kernel's page cache keeps what it read (pushing pages is for whole objects, whose blocks align with
+    the file)."""
 
-    SLACK = 1 << 20
     WHOLE = 1 << 20  # a member within one block and at most this long is kept by its handle once checked
 
     def __init__(self, cache: BlockCache, obj: ObjectInfo, stored: ObjectInfo, base: int, checksum: int) -> None:
@@ -90,14 +92,11 @@ class MemberStream:
         self.stored = stored
         self.base = base
         self.checksum = checksum
-        self._next = 0
-        self._sequential = 0
-        self._ahead_to = 0  # shard blocks below this were handed to readahead
         self._whole: bytes | memoryview | None = None  # a small member's checked bytes, kept by this handle
         bs = cache.block_size
         blocks = blocks_for_range(base, obj.size, stored.size, bs)
-        self._last = blocks.stop  # one past the member's last block in the shard
         self._large = len(blocks) > 1
+        self._ahead = Readahead(cache, stored, blocks.stop, start=base)
 
     def close(self) -> None:
         if self._whole is not None:
@@ -159,18 +158,10 @@ class MemberStream:
                 self._keep(whole)
                 return whole[offset:end]
             return await cache.read(self.stored, self.base + offset, end - offset)
-        self._sequential = self._sequential + 1 if abs(offset - self._next) <= self.SLACK else 0
-        self._next = end
+        self._ahead.note(self.base + offset, end - offset)
         if self.obj.etag not in cache.verified:
             await self._read_through(offset, end)
             return await cache.read(self.stored, self.base + offset, end - offset, counted=(0, 0))
-        if self._sequential >= 2 and cache.readahead_blocks:
-            current = (self.base + offset) // cache.block_size
-            first = max(current + 1, self._ahead_to)
-            last = min(current + 1 + cache.readahead_blocks, self._last)
-            if first < last:
-                cache.prefetch(self.stored, range(first, last))
-                self._ahead_to = last
         return await cache.read(self.stored, self.base + offset, end - offset)
 
     async def _read_through(self, offset: int, end: int) -> None:
@@ -182,11 +173,7 @@ class MemberStream:
         asked = (self.base + offset, self.base + end)
         while pos < stop:
             current = pos // bs
-            if cache.readahead_blocks and self._ahead_to < min(current + 1 + cache.readahead_blocks, self._last):
-                first = max(current + 1, self._ahead_to)
-                self._ahead_to = min(current + 1 + cache.readahead_blocks, self._last)
-                if first < self._ahead_to:
-                    cache.prefetch(self.stored, range(first, self._ahead_to))
+            self._ahead.ahead(current)
             upto = min(stop, (current + 1) * bs)
             digest.update(await cache.read(self.stored, pos, upto - pos, counted=asked))
             pos = upto

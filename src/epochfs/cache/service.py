@@ -42,6 +42,7 @@ from epochfs.cache.keys import block_bounds, block_id, range_blocks
 from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import Pusher
+from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
@@ -76,7 +77,7 @@ class BlockCache:
         # Blocks just fetched for a reader (cached or not), kept for its next requests (see Kept).
         self._recent: OrderedDict[bytes, Kept] = OrderedDict()
         self._recent_bytes = 0
-        self.recent_max = max((concurrency + ReadStream.widest(readahead_blocks, block_size)) * block_size, 16 << 20)
+        self.recent_max = max((concurrency + Readahead.widest(readahead_blocks, block_size)) * block_size, 16 << 20)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
