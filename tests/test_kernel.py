@@ -55,6 +55,7 @@ SAMPLES = [
     request(abi.FLUSH, struct.pack("<QIIQ", 1, 0, 0, 0), nodeid=2),
     request(abi.INTERRUPT, struct.pack("<Q", 5)),
     request(abi.UNLINK, b"gone\0"),
+    request(abi.IOCTL, struct.pack("<QIIQII", 0, 0, 0x5401, 0, 0, 60), nodeid=2),  # TCGETS: isatty()
 ]
 
 
@@ -152,7 +153,8 @@ def adapter() -> Operations:
 
 def test_the_session_answers_every_request_and_survives_any_input():
     """Plain handlers are answered inline, a missing one with ENOSYS, an unparsable request with EIO,
-    FORGET and INTERRUPT with nothing; then thousands of damaged requests against the real adapter: each
+    FORGET and INTERRUPT with nothing, IOCTL (a process asking whether a file is a terminal) with ENOTTY
+    from its header alone; then thousands of damaged requests against the real adapter: each
     gets at most one answer and the session keeps answering."""
 
     async def main() -> None:
@@ -166,7 +168,10 @@ def test_the_session_answers_every_request_and_survives_any_input():
             s._handle(memoryview(request(abi.BMAP, b"", unique=4)))
             s._handle(memoryview(request(abi.LOOKUP, b"no-nul", unique=5)))
             s._handle(memoryview(request(abi.INTERRUPT, struct.pack("<Q", 1), unique=6)))
+            s._handle(memoryview(request(abi.IOCTL, struct.pack("<QIIQII", 0, 0, 0x5401, 0, 0, 60), unique=7)))
+            s._handle(memoryview(request(abi.IOCTL, b"", unique=10)))  # (its arguments are not even read)
             got = {u: (e, body) for u, e, body in pipe.replies()}
+            assert got[7] == (errno.ENOTTY, b"") and got[10] == (errno.ENOTTY, b"")
             assert got[1][0] == 0 and struct.unpack_from("<Q", got[1][1])[0] > 1
             assert got[2][0] == errno.ENOENT and got[3][0] == errno.EROFS
             assert got[4][0] == errno.ENOSYS and got[5][0] == errno.EIO and 6 not in got

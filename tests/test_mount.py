@@ -460,10 +460,20 @@ def test_snapshot_ttl_lists_again(s3_client, fresh_bucket, mount_factory):
 
 def test_a_read_only_mount_opens_files_with_no_request(mount_factory, sample_bucket, sample_files):
     """Zero-message opens: once a file is in the page cache, opening and reading it again needs no daemon
-    at all (proved with the daemon stopped); with --open-requests the open waits for the daemon."""
+    at all (proved with the daemon stopped); with --open-requests the open waits for the daemon. A
+    default-buffered Python open asks whether the file is a terminal (IOCTL, the one request it costs):
+    ENOTTY."""
+    import fcntl
+    import termios
+
     f = next(f for f in sample_files if 0 < f.size <= 256 << 10)
     with mount_factory(f"s3://{sample_bucket}/data") as m:
         assert read_all(m.path(f.key)) == f.content()
+        with open(m.path(f.key), "rb") as buffered:
+            assert not buffered.isatty() and buffered.read() == f.content()
+            with pytest.raises(OSError) as raised:
+                fcntl.ioctl(buffered.fileno(), termios.TCGETS, bytes(64))
+            assert raised.value.errno == errno.ENOTTY
         pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
         os.kill(pid, signal.SIGSTOP)
         try:

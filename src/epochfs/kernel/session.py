@@ -6,7 +6,10 @@ The handlers are the methods of an operations object (:class:`epochfs.fs.Operati
 requests are (``lookup``, ``open``, ``read``...). A plain method is called as its request is read and
 answered at once, with no task and no scheduling; a coroutine method (``read``, ``fsync``: those that
 may wait for the network or a disk) runs as its own trio task. A method the object lacks is answered
-ENOSYS, which for FLUSH and OPEN tells the kernel not to send them again. A handler that raises
+ENOSYS, which for FLUSH and OPEN tells the kernel not to send them again. IOCTL is answered ENOTTY as
+soon as its header is read: the kernel sends one whenever a process asks whether a file of the mount
+is a terminal, which Python's ``open()`` does on every open of a file with default buffering (before
+3.14), so it is the commonest request after READ and LOOKUP. A handler that raises
 :class:`FUSEError` answers that errno; any other exception is logged and answered EIO: a request
 never ends the session, and neither does a request whose bytes cannot be parsed.
 
@@ -21,6 +24,7 @@ import ctypes
 import errno
 import logging
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,6 +38,7 @@ from epochfs.kernel.types import FUSEError
 log = logging.getLogger(__name__)
 
 MAX_WRITE = 1 << 20
+_HEAD = struct.Struct("<IIQ")  # a request header's length, opcode and unique: what an early answer needs
 BUFFER = MAX_WRITE + (64 << 10)  # the largest request: a WRITE of MAX_WRITE bytes and its header
 MAX_PAGES = 256
 #: File systems stacked under a backing file (a passthrough mount's cache is on a plain local one).
@@ -132,6 +137,11 @@ class Session:
                 await trio.lowlevel.checkpoint()
 
     def _handle(self, view: memoryview) -> None:
+        if len(view) >= _HEAD.size:
+            length, opcode, unique = _HEAD.unpack_from(view)
+            if opcode == abi.IOCTL and length == len(view):  # (isatty: no file of the mount is a terminal)
+                self._send([abi.error(unique, errno.ENOTTY)])
+                return
         try:
             req = abi.parse(view, self.minor)
         except abi.Malformed as exc:
