@@ -28,8 +28,8 @@ from epochfs.records import (
     MEMBER_TAG,
     ObjectInfo,
     Source,
-    member_checksum,
     member_etag,
+    member_location,
     record_problem,
     stored_extent,
 )
@@ -77,10 +77,10 @@ def test_a_member_locates_its_bytes_in_its_shard_and_a_bad_location_is_refused()
     member = ObjectInfo("x/y:z.jpg", 100, 5, member_etag(shard, 9_900, "00000000deadbeef"))
     assert record_problem(member) is None
     assert stored_extent(member) == (shard, 9_900)
-    assert member_checksum(member) == 0xDEADBEEF
+    assert member_location(member) == (shard, 9_900, 0xDEADBEEF)
     assert "earlier epochfs" in record_problem(member._replace(etag=f"tar:9900:10000:{len(shard.etag)}:{shard.etag}x"))
     plain = ObjectInfo("a", 1, 0, '"e"')
-    assert stored_extent(plain) == (plain, 0)
+    assert stored_extent(plain) == (plain, 0) and member_location(plain) is None
     assert "outside a shard" in record_problem(member._replace(size=101))
     rng = random.Random(5)
     for _ in range(3000):  # whatever the ETag, a record is refused or its location is inside the shard

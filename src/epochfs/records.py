@@ -105,7 +105,7 @@ def record_problem(obj: ObjectInfo, utf8_sizes: tuple[int, int] | None = None) -
 #: The ETag of a file of a packed dataset starts with this: its bytes are a range of a shard object, and
 #: the rest says which (:func:`member_etag`). It names the member's version exactly: the shard's key and
 #: ETag, the offset in it and the checksum of the member's own bytes, so a repacked or changed file gets
-#: another, and a reader can check that the range holds the file's bytes (:func:`member_checksum`).
+#: another, and a reader can check that the range holds the file's bytes (:func:`member_location`).
 MEMBER_TAG = "tar:"
 _XXH64_HEX = frozenset("0123456789abcdef")
 
@@ -141,27 +141,23 @@ def _location_problem(obj: ObjectInfo) -> str | None:
     return None
 
 
-def stored_extent(obj: ObjectInfo) -> tuple[ObjectInfo, int]:
-    """Where the bytes of ``obj`` are: the object that holds them and the offset there. A plain object
-    holds its own at 0; a packed member's are a range of its shard (the shard's record has no mtime).
-    ``obj`` passed :func:`record_problem` (every boundary checks it)."""
-    if not obj.etag.startswith(MEMBER_TAG):
-        return obj, 0
-    parsed = _parse_location(obj.etag)
-    if parsed is None:
-        raise ValueError(f"{obj.key}: malformed packed member location")
-    return parsed[0], parsed[1]
-
-
-def member_checksum(obj: ObjectInfo) -> int | None:
-    """The xxh64 (seed 0) of a packed member's bytes, which every byte served for it is checked against
-    first; None for a plain object (its blocks carry their own checksums)."""
+def member_location(obj: ObjectInfo) -> tuple[ObjectInfo, int, int] | None:
+    """A packed member's shard, the offset of its bytes there and their xxh64 (seed 0), which every byte
+    served for it is checked against first; None for a plain object (its blocks carry their own
+    checksums). ``obj`` passed :func:`record_problem` (every boundary checks it)."""
     if not obj.etag.startswith(MEMBER_TAG):
         return None
     parsed = _parse_location(obj.etag)
     if parsed is None:
         raise ValueError(f"{obj.key}: malformed packed member location")
-    return parsed[2]
+    return parsed
+
+
+def stored_extent(obj: ObjectInfo) -> tuple[ObjectInfo, int]:
+    """Where the bytes of ``obj`` are: the object that holds them and the offset there. A plain object
+    holds its own at 0; a packed member's are a range of its shard (the shard's record has no mtime)."""
+    location = member_location(obj)
+    return (obj, 0) if location is None else (location[0], location[1])
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ the members are read. (Trio thread, as :class:`~epochfs.cache.streams.ReadStream
 The blocks' checksums vouch for the shard's bytes, not for where the index says a file lies in it. So
 no byte of a member reaches a reader before the member's whole range has been checked against the
 member's own checksum (the xxh64 the pack recorded from the source file, carried in its ETag:
-:func:`records.member_checksum`): an index entry off by a byte, pointing at a tar header, cut short or
+:func:`records.member_location`): an index entry off by a byte, pointing at a tar header, cut short or
 overlapping another file gives EIO, never another file's bytes. A member within one block is read
 whole and checked at its first read (and kept for the handle's later reads, as a small object is); a
 larger one is read through, block by block, at its first read. A member found right is remembered

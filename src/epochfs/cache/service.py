@@ -47,7 +47,7 @@ from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
 from epochfs.errors import BackendUnavailable, EpochfsError
-from epochfs.records import ObjectInfo, member_checksum, stored_extent
+from epochfs.records import ObjectInfo, member_location
 
 log = logging.getLogger(__name__)
 
@@ -358,11 +358,9 @@ class BlockCache:
         """A reader of ``obj``; ``inode``: the kernel's for it (where blocks may be pushed; 0: nowhere).
         A packed member's reader reads the range of its shard."""
         self.opened(obj)
-        stored, base = stored_extent(obj)
-        if stored is not obj:
-            checksum = member_checksum(obj)
-            assert checksum is not None
-            return MemberStream(self, obj, stored, base, checksum)
+        location = member_location(obj)
+        if location is not None:
+            return MemberStream(self, obj, *location)
         return ReadStream(self, obj, inode)
 
     def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:
