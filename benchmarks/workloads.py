@@ -49,8 +49,10 @@ def fio_seq(files: list[Path]) -> float:
     return float(sum(j["read"]["bw_bytes"] for j in data["jobs"]))
 
 
-def small_files_rate(root: Path, keys: list[str], threads: int) -> float:
-    """Files per second reading whole files with ``threads`` readers pulling from one queue."""
+def small_files_rate(root: Path, keys: list[str], threads: int, *, buffered: bool = False) -> float:
+    """Files per second reading whole files with ``threads`` readers pulling from one queue; opened with
+    ``buffering=0``, or with Python's default buffering if ``buffered`` (as PIL and most datasets open
+    files: ``open()`` then asks whether the file is a terminal, which on FUSE is a request to the daemon)."""
     it = iter(keys)
     lock = threading.Lock()
 
@@ -60,7 +62,7 @@ def small_files_rate(root: Path, keys: list[str], threads: int) -> float:
                 key = next(it, None)
             if key is None:
                 return
-            with open(root / key, "rb", buffering=0) as f:
+            with open(root / key, "rb", buffering=-1 if buffered else 0) as f:
                 while f.read(1 << 20):
                     pass
 
