@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contenders import VENV_BIN, Epochfs  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from trainloop import one_epoch  # noqa: E402
-from workloads import drop_page_cache, fresh_workdir, log  # noqa: E402
+from workloads import drop_page_cache, fresh_workdir, log, settle  # noqa: E402
 
 from epochfs.devserver import LocalS3  # noqa: E402
 from epochfs.sample import SampleFile, upload  # noqa: E402
@@ -147,7 +147,7 @@ def main() -> int:
         results["convert"]["Mosaic Streaming"] = child("convert-mds", {**base, "prefix": "mds/"})
         results["convert"]["WebDataset"] = child("convert-wds", {**base, "prefix": "wds/"})
         wds_shards = sorted(o["Key"][4:] for o in server.client().list_objects_v2(Bucket=BUCKET, Prefix="wds/")["Contents"])
-        log(f"converted: {json.dumps(results['convert'])}")
+        log(f"converted: {json.dumps(results['convert'])}; quiet after {settle():.0f} s")
         for latency in args.latency_ms:
             proxy = LatencyProxy(server.port, latency / 1000).start()
             log(f"{latency:g} ms added per request")

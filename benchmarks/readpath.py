@@ -34,6 +34,7 @@ from workloads import (  # noqa: E402
     drop_page_cache,
     log,
     seq_read,
+    settle,
     shard_and_files,
     small_files_rate,
     start_run,
@@ -129,6 +130,7 @@ def main() -> int:
         client = server.client()
         upload(client, "bench", "ds/", [*small, large])
         write_tree(str(raw), [*small, large])
+        log(f"uploaded; quiet after {settle():.0f} s")
 
         def measure(c: Contender) -> None:
             fs = c.name not in ("raw disk", "floor", "floor-1M")

@@ -34,6 +34,28 @@ def seq_read(path: Path) -> float:
     return n / (time.perf_counter() - start)
 
 
+def settle(busy_below: float = 0.15, most: float = 60.0) -> float:
+    """Wait until the machine is quiet (what was just written is on disk and the CPUs are busy less than
+    ``busy_below`` of one second), at most ``most`` seconds; the seconds waited. After an upload or a
+    conversion the S3 server and the kernel keep writing for a while: a repetition measured then is
+    slowed by them (a local-disk epoch at 66% instead of 90% in one run)."""
+    started = time.monotonic()
+    os.sync()
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - v[4], sum(v)  # (busy, all): idle and iowait are not busy
+
+    while time.monotonic() - started < most:
+        b0, a0 = ticks()
+        time.sleep(1.0)
+        b1, a1 = ticks()
+        if (b1 - b0) <= busy_below * max(1, a1 - a0):
+            break
+    return time.monotonic() - started
+
+
 def drop_page_cache() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
