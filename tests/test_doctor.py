@@ -53,6 +53,7 @@ def healthy():
             "errors": {},
             "writeback": None,
             "passthrough": {"active": True, "opens": 900, "cached_opens": 100},
+            "isatty_asks": 0,
             "jobs": [job()]}
 
 
@@ -174,6 +175,8 @@ CASES = {
                     lambda s, r: s["snapshot"].update(shards=4)),  # epochfs pack, and the packed prefix mounted
     "warm-read-path": (lambda s: s.update(passthrough=None),  # every read a hit, the daemon reading them
                        lambda s, r: s.update(passthrough={"active": True, "opens": 1, "cached_opens": 0})),
+    "buffered-opens": (lambda s: s.update(isatty_asks=4000),  # 2000 a second: every open of a loader asking
+                       lambda s, r: s.update(isatty_asks=0)),  # (files opened with buffering=0: none asked)
     "backend-saturated": (lambda s: s["backend"].update(bytes=10 * MiB + int(1.8e9)),  # 0.9 GB/s of 1 GB/s
                           lambda s, r: s["backend"].update(bytes=10 * MiB + int(0.4e9))),  # (fetched once by peers)
     "cache-tier": (lambda s: s.update(peer={"role": "client", "bytes_in": 80 * MiB,
@@ -375,6 +378,11 @@ def _random_status(rng):
     s["backend"]["bytes"] = rng.randrange(0, 1 << 40)
     s["backend"]["request_seconds"] = rng.choice([None, s["backend"]["request_seconds"]])
     s["errors"] = rng.choice([{}, {"EIO": 3}, {"EACCES": 0}])
+    choice = rng.choice(["absent", 0, rng.randrange(1 << 40), None, -5, "x"])
+    if choice == "absent":
+        del s["isatty_asks"]
+    else:
+        s["isatty_asks"] = choice
     s["writeback"] = rng.choice([None, {"pending_bytes": 0, "oldest_pending_seconds": 0.0},
                                  {"pending_bytes": 5, "oldest_pending_seconds": 999.0}])
     if rng.random() < 0.3:

@@ -171,7 +171,7 @@ def test_the_session_answers_every_request_and_survives_any_input():
             s._handle(memoryview(request(abi.IOCTL, struct.pack("<QIIQII", 0, 0, 0x5401, 0, 0, 60), unique=7)))
             s._handle(memoryview(request(abi.IOCTL, b"", unique=10)))  # (its arguments are not even read)
             got = {u: (e, body) for u, e, body in pipe.replies()}
-            assert got[7] == (errno.ENOTTY, b"") and got[10] == (errno.ENOTTY, b"")
+            assert got[7] == (errno.ENOTTY, b"") and got[10] == (errno.ENOTTY, b"") and s.isatty_asks == 2
             assert got[1][0] == 0 and struct.unpack_from("<Q", got[1][1])[0] > 1
             assert got[2][0] == errno.ENOENT and got[3][0] == errno.EROFS
             assert got[4][0] == errno.ENOSYS and got[5][0] == errno.EIO and 6 not in got

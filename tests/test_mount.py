@@ -469,11 +469,15 @@ def test_a_read_only_mount_opens_files_with_no_request(mount_factory, sample_buc
     f = next(f for f in sample_files if 0 < f.size <= 256 << 10)
     with mount_factory(f"s3://{sample_bucket}/data") as m:
         assert read_all(m.path(f.key)) == f.content()
+        asked = m.status()["isatty_asks"]
         with open(m.path(f.key), "rb") as buffered:
             assert not buffered.isatty() and buffered.read() == f.content()
             with pytest.raises(OSError) as raised:
                 fcntl.ioctl(buffered.fileno(), termios.TCGETS, bytes(64))
             assert raised.value.errno == errno.ENOTTY
+        assert read_all(m.path(f.key)) == f.content()  # (unbuffered: asks nothing)
+        opens_ask = 1 if sys.version_info < (3, 14) else 0  # (3.14's open() no longer asks of a plain file)
+        assert m.status()["isatty_asks"] - asked == opens_ask + 2  # and isatty(), and the ioctl
         pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
         os.kill(pid, signal.SIGSTOP)
         try:

@@ -52,6 +52,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 class FsStats:
     read_seconds: HistogramSnapshot
     errors: dict[str, int]  # errno name -> count of requests answered with it (ENOENT excluded)
+    isatty_asks: int = 0  # requests asking whether a file is a terminal (default-buffered Python opens)
 
 
 def _translated(fn: F) -> F:
@@ -489,7 +490,8 @@ class Operations(kernel.Operations):
         return fh
 
     def statistics(self) -> FsStats:
-        return FsStats(self.read_latency.snapshot(), dict(self.errors))
+        return FsStats(self.read_latency.snapshot(), dict(self.errors),
+                       self.session.isatty_asks if self.session is not None else 0)
 
     # -- file system -----------------------------------------------------------------------------------
 

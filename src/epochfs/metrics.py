@@ -57,6 +57,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "backend_request_seconds": ("histogram", "Latency of successful backend data requests."),
     "backend_bandwidth_limit_bytes": ("gauge", "Capacity of the link to the backend (--backend-bandwidth), bytes/s."),
     "read_seconds": ("histogram", "Latency of FUSE read requests."),
+    "isatty_requests": ("counter", "Requests asking whether a file of the mount is a terminal: one per Python open() "
+                        "with default buffering (before Python 3.14), each a round trip to the daemon."),
     "cache_used_bytes": ("gauge", "Bytes of blocks in the cache."),
     "cache_capacity_bytes": ("gauge", "Upper bound of the cache: --cache-size, or less where the cache's file "
                                        "system holds less (what the cache holds plus the free space above "
@@ -136,6 +138,7 @@ def sample_of(c: Collected) -> Sample:
         "manifest_position": pf.file_position, "manifest_files": pf.files,
         "snapshot_version": snap.version, "snapshot_objects": snap.objects,
         "meta_reachable": 1.0 if snap.reachable else 0.0,
+        "isatty_requests": c.fs.isatty_asks,
     }
     if c.backend_bandwidth:
         values["backend_bandwidth_limit_bytes"] = c.backend_bandwidth

@@ -272,6 +272,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "node": info.node,
         "read_seconds": c.fs.read_seconds.as_dict(),
         "errors": c.fs.errors,
+        "isatty_asks": c.fs.isatty_asks,
         "version": __version__,
         "pid": os.getpid(),
         "uptime_seconds": time.time() - info.started,

@@ -68,6 +68,7 @@ class Session:
         self._cancel: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._terminated = False
+        self.isatty_asks = 0  # IOCTL requests answered (a process asking whether a file is a terminal)
         self._handlers = handlers_of(ops)
         # A plain ``read_now`` answers the reads whose bytes are at hand with no task (see _answer_read).
         self._read_now: Callable[..., Any] | None = getattr(ops, "read_now", None)
@@ -140,6 +141,7 @@ class Session:
         if len(view) >= _HEAD.size:
             length, opcode, unique = _HEAD.unpack_from(view)
             if opcode == abi.IOCTL and length == len(view):  # (isatty: no file of the mount is a terminal)
+                self.isatty_asks += 1
                 self._send([abi.error(unique, errno.ENOTTY)])
                 return
         try:
