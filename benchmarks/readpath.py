@@ -5,8 +5,8 @@ layer doing a plain ``pread`` of the same bytes on local disk) and the raw local
 of the warm stream. *Cold*: fresh mount, empty cache; *warm*: cache filled, page cache dropped; *hot*:
 read again at once. Files are opened with ``buffering=0``; the hot pass also runs with Python's default
 buffering, as most datasets open files (each such open asks the file system whether the file is a
-terminal: on FUSE, a request to the daemon). Each contender runs in turn, in alternating order from one repetition to the next;
-each ratio is the median of the ratios within a repetition.
+terminal: on FUSE, a request to the daemon). Each contender runs in turn, in alternating order from one
+repetition to the next; each ratio is the median of the ratios within a repetition.
 
     sudo .venv/bin/python benchmarks/readpath.py [--reps 3] [--latency-ms 20] [--cores 1] [--only epochfs,floor]
 """
