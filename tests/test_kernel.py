@@ -61,6 +61,7 @@ SAMPLES = [
 
 def test_requests_parse_to_their_arguments():
     parsed = [abi.parse(r) for r in SAMPLES]
+    assert all(abi.IN_HEAD.unpack_from(r) == abi.IN_HEADER.unpack_from(r)[:3] for r in SAMPLES)
     assert parsed[0].args == abi.NameIn(b"name") and (parsed[0].uid, parsed[0].pid) == (1000, 42)
     assert parsed[3].args == abi.ReadIn(fh=1, offset=4096, size=131072) and parsed[3].nodeid == 2
     assert parsed[6].args.data == b"hello" and parsed[6].args.offset == 10

@@ -84,6 +84,7 @@ FATTR_CTIME = 1 << 10
 NOTIFY_INVAL_INODE, NOTIFY_INVAL_ENTRY, NOTIFY_STORE = 2, 3, 4
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen padding
+IN_HEAD = struct.Struct("<IIQ")  # IN_HEADER's first fields (len opcode unique): what an answer before parsing needs
 OUT_HEADER = struct.Struct("<IiQ")  # len error unique
 _ATTR = "QQQQQQIIIIIIIIII"
 ATTR_OUT = struct.Struct("<QII" + _ATTR)

@@ -24,7 +24,6 @@ import ctypes
 import errno
 import logging
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,7 +37,6 @@ from epochfs.kernel.types import FUSEError
 log = logging.getLogger(__name__)
 
 MAX_WRITE = 1 << 20
-_HEAD = struct.Struct("<IIQ")  # a request header's length, opcode and unique: what an early answer needs
 BUFFER = MAX_WRITE + (64 << 10)  # the largest request: a WRITE of MAX_WRITE bytes and its header
 MAX_PAGES = 256
 #: File systems stacked under a backing file (a passthrough mount's cache is on a plain local one).
@@ -138,8 +136,8 @@ class Session:
                 await trio.lowlevel.checkpoint()
 
     def _handle(self, view: memoryview) -> None:
-        if len(view) >= _HEAD.size:
-            length, opcode, unique = _HEAD.unpack_from(view)
+        if len(view) >= abi.IN_HEAD.size:
+            length, opcode, unique = abi.IN_HEAD.unpack_from(view)
             if opcode == abi.IOCTL and length == len(view):  # (isatty: no file of the mount is a terminal)
                 self.isatty_asks += 1
                 self._send([abi.error(unique, errno.ENOTTY)])
