@@ -123,13 +123,18 @@ def test_three_nodes_read_byte_exact_and_fetch_one_copy_from_the_backend(cluster
 
 
 def test_owned_caches_add_up(cluster):
-    cache = str(int(TOTAL * 0.6) // MiB * MiB)  # each node holds 60%, three hold it all (shares vary)
+    # Each node's cache holds its share with room to spare: three nodes' shares of these 42 blocks (the
+    # ring ranks random ports) reach 21 MiB in none of 20,000 draws, 16 MiB (60%) in 1.5% of them, and
+    # an owner that must evict sends every later reader of its blocks to the backend again.
+    cache = str(int(TOTAL * 0.75) // MiB * MiB)
     nodes = [cluster.node("--peer-cache", "owned", "--cache-size", cache) for _ in range(3)]
     cluster.wait_members(3)
     for i, m in enumerate(nodes):
         read_everything(m, i)
     first = sum(backend_bytes(m) for m in nodes)
-    assert first <= 1.1 * TOTAL
+    assert first <= 1.1 * TOTAL, (first, TOTAL, [m.status()["peer"] for m in nodes])
+    held = sum(m.status()["store"]["used_bytes"] for m in nodes)
+    assert TOTAL <= held <= 1.1 * TOTAL, (held, TOTAL)  # one copy in all (keeping every block read: 2.2x)
     for m in nodes:
         drop_all(m)
     for i, m in enumerate(nodes):
