@@ -5,6 +5,7 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from epochfs.devserver import LocalS3
 from epochfs.sample import SampleFile, sample_layout, upload
 
-from .helpers import Mount
+from .helpers import Mount, page_cache_to_myself
 
 _bucket_ids = itertools.count()
 
@@ -117,6 +118,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (drop if heavy and not item.get_closest_marker("quick") else keep).append(item)
     items[:] = keep
     config.hook.pytest_deselected(items=drop)
+
+
+@pytest.fixture(autouse=True)
+def _page_cache(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``page_cache`` runs alone among the tests that drop or count on the page cache."""
+    if request.node.get_closest_marker("page_cache") is None:
+        yield
+        return
+    with page_cache_to_myself():
+        yield
 
 
 def pytest_configure(config: pytest.Config) -> None:

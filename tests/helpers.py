@@ -3,13 +3,17 @@ and references the tests without a mount share."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +128,32 @@ def errno_of(exc: BaseException) -> int | None:
 __all__ = ["Mount", "read_all", "drop_page_cache", "run_with_deadline", "errno_of", "errno"]
 
 
+#: Taken exclusively for each test marked ``page_cache``, by every process of the suite (and any other
+#: suite of this machine): such a test drops the kernel's caches, or counts what they spare the daemon,
+#: so no two run at once while the rest of the suite runs beside them (``-n``).
+PAGE_CACHE_LOCK = Path(tempfile.gettempdir()) / "epochfs-tests-page-cache.lock"
+_page_cache_held = threading.Event()
+
+
+@contextlib.contextmanager
+def page_cache_to_myself() -> Iterator[None]:
+    """The machine's page cache is this test's alone until the block ends (see ``PAGE_CACHE_LOCK``)."""
+    with open(PAGE_CACHE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _page_cache_held.set()
+        try:
+            yield
+        finally:
+            _page_cache_held.clear()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def drop_all_caches() -> None:
-    """Drop the kernel page cache so that the next reads reach the daemon (needs root)."""
+    """Drop the kernel page cache so that the next reads reach the daemon (needs root). Only a test marked
+    ``page_cache`` may: the caches are the whole machine's, and the tests beside it count on theirs."""
+    if not _page_cache_held.is_set():
+        raise RuntimeError("drop_all_caches() in a test not marked page_cache (it would disturb the tests "
+                           "running beside it)")
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")

@@ -17,7 +17,7 @@ import pytest
 from epochfs.devserver import free_ports
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS, read_all
+from .helpers import EPOCHFS, drop_all_caches, read_all
 from .test_peer import FILES, TOTAL, backend_bytes, dataset, read_everything, redis_url, token_file  # noqa: F401
 
 pytestmark = requires_fuse
@@ -142,6 +142,7 @@ def test_clients_read_through_cache_nodes_and_each_block_crosses_the_backend_onc
     assert text.returncode == 0 and "cache node" in text.stdout, text.stdout + text.stderr
 
 
+@pytest.mark.page_cache
 def test_a_replica_survives_a_cache_node_killed_mid_epoch(tier):
     """With --replicas 2 both cache nodes hold every block; one killed mid-epoch costs the readers at
     most --peer-timeout, never a wrong byte, and nothing more from the backend."""
@@ -154,8 +155,7 @@ def test_a_replica_survives_a_cache_node_killed_mid_epoch(tier):
     assert first <= 1.05 * TOTAL
     assert all(held(s) >= 0.95 * TOTAL for s in servers)  # each holds the whole dataset
 
-    subprocess.run(["sync"])
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    drop_all_caches()
     errors, halfway, killed = [], threading.Event(), threading.Event()
 
     def reader():

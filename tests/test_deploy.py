@@ -129,6 +129,7 @@ def test_readiness_is_notified_only_when_the_mount_answers(tmp_path, s3, sample_
 
 
 @requires_fuse
+@pytest.mark.page_cache
 def test_kill_9_under_a_reader_then_mount_again_recovers_warm(s3, s3_client, fresh_bucket, mount_factory):
     files = sample_layout(small=40, large=1, large_mib=8, seed=21)
     upload(s3_client, fresh_bucket, "", files)

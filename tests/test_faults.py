@@ -67,6 +67,7 @@ def read_checked(m, deadline: float = 45.0) -> None:
 
 @pytest.mark.parametrize("kind", ["error500", "slowdown", "throttle429", "reset", "truncate", "wrong_range",
                                   "full_200"])
+@pytest.mark.page_cache
 def test_every_other_request_failing_is_retried_to_correct_bytes(faulty_mount, proxy, kind):
     proxy.set(Fault(kind, every=2, retry_after=0.2))
     read_checked(faulty_mount)
@@ -125,6 +126,7 @@ def test_retry_after_is_honoured(faulty_mount, proxy):
 
 
 @pytest.mark.parametrize("faulty_mount", ENGINES, indirect=True)
+@pytest.mark.page_cache
 def test_ten_percent_faults_of_every_kind_never_give_wrong_bytes(faulty_mount, proxy):
     for seed, kind in enumerate(["error500", "reset", "truncate", "wrong_range", "full_200", "slowdown"]):
         proxy.set(Fault(kind, rate=0.1, seed=seed, retry_after=0.1))

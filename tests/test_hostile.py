@@ -50,6 +50,7 @@ def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
 # -- 1. a block-size change never serves a block cut at the old geometry --------------------------------
 
 @pytest.mark.parametrize("first, second", [pytest.param("4M", "1M", marks=pytest.mark.slow), ("1M", "4M")])
+@pytest.mark.page_cache
 def test_block_size_change_on_one_cache_serves_correct_bytes(s3_client, fresh_bucket, mount_factory, first,
                                                              second):
     files = [SampleFile(f"bs/{i}.bin", size) for i, size in enumerate([9 * MiB + 3, 5 * MiB - 7, 300 * KiB + 1])]
@@ -153,6 +154,7 @@ def _raw_request(sock_path: str, payload: bytes) -> bytes:
         return out
 
 
+@pytest.mark.page_cache
 def test_fuzzed_control_requests_get_error_replies_and_the_mount_stays_exact(s3_client, fresh_bucket,
                                                                              mount_factory):
     files = [SampleFile(f"z/{i}.bin", 64 * KiB + 11 * i) for i in range(8)]
@@ -250,6 +252,7 @@ def test_planted_symlinks_and_foreign_ownership_in_the_cache_dir_are_refused(sha
 
 # -- 6. running out of descriptors never deletes a healthy block --------------------------------------------
 
+@pytest.mark.page_cache
 def test_descriptor_exhaustion_never_deletes_cached_blocks(s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"fd/{i}.bin", 200 * KiB + i) for i in range(20)]
     upload(s3_client, fresh_bucket, "", files)

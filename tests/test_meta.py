@@ -103,6 +103,7 @@ def test_two_daemons_share_one_snapshot_and_never_list(s3, s3_client, fresh_buck
 
 
 @requires_fuse
+@pytest.mark.page_cache
 def test_refresh_switches_versions_without_mixing_open_files(s3, s3_client, fresh_bucket, mount_factory,
                                                              redis_server):
     key, size = "data/obj.bin", 2 * MiB + 5
@@ -141,6 +142,7 @@ def test_refresh_switches_versions_without_mixing_open_files(s3, s3_client, fres
 
 
 @requires_fuse
+@pytest.mark.page_cache
 def test_redis_down_keeps_serving_and_reports_it(s3, s3_client, fresh_bucket, mount_factory, redis_server,
                                                  tmp_path):
     files = [SampleFile(f"r/{i}.bin", 20 * KiB + i) for i in range(10)]

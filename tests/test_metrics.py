@@ -66,6 +66,7 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> float
 
 
 @requires_fuse
+@pytest.mark.page_cache
 def test_counters_move_by_exactly_what_was_read(s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"d/f{i:02d}.bin", 200 * KiB + 7 * i) for i in range(12)] + [SampleFile("big.bin", 3 * MiB + 5)]
     upload(s3_client, fresh_bucket, "", files)

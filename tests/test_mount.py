@@ -124,6 +124,7 @@ def test_writes_fail_with_erofs(mount_factory, sample_bucket, sample_files):
         assert read_all(m.path(f.key)) == f.content()
 
 
+@pytest.mark.page_cache
 def test_warm_pass_makes_no_data_requests(s3, s3_client, fresh_bucket, mount_factory, tmp_path):
     files = sample_layout(small=60, large=1, large_mib=9, seed=3)
     upload(s3_client, fresh_bucket, "", files)
@@ -166,6 +167,7 @@ def _block_file(m: Mount, s3_client, bucket: str, prefix: str, f: SampleFile, in
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.page_cache
 def test_corrupt_cache_block_is_refetched(mount_factory, sample_bucket, sample_files, s3_client, damage):
     f = large(sample_files)[0]
     with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M", "--readahead", "0") as m:
@@ -189,6 +191,7 @@ def test_corrupt_cache_block_is_refetched(mount_factory, sample_bucket, sample_f
         assert wait_idle(m)["store"]["corrupt_blocks"] == 1
 
 
+@pytest.mark.page_cache
 def test_object_overwritten_after_snapshot_never_mixes(s3_client, fresh_bucket, mount_factory):
     key, size = "big.bin", 6 * MiB + 4321
     s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
@@ -391,6 +394,7 @@ def test_kernel_readahead_is_raised_for_large_reads(mount_factory, sample_bucket
         assert Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text().strip() == "2048"
 
 
+@pytest.mark.page_cache
 def test_concurrent_readers_get_a_small_file_in_one_request(s3_client, fresh_bucket, mount_factory):
     """With the large readahead window, a mount the kernel counts as congested (its default: 9 background
     requests) asks for a small file's first page alone, then the rest; the mount raises the limit."""
@@ -434,6 +438,7 @@ def test_concurrent_cold_readers_fetch_each_block_once(s3, s3_client, fresh_buck
         assert gets <= -(-size // MiB), f"{gets} GETs for {-(-size // MiB)} blocks"
 
 
+@pytest.mark.page_cache
 def test_open_files_keep_the_kernel_page_cache(mount_factory, sample_bucket, sample_files):
     f = large(sample_files)[0]
     with mount_factory(f"s3://{sample_bucket}/data") as m:
@@ -458,6 +463,7 @@ def test_snapshot_ttl_lists_again(s3_client, fresh_bucket, mount_factory):
         assert sorted(os.listdir(m.mountpoint)) == ["one", "two"]
 
 
+@pytest.mark.page_cache
 def test_a_read_only_mount_opens_files_with_no_request(mount_factory, sample_bucket, sample_files):
     """Zero-message opens: once a file is in the page cache, opening and reading it again needs no daemon
     at all (proved with the daemon stopped); with --open-requests the open waits for the daemon. A

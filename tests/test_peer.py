@@ -122,6 +122,7 @@ def test_three_nodes_read_byte_exact_and_fetch_one_copy_from_the_backend(cluster
     assert "cluster    3 members, keeping all blocks" in text and nodes[1].peer_addr in text
 
 
+@pytest.mark.page_cache
 def test_owned_caches_add_up(cluster):
     # Each node's cache holds its share with room to spare: three nodes' shares of these 42 blocks (the
     # ring ranks random ports) reach 21 MiB in none of 20,000 draws, 16 MiB (60%) in 1.5% of them, and
@@ -168,6 +169,7 @@ def test_owned_warmup_by_manifest_warms_the_owners(cluster, tmp_path):
     assert a.status()["peer"]["bytes_in"] == out > 0  # the blocks of the others came from them
 
 
+@pytest.mark.page_cache
 def test_a_member_killed_mid_read_is_bypassed_in_bounded_time(cluster):
     a = cluster.node("--peer-cache", "owned", "--backend-concurrency", "4")  # (4 read-through blocks kept)
     b = cluster.node()
@@ -318,6 +320,7 @@ def test_a_member_without_the_token_is_never_asked_for_a_block(cluster, redis_ur
         fake.close()
 
 
+@pytest.mark.page_cache
 def test_junk_from_a_planted_member_is_never_served_nor_cached(cluster, redis_url, tmp_path):
     """The audit's attack: a fake member planted in the store by a user without the token, answering
     junk with its checksum. Nothing of it is served, now or after a remount without the tier."""
@@ -415,6 +418,7 @@ def test_connections_without_the_token_cannot_hold_the_peer_port_shut(cluster):
             s.close()
 
 
+@pytest.mark.page_cache
 def test_hostile_member_addresses_cost_the_readers_nothing(cluster, redis_url, s3):
     listeners = []
     try:
@@ -483,6 +487,7 @@ def test_the_peer_port_serves_block_ids_only(cluster):
     assert a.status()["peer"]["requests"]["rejected"] >= 200
 
 
+@pytest.mark.page_cache
 def test_a_member_joining_takes_over_its_share(cluster):
     a, b = cluster.node(), cluster.node()
     cluster.wait_members(2)

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from epochfs.prefetch.manifest import shuffled
 from epochfs.sample import SampleFile, upload
 
@@ -46,6 +48,7 @@ def hits_and_misses(m) -> tuple[int, int]:
     return c["hits"], c["misses"]
 
 
+@pytest.mark.page_cache
 def test_first_epoch_runs_from_cache_with_a_manifest(s3_client, fresh_bucket, mount_factory, tmp_path):
     files = dataset(100, lambda i: 150 * KiB + 3 * i)
     upload(s3_client, fresh_bucket, "", files)
@@ -102,6 +105,7 @@ def test_a_reader_that_pauses_keeps_its_lead(s3, s3_client, fresh_bucket, mount_
         proxy.stop()
 
 
+@pytest.mark.page_cache
 def test_second_epoch_backend_bytes_are_near_the_offline_optimum(s3_client, fresh_bucket, mount_factory, tmp_path):
     n, size = 64, 256 * KiB
     files = dataset(n, lambda i: size)

@@ -55,6 +55,7 @@ def proxied(s3, s3_client, fresh_bucket, mount_factory):
 # (test_faults.py fails each kind on every other request in the default tier; these low rates, with a
 # remount per kind, run in the slow tier)
 @pytest.mark.parametrize("rate", [pytest.param(0.01, marks=pytest.mark.slow), pytest.param(0.1, marks=pytest.mark.slow)])
+@pytest.mark.page_cache
 def test_low_fault_rates_of_every_kind_give_correct_bytes(proxied, rate):
     m, proxy, files = proxied
     for seed, kind in enumerate(["error500", "slowdown", "throttle429", "reset", "truncate", "wrong_range",
@@ -137,6 +138,7 @@ def test_unmount_during_a_cold_fill_leaves_a_consistent_cache(s3_client, fresh_b
         verify_all(m, files)
 
 
+@pytest.mark.page_cache
 def test_kill_9_during_a_cold_fill_once(s3, s3_client, fresh_bucket, mount_factory):
     files = sample_layout(small=60, large=2, large_mib=6, seed=4)
     upload(s3_client, fresh_bucket, "", files)
@@ -145,6 +147,7 @@ def test_kill_9_during_a_cold_fill_once(s3, s3_client, fresh_bucket, mount_facto
 
 
 @pytest.mark.slow
+@pytest.mark.page_cache
 def test_kill_9_during_cold_fills_repeatedly(s3, s3_client, fresh_bucket, mount_factory):
     files = sample_layout(small=60, large=2, large_mib=6, seed=4)
     upload(s3_client, fresh_bucket, "", files)
@@ -158,6 +161,7 @@ def test_kill_9_during_cold_fills_repeatedly(s3, s3_client, fresh_bucket, mount_
 # (flip in the default tier; every damage kind is also in test_store_fuzz.py's loop)
 @pytest.mark.parametrize("damage", ["flip", *(pytest.param(d, marks=pytest.mark.slow)
                                               for d in ("truncate", "empty", "delete", "swap"))])
+@pytest.mark.page_cache
 def test_damaged_blocks_with_the_backend_up_then_down(private_s3, mount_factory, damage):
     files = [SampleFile(f"k{i}.bin", 300 * KiB + i) for i in range(4)]
     upload(private_s3.client(), "dmg", "", files)
@@ -217,6 +221,7 @@ def small_disk(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+@pytest.mark.page_cache
 def test_full_cache_disk_reads_through(tmp_path, s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"full/{i:02d}.bin", 900 * KiB + i) for i in range(20)]  # ~18 MiB
     upload(s3_client, fresh_bucket, "", files)
@@ -251,6 +256,7 @@ def test_free_space_floor_is_kept(tmp_path, s3_client, fresh_bucket, mount_facto
 # -- 5. objects that change during an epoch -----------------------------------------------------
 
 @pytest.mark.parametrize("change", ["same-size", "longer", "shorter", "deleted"])
+@pytest.mark.page_cache
 def test_changed_objects_never_mix_versions(s3_client, fresh_bucket, mount_factory, change):
     key, size = "epoch/obj.bin", 3 * MiB + 777
     s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))

@@ -116,6 +116,7 @@ class Files:
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.page_cache
 def test_the_sampler_hands_over_exactly_what_the_dataloader_reads(dataset_mount, drop_last):
     needs_torch()
     from torch.utils.data import DataLoader, DistributedSampler
