@@ -637,3 +637,39 @@ def test_block_files_read_keep_their_descriptors_until_the_block_goes(tmp_path):
     assert len(open_block_files()) == store_mod._BLOCK_FDS - 1
     s.close()
     assert not open_block_files()
+
+
+def test_a_block_advised_ahead_is_opened_once_for_its_reads(tmp_path, monkeypatch):
+    """Advising a block file (a reader comes next) keeps its descriptor for that reader's reads: the
+    file is opened once, not once to advise and again to read, and the advice really reads it in."""
+    from epochfs import pagecache
+
+    s = make(tmp_path, packing=False)
+    data = os.urandom(PACK_BELOW + 3 * 4096)
+    assert put(s, bid(1), data)
+    path, offset, length = s.block_location(bid(1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        opened = []
+        real_open = os.open
+
+        def counting_open(name, *args, **kwargs):
+            if os.fspath(name) == str(path):
+                opened.append(name)
+            return real_open(name, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", counting_open)
+        meta = s.lookup(bid(1))
+        s.advise(bid(1), meta)
+        for lo in (0, 4096, len(data) - 10):
+            assert bytes(s.read(bid(1), meta, lo, lo + 10)) == data[lo:lo + 10]
+        monkeypatch.undo()
+        assert len(opened) == 1
+        if pagecache.available():
+            assert pagecache.resident(fd, offset, length) is True
+    finally:
+        os.close(fd)
+    s.remove(bid(1), len(data))
+    s.advise(bid(1), meta)  # (gone: nothing to advise, nothing raised)
