@@ -22,7 +22,7 @@ from epochfs import kernel
 from epochfs.backend.base import BackendSettings
 from epochfs.backend.s3 import S3Backend
 from epochfs.config import Source
-from epochfs.mount import set_background_requests, set_kernel_readahead
+from epochfs.host import set_background_requests, set_kernel_readahead
 
 
 class ColdFloor:
