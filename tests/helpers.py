@@ -137,7 +137,8 @@ _page_cache_held = threading.Event()
 
 @contextlib.contextmanager
 def page_cache_to_myself() -> Iterator[None]:
-    """The machine's page cache is this test's alone until the block ends (see ``PAGE_CACHE_LOCK``)."""
+    """No other test marked ``page_cache`` (in any process) runs until the block ends: none drops the
+    caches this test counts on (see ``PAGE_CACHE_LOCK``)."""
     with open(PAGE_CACHE_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         _page_cache_held.set()
