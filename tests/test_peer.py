@@ -29,6 +29,10 @@ MiB = 1 << 20
 FILES = [SampleFile(f"d/{i:02d}.bin", size) for i, size in enumerate(
     [3 * MiB + 17, 1, 4095, 700_001, 2 * MiB, 5 * MiB - 3, 65_536, 1_500_000, 3, 2 * MiB + 1] * 2)]
 TOTAL = sum(f.size for f in FILES)
+# An ``owned`` node's cache, with room to spare for its share: three nodes' shares of these 42 blocks (the
+# ring ranks random ports) reach 21 MiB in none of 20,000 draws, 16 MiB (60%) in 1.5% of them, and an
+# owner that must evict sends every later reader of its blocks to the backend again.
+OWNED_CACHE = str(int(TOTAL * 0.75) // MiB * MiB)
 
 
 @pytest.fixture(scope="module")
@@ -124,11 +128,7 @@ def test_three_nodes_read_byte_exact_and_fetch_one_copy_from_the_backend(cluster
 
 @pytest.mark.page_cache
 def test_owned_caches_add_up(cluster):
-    # Each node's cache holds its share with room to spare: three nodes' shares of these 42 blocks (the
-    # ring ranks random ports) reach 21 MiB in none of 20,000 draws, 16 MiB (60%) in 1.5% of them, and
-    # an owner that must evict sends every later reader of its blocks to the backend again.
-    cache = str(int(TOTAL * 0.75) // MiB * MiB)
-    nodes = [cluster.node("--peer-cache", "owned", "--cache-size", cache) for _ in range(3)]
+    nodes = [cluster.node("--peer-cache", "owned", "--cache-size", OWNED_CACHE) for _ in range(3)]
     cluster.wait_members(3)
     for i, m in enumerate(nodes):
         read_everything(m, i)
@@ -143,12 +143,11 @@ def test_owned_caches_add_up(cluster):
     second = sum(backend_bytes(m) for m in nodes) - first
     assert second <= 0.05 * TOTAL, (second, TOTAL)
     for m in nodes:
-        assert m.status()["store"]["used_bytes"] <= int(cache)
+        assert m.status()["store"]["used_bytes"] <= int(OWNED_CACHE)
 
 
 def test_owned_warmup_by_manifest_warms_the_owners(cluster, tmp_path):
-    cache = str(int(TOTAL * 0.75) // MiB * MiB)  # (room for the largest share: see the test above)
-    nodes = [cluster.node("--peer-cache", "owned", "--cache-size", cache) for _ in range(3)]
+    nodes = [cluster.node("--peer-cache", "owned", "--cache-size", OWNED_CACHE) for _ in range(3)]
     cluster.wait_members(3)
     a = nodes[0]
     manifest = tmp_path / "epoch0.txt"
