@@ -234,12 +234,50 @@ def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists
     for s in servers:
         row = rows[s.addr]
         assert row["role"] == "server" and row["health"] == "up" and row["held_bytes"] >= 0.95 * TOTAL
+        assert row["share_bytes"] == TOTAL  # (two holders of each block, two cache nodes: all of it)
+    assert json.loads(st.stdout)["warnings"] == []
     text = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url],
                           capture_output=True, text=True, timeout=60).stdout
     assert "2 cache nodes" in text and servers[0].addr in text
     servers[1].stop(signal.SIGKILL)  # its entry stays in the store until it expires: left out, and named
     r = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "did not prove" in r.stderr and servers[1].addr in r.stderr, r.stderr
+
+
+def cluster_status(tier: Tier, until) -> tuple[dict, str]:
+    """`epochfs cluster status` (JSON) once ``until(rows)`` holds of its members (they publish what they
+    hold at their heartbeat, every 2 s), and its text."""
+    base = [*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url]
+    deadline = time.monotonic() + 15
+    while True:
+        st = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        out = json.loads(st.stdout)
+        if until(out["members"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return out, subprocess.run(base, capture_output=True, text=True, timeout=60).stdout
+
+
+def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
+    """Each cache node's share of the dataset (the snapshot's blocks ranked as the members rank them),
+    against its cache: the node whose cache is smaller than its share is named with the fix, the others
+    are not; members cut at another block size are named too (they never serve each other a block)."""
+    right, small = tier.server(), tier.server("--cache-size", "2M")
+    tier.wait_servers(2)
+    out, text = cluster_status(tier, lambda rows: all("capacity_bytes" in r for r in rows))
+    rows = {r["member"]: r for r in out["members"]}
+    assert sum(r["share_bytes"] for r in rows.values()) == TOTAL == out["shares"]["total_bytes"]
+    assert out["shares"]["block_size"] == MiB and not out["shares"]["sampled"]
+    assert rows[small.addr]["share_bytes"] > 2 * MiB  # (about half of 28 MiB)
+    [warning] = out["warnings"]
+    assert small.addr in warning and right.addr not in warning and "--cache-size" in warning, warning
+    assert f"! {small.addr} owns" in text and "owns" in text.split(right.addr)[1].split("\n")[0], text
+    other = tier.server("--block-size", "2M")
+    tier.wait_servers(3)
+    out, text = cluster_status(tier, lambda rows: len(rows) == 3 and all("capacity_bytes" in r for r in rows))
+    assert len(out["warnings"]) == 2 and "different sizes" in out["warnings"][0], out["warnings"]
+    assert sum(r["share_bytes"] for r in out["members"]) == TOTAL and other.addr in text
 
 
 def test_a_node_that_joins_with_rebalance_fills_its_share_and_one_that_leaves_hands_it_over(tier):

@@ -45,6 +45,40 @@ def test_ownership_is_even_and_a_change_moves_only_one_share():
     assert Ring([]).owner(blocks[0]) is None and ring.owner(blocks[0], exclude=set(members)) is None
 
 
+def test_the_shares_of_a_snapshot_are_its_blocks_as_the_members_rank_them():
+    """`ownership` (what `epochfs cluster status` sets against each member's cache): every block of every
+    stored object once (a shard behind several packed members once), each counted for each of its
+    holders, exactly as `Ring.owners` ranks it; a dataset of more blocks than the sample is estimated
+    from an even sample, close to the exact figure."""
+    from epochfs.cache.keys import block_id
+    from epochfs.peer.share import ownership
+    from epochfs.records import ObjectInfo, member_etag
+
+    rng = random.Random(7)
+    members = [f"10.0.0.{i}:9570" for i in range(1, 5)]
+    ring, bs, src = Ring(members), 1 << 20, "s3://bucket/data/"
+    plain = [ObjectInfo(f"f{i}", rng.randrange(0, 9 << 20), 0, f"e{i}") for i in range(300)]
+    shard = ObjectInfo("shards/0.tar", 5 << 20, 0, "shard-etag")
+    packed = [ObjectInfo(f"p{i}", 1000, 0, member_etag(shard, i * 1000, "0" * 16)) for i in range(4)]
+    for replicas in (1, 2):
+        got = ownership([*plain, *packed, plain[0]], src, ring, bs, replicas)
+        want: Counter[str] = Counter()
+        for o in [*plain, shard]:
+            for index in range(-(-o.size // bs)):
+                length = min(bs, o.size - index * bs)
+                for m in ring.owners(block_id(src, o.key, o.etag, index, block_size=bs), replicas):
+                    want[m] += length
+        assert not got.sampled and got.total == sum(o.size for o in plain) + shard.size
+        assert got.owned == {m: want[m] for m in members} and sum(got.owned.values()) == replicas * got.total
+        assert got.blocks == sum(-(-o.size // bs) for o in [*plain, shard])
+        estimate = ownership(plain, src, ring, bs, replicas, sample=got.blocks // 4)
+        exact = ownership(plain, src, ring, bs, replicas)
+        assert estimate.sampled and estimate.total == exact.total
+        for m in members:
+            assert abs(estimate.owned[m] - exact.owned[m]) < 0.15 * exact.owned[m], (m, estimate, exact)
+    assert ownership([], src, ring, bs, 1).owned == dict.fromkeys(members, 0)
+
+
 TOKEN = b"s3cret-token-of-enough-length"
 KEYS = wire.Keys(TOKEN)
 ME = "10.0.0.1:9570"

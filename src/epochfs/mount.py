@@ -231,7 +231,8 @@ class Daemon:
 
     def _member_stats(self) -> bytes:
         """What this member publishes of itself at each heartbeat (``epochfs cluster status``): its role,
-        what it holds and has served, and its link's utilisation since the last heartbeat."""
+        what it holds and has served, its link's utilisation since the last heartbeat, and what sizes its
+        share (the blocks it keeps, their size, the replicas)."""
         assert self.peer is not None
         now, out = time.monotonic(), self.peer_server.stats.served_bytes if self.peer_server else 0
         then, before = self._link_sample or (now, out)
@@ -243,7 +244,8 @@ class Daemon:
             "capacity_bytes": st.capacity_bytes, "served_bytes": out, "out_bytes_per_second": rate,
             "link_capacity": capacity, "utilization": rate / capacity if capacity else None,
             "down": list(self.peer.members.down()), "snapshot": self.snapshots.snapshot.version,
-            "replicas": self.config.replicas, "updated": time.time()}).encode()
+            "replicas": self.config.replicas, "mode": self.peer.mode, "block_size": self.config.block_size,
+            "updated": time.time()}).encode()
 
     def _serve_peers(self) -> None:
         """The peer port, answering other members from the cache."""

@@ -3,7 +3,10 @@ the shared store the members meet in (no mount needed).
 
 ``status`` lists the members the store holds (cache nodes and serving GPU nodes) with what each
 publishes of itself at its heartbeat: role, bytes held and served, its link's utilisation; with the
-peer token it also asks each for its proof, so a member that does not answer shows as such.
+peer token it also asks each for its proof, so a member that does not answer shows as such. It ranks
+the published snapshot's blocks as the members do (an even sample of a large one) and says what each
+owner's share is against its cache: a member that keeps only its own blocks and owns more than its
+cache holds evicts some, and each member that asks for one then costs a read from the backend again.
 
 ``warmup`` fills the cache nodes before the GPUs arrive: it reads the published snapshot, computes every
 block of the files selected (a packed member's blocks of its shard), and asks each block's owners (the
@@ -47,8 +50,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--meta-ca-file", type=Path, metavar="FILE", help="CA certificates of a rediss:// store")
 
     s = csub.add_parser("status", help="the members, their roles, what they hold and serve",
-                        description="List the members of SOURCE's cluster tier: role, bytes held, bytes served, "
-                        "link utilisation (against their --link-capacity) and health.", epilog=EPILOG,
+                        description="List the members of SOURCE's cluster tier: role, share of the dataset (its "
+                        "blocks ranked as the members rank them), bytes held, bytes served, link utilisation "
+                        "(against their --link-capacity) and health; name a member whose share outgrows its cache "
+                        "and members cut at different block sizes.", epilog=EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     common(s)
     s.add_argument("--peer-token-file", type=Path, metavar="FILE",
@@ -127,6 +132,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         members = _members(store, source_id)
         stats = store.member_stats(source_id, 10_000)
+        snapshot = store.load(source_id) if members else None
     finally:
         store.close()
     proofs = _prove(sorted(members), args.peer_token_file)[1] if args.peer_token_file else {}
@@ -141,7 +147,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if isinstance(published, dict):
             row.update({k: published.get(k) for k in ("node", "held_bytes", "capacity_bytes", "served_bytes",
                                                       "out_bytes_per_second", "link_capacity", "utilization",
-                                                      "down", "snapshot", "replicas")})
+                                                      "down", "snapshot", "replicas", "mode", "block_size")})
             updated = published.get("updated")
             row["age_seconds"] = now - updated if isinstance(updated, (int, float)) else None
         health = "up"
@@ -153,8 +159,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             health = health if proofs[addr] is None else f"not answering: {proofs[addr]}"
         row["health"] = health
         rows.append(row)
+    shares, warnings = _shares(rows, snapshot, source_id, {a for a, why in proofs.items() if why is not None})
     if args.json:
-        print(json.dumps({"source": source_id, "members": rows}, indent=1))
+        print(json.dumps({"source": source_id, "members": rows, "shares": shares, "warnings": warnings}, indent=1))
         return 0
     servers = sum(1 for r in rows if r["role"] == "server")
     print(f"cluster tier of {source_id}: {servers} cache nodes, {len(rows) - servers} serving GPU nodes")
@@ -162,11 +169,65 @@ def cmd_status(args: argparse.Namespace) -> int:
         util = r.get("utilization")
         link = (f"{util:.0%} of {human(r['link_capacity'])}/s" if isinstance(util, float) and r.get("link_capacity")
                 else f"{human(r.get('out_bytes_per_second') or 0)}/s out")
-        held = r.get("held_bytes")
+        held, owns = r.get("held_bytes"), r.get("share_bytes")
+        share = f"owns {human(owns)} ({owns / shares['total_bytes']:.0%}), " if owns is not None and shares and \
+            shares["total_bytes"] else ""
         print(f"  {r['member']:<22} {r['role']:<6} " + (
-            f"holds {human(held)} of {human(r.get('capacity_bytes') or 0)}, served {human(r.get('served_bytes') or 0)}, "
-            f"link {link}; {r['health']}" if isinstance(held, int) else r["health"]))
+            f"{share}holds {human(held)} of {human(r.get('capacity_bytes') or 0)}, "
+            f"served {human(r.get('served_bytes') or 0)}, link {link}; {r['health']}" if isinstance(held, int)
+            else r["health"]))
+    if shares:
+        print(f"  shares of {human(shares['total_bytes'])} in {shares['blocks']} blocks of "
+              f"{human(shares['block_size'])}, {shares['replicas']} holder{'s' if shares['replicas'] > 1 else ''} per block"
+              + (" (estimated from an even sample of the blocks)" if shares["sampled"] else ""))
+    for w in warnings:
+        print(f"  ! {w}")
     return 0
+
+
+def _published_int(row: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    """A member's published figure, if it is an integer in [lo, hi] (the store is not trusted for more)."""
+    value = row.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi else None
+
+
+def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
+            unproven: set[str]) -> tuple[dict[str, Any] | None, list[str]]:
+    """Rank the snapshot's blocks over the members that own blocks (the cache nodes where there are any,
+    else the serving GPU nodes; those that failed their proof left out, as every member leaves them out),
+    at the block size and replicas they publish; set each such row's ``share_bytes``. The shares'
+    geometry (None where there is nothing to rank) and what is wrong with it."""
+    from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from epochfs.peer.ring import Ring
+    from epochfs.peer.share import ownership
+
+    servers = [r for r in rows if r["role"] == "server"]
+    owners = [r for r in (servers or [r for r in rows if r["role"] == "peer"]) if r["member"] not in unproven]
+    if not owners:
+        return None, []
+    if snapshot is None:
+        return None, [f"no snapshot of {source_id} in the store: the members' shares are not known (epochfs import)"]
+    warnings = []
+    sizes = Counter(b for r in owners if (b := _published_int(r, "block_size", MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)))
+    replicas = Counter(n for r in owners if (n := _published_int(r, "replicas", 1, 64)))
+    block_size = sizes.most_common(1)[0][0] if sizes else 4 << 20
+    count = min(replicas.most_common(1)[0][0] if replicas else 1, len(owners))
+    if len(sizes) > 1:
+        warnings.append("the members cut blocks at different sizes (" + ", ".join(
+            f"{human(b)}: {n}" for b, n in sizes.most_common()) + "): a block id names its size, so members of "
+            "different --block-size never serve each other a block; mount them all with one")
+    owned = ownership(snapshot.objects, source_id, Ring(r["member"] for r in owners), block_size, count)
+    for r in owners:
+        r["share_bytes"] = share = owned.owned.get(r["member"], 0)
+        capacity = _published_int(r, "capacity_bytes", 0, 1 << 62)
+        keeps_own = r["role"] == "server" or r.get("mode") == "owned"
+        if keeps_own and capacity is not None and share > capacity:
+            warnings.append(
+                f"{r['member']} owns {human(share)} of the dataset and its cache holds {human(capacity)}: it "
+                f"evicts blocks it owns, and each member that asks for one then costs a backend read again "
+                f"(give it --cache-size {human(share)} or more, or add members)")
+    return {"block_size": block_size, "replicas": count, "total_bytes": owned.total, "blocks": owned.blocks,
+            "sampled": owned.sampled}, warnings
 
 
 def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[ObjectInfo]:
