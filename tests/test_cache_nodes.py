@@ -10,9 +10,11 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from epochfs.devserver import free_ports
 
@@ -273,6 +275,17 @@ def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
     [warning] = out["warnings"]
     assert small.addr in warning and right.addr not in warning and "--cache-size" in warning, warning
     assert f"! {small.addr} owns" in text and "owns" in text.split(right.addr)[1].split("\n")[0], text
+    # the node knows it too: its status, its metric (the alert rule's input) and its log say so
+    deadline = time.monotonic() + 15
+    while small.status()["peer"]["share_bytes"] is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p = small.status()["peer"]
+    assert p["share_bytes"] == rows[small.addr]["share_bytes"] and p["dataset_bytes"] == TOTAL, p
+    assert "evicts blocks it owns" in small.log() and "evicts blocks it owns" not in right.log()
+    with urllib.request.urlopen(f"http://{small.status()['metrics_addr']}/metrics", timeout=10) as answer:
+        shares = [s.value for fam in text_string_to_metric_families(answer.read().decode()) for s in fam.samples
+                  if s.name == "epochfs_peer_share_bytes"]
+    assert shares == [p["share_bytes"]], shares
     other = tier.server("--block-size", "2M")
     tier.wait_servers(3)
     out, text = cluster_status(tier, lambda rows: len(rows) == 3 and all("capacity_bytes" in r for r in rows))

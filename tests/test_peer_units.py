@@ -79,6 +79,47 @@ def test_the_shares_of_a_snapshot_are_its_blocks_as_the_members_rank_them():
     assert ownership([], src, ring, bs, 1).owned == dict.fromkeys(members, 0)
 
 
+def test_a_node_ranks_its_own_share_when_the_ring_changes_and_a_failed_ranking_costs_nothing(caplog):
+    """`ShareWatch`: this node's share once its members are settled, again when the ring changes (not
+    before), a warning when a node keeping only its own blocks owns more than its cache; a namespace
+    that fails while walked leaves the figure unknown and the watch running."""
+    from types import SimpleNamespace
+
+    from epochfs.peer.share import ShareWatch, ownership
+    from epochfs.records import ObjectInfo
+
+    objs = [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(40)]
+    good = SimpleNamespace(files=lambda: (SimpleNamespace(obj=o) for o in objs))
+
+    def broken_files():
+        raise OSError("the snapshot was closed")
+        yield
+
+    broken = SimpleNamespace(files=broken_files)
+    members = SimpleNamespace(me=ME, ring=Ring([ME, "10.0.0.2:9570"]), settled=lambda: True)
+    tier = SimpleNamespace(members=members, replicas=1, mode="owned")
+    namespace = [broken]
+    watch = ShareWatch(tier, lambda: namespace[0], lambda: 7, "s3://b/", 1 << 20, lambda: 10 << 20)
+
+    async def main() -> None:
+        assert watch.due()
+        await watch.rank()
+        assert watch.owned is None and watch.due() and "could not rank" in caplog.text
+        namespace[0] = good
+        await watch.rank()
+        assert not watch.due()
+        want = ownership(objs, "s3://b/", members.ring, 1 << 20, 1)
+        assert (watch.owned, watch.total) == (want.owned[ME], 120 << 20) and watch.owned > 10 << 20
+        assert "evicts blocks it owns" in caplog.text
+        members.ring = Ring([ME, "10.0.0.2:9570", "10.0.0.3:9570"])
+        assert watch.due()
+        members.settled = lambda: False  # (still proving a member: not yet)
+        assert not watch.due()
+
+    with caplog.at_level("WARNING"):
+        trio.run(main)
+
+
 TOKEN = b"s3cret-token-of-enough-length"
 KEYS = wire.Keys(TOKEN)
 ME = "10.0.0.1:9570"

@@ -105,6 +105,10 @@ METRICS: dict[str, tuple[str, str]] = {
                                  "bytes/s: what the tier sends is measured against it (absent when not set)."),
     "cache_node": ("gauge", "1 on a dedicated cache node (epochfs serve): its series' mountpoint label names "
                    "its cache node group, serve:<dataset>."),
+    "peer_share_bytes": ("gauge", "Bytes of the dataset this node owns in the cluster tier (replicas included; "
+                         "estimated from a sample of a large dataset's blocks), on a node that keeps only the "
+                         "blocks it owns (a cache node, --peer-cache owned): above cache_capacity_bytes, it evicts "
+                         "blocks it owns and members that ask for them cost backend reads again."),
 }
 
 
@@ -167,6 +171,8 @@ def sample_of(c: Collected) -> Sample:
             values["peer_link_capacity_bytes"] = peer.link_capacity
         if peer.role == "server":
             values["cache_node"] = 1
+        if peer.mode == "owned" and peer.share_bytes is not None:
+            values["peer_share_bytes"] = peer.share_bytes
     jobs: dict[str, dict[tuple[str, str], float]] = {}
     for j in c.jobs:
         key = (j.job, str(j.rank))

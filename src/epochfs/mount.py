@@ -52,7 +52,7 @@ from epochfs.peer import share
 from epochfs.peer.client import PeerClient
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
-from epochfs.peer.tier import PeerAnswers, PeerTier
+from epochfs.peer.tier import PeerAnswers, PeerStats, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 from epochfs.records import ObjectInfo
@@ -141,8 +141,12 @@ class Daemon:
             readahead_blocks=config.readahead_blocks,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
+        self.share: share.ShareWatch | None = None
         if self.peer is not None and self.peer.members.role != "client":
             self._serve_peers()
+            self.share = share.ShareWatch(self.peer, lambda: self.snapshots.namespace,
+                                          lambda: self.snapshots.snapshot.version, self.backend.source_id,
+                                          config.block_size, self.store.bound)
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
             capacity=config.cache_size, max_inflight=config.backend_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
@@ -245,6 +249,7 @@ class Daemon:
             "link_capacity": capacity, "utilization": rate / capacity if capacity else None,
             "down": list(self.peer.members.down()), "snapshot": self.snapshots.snapshot.version,
             "replicas": self.config.replicas, "mode": self.peer.mode, "block_size": self.config.block_size,
+            "share_bytes": self.share.owned if self.share else None,
             "updated": time.time()}).encode()
 
     def _serve_peers(self) -> None:
@@ -294,8 +299,14 @@ class Daemon:
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
                          backend_bandwidth=self.config.backend_bandwidth,
                          writeback=self.writeback.statistics() if self.writeback else None,
-                         peer=self.peer.statistics(self.peer_server.stats if self.peer_server else None) if self.peer else None, jobs=self.jobs.statistics(),
+                         peer=self._peer_statistics(), jobs=self.jobs.statistics(),
                          passthrough=self.passthrough.statistics() if self.passthrough else None)
+
+    def _peer_statistics(self) -> PeerStats | None:
+        if self.peer is None:
+            return None
+        return self.peer.statistics(self.peer_server.stats if self.peer_server else None,
+                                    (self.share.owned, self.share.total) if self.share else (None, None))
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
@@ -383,6 +394,8 @@ class Daemon:
                     if self.config.peer_advertise is None:  # port 0: the one the system gave
                         self.peer.members.rename(f"{self.peer_server.host}:{self.peer_server.port}")
                 await nursery.start(self.peer.members.run)
+                if self.share is not None:
+                    await nursery.start(self.share.run)
             await nursery.start(self.prefetcher.run)
             if self.passthrough is not None:
                 await nursery.start(self.passthrough.run)

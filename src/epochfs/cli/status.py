@@ -252,7 +252,9 @@ def format_peer(p: dict[str, Any]) -> list[str]:
     role = p.get("role", "peer")
     what = {"server": f"a cache node ({p['me']})", "client": "a client (asks, never serves)"}.get(role, p["me"])
     replicas = f", {p['replicas']} replicas of each" if p.get("replicas", 1) > 1 else ""
-    lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks{replicas}; this node {what}"
+    owns = (f"; owns {human(p['share_bytes'])} of the dataset's {human(p['dataset_bytes'])}"
+            if p.get("share_bytes") is not None and p.get("dataset_bytes") else "")
+    lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks{replicas}; this node {what}{owns}"
              + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
              f"           from peers {human(p['bytes_in'])} in {r['ok']} blocks ({failed} requests fell back to the "
              f"backend); served {human(p['bytes_out'])} in {r['served']} blocks, rejected {r['rejected']}"]

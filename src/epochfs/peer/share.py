@@ -1,6 +1,7 @@
-"""A member's share of the dataset: how large it is (:func:`ownership`, for ``epochfs cluster status``),
-and, when the membership changes on purpose, what a node that leaves hands over and what a node that
-joins with ``--rebalance`` fills at once (instead of as it is asked).
+"""A member's share of the dataset: how large it is (:func:`ownership`: ``epochfs cluster status`` for
+every member, :class:`ShareWatch` for this node, kept current), and, when the membership changes on
+purpose, what a node that leaves hands over and what a node that joins with ``--rebalance`` fills at
+once (instead of as it is asked).
 
 Both walk the blocks of the snapshot being served (every file's blocks; a packed member's are its
 shard's, each once) in a worker thread and hand the work to the cluster tier: a leaving node asks each
@@ -18,12 +19,18 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
 
 from epochfs.cache.keys import block_bounds, block_count, block_id
 from epochfs.meta.namespace import Namespace
 from epochfs.peer import wire
 from epochfs.peer.ring import Ring
 from epochfs.records import ObjectInfo, stored_extent
+
+if TYPE_CHECKING:
+    from epochfs.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +84,67 @@ def ownership(objects: Iterable[ObjectInfo], source_id: str, ring: Ring, block_s
     return Ownership({m: round(owned[m] * scale) for m in ring.members}, total, blocks, stride > 1)
 
 
-def hand_over(tier: object, namespace: Namespace, block_id: Callable[[ObjectInfo, int], bytes], block_size: int,
+class ShareWatch:
+    """This node's share of the snapshot it serves (``owned``, bytes with replicas; ``total``), ranked
+    again in a worker thread when the ring or the snapshot has changed (at most every ``INTERVAL``
+    seconds: a large snapshot costs a walk of its files). A node that keeps only the blocks it owns
+    (a cache node, ``--peer-cache owned``) and owns more than its cache holds is named in the log: it
+    evicts blocks it owns, and each member that asks for one costs a backend read again
+    (``epochfs_peer_share_bytes`` against ``epochfs_cache_capacity_bytes``; an alert rule compares them).
+    Trio thread, but for the ranking."""
+
+    INTERVAL = 30.0  # seconds between two rankings, at the least
+    CHECK = 2.0  # seconds between two looks at the ring and the snapshot
+
+    def __init__(self, tier: PeerTier, namespace: Callable[[], Namespace], version: Callable[[], object],
+                 source_id: str, block_size: int, capacity: Callable[[], int]) -> None:
+        self.tier = tier
+        self.namespace, self.version, self.capacity = namespace, version, capacity
+        self.source_id, self.block_size = source_id, block_size
+        self.owned: int | None = None  # None: not ranked yet, or this node owns nothing (not in the ring)
+        self.total: int | None = None
+        self._seen: tuple[object, ...] | None = None
+
+    def due(self) -> bool:
+        """Whether the ring or the snapshot changed since the last ranking, and this node is in a ring
+        whose members have all been tried (not a node alone while the others are still proving)."""
+        members = self.tier.members
+        return ((members.ring.members, self.version()) != self._seen and members.me in members.ring
+                and members.settled())
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            if self.due():
+                await self.rank()
+                await trio.sleep(self.INTERVAL - self.CHECK)
+            await trio.sleep(self.CHECK)
+
+    async def rank(self) -> None:
+        tier = self.tier
+        ring, version, namespace = tier.members.ring, self.version(), self.namespace()
+        self._seen = (ring.members, version)
+        try:
+            shares = await trio.to_thread.run_sync(
+                lambda: ownership((f.obj for f in namespace.files()), self.source_id, ring, self.block_size,
+                                  tier.replicas), abandon_on_cancel=True)
+        except Exception as exc:  # noqa: BLE001 - a figure for the operator: never worth the daemon
+            log.warning("could not rank this node's share of the dataset (%s); trying again later", exc)
+            self._seen = None
+            return
+        self.owned, self.total = shares.owned.get(tier.members.me, 0), shares.total
+        capacity = self.capacity()
+        if tier.mode == "owned" and self.owned > capacity:
+            log.warning("this node owns %.1f GiB of the dataset (one of %d members) and its cache holds %.1f GiB: it "
+                        "evicts blocks it owns, and each member that asks for one costs a backend read again "
+                        "(raise --cache-size, or add members)", self.owned / (1 << 30), len(ring), capacity / (1 << 30))
+
+
+def hand_over(tier: PeerTier, namespace: Namespace, block_id: Callable[[ObjectInfo, int], bytes], block_size: int,
               held: Callable[[bytes], bool], deadline: float) -> tuple[int, int]:
     """Ask the new owner of every block this node holds to warm it, before this node leaves; (blocks
     handed over, blocks that were not). Blocking (a worker thread)."""
-    members, replicas = tier.members, tier.replicas  # type: ignore[attr-defined]
+    members, replicas = tier.members, tier.replicas
     ring, me = members.ring, members.me
     if ring.members == (me,) or not len(ring):
         return 0, 0
@@ -97,7 +160,7 @@ def hand_over(tier: object, namespace: Namespace, block_id: Callable[[ObjectInfo
                 work.append((new, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm=True)))
     done = failed = 0
     with concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="handover") as pool:
-        futures = [pool.submit(tier.ask, new, req) for new, req in work]  # type: ignore[attr-defined]
+        futures = [pool.submit(tier.ask, new, req) for new, req in work]
         for future in futures:
             left = deadline - time.monotonic()
             try:

@@ -72,6 +72,8 @@ class PeerStats:
     role: str = "peer"  # peer, server (a cache node) or client
     replicas: int = 1
     link_capacity: float | None = None  # bytes/s of this node's link (--link-capacity)
+    share_bytes: int | None = None  # of the dataset, the bytes this node owns (replicas included; None: not known)
+    dataset_bytes: int | None = None  # the bytes of the dataset the share is of
 
 
 class PeerCache(Protocol):
@@ -185,8 +187,10 @@ class PeerTier:
         else:
             log.debug("peer %s: %s; reading from the backend", owner, exc)
 
-    def statistics(self, served: ServerStats | None = None) -> PeerStats:
-        """The tier's counts, with what this node's peer server answered (``served``)."""
+    def statistics(self, served: ServerStats | None = None,
+                   share: tuple[int | None, int | None] = (None, None)) -> PeerStats:
+        """The tier's counts, with what this node's peer server answered (``served``) and its ``share``
+        of the dataset (bytes owned, of bytes in all: :class:`~epochfs.peer.share.ShareWatch`)."""
         with self._lock:
             outcomes = {**dict.fromkeys(OUTCOMES, 0), **self._outcomes}
             bytes_in = self._bytes_in
@@ -196,7 +200,8 @@ class PeerTier:
         return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=self.members.down(),
                          store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
                          bytes_out=served.served_bytes if served else 0, role=self.members.role,
-                         replicas=self.replicas, link_capacity=self.link_capacity)
+                         replicas=self.replicas, link_capacity=self.link_capacity, share_bytes=share[0],
+                         dataset_bytes=share[1])
 
 
 class PeerAnswers:
