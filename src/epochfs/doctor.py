@@ -45,7 +45,7 @@ BUFFERED_OPENS = 500.0  # a second: asks whether a file is a terminal (~40 us of
 #: Findings, most helpful first (the order they are listed in).
 ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
          "warm-read-path", "buffered-opens", "backend-saturated", "cache-tier", "cache-tier-failing",
-         "backend-latency", "slow-checkpoints", "writeback-backlog")
+         "cluster-share-too-large", "backend-latency", "slow-checkpoints", "writeback-backlog")
 
 
 def _share(part: float, whole: float) -> float | None:
@@ -147,7 +147,7 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
     asks0, asks1 = _num(before.get("isatty_asks")), _num(after.get("isatty_asks"))
     return {"hit_ratio": _share(hit, hit + miss),
             "peer_role": p1.get("role"), "peer_share": _share(peer_in, hit + miss) if p1 else None,
-            "peer_failures": failed,
+            "peer_failures": failed, "peer_mode": p1.get("mode"), "peer_share_bytes": _num(p1.get("share_bytes")),
             "backend_bytes_per_second": backend / seconds if seconds > 0 else 0.0,
             "backend_bandwidth_limit": after["backend"].get("bandwidth_limit"),
             "backend_median_seconds": HistogramSnapshot.from_dict(latency).quantile(0.5) if latency else None,
@@ -291,6 +291,13 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
         found("cache-tier-failing", f"{m['peer_failures']} requests to the cluster tier failed (no answer in "
               "time, or one that did not check out) and went to the backend",
               f"`epochfs status {mnt}` lists the members bypassed; their logs say why; --peer-timeout bounds each wait")
+    owned = m.get("peer_share_bytes")
+    if m.get("peer_mode") == "owned" and owned is not None and owned > cap:
+        found("cluster-share-too-large", f"this node owns {size_flag(owned)} of the dataset in the cluster tier and "
+              f"keeps only what it owns, in a cache of {size_flag(cap)}: it evicts blocks it owns, and each member "
+              "that asks for one reads it from the backend again",
+              f"remount with `--cache-size {size_flag(owned * HEADROOM)}` (its share and a tenth), or add members "
+              f"(`epochfs cluster status {src} --meta URL` shows each member's share against its cache)")
     median = m["backend_median_seconds"]
     if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99):
         conc = m.get("backend_concurrency")
