@@ -70,12 +70,16 @@ def test_the_shares_of_a_snapshot_are_its_blocks_as_the_members_rank_them():
                     want[m] += length
         assert not got.sampled and got.total == sum(o.size for o in plain) + shard.size
         assert got.owned == {m: want[m] for m in members} and sum(got.owned.values()) == replicas * got.total
-        assert got.blocks == sum(-(-o.size // bs) for o in [*plain, shard])
-        estimate = ownership(plain, src, ring, bs, replicas, sample=got.blocks // 4)
-        exact = ownership(plain, src, ring, bs, replicas)
-        assert estimate.sampled and estimate.total == exact.total
-        for m in members:
-            assert abs(estimate.owned[m] - exact.owned[m]) < 0.15 * exact.owned[m], (m, estimate, exact)
+        assert got.ranked == sum(-(-o.size // bs) for o in [*plain, shard])
+        many = [ObjectInfo(f"g{i}", rng.randrange(1, 3 << 20), 0, f"e{i}") for i in range(3000)]
+        exact = ownership(many, src, ring, bs, replicas)
+        assert not exact.sampled and exact.total == sum(o.size for o in many)
+        # past the sample, the shares of the first blocks are scaled to the rest: listed, or told
+        for estimate in (ownership(many, src, ring, bs, replicas, sample=exact.ranked // 3),
+                         ownership(iter(many), src, ring, bs, replicas, sample=exact.ranked // 3, total=exact.total)):
+            assert estimate.sampled and estimate.total == exact.total and estimate.ranked == exact.ranked // 3
+            for m in members:
+                assert abs(estimate.owned[m] - exact.owned[m]) < 0.1 * exact.owned[m], (m, estimate, exact)
     assert ownership([], src, ring, bs, 1).owned == dict.fromkeys(members, 0)
 
 
@@ -89,13 +93,13 @@ def test_a_node_ranks_its_own_share_when_the_ring_changes_and_a_failed_ranking_c
     from epochfs.records import ObjectInfo
 
     objs = [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(40)]
-    good = SimpleNamespace(files=lambda: (SimpleNamespace(obj=o) for o in objs))
+    good = SimpleNamespace(files=lambda: (SimpleNamespace(obj=o) for o in objs), total_bytes=120 << 20)
 
     def broken_files():
         raise OSError("the snapshot was closed")
         yield
 
-    broken = SimpleNamespace(files=broken_files)
+    broken = SimpleNamespace(files=broken_files, total_bytes=120 << 20)
     members = SimpleNamespace(me=ME, ring=Ring([ME, "10.0.0.2:9570"]), settled=lambda: True)
     tier = SimpleNamespace(members=members, replicas=1, mode="owned")
     namespace = [broken]

@@ -4,7 +4,7 @@ the shared store the members meet in (no mount needed).
 ``status`` lists the members the store holds (cache nodes and serving GPU nodes) with what each
 publishes of itself at its heartbeat: role, bytes held and served, its link's utilisation; with the
 peer token it also asks each for its proof, so a member that does not answer shows as such. It ranks
-the published snapshot's blocks as the members do (an even sample of a large one) and says what each
+the published snapshot's blocks as the members do (the first 100,000 of a large one) and says what each
 owner's share is against its cache: a member that keeps only its own blocks and owns more than its
 cache holds evicts some, and each member that asks for one then costs a read from the backend again.
 
@@ -177,9 +177,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"served {human(r.get('served_bytes') or 0)}, link {link}; {r['health']}" if isinstance(held, int)
             else r["health"]))
     if shares:
-        print(f"  shares of {human(shares['total_bytes'])} in {shares['blocks']} blocks of "
-              f"{human(shares['block_size'])}, {shares['replicas']} holder{'s' if shares['replicas'] > 1 else ''} per block"
-              + (" (estimated from an even sample of the blocks)" if shares["sampled"] else ""))
+        holders = f"{shares['replicas']} holder{'s' if shares['replicas'] > 1 else ''} per block"
+        print(f"  shares of {human(shares['total_bytes'])} in blocks of {human(shares['block_size'])}, {holders}"
+              + (f" (estimated from the first {shares['blocks_ranked']} blocks)" if shares["sampled"] else ""))
     for w in warnings:
         print(f"  ! {w}")
     return 0
@@ -226,7 +226,7 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
                 f"{r['member']} owns {human(share)} of the dataset and its cache holds {human(capacity)}: it "
                 f"evicts blocks it owns, and each member that asks for one then costs a backend read again "
                 f"(give it --cache-size {human(share)} or more, or add members)")
-    return {"block_size": block_size, "replicas": count, "total_bytes": owned.total, "blocks": owned.blocks,
+    return {"block_size": block_size, "replicas": count, "total_bytes": owned.total, "blocks_ranked": owned.ranked,
             "sampled": owned.sampled}, warnings
 
 

@@ -48,7 +48,7 @@ def blocks(namespace: Namespace, block_id: Callable[[ObjectInfo, int], bytes],
             yield stored, index, block_bounds(index, stored.size, block_size)[1], block_id(stored, index)
 
 
-#: At most this many blocks are ranked to size the shares; a larger dataset is sampled evenly.
+#: At most this many blocks are ranked to size the shares; the rest of a larger dataset is estimated.
 SHARE_SAMPLE = 100_000
 
 
@@ -57,37 +57,53 @@ class Ownership:
     """The bytes of a snapshot's blocks each member of a ring holds, replicas included."""
 
     owned: dict[str, int]  # member -> bytes (estimated where ``sampled``)
-    total: int  # the bytes of the snapshot's stored objects (each shard once)
-    blocks: int
-    sampled: bool  # ranked one block in ``blocks / SHARE_SAMPLE``, scaled by bytes
+    total: int  # the bytes of the snapshot's stored objects (each shard once; estimated where ``sampled``)
+    ranked: int  # blocks ranked
+    sampled: bool  # only the first ``SHARE_SAMPLE`` blocks were ranked; their shares scaled to ``total``
 
 
 def ownership(objects: Iterable[ObjectInfo], source_id: str, ring: Ring, block_size: int, replicas: int,
-              sample: int = SHARE_SAMPLE) -> Ownership:
+              sample: int = SHARE_SAMPLE, total: int | None = None) -> Ownership:
     """Who owns how much of the stored objects behind ``objects`` (a packed member's shard whole, each
-    once): every block ranked as the members rank it, or an even sample of ``sample`` blocks (every
-    k-th, in the listing's order) where there are more. Pure."""
-    stored = {(o.key, o.etag): o for o in (stored_extent(obj)[0] for obj in objects)}
-    counts = [block_count(o.size, block_size) for o in stored.values()]
-    blocks, total = sum(counts), sum(o.size for o in stored.values())
-    stride = max(1, -(-blocks // max(1, sample)))
+    once), ranking each block as the members rank it: every block, or the first ``sample`` in the
+    listing's order where there are more (or those of its first ``2 * sample`` objects: a packed member
+    costs a parse, and shares its shard's blocks; a block's owner is a hash of its id, so blocks taken without
+    regard to it are a fair sample) with their shares scaled to the whole: ``total`` bytes where the
+    caller knows it (the listing is then not walked past the sample), else the ranked bytes and the
+    listed sizes of the objects after them (a packed member's own size: its shard's less the archive's
+    headers). Pure."""
     owned: Counter[str] = Counter()
-    seen = ranked = 0  # (blocks passed, bytes of the blocks ranked)
-    for o, count in zip(stored.values(), counts, strict=True):
-        for index in range((-seen) % stride, count, stride):
+    seen: set[tuple[str, str]] = set()
+    ranked = blocks = rest = walked = 0  # (bytes ranked, blocks ranked, bytes listed after the sample)
+    for obj in objects:
+        walked += 1
+        if blocks >= sample or walked > 2 * sample:  # (objects of a block or less: packed members, small files)
+            if total is not None:
+                break
+            rest += obj.size
+            continue
+        o = stored_extent(obj)[0]
+        if (o.key, o.etag) in seen:
+            continue
+        seen.add((o.key, o.etag))
+        for index in range(block_count(o.size, block_size)):
             length = block_bounds(index, o.size, block_size)[1]
-            ranked += length
+            if blocks >= sample:
+                rest += length
+                continue
+            ranked, blocks = ranked + length, blocks + 1
             for member in ring.owners(block_id(source_id, o.key, o.etag, index, block_size=block_size), replicas):
                 owned[member] += length
-        seen += count
-    scale = total / ranked if ranked else 0.0
-    return Ownership({m: round(owned[m] * scale) for m in ring.members}, total, blocks, stride > 1)
+    sampled = (blocks >= sample or walked > 2 * sample) and (rest > 0 or total is not None)
+    whole = total if sampled and total is not None else ranked + rest
+    scale = whole / ranked if ranked else 0.0
+    return Ownership({m: round(owned[m] * scale) for m in ring.members}, whole, blocks, sampled)
 
 
 class ShareWatch:
     """This node's share of the snapshot it serves (``owned``, bytes with replicas; ``total``), ranked
     again in a worker thread when the ring or the snapshot has changed (at most every ``INTERVAL``
-    seconds: a large snapshot costs a walk of its files). A node that keeps only the blocks it owns
+    seconds; a large snapshot costs a walk of the files that hold its first ``SHARE_SAMPLE`` blocks). A node that keeps only the blocks it owns
     (a cache node, ``--peer-cache owned``) and owns more than its cache holds is named in the log: it
     evicts blocks it owns, and each member that asks for one costs a backend read again
     (``epochfs_peer_share_bytes`` against ``epochfs_cache_capacity_bytes``; an alert rule compares them).
@@ -127,7 +143,7 @@ class ShareWatch:
         try:
             shares = await trio.to_thread.run_sync(
                 lambda: ownership((f.obj for f in namespace.files()), self.source_id, ring, self.block_size,
-                                  tier.replicas), abandon_on_cancel=True)
+                                  tier.replicas, total=namespace.total_bytes), abandon_on_cancel=True)
         except Exception as exc:  # noqa: BLE001 - a figure for the operator: never worth the daemon
             log.warning("could not rank this node's share of the dataset (%s); trying again later", exc)
             self._seen = None
