@@ -169,3 +169,45 @@ def test_random_member_entries_are_literal_addresses_of_the_family_or_ignored():
         assert family_member in m.ring
         for member in m.ring.members:
             assert wire.member_addr(member) == member and wire.same_family(member, me)
+
+
+def test_random_published_statistics_are_shown_as_what_they_are_or_not_at_all():
+    """`epochfs cluster status` takes what members publish of themselves from the store, which whoever
+    holds its password writes: random JSON, wrong types, huge or non-finite numbers, escapes in names.
+    Each figure is shown only if it has its type; the command always answers, text and JSON."""
+    import json
+    import math
+
+    from epochfs.cli.cluster import _shares, member_row, status_lines
+    from epochfs.records import ObjectInfo
+
+    rng = random.Random(9)
+    values = [None, True, False, -1, 0, 1, 7, 2**63, 10**400, 1.5, -0.5, "x", "\x1b[2J", "", [], {}, ["a"],
+              [1, "b"], {"a": 1}, "owned", "all", 4 << 20, 1 << 20]
+    keys = ["held_bytes", "capacity_bytes", "served_bytes", "replicas", "block_size", "snapshot", "mode", "node",
+            "down", "out_bytes_per_second", "link_capacity", "utilization", "updated", "share_bytes", "other"]
+    snapshot = type("S", (), {"objects": [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(30)]})()
+    for _ in range(400):
+        rows = []
+        for m in range(rng.randrange(1, 5)):
+            what = rng.random()
+            if what < 0.6:
+                raw: object = json.dumps({k: rng.choice(values) for k in rng.sample(keys, rng.randrange(len(keys)))})
+                raw = raw.replace("1" + "0" * 400, "1e400") if rng.random() < 0.1 else raw  # (inf, as JSON may say)
+            elif what < 0.8:
+                raw = bytes(rng.getrandbits(8) for _ in range(rng.randrange(40)))
+            else:
+                raw = rng.choice([None, 5, "[]", '"x"', "NaN", "Infinity", "[[[[" * 1000, "{" * 100_000])
+            role = rng.choice(["server", "peer"])
+            rows.append(member_row(f"10.0.0.{m}:9570", role, raw, 1e9, rng.choice(["", None, "refused"])))
+        for r in rows:
+            for k in ("held_bytes", "capacity_bytes", "served_bytes", "replicas", "block_size", "snapshot"):
+                assert r.get(k) is None or (type(r[k]) is int and r[k] >= 0)
+            for k in ("out_bytes_per_second", "link_capacity", "utilization", "age_seconds"):
+                assert r.get(k) is None or (isinstance(r[k], float) and math.isfinite(r[k]))
+            assert r.get("node") is None or r["node"].isprintable()
+        shares, warnings = _shares(rows, snapshot, "s3://b/", set())
+        text = "\n".join(status_lines("s3://b/", rows, shares, warnings))
+        assert "\x1b" not in text and json.dumps({"members": rows, "shares": shares, "warnings": warnings})
+        if shares:
+            assert sum(r["share_bytes"] for r in rows if "share_bytes" in r) == shares["replicas"] * shares["total_bytes"]

@@ -249,7 +249,6 @@ class Daemon:
             "link_capacity": capacity, "utilization": rate / capacity if capacity else None,
             "down": list(self.peer.members.down()), "snapshot": self.snapshots.snapshot.version,
             "replicas": self.config.replicas, "mode": self.peer.mode, "block_size": self.config.block_size,
-            "share_bytes": self.share.owned if self.share else None,
             "updated": time.time()}).encode()
 
     def _serve_peers(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import sys
 import threading
 import time
@@ -137,52 +138,89 @@ def cmd_status(args: argparse.Namespace) -> int:
         store.close()
     proofs = _prove(sorted(members), args.peer_token_file)[1] if args.peer_token_file else {}
     now = time.time()
-    rows = []
-    for addr in sorted(members, key=lambda a: (members[a] != "server", a)):
-        row: dict[str, Any] = {"member": addr, "role": members[addr]}
-        try:
-            published = json.loads(stats[addr]) if addr in stats else None
-        except ValueError:
-            published = None
-        if isinstance(published, dict):
-            row.update({k: published.get(k) for k in ("node", "held_bytes", "capacity_bytes", "served_bytes",
-                                                      "out_bytes_per_second", "link_capacity", "utilization",
-                                                      "down", "snapshot", "replicas", "mode", "block_size")})
-            updated = published.get("updated")
-            row["age_seconds"] = now - updated if isinstance(updated, (int, float)) else None
-        health = "up"
-        if row.get("age_seconds") is None:
-            health = "no statistics"
-        elif row["age_seconds"] > HEARTBEAT_STALE:
-            health = f"stale ({row['age_seconds']:.0f} s)"
-        if addr in proofs:
-            health = health if proofs[addr] is None else f"not answering: {proofs[addr]}"
-        row["health"] = health
-        rows.append(row)
+    rows = [member_row(addr, members[addr], stats.get(addr), now, proofs.get(addr, "")) for addr in
+            sorted(members, key=lambda a: (members[a] != "server", a))]
     shares, warnings = _shares(rows, snapshot, source_id, {a for a, why in proofs.items() if why is not None})
     if args.json:
         print(json.dumps({"source": source_id, "members": rows, "shares": shares, "warnings": warnings}, indent=1))
-        return 0
+    else:
+        print("\n".join(status_lines(source_id, rows, shares, warnings)))
+    return 0
+
+
+#: What a member publishes of itself, and the type each figure must have to be shown (the store is
+#: written by anyone who holds its password: nothing else is taken, and nothing of another type).
+_COUNTS = ("held_bytes", "capacity_bytes", "served_bytes", "replicas", "block_size", "snapshot")
+_RATES = ("out_bytes_per_second", "link_capacity", "utilization", "updated")
+
+
+def _published(raw: object) -> dict[str, Any] | None:
+    """A member's published statistics (JSON), each figure of its type or None; None if they do not
+    decode to an object."""
+    try:
+        published = json.loads(raw) if isinstance(raw, (bytes, str)) and len(raw) <= 64 << 10 else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(published, dict):
+        return None
+    out: dict[str, Any] = {}
+    for k in _COUNTS:
+        v = published.get(k)
+        out[k] = v if type(v) is int and 0 <= v < 1 << 63 else None
+    for k in _RATES:
+        v = published.get(k)
+        ok = type(v) is int and 0 <= v < 1 << 63 or type(v) is float and math.isfinite(v) and v >= 0
+        out[k] = float(v) if ok else None  # type: ignore[arg-type]
+    node, mode, down = published.get("node"), published.get("mode"), published.get("down")
+    out["node"] = node if isinstance(node, str) and len(node) <= 255 and node.isprintable() else None
+    out["mode"] = mode if mode in ("all", "owned") else None
+    out["down"] = ([d for d in down[:1000] if isinstance(d, str) and len(d) <= 64 and d.isprintable()]
+                   if isinstance(down, list) else None)
+    return out
+
+
+def member_row(addr: str, role: str, raw: object, now: float, proof: str | None = "") -> dict[str, Any]:
+    """One member's line of ``cluster status``: what it publishes (checked: :func:`_published`), and its
+    health: ``proof`` None when it proved it holds the token, why not otherwise, "" when not asked."""
+    row: dict[str, Any] = {"member": addr, "role": role}
+    published = _published(raw)
+    if published is not None:
+        updated = published.pop("updated")
+        row.update(published)
+        row["age_seconds"] = now - updated if updated is not None else None
+    health = "up"
+    if row.get("age_seconds") is None:
+        health = "no statistics"
+    elif row["age_seconds"] > HEARTBEAT_STALE:
+        health = f"stale ({row['age_seconds']:.0f} s)"
+    if proof:
+        health = f"not answering: {proof}"
+    row["health"] = health
+    return row
+
+
+def status_lines(source_id: str, rows: list[dict[str, Any]], shares: dict[str, Any] | None,
+                 warnings: list[str]) -> list[str]:
+    """``cluster status`` in words."""
     servers = sum(1 for r in rows if r["role"] == "server")
-    print(f"cluster tier of {source_id}: {servers} cache nodes, {len(rows) - servers} serving GPU nodes")
+    lines = [f"cluster tier of {source_id}: {servers} cache nodes, {len(rows) - servers} serving GPU nodes"]
     for r in rows:
-        util = r.get("utilization")
-        link = (f"{util:.0%} of {human(r['link_capacity'])}/s" if isinstance(util, float) and r.get("link_capacity")
+        util, capacity = r.get("utilization"), r.get("link_capacity")
+        link = (f"{util:.0%} of {human(capacity)}/s" if util is not None and capacity
                 else f"{human(r.get('out_bytes_per_second') or 0)}/s out")
         held, owns = r.get("held_bytes"), r.get("share_bytes")
-        share = f"owns {human(owns)} ({owns / shares['total_bytes']:.0%}), " if owns is not None and shares and \
-            shares["total_bytes"] else ""
-        print(f"  {r['member']:<22} {r['role']:<6} " + (
+        share = (f"owns {human(owns)} ({owns / shares['total_bytes']:.0%}), "
+                 if owns is not None and shares and shares["total_bytes"] else "")
+        lines.append(f"  {r['member']:<22} {r['role']:<6} " + (
             f"{share}holds {human(held)} of {human(r.get('capacity_bytes') or 0)}, "
-            f"served {human(r.get('served_bytes') or 0)}, link {link}; {r['health']}" if isinstance(held, int)
+            f"served {human(r.get('served_bytes') or 0)}, link {link}; {r['health']}" if held is not None
             else r["health"]))
     if shares:
         holders = f"{shares['replicas']} holder{'s' if shares['replicas'] > 1 else ''} per block"
-        print(f"  shares of {human(shares['total_bytes'])} in blocks of {human(shares['block_size'])}, {holders}"
-              + (f" (estimated from the first {shares['blocks_ranked']} blocks)" if shares["sampled"] else ""))
-    for w in warnings:
-        print(f"  ! {w}")
-    return 0
+        lines.append(f"  shares of {human(shares['total_bytes'])} in blocks of {human(shares['block_size'])}, {holders}"
+                     + (f" (estimated from the first {shares['blocks_ranked']} blocks)" if shares["sampled"] else ""))
+    lines += [f"  ! {w}" for w in warnings]
+    return lines
 
 
 def _published_int(row: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
