@@ -50,6 +50,7 @@ def blocks(namespace: Namespace, block_id: Callable[[ObjectInfo, int], bytes],
 
 #: At most this many blocks are ranked to size the shares; the rest of a larger dataset is estimated.
 SHARE_SAMPLE = 100_000
+GiB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -65,19 +66,20 @@ class Ownership:
 def ownership(objects: Iterable[ObjectInfo], source_id: str, ring: Ring, block_size: int, replicas: int,
               sample: int = SHARE_SAMPLE, total: int | None = None) -> Ownership:
     """Who owns how much of the stored objects behind ``objects`` (a packed member's shard whole, each
-    once), ranking each block as the members rank it: every block, or the first ``sample`` in the
-    listing's order where there are more (or those of its first ``2 * sample`` objects: a packed member
-    costs a parse, and shares its shard's blocks; a block's owner is a hash of its id, so blocks taken without
-    regard to it are a fair sample) with their shares scaled to the whole: ``total`` bytes where the
-    caller knows it (the listing is then not walked past the sample), else the ranked bytes and the
-    listed sizes of the objects after them (a packed member's own size: its shard's less the archive's
-    headers). Pure."""
+    once), each block ranked as the members rank it. Pure.
+
+    Every block is ranked, up to ``sample`` blocks or the blocks of ``2 * sample`` objects (a packed
+    member costs a parse and adds no block of its own). Past that, the shares of the blocks ranked are
+    scaled to the whole: a block's owner is a hash of its id, so any blocks taken without regard to it
+    are a fair sample. The whole is ``total`` where the caller knows it (the listing is then not walked
+    further), else the bytes ranked and the listed sizes of the objects after them (a packed member's
+    own size, which leaves out its shard's archive headers)."""
     owned: Counter[str] = Counter()
     seen: set[tuple[str, str]] = set()
     ranked = blocks = rest = walked = 0  # (bytes ranked, blocks ranked, bytes listed after the sample)
     for obj in objects:
         walked += 1
-        if blocks >= sample or walked > 2 * sample:  # (objects of a block or less: packed members, small files)
+        if blocks >= sample or walked > 2 * sample:
             if total is not None:
                 break
             rest += obj.size
@@ -102,12 +104,12 @@ def ownership(objects: Iterable[ObjectInfo], source_id: str, ring: Ring, block_s
 
 class ShareWatch:
     """This node's share of the snapshot it serves (``owned``, bytes with replicas; ``total``), ranked
-    again in a worker thread when the ring or the snapshot has changed (at most every ``INTERVAL``
-    seconds; a large snapshot costs a walk of the files that hold its first ``SHARE_SAMPLE`` blocks). A node that keeps only the blocks it owns
-    (a cache node, ``--peer-cache owned``) and owns more than its cache holds is named in the log: it
-    evicts blocks it owns, and each member that asks for one costs a backend read again
-    (``epochfs_peer_share_bytes`` against ``epochfs_cache_capacity_bytes``; an alert rule compares them).
-    Trio thread, but for the ranking."""
+    again in a worker thread when the ring or the snapshot has changed, at most every ``INTERVAL``
+    seconds (a ranking walks the files that hold the snapshot's first ``SHARE_SAMPLE`` blocks). A node
+    that keeps only the blocks it owns (a cache node, ``--peer-cache owned``) and owns more than its
+    cache holds is named in the log: it evicts blocks it owns, and each member that asks for one costs
+    a backend read again (``epochfs_peer_share_bytes`` against ``epochfs_cache_capacity_bytes``: an
+    alert rule compares them). Trio thread, but for the ranking."""
 
     INTERVAL = 30.0  # seconds between two rankings, at the least
     CHECK = 2.0  # seconds between two looks at the ring and the snapshot
@@ -151,9 +153,9 @@ class ShareWatch:
         self.owned, self.total = shares.owned.get(tier.members.me, 0), shares.total
         capacity = self.capacity()
         if tier.mode == "owned" and self.owned > capacity:
-            log.warning("this node owns %.1f GiB of the dataset (one of %d members) and its cache holds %.1f GiB: it "
-                        "evicts blocks it owns, and each member that asks for one costs a backend read again "
-                        "(raise --cache-size, or add members)", self.owned / (1 << 30), len(ring), capacity / (1 << 30))
+            log.warning("this node owns %.2f GiB of the dataset (one of %d members) and its cache holds %.2f GiB: "
+                        "it evicts blocks it owns, and each member that asks for one costs a backend read again "
+                        "(raise --cache-size, or add members)", self.owned / GiB, len(ring), capacity / GiB)
 
 
 def hand_over(tier: PeerTier, namespace: Namespace, block_id: Callable[[ObjectInfo, int], bytes], block_size: int,
