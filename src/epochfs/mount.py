@@ -144,6 +144,7 @@ class Daemon:
         self.share: share.ShareWatch | None = None
         if self.peer is not None and self.peer.members.role != "client":
             self._serve_peers()
+        if self.peer is not None and self.peer.mode == "owned" and self.peer.members.role != "client":
             self.share = share.ShareWatch(self.peer, lambda: self.snapshots.namespace,
                                           lambda: self.snapshots.snapshot.version, self.backend.source_id,
                                           config.block_size, self.store.bound)

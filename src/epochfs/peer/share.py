@@ -109,7 +109,7 @@ class ShareWatch:
     that keeps only the blocks it owns (a cache node, ``--peer-cache owned``) and owns more than its
     cache holds is named in the log: it evicts blocks it owns, and each member that asks for one costs
     a backend read again (``epochfs_peer_share_bytes`` against ``epochfs_cache_capacity_bytes``: an
-    alert rule compares them). Trio thread, but for the ranking."""
+    alert rule compares them). Kept only on such a node. Trio thread, but for the ranking."""
 
     INTERVAL = 30.0  # seconds between two rankings, at the least
     CHECK = 2.0  # seconds between two looks at the ring and the snapshot
@@ -152,7 +152,7 @@ class ShareWatch:
             return
         self.owned, self.total = shares.owned.get(tier.members.me, 0), shares.total
         capacity = self.capacity()
-        if tier.mode == "owned" and self.owned > capacity:
+        if self.owned > capacity:
             log.warning("this node owns %.2f GiB of the dataset (one of %d members) and its cache holds %.2f GiB: "
                         "it evicts blocks it owns, and each member that asks for one costs a backend read again "
                         "(raise --cache-size, or add members)", self.owned / GiB, len(ring), capacity / GiB)
