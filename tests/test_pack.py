@@ -388,7 +388,7 @@ def test_a_mount_of_a_packed_root_serves_the_original_tree(s3, s3_client, fresh_
 
 @requires_fuse
 def test_a_packed_mount_keeps_the_guarantees_of_plain_objects(s3, s3_client, fresh_bucket, s3_env, mount_factory):
-    files = dataset(n=40, seed=2)
+    files = dataset(n=40, seed=2, big=1)  # (the big file has a shard of its own: two shards at least)
     upload(s3_client, fresh_bucket, "raw/", files)
     run_pack(s3, fresh_bucket)
     m = mount_factory(f"s3://{fresh_bucket}/packed/", "--block-size", "256K")
