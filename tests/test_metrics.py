@@ -307,6 +307,10 @@ def test_dashboard_queries_only_series_the_daemon_exports(mount_factory, sample_
                             "--link-capacity", "10Gbit"], capture_output=True, text=True, env=s3.env(), timeout=60)
         assert r.returncode == 0, r.stderr
         status = request(node_dir, "status")
+        deadline = time.monotonic() + 20  # (its share of the dataset is ranked once its members are settled)
+        while status["peer"]["share_bytes"] is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = request(node_dir, "status")
         try:
             with urllib.request.urlopen(f"http://{status['metrics_addr']}/metrics", timeout=10) as answer:
                 for fam in text_string_to_metric_families(answer.read().decode()):
