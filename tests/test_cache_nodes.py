@@ -282,6 +282,7 @@ def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
     p = small.status()["peer"]
     assert p["share_bytes"] == rows[small.addr]["share_bytes"] and p["dataset_bytes"] == TOTAL, p
     assert "evicts blocks it owns" in small.log() and "evicts blocks it owns" not in right.log()
+    assert "this node owns" in right.log()  # (its share, within its cache: said once, at info)
     with urllib.request.urlopen(f"http://{small.status()['metrics_addr']}/metrics", timeout=10) as answer:
         shares = [s.value for fam in text_string_to_metric_families(answer.read().decode()) for s in fam.samples
                   if s.name == "epochfs_peer_share_bytes"]

@@ -152,7 +152,10 @@ class ShareWatch:
             return
         self.owned, self.total = shares.owned.get(tier.members.me, 0), shares.total
         capacity = self.capacity()
-        if self.owned > capacity:
+        if self.owned <= capacity:
+            log.info("this node owns %.2f GiB of the dataset's %.2f GiB (one of %d members); its cache holds %.2f GiB",
+                     self.owned / GiB, self.total / GiB, len(ring), capacity / GiB)
+        else:
             log.warning("this node owns %.2f GiB of the dataset (one of %d members) and its cache holds %.2f GiB: "
                         "it evicts blocks it owns, and each member that asks for one costs a backend read again "
                         "(raise --cache-size, or add members)", self.owned / GiB, len(ring), capacity / GiB)
