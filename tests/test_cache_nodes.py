@@ -287,6 +287,11 @@ def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
         shares = [s.value for fam in text_string_to_metric_families(answer.read().decode()) for s in fam.samples
                   if s.name == "epochfs_peer_share_bytes"]
     assert shares == [p["share_bytes"]], shares
+    warmup = subprocess.run([*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url,
+                             "--peer-token-file", str(tier.token_file), "--block-size", "1M"],
+                            capture_output=True, text=True, timeout=120)
+    [warned] = [line for line in warmup.stderr.splitlines() if "warning:" in line]  # (said before it warms)
+    assert f"warning: {small.addr} is asked to hold" in warned and right.addr not in warned, warmup.stderr
     other = tier.server("--block-size", "2M")
     tier.wait_servers(3)
     out, text = cluster_status(tier, lambda rows: len(rows) == 3 and all("capacity_bytes" in r for r in rows))

@@ -14,7 +14,8 @@ same rendezvous ranking the members use, ``--replicas`` of them) to hold it, in 
 line; a block an owner holds already is answered at once, so a run cut short or repeated picks up where
 it stopped. It exits 0 only once every selected block is held by every one of its owners (among the
 members that prove they hold the token: one listed in the store that does not answer is left out, as
-every member leaves it out, and named).
+every member leaves it out, and named). A cache node asked to hold more than its cache holds (as it last
+published) is named before the warming starts: it would evict blocks it is warming.
 """
 
 from __future__ import annotations
@@ -268,6 +269,21 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
             "sampled": owned.sampled}, warnings
 
 
+def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: dict[str, Any]) -> None:
+    """Name each cache node asked to hold more than its cache holds (as it last published it): it would
+    evict blocks it is warming, and each member that asks for one of them then costs a backend read."""
+    asked = Counter[str]()
+    for owner, *_, length in work:
+        asked[owner] += length
+    for owner, nbytes in sorted(asked.items()):
+        published = _published(stats.get(owner)) or {}
+        capacity = published.get("capacity_bytes")
+        if capacity is not None and nbytes > capacity:
+            print(f"epochfs: warning: {owner} is asked to hold {human(nbytes)} and its cache holds "
+                  f"{human(capacity)}: it will evict blocks it is warming (each read from the backend again when "
+                  "asked); give it a larger --cache-size, add cache nodes, or warm less", file=sys.stderr)
+
+
 def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[ObjectInfo]:
     from epochfs.prefetch import manifest
 
@@ -304,6 +320,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     try:
         snapshot = store.load(source_id)
         members = _members(store, source_id)
+        stats = store.member_stats(source_id, 10_000)
     finally:
         store.close()
     if snapshot is None:
@@ -325,6 +342,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                               (stored, index, length))
     work = [(owner, bid, *blocks[bid]) for bid in blocks for owner in ring.owners(bid, args.replicas)]
     total = sum(w[4] for w in work)
+    _warn_outgrown(work, stats)
     done, failed, per_node = [0, 0], Counter[str](), Counter[str]()
     lock, stop = threading.Lock(), threading.Event()
     started = time.monotonic()
