@@ -273,7 +273,7 @@ def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
     assert out["shares"]["block_size"] == MiB and not out["shares"]["sampled"]
     assert rows[small.addr]["share_bytes"] > 2 * MiB  # (about half of 28 MiB)
     [warning] = out["warnings"]
-    assert small.addr in warning and right.addr not in warning and "--cache-size" in warning, warning
+    assert small.addr in warning and right.addr not in warning and "`--cache-size 1G`" in warning, warning
     assert f"! {small.addr} owns" in text and "owns" in text.split(right.addr)[1].split("\n")[0], text
     # the node knows it too: its status, its metric (the alert rule's input) and its log say so
     deadline = time.monotonic() + 15

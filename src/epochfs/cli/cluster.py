@@ -237,6 +237,7 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
     at the block size and replicas they publish; set each such row's ``share_bytes``. The shares'
     geometry (None where there is nothing to rank) and what is wrong with it."""
     from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from epochfs.doctor import HEADROOM, size_flag
     from epochfs.peer.ring import Ring
     from epochfs.peer.share import ownership
 
@@ -264,7 +265,7 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
             warnings.append(
                 f"{r['member']} owns {human(share)} of the dataset and its cache holds {human(capacity)}: it "
                 f"evicts blocks it owns, and each member that asks for one then costs a backend read again "
-                f"(give it --cache-size {human(share)} or more, or add members)")
+                f"(give it `--cache-size {size_flag(share * HEADROOM)}`: its share and a tenth; or add members)")
     return {"block_size": block_size, "replicas": count, "total_bytes": owned.total, "blocks_ranked": owned.ranked,
             "sampled": owned.sampled}, warnings
 
