@@ -171,7 +171,7 @@ def sample_of(c: Collected) -> Sample:
             values["peer_link_capacity_bytes"] = peer.link_capacity
         if peer.role == "server":
             values["cache_node"] = 1
-        if peer.mode == "owned" and peer.share_bytes is not None:
+        if peer.share_bytes is not None:  # (ranked only where the node keeps only what it owns)
             values["peer_share_bytes"] = peer.share_bytes
     jobs: dict[str, dict[tuple[str, str], float]] = {}
     for j in c.jobs:

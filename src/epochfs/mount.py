@@ -144,10 +144,10 @@ class Daemon:
         self.share: share.ShareWatch | None = None
         if self.peer is not None and self.peer.members.role != "client":
             self._serve_peers()
-        if self.peer is not None and self.peer.mode == "owned" and self.peer.members.role != "client":
-            self.share = share.ShareWatch(self.peer, lambda: self.snapshots.namespace,
-                                          lambda: self.snapshots.snapshot.version, self.backend.source_id,
-                                          config.block_size, self.store.bound)
+            if self.peer.mode == "owned":  # (the only nodes whose share is at stake)
+                self.share = share.ShareWatch(self.peer, lambda: self.snapshots.namespace,
+                                              lambda: self.snapshots.snapshot.version, self.backend.source_id,
+                                              config.block_size, self.store.bound)
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
             capacity=config.cache_size, max_inflight=config.backend_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
