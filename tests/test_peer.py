@@ -392,8 +392,11 @@ def test_a_captured_request_is_worthless_elsewhere_and_once_used(cluster):
     assert st == 401 and wire.ANSWER_HEADER not in hdrs and b"before this member started" in body
     st, hdrs, body, sent = signed_get(b.peer_addr, wire.HELLO, keys)  # a hello is answered at once ...
     assert st == 200 and keys.answer_ok(sent[wire.AUTH_HEADER], 200, body, hdrs[wire.ANSWER_HEADER])
-    since = wire.parse_since(body)
-    assert since is not None and since > int(captured[wire.TIME_HEADER])  # ... with the second b started
+    answer = wire.parse_hello(body)
+    assert answer is not None
+    since, capacity = answer
+    assert since > int(captured[wire.TIME_HEADER])  # ... with the second b started
+    assert capacity == 10 << 30  # and the size of its cache (its weight in the ring): the default --cache-size
     headers, _ = keys.headers(b.peer_addr, req.target(), max(time.time(), since))
     st, _, body, _ = signed_get(b.peer_addr, req.target(), keys, headers=headers)
     assert st == 200 and len(body) == MiB

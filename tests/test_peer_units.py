@@ -45,6 +45,63 @@ def test_ownership_is_even_and_a_change_moves_only_one_share():
     assert Ring([]).owner(blocks[0]) is None and ring.owner(blocks[0], exclude=set(members)) is None
 
 
+def test_members_are_ranked_in_proportion_to_their_caches_and_a_change_still_moves_only_one_share():
+    """Weighted rendezvous: a member's share follows its weight (its cache's size); a member joining takes
+    blocks only for itself and one leaving hands over only its own; equal weights (any value) rank
+    exactly as the plain ring does, so a fleet of equal nodes places every block where it did before."""
+    members = [f"10.0.0.{i}:9570" for i in range(1, 5)]
+    weights = {members[0]: 1000, members[1]: 3000, members[2]: 1000, members[3]: 5000}
+    ring = Ring(members, weights)
+    blocks = bids(40_000)
+    owners = {b: ring.owner(b) for b in blocks}
+    counts = Counter(owners.values())
+    for m in members:
+        assert abs(counts[m] / len(blocks) - weights[m] / 10_000) < 0.01, counts
+    assert all(ring.owners(b, 3)[0] == owners[b] for b in blocks[:2000])
+    assert all(len(set(ring.owners(b, 3))) == 3 for b in blocks[:200])
+    assert Ring(reversed(members), weights) == ring and Ring(members) != ring  # (the weights are the ring's)
+    # two replicas: the second holder is the first choice once the first is left out
+    assert all(ring.owners(b, 2)[1] == ring.owner(b, exclude={owners[b]}) for b in blocks[:2000])
+    joined = Ring([*members, "10.0.0.9:9570"], {**weights, "10.0.0.9:9570": 10_000})
+    moved = [b for b in blocks if joined.owner(b) != owners[b]]
+    assert all(joined.owner(b) == "10.0.0.9:9570" for b in moved)  # only to the newcomer ...
+    assert abs(len(moved) / len(blocks) - 0.5) < 0.01  # ... its weight's part of them
+    left = Ring(members[1:], weights)
+    assert {owners[b] for b in blocks if left.owner(b) != owners[b]} == {members[0]}
+    assert all(ring.owner(b, exclude={members[0]}) == left.owner(b) for b in blocks[:2000])
+    grown = Ring(members, {**weights, members[0]: 2000})  # a member whose cache doubled gains, nobody else does
+    assert {grown.owner(b) for b in blocks if grown.owner(b) != owners[b]} == {members[0]}
+    plain = Ring(members)
+    for same in (7, 1 << 40):
+        alike = Ring(members, dict.fromkeys(members, same))
+        assert all(alike.owners(b, 4) == plain.owners(b, 4) and alike.owner(b) == plain.owner(b) for b in blocks[:5000])
+    huge = Ring(members, {**weights, members[0]: 1 << 80, members[1]: -5})  # bounded, never an error
+    assert huge.weight(members[0]) == 1 << 40 and huge.weight(members[1]) == 1 and huge.weight("x") == 1
+
+
+def test_the_ring_weights_come_from_every_member_or_none():
+    from epochfs.peer.members import ring_weights
+    from epochfs.peer.ring import WEIGHT_UNIT, weight_of
+
+    assert weight_of(0) == 1 and weight_of(10 << 30) == (10 << 30) // WEIGHT_UNIT and weight_of(1 << 90) == 1 << 40
+    assert ring_weights(["a", "b"], {"a": 2 << 20, "b": 6 << 20}) == {"a": 2, "b": 6}
+    assert ring_weights(["a", "b"], {"a": 2 << 20, "b": None}) is None  # (one that says nothing: all alike)
+    assert ring_weights(["a", "b"], {"a": 2 << 20}) is None
+
+
+def test_a_hello_says_when_the_member_started_and_how_large_its_cache_is():
+    assert wire.parse_hello(wire.hello_body(1700000000, 10 << 30)) == (1700000000, 10 << 30)
+    assert wire.parse_hello(b"1700000000") == (1700000000, None)  # a member that states no cache size
+    for bad in (b"", b" ", b"17 ", b" 17", b"x", b"17 x", b"-1 5", b"17 -5", b"1" * 13, b"17 " + b"9" * 25,
+                b"17 5 6", b"17\n5", "١٧".encode()):
+        assert wire.parse_hello(bad) is None, bad
+    rnd = random.Random(11)
+    for _ in range(3000):
+        body = bytes(rnd.choice(b"0123456789 x-\n\xff") for _ in range(rnd.randrange(0, 40)))
+        answer = wire.parse_hello(body)
+        assert answer is None or answer[0] < 10 ** 12 and (answer[1] is None or answer[1] < 10 ** 24)
+
+
 def test_the_shares_of_a_snapshot_are_its_blocks_as_the_members_rank_them():
     """`ownership` (what `epochfs cluster status` sets against each member's cache): every block of every
     stored object once (a shard behind several packed members once), each counted for each of its
@@ -297,6 +354,43 @@ def test_the_member_list_from_the_store_is_checked_and_every_member_proven():
             await nursery.start(m.run)
             nursery.cancel_scope.cancel()
         assert store.left == [ME]
+
+    trio.run(main)
+
+
+def test_each_member_is_weighted_by_the_cache_its_proof_stated():
+    """The ring's weights are the cache sizes the members stated in their proofs and this node's own;
+    one that stated none ranks everybody alike; a member asked again (every REPROVE seconds) that states
+    another size is reweighted, and one that fails that proof leaves the ring."""
+    store = FakeStore([b"10.0.0.2:9570", b"10.0.0.3:9570"])
+    stated = {"10.0.0.2:9570": 4 << 20, "10.0.0.3:9570": 1 << 20}
+
+    def prove(member):
+        answer = stated[member]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    m = Membership(store, "s3://b/p/", ME, prove, capacity=2 << 20)
+
+    async def main():
+        await m.beat()
+        await m.prove_due()
+        assert dict(zip(m.ring.members, m.ring.weights, strict=True)) == {
+            ME: 2, "10.0.0.2:9570": 4, "10.0.0.3:9570": 1}
+        stated["10.0.0.3:9570"] = 8 << 20  # it restarted with a larger cache
+        await m.prove_due()
+        assert m.ring.weight("10.0.0.3:9570") == 1  # (not asked again before REPROVE)
+        m.REPROVE = 0.0
+        await m.prove_due()
+        assert m.ring.weight("10.0.0.3:9570") == 8
+        stated["10.0.0.2:9570"] = None  # a member of an older version: it states no size
+        await m.prove_due()
+        assert m.ring.weights == (1, 1, 1) and len(m.ring) == 3
+        stated["10.0.0.2:9570"] = RuntimeError("an answer not authenticated")
+        await m.prove_due()
+        assert "10.0.0.2:9570" not in m.ring and m.down() == ("10.0.0.2:9570",)
+        assert dict(zip(m.ring.members, m.ring.weights, strict=True)) == {ME: 2, "10.0.0.3:9570": 8}
 
     trio.run(main)
 

@@ -230,7 +230,7 @@ class Daemon:
         members = Membership(self.snapshots.store, self.backend.source_id,
                              config.peer_advertise or config.peer_listen or "client",
                              prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role,
-                             stats=self._member_stats)
+                             stats=self._member_stats, capacity=config.cache_size)
         self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas,
                              link_capacity=config.link_capacity)
 
@@ -246,7 +246,8 @@ class Daemon:
         st, capacity = self.store.statistics(), self.config.link_capacity
         return json.dumps({
             "role": self.peer.members.role, "node": self.config.node_name(), "held_bytes": st.used_bytes,
-            "capacity_bytes": st.capacity_bytes, "served_bytes": out, "out_bytes_per_second": rate,
+            "capacity_bytes": st.capacity_bytes, "cache_size": self.config.cache_size, "served_bytes": out,
+            "out_bytes_per_second": rate,
             "link_capacity": capacity, "utilization": rate / capacity if capacity else None,
             "down": list(self.peer.members.down()), "snapshot": self.snapshots.snapshot.version,
             "replicas": self.config.replicas, "mode": self.peer.mode, "block_size": self.config.block_size,
@@ -258,7 +259,8 @@ class Daemon:
         host, port = split_addr(self.config.peer_listen, any_port=True) or ("", 0)
         members = self.peer.members
         answers = PeerAnswers(self.cache, lambda: self.snapshots.namespace)
-        self.peer_server = PeerServer(host, port, self.peer.client.keys, lambda: members.me, answers.serve)
+        self.peer_server = PeerServer(host, port, self.peer.client.keys, lambda: members.me, answers.serve,
+                                      capacity=self.config.cache_size)
 
     def _open_writeback(self, opened: contextlib.ExitStack) -> None:
         """The write-back journal and service; what an earlier run left owed is taken up before the mount

@@ -111,22 +111,26 @@ def _members(store: Any, source_id: str) -> dict[str, str]:
     return out
 
 
-def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0) -> tuple[Any, dict[str, str | None]]:
-    """A peer client and, for each member, None if it proved it holds the token, else why not."""
+def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0
+           ) -> tuple[Any, dict[str, str | None], dict[str, int | None]]:
+    """A peer client; for each member, None if it proved it holds the token, else why not; and the cache
+    size each one that proved it stated (its weight in the ring)."""
     from epochfs.peer.client import PeerClient
     from epochfs.peer.wire import Keys, load_token
 
     client = PeerClient(Keys(load_token(token_file)), timeout)
+    stated: dict[str, int | None] = {}
 
     def one(addr: str) -> str | None:
         try:
-            client.hello(addr, timeout)
+            stated[addr] = client.hello(addr, timeout)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed proof
             return str(exc)[:200]
         return None
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        return client, dict(zip(addrs, pool.map(one, addrs), strict=True))
+        proofs = dict(zip(addrs, pool.map(one, addrs), strict=True))
+    return client, proofs, stated
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -137,11 +141,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         snapshot = store.load(source_id) if members else None
     finally:
         store.close()
-    proofs = _prove(sorted(members), args.peer_token_file)[1] if args.peer_token_file else {}
+    _, proofs, stated = _prove(sorted(members), args.peer_token_file) if args.peer_token_file else (None, {}, {})
     now = time.time()
     rows = [member_row(addr, members[addr], stats.get(addr), now, proofs.get(addr, "")) for addr in
             sorted(members, key=lambda a: (members[a] != "server", a))]
-    shares, warnings = _shares(rows, snapshot, source_id, {a for a, why in proofs.items() if why is not None})
+    shares, warnings = _shares(rows, snapshot, source_id, {a for a, why in proofs.items() if why is not None},
+                               stated)
     if args.json:
         print(json.dumps({"source": source_id, "members": rows, "shares": shares, "warnings": warnings}, indent=1))
     else:
@@ -151,7 +156,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 #: What a member publishes of itself, and the type each figure must have to be shown (the store is
 #: written by anyone who holds its password: nothing else is taken, and nothing of another type).
-_COUNTS = ("held_bytes", "capacity_bytes", "served_bytes", "replicas", "block_size", "snapshot")
+_COUNTS = ("held_bytes", "capacity_bytes", "cache_size", "served_bytes", "replicas", "block_size", "snapshot")
 _RATES = ("out_bytes_per_second", "link_capacity", "utilization", "updated")
 
 
@@ -230,14 +235,16 @@ def _published_int(row: dict[str, Any], key: str, lo: int, hi: int) -> int | Non
     return value if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi else None
 
 
-def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
-            unproven: set[str]) -> tuple[dict[str, Any] | None, list[str]]:
+def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven: set[str],
+            stated: dict[str, int | None] | None = None) -> tuple[dict[str, Any] | None, list[str]]:
     """Rank the snapshot's blocks over the members that own blocks (the cache nodes where there are any,
     else the serving GPU nodes; those that failed their proof left out, as every member leaves them out),
-    at the block size and replicas they publish; set each such row's ``share_bytes``. The shares'
-    geometry (None where there is nothing to rank) and what is wrong with it."""
+    at the block size and replicas they publish and weighted by the cache sizes they stated in their
+    proofs (``stated``; those not asked: the sizes they publish); set each such row's ``share_bytes``.
+    The shares' geometry (None where there is nothing to rank) and what is wrong with it."""
     from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from epochfs.doctor import HEADROOM, size_flag
+    from epochfs.peer.members import ring_weights
     from epochfs.peer.ring import Ring
     from epochfs.peer.share import ownership
 
@@ -256,7 +263,11 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str,
         warnings.append("the members cut blocks at different sizes (" + ", ".join(
             f"{human(b)}: {n}" for b, n in sizes.most_common()) + "): a block id names its size, so members of "
             "different --block-size never serve each other a block; mount them all with one")
-    owned = ownership(snapshot.objects, source_id, Ring(r["member"] for r in owners), block_size, count)
+    stated = stated or {}
+    sizes_stated = {r["member"]: stated[r["member"]] if r["member"] in stated
+                    else _published_int(r, "cache_size", 0, 1 << 62) for r in owners}
+    ring = Ring(sizes_stated, ring_weights(list(sizes_stated), sizes_stated))
+    owned = ownership(snapshot.objects, source_id, ring, block_size, count)
     for r in owners:
         r["share_bytes"] = share = owned.owned.get(r["member"], 0)
         capacity = _published_int(r, "capacity_bytes", 0, 1 << 62)
@@ -311,6 +322,7 @@ def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[Objec
 def cmd_warmup(args: argparse.Namespace) -> int:
     from epochfs.cache.keys import block_id, extent_blocks
     from epochfs.peer.client import PeerFailure
+    from epochfs.peer.members import ring_weights
     from epochfs.peer.ring import Ring
     from epochfs.peer.wire import BlockRequest
     from epochfs.records import stored_extent
@@ -329,10 +341,11 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     servers = sorted(a for a, role in members.items() if role == "server") or sorted(members)
     if not servers:
         raise EpochfsError("no member of the cluster tier is up (start the cache nodes: epochfs serve)")
-    client, proofs = _prove(servers, args.peer_token_file)
+    client, proofs, stated = _prove(servers, args.peer_token_file)
     client.timeout = args.timeout
     down = {a: why for a, why in proofs.items() if why is not None}
-    ring = Ring([a for a in servers if a not in down])
+    up = [a for a in servers if a not in down]
+    ring = Ring(up, ring_weights(up, stated))  # (as the cache nodes rank: by the cache sizes they stated)
     if not len(ring):
         raise EpochfsError("no cache node proved it holds the token: " + "; ".join(f"{a}: {w}" for a, w in down.items()))
     blocks: dict[bytes, tuple[ObjectInfo, int, int]] = {}

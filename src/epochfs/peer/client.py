@@ -60,14 +60,16 @@ class PeerClient:
             raise PeerFailure("bad", f"{member}: {len(data)} bytes for a block of {req.length}")
         return bytes(data)
 
-    def hello(self, member: str, timeout: float) -> None:
+    def hello(self, member: str, timeout: float) -> int | None:
         """Have ``member`` prove that it holds the cluster's token; :class:`PeerFailure` if it does not.
-        Its answer says when it started: requests to it are signed no earlier (it refuses older ones)."""
+        Its answer says when it started (requests to it are signed no earlier: it refuses older ones) and
+        the size of its cache, returned (None from a member that does not say it)."""
         status, body = self._ask(member, wire.HELLO, 4096, timeout)
-        since = wire.parse_since(bytes(body)) if status == 200 else None
-        if since is None:
+        answer = wire.parse_hello(bytes(body)) if status == 200 else None
+        if answer is None:
             raise PeerFailure("declined", f"{member}: HTTP {status} to a hello", status)
-        self._since[member] = since
+        self._since[member], capacity = answer
+        return capacity
 
     def _ask(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
         try:

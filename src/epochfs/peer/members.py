@@ -18,6 +18,14 @@ again after a backoff (``RETRY_MIN`` doubling to ``RETRY_MAX``); a member whose 
 answer, an unauthenticated one, errors) is distrusted at once (:meth:`Membership.distrust`) and must
 prove itself again. The ring holds this node and the proven members only.
 
+**Weights.** A member's share of the blocks follows the size of its cache (:mod:`epochfs.peer.ring`),
+which it states in its proof: authenticated like the proof itself, so only a holder of the token can
+state it, never a writer of the store. This node's own is its ``capacity``. Where a member stated none
+(a member of an older version) every member is ranked with the same weight, as before weights existed:
+the nodes of a fleet rank alike as long as they see the same members and the same sizes. A member that
+restarts with another cache size states it at its next proof (every member is asked again at least every
+``REPROVE`` seconds).
+
 Concurrency contract: :meth:`Membership.run` is a trio task (heartbeats and proofs); the Redis calls and
 the proofs run in worker threads; :meth:`distrust` may be called from any thread; :attr:`ring` is
 replaced whole under a lock (readers in worker threads see the old ring or the new one).
@@ -34,7 +42,7 @@ from typing import Protocol
 import trio
 
 from epochfs.errors import BackendUnavailable
-from epochfs.peer.ring import Ring
+from epochfs.peer.ring import Ring, weight_of
 from epochfs.peer.wire import member_addr, same_family
 from epochfs.text import printable
 
@@ -55,7 +63,9 @@ class MemberStore(Protocol):
     def leave(self, source: str, member: str, role: str = "peer") -> None: ...
 
 
-Prove = Callable[[str], None]  # raises (with the reason) unless the member proved it holds the token
+# Raises (with the reason) unless the member proved it holds the token; returns the size of its cache that
+# its proof stated (None where it stated none).
+Prove = Callable[[str], "int | None"]
 Stats = Callable[[], bytes]  # what this member publishes of itself at each heartbeat (epochfs cluster status)
 
 
@@ -65,9 +75,10 @@ class Membership:
     RETRY_MIN, RETRY_MAX = 5.0, 300.0  # backoff of a candidate that failed its proof
     PROOFS_AT_ONCE = 16
     PROOF_INTERVAL = 0.5  # how often the prover looks for candidates due
+    REPROVE = 300.0  # a proven member is asked again after this long (a cache size it changed is learnt)
 
     def __init__(self, store: MemberStore, source: str, me: str, prove: Prove, *, role: str = "peer",
-                 stats: Stats | None = None) -> None:
+                 stats: Stats | None = None, capacity: int | None = None) -> None:
         if role not in ROLES:
             raise ValueError(role)
         self.store = store
@@ -76,11 +87,14 @@ class Membership:
         self.prove = prove
         self.role = role
         self.stats = stats
+        self.capacity = capacity  # this node's cache in bytes: its weight, as its proof states it
         self.ring = Ring([] if role == "client" else [me])
         self.reachable = True
         self._lock = threading.Lock()
         self._listed: dict[str, str] = {}  # valid candidates in the store's lists (not this node) -> role
         self._proven: set[str] = set()
+        self._capacity: dict[str, int | None] = {}  # proven member -> the cache size its proof stated
+        self._proved_at: dict[str, float] = {}  # proven member -> when (monotonic)
         self._retry: dict[str, tuple[float, float]] = {}  # member -> (not before (monotonic), backoff)
         self._proving: set[str] = set()
         self._ignored: set[bytes] = set()
@@ -150,8 +164,9 @@ class Membership:
         when they have answered or timed out."""
         now = time.monotonic()
         with self._lock:
-            due = [m for m in self._listed if m not in self._proven and m not in self._proving
-                   and self._retry.get(m, (0.0, 0.0))[0] <= now]
+            due = [m for m in self._listed if m not in self._proving
+                   and (m not in self._proven and self._retry.get(m, (0.0, 0.0))[0] <= now
+                        or m in self._proven and now - self._proved_at.get(m, now) > self.REPROVE)]
             self._proving.update(due)
         if not due:
             return
@@ -162,13 +177,15 @@ class Membership:
 
     async def _prove(self, member: str, limiter: trio.CapacityLimiter) -> None:
         try:
-            await trio.to_thread.run_sync(self.prove, member, limiter=limiter, abandon_on_cancel=True)
+            capacity = await trio.to_thread.run_sync(self.prove, member, limiter=limiter, abandon_on_cancel=True)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed proof
             self._failed(member, str(exc))
         else:
             with self._lock:
                 if member in self._listed:
                     self._proven.add(member)
+                    self._capacity[member] = capacity if isinstance(capacity, int) else None
+                    self._proved_at[member] = time.monotonic()
                     self._retry.pop(member, None)
                     self._rebuild()
         finally:
@@ -176,6 +193,9 @@ class Membership:
 
     def _failed(self, member: str, why: str) -> None:
         with self._lock:
+            if member in self._proven:  # (a re-proof failed: out of the ring until it proves itself again)
+                self._proven.discard(member)
+                self._rebuild()
             _, backoff = self._retry.get(member, (0.0, 0.0))
             backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * backoff))
             self._retry[member] = (time.monotonic() + backoff, backoff)
@@ -209,13 +229,17 @@ class Membership:
         return "server" if self.role == "server" else "peer"
 
     def _rebuild(self) -> None:  # (under the lock)
+        for gone in self._capacity.keys() - self._proven:
+            del self._capacity[gone]
+            self._proved_at.pop(gone, None)
         servers = {m for m in self._proven if self._listed.get(m) == "server"}
         if self.role == "server":
             servers.add(self.me)
         if servers:
-            ring = Ring(servers)
+            members = servers
         else:
-            ring = Ring({*self._proven, *([self.me] if self.role == "peer" else [])})
+            members = {*self._proven, *([self.me] if self.role == "peer" else [])}
+        ring = Ring(members, ring_weights(members, {**self._capacity, self.me: self.capacity}))
         if ring != self.ring:
             joined, left = set(ring.members) - set(self.ring.members), set(self.ring.members) - set(ring.members)
             log.info("peer members: %d (%s)", len(ring), ", ".join(
@@ -244,3 +268,12 @@ class Membership:
             self.store.leave(self.source, self.me, self._role_listed)
         except BackendUnavailable as exc:
             log.info("could not leave the member list (%s); it expires in %.0fs", exc, self.TTL)
+
+
+def ring_weights(members: set[str] | list[str], capacity: dict[str, int | None]) -> dict[str, int] | None:
+    """The ring's weights for ``members`` from the cache sizes they stated (:func:`~epochfs.peer.ring.weight_of`);
+    None (every member alike) where any of them stated none."""
+    sizes = [capacity.get(m) for m in members]
+    if any(size is None for size in sizes):
+        return None
+    return {m: weight_of(size) for m, size in zip(members, sizes, strict=True) if size is not None}

@@ -45,8 +45,10 @@ class PeerServer:
     SEND_TIMEOUT = 30.0
     MAC_IN_THREAD = 256 << 10  # bodies from this size have their MAC computed in a worker thread
 
-    def __init__(self, host: str, port: int, keys: wire.Keys, me: Callable[[], str], serve: Serve) -> None:
+    def __init__(self, host: str, port: int, keys: wire.Keys, me: Callable[[], str], serve: Serve, *,
+                 capacity: int = 0) -> None:
         self.host, self.port = host, port
+        self.capacity = capacity  # this member's cache in bytes, stated in its hello (its weight in the ring)
         self.keys = keys
         self.me = me  # this member's address as the member list has it: requests must be made for it
         self.serve = serve
@@ -139,7 +141,7 @@ class PeerServer:
             await self._send(conn, stream, exc.status, str(exc).encode(), None)
             return False
         hello = target == wire.HELLO
-        status, body = (200, str(self.replays.since).encode()) if hello else (204, b"")
+        status, body = (200, wire.hello_body(self.replays.since, self.capacity)) if hello else (204, b"")
         try:
             if request.method != b"GET":
                 raise wire.Rejected(405, "only GET")

@@ -127,7 +127,7 @@ class ShareWatch:
         """Whether the ring or the snapshot changed since the last ranking, and this node is in a ring
         whose members have all been tried (not a node alone while the others are still proving)."""
         members = self.tier.members
-        return ((members.ring.members, self.version()) != self._seen and members.me in members.ring
+        return ((members.ring, self.version()) != self._seen and members.me in members.ring
                 and members.settled())
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -141,7 +141,7 @@ class ShareWatch:
     async def rank(self) -> None:
         tier = self.tier
         ring, version, namespace = tier.members.ring, self.version(), self.namespace()
-        self._seen = (ring.members, version)
+        self._seen = (ring, version)
         try:
             shares = await trio.to_thread.run_sync(
                 lambda: ownership((f.obj for f in namespace.files()), self.source_id, ring, self.block_size,

@@ -12,7 +12,8 @@ to, as the member list has it: a request is good only at the member it was made 
 ``CLOCK_SKEW`` seconds of its time, and only once (the owner remembers the nonces it has seen).
 
 Answer: ``200`` with the block's bytes, ``204`` to a warm request (``w=1``: make sure you have it, send
-nothing), ``200`` with the second the member started to a hello, ``404`` to a stored-only request
+nothing), ``200`` to a hello with the second the member started and, after a space, the size of its
+cache in bytes (its weight in the ring, :mod:`epochfs.peer.ring`), ``404`` to a stored-only request
 (``s=1``: only if you hold it, never fetch it: how a cache node fills its share from the others before
 the backend) for a block it does not hold, or an error status with a one-line reason; every answer carries
 ``X-Epochfs-Answer``, the answer MAC over the request's MAC, the status and the body. Only a member that
@@ -140,9 +141,20 @@ class Keys:
         return sent_mac is not None and hmac_equal(self.answer_mac(request_mac, status, body), sent_mac)
 
 
-def parse_since(body: bytes) -> int | None:
-    """A hello's answer: the second the member started (its :attr:`Replays.since`), or None."""
-    return int(body) if body.isdigit() and len(body) <= 12 else None
+def hello_body(since: int, capacity: int) -> bytes:
+    """A hello's answer: the second the member started (its :attr:`Replays.since`) and its cache's size."""
+    return f"{since} {capacity}".encode()
+
+
+def parse_hello(body: bytes) -> tuple[int, int | None] | None:
+    """A hello's answer as (the second the member started, its cache's size in bytes or None where the
+    member does not say it), or None if it is not one."""
+    since, space, capacity = body.partition(b" ")
+    if not (since.isdigit() and len(since) <= 12):
+        return None
+    if not space:
+        return int(since), None
+    return (int(since), int(capacity)) if capacity.isdigit() and len(capacity) <= 24 else None
 
 
 def hmac_equal(a: str, b: str) -> bool:
