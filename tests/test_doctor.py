@@ -15,7 +15,7 @@ import pytest
 
 from epochfs.config import parse_size, read_config_file
 from epochfs.cost import Prices, cost_table, prices_from
-from epochfs.doctor import compare, diagnose, render, size_flag
+from epochfs.doctor import compare, diagnose, render, share_fix, size_flag
 from epochfs.errors import ConfigError
 from epochfs.sample import SampleFile, upload
 from epochfs.watch import watch
@@ -230,12 +230,45 @@ def test_fixes_in_place_are_never_advised():
     assert any("packed (3 shards)" in x for x in r["in_place"])
 
 
+def test_a_share_too_large_for_its_cache_is_fixed_where_the_weights_say():
+    """Members weighted by their caches own in proportion to them: raising one member's --cache-size only
+    moves more blocks to it. The advice is the tier's caches together against the dataset (every member
+    raised by one factor, which keeps the proportions: each share then fits its cache with a tenth to
+    spare), or, where a disk holds less than its --cache-size, that disk's size; unweighted members
+    are fixed one by one, as before."""
+    members = {"a": 2 * GiB, "b": 4 * GiB}
+    needed = 28 * GiB  # the dataset times its replicas
+    tier = sum(members.values())
+    for name, size in members.items():
+        share = needed * size / tier
+        fix = share_fix(share, size, size, tier, needed)
+        factor = float(re.search(r"by ([\d.]+)x", fix)[1])
+        assert factor >= needed * 1.1 / tier * 0.99
+        advised = parse_size(re.search(r"--cache-size (\S+?)`", fix)[1])
+        grown = {m: c * factor for m, c in members.items()}  # every member raised alike: the same proportions
+        assert needed * grown[name] / sum(grown.values()) <= advised and advised >= share * 1.1 * 0.99, fix
+        assert "add members with 24.8 GiB of cache" in fix  # (28 GiB and a tenth, less the 6 GiB there)
+    fix = share_fix(9 * GiB, 3 * GiB, 8 * GiB, 40 * GiB, 28 * GiB)  # its disk holds 3 of its 8
+    assert "`--cache-size 3G`" in fix and "disk" in fix
+    assert share_fix(9 * GiB, 3 * GiB) == share_fix(9 * GiB, 3 * GiB, None, None, 28 * GiB)
+    assert "`--cache-size 10G`" in share_fix(9 * GiB, 3 * GiB)  # (unweighted: its share and a tenth)
+    s = starving()  # the doctor says the same from a weighted node's status
+    s.update(peer={"role": "server", "mode": "owned", "share_bytes": 9 * GiB, "dataset_bytes": 28 * GiB,
+                   "replicas": 1, "cache_size_bytes": 2 * GiB, "tier_cache_bytes": 6 * GiB, "bytes_in": 0,
+                   "requests": {"unavailable": 0, "bad": 0}})
+    s["store"]["capacity_bytes"] = 2 * GiB
+    [finding] = [f for f in doctor(s)["findings"] if f["cause"] == "cluster-share-too-large"]
+    assert share_fix(9 * GiB, 2 * GiB, 2 * GiB, 6 * GiB, 28 * GiB) in finding["fix"]
+
+
 def test_sizes_in_advice_are_flags_to_paste():
     assert size_flag(332346060) == "1G"
     assert size_flag(300 * GiB) == "300G"
     assert size_flag(300.5 * GiB) == "301G"
     assert size_flag(1536 * GiB) == "1.5T"
     assert parse_size(size_flag(7 * 1024 * GiB + 1)) >= 7 * 1024 * GiB + 1
+    assert size_flag(300.5 * GiB, down=True) == "300G" and size_flag(1536.9 * GiB, down=True) == "1.5T"
+    assert size_flag(3 * MiB + 5, down=True) == "3M" and parse_size(size_flag(2 * GiB - 1, down=True)) <= 2 * GiB - 1
 
 
 def test_the_hit_ratio_is_the_windows_and_falls_back_to_the_totals():

@@ -26,6 +26,7 @@ from typing import Any
 
 from epochfs.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
 from epochfs.stats import HistogramSnapshot
+from epochfs.text import human
 
 STORAGE_BOUND = 0.5  # of step time spent waiting for data
 COMPUTE_BOUND = 0.2
@@ -54,6 +55,12 @@ def _share(part: float, whole: float) -> float | None:
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _needed(peer: dict[str, Any]) -> float | None:
+    """The bytes the cluster tier's caches must hold together: the dataset times its replicas."""
+    total, replicas = _num(peer.get("dataset_bytes")), _num(peer.get("replicas"))
+    return total * (replicas or 1) if total is not None else None
 
 
 def _ranks(status: dict[str, Any], job: str | None) -> list[dict[str, Any]]:
@@ -148,6 +155,9 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
     return {"hit_ratio": _share(hit, hit + miss),
             "peer_role": p1.get("role"), "peer_share": _share(peer_in, hit + miss) if p1 else None,
             "peer_failures": failed, "peer_mode": p1.get("mode"), "peer_share_bytes": _num(p1.get("share_bytes")),
+            "peer_cache_size_bytes": _num(p1.get("cache_size_bytes")),
+            "peer_tier_cache_bytes": _num(p1.get("tier_cache_bytes")),
+            "peer_needed_bytes": _needed(p1),
             "backend_bytes_per_second": backend / seconds if seconds > 0 else 0.0,
             "backend_bandwidth_limit": after["backend"].get("bandwidth_limit"),
             "backend_median_seconds": HistogramSnapshot.from_dict(latency).quantile(0.5) if latency else None,
@@ -165,12 +175,35 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             and seconds > 0 and asks1 >= asks0 else None}
 
 
-def size_flag(nbytes: float) -> str:
-    """A size as ``--cache-size`` takes it, rounded up: ``320G``, ``1.5T``."""
+def size_flag(nbytes: float, *, down: bool = False) -> str:
+    """A size as ``--cache-size`` takes it, rounded up (``down``: rounded down): ``320G``, ``1.5T``."""
     gib = nbytes / (1 << 30)
     if gib >= 1024:
-        return f"{math.ceil(gib / 1024 * 10) / 10:g}T"
-    return f"{max(1, math.ceil(gib))}G"
+        return f"{(math.floor if down else math.ceil)(gib / 1024 * 10) / 10:g}T"
+    if gib < 1 and down:
+        return f"{max(1, math.floor(nbytes / (1 << 20)))}M"
+    return f"{max(1, (math.floor if down else math.ceil)(gib))}G"
+
+
+def share_fix(share: float, capacity: float, cache_size: float | None = None, tier_cache: float | None = None,
+              needed: float | None = None) -> str:
+    """What makes a cluster tier member's ``share`` fit its cache (``capacity``: what it holds now).
+
+    Where the members are weighted by their caches (``tier_cache``: the ``--cache-size`` of the ring's
+    members together; ``cache_size``: this member's), a share follows its member's ``--cache-size``:
+    raising one moves more blocks to it, so what fits is the tier's caches together against ``needed``
+    (the dataset times its replicas), or a member whose disk holds less than its ``--cache-size`` told
+    what it holds (it is weighed by what it says). Unweighted, this member's cache alone."""
+    if tier_cache is None or cache_size is None or needed is None:
+        return f"give it `--cache-size {size_flag(share * HEADROOM)}` (its share and a tenth), or add members"
+    if capacity < cache_size:
+        return (f"its disk holds less than its --cache-size, which is what the members weigh it by: give it "
+                f"`--cache-size {size_flag(capacity, down=True)}` (what it holds) or free its disk")
+    factor = max(HEADROOM, needed * HEADROOM / tier_cache) if tier_cache > 0 else HEADROOM
+    return (f"each member's share follows its --cache-size, and the members' caches hold {human(tier_cache)} "
+            f"together for {human(needed)} of blocks: raise every member's by {factor:.2g}x (this one's: "
+            f"`--cache-size {size_flag(cache_size * factor)}`), or add members with "
+            f"{human(max(needed * HEADROOM - tier_cache, share * HEADROOM))} of cache")
 
 
 def in_place(m: dict[str, Any]) -> list[str]:
@@ -296,8 +329,9 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
         found("cluster-share-too-large", f"this node owns {size_flag(owned)} of the dataset in the cluster tier and "
               f"keeps only what it owns, in a cache of {size_flag(cap)}: it evicts blocks it owns, and each member "
               "that asks for one reads it from the backend again",
-              f"remount with `--cache-size {size_flag(owned * HEADROOM)}` (its share and a tenth), or add members "
-              f"(`epochfs cluster status {src} --meta URL` shows each member's share against its cache)")
+              share_fix(owned, cap, m.get("peer_cache_size_bytes"), m.get("peer_tier_cache_bytes"),
+                        m.get("peer_needed_bytes"))
+              + f" (`epochfs cluster status {src} --meta URL` shows each member's share against its cache)")
     median = m["backend_median_seconds"]
     if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99):
         conc = m.get("backend_concurrency")

@@ -1,4 +1,5 @@
-"""Text from outside (object keys, a peer's or a store's words) made safe for a log line or a terminal.
+"""Text from outside (object keys, a peer's or a store's words) made safe for a log line or a terminal;
+byte counts written for people (:func:`human`).
 
 A key may hold any character S3 allows; printed raw, a newline forges a log record, and C1 controls
 (U+0080..U+009F: ``U+009B`` is a terminal's CSI), line and paragraph separators and bidirectional
@@ -30,3 +31,12 @@ class SafeFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         return printable(super().formatMessage(record))
+
+
+def human(n: float) -> str:
+    """Bytes with a binary unit: ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

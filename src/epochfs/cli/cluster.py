@@ -243,9 +243,9 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
     proofs (``stated``; those not asked: the sizes they publish); set each such row's ``share_bytes``.
     The shares' geometry (None where there is nothing to rank) and what is wrong with it."""
     from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-    from epochfs.doctor import HEADROOM, size_flag
+    from epochfs.doctor import share_fix
     from epochfs.peer.members import ring_weights
-    from epochfs.peer.ring import Ring
+    from epochfs.peer.ring import WEIGHT_UNIT, Ring
     from epochfs.peer.share import ownership
 
     servers = [r for r in rows if r["role"] == "server"]
@@ -273,17 +273,21 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
         capacity = _published_int(r, "capacity_bytes", 0, 1 << 62)
         keeps_own = r["role"] == "server" or r.get("mode") == "owned"
         if keeps_own and capacity is not None and share > capacity:
+            fix = share_fix(share, capacity, ring.weight(r["member"]) * WEIGHT_UNIT if ring.sized else None,
+                            ring.cache_bytes(), owned.total * count)
             warnings.append(
                 f"{r['member']} owns {human(share)} of the dataset and its cache holds {human(capacity)}: it "
-                f"evicts blocks it owns, and each member that asks for one then costs a backend read again "
-                f"(give it `--cache-size {size_flag(share * HEADROOM)}`: its share and a tenth; or add members)")
+                f"evicts blocks it owns, and each member that asks for one then costs a backend read again ({fix})")
     return {"block_size": block_size, "replicas": count, "total_bytes": owned.total, "blocks_ranked": owned.ranked,
             "sampled": owned.sampled}, warnings
 
 
-def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: dict[str, Any]) -> None:
+def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: dict[str, Any], ring: Any) -> None:
     """Name each cache node asked to hold more than its cache holds (as it last published it): it would
     evict blocks it is warming, and each member that asks for one of them then costs a backend read."""
+    from epochfs.doctor import share_fix
+    from epochfs.peer.ring import WEIGHT_UNIT
+
     asked = Counter[str]()
     for owner, *_, length in work:
         asked[owner] += length
@@ -291,9 +295,11 @@ def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: d
         published = _published(stats.get(owner)) or {}
         capacity = published.get("capacity_bytes")
         if capacity is not None and nbytes > capacity:
+            fix = share_fix(nbytes, capacity, ring.weight(owner) * WEIGHT_UNIT if ring.sized else None,
+                            ring.cache_bytes(), sum(asked.values()))
             print(f"epochfs: warning: {owner} is asked to hold {human(nbytes)} and its cache holds "
                   f"{human(capacity)}: it will evict blocks it is warming (each read from the backend again when "
-                  "asked); give it a larger --cache-size, add cache nodes, or warm less", file=sys.stderr)
+                  f"asked): {fix}; or warm less", file=sys.stderr)
 
 
 def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[ObjectInfo]:
@@ -356,7 +362,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                               (stored, index, length))
     work = [(owner, bid, *blocks[bid]) for bid in blocks for owner in ring.owners(bid, args.replicas)]
     total = sum(w[4] for w in work)
-    _warn_outgrown(work, stats)
+    _warn_outgrown(work, stats, ring)
     done, failed, per_node = [0, 0], Counter[str](), Counter[str]()
     lock, stop = threading.Lock(), threading.Event()
     started = time.monotonic()

@@ -44,10 +44,11 @@ def _cost(h: int, weight: int) -> float:
 class Ring:
     """An immutable set of members (``HOST:PORT`` strings), each with its weight (default 1)."""
 
-    __slots__ = ("members", "weights", "_seeds", "_weighted")
+    __slots__ = ("members", "weights", "sized", "_seeds", "_weighted")
 
     def __init__(self, members: Iterable[str], weights: Mapping[str, int] | None = None) -> None:
         self.members: tuple[str, ...] = tuple(sorted(set(members)))
+        self.sized = weights is not None  # weighted by the members' caches (else every member alike)
         given = weights or {}
         self.weights: tuple[int, ...] = tuple(max(1, min(MAX_WEIGHT, int(given.get(m, 1)))) for m in self.members)
         self._seeds = [(_seed(m), m, w) for m, w in zip(self.members, self.weights, strict=True)]
@@ -91,6 +92,10 @@ class Ring:
             return self.weights[self.members.index(member)]
         except ValueError:
             return 1
+
+    def cache_bytes(self) -> int | None:
+        """The members' caches together, as they are weighed (None where the ring is not weighted by them)."""
+        return sum(self.weights) * WEIGHT_UNIT if self.sized else None
 
     def __len__(self) -> int:
         return len(self.members)

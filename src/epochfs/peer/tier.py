@@ -50,6 +50,7 @@ from epochfs.meta.nodes import File
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.members import Membership
+from epochfs.peer.ring import WEIGHT_UNIT
 from epochfs.peer.server import ServerStats
 from epochfs.records import ObjectInfo
 
@@ -74,6 +75,8 @@ class PeerStats:
     link_capacity: float | None = None  # bytes/s of this node's link (--link-capacity)
     share_bytes: int | None = None  # of the dataset, the bytes this node owns (replicas included; None: not known)
     dataset_bytes: int | None = None  # the bytes of the dataset the share is of
+    cache_size_bytes: int | None = None  # this node's cache as the ring weighs it (None: not weighted)
+    tier_cache_bytes: int | None = None  # the ring's members' caches together, as weighed (None: not weighted)
 
 
 class PeerCache(Protocol):
@@ -197,11 +200,14 @@ class PeerTier:
         if served is not None:
             outcomes["served"] = served.served
             outcomes["rejected"] = served.rejected
-        return PeerStats(me=self.members.me, mode=self.mode, members=self.members.ring.members, down=self.members.down(),
+        ring, me = self.members.ring, self.members.me
+        weighed = ring.sized and me in ring
+        return PeerStats(me=me, mode=self.mode, members=ring.members, down=self.members.down(),
                          store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
                          bytes_out=served.served_bytes if served else 0, role=self.members.role,
                          replicas=self.replicas, link_capacity=self.link_capacity, share_bytes=share[0],
-                         dataset_bytes=share[1])
+                         dataset_bytes=share[1], cache_size_bytes=ring.weight(me) * WEIGHT_UNIT if weighed else None,
+                         tier_cache_bytes=ring.cache_bytes() if weighed else None)
 
 
 class PeerAnswers:
