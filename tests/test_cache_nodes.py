@@ -280,20 +280,21 @@ def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
         named = [w for w in out["warnings"] if node.addr in w]
         assert bool(named) == (node.addr in over), (node.addr, out["warnings"])
         assert not named or "`--cache-size " in named[0] and f"! {node.addr} owns" in text
-    # the node knows its share as the command ranked it (both weigh the members alike): its status, its
-    # metric (the alert rule's input) and its log say so. (The node started first ranked itself alone
-    # before the other joined, and ranks again only 30 s later: the one started last is looked at.)
-    deadline = time.monotonic() + 15
-    while small.status()["peer"]["share_bytes"] is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    p = small.status()["peer"]
-    assert p["share_bytes"] == rows[small.addr]["share_bytes"] and p["dataset_bytes"] == TOTAL, p
+    # each node knows its share as the command ranked it (they weigh the members alike; the node started
+    # first, which ranked itself alone, ranks again as the other joins): its status, its metric (the
+    # alert rule's input) and its log say so
+    for node in (large, small):
+        deadline = time.monotonic() + 15
+        while node.status()["peer"]["share_bytes"] != rows[node.addr]["share_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        p = node.status()["peer"]
+        assert p["share_bytes"] == rows[node.addr]["share_bytes"] and p["dataset_bytes"] == TOTAL, p
+        assert "this node owns" in node.log()
+        with urllib.request.urlopen(f"http://{node.status()['metrics_addr']}/metrics", timeout=10) as answer:
+            shares = [s.value for fam in text_string_to_metric_families(answer.read().decode())
+                      for s in fam.samples if s.name == "epochfs_peer_share_bytes"]
+        assert shares == [p["share_bytes"]], shares
     assert ("evicts blocks it owns" in small.log()) == (small.addr in over)
-    assert "this node owns" in small.log()  # (within its cache too: said once, at info)
-    with urllib.request.urlopen(f"http://{small.status()['metrics_addr']}/metrics", timeout=10) as answer:
-        shares = [s.value for fam in text_string_to_metric_families(answer.read().decode())
-                  for s in fam.samples if s.name == "epochfs_peer_share_bytes"]
-    assert shares == [p["share_bytes"]], shares
     warmup = subprocess.run([*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url,
                              "--peer-token-file", str(tier.token_file), "--block-size", "1M"],
                             capture_output=True, text=True, timeout=120)

@@ -181,6 +181,49 @@ def test_a_node_ranks_its_own_share_when_the_ring_changes_and_a_failed_ranking_c
         trio.run(main)
 
 
+def test_the_first_node_of_a_tier_ranks_again_as_soon_as_the_others_join():
+    """A node that ranked itself alone (the tier's first, its members starting seconds later) ranks again
+    at the next look once they join, not after INTERVAL; after that, rankings are INTERVAL apart."""
+    from types import SimpleNamespace
+
+    from epochfs.peer.share import ShareWatch
+    from epochfs.records import ObjectInfo
+
+    objs = [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(40)]
+    namespace = SimpleNamespace(files=lambda: (SimpleNamespace(obj=o) for o in objs), total_bytes=120 << 20)
+    members = SimpleNamespace(me=ME, ring=Ring([ME]), settled=lambda: True)
+    tier = SimpleNamespace(members=members, replicas=1, mode="owned")
+    watch = ShareWatch(tier, lambda: namespace, lambda: 7, "s3://b/", 1 << 20, lambda: 1 << 30)
+    watch.CHECK, watch.INTERVAL = 0.05, 1.5
+    ranked: list[tuple[float, tuple[str, ...]]] = []
+    rank = watch.rank
+
+    async def timed_rank() -> None:
+        await rank()
+        ranked.append((trio.current_time(), watch._seen[0].members))
+
+    watch.rank = timed_rank  # type: ignore[method-assign]
+
+    async def until(n: int) -> None:
+        while len(ranked) < n:
+            await trio.sleep(0.01)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch.run)
+            await until(1)
+            assert watch.owned == 120 << 20  # alone: all of it
+            members.ring = Ring([ME, "10.0.0.2:9570"])
+            await until(2)
+            assert ranked[1][0] - ranked[0][0] < watch.INTERVAL / 2  # at the next look, not INTERVAL later
+            members.ring = Ring([ME, "10.0.0.2:9570", "10.0.0.3:9570"])
+            await until(3)
+            assert ranked[2][0] - ranked[1][0] >= watch.INTERVAL - watch.CHECK  # then at most every INTERVAL
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 TOKEN = b"s3cret-token-of-enough-length"
 KEYS = wire.Keys(TOKEN)
 ME = "10.0.0.1:9570"

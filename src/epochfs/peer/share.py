@@ -106,7 +106,8 @@ def ownership(objects: Iterable[ObjectInfo], source_id: str, ring: Ring, block_s
 class ShareWatch:
     """This node's share of the snapshot it serves (``owned``, bytes with replicas; ``total``), ranked
     again in a worker thread when the ring or the snapshot has changed, at most every ``INTERVAL``
-    seconds (a ranking walks the files that hold the snapshot's first ``SHARE_SAMPLE`` blocks). A node
+    seconds (a ranking walks the files that hold the snapshot's first ``SHARE_SAMPLE`` blocks); the
+    first node of a tier, which first ranks itself alone, ranks again as soon as the others join. A node
     that keeps only the blocks it owns (a cache node, ``--peer-cache owned``) and owns more than its
     cache holds is named in the log: it evicts blocks it owns, and each member that asks for one costs
     a backend read again (``epochfs_peer_share_bytes`` against ``epochfs_cache_capacity_bytes``: an
@@ -133,10 +134,14 @@ class ShareWatch:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        first = True
         while True:
             if self.due():
+                alone = len(self.tier.members.ring) == 1
                 await self.rank()
-                await trio.sleep(self.INTERVAL - self.CHECK)
+                if not (first and alone):  # (the first node of a tier ranks again as soon as others join)
+                    await trio.sleep(self.INTERVAL - self.CHECK)
+                first = False
             await trio.sleep(self.CHECK)
 
     async def rank(self) -> None:
