@@ -23,8 +23,9 @@ which it states in its proof: authenticated like the proof itself, so only a hol
 state it, never a writer of the store. This node's own is its ``capacity``. Where a member stated none
 (a member of an older version) every member is ranked with the same weight, as before weights existed:
 the nodes of a fleet rank alike as long as they see the same members and the same sizes. A member that
-restarts with another cache size states it at its next proof (every member is asked again at least every
-``REPROVE`` seconds).
+restarts with another cache size states it at its next proof (every member is asked again every
+``REPROVE`` seconds; one that fails to answer that is kept as it was and asked again after ``RETRY_MIN``:
+its answers to readers decide whether it is trusted).
 
 Concurrency contract: :meth:`Membership.run` is a trio task (heartbeats and proofs); the Redis calls and
 the proofs run in worker threads; :meth:`distrust` may be called from any thread; :attr:`ring` is
@@ -193,9 +194,13 @@ class Membership:
 
     def _failed(self, member: str, why: str) -> None:
         with self._lock:
-            if member in self._proven:  # (a re-proof failed: out of the ring until it proves itself again)
-                self._proven.discard(member)
-                self._rebuild()
+            if member in self._proven:
+                # A re-proof (asked for its cache size) that failed: the member stays with the weight it
+                # stated, and is asked again after a backoff. What it answers readers decides whether
+                # it is trusted (distrust); a hello slow under load must not move its blocks.
+                self._proved_at[member] = time.monotonic() - self.REPROVE + self.RETRY_MIN
+                log.info("peer %s: asked for its proof again, no answer (%s); kept", member, printable(why))
+                return
             _, backoff = self._retry.get(member, (0.0, 0.0))
             backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * backoff))
             self._retry[member] = (time.monotonic() + backoff, backoff)
