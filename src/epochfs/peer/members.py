@@ -247,8 +247,13 @@ class Membership:
         ring = Ring(members, ring_weights(members, {**self._capacity, self.me: self.capacity}))
         if ring != self.ring:
             joined, left = set(ring.members) - set(self.ring.members), set(self.ring.members) - set(ring.members)
-            log.info("peer members: %d (%s)", len(ring), ", ".join(
-                [f"+{m}" for m in sorted(joined)] + [f"-{m}" for m in sorted(left)]))
+            if joined or left:
+                log.info("peer members: %d (%s)", len(ring), ", ".join(
+                    [f"+{m}" for m in sorted(joined)] + [f"-{m}" for m in sorted(left)]))
+            else:
+                log.info("peer members: weighed by their caches %s", ", ".join(
+                    f"{m} {w} MiB" for m, w in zip(ring.members, ring.weights, strict=True)) if ring.sized
+                    else "alike (a member states no cache size)")
             self.ring = ring
 
     def _checked(self, item: object) -> str | None:
