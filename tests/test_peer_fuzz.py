@@ -32,6 +32,8 @@ class Hostile:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.honest = False
+        self.old = False  # answers like a member of an older version (no hello stating its cache size)
+        self.asked: list[str] = []
         self.lock = threading.Lock()
         outer = self
 
@@ -63,8 +65,12 @@ class Hostile:
     def answer(self, h: http.server.BaseHTTPRequestHandler) -> tuple[int, list[tuple[str, str]], bytes, bool]:
         mac, _, _ = KEYS.verify(self.addr, h.path, h.headers.get(wire.TIME_HEADER), h.headers.get(wire.NONCE_HEADER),
                                 h.headers.get(wire.AUTH_HEADER), time.time())
-        hello = h.path == wire.HELLO
-        status, body = (200, SINCE) if hello else (200, BLOCK)
+        hello = h.path in (wire.HELLO, wire.HELLO_SIZED)
+        right = (200, SINCE + b" 5368709120" if h.path == wire.HELLO_SIZED else SINCE) if hello else (200, BLOCK)
+        if self.old and h.path == wire.HELLO_SIZED:  # (a member of an older version: no such route)
+            right = (404, b"this port serves blocks by id only")
+        self.asked.append(h.path)
+        status, body = right
         if self.honest:
             return status, [("Content-Length", str(len(body))), (wire.ANSWER_HEADER, KEYS.answer_mac(mac, status, body))], \
                 body, False
@@ -94,14 +100,26 @@ class Hostile:
             answer = rng.choice(["", "0" * 32, answer.upper(), answer[:-1], answer + "0", "\u00ff" * 32])
         if what != 8:
             headers.append((wire.ANSWER_HEADER, answer))
-        honest = (status, body, signed_status, signed_body, keys, signed_mac) == \
-            ((200, SINCE) if hello else (200, BLOCK)) + ((200, SINCE) if hello else (200, BLOCK)) + (KEYS, mac) \
+        honest = (status, body, signed_status, signed_body, keys, signed_mac) == right + right + (KEYS, mac) \
             and what != 7 and what != 8
         return status, headers, body, not honest and rng.random() < 0.3
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def test_a_member_of_an_older_version_is_asked_the_plain_hello():
+    """A member that does not know the hello stating its cache size answers it 404 (authenticated): it is
+    asked the plain hello, proves itself, and states no size (the ring then weighs every member alike)."""
+    for old, size in ((True, None), (False, 5 << 30)):
+        peer = Hostile(0)
+        peer.honest, peer.old = True, old
+        try:
+            assert PeerClient(KEYS, timeout=2.0).hello(peer.addr, 2.0) == size
+            assert peer.asked == ([wire.HELLO_SIZED, wire.HELLO] if old else [wire.HELLO_SIZED])
+        finally:
+            peer.close()
 
 
 @pytest.mark.parametrize("seed", range(3))

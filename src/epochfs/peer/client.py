@@ -64,7 +64,9 @@ class PeerClient:
         """Have ``member`` prove that it holds the cluster's token; :class:`PeerFailure` if it does not.
         Its answer says when it started (requests to it are signed no earlier: it refuses older ones) and
         the size of its cache, returned (None from a member that does not say it)."""
-        status, body = self._ask(member, wire.HELLO, 4096, timeout)
+        status, body = self._ask(member, wire.HELLO_SIZED, 4096, timeout)
+        if status in (400, 404):  # (authenticated: a member of an older version, which knows the plain hello)
+            status, body = self._ask(member, wire.HELLO, 4096, timeout)
         answer = wire.parse_hello(bytes(body)) if status == 200 else None
         if answer is None:
             raise PeerFailure("declined", f"{member}: HTTP {status} to a hello", status)

@@ -135,13 +135,17 @@ class PeerServer:
             now = time.time()
             mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
                                                 fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
-            self.replays.admit(nonce, sent, now, hello=target == wire.HELLO)
+            self.replays.admit(nonce, sent, now, hello=target in (wire.HELLO, wire.HELLO_SIZED))
         except wire.Rejected as exc:
             self.stats.rejected += 1
             await self._send(conn, stream, exc.status, str(exc).encode(), None)
             return False
-        hello = target == wire.HELLO
-        status, body = (200, wire.hello_body(self.replays.since, self.capacity)) if hello else (204, b"")
+        hello = target in (wire.HELLO, wire.HELLO_SIZED)
+        status, body = (204, b"")
+        if hello:  # (the plain hello's answer is the start second alone: what members of older versions take)
+            since = self.replays.since
+            body = wire.hello_body(since, self.capacity) if target == wire.HELLO_SIZED else str(since).encode()
+            status = 200
         try:
             if request.method != b"GET":
                 raise wire.Rejected(405, "only GET")

@@ -5,15 +5,16 @@ Keys: the token never crosses the network; a 32-byte key is derived from it (BLA
 every MAC below is keyed BLAKE3 over length-prefixed fields.
 
 Request: ``GET /v2/block/<block id hex>?k=<key>&e=<etag>&i=<index>&n=<length>[&w=1]`` (or
-``GET /v2/hello``, the proof a member gives before it is asked for anything) with headers
+``GET /v2/hello[?size=1]``, the proof a member gives before it is asked for anything) with headers
 ``X-Epochfs-Time`` (Unix seconds), ``X-Epochfs-Nonce`` (16 random bytes, hex) and ``X-Epochfs-Auth``
 (the request MAC over ``to``, time, nonce and target). ``to`` is the member address the request is sent
 to, as the member list has it: a request is good only at the member it was made for, only within
 ``CLOCK_SKEW`` seconds of its time, and only once (the owner remembers the nonces it has seen).
 
 Answer: ``200`` with the block's bytes, ``204`` to a warm request (``w=1``: make sure you have it, send
-nothing), ``200`` to a hello with the second the member started and, after a space, the size of its
-cache in bytes (its weight in the ring, :mod:`epochfs.peer.ring`), ``404`` to a stored-only request
+nothing), ``200`` to a hello with the second the member started (and, to ``?size=1``, after a space
+the size of its cache in bytes: its weight in the ring, :mod:`epochfs.peer.ring`; a member of an older
+version answers that 404, and is asked the plain hello), ``404`` to a stored-only request
 (``s=1``: only if you hold it, never fetch it: how a cache node fills its share from the others before
 the backend) for a block it does not hold, or an error status with a one-line reason; every answer carries
 ``X-Epochfs-Answer``, the answer MAC over the request's MAC, the status and the body. Only a member that
@@ -46,6 +47,7 @@ from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, text
 
 PREFIX = "/v2/block/"
 HELLO = "/v2/hello"
+HELLO_SIZED = HELLO + "?size=1"  # a hello whose answer also states the member's cache size
 CLOCK_SKEW = 300  # seconds a signature stays good (the nodes' clocks must agree this well)
 MAX_TARGET = 16 << 10  # longest request target accepted (a 4096-byte key, percent-encoded)
 MAX_BLOCK = 1 << 30
