@@ -229,3 +229,63 @@ def test_random_published_statistics_are_shown_as_what_they_are_or_not_at_all():
         assert "\x1b" not in text and json.dumps({"members": rows, "shares": shares, "warnings": warnings})
         if shares:
             assert sum(r["share_bytes"] for r in rows if "share_bytes" in r) == shares["replicas"] * shares["total_bytes"]
+
+
+def test_random_proofs_and_member_lists_keep_the_ring_consistent():
+    """Members that come, go, state any cache size (or none, or fail their proof, or their re-proof),
+    in random order: the ring always holds this node and proven listed members only, its weights are
+    the stated sizes (every member alike while any stated none), and nothing raises."""
+    from epochfs.peer.ring import weight_of
+
+    rng = random.Random(17)
+    me = "10.9.0.1:9570"
+    pool = [f"10.9.0.{i}:9570" for i in range(2, 14)]
+    answers: dict[str, object] = {}
+
+    class Store:
+        listed: list[bytes] = []
+
+        def heartbeat(self, source, member, ttl, limit, role="peer"):
+            return {"peer": self.listed}
+
+        def publish_stats(self, source, member, stats):
+            pass
+
+        def leave(self, source, member, role="peer"):
+            pass
+
+    def prove(member):
+        answer = answers[member]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    store = Store()
+    m = Membership(store, "s3://b/p/", me, prove, capacity=3 << 30)
+
+    async def main() -> None:
+        for _ in range(400):
+            store.listed = [a.encode() for a in pool if rng.random() < 0.6]
+            for a in pool:
+                answers[a] = rng.choice([None, 0, 1, 5 << 20, 7 << 30, 1 << 79, TimeoutError("no answer"),
+                                         RuntimeError("not authenticated"), 3 << 30])
+            if rng.random() < 0.3:
+                m.REPROVE = rng.choice([0.0, 300.0])
+            if rng.random() < 0.2 and len(m.ring) > 1:
+                m.distrust(rng.choice([x for x in m.ring.members if x != me]), "fuzzed")
+            for attempt in m._retry:
+                m._retry[attempt] = (0.0, m.RETRY_MIN)
+            await m.beat()
+            await m.prove_due()
+            ring = m.ring
+            assert me in ring and set(ring.members) - {me} <= m._proven <= m._listed.keys()
+            weights = dict(zip(ring.members, ring.weights, strict=True))
+            if ring.sized:
+                assert weights[me] == weight_of(3 << 30)
+                assert all(m._capacity[x] is not None and weights[x] == weight_of(m._capacity[x])
+                           for x in ring.members if x != me)
+            else:
+                assert set(weights.values()) == {1}
+                assert any(m._capacity.get(x) is None for x in ring.members if x != me)
+
+    trio.run(main)
