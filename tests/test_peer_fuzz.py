@@ -202,8 +202,8 @@ def test_random_published_statistics_are_shown_as_what_they_are_or_not_at_all():
     rng = random.Random(9)
     values = [None, True, False, -1, 0, 1, 7, 2**63, 10**400, 1.5, -0.5, "x", "\x1b[2J", "", [], {}, ["a"],
               [1, "b"], {"a": 1}, "owned", "all", 4 << 20, 1 << 20]
-    keys = ["held_bytes", "capacity_bytes", "served_bytes", "replicas", "block_size", "snapshot", "mode", "node",
-            "down", "out_bytes_per_second", "link_capacity", "utilization", "updated", "share_bytes", "other"]
+    keys = ["held_bytes", "capacity_bytes", "cache_size", "served_bytes", "replicas", "block_size", "snapshot", "mode",
+            "node", "down", "out_bytes_per_second", "link_capacity", "utilization", "updated", "share_bytes", "other"]
     snapshot = type("S", (), {"objects": [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(30)]})()
     for _ in range(400):
         rows = []
