@@ -318,6 +318,10 @@ def test_cache_nodes_share_the_dataset_in_proportion_to_their_caches(tier):
     rows = {r["member"]: r for r in out["members"]}
     assert rows[large.addr]["share_bytes"] > rows[small.addr]["share_bytes"], rows  # (8:1 of 28 blocks)
     assert not out["warnings"], out["warnings"]
+    p = small.status()["peer"]  # the node says what it is weighed by
+    assert (p["cache_size_bytes"], p["tier_cache_bytes"]) == (32 * MiB, 288 * MiB), p
+    text = subprocess.run([*EPOCHFS, "status", str(small.cache_dir)], capture_output=True, text=True).stdout
+    assert "(its 32.0 MiB of the members' 288.0 MiB of cache)" in text, text
     r = subprocess.run([*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url, "--peer-token-file",
                         str(tier.token_file), "--block-size", "1M"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

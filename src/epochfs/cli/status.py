@@ -254,6 +254,8 @@ def format_peer(p: dict[str, Any]) -> list[str]:
     replicas = f", {p['replicas']} replicas of each" if p.get("replicas", 1) > 1 else ""
     owns = (f"; owns {human(p['share_bytes'])} of the dataset's {human(p['dataset_bytes'])}"
             if p.get("share_bytes") is not None and p.get("dataset_bytes") else "")
+    if p.get("cache_size_bytes") and p.get("tier_cache_bytes"):  # (members weighed by their caches)
+        owns += f" (its {human(p['cache_size_bytes'])} of the members' {human(p['tier_cache_bytes'])} of cache)"
     lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks{replicas}; this node {what}{owns}"
              + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
              f"           from peers {human(p['bytes_in'])} in {r['ok']} blocks ({failed} requests fell back to the "
