@@ -80,13 +80,15 @@ def test_members_are_ranked_in_proportion_to_their_caches_and_a_change_still_mov
 
 
 def test_the_ring_weights_come_from_every_member_or_none():
-    from epochfs.peer.members import ring_weights
-    from epochfs.peer.ring import WEIGHT_UNIT, weight_of
+    from epochfs.peer.ring import WEIGHT_UNIT, ring_weights, weight_of
 
     assert weight_of(0) == 1 and weight_of(10 << 30) == (10 << 30) // WEIGHT_UNIT and weight_of(1 << 90) == 1 << 40
     assert ring_weights(["a", "b"], {"a": 2 << 20, "b": 6 << 20}) == {"a": 2, "b": 6}
     assert ring_weights(["a", "b"], {"a": 2 << 20, "b": None}) is None  # (one that says nothing: all alike)
     assert ring_weights(["a", "b"], {"a": 2 << 20}) is None
+    sized = Ring(["a", "b"], {"a": 2, "b": 6})
+    assert (sized.cache_of("a"), sized.cache_of("x"), sized.cache_bytes()) == (2 << 20, None, 8 << 20)
+    assert Ring(["a", "b"]).cache_of("a") is None and Ring(["a", "b"]).cache_bytes() is None
 
 
 def test_a_hello_says_when_the_member_started_and_how_large_its_cache_is():

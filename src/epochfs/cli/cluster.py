@@ -244,8 +244,7 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
     The shares' geometry (None where there is nothing to rank) and what is wrong with it."""
     from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from epochfs.doctor import share_fix
-    from epochfs.peer.members import ring_weights
-    from epochfs.peer.ring import WEIGHT_UNIT, Ring
+    from epochfs.peer.ring import Ring, ring_weights
     from epochfs.peer.share import ownership
 
     servers = [r for r in rows if r["role"] == "server"]
@@ -266,15 +265,14 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
     stated = stated or {}
     sizes_stated = {r["member"]: stated[r["member"]] if r["member"] in stated
                     else _published_int(r, "cache_size", 0, 1 << 62) for r in owners}
-    ring = Ring(sizes_stated, ring_weights(list(sizes_stated), sizes_stated))
+    ring = Ring(sizes_stated, ring_weights(sizes_stated, sizes_stated))
     owned = ownership(snapshot.objects, source_id, ring, block_size, count)
     for r in owners:
         r["share_bytes"] = share = owned.owned.get(r["member"], 0)
         capacity = _published_int(r, "capacity_bytes", 0, 1 << 62)
         keeps_own = r["role"] == "server" or r.get("mode") == "owned"
         if keeps_own and capacity is not None and share > capacity:
-            fix = share_fix(share, capacity, ring.weight(r["member"]) * WEIGHT_UNIT if ring.sized else None,
-                            ring.cache_bytes(), owned.total * count)
+            fix = share_fix(share, capacity, ring.cache_of(r["member"]), ring.cache_bytes(), owned.total * count)
             warnings.append(
                 f"{r['member']} owns {human(share)} of the dataset and its cache holds {human(capacity)}: it "
                 f"evicts blocks it owns, and each member that asks for one then costs a backend read again ({fix})")
@@ -286,7 +284,6 @@ def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: d
     """Name each cache node asked to hold more than its cache holds (as it last published it): it would
     evict blocks it is warming, and each member that asks for one of them then costs a backend read."""
     from epochfs.doctor import share_fix
-    from epochfs.peer.ring import WEIGHT_UNIT
 
     asked = Counter[str]()
     for owner, *_, length in work:
@@ -295,8 +292,7 @@ def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: d
         published = _published(stats.get(owner)) or {}
         capacity = published.get("capacity_bytes")
         if capacity is not None and nbytes > capacity:
-            fix = share_fix(nbytes, capacity, ring.weight(owner) * WEIGHT_UNIT if ring.sized else None,
-                            ring.cache_bytes(), sum(asked.values()))
+            fix = share_fix(nbytes, capacity, ring.cache_of(owner), ring.cache_bytes(), sum(asked.values()))
             print(f"epochfs: warning: {owner} is asked to hold {human(nbytes)} and its cache holds "
                   f"{human(capacity)}: it will evict blocks it is warming (each read from the backend again when "
                   f"asked): {fix}; or warm less", file=sys.stderr)
@@ -328,8 +324,7 @@ def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[Objec
 def cmd_warmup(args: argparse.Namespace) -> int:
     from epochfs.cache.keys import block_id, extent_blocks
     from epochfs.peer.client import PeerFailure
-    from epochfs.peer.members import ring_weights
-    from epochfs.peer.ring import Ring
+    from epochfs.peer.ring import Ring, ring_weights
     from epochfs.peer.wire import BlockRequest
     from epochfs.records import stored_extent
 

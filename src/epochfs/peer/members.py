@@ -43,7 +43,7 @@ from typing import Protocol
 import trio
 
 from epochfs.errors import BackendUnavailable
-from epochfs.peer.ring import Ring, weight_of
+from epochfs.peer.ring import Ring, ring_weights
 from epochfs.peer.wire import member_addr, same_family
 from epochfs.text import printable
 
@@ -279,11 +279,3 @@ class Membership:
         except BackendUnavailable as exc:
             log.info("could not leave the member list (%s); it expires in %.0fs", exc, self.TTL)
 
-
-def ring_weights(members: set[str] | list[str], capacity: dict[str, int | None]) -> dict[str, int] | None:
-    """The ring's weights for ``members`` from the cache sizes they stated (:func:`~epochfs.peer.ring.weight_of`);
-    None (every member alike) where any of them stated none."""
-    sizes = [capacity.get(m) for m in members]
-    if any(size is None for size in sizes):
-        return None
-    return {m: weight_of(size) for m, size in zip(members, sizes, strict=True) if size is not None}

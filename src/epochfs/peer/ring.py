@@ -35,6 +35,15 @@ def weight_of(capacity: int) -> int:
     return max(1, min(MAX_WEIGHT, capacity // WEIGHT_UNIT))
 
 
+def ring_weights(members: Iterable[str], capacity: Mapping[str, int | None]) -> dict[str, int] | None:
+    """The ring's weights for ``members`` from the cache sizes they stated (:func:`weight_of`); None (every
+    member alike) where any of them stated none."""
+    sizes = {m: capacity.get(m) for m in members}
+    if any(size is None for size in sizes.values()):
+        return None
+    return {m: weight_of(size) for m, size in sizes.items() if size is not None}
+
+
 def _cost(h: int, weight: int) -> float:
     """The weighted rank of a hash: lower is better (``-ln(u) / weight``, ``u`` in (0, 1) from the hash's
     top 52 bits, so it is never 0 or 1)."""
@@ -92,6 +101,11 @@ class Ring:
             return self.weights[self.members.index(member)]
         except ValueError:
             return 1
+
+    def cache_of(self, member: str) -> int | None:
+        """``member``'s cache as it is weighed (None where the ring is not weighted by the caches, or for one
+        not in the ring)."""
+        return self.weight(member) * WEIGHT_UNIT if self.sized and member in self.members else None
 
     def cache_bytes(self) -> int | None:
         """The members' caches together, as they are weighed (None where the ring is not weighted by them)."""

@@ -27,7 +27,7 @@ from epochfs.cache.keys import block_bounds, block_count, block_id
 from epochfs.doctor import share_fix
 from epochfs.meta.namespace import Namespace
 from epochfs.peer import wire
-from epochfs.peer.ring import WEIGHT_UNIT, Ring
+from epochfs.peer.ring import Ring
 from epochfs.records import ObjectInfo, stored_extent
 
 if TYPE_CHECKING:
@@ -162,9 +162,8 @@ class ShareWatch:
             log.info("this node owns %.2f GiB of the dataset's %.2f GiB (one of %d members); its cache holds %.2f GiB",
                      self.owned / GiB, self.total / GiB, len(ring), capacity / GiB)
         else:
-            weighed = ring.sized and tier.members.me in ring
-            fix = share_fix(self.owned, capacity, ring.weight(tier.members.me) * WEIGHT_UNIT if weighed else None,
-                            ring.cache_bytes() if weighed else None, self.total * tier.replicas)
+            fix = share_fix(self.owned, capacity, ring.cache_of(tier.members.me), ring.cache_bytes(),
+                            self.total * tier.replicas)
             log.warning("this node owns %.2f GiB of the dataset (one of %d members) and its cache holds %.2f GiB: "
                         "it evicts blocks it owns, and each member that asks for one costs a backend read again (%s)",
                         self.owned / GiB, len(ring), capacity / GiB, fix)

@@ -50,7 +50,6 @@ from epochfs.meta.nodes import File
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.members import Membership
-from epochfs.peer.ring import WEIGHT_UNIT
 from epochfs.peer.server import ServerStats
 from epochfs.records import ObjectInfo
 
@@ -201,13 +200,13 @@ class PeerTier:
             outcomes["served"] = served.served
             outcomes["rejected"] = served.rejected
         ring, me = self.members.ring, self.members.me
-        weighed = ring.sized and me in ring
+        own = ring.cache_of(me)
         return PeerStats(me=me, mode=self.mode, members=ring.members, down=self.members.down(),
                          store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
                          bytes_out=served.served_bytes if served else 0, role=self.members.role,
                          replicas=self.replicas, link_capacity=self.link_capacity, share_bytes=share[0],
-                         dataset_bytes=share[1], cache_size_bytes=ring.weight(me) * WEIGHT_UNIT if weighed else None,
-                         tier_cache_bytes=ring.cache_bytes() if weighed else None)
+                         dataset_bytes=share[1], cache_size_bytes=own,
+                         tier_cache_bytes=ring.cache_bytes() if own is not None else None)
 
 
 class PeerAnswers:
