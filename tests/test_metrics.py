@@ -75,7 +75,7 @@ def test_counters_move_by_exactly_what_was_read(s3_client, fresh_bucket, mount_f
     with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--readahead", "0",
                        "--backend-bandwidth", "10Gbit") as m:
         s0 = scrape(m)
-        assert s0["epochfs_backend_bandwidth_limit_bytes"] == 1.25e9
+        assert s0['epochfs_backend_bandwidth_limit_bytes{source="declared"}'] == 1.25e9
         for f in files:
             assert read_all(m.path(f.key)) == f.content()
         wait_idle(m)

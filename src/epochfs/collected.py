@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from epochfs.cache.store import StoreStats
     from epochfs.fs import FsStats
     from epochfs.jobs import JobStats
+    from epochfs.links.capacity import LinkView
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.peer.tier import PeerStats
     from epochfs.prefetch.scheduler import PrefetchStats
@@ -31,8 +32,9 @@ class Collected:
     fs: FsStats
     prefetch: PrefetchStats
     snapshot: SnapshotStats
-    backend_bandwidth: float | None = None
+    backend_link: LinkView | None = None  # the link to the backend: its capacity and where it is known from
     writeback: WritebackStats | None = None
     peer: PeerStats | None = None
     jobs: tuple[JobStats, ...] = ()
     passthrough: PassthroughStats | None = None
+    peer_link: LinkView | None = None  # a serving member's own link (what it sends to the others)

@@ -113,6 +113,7 @@ class Client:
     def __init__(self, host: str, port: int | None, context: ssl.SSLContext | None) -> None:
         self._host, self._port, self._context = host, port, context
         self._conn: _Connection | None = None
+        self.answered = 0.0  # monotonic seconds: when the last answer's head arrived (its body moved after)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -144,6 +145,7 @@ class Client:
         try:
             conn.request("GET", target, headers=headers)
             answer = conn.getresponse()
+            self.answered = time.monotonic()
             status = answer.status
             fields = {name.lower(): value for name, value in answer.getheaders()}
             body = self._body(answer, limit if 200 <= status < 300 else ERROR_BODY, strict=200 <= status < 300)

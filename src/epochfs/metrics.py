@@ -55,7 +55,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "backend_requests": ("counter", "Requests to the backend by operation and outcome."),
     "backend_bytes": ("counter", "Bytes fetched from the backend, by purpose (demand or prefetch)."),
     "backend_request_seconds": ("histogram", "Latency of successful backend data requests."),
-    "backend_bandwidth_limit_bytes": ("gauge", "Capacity of the link to the backend (--backend-bandwidth), bytes/s."),
+    "backend_bandwidth_limit_bytes": ("gauge", "Capacity of the link to the backend, bytes/s, labelled by where it is "
+                                      "known from: declared (--backend-bandwidth), interface (the speed or shaping of "
+                                      "the interface routing to the endpoint), or measured (the rate its transfers "
+                                      "reached while they kept it busy). Absent where none is known."),
     "read_seconds": ("histogram", "Latency of FUSE read requests."),
     "isatty_requests": ("counter", "Requests asking whether a file of the mount is a terminal: one per Python open() "
                         "with default buffering (before Python 3.14), each a round trip to the daemon."),
@@ -101,8 +104,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
-    "peer_link_capacity_bytes": ("gauge", "This node's network link for the cluster tier (--link-capacity), "
-                                 "bytes/s: what the tier sends is measured against it (absent when not set)."),
+    "peer_link_capacity_bytes": ("gauge", "This node's network link for the cluster tier, bytes/s, labelled by where "
+                                 "it is known from: declared (--link-capacity), interface (the speed or shaping of "
+                                 "the interface of its peer address), or measured (from its sends while they kept "
+                                 "it busy): what the tier sends is measured against it (absent where none is known)."),
     "cache_node": ("gauge", "1 on a dedicated cache node (epochfs serve): its series' mountpoint label names "
                    "its cache node group, serve:<dataset>."),
     "peer_share_bytes": ("gauge", "Bytes of the dataset this node owns in the cluster tier (replicas included; "
@@ -124,6 +129,7 @@ class Sample:
     peer_bytes: dict[str, int] | None = None
     peer_requests: dict[str, int] | None = None
     jobs: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)  # series -> (job, rank) -> value
+    links: dict[str, dict[str, float]] = field(default_factory=dict)  # series -> source -> capacity
     meta_master: dict[str, float] = field(default_factory=dict)  # address -> since (a Sentinel store)
 
 
@@ -144,8 +150,9 @@ def sample_of(c: Collected) -> Sample:
         "meta_reachable": 1.0 if snap.reachable else 0.0,
         "isatty_requests": c.fs.isatty_asks,
     }
-    if c.backend_bandwidth:
-        values["backend_bandwidth_limit_bytes"] = c.backend_bandwidth
+    links = {short: {view.capacity.source: view.capacity.bytes_per_second}
+             for short, view in (("backend_bandwidth_limit_bytes", c.backend_link),
+                                 ("peer_link_capacity_bytes", c.peer_link)) if view is not None and view.capacity}
     errors = dict(c.fs.errors)
     errors["cache_write"] = store.fill_errors
     errors["cache_read"] = store.read_errors
@@ -167,8 +174,6 @@ def sample_of(c: Collected) -> Sample:
     peer = c.peer
     if peer is not None:
         values["peer_members"] = len(peer.members)
-        if peer.link_capacity:
-            values["peer_link_capacity_bytes"] = peer.link_capacity
         if peer.role == "server":
             values["cache_node"] = 1
         if peer.share_bytes is not None:  # (ranked only where the node keeps only what it owns)
@@ -186,7 +191,7 @@ def sample_of(c: Collected) -> Sample:
     return Sample(values, c.backend.requests, {"demand": cache.demand_bytes, "prefetch": cache.prefetch_bytes},
                   errors, histograms,
                   peer_bytes={"in": peer.bytes_in, "out": peer.bytes_out} if peer else None,
-                  peer_requests=dict(peer.requests) if peer else None, jobs=jobs,
+                  peer_requests=dict(peer.requests) if peer else None, jobs=jobs, links=links,
                   meta_master={snap.master: snap.master_since or 0.0} if snap.master else {})
 
 
@@ -217,6 +222,7 @@ class DaemonCollector(Collector):
             labelled += [("peer_bytes", ["direction"], s.peer_bytes.items()),
                          ("peer_requests", ["outcome"], s.peer_requests.items())]
         labelled += [(short, ["job", "rank"], series.items()) for short, series in s.jobs.items()]
+        labelled += [(short, ["source"], series.items()) for short, series in s.links.items()]
         if s.meta_master:
             labelled.append(("meta_master_since_timestamp_seconds", ["address"], s.meta_master.items()))
         for short, label, series in labelled:

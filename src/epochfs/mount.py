@@ -41,6 +41,8 @@ from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, Epochf
 from epochfs.fs import KernelPages, Operations, Presentation
 from epochfs.host import raise_descriptor_limit, sd_notify, set_background_requests, set_kernel_readahead
 from epochfs.jobs import Jobs
+from epochfs.links import interface
+from epochfs.links.watch import Link, LinkWatch
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
@@ -159,6 +161,7 @@ class Daemon:
             whole.open()
             self.passthrough = Passthrough(whole, self.cache, lambda: self.session,
                                            scrub_every=config.passthrough_scrub)
+        self.links = self._watch_links()
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:
             self._open_writeback(opened)
@@ -231,8 +234,21 @@ class Daemon:
                              config.peer_advertise or config.peer_listen or "client",
                              prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role,
                              stats=self._member_stats, capacity=config.cache_size)
-        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas,
-                             link_capacity=config.link_capacity)
+        self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas)
+
+    def _watch_links(self) -> LinkWatch:
+        """The links measured against a capacity: the one to the backend (the endpoint's route here),
+        and a serving member's own (the interface of its peer address)."""
+        config, peer = self.config, self.backend.link_peer()
+        links = {"backend": Link("backend link", "--backend-bandwidth", config.backend_bandwidth,
+                                 self.backend.transfers(),
+                                 functools.partial(interface.towards, *peer) if peer else None)}
+        if self.peer_server is not None:
+            host = (split_addr(config.peer_advertise, any_port=True) or ("",))[0] if config.peer_advertise else ""
+            host = host or self.peer_server.host or "0.0.0.0"
+            links["peer"] = Link("peer link", "--link-capacity", config.link_capacity, self.peer_server.sends,
+                                 functools.partial(interface.holding, host.strip("[]")))
+        return LinkWatch(links)
 
     def _member_stats(self) -> bytes:
         """What this member publishes of itself at each heartbeat (``epochfs cluster status``): its role,
@@ -243,12 +259,14 @@ class Daemon:
         then, before = self._link_sample or (now, out)
         rate = (out - before) / (now - then) if now > then else 0.0
         self._link_sample = (now, out)
-        st, capacity = self.store.statistics(), self.config.link_capacity
+        st, link = self.store.statistics(), self.links.view("peer")
+        capacity = link.capacity.bytes_per_second if link and link.capacity else None
         return json.dumps({
             "role": self.peer.members.role, "node": self.config.node_name(), "held_bytes": st.used_bytes,
             "capacity_bytes": st.capacity_bytes, "cache_size": self.config.cache_size, "served_bytes": out,
             "out_bytes_per_second": rate,
-            "link_capacity": capacity, "utilization": rate / capacity if capacity else None,
+            "link_capacity": capacity, "link_source": link.capacity.source if link and link.capacity else None,
+            "utilization": rate / capacity if capacity else None,
             "down": list(self.peer.members.down()), "snapshot": self.snapshots.snapshot.version,
             "replicas": self.config.replicas, "mode": self.peer.mode, "block_size": self.config.block_size,
             "updated": time.time()}).encode()
@@ -299,16 +317,19 @@ class Daemon:
         return Collected(cache=self.cache.statistics(), store=self.store.statistics(),
                          backend=self.backend.statistics(), fs=self.ops.statistics(),
                          prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
-                         backend_bandwidth=self.config.backend_bandwidth,
+                         backend_link=self.links.view("backend"),
                          writeback=self.writeback.statistics() if self.writeback else None,
                          peer=self._peer_statistics(), jobs=self.jobs.statistics(),
-                         passthrough=self.passthrough.statistics() if self.passthrough else None)
+                         passthrough=self.passthrough.statistics() if self.passthrough else None,
+                         peer_link=self.links.view("peer"))
 
     def _peer_statistics(self) -> PeerStats | None:
         if self.peer is None:
             return None
+        link = self.links.view("peer")
         return self.peer.statistics(self.peer_server.stats if self.peer_server else None,
-                                    (self.share.owned, self.share.total) if self.share else (None, None))
+                                    (self.share.owned, self.share.total) if self.share else (None, None),
+                                    link.capacity.bytes_per_second if link and link.capacity else None)
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
@@ -399,6 +420,7 @@ class Daemon:
                 if self.share is not None:
                     await nursery.start(self.share.run)
             await nursery.start(self.prefetcher.run)
+            await nursery.start(self.links.run)
             if self.passthrough is not None:
                 await nursery.start(self.passthrough.run)
             await nursery.start(self.snapshots.run)

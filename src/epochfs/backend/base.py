@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from epochfs.backend import attrs
 from epochfs.errors import BackendUnavailable
+from epochfs.links.meter import TransferMeter
 from epochfs.records import MAX_MTIME_NS, MIN_MTIME_NS, ObjectInfo, Source, record_problem
 from epochfs.stats import Histogram, HistogramSnapshot
 
@@ -95,13 +96,18 @@ class StatsRecorder:
         self._requests: Counter[tuple[str, str]] = Counter()
         self._bytes = 0
         self.latency = Histogram()
+        self.transfers = TransferMeter()  # when the bodies of data requests moved: the link's rate
 
-    def record(self, op: str, outcome: str, nbytes: int = 0, seconds: float | None = None) -> None:
+    def record(self, op: str, outcome: str, nbytes: int = 0, seconds: float | None = None,
+               moving: tuple[float, float] | None = None) -> None:
+        """One request; ``moving``: when its body's first and last byte arrived (monotonic seconds)."""
         with self._lock:
             self._requests[(op, outcome)] += 1
             self._bytes += nbytes
         if seconds is not None:
             self.latency.observe(seconds)
+        if moving is not None:
+            self.transfers.record(moving[0], moving[1], nbytes)
 
     def snapshot(self) -> BackendStats:
         with self._lock:
@@ -176,6 +182,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> BackendStats:
         """Cumulative request and byte counters."""
+
+    def transfers(self) -> TransferMeter | None:
+        """When the bodies of data requests moved and how large they were (what measures the link's
+        rate: :mod:`epochfs.links`); None where the backend does not record them."""
+        return None
+
+    def link_peer(self) -> tuple[str, int] | None:
+        """The host and port this node receives the backend's bytes from over the network (the link
+        whose capacity the utilisation is of), or None (local, or not known)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 
 from epochfs.backend.base import Backend, BackendSettings, BackendStats, StatsRecorder, servable
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
+from epochfs.links.interface import network_server
+from epochfs.links.meter import TransferMeter
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,12 @@ class LocalBackend(Backend):
 
     def statistics(self) -> BackendStats:
         return self._stats.snapshot()
+
+    def transfers(self) -> TransferMeter:
+        return self._stats.transfers
+
+    def link_peer(self) -> tuple[str, int] | None:
+        return network_server(self.root)
 
     def list_objects(self) -> Iterator[ObjectInfo]:
         return servable(self._listing())
@@ -175,5 +183,6 @@ class LocalBackend(Backend):
             raise BackendUnavailable(f"{key}: {exc.strerror}") from None
         finally:
             os.close(fd)
-        self._stats.record("get", "ok", len(data), time.monotonic() - started)
+        end = time.monotonic()
+        self._stats.record("get", "ok", len(data), end - started, moving=(started, end))
         return data

@@ -59,6 +59,7 @@ from epochfs.errors import (
     ConfigError,
     ObjectChanged,
 )
+from epochfs.links.meter import TransferMeter
 from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,17 @@ class S3Backend(S3Writes, Backend):
 
     def statistics(self) -> BackendStats:
         return self._stats.snapshot()
+
+    def transfers(self) -> TransferMeter:
+        return self._stats.transfers
+
+    def link_peer(self) -> tuple[str, int] | None:
+        url = urllib.parse.urlsplit(self._base_url)
+        try:
+            port = url.port or (443 if url.scheme == "https" else 80)
+        except ValueError:
+            return None
+        return (url.hostname, port) if url.hostname else None
 
     def _denied_or_unavailable(self, what: str, exc: Exception) -> Exception:
         response = getattr(exc, "response", None)  # None on connection errors, even on a ClientError
@@ -393,7 +405,9 @@ class S3Backend(S3Writes, Backend):
             raise self._transfer_failed(key, length, kind, f"curl error {code}: {message}") from None
         data = self._checked(curl.getinfo(pycurl.RESPONSE_CODE), answer.headers, answer.body, key, etag, start,
                              length)
-        self._stats.record("get", "ok", len(data), time.monotonic() - started)
+        end = time.monotonic()
+        body_seconds = max(0.0, curl.getinfo(pycurl.TOTAL_TIME) - curl.getinfo(pycurl.STARTTRANSFER_TIME))
+        self._stats.record("get", "ok", len(data), end - started, moving=(end - body_seconds, end))
         return data
 
     def _stream_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> memoryview:
@@ -419,7 +433,8 @@ class S3Backend(S3Writes, Backend):
             kind = "tls" if isinstance(exc, ssl.SSLError) and not closed else "transport"
             raise self._transfer_failed(key, length, kind, f"{type(exc).__name__}: {exc}") from None
         data = self._checked(status, headers, body, key, etag, start, length)
-        self._stats.record("get", "ok", len(data), time.monotonic() - started)
+        end = time.monotonic()
+        self._stats.record("get", "ok", len(data), end - started, moving=(max(started, client.answered), end))
         return data
 
     def _transfer_failed(self, key: str, length: int, kind: str, message: str) -> Exception:

@@ -295,13 +295,16 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "backend": {
             "requests": {f"{op}/{outcome}": n for (op, outcome), n in sorted(c.backend.requests.items())},
             "bytes": c.backend.bytes_read,
-            "bandwidth_limit": c.backend_bandwidth,
+            "bandwidth_limit": c.backend_link.capacity.bytes_per_second if c.backend_link and c.backend_link.capacity
+            else None,
+            "link": c.backend_link.as_dict() if c.backend_link else None,
             "request_seconds": c.backend.request_seconds.as_dict() if c.backend.request_seconds else None,
             "usage": {"gets": int(usage.gets), "lists": int(usage.lists), "bytes": int(usage.bytes)},
         },
         "writeback": vars(c.writeback) if c.writeback is not None else None,
         "passthrough": vars(c.passthrough) if c.passthrough is not None else None,
-        "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down)}
+        "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down),
+                 "link": c.peer_link.as_dict() if c.peer_link else None}
         if c.peer is not None else None,
         "jobs": [job_of(j) for j in c.jobs],
         "job_epochs": job_epochs or {},

@@ -22,6 +22,7 @@ import h11
 import trio
 
 from epochfs.errors import ConfigError
+from epochfs.links.meter import TransferMeter
 from epochfs.peer import wire
 from epochfs.slots import Slot, Slots
 
@@ -53,6 +54,7 @@ class PeerServer:
         self.me = me  # this member's address as the member list has it: requests must be made for it
         self.serve = serve
         self.stats = ServerStats()
+        self.sends = TransferMeter()  # when the bodies of answers went out: this node's link's rate
         self.replays = wire.Replays()
         self._slots = Slots(self.MAX_CONNECTIONS)  # earned by an authenticated request
         self._listeners: list[trio.SocketListener] = []
@@ -177,8 +179,10 @@ class PeerServer:
             headers.append((wire.ANSWER_HEADER, answer_mac))
         await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
         if body:
+            started = time.monotonic()
             for chunk in conn.send_with_data_passthrough(h11.Data(data=body)):
                 await stream.send_all(chunk)
+            self.sends.record(started, time.monotonic(), len(body))
         await stream.send_all(conn.send(h11.EndOfMessage()))
 
     async def _try_error(self, conn: h11.Connection, stream: trio.SocketStream, status: int, reason: str) -> None:

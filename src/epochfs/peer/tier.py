@@ -71,7 +71,7 @@ class PeerStats:
     bytes_out: int
     role: str = "peer"  # peer, server (a cache node) or client
     replicas: int = 1
-    link_capacity: float | None = None  # bytes/s of this node's link (--link-capacity)
+    link_capacity: float | None = None  # bytes/s of this node's link (--link-capacity, its interface, measured)
     share_bytes: int | None = None  # of the dataset, the bytes this node owns (replicas included; None: not known)
     dataset_bytes: int | None = None  # the bytes of the dataset the share is of
     cache_size_bytes: int | None = None  # this node's cache as the ring weighs it (None: not weighted)
@@ -95,7 +95,7 @@ class PeerTier:
     OBJECT_STATUSES = (404, 409, 412)  # "not this object version here": no fault of the member
 
     def __init__(self, backend: Backend, members: Membership, client: PeerClient, *, mode: str,
-                 replicas: int = 1, link_capacity: float | None = None) -> None:
+                 replicas: int = 1) -> None:
         if mode not in MODES or replicas < 1:
             raise ValueError(mode)
         self.backend = backend
@@ -103,7 +103,6 @@ class PeerTier:
         self.client = client
         self.mode = "owned" if members.role == "server" else mode
         self.replicas = replicas
-        self.link_capacity = link_capacity
         self._replicating: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._declines: Counter[str] = Counter()
@@ -190,9 +189,10 @@ class PeerTier:
             log.debug("peer %s: %s; reading from the backend", owner, exc)
 
     def statistics(self, served: ServerStats | None = None,
-                   share: tuple[int | None, int | None] = (None, None)) -> PeerStats:
-        """The tier's counts, with what this node's peer server answered (``served``) and its ``share``
-        of the dataset (bytes owned, of bytes in all: :class:`~epochfs.peer.share.ShareWatch`)."""
+                   share: tuple[int | None, int | None] = (None, None), link_capacity: float | None = None) -> PeerStats:
+        """The tier's counts, with what this node's peer server answered (``served``), its ``share``
+        of the dataset (bytes owned, of bytes in all: :class:`~epochfs.peer.share.ShareWatch`) and the
+        capacity of the link it serves over (:mod:`epochfs.links`)."""
         with self._lock:
             outcomes = {**dict.fromkeys(OUTCOMES, 0), **self._outcomes}
             bytes_in = self._bytes_in
@@ -204,7 +204,7 @@ class PeerTier:
         return PeerStats(me=me, mode=self.mode, members=ring.members, down=self.members.down(),
                          store_reachable=self.members.reachable, requests=outcomes, bytes_in=bytes_in,
                          bytes_out=served.served_bytes if served else 0, role=self.members.role,
-                         replicas=self.replicas, link_capacity=self.link_capacity, share_bytes=share[0],
+                         replicas=self.replicas, link_capacity=link_capacity, share_bytes=share[0],
                          dataset_bytes=share[1], cache_size_bytes=own,
                          tier_cache_bytes=ring.cache_bytes() if own is not None else None)
 

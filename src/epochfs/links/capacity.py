@@ -1,0 +1,62 @@
+"""Which figure a link's utilisation is measured against.
+
+A declared capacity (``--backend-bandwidth``, ``--link-capacity``) wins. Otherwise the lower of what
+the interface states and what was measured: the interface knows its own speed and shaping, not a
+narrower link further on (an object store's uplink the whole cluster shares, a WAN), which the
+transfers measure; and a measurement of a shared link falls when the others read too. Where neither
+is known there is no capacity, and the utilisation alarms cannot fire for that link (an alert of its
+own says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epochfs.links.interface import InterfaceCapacity, rate_text
+from epochfs.links.meter import WINDOW, Measurement
+
+SOURCES = ("declared", "interface", "measured")
+
+
+@dataclass(frozen=True)
+class LinkCapacity:
+    bytes_per_second: float
+    source: str  # one of SOURCES
+    detail: str  # how it is known, in words
+
+
+@dataclass(frozen=True)
+class LinkView:
+    """One link: the capacity its utilisation is measured against, and each figure known of it."""
+
+    capacity: LinkCapacity | None
+    declared: float | None
+    interface: InterfaceCapacity | None
+    measured: Measurement | None
+
+    def as_dict(self) -> dict[str, object]:
+        c, i, m = self.capacity, self.interface, self.measured
+        return {"bytes_per_second": c.bytes_per_second if c else None, "source": c.source if c else None,
+                "detail": c.detail if c else None, "declared": self.declared,
+                "interface": {"name": i.name, "bytes_per_second": i.bytes_per_second, "detail": i.detail} if i else None,
+                "measured": {"bytes_per_second": m.bytes_per_second, "busy": m.busy} if m else None}
+
+
+def choose(declared: float | None, interface: InterfaceCapacity | None, measured: Measurement | None,
+           flag: str) -> LinkView:
+    """The view of a link from its figures (``flag``: the option that declares it, named in the detail)."""
+    if declared:
+        capacity: LinkCapacity | None = LinkCapacity(declared, "declared", f"{flag} {rate_text(declared)}")
+    else:
+        known = []
+        if interface is not None:
+            known.append(LinkCapacity(interface.bytes_per_second, "interface", interface.detail))
+        if measured is not None:
+            busy = f"bytes moving {measured.busy:.0%} of {WINDOW:g} s"
+            beyond = (f", under the interface's {rate_text(interface.bytes_per_second)}"
+                      if interface is not None and measured.bytes_per_second < interface.bytes_per_second else "")
+            known.append(LinkCapacity(measured.bytes_per_second, "measured",
+                                      f"measured {rate_text(measured.bytes_per_second)} ({busy}){beyond}"))
+        capacity = min(known, key=lambda c: c.bytes_per_second) if known else None
+    return LinkView(capacity, declared, interface, measured)
+

@@ -1,0 +1,212 @@
+"""The links' capacities (:mod:`epochfs.links`): the meter's windows, the interface's speed and shaping
+read from ``tc``'s own output, which figure wins, and, in a network namespace of the test's own with a
+shaped link, what a process there reads of the link it sends and receives over."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from epochfs.links import capacity, interface, meter
+from epochfs.links.meter import BUSY, HOLD, MIN_BYTES, WINDOW, Measurement, Transfer, TransferMeter
+
+MiB = 1 << 20
+
+
+def test_union_length_counts_overlaps_once():
+    assert meter.union_length([]) == 0
+    assert meter.union_length([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+    assert meter.union_length([(0, 10), (1, 2), (3, 4)]) == pytest.approx(10.0)
+    rng = random.Random(7)
+    for _ in range(200):  # against a fine grid
+        spans = [(a, a + rng.random() * 3) for a in (rng.random() * 10 for _ in range(rng.randrange(1, 8)))]
+        grid = sum(1 for i in range(13000) if any(lo <= i / 1000 < hi for lo, hi in spans)) / 1000
+        assert meter.union_length(spans) == pytest.approx(grid, abs=0.02)
+
+
+def test_a_busy_window_measures_the_rate_while_bytes_moved():
+    # four transfers side by side, bytes moving 8 s of 10: the link carried 64 MiB in 8 s
+    ts = [Transfer(1 + 2 * i, 3 + 2 * i, 16 * MiB) for i in range(4)]
+    got = meter.window_rate(ts, 0, 10)
+    assert got is not None and got.bytes_per_second == pytest.approx(8 * MiB) and got.busy == pytest.approx(0.8)
+
+
+def test_a_mostly_idle_window_measures_nothing():
+    # a reader whose demand is low: quick transfers, the link idle most of the window
+    ts = [Transfer(i, i + 0.01, 4 * MiB) for i in range(10)]
+    assert meter.window_rate(ts, 0, 10) is None
+    # busy enough, but too few bytes to say anything
+    assert meter.window_rate([Transfer(0, 9, MIN_BYTES - 1)], 0, 10) is None
+    assert meter.window_rate([Transfer(0, BUSY * 10 - 0.01, 64 * MiB)], 0, 10) is None
+
+
+def test_transfers_across_the_edges_count_their_part_inside():
+    got = meter.window_rate([Transfer(-5, 5, 20 * MiB), Transfer(5, 15, 20 * MiB)], 0, 10)
+    assert got is not None and got.bytes_per_second == pytest.approx(2 * MiB) and got.busy == pytest.approx(1.0)
+
+
+def test_waiting_for_the_first_byte_is_not_link_time():
+    """A far endpoint (the time before the first byte) is not a narrow link: only body time counts."""
+    m = TransferMeter(clock=lambda: 0.0)
+    for i in range(100):  # 100 requests each waiting 95 ms, then 1 MiB in 5 ms: 200 MiB/s while moving
+        start = i * 0.1 + 0.095
+        m.record(start, start + 0.005, MiB)
+    assert m.sample(10.0) is None  # bytes moved 5% of the window: the link is idle, whatever the latency
+
+
+def test_the_capacity_is_the_best_recent_window_else_the_last():
+    now = [0.0]
+    m = TransferMeter(clock=lambda: now[0])
+    assert m.measured() is None
+
+    def busy_window(rate: float) -> None:
+        start = now[0]
+        m.record(start, start + WINDOW, int(rate * WINDOW))
+        now[0] += WINDOW
+        assert m.sample() is not None
+
+    busy_window(40 * MiB)
+    busy_window(10 * MiB)  # the link is shared now: a window gives less
+    assert m.measured().bytes_per_second == pytest.approx(40 * MiB)  # (the best of the last HOLD seconds)
+    now[0] += HOLD  # idle since
+    assert m.sample() is None
+    assert m.measured().bytes_per_second == pytest.approx(10 * MiB)  # nothing newer: the last one measured
+    busy_window(6 * MiB)
+    assert m.measured().bytes_per_second == pytest.approx(6 * MiB)
+
+
+def test_a_meter_keeps_a_bounded_record_from_many_threads():
+    import threading
+
+    m = TransferMeter(clock=lambda: 0.0)
+
+    def worker() -> None:
+        for i in range(30000):
+            m.record(i * 1e-4, i * 1e-4 + 1e-4, 1000)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(m._transfers) == meter.KEPT
+
+
+# -- tc's output, as this kernel's tc prints it (tc -j) -------------------------------------------
+
+TBF = [{"kind": "tbf", "handle": "8001:", "root": True, "refcnt": 3,
+        "options": {"rate": 26214400, "burst": 262144, "lat": 50000}}]
+HTB = [{"kind": "htb", "handle": "1:", "root": True, "options": {"r2q": 10, "default": "0x10"}}]
+HTB_CLASSES = [{"class": "htb", "handle": "1:1", "root": True, "rate": 12500000, "ceil": 25000000},
+               {"class": "htb", "handle": "1:10", "parent": "1:1", "rate": 1000, "ceil": 99999999999}]
+INGRESS = [{"parent": "ffff:", "protocol": "all", "pref": 49152, "kind": "u32", "chain": 0},
+           {"parent": "ffff:", "protocol": "all", "pref": 49152, "kind": "u32", "chain": 0,
+            "options": {"fh": "800::800", "actions": [{"order": 1, "kind": "mirred", "mirred_action": "redirect",
+                                                      "direction": "egress", "to_dev": "ifb0"}]}}]
+
+
+def test_shaping_is_read_from_tc_output():
+    assert interface.qdisc_rate(TBF) == 26214400
+    assert interface.qdisc_rate(HTB, HTB_CLASSES) == 25000000  # the root class's ceiling, not a leaf's
+    assert interface.qdisc_rate([{"kind": "noqueue", "root": True, "options": {}}]) is None
+    assert interface.qdisc_rate([{"kind": "tbf", "root": False, "options": {"rate": 5}}]) is None
+    assert interface.ingress_redirect(INGRESS) == "ifb0"
+    assert interface.ingress_redirect([{"kind": "u32", "options": {"actions": [{"kind": "gact"}]}}]) is None
+
+
+def test_odd_tc_output_is_not_a_capacity():
+    rng = random.Random(3)
+    atoms = [None, True, 0, -5, 1.5, "x", [], {}, {"root": True}, {"kind": "tbf", "root": True, "options": []}]
+    for _ in range(2000):
+        def junk(depth: int = 0):  # type: ignore[no-untyped-def]
+            if depth > 3 or rng.random() < 0.4:
+                return rng.choice(atoms)
+            if rng.random() < 0.5:
+                return [junk(depth + 1) for _ in range(rng.randrange(3))]
+            keys = ["kind", "root", "options", "rate", "ceil", "class", "actions", "to_dev", "mirred_action"]
+            return {rng.choice(keys): junk(depth + 1) for _ in range(rng.randrange(4))}
+        rate = interface.qdisc_rate(junk(), junk())
+        assert rate is None or rate > 0
+        dev = interface.ingress_redirect(junk())
+        assert dev is None or isinstance(dev, str)
+
+
+def test_the_default_route_and_network_mounts_are_found():
+    table = ("Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
+             "eth1\t0012A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
+             "eth0\t00000000\t0102A8C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n")
+    assert interface.default_route_interface(table) == "eth0"
+    assert interface.default_route_interface(table.splitlines()[0]) is None
+    info = "\n".join([
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw",
+        "40 22 0:40 / /data rw,relatime shared:2 - nfs4 filer.example:/export/data rw,vers=4.2",
+        "41 40 0:41 / /data/local rw shared:3 - tmpfs tmpfs rw",
+        "42 22 0:42 / /mnt/smb rw shared:4 - cifs //nas/share rw",
+        "43 22 0:43 / /lustre rw shared:5 - lustre 10.0.0.9@tcp:/fs rw",
+        "44 22 0:44 / /v6 rw shared:6 - nfs [fd00::5]:/x rw",
+    ])
+    assert interface.mount_server(info, "/data/train/000.jpg") == ("filer.example", 2049)
+    assert interface.mount_server(info, "/data/local/x") is None  # the deeper mount is local
+    assert interface.mount_server(info, "/mnt/smb/a") == ("nas", 445)
+    assert interface.mount_server(info, "/lustre/ds") == ("10.0.0.9", 988)
+    assert interface.mount_server(info, "/v6/ds") == ("fd00::5", 2049)
+    assert interface.mount_server(info, "/home") is None
+    assert interface.mount_server("garbage\n - \n", "/x") is None
+
+
+def test_loopback_states_no_capacity():
+    assert interface.towards("127.0.0.1", 9000) is None  # no speed, no shaping: measured or nothing
+    assert interface.towards("no-such-host.invalid", 9000) is None
+
+
+def test_a_declared_capacity_wins_else_the_lower_of_interface_and_measured():
+    nic = interface.InterfaceCapacity("eth0", 1.25e9, "eth0, speed 10 Gbit/s")
+    shared = Measurement(0.0, 30e6, 0.9)
+    view = capacity.choose(5e9, nic, shared, "--backend-bandwidth")
+    assert (view.capacity.source, view.capacity.bytes_per_second) == ("declared", 5e9)
+    view = capacity.choose(None, nic, shared, "--backend-bandwidth")  # a shared uplink: the transfers show it
+    assert (view.capacity.source, view.capacity.bytes_per_second) == ("measured", 30e6)
+    assert "under the interface's 10 Gbit/s" in view.capacity.detail
+    view = capacity.choose(None, nic, Measurement(0.0, 2e9, 0.9), "--backend-bandwidth")
+    assert (view.capacity.source, view.capacity.bytes_per_second) == ("interface", 1.25e9)
+    assert capacity.choose(None, None, None, "--backend-bandwidth").capacity is None
+    assert capacity.choose(None, None, shared, "x").as_dict()["source"] == "measured"
+
+
+# -- a shaped link in a network namespace of the test's own ------------------------------------------
+
+def _namespaces_work() -> bool:
+    name = f"efltest{random.randrange(1 << 30)}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+@pytest.mark.skipif(not _namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
+def test_a_process_in_a_namespace_reads_its_shaped_link(tmp_path):
+    """Received traffic shaped through an ifb, sent traffic by a tbf: each direction is read as shaped."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    from netbox import NetBox
+
+    with NetBox("eflk") as box:
+        node = box.host("node", rate_in=40 * MiB, rate_out=25 * MiB)
+        other = box.host("other")
+        probe = textwrap.dedent(f"""
+            import json
+            from epochfs.links import interface
+            rx = interface.towards({other.address!r}, 9000)
+            tx = interface.holding({node.address!r})
+            print(json.dumps([rx.bytes_per_second, rx.detail, tx.bytes_per_second, tx.detail]))
+        """)
+        out = subprocess.run(node.command(sys.executable, "-c", probe), capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        rx, rx_detail, tx, tx_detail = json.loads(out.stdout)
+        assert rx == 40 * MiB and "ingress shaped" in rx_detail, rx_detail
+        assert tx == 25 * MiB and "egress shaped" in tx_detail, tx_detail
+    assert box.name_prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
