@@ -225,3 +225,30 @@ def test_paths_may_follow_options():
     assert args.paths == ["a/b", "c"]
     with pytest.raises(SystemExit):
         parse(build_parser(), ["warmup", "/mnt/data", "--check", "--frobnicate"])
+
+
+def _parsers(parser, path=()):  # type: ignore[no-untyped-def]
+    """Every parser and subparser of ``parser``, with the words that reach it."""
+    import argparse as _argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, _argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_help_renders_as_text():
+    """Each command's --help is rendered whole: no option's text is taken for a format string (a "70%"
+    once printed argparse's internals) and each option has its text."""
+    from epochfs.cli import build_parser
+
+    seen = 0
+    for path, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        assert "option_strings" not in text and "%(" not in text, (path, text)
+        for action in parser._actions:
+            if action.option_strings and action.help is not None:
+                assert action.help.strip(), (path, action.option_strings)
+        seen += 1
+    assert seen >= 15

@@ -120,7 +120,9 @@ class Config:
                                    metavar="N", parse=int)
     backend_bandwidth: float | None = option(
         None, "object store", "capacity of the link to the backend, e.g. 10Gbit, for the utilisation metric "
-        "and its alert", metavar="RATE", parse=lambda t: parse_rate(t), example='"10Gbit"')
+        "and its 70% alert (default: the lower of what the interface routing to the endpoint states, its speed "
+        "or shaping, and what the mount's transfers measure while they keep the link busy; `epochfs status` "
+        "says which)", metavar="RATE", parse=lambda t: parse_rate(t), example='"10Gbit"')
     # -- cache
     cache_dir: Path | None = option(
         None, "cache", f"block cache and metadata directory (default: {DEFAULT_CACHE_DIR}/<source hash> for root, "
@@ -220,8 +222,9 @@ class Config:
         "other cache nodes first and the backend after, instead of as it is asked")
     link_capacity: float | None = option(
         None, "cluster cache", "this node's network link, e.g. 25Gbit: what the peer tier sends over it is "
-        "exported as a utilisation, and the 70% rule fires for a cache node group past it", metavar="RATE",
-        parse=lambda t: parse_rate(t), example='"25Gbit"')
+        "exported as a utilisation, and the 70% rule fires for a cache node group past it (default: the lower "
+        "of what the interface of the peer address states and what its sends measure while they keep the "
+        "link busy)", metavar="RATE", parse=lambda t: parse_rate(t), example='"25Gbit"')
     # -- metrics
     metrics_addr: str | None = option(
         None, "metrics", "Prometheus metrics at http://HOST:PORT/metrics; 'off' disables; port 0 picks a free "

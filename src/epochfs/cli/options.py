@@ -73,6 +73,7 @@ def add_mount_options(parser: argparse.ArgumentParser, *, serving: bool = False)
         help_text = mo.option.help
         if mo.shown() and not isinstance(mo.default, bool):
             help_text += f" (default: {mo.shown()})"
+        help_text = help_text.replace("%", "%%")  # (argparse formats help with %: "70%" is text here)
         group = groups[mo.option.group]
         if isinstance(mo.default, bool):
             group.add_argument(mo.flag, dest=mo.name, action="store_true", default=argparse.SUPPRESS, help=help_text)
