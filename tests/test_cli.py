@@ -252,3 +252,22 @@ def test_every_help_renders_as_text():
                 assert action.help.strip(), (path, action.option_strings)
         seen += 1
     assert seen >= 15
+
+
+def test_status_tells_a_replica_from_the_backend_and_where_reads_came_from():
+    from epochfs.cli.status import format_link, format_origins, format_peer
+
+    peer = {"requests": {"ok": 97, "unavailable": 3, "bad": 0, "declined": 0, "served": 0, "rejected": 0},
+            "fallbacks": {"replica": 3, "backend": 0}, "role": "client", "me": "client", "mode": "owned",
+            "replicas": 2, "members": ["198.18.0.5:9570"], "down": [], "store_reachable": True,
+            "bytes_in": 400 << 20, "bytes_out": 0}
+    text = "\n".join(format_peer(peer))
+    assert "fell back" not in text and "3 asks failed: 3 then asked another replica, 0 the backend" in text
+    assert "1 member," in text and "1 members" not in text
+    s = {"reads": {"local": 100, "owner": 290, "replica": 10, "backend": 0}, "peer": peer}
+    assert format_origins(s) == "read from this node's cache 25%, cache nodes 72%, another replica 2%"
+    assert format_origins({"reads": {"local": 0, "owner": 0, "replica": 0, "backend": 0}}) == ""
+    assert "not known" in format_link(None, "--backend-bandwidth") and "--backend-bandwidth" in format_link(
+        None, "--backend-bandwidth")
+    assert format_link({"bytes_per_second": 40 << 20, "source": "interface", "detail": "eth0, speed 10 Gbit/s"},
+                       "x") == "link 40.0 MiB/s (interface: eth0, speed 10 Gbit/s)"

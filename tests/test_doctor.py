@@ -433,10 +433,39 @@ def _random_status(rng):
             j["window"].update(data_wait=0.0, compute=0.0)
         jobs.append(j)
     s["jobs"] = jobs
+    junk = [None, -1, 0, 1.5, float("inf"), float("nan"), 1 << 70, "x", [], {}, True]
+
+    def counters():  # type: ignore[no-untyped-def]
+        keys = ["hit_bytes", "miss_bytes", "demand_bytes", "prefetch_bytes", "peer_bytes", "replica_bytes",
+                "cpu_busy", "cpu_all"]
+        return {k: rng.choice([rng.randrange(1 << 40), rng.choice(junk)]) for k in keys if rng.random() < 0.9}
+
+    if rng.random() < 0.7:  # (the reads' own counters stay numbers: the rates are taken of them)
+        s["cache"].update({k: v for k, v in counters().items() if not k.startswith("cpu")
+                           and k not in ("hit_bytes", "miss_bytes")})
     if rng.random() < 0.5:
         s["job_epochs"] = {"train": [{"epoch": n, "time": n, "gets": n * rng.randrange(1000), "lists": n,
-                                      "bytes": n * rng.randrange(1 << 30)} for n in range(rng.randrange(0, 4))]}
+                                      "bytes": n * rng.randrange(1 << 30),
+                                      **({"counters": rng.choice([counters(), rng.choice(junk)])}
+                                         if rng.random() < 0.7 else {})} for n in range(rng.randrange(0, 4))]}
         s["backend"]["usage"] = {"gets": rng.randrange(10**6), "lists": 3, "bytes": rng.randrange(1 << 40)}
+    s["host_cpu"] = rng.choice([None, [rng.randrange(10**6), rng.randrange(10**6), 2], [1], "x",
+                                [rng.choice(junk), rng.choice(junk)]])
+    s["backend"]["link"] = rng.choice([None, {}, {"detail": "eth0, speed 10 Gbit/s", "source": "interface"},
+                                       {"detail": rng.choice(junk), "source": rng.choice(junk)}])
+    s["options"] = rng.choice([{}, None, "x", {"meta": "redis://10.0.0.1:6379/0", "meta_password_file": "/etc/p",
+                                              "peer_token_file": "/etc/t", "block_size": rng.choice([4 << 20, 0, -3]),
+                                              "replicas": rng.choice([1, 2, "x"]), "endpoint_url": rng.choice(junk),
+                                              "cache_size": rng.choice(junk)}])
+    if "peer" in s and rng.random() < 0.8:
+        s["peer"]["fallbacks"] = rng.choice([None, {"replica": 3, "backend": 1}, "x"])
+        s["peer"]["replicas"] = rng.choice([1, 2, rng.choice(junk)])
+        s["peer"]["load"] = rng.choice([None, "x", [rng.choice(junk)], [
+            {"member": rng.choice(["198.18.0.5:9570", "x", rng.choice(junk)]), "held_bytes": rng.choice(junk + [5 << 30]),
+             "capacity_bytes": rng.choice(junk + [8 << 30]), "utilization": rng.choice(junk + [0.9]),
+             "link_capacity": rng.choice(junk + [40e6]), "link_source": rng.choice(junk + ["interface"]),
+             "out_bytes_per_second": rng.choice(junk), "age_seconds": rng.choice(junk + [2.0])}
+            for _ in range(rng.randrange(4))]])
     return s
 
 
@@ -557,3 +586,122 @@ def test_a_warm_job_that_waits_hears_of_passthrough_only_where_it_would_help():
         t = copy.deepcopy(s)
         change(t)
         assert "warm-read-path" not in [f["cause"] for f in doctor(t)["findings"]]
+
+
+# -- the topology: where the reads came from --------------------------------------------------------
+
+OPTIONS = {"meta": "redis://epochfs@10.1.0.5:6379/0", "meta_name": None,
+           "meta_password_file": "/etc/epochfs/meta-password", "meta_ca_file": None,
+           "peer_token_file": "/etc/epochfs/peer-token", "block_size": 4 << 20, "replicas": 2,
+           "endpoint_url": "http://s3.example:9000", "cache_size": 50 << 30, "peer_role": "client"}
+
+
+def counters(read, backend=0, owner=0, replica=0, cpu=(0, 0)):
+    """The counters a mark keeps: ``read`` bytes read so far, of which ``backend``, ``owner`` and
+    ``replica`` were fetched from there; the host's CPU ticks (busy, all)."""
+    return {"hit_bytes": read, "miss_bytes": 0, "demand_bytes": backend, "prefetch_bytes": 0,
+            "peer_bytes": owner + replica, "replica_bytes": replica, "cpu_busy": cpu[0], "cpu_all": cpu[1]}
+
+
+def first_epoch_read(s, read, backend=0, owner=0, replica=0, cpu_busy=0.3):
+    """``s``'s job in its first epoch (storage-bound), which read ``read`` bytes so far, from where."""
+    s["jobs"] = [job(wait=8.0, compute=2.0, epochs=[(0, 100, 8.0, 2.0)])]
+    s["job_epochs"] = {"train": [{"epoch": 0, "time": 0.0, "gets": 0, "lists": 0, "bytes": 0,
+                                  "counters": counters(0, cpu=(1000, 2000))}]}
+    now = counters(read, backend, owner, replica, cpu=(1000 + int(cpu_busy * 10000), 12000))
+    s["cache"] = {k: v for k, v in now.items() if not k.startswith("cpu")}
+    s["host_cpu"] = [now["cpu_busy"], now["cpu_all"], 2]
+    s["backend"]["bytes"] = backend
+    return s
+
+
+def client_of(held, utilization=0.3, capacity=40e6):
+    """A GPU node reading through two cache nodes that hold ``held`` bytes together."""
+    s = healthy()
+    s["passthrough"] = None
+    s["store"]["used_bytes"] = 0  # its own cache holds nothing: everything came through the tier
+    s["options"] = dict(OPTIONS)
+    s["peer"] = {"role": "client", "bytes_in": 0, "requests": {"ok": 10, "unavailable": 0, "bad": 0, "declined": 0},
+                 "fallbacks": {"replica": 0, "backend": 0}, "replicas": 2, "dataset_bytes": DATASET, "mode": "owned",
+                 "load": [{"member": f"198.18.0.{i}:9570", "held_bytes": held // 2, "capacity_bytes": 60 << 30,
+                           "utilization": utilization if i == 5 else 0.1, "link_capacity": capacity,
+                           "link_source": "interface", "out_bytes_per_second": utilization * capacity,
+                           "age_seconds": 3.0} for i in (5, 6)]}
+    return s
+
+
+def complete(command: str) -> None:
+    """A command to paste: every option with its value, no placeholder."""
+    for placeholder in (" URL", " FILE", "SOURCE", " ADDR", "HOST:PORT", "..."):
+        assert placeholder not in command, (placeholder, command)
+
+
+def test_a_warm_tier_is_never_advised_a_warmup():
+    """A GPU node whose first epoch read everything through warmed cache nodes (none of it from the
+    backend, none of it from its own cache) is not told to warm them, nor its own cache."""
+    s = first_epoch_read(client_of(2 * DATASET), 10 * GiB, owner=10 * GiB)
+    r = doctor(s, s)
+    fixes = " ".join(f["fix"] for f in r["findings"])
+    assert "cold-first-epoch" not in [f["cause"] for f in r["findings"]] and "warmup" not in fixes, r["findings"]
+
+
+def test_a_busy_cache_node_link_is_named_with_a_complete_command():
+    s = first_epoch_read(client_of(2 * DATASET, utilization=0.86), 10 * GiB, owner=10 * GiB)
+    r = doctor(s, s)
+    assert [f["cause"] for f in r["findings"]] == ["cache-nodes-busy"], r["findings"]
+    f = r["findings"][0]
+    assert "198.18.0.5:9570's link is 86% busy" in f["evidence"] and "interface" in f["evidence"]
+    command = re.search(r"`(epochfs serve [^`]+)`", f["fix"])[1]
+    complete(command)
+    for part in ("s3://bucket/train", "--endpoint-url http://s3.example:9000", "--meta redis://epochfs@10.1.0.5:6379/0",
+                 "--meta-password-file /etc/epochfs/meta-password", "--peer-token-file /etc/epochfs/peer-token",
+                 "--block-size 4M", "--replicas 2", "--peer-listen \"$(hostname -I | cut -d' ' -f1):9570\"",
+                 "--cache-size 60G", "--rebalance"):
+        assert part in command, (part, command)
+
+
+def test_a_node_whose_cpu_is_the_bound_hears_so():
+    s = first_epoch_read(client_of(2 * DATASET), 10 * GiB, owner=10 * GiB, cpu_busy=0.97)
+    r = doctor(s, s)
+    assert [f["cause"] for f in r["findings"]] == ["node-cpu"] and "97% busy" in r["findings"][0]["evidence"]
+
+
+def test_a_cold_tier_is_advised_its_warmup_with_every_option():
+    s = first_epoch_read(client_of(DATASET // 5), 10 * GiB, owner=10 * GiB)
+    r = doctor(s, s)
+    assert [f["cause"] for f in r["findings"]] == ["cold-first-epoch"]
+    command = re.search(r"`(epochfs cluster warmup [^`]+)`", r["findings"][0]["fix"])[1]
+    complete(command)
+    assert command == ("epochfs cluster warmup s3://bucket/train --meta redis://epochfs@10.1.0.5:6379/0 "
+                       "--meta-password-file /etc/epochfs/meta-password --peer-token-file /etc/epochfs/peer-token "
+                       "--block-size 4M --replicas 2")
+
+
+def test_a_first_epoch_read_from_its_own_cache_is_not_cold():
+    """A mount whose files were all in its own cache (read again after a restart, say) is not told to
+    warm it, whatever the cache's use says."""
+    s = healthy()
+    s["store"]["used_bytes"] = DATASET // 3  # (the cache is not full of the dataset: that is no evidence)
+    s = first_epoch_read(s, 10 * GiB)  # nothing fetched: every byte from this node's cache
+    r = doctor(s, s)
+    assert "cold-first-epoch" not in [f["cause"] for f in r["findings"]]
+    # the same first epoch reading from the backend is
+    s = first_epoch_read(healthy(), 10 * GiB, backend=9 * GiB)
+    s["store"]["used_bytes"] = DATASET // 3
+    r = doctor(s, s)
+    assert "cold-first-epoch" in [f["cause"] for f in r["findings"]] and "90% of what it read came from the backend" \
+        in r["findings"][0]["evidence"]
+
+
+def test_a_saturated_link_in_the_first_epoch_is_named_with_where_its_capacity_comes_from():
+    s = first_epoch_read(healthy(), 2700 * MiB, backend=2700 * MiB)
+    s["store"]["used_bytes"] = DATASET // 3
+    s["backend"]["bandwidth_limit"] = 30 * MiB
+    s["backend"]["link"] = {"source": "measured", "detail": "measured 30.0 MiB/s (bytes moving 96% of 10 s)"}
+    # the job's first epoch took 90 s (its reports' span): 30 MiB/s, all of the link
+    r = doctor(s, s)
+    causes = [f["cause"] for f in r["findings"]]
+    assert causes[:2] == ["cold-first-epoch", "backend-saturated"], causes
+    f = r["findings"][1]
+    assert "100% busy" in f["evidence"] and "measured 30.0 MiB/s" in f["evidence"]
+    assert "cache nodes" in f["fix"] and "--peer-role client" in f["fix"]

@@ -24,6 +24,7 @@ import math
 import shlex
 from typing import Any
 
+from epochfs.cache.flights import read_origins
 from epochfs.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
 from epochfs.stats import HistogramSnapshot
 from epochfs.text import human
@@ -42,10 +43,15 @@ CACHE_TIER = 0.5  # of the bytes read that came from the cluster tier's members
 HEADROOM = 1.1  # the cache size advised: the dataset and a tenth
 WARM = 0.95  # of the dataset cached: a job started now reads it warm
 BUFFERED_OPENS = 500.0  # a second: asks whether a file is a terminal (~40 us of the daemon's time each)
+FROM_BACKEND = 0.25  # of what an epoch read came from the backend: the node read it cold itself
+LINK_BUSY = 0.7  # of a cache node's link: the alert's line
+CPU_BUSY = 0.9  # of the node's CPU time: the node itself is the bound
+FRESH = 60.0  # seconds: a member's published load older than this is not its load now
 
 #: Findings, most helpful first (the order they are listed in).
 ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
-         "warm-read-path", "buffered-opens", "backend-saturated", "cache-tier", "cache-tier-failing",
+         "warm-read-path", "buffered-opens", "backend-saturated", "cache-nodes-busy", "node-cpu", "cache-tier",
+         "cache-tier-failing",
          "cluster-share-too-large", "backend-latency", "slow-checkpoints", "writeback-backlog")
 
 
@@ -54,7 +60,13 @@ def _share(part: float, whole: float) -> float | None:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A finite number of the status, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value) if math.isfinite(value) else None
+        except OverflowError:  # (an integer past a float's range)
+            return None
+    return None
 
 
 def _needed(peer: dict[str, Any]) -> float | None:
@@ -136,6 +148,76 @@ def describe_window(view: dict[str, Any]) -> str:
     return f"{which} ({phase['steps']} steps over {phase['seconds']:.0f} s)"
 
 
+def _origins(c: dict[str, Any], before: dict[str, Any] | None) -> dict[str, int] | None:
+    """Where the reads between two sets of the cache's counters came from (None: counters of a daemon
+    that does not keep them)."""
+    if not isinstance(c, dict) or "demand_bytes" not in c or (before is not None and "demand_bytes" not in before):
+        return None
+    return read_origins(c, before)
+
+
+def _cpu(status: dict[str, Any]) -> tuple[float, float] | None:
+    cpu = status.get("host_cpu")
+    if isinstance(cpu, list) and len(cpu) >= 2 and all(_num(x) is not None for x in cpu[:2]):
+        return float(cpu[0]), float(cpu[1])
+    return None
+
+
+def _cpu_busy(a: tuple[float, float] | None, b: tuple[float, float] | None) -> float | None:
+    """The fraction of the machine's CPU time that was busy between two readings."""
+    if a is None or b is None or b[1] <= a[1] or b[0] < a[0]:
+        return None
+    return min(1.0, (b[0] - a[0]) / (b[1] - a[1]))
+
+
+def tier_view(load: Any, needed: float) -> dict[str, Any] | None:
+    """The members a node reads from, as they published their load (fresh figures only): how much
+    they hold against ``needed`` (the dataset times its replicas), and the busiest link."""
+    rows = [r for r in load if isinstance(r, dict)] if isinstance(load, list) else []
+    fresh = [r for r in rows if (_num(r.get("age_seconds")) is not None and r["age_seconds"] <= FRESH)]
+    if not fresh:
+        return None
+    held = [h for r in fresh if (h := _num(r.get("held_bytes"))) is not None]
+    busy = [(u, r) for r in fresh if (u := _num(r.get("utilization"))) is not None and _num(r.get("link_capacity"))]
+    busiest = max(busy, key=lambda ur: ur[0]) if busy else None
+    return {"members": len(fresh), "held_bytes": sum(held) if held else None, "needed_bytes": needed or None,
+            "warm": bool(held) and bool(needed) and sum(held) >= WARM * needed,
+            "busiest": {"member": busiest[1].get("member"), "utilization": busiest[0],
+                        "link_capacity": busiest[1]["link_capacity"], "source": busiest[1].get("link_source")}
+            if busiest else None,
+            "unmeasured": sum(1 for r in fresh if not _num(r.get("link_capacity"))),
+            "cache_size": sorted(c for r in fresh if (c := _num(r.get("capacity_bytes"))))[len(fresh) // 2]
+            if all(_num(r.get("capacity_bytes")) for r in fresh) else None,
+            "port": _common_port([str(r.get("member", "")) for r in fresh])}
+
+
+def _common_port(members: list[str]) -> int | None:
+    ports = [int(p) for m in members if (p := m.rpartition(":")[2]).isdigit() and 0 < int(p) < 65536]
+    return max(set(ports), key=ports.count) if ports else None
+
+
+def phase_origins(after: dict[str, Any], view: dict[str, Any] | None, job: str | None,
+                  epoch: int = 0) -> tuple[dict[str, int] | None, float | None]:
+    """Where epoch ``epoch``'s reads came from and how busy the node's CPUs were meanwhile: between the
+    counters the mount kept where it began and where the next began (else now); (None, None) where the
+    mount kept none."""
+    names = [job] if job else (view or {}).get("jobs") or []
+    marks = {}
+    for name in names:
+        for mk in (after.get("job_epochs") or {}).get(name, []):
+            if isinstance(mk, dict) and isinstance(mk.get("counters"), dict) and isinstance(mk.get("epoch"), int):
+                marks.setdefault(mk["epoch"], mk["counters"])
+    start = marks.get(epoch)
+    if start is None:
+        return None, None
+    later = [n for n in marks if n > epoch]
+    end = marks[min(later)] if later else {**(after.get("cache") or {}),
+                                           **dict(zip(("cpu_busy", "cpu_all"), _cpu(after) or (), strict=False))}
+    cpu = (_cpu_busy((start["cpu_busy"], start["cpu_all"]), (end["cpu_busy"], end["cpu_all"]))
+           if all(_num(d.get(k)) is not None for d in (start, end) for k in ("cpu_busy", "cpu_all")) else None)
+    return _origins(end, start), cpu
+
+
 def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The mount's rates between the two replies, and the state the findings read."""
     c0, c1 = before["cache"], after["cache"]
@@ -151,6 +233,9 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
     failed = sum(p1.get("requests", {}).get(k, 0) - p0.get("requests", {}).get(k, 0) for k in ("unavailable", "bad"))
     store = after["store"]
     errors = {k: n - (before.get("errors") or {}).get(k, 0) for k, n in (after.get("errors") or {}).items()}
+    origins = _origins(c1, c0)
+    if origins is not None and not sum(origins.values()):  # nothing read in between: since the mount started
+        origins = _origins(c1, None)
     asks0, asks1 = _num(before.get("isatty_asks")), _num(after.get("isatty_asks"))
     return {"hit_ratio": _share(hit, hit + miss),
             "peer_role": p1.get("role"), "peer_share": _share(peer_in, hit + miss) if p1 else None,
@@ -172,7 +257,14 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "errors_total": {k: n for k, n in (after.get("errors") or {}).items() if n > 0},
             "writeback": after.get("writeback"), "passthrough": after.get("passthrough"),
             "isatty_asks_per_second": (asks1 - asks0) / seconds if asks0 is not None and asks1 is not None
-            and seconds > 0 and asks1 >= asks0 else None}
+            and seconds > 0 and asks1 >= asks0 else None,
+            "origins": origins, "cpu_busy": _cpu_busy(_cpu(before), _cpu(after)),
+            "backend_link": (after["backend"].get("link") or {}).get("detail"),
+            "backend_link_source": (after["backend"].get("link") or {}).get("source"),
+            "peer_fallbacks": p1.get("fallbacks") if p1 else None,
+            "tier": tier_view(p1.get("load"), _needed(p1) or (snap["bytes"] or 0) * (_num(p1.get("replicas")) or 1))
+            if p1 else None,
+            "options": after.get("options") if isinstance(after.get("options"), dict) else {}}
 
 
 def size_flag(nbytes: float, *, down: bool = False) -> str:
@@ -204,6 +296,68 @@ def share_fix(share: float, capacity: float, cache_size: float | None = None, ti
             f"together for {human(needed)} of blocks: raise every member's by {factor:.2g}x (this one's: "
             f"`--cache-size {size_flag(cache_size * factor)}`), or add members with "
             f"{human(max(needed * HEADROOM - tier_cache, share * HEADROOM))} of cache")
+
+
+PEER_PORT = 9570  # the cache nodes' port where none is known (the documentation's)
+
+
+def size_arg(nbytes: Any) -> str:
+    """A size as the options take it, exactly: ``4M``, ``1G``, ``65536``."""
+    n = int(nbytes)
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def store_flags(m: dict[str, Any]) -> str | None:
+    """The options that reach the mount's shared store, as it was mounted with them (None: not known)."""
+    o = m.get("options") or {}
+    if not isinstance(o.get("meta"), str) or not o["meta"]:
+        return None
+    parts = ["--meta", o["meta"]]
+    for key, flag in (("meta_name", "--meta-name"), ("meta_password_file", "--meta-password-file"),
+                      ("meta_ca_file", "--meta-ca-file")):
+        if isinstance(o.get(key), str) and o[key]:
+            parts += [flag, o[key]]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _tier_flags(m: dict[str, Any]) -> str:
+    o = m.get("options") or {}
+    token = o.get("peer_token_file")
+    flags = [store_flags(m) or "--meta URL", "--peer-token-file " + (shlex.quote(token) if isinstance(token, str)
+                                                                    else "FILE")]
+    if _num(o.get("block_size")):
+        flags.append(f"--block-size {size_arg(o['block_size'])}")
+    if _num(o.get("replicas")):
+        flags.append(f"--replicas {int(o['replicas'])}")
+    return " ".join(flags)
+
+
+def warmup_command(m: dict[str, Any]) -> str:
+    """``epochfs cluster warmup`` for the mount's dataset and tier, every option as the mount has it."""
+    return f"epochfs cluster warmup {shlex.quote(str(m['source']))} {_tier_flags(m)}"
+
+
+def serve_command(m: dict[str, Any]) -> str:
+    """``epochfs serve`` of one more cache node for the mount's dataset and tier: its options as the mount
+    and the other cache nodes have them (their port, their cache size), its address the machine's own."""
+    o, tier = m.get("options") or {}, m.get("tier") or {}
+    endpoint = f" --endpoint-url {shlex.quote(o['endpoint_url'])}" if isinstance(o.get("endpoint_url"), str) else ""
+    size = _num(tier.get("cache_size")) or _num(o.get("cache_size"))
+    listen = f"\"$(hostname -I | cut -d' ' -f1):{tier.get('port') or PEER_PORT}\""
+    return (f"epochfs serve {shlex.quote(str(m['source']))}{endpoint} {_tier_flags(m)} --peer-listen {listen}"
+            + (f" --cache-size {size_flag(size)}" if size else "") + " --rebalance")
+
+
+def _warm_fix(m: dict[str, Any], mnt: str, src: str, fits: bool) -> str:
+    if m.get("peer_role") == "client":
+        return f"warm the cache nodes before the job: `{warmup_command(m)}`"
+    if fits:
+        return f"warm the cache before the job starts: `epochfs warmup {mnt}` (the dataset fits the cache)"
+    return (f"warm what the first epoch reads before the job starts: `epochfs warmup {mnt} --manifest "
+            "FIRST-EPOCH.txt` with the first epoch's order (the whole dataset does not fit the cache)")
 
 
 def in_place(m: dict[str, Any]) -> list[str]:
@@ -251,17 +405,34 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
         found("read-errors", f"reads answered with errors while the doctor watched: {named}",
               f"`epochfs status {mnt}` and the daemon's log name the cause; EACCES or EPERM from the backend: "
               "the credentials or the bucket policy; EIO: the backend failing (its requests in the log)")
-    if first and first["verdict"] in ("storage-bound", "balanced") and not warm:
+    client = m.get("peer_role") == "client"
+    tier = m.get("tier")
+    origins, first_cpu = m.get("first_origins"), m.get("first_cpu")
+    through_tier = False  # the reads that made the job wait came from the cluster tier
+    if first and first["verdict"] in ("storage-bound", "balanced"):
         plan = " (the order was handed over: these are the cold read's misses, not a missing plan)" if handed else ""
-        if m.get("peer_role") == "client":
-            fix = f"warm the cache nodes before the job: `epochfs cluster warmup {src} --meta URL`"
-        elif fits:
-            fix = f"warm the cache before the job starts: `epochfs warmup {mnt}` (the dataset fits the cache)"
-        else:
-            fix = (f"warm what the first epoch reads before the job starts: `epochfs warmup {mnt} --manifest "
-                   "FIRST-EPOCH.txt` (the whole dataset does not fit the cache)")
-        found("cold-first-epoch", f"the first epoch waited {first['data_wait_fraction']:.0%} of step time reading "
-              f"from the backend{plan}", fix)
+        total = sum(origins.values()) if origins else 0
+        backend = origins["backend"] / total if total else None
+        via = (origins["owner"] + origins["replica"]) / total if total else None
+        waited = f"the first epoch waited {first['data_wait_fraction']:.0%} of step time"
+        if backend is None and not warm:  # (a daemon that does not say where its reads came from)
+            found("cold-first-epoch", f"{waited} reading from the backend{plan}", _warm_fix(m, mnt, src, fits))
+        elif backend is not None and backend >= FROM_BACKEND and not (client and m.get("peer_failures")):
+            found("cold-first-epoch", f"{waited}: {backend:.0%} of what it read came from the backend{plan}",
+                  _warm_fix(m, mnt, src, fits))
+        elif via is not None and via >= CACHE_TIER:
+            if tier is not None and tier["held_bytes"] is not None and not tier["warm"] and tier["needed_bytes"]:
+                found("cold-first-epoch", f"{waited}: {via:.0%} of what it read came through the cache nodes, which "
+                      f"held {human(tier['held_bytes'])} of the {human(tier['needed_bytes'])} the dataset needs there: "
+                      "what they lacked they fetched from the backend on the way",
+                      f"warm the cache nodes before the job: `{warmup_command(m)}`")
+            else:
+                through_tier = True
+    window = m.get("origins")
+    tier_share = ((window["owner"] + window["replica"]) / sum(window.values()) if window and sum(window.values())
+                  else m.get("peer_share"))  # (a daemon that does not say: the bytes its peers sent)
+    if tier_share is not None and tier_share >= CACHE_TIER and judged != "first":
+        through_tier = True
     if not handed:
         found("no-manifest", "no epoch order was handed over: nothing is fetched ahead of the reader",
               "wrap the sampler: `sampler = epochfs.torch.EpochfsSampler(sampler, MOUNTPOINT)`, or run "
@@ -289,15 +460,20 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               "as the same files, a shard per request)")
     verdict = verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else None  # (the judged phase's)
     pt = m.get("passthrough")
-    if (verdict == "storage-bound" and hit is not None and hit >= WARM_HITS
+    judged_origins = origins if judged == "first" else m.get("origins")
+    if judged_origins and sum(judged_origins.values()):  # (a hit from the cluster tier is not this cache's)
+        cached = judged_origins["local"] / sum(judged_origins.values())
+    else:
+        cached = hit
+    if (verdict == "storage-bound" and cached is not None and cached >= WARM_HITS
             and avg is not None and avg >= SMALL_FILES and not m["shards"] and not m.get("writeback")
             and not (pt or {}).get("active")):
         if pt is None:
-            found("warm-read-path", f"the job waits for data though {hit:.0%} of what it reads is cached: the "
+            found("warm-read-path", f"the job waits for data though {cached:.0%} of what it reads is cached: the "
                   "daemon's read path is the bound", "remount with `--passthrough` (the daemon as root, Linux 6.9+): "
                   "the kernel then reads a cached file from the cache disk itself, at the disk's speed")
         else:
-            found("warm-read-path", f"the job waits for data though {hit:.0%} of what it reads is cached, and "
+            found("warm-read-path", f"the job waits for data though {cached:.0%} of what it reads is cached, and "
                   "--passthrough is off (the kernel refused it)", "run the daemon as root on Linux 6.9 or later "
                   "(the kernel registers backing files only for CAP_SYS_ADMIN); the daemon's log says which")
     asks = m.get("isatty_asks_per_second")
@@ -308,18 +484,40 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               "open the dataset's files unbuffered and read them whole: `with open(path, 'rb', buffering=0) as f: "
               "data = f.read()` (decode from `io.BytesIO(data)`), or run the job on Python 3.14 or later")
     limit = m["backend_bandwidth_limit"]
-    if limit and m["backend_bytes_per_second"] > BACKEND_BUSY * limit:
-        fix = ("add a cache node: `epochfs serve SOURCE ... --rebalance`" if m.get("peer_role") == "client" else
-               "share fetches across the nodes (`--peer-listen ADDR --peer-token-file F --meta redis://...`) or "
-               "cache more of the dataset: the link is the bound")
-        found("backend-saturated", f"the backend link is {m['backend_bytes_per_second'] / limit:.0%} busy "
-              f"(over {BACKEND_BUSY:.0%} of --backend-bandwidth)", fix)
-    share = m.get("peer_share")
-    if share is not None and share >= CACHE_TIER:
-        found("cache-tier", f"{share:.0%} of what this node reads comes from the cluster tier's "
-              f"{'cache nodes' if m.get('peer_role') == 'client' else 'members'}",
-              "if they are busy (`epochfs cluster status SOURCE --meta URL` shows their link load; "
-              "EpochfsCacheNodesBusy fires past 70%), add a cache node: `epochfs serve SOURCE ... --rebalance`")
+    rate = m["backend_bytes_per_second"]
+    if limit and origins and first and first.get("seconds", 0) > 0 and judged == "first":  # (the cold read's own)
+        rate = max(rate, origins["backend"] / first["seconds"])
+    if limit and rate > BACKEND_BUSY * limit:
+        link = m.get("backend_link") or "--backend-bandwidth"
+        if client or m.get("peer_role") == "peer":
+            fix = (f"add a cache node (on a spare machine, with the token and password files copied to the same "
+                   f"paths): `{serve_command(m)}`")
+        else:
+            fix = ("put cache nodes in front of it: a Redis store, `epochfs serve` on spare machines (`epochfs cluster "
+                   "warmup` fills them before the job) and the GPU nodes remounted with `--peer-role client` "
+                   "(docs/cluster-cache.md): each block then crosses this link once for the cluster")
+        found("backend-saturated", f"the link to the backend is {rate / limit:.0%} busy ({human(rate)}/s of "
+              f"{human(limit)}/s: {link}), over {BACKEND_BUSY:.0%}: it is the bound", fix)
+    if through_tier:
+        busiest = (tier or {}).get("busiest")
+        cpu = first_cpu if judged == "first" and first_cpu is not None else m.get("cpu_busy")
+        if busiest is not None and busiest["utilization"] >= LINK_BUSY:
+            found("cache-nodes-busy", f"this node reads through the cache nodes, and {busiest['member']}'s link is "
+                  f"{busiest['utilization']:.0%} busy (of {human(busiest['link_capacity'])}/s"
+                  + (f", {busiest['source']}" if busiest.get("source") else "") + "): the cache tier is the bound",
+                  f"add a cache node (on a spare machine, with the token and password files copied to the same "
+                  f"paths): `{serve_command(m)}`; it takes its share from the others at once")
+        elif cpu is not None and cpu >= CPU_BUSY:
+            found("node-cpu", "this node reads through the cache nodes, their links are not busy"
+                  + (f" (at most {busiest['utilization']:.0%})" if busiest else "") + f", and its CPUs were "
+                  f"{cpu:.0%} busy: the wait is for this node's CPU time (the loader, the job and the daemon share it)",
+                  "give the loader fewer workers than the node has cores, move other work off the node, or run the "
+                  "job on nodes with more cores")
+        elif busiest is None or (tier or {}).get("unmeasured"):
+            found("cache-tier", f"{tier_share or 0.0:.0%} of what this node reads comes from the cluster tier's "
+                  f"{'cache nodes' if client else 'members'}, whose links' load is not known",
+                  f"`epochfs cluster status {src} {store_flags(m) or '--meta URL'}` shows their load; past 70% "
+                  f"(EpochfsCacheNodesBusy) add a cache node: `{serve_command(m)}`")
     if m.get("peer_failures"):
         found("cache-tier-failing", f"{m['peer_failures']} requests to the cluster tier failed (no answer in "
               "time, or one that did not check out) and went to the backend",
@@ -409,6 +607,7 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
             view["checkpoint_save_seconds"] = theirs["checkpoint_save_seconds"]
     verdict = verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else "no-job-data"
     mount = mount_view(before, after, seconds)
+    mount["first_origins"], mount["first_cpu"] = phase_origins(after, view, job)
     if checkpoints is not None:
         mount["checkpoint_writeback"] = bool(checkpoints.get("writeback"))
     first = (view or {}).get("phases", {}).get("first")

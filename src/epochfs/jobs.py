@@ -79,6 +79,8 @@ class Mark:
     epoch: int
     time: float
     usage: tuple[int, int, int]  # (GET-class requests, LIST requests, bytes read), since the mount started
+    #: other counters at that moment (where reads came from, the host's CPU time): name, value
+    counters: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -114,7 +116,8 @@ class Jobs:
         last = next(reversed(entry.epochs))
         return entry.epochs[last][4] if r.epoch < last else None
 
-    def report(self, r: Report, now: float, usage: tuple[int, int, int] | None = None) -> None:
+    def report(self, r: Report, now: float, usage: tuple[int, int, int] | None = None,
+               counters: dict[str, int] | None = None) -> None:
         restarted = self._restarted(r)
         key = (r.job, r.rank)
         entry = self._entries.pop(key, None) or _Entry()
@@ -134,7 +137,7 @@ class Jobs:
             entry.recent.popleft()
         if r.epoch is not None:
             self._count_epoch(entry, r, now)
-            self._mark(r, now, usage, restarted)
+            self._mark(r, now, usage, restarted, counters)
 
     @staticmethod
     def _count_epoch(entry: _Entry, r: Report, now: float) -> None:
@@ -151,7 +154,8 @@ class Jobs:
         totals[2] += r.compute
         totals[4] = now
 
-    def _mark(self, r: Report, now: float, usage: tuple[int, int, int] | None, restarted: float | None) -> None:
+    def _mark(self, r: Report, now: float, usage: tuple[int, int, int] | None, restarted: float | None,
+              counters: dict[str, int] | None = None) -> None:
         assert r.epoch is not None
         marks = self._marks.get(r.job)
         if marks is None:
@@ -164,7 +168,7 @@ class Jobs:
         if r.epoch in marks or usage is None:
             return
         late = bool(marks) and r.epoch < next(reversed(marks))
-        marks[r.epoch] = Mark(r.epoch, now, usage)
+        marks[r.epoch] = Mark(r.epoch, now, usage, tuple(sorted((counters or {}).items())))
         if late:  # (a rank that reports an epoch the others skipped: kept in epoch order)
             ordered = sorted(marks.items())
             marks.clear()

@@ -95,6 +95,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "passthrough_damaged": ("counter", "Whole copies that failed a check (at open or by the scrub) and were removed."),
     "peer_bytes": ("counter", "Block bytes exchanged with members of the cluster cache tier: in (fetched from "
                    "an owner instead of the backend), out (served to a member)."),
+    "fetched_bytes": ("counter", "Bytes this node fetched (for readers and ahead of them), by where they came from: "
+                      "backend; owner, the block's first owner in the cluster tier (a cache node, or a serving "
+                      "peer); replica, another member holding it (asked once the first failed). What readers "
+                      "read beyond these came from this node's own cache."),
+    "peer_fallbacks": ("counter", "Asks of the cluster tier that failed and went on: to another replica of the block, "
+                       "or to the backend."),
     "peer_requests": ("counter", "Block requests of the cluster cache tier by outcome: ok, unavailable, bad, "
                       "declined (asked by this node); served, rejected (answered by it)."),
     "job_data_wait_seconds": ("counter", "Seconds a training job's rank waited in next() for a batch (epochfs.watch)."),
@@ -130,6 +136,8 @@ class Sample:
     peer_requests: dict[str, int] | None = None
     jobs: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)  # series -> (job, rank) -> value
     links: dict[str, dict[str, float]] = field(default_factory=dict)  # series -> source -> capacity
+    fetched: dict[str, int] = field(default_factory=dict)  # origin -> bytes
+    peer_fallbacks: dict[str, int] | None = None
     meta_master: dict[str, float] = field(default_factory=dict)  # address -> since (a Sentinel store)
 
 
@@ -192,6 +200,10 @@ def sample_of(c: Collected) -> Sample:
                   errors, histograms,
                   peer_bytes={"in": peer.bytes_in, "out": peer.bytes_out} if peer else None,
                   peer_requests=dict(peer.requests) if peer else None, jobs=jobs, links=links,
+                  fetched={"backend": cache.demand_bytes + cache.prefetch_bytes,
+                           **({"owner": cache.peer_bytes - cache.replica_bytes, "replica": cache.replica_bytes}
+                              if peer else {})},
+                  peer_fallbacks=dict(peer.fallbacks or {}) if peer else None,
                   meta_master={snap.master: snap.master_since or 0.0} if snap.master else {})
 
 
@@ -218,9 +230,11 @@ class DaemonCollector(Collector):
             yield fam
         labelled = [("backend_requests", ["op", "outcome"], s.backend_requests.items()),
                     ("backend_bytes", ["purpose"], s.backend_bytes.items()), ("errors", ["kind"], s.errors.items())]
+        labelled.append(("fetched_bytes", ["source"], s.fetched.items()))
         if s.peer_bytes is not None and s.peer_requests is not None:
             labelled += [("peer_bytes", ["direction"], s.peer_bytes.items()),
-                         ("peer_requests", ["outcome"], s.peer_requests.items())]
+                         ("peer_requests", ["outcome"], s.peer_requests.items()),
+                         ("peer_fallbacks", ["to"], (s.peer_fallbacks or {}).items())]
         labelled += [(short, ["job", "rank"], series.items()) for short, series in s.jobs.items()]
         labelled += [(short, ["source"], series.items()) for short, series in s.links.items()]
         if s.meta_master:

@@ -13,6 +13,7 @@ lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`ep
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -52,6 +53,7 @@ from epochfs.mountpoint import check_mountpoint
 from epochfs.pack.listing import dataset_listing
 from epochfs.peer import share
 from epochfs.peer.client import PeerClient
+from epochfs.peer.load import TierLoad
 from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerAnswers, PeerStats, PeerTier
@@ -136,6 +138,7 @@ class Daemon:
         self.writeback: WriteBack | None = None
         self.peer: PeerTier | None = None
         self.peer_server: PeerServer | None = None
+        self.tier_load: TierLoad | None = None
         if config.peer_listen or config.peer_role == "client" or config.serving:
             self._open_peer()
         self.cache = BlockCache(self.store, self.backend, CacheSettings(
@@ -173,7 +176,7 @@ class Daemon:
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),
             metrics_addr=lambda: f"{self.metrics.host}:{self.metrics.port}" if self.metrics else None,
             node=config.node_name(), backend_concurrency=config.backend_concurrency,
-            readahead_blocks=config.readahead_blocks,
+            readahead_blocks=config.readahead_blocks, options=advice_options(config),
         )
         self.jobs = Jobs()
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,
@@ -235,6 +238,9 @@ class Daemon:
                              prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role,
                              stats=self._member_stats, capacity=config.cache_size)
         self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas)
+        self.tier_load = None if role == "server" else TierLoad(
+            self.snapshots.store, self.backend.source_id,
+            lambda: tuple(m for m in members.ring.members if m != members.me))
 
     def _watch_links(self) -> LinkWatch:
         """The links measured against a capacity: the one to the backend (the endpoint's route here),
@@ -327,9 +333,10 @@ class Daemon:
         if self.peer is None:
             return None
         link = self.links.view("peer")
-        return self.peer.statistics(self.peer_server.stats if self.peer_server else None,
-                                    (self.share.owned, self.share.total) if self.share else (None, None),
-                                    link.capacity.bytes_per_second if link and link.capacity else None)
+        stats = self.peer.statistics(self.peer_server.stats if self.peer_server else None,
+                                     (self.share.owned, self.share.total) if self.share else (None, None),
+                                     link.capacity.bytes_per_second if link and link.capacity else None)
+        return dataclasses.replace(stats, load=self.tier_load.statistics()) if self.tier_load else stats
 
     async def _switch(self, namespace: Namespace, entries: list[tuple[int, bytes]], inodes: list[int]) -> None:
         """A new snapshot is being served: the adapter takes its tree, the kernel forgets what changed."""
@@ -417,6 +424,8 @@ class Daemon:
                     if self.config.peer_advertise is None:  # port 0: the one the system gave
                         self.peer.members.rename(f"{self.peer_server.host}:{self.peer_server.port}")
                 await nursery.start(self.peer.members.run)
+                if self.tier_load is not None:
+                    await nursery.start(self.tier_load.run)
                 if self.share is not None:
                     await nursery.start(self.share.run)
             await nursery.start(self.prefetcher.run)
@@ -471,6 +480,17 @@ class Daemon:
         """Close every part, the last opened first (the write-back before its journal, the snapshots
         before the store and the backend)."""
         self._opened.close()
+
+
+def advice_options(config: Config) -> dict[str, object]:
+    """What a command advised for this mount repeats of its options (``epochfs status``'s ``options``)."""
+    return {"endpoint_url": config.endpoint_url, "meta": config.meta, "meta_name": config.meta_name,
+            "meta_password_file": str(config.meta_password_file) if config.meta_password_file else None,
+            "meta_ca_file": str(config.meta_ca_file) if config.meta_ca_file else None,
+            "peer_token_file": str(config.peer_token_file) if config.peer_token_file else None,
+            "peer_role": config.peer_role if (config.peer_listen or config.peer_role == "client") else None,
+            "block_size": config.block_size, "replicas": config.replicas, "cache_size": config.cache_size,
+            "peer_timeout": config.peer_timeout}
 
 
 def _raised(fn: Callable[[], None]) -> BaseException | None:

@@ -81,7 +81,7 @@ class BlockCache:
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
-        self._peer_bytes = 0
+        self._peer_bytes = self._replica_bytes = 0
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
         self.verified = Verified()  # packed members checked against their checksums
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
@@ -433,9 +433,9 @@ class BlockCache:
         handoff = Handoff()
 
         def job() -> None:
-            data, from_peer = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
+            data, origin = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
                                                      warm=flight.warm)
-            token.run_sync_soon(self._deliver, flight, data, from_peer)
+            token.run_sync_soon(self._deliver, flight, data, origin)
             if not admitted or data is None:
                 return
             try:
@@ -510,13 +510,15 @@ class BlockCache:
         while self._recent_bytes > self.recent_max:
             self._recent_bytes -= len(self._recent.popitem(last=False)[1].data)
 
-    def _deliver(self, flight: Fetch, data: bytes | None, from_peer: bool) -> None:
+    def _deliver(self, flight: Fetch, data: bytes | None, origin: str) -> None:
         """The bytes of a fetch arrived (called on the trio thread from the worker): release the readers."""
         flight.data = data
-        flight.from_peer = from_peer
+        flight.from_peer = origin != "backend"
         self._fetches[flight.demand] += 1
-        if from_peer:
+        if flight.from_peer:
             self._peer_bytes += len(data or b"")
+            if origin == "replica":
+                self._replica_bytes += len(data or b"")
         else:
             self._fetched_bytes[flight.demand] += len(data or b"")
         flight.event.set()
@@ -540,6 +542,7 @@ class BlockCache:
             prefetch_bytes=self._fetched_bytes[False],
             inflight=len(self._flights),
             peer_bytes=self._peer_bytes,
+            replica_bytes=self._replica_bytes,
             **({} if self.pusher is None else self.pusher.statistics()._asdict()),
         )
 

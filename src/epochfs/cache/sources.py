@@ -1,7 +1,11 @@
 """Where the cache's fetches get their bytes (:class:`BlockSource`): the backend itself
 (:class:`BackendSource`), or the cluster tier (:class:`epochfs.peer.tier.PeerTier`: the block's owner,
 falling back to the backend). A source may say a block is not kept here (another member owns it): such
-a block is read through, never cached."""
+a block is read through, never cached.
+
+Each fetch says where its bytes came from (:data:`ORIGINS`): the backend, the block's first owner in the
+cluster tier (a cache node, or a serving peer), or another replica of it (asked once the first failed).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ from typing import Protocol
 
 from epochfs.backend.base import Backend
 from epochfs.records import ObjectInfo
+
+#: Where a fetched block's bytes came from.
+ORIGINS = ("backend", "owner", "replica")
 
 
 class BlockSource(Protocol):
@@ -18,8 +25,9 @@ class BlockSource(Protocol):
         """Whether this node caches the block."""
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, bool]:
-        """The block's bytes and whether they came from a peer. ``direct``: from the backend only.
+                   warm: bool) -> tuple[bytes | None, str]:
+        """The block's bytes and where they came from (one of :data:`ORIGINS`). ``direct``: from the
+        backend only (a cache node answering a member: from another cache node that holds it, too).
         ``warm``: a prefetch of a block not kept here: only make sure its owner has it (may return None)."""
 
 
@@ -33,5 +41,5 @@ class BackendSource:
         return True
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, bool]:
-        return self.backend.read_range(obj.key, obj.etag, start, length), False
+                   warm: bool) -> tuple[bytes | None, str]:
+        return self.backend.read_range(obj.key, obj.etag, start, length), "backend"

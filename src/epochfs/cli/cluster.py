@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import math
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from typing import Any
 from epochfs.cli.common import EPILOG, human
 from epochfs.config import parse_rate, parse_size, store_access
 from epochfs.errors import ConfigError, EpochfsError
+from epochfs.peer.published import published_stats
 from epochfs.records import ObjectInfo, Source
 
 HEARTBEAT_STALE = 10.0  # seconds after which a member's published statistics are old
@@ -154,42 +154,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-#: What a member publishes of itself, and the type each figure must have to be shown (the store is
-#: written by anyone who holds its password: nothing else is taken, and nothing of another type).
-_COUNTS = ("held_bytes", "capacity_bytes", "cache_size", "served_bytes", "replicas", "block_size", "snapshot")
-_RATES = ("out_bytes_per_second", "link_capacity", "utilization", "updated")
-
-
-def _published(raw: object) -> dict[str, Any] | None:
-    """A member's published statistics (JSON), each figure of its type or None; None if they do not
-    decode to an object."""
-    try:
-        published = json.loads(raw) if isinstance(raw, (bytes, str)) and len(raw) <= 64 << 10 else None
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(published, dict):
-        return None
-    out: dict[str, Any] = {}
-    for k in _COUNTS:
-        v = published.get(k)
-        out[k] = v if type(v) is int and 0 <= v < 1 << 63 else None
-    for k in _RATES:
-        v = published.get(k)
-        ok = type(v) is int and 0 <= v < 1 << 63 or type(v) is float and math.isfinite(v) and v >= 0
-        out[k] = float(v) if ok else None  # type: ignore[arg-type]
-    node, mode, down = published.get("node"), published.get("mode"), published.get("down")
-    out["node"] = node if isinstance(node, str) and len(node) <= 255 and node.isprintable() else None
-    out["mode"] = mode if mode in ("all", "owned") else None
-    out["down"] = ([d for d in down[:1000] if isinstance(d, str) and len(d) <= 64 and d.isprintable()]
-                   if isinstance(down, list) else None)
-    return out
-
-
 def member_row(addr: str, role: str, raw: object, now: float, proof: str | None = "") -> dict[str, Any]:
-    """One member's line of ``cluster status``: what it publishes (checked: :func:`_published`), and its
+    """One member's line of ``cluster status``: what it publishes (checked: :func:`~epochfs.peer.published.published_stats`), and its
     health: ``proof`` None when it proved it holds the token, why not otherwise, "" when not asked."""
     row: dict[str, Any] = {"member": addr, "role": role}
-    published = _published(raw)
+    published = published_stats(raw)
     if published is not None:
         updated = published.pop("updated")
         row.update(published)
@@ -289,7 +258,7 @@ def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: d
     for owner, *_, length in work:
         asked[owner] += length
     for owner, nbytes in sorted(asked.items()):
-        published = _published(stats.get(owner)) or {}
+        published = published_stats(stats.get(owner)) or {}
         capacity = published.get("capacity_bytes")
         if capacity is not None and nbytes > capacity:
             fix = share_fix(nbytes, capacity, ring.cache_of(owner), ring.cache_bytes(), sum(asked.values()))

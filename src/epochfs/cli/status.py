@@ -214,8 +214,9 @@ def format_status(s: dict[str, Any]) -> str:
         f"cache      {human(st['used_bytes'])} of {human(st['capacity_bytes'])} in {st['blocks']} blocks "
         f"({s['cache_dir']})" + bounded_by_disk(st),
         f"reads      hit ratio {ratio} by bytes; {c['hits']} hits, {c['misses']} misses",
+        *([f"           {origins}"] if (origins := format_origins(s)) else []),
         f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
-        f"{c['inflight']} in flight",
+        f"{c['inflight']} in flight; {format_link(s['backend'].get('link'), '--backend-bandwidth')}",
         f"evictions  {st['evictions']} ({eviction_policy(s)}); corrupt blocks {st['corrupt_blocks']}; "
         f"fill errors {st['fill_errors']}",
         f"errors     {reader_errors(s)}",
@@ -224,6 +225,14 @@ def format_status(s: dict[str, Any]) -> str:
         *([format_passthrough(s["passthrough"])] if s.get("passthrough") else []),
         *(format_peer(s["peer"]) if s.get("peer") else []),
     ])
+
+
+def format_link(link: dict[str, Any] | None, flag: str) -> str:
+    """A link's capacity and where it is known from, or that it is not known."""
+    if not link or not link.get("bytes_per_second"):
+        return (f"link capacity not known (declare it with {flag}; the utilisation alarm cannot fire until then "
+                "or until the transfers measure it)")
+    return f"link {human(link['bytes_per_second'])}/s ({link['source']}: {link['detail']})"
 
 
 def eviction_policy(s: dict[str, Any]) -> str:
@@ -246,9 +255,28 @@ def reader_errors(s: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``1 block``, ``2 blocks``."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def format_origins(s: dict[str, Any]) -> str:
+    """Where what readers read came from, since the mount started (nothing before a read)."""
+    o = s.get("reads") or {}
+    total = sum(v for v in o.values() if isinstance(v, (int, float)))
+    if not total:
+        return ""
+    client = (s.get("peer") or {}).get("role") == "client"
+    names = {"local": "this node's cache", "owner": "cache nodes" if client else "the cluster tier",
+             "replica": "another replica", "backend": "the backend"}
+    parts = [f"{names[k]} {o[k] / total:.0%}" for k in ("local", "owner", "replica", "backend") if o.get(k)]
+    return "read from " + ", ".join(parts)
+
+
 def format_peer(p: dict[str, Any]) -> list[str]:
     r = p["requests"]
     failed = r["unavailable"] + r["bad"] + r["declined"]
+    went = p.get("fallbacks") or {}
     role = p.get("role", "peer")
     what = {"server": f"a cache node ({p['me']})", "client": "a client (asks, never serves)"}.get(role, p["me"])
     replicas = f", {p['replicas']} replicas of each" if p.get("replicas", 1) > 1 else ""
@@ -256,10 +284,16 @@ def format_peer(p: dict[str, Any]) -> list[str]:
             if p.get("share_bytes") is not None and p.get("dataset_bytes") else "")
     if p.get("cache_size_bytes") and p.get("tier_cache_bytes"):  # (members weighed by their caches)
         owns += f" (its {human(p['cache_size_bytes'])} of the members' {human(p['tier_cache_bytes'])} of cache)"
-    lines = [f"cluster    {len(p['members'])} members, keeping {p['mode']} blocks{replicas}; this node {what}{owns}"
-             + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
-             f"           from peers {human(p['bytes_in'])} in {r['ok']} blocks ({failed} requests fell back to the "
-             f"backend); served {human(p['bytes_out'])} in {r['served']} blocks, rejected {r['rejected']}"]
+    onward = (f": {went.get('replica', 0)} then asked another replica, {went.get('backend', 0)} the backend"
+              if failed and went else "")
+    link = p.get("link") or {}
+    sends = (f"; its link {human(link['bytes_per_second'])}/s ({link['detail']})" if link.get("bytes_per_second")
+             else "; its link's capacity not known yet" if p.get("bytes_out") else "")
+    lines = [f"cluster    {plural(len(p['members']), 'member')}, keeping {p['mode']} blocks{replicas}; this node "
+             f"{what}{owns}" + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
+             f"           asked {plural(r['ok'] + failed, 'block')} of the tier: {human(p['bytes_in'])} in "
+             f"{plural(r['ok'], 'answer')}, {plural(failed, 'ask')} failed{onward}; served "
+             f"{human(p['bytes_out'])} in {plural(r['served'], 'block')}, rejected {r['rejected']}{sends}"]
     for member in p["members"]:
         mark = " (this node)" if member == p["me"] else " (bypassed: not answering)" if member in p["down"] else ""
         lines.append(f"           member {member}{mark}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from epochfs.cache.flights import read_origins
 from epochfs.collected import Collected
 from epochfs.control import protocol as p
 from epochfs.control.server import Chunks, Handler
@@ -54,6 +55,9 @@ class MountInfo:
     node: str = "localhost"  # the ``node`` label of its series
     backend_concurrency: int | None = None  # what the doctor's advice starts from
     readahead_blocks: int | None = None
+    #: The options a command the doctor advises must repeat to reach the same dataset and tier (the
+    #: store's URL, the files of its password and of the token: paths, never their contents).
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], source: str, *,
@@ -152,12 +156,13 @@ class ControlHandlers:
         return out
 
     async def report(self, request: Report) -> dict[str, Any]:
-        usage = None
-        if self.jobs.new_epoch(request):  # the backend's counters where this epoch began
-            backend = self.collect().backend
-            u = usage_of(backend.requests, backend.bytes_read)
+        usage = counters = None
+        if self.jobs.new_epoch(request):  # the counters where this epoch began
+            c = self.collect()
+            u = usage_of(c.backend.requests, c.backend.bytes_read)
             usage = (int(u.gets), int(u.lists), int(u.bytes))
-        self.jobs.report(request, time.time(), usage)
+            counters = epoch_counters(c)
+        self.jobs.report(request, time.time(), usage, counters)
         return {}
 
     async def status(self, request: p.Status) -> dict[str, Any]:
@@ -251,6 +256,19 @@ def job_of(j: JobStats) -> dict[str, Any]:
     return out
 
 
+#: The cache's counters a job's epoch marks keep (what :func:`read_origins` needs).
+MARKED = ("hit_bytes", "miss_bytes", "demand_bytes", "prefetch_bytes", "peer_bytes", "replica_bytes")
+
+
+def epoch_counters(c: Collected) -> dict[str, int]:
+    """The counters kept where a job's epoch begins: where reads came from so far, the host's CPU time."""
+    out = {k: int(getattr(c.cache, k)) for k in MARKED}
+    cpu = host_cpu()
+    if cpu is not None:
+        out["cpu_busy"], out["cpu_all"] = cpu[0], cpu[1]
+    return out
+
+
 def marks_of(jobs: Jobs, stats: tuple[JobStats, ...]) -> dict[str, list[dict[str, Any]]]:
     """Per job, the backend usage where each of its epochs began (``status``'s ``job_epochs``)."""
     out = {}
@@ -258,8 +276,21 @@ def marks_of(jobs: Jobs, stats: tuple[JobStats, ...]) -> dict[str, list[dict[str
         marks = jobs.marks(name)
         if marks:
             out[name] = [{"epoch": m.epoch, "time": m.time, "gets": m.usage[0], "lists": m.usage[1],
-                          "bytes": m.usage[2]} for m in marks]
+                          "bytes": m.usage[2], "counters": dict(m.counters)} for m in marks]
     return out
+
+
+def host_cpu() -> list[int] | None:
+    """This machine's CPU time so far, in clock ticks: [busy, all, CPUs] (``/proc/stat``; idle and
+    waiting for I/O are not busy); what the doctor tells a node whose CPU is the bound by."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5:
+        return None
+    return [sum(ticks) - ticks[3] - ticks[4], sum(ticks), os.cpu_count() or 1]
 
 
 def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str, Any]]] | None = None
@@ -282,6 +313,8 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "block_size": info.block_size,
         "backend_concurrency": info.backend_concurrency,
         "readahead_blocks": info.readahead_blocks,
+        "options": info.options,
+        "host_cpu": host_cpu(),
         "meta": {"url": snap.store, "reachable": snap.reachable, "error": snap.error, "master": snap.master,
                  "master_since": snap.master_since,
                  "latest_version": snap.latest_version},
@@ -291,6 +324,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "eviction": info.eviction,
         "prefetch": vars(c.prefetch),
         "cache": vars(c.cache),
+        "reads": read_origins(c.cache),
         "store": vars(c.store),
         "backend": {
             "requests": {f"{op}/{outcome}": n for (op, outcome), n in sorted(c.backend.requests.items())},
@@ -304,7 +338,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "writeback": vars(c.writeback) if c.writeback is not None else None,
         "passthrough": vars(c.passthrough) if c.passthrough is not None else None,
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down),
-                 "link": c.peer_link.as_dict() if c.peer_link else None}
+                 "link": c.peer_link.as_dict() if c.peer_link else None, "load": [vars(m) for m in c.peer.load]}
         if c.peer is not None else None,
         "jobs": [job_of(j) for j in c.jobs],
         "job_epochs": job_epochs or {},

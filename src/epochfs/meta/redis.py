@@ -527,6 +527,25 @@ class RedisMetaStore:
                 out[member] = payload
         return out
 
+    def member_stats_of(self, source: str, members: list[str]) -> dict[str, bytes]:
+        """The published statistics of ``members`` (a node's own ring: a few), each read only if it is
+        no larger than a member publishes (a planted value of any size costs one length query)."""
+        key = self._prefix(source) + "member-stats"
+        pipe = self._redis.pipeline(transaction=False)
+        for member in members:
+            pipe.hstrlen(key, member)
+        lengths = self._call(pipe.execute)
+        wanted = [m for m, n in zip(members, lengths, strict=True) if isinstance(n, int) and 0 < n <= 2 * self.MAX_STATS]
+        out = {}
+        for member, raw in zip(wanted, self._call(self._redis.hmget, key, wanted) if wanted else [], strict=True):
+            try:
+                payload = self._unwrap(f"{key}:{member}", raw) if raw is not None else None
+            except SnapshotInvalid:
+                continue
+            if payload is not None and len(payload) <= self.MAX_STATS:
+                out[member] = payload
+        return out
+
     def put_manifest(self, source: str, name: str, text: str) -> None:
         key = f"{self._prefix(source)}manifest:{name}"
         self._call(self._redis.set, key, self._wrap(key, text.encode()))

@@ -49,6 +49,7 @@ from epochfs.meta.namespace import Namespace
 from epochfs.meta.nodes import File
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
+from epochfs.peer.load import MemberLoad
 from epochfs.peer.members import Membership
 from epochfs.peer.server import ServerStats
 from epochfs.records import ObjectInfo
@@ -76,6 +77,8 @@ class PeerStats:
     dataset_bytes: int | None = None  # the bytes of the dataset the share is of
     cache_size_bytes: int | None = None  # this node's cache as the ring weighs it (None: not weighted)
     tier_cache_bytes: int | None = None  # the ring's members' caches together, as weighed (None: not weighted)
+    fallbacks: dict[str, int] | None = None  # asks that failed and went on: to another replica, to the backend
+    load: tuple[MemberLoad, ...] = ()  # what the members this node reads from publish of their load
 
 
 class PeerCache(Protocol):
@@ -107,6 +110,7 @@ class PeerTier:
         self._lock = threading.Lock()
         self._declines: Counter[str] = Counter()
         self._outcomes: Counter[str] = Counter()
+        self._fallbacks: Counter[str] = Counter()  # failed asks that went on: to another replica, the backend
         self._bytes_in = 0
 
     # -- the block source (worker threads) ---------------------------------------------------------------
@@ -126,23 +130,30 @@ class PeerTier:
         return not owners or self.members.me in owners
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, bool]:
-        """The block's bytes and whether they came from a peer; ``direct``: not from its owners (this
-        node answers a member: a cache node still asks the others for what they hold); ``warm``: only
-        make sure an owner has it (None when it does)."""
+                   warm: bool) -> tuple[bytes | None, str]:
+        """The block's bytes and where they came from (``owner``: its first owner; ``replica``: another,
+        asked once an owner before it failed; ``backend``); ``direct``: not from its owners (this node
+        answers a member: a cache node still asks the others for what they hold); ``warm``: only make
+        sure an owner has it (None when it does)."""
         if not direct:
+            failed = False
             for owner in self.owners(bid):
                 if owner == self.members.me:
                     break
+                if failed:
+                    self._count_fallback("replica")
                 got = self.ask(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm))
                 if got is not None:
-                    return got[0], True
+                    return got[0], "replica" if failed else "owner"
+                failed = True
+            if failed:
+                self._count_fallback("backend")
         elif self.members.role == "server":
             ring, me = self.members.ring, self.members.me
             for other in ring.owners(bid, self.replicas, exclude={me}):
                 got = self.ask(other, wire.BlockRequest(bid, obj.key, obj.etag, index, length, stored=True))
                 if got is not None:
-                    return got[0], True
+                    return got[0], "replica"
             data = self.backend.read_range(obj.key, obj.etag, start, length)
             owners = self.owners(bid)
             if self.replicas > 1 and me in owners:  # the other replicas take it from here
@@ -150,8 +161,12 @@ class PeerTier:
                     if other != me:
                         self._replicas().submit(self.ask, other, wire.BlockRequest(
                             bid, obj.key, obj.etag, index, length, warm=True))
-            return data, False
-        return self.backend.read_range(obj.key, obj.etag, start, length), False
+            return data, "backend"
+        return self.backend.read_range(obj.key, obj.etag, start, length), "backend"
+
+    def _count_fallback(self, to: str) -> None:
+        with self._lock:
+            self._fallbacks[to] += 1
 
     def _replicas(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -195,6 +210,7 @@ class PeerTier:
         capacity of the link it serves over (:mod:`epochfs.links`)."""
         with self._lock:
             outcomes = {**dict.fromkeys(OUTCOMES, 0), **self._outcomes}
+            fallbacks = {"replica": self._fallbacks["replica"], "backend": self._fallbacks["backend"]}
             bytes_in = self._bytes_in
         if served is not None:
             outcomes["served"] = served.served
@@ -206,7 +222,7 @@ class PeerTier:
                          bytes_out=served.served_bytes if served else 0, role=self.members.role,
                          replicas=self.replicas, link_capacity=link_capacity, share_bytes=share[0],
                          dataset_bytes=share[1], cache_size_bytes=own,
-                         tier_cache_bytes=ring.cache_bytes() if own is not None else None)
+                         tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks)
 
 
 class PeerAnswers:
