@@ -16,6 +16,7 @@ from epochfs.links import capacity, interface, meter
 from epochfs.links.meter import BUSY, HOLD, MIN_BYTES, WINDOW, Measurement, Transfer, TransferMeter
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def test_union_length_counts_overlaps_once():
@@ -210,3 +211,56 @@ def test_a_process_in_a_namespace_reads_its_shaped_link(tmp_path):
         assert rx == 40 * MiB and "ingress shaped" in rx_detail, rx_detail
         assert tx == 25 * MiB and "egress shaped" in tx_detail, tx_detail
     assert box.name_prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+# -- a cluster sized on paper (epochfs plan --cluster) --------------------------------------------
+
+def test_a_cluster_on_paper_follows_its_links():
+    from epochfs.links.sizing import Cluster, cache_nodes_needed, plan
+
+    c = Cluster(nodes=4, gpus_per_node=2, gpu_demand=4 * MiB, dataset=512 * MiB, wan=25 * MiB, node_link=40 * MiB,
+                cache_node_link=40 * MiB)
+    assert c.demand == 32 * MiB and c.node_demand == 8 * MiB
+    assert cache_nodes_needed(c) == 2  # 32 MiB/s over links of 40: two keep them at 40%, one would be at 80%
+    p = plan(c)
+    plain, cold, warm = (p["setups"][k] for k in ("plain", "cold-cache-nodes", "warm-cache-nodes"))
+    # plain: the object store's link carries the whole first epoch: 32 of 25 MiB/s asked, AU 25/32
+    assert plain["epoch1"]["au"] == pytest.approx(25 / 32) and plain["epoch1"]["wan_utilisation"] == 1.0
+    assert plain["epoch1"]["bound"] == "the object store's link"
+    assert plain["epoch2"]["backend_bytes_per_dataset"] == pytest.approx(0.75)  # each node held a quarter
+    # warmed cache nodes: nothing over the WAN; their links 40% busy; every GPU fed
+    assert warm["epoch1"] == warm["epoch2"]
+    assert warm["epoch1"]["wan_utilisation"] == 0 and warm["epoch1"]["cache_node_link_utilisation"] == pytest.approx(0.4)
+    assert warm["epoch1"]["au"] == 1.0 and warm["epoch1"]["bound"] == "none"
+    assert warm["warmup_seconds"] == pytest.approx(512 / 25)
+    assert cold["epoch1"]["au"] == pytest.approx(25 / 32) and cold["epoch2"]["au"] == 1.0
+    # links too narrow for the cache nodes given: they bound the epoch, busy all the time
+    narrow = plan(Cluster(4, 2, 4 * MiB, 512 * MiB, 25 * MiB, 40 * MiB, 12 * MiB, cache_nodes=2))
+    e = narrow["setups"]["warm-cache-nodes"]["epoch1"]
+    assert e["cache_node_link_utilisation"] == 1.0 and e["au"] == pytest.approx(24 / 32)
+    assert e["bound"] == "the cache nodes' links" and narrow["cache_nodes_needed"] == 4  # 32 / (0.7 * 12)
+    # space: cache nodes enough to hold the dataset twice
+    assert cache_nodes_needed(Cluster(4, 2, 1, 10 * GiB, 1, 1, 1e12, replicas=2, cache_node_cache=3 * GiB)) == 7
+
+
+def test_a_cluster_that_cannot_be_planned_says_why():
+    from epochfs.links.sizing import Cluster
+
+    assert Cluster(0, 8, 1.0, 1.0, 1.0, 1.0, 1.0).problems() == ["--nodes must be at least 1"]
+    assert "--wan must be above 0" in Cluster(1, 8, 1.0, 1.0, float("nan"), 1.0, 1.0).problems()
+    assert "--cache-nodes must be at least 1" in Cluster(1, 8, 1.0, 1.0, 1.0, 1.0, 1.0, cache_nodes=0).problems()
+
+
+def test_plan_cluster_on_the_command_line():
+    base = [sys.executable, "-m", "epochfs", "plan", "--cluster", "--nodes", "125", "--workload", "resnet50",
+            "--dataset", "20T", "--wan", "100Gbit", "--node-link", "100Gbit"]
+    out = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["inputs"]["gpu_demand"] == pytest.approx(0.19 * GiB) and got["cache_nodes_needed"] == 24
+    text = subprocess.run(base, capture_output=True, text=True, timeout=60).stdout
+    assert "cache nodes that keep their links under 70%: 24" in text and "1000" in text
+    bad = subprocess.run([*base[:7], "--dataset", "20T"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "plan --cluster needs --gpu-demand or --workload, --wan, --node-link" in bad.stderr
+    bad = subprocess.run([*base[:4]], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--manifest and --cache-size" in bad.stderr

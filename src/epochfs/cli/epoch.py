@@ -8,12 +8,14 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from epochfs.cli.common import human
 from epochfs.client import merge_rank
 from epochfs.config import parse_rate, parse_size
 from epochfs.cost import add_price_options
 from epochfs.errors import ConfigError
+from epochfs.links.sizing import WORKLOADS
 from epochfs.prefetch.manifest import Entry, mount_relative
 
 
@@ -76,11 +78,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--check", action="store_true", help="only report the fraction already cached")
     w.set_defaults(run=cmd_warmup)
 
-    pl = sub.add_parser("plan", parents=[order], help="predict hit ratio and backend bytes of an epoch",
+    pl = sub.add_parser("plan", parents=[order], help="predict hit ratio and backend bytes of an epoch; size a "
+                        "cluster (--cluster)",
                         description="Simulate the cache over the epoch's block sequence and report, for each "
-                        "eviction policy, the hit ratio and the bytes fetched from the backend.")
-    pl.add_argument("--manifest", required=True, metavar="FILE")
-    pl.add_argument("--cache-size", type=size_arg, required=True, metavar="SIZE")
+                        "eviction policy, the hit ratio and the bytes fetched from the backend. With --cluster, "
+                        "size a cluster on paper instead: what its links carry, the cache nodes that keep them under "
+                        "70%, and the first epoch's accelerator utilisation.")
+    pl.add_argument("--manifest", metavar="FILE", help="the epoch's order (required without --cluster)")
+    pl.add_argument("--cache-size", type=size_arg, metavar="SIZE", help="the node's cache (required without --cluster)")
     pl.add_argument("--block-size", type=size_arg, default=4 << 20, metavar="SIZE")
     pl.add_argument("--previous-manifest", metavar="FILE",
                     help="the epoch read before this one (its blocks warm the cache; not counted)")
@@ -99,6 +104,28 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cost.add_argument("--backend-bandwidth", type=rate_arg, metavar="RATE",
                       help="what the backend gives this node (10Gbit, 400MB)")
     add_price_options(pl)
+    cl = pl.add_argument_group("a cluster on paper (--cluster)")
+    cl.add_argument("--cluster", action="store_true",
+                    help="size a cluster: its links' utilisation, the cache nodes that keep them under 70%%, the "
+                    "first epoch's accelerator utilisation, for plain mounts and cache nodes cold or warmed")
+    cl.add_argument("--nodes", type=int, metavar="N", help="GPU nodes")
+    cl.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default: 8)")
+    demand = cl.add_mutually_exclusive_group()
+    demand.add_argument("--gpu-demand", type=rate_arg, metavar="RATE",
+                        help="what one GPU reads while it trains, e.g. 2.8GB (per second)")
+    demand.add_argument("--workload", choices=sorted(WORKLOADS), help="MLPerf Storage's demand per H100: unet3d "
+                        "2.8 GiB/s, resnet50 0.19 GiB/s, cosmoflow 0.55 GiB/s")
+    cl.add_argument("--dataset", type=size_arg, metavar="SIZE", help="the dataset, e.g. 20T")
+    cl.add_argument("--wan", type=rate_arg, metavar="RATE",
+                    help="the object store's link, shared by the cluster, e.g. 100Gbit")
+    cl.add_argument("--node-link", type=rate_arg, metavar="RATE", help="each GPU node's link, e.g. 100Gbit")
+    cl.add_argument("--cache-node-link", type=rate_arg, metavar="RATE",
+                    help="each cache node's link (default: --node-link)")
+    cl.add_argument("--cache-nodes", type=int, metavar="K", help="cache nodes (default: as many as keep their links "
+                    "under 70%%)")
+    cl.add_argument("--cache-node-cache", type=size_arg, metavar="SIZE",
+                    help="what each cache node holds (with --replicas: cache nodes enough to hold the dataset)")
+    cl.add_argument("--replicas", type=int, default=1, metavar="R", help="cache nodes holding each block (default: 1)")
     pl.set_defaults(run=cmd_plan)
 
     mf = sub.add_parser("manifest", parents=[order], help="write an epoch manifest",
@@ -238,6 +265,11 @@ def _stored(args: argparse.Namespace, files: list[tuple[str, int]]) -> list[tupl
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return cmd_plan_cluster(args)
+    missing = [flag for flag, value in (("--manifest", args.manifest), ("--cache-size", args.cache_size)) if value is None]
+    if missing:
+        raise ConfigError(f"plan needs {' and '.join(missing)} (or --cluster to size a cluster)")
     from epochfs.prefetch.simulate import block_sequence, simulate
 
     files = _sizes(args, _order(args, args.manifest), args.manifest)
@@ -282,6 +314,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if "day" in c:
             print(f"{'':<10} " + describe_dict(c["day"], prices, f"per day ({c['epochs_per_day']:.1f} epochs)"))
     return 0
+
+
+def cmd_plan_cluster(args: argparse.Namespace) -> int:
+    from epochfs.links.sizing import Cluster, plan
+
+    demand = WORKLOADS[args.workload] if args.workload else args.gpu_demand
+    missing = [flag for flag, value in (("--nodes", args.nodes), ("--gpu-demand or --workload", demand),
+                                        ("--dataset", args.dataset), ("--wan", args.wan),
+                                        ("--node-link", args.node_link)) if value is None]
+    if missing:
+        raise ConfigError(f"plan --cluster needs {', '.join(missing)}")
+    cluster = Cluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_demand=demand, dataset=args.dataset,
+                      wan=args.wan, node_link=args.node_link, cache_node_link=args.cache_node_link or args.node_link,
+                      cache_nodes=args.cache_nodes, replicas=args.replicas, cache_node_cache=args.cache_node_cache)
+    problems = cluster.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    result = plan(cluster)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print("\n".join(cluster_lines(result)))
+    return 0
+
+
+def cluster_lines(result: dict[str, Any]) -> list[str]:
+    """``plan --cluster`` in words: the inputs, each set-up's epochs, the cache nodes to buy."""
+    from epochfs.links.interface import rate_text
+
+    i = result["inputs"]
+    gpus = i["nodes"] * i["gpus_per_node"]
+    lines = [f"{i['nodes']} GPU nodes x {i['gpus_per_node']} GPUs ({gpus}) asking {rate_text(i['gpu_demand'])} each: "
+             f"{rate_text(i['demand'])} in all, {rate_text(i['node_demand'])} a node; a dataset of {human(i['dataset'])}",
+             f"links: the object store's {rate_text(i['wan'])} (shared), each GPU node's {rate_text(i['node_link'])}, "
+             f"each cache node's {rate_text(i['cache_node_link'])}",
+             f"cache nodes that keep their links under 70%: {result['cache_nodes_needed']}"
+             + (f" (planned with {result['cache_nodes']})" if result["cache_nodes"] != result["cache_nodes_needed"] else ""),
+             "", f"{'set-up':<22} {'epoch':>5} {'object store link':>18} {'cache node links':>17} {'GPU node link':>14} "
+             f"{'WAN bytes/dataset':>18} {'AU':>5}  bound"]
+    for name, s in result["setups"].items():
+        for n in (1, 2):
+            e = s[f"epoch{n}"]
+            cache = f"{e['cache_node_link_utilisation']:.0%}" if e["cache_node_link_utilisation"] is not None else "-"
+            label = name + (f" ({s['cache_nodes']})" if s["cache_nodes"] else "") if n == 1 else ""
+            lines.append(f"{label:<22} {n:>5} {e['wan_utilisation']:>18.0%} {cache:>17} "
+                         f"{e['node_link_utilisation']:>14.0%} {e['backend_bytes_per_dataset']:>18.2f} {e['au']:>5.0%}  "
+                         f"{e['bound']}")
+    warm = result["setups"]["warm-cache-nodes"]["warmup_seconds"]
+    lines += ["", f"warming the cache nodes moves the dataset over the object store's link once: {warm / 3600:.1f} h "
+              "at its full rate (epochfs cluster warmup); a utilisation over 70% is what the alerts fire on "
+              "(EpochfsBackendBandwidthHigh, EpochfsCacheNodesBusy)"]
+    return lines
 
 
 PLAN_NOTE = ("The second column is what the epoch must fetch from the backend with each eviction policy; the "

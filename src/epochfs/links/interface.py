@@ -217,6 +217,8 @@ def holding(address: str) -> InterfaceCapacity | None:
 def rate_text(bytes_per_second: float) -> str:
     """A rate as links are named: ``10 Gbit/s``, with the bytes beside small ones (``40 MiB/s``)."""
     bits = bytes_per_second * 8
+    if bits >= 1e12:
+        return f"{bits / 1e12:.3g} Tbit/s"
     if bits >= 1e9:
         return f"{bits / 1e9:.3g} Gbit/s"
     return f"{human(bytes_per_second)}/s"
