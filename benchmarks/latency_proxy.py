@@ -3,20 +3,63 @@
 This kernel has no netem, so the delay is added here: every new connection waits ``delay`` before it
 is connected upstream, and every response (the first bytes the server sends after the client sent a
 request) is held for ``delay``. With ``delay=0`` it measures its own overhead.
+
+It can also join two network namespaces (``listen_ns``, ``upstream_ns``: paths such as
+``/var/run/netns/NAME``): it listens in one and connects in the other, each socket made while its
+thread is in that namespace. ``benchmarks/clusterbox.py`` puts the object store behind a shaped link
+this way (listening in the store's namespace, SeaweedFS on the machine's loopback), and reaches a
+Prometheus in a namespace from the machine's.
+
+    python benchmarks/latency_proxy.py UPSTREAM_PORT DELAY_MS
+    python benchmarks/latency_proxy.py --listen ADDR:PORT --listen-ns NS --upstream ADDR:PORT [--upstream-ns NS] [--delay-ms N]
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import os
+import socket
 import threading
 import time
+from collections.abc import Iterator
+
+CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def netns(path: str | None) -> Iterator[None]:
+    """This thread in the network namespace at ``path`` (None: where it is) until the block ends."""
+    if path is None:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    there = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(there, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {path}: {os.strerror(err)}")
+        try:
+            yield
+        finally:
+            if libc.setns(here, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back")
+    finally:
+        os.close(here)
+        os.close(there)
 
 
 class LatencyProxy:
-    def __init__(self, upstream_port: int, delay: float = 0.0, bandwidth: float | None = None) -> None:
+    def __init__(self, upstream_port: int, delay: float = 0.0, bandwidth: float | None = None, *,
+                 listen: tuple[str, int] = ("127.0.0.1", 0), listen_ns: str | None = None,
+                 upstream_host: str = "127.0.0.1", upstream_ns: str | None = None) -> None:
         self.upstream_port = upstream_port
         self.delay = delay
         self.bandwidth = bandwidth
+        self.listen, self.listen_ns = listen, listen_ns
+        self.upstream_host, self.upstream_ns = upstream_host, upstream_ns
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -24,7 +67,7 @@ class LatencyProxy:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.listen[0]}:{self.port}"
 
     def start(self) -> LatencyProxy:
         self._thread.start()
@@ -45,7 +88,12 @@ class LatencyProxy:
 
     def _main(self) -> None:
         self._loop = asyncio.new_event_loop()
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
+        with netns(self.listen_ns):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(self.listen)
+        sock.listen(512)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, sock=sock))
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()
@@ -55,7 +103,16 @@ class LatencyProxy:
         if self.delay:
             await asyncio.sleep(self.delay)
         try:
-            ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            with netns(self.upstream_ns):
+                usock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            usock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(usock, (self.upstream_host, self.upstream_port))
+            except OSError:
+                usock.close()
+                raise
+            usock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ureader, uwriter = await asyncio.open_connection(sock=usock)
         except OSError:
             cwriter.close()
             return
@@ -89,10 +146,29 @@ class LatencyProxy:
                 w.close()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    import argparse
+    import signal
     import sys
 
-    proxy = LatencyProxy(int(sys.argv[1]), float(sys.argv[2]) / 1000).start()
+    if len(sys.argv) == 3 and all(a.replace(".", "").isdigit() for a in sys.argv[1:]):  # UPSTREAM_PORT DELAY_MS
+        sys.argv[1:] = ["--upstream", f"127.0.0.1:{sys.argv[1]}", "--delay-ms", sys.argv[2]]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--listen", default="127.0.0.1:0", metavar="ADDR:PORT")
+    ap.add_argument("--listen-ns", metavar="PATH", help="the network namespace to listen in")
+    ap.add_argument("--upstream", required=True, metavar="ADDR:PORT")
+    ap.add_argument("--upstream-ns", metavar="PATH", help="the network namespace to connect in")
+    ap.add_argument("--delay-ms", type=float, default=0.0)
+    args = ap.parse_args()
+    lhost, _, lport = args.listen.rpartition(":")
+    uhost, _, uport = args.upstream.rpartition(":")
+    proxy = LatencyProxy(int(uport), args.delay_ms / 1000, listen=(lhost, int(lport)), listen_ns=args.listen_ns,
+                         upstream_host=uhost, upstream_ns=args.upstream_ns).start()
     print(f"proxy on {proxy.endpoint}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
         time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +111,7 @@ class NetBox:
         self.switch = f"{self.name_prefix}sw"
         self.work = work
         self.hosts: dict[str, Host] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []  # started here in the machine's namespace
 
     def __enter__(self) -> NetBox:
         try:
@@ -147,6 +149,26 @@ class NetBox:
         host.shape(rate_in, rate_out)
         return host
 
+    def portal(self, listen: str, upstream: str, *, listen_in: Host | None = None, upstream_in: Host | None = None,
+               delay_ms: float = 0.0, log: Path | None = None) -> subprocess.Popen[bytes]:
+        """A TCP forwarder (``latency_proxy.py``) listening at ``listen`` in ``listen_in``'s namespace
+        (None: the machine's) and connecting to ``upstream`` in ``upstream_in``'s, adding ``delay_ms`` to
+        every answer: a server on the machine's loopback reached from the box, or the other way round.
+        Returns once it listens; stopped at tear-down."""
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "latency_proxy.py"), "--listen", listen,
+               "--upstream", upstream, "--delay-ms", str(delay_ms)]
+        if listen_in is not None:
+            cmd += ["--listen-ns", str(NETNS_DIR / listen_in.ns)]
+        if upstream_in is not None:
+            cmd += ["--upstream-ns", str(NETNS_DIR / upstream_in.ns)]
+        err = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        self.procs.append(proc)
+        line = proc.stdout.readline().decode() if proc.stdout else ""
+        if "proxy on" not in line:
+            raise RuntimeError(f"the portal from {listen} to {upstream} did not start")
+        return proc
+
     def namespaces(self) -> list[str]:
         """The box's namespaces that exist now."""
         listed = _ip("netns", "list", check=False).stdout.split("\n")
@@ -154,6 +176,10 @@ class NetBox:
 
     def close(self) -> None:
         """Kill every process in the box's namespaces, unmount what it mounted, delete the namespaces."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         for host in self.hosts.values():
             for proc in host.procs:
                 if proc.poll() is None:

@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 # fuse3: fusermount3 (mounts by users other than root); prometheus: promtool for the alert rule tests and the
 # server the scrape test starts on loopback; systemd: systemd-analyze for the unit file test; util-linux:
 # mount(8) for the fstab test, fincore for the page-cache probes;
-# redis-server: the shared metadata store tests; openssl: the certificates of the TLS store test
-packages=(fuse3 prometheus systemd util-linux redis-server openssl)
+# redis-server: the shared metadata store tests; openssl: the certificates of the TLS store test;
+# iproute2: ip and tc, the network namespaces and shaped links of the cluster box (and the links'
+# shaping the daemon reads)
+packages=(fuse3 prometheus systemd util-linux redis-server openssl iproute2)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
 # kubectl: renders the Kubernetes overlays offline (kubectl kustomize); Debian's kubernetes-client has it
 command -v kubectl >/dev/null || packages+=(kubernetes-client)

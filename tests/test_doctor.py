@@ -705,3 +705,19 @@ def test_a_saturated_link_in_the_first_epoch_is_named_with_where_its_capacity_co
     f = r["findings"][1]
     assert "100% busy" in f["evidence"] and "measured 30.0 MiB/s" in f["evidence"]
     assert "cache nodes" in f["fix"] and "--peer-role client" in f["fix"]
+
+
+def test_a_link_that_carried_bytes_all_the_time_is_the_bound_whatever_its_capacity():
+    """No capacity known (none declared, none stated, none measured yet): a first epoch during which
+    bytes arrived on the backend link 95% of the time still names the link."""
+    s = first_epoch_read(healthy(), 2700 * MiB, backend=2700 * MiB)
+    s["store"]["used_bytes"] = DATASET // 3
+    s["backend"]["bandwidth_limit"] = None
+    s["job_epochs"]["train"][0]["counters"].update(backend_busy_seconds=10.0, time=1000.0)
+    s["backend"]["link"] = {"source": None, "busy_seconds": 10.0 + 0.95 * 90, "bytes_per_second": None}
+    s["now"] = 1090.0
+    r = doctor(s, s)
+    f = next(f for f in r["findings"] if f["cause"] == "backend-saturated")
+    assert "its capacity not known" in f["evidence"] and "arriving 95% of the time" in f["evidence"]
+    s["backend"]["link"]["busy_seconds"] = 10.0 + 0.3 * 90  # a link that was mostly idle: not the bound
+    assert "backend-saturated" not in [f["cause"] for f in doctor(s, s)["findings"]]

@@ -74,11 +74,16 @@ def test_the_capacity_is_the_best_recent_window_else_the_last():
     busy_window(40 * MiB)
     busy_window(10 * MiB)  # the link is shared now: a window gives less
     assert m.measured().bytes_per_second == pytest.approx(40 * MiB)  # (the best of the last HOLD seconds)
+    busy_window(10 * MiB)
+    busy_window(10 * MiB)  # windows in a row are averaged, RUN at a time: (40 + 10 + 10) / 3, then 10
+    assert [round(x.bytes_per_second / MiB) for x in m._measurements] == [40, 25, 20, 10]
+    assert m.busy_seconds == pytest.approx(4 * WINDOW)
     now[0] += HOLD  # idle since
     assert m.sample() is None
     assert m.measured().bytes_per_second == pytest.approx(10 * MiB)  # nothing newer: the last one measured
-    busy_window(6 * MiB)
+    busy_window(6 * MiB)  # (after the idle gap, a run of its own)
     assert m.measured().bytes_per_second == pytest.approx(6 * MiB)
+    assert m.busy_seconds == pytest.approx(5 * WINDOW)
 
 
 def test_a_meter_keeps_a_bounded_record_from_many_threads():
@@ -174,6 +179,9 @@ def test_a_declared_capacity_wins_else_the_lower_of_interface_and_measured():
     assert (view.capacity.source, view.capacity.bytes_per_second) == ("measured", 30e6)
     assert "under the interface's 10 Gbit/s" in view.capacity.detail
     view = capacity.choose(None, nic, Measurement(0.0, 2e9, 0.9), "--backend-bandwidth")
+    assert (view.capacity.source, view.capacity.bytes_per_second) == ("interface", 1.25e9)
+    # its own link full, less the protocols' bytes: the interface's figure stands
+    view = capacity.choose(None, nic, Measurement(0.0, 0.9 * 1.25e9, 0.99), "--backend-bandwidth")
     assert (view.capacity.source, view.capacity.bytes_per_second) == ("interface", 1.25e9)
     assert capacity.choose(None, None, None, "--backend-bandwidth").capacity is None
     assert capacity.choose(None, None, shared, "x").as_dict()["source"] == "measured"

@@ -407,6 +407,10 @@ def test_target_files_are_written_atomically_only_where_no_other_user_can_write(
                                                "labels": {"node": "gpu-07", "mountpoint": "/mnt/data"}}]
     assert oct(t.path.stat().st_mode & 0o777) == "0o644" and not list(t.path.parent.glob(".*"))
     assert TargetFile(tmp_path / "targets", "/mnt/data", "gpu-07").path == t.path  # a restart replaces it
+    # two daemons of one label on one host (two cache nodes of a dataset: serve:<dataset>) write two files
+    a, b = (TargetFile(tmp_path / "targets", "serve:s3://b/ds", "host", f"/var/cache/epochfs/{n}") for n in "ab")
+    assert a.path != b.path and a.path == TargetFile(tmp_path / "targets", "serve:s3://b/ds", "host",
+                                                     "/var/cache/epochfs/a").path
     t.remove()
     assert not t.path.exists()
     TargetFile(tmp_path / "v6", "/mnt/v", "n").write("::1", 9567)

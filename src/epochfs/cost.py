@@ -51,6 +51,9 @@ class Usage:
     def __sub__(self, other: Usage) -> Usage:
         return Usage(self.gets - other.gets, self.lists - other.lists, self.bytes - other.bytes)
 
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.gets + other.gets, self.lists + other.lists, self.bytes + other.bytes)
+
     def scaled(self, k: float) -> Usage:
         return Usage(self.gets * k, self.lists * k, self.bytes * k)
 

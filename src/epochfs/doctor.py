@@ -46,6 +46,7 @@ BUFFERED_OPENS = 500.0  # a second: asks whether a file is a terminal (~40 us of
 FROM_BACKEND = 0.25  # of what an epoch read came from the backend: the node read it cold itself
 LINK_BUSY = 0.7  # of a cache node's link: the alert's line
 CPU_BUSY = 0.9  # of the node's CPU time: the node itself is the bound
+LINK_CARRYING = 0.9  # of the time bytes arrived on the backend link: it ran full, whatever its capacity
 FRESH = 60.0  # seconds: a member's published load older than this is not its load now
 
 #: Findings, most helpful first (the order they are listed in).
@@ -170,6 +171,15 @@ def _cpu_busy(a: tuple[float, float] | None, b: tuple[float, float] | None) -> f
     return min(1.0, (b[0] - a[0]) / (b[1] - a[1]))
 
 
+def _link_busy(before: dict[str, Any], after: dict[str, Any], seconds: float) -> float | None:
+    """The share of the time between two replies the backend link carried bytes."""
+    b0, b1 = ((s.get("backend") or {}).get("link") or {} for s in (before, after))
+    if not isinstance(b0, dict) or not isinstance(b1, dict) or seconds <= 0:
+        return None
+    x0, x1 = _num(b0.get("busy_seconds")), _num(b1.get("busy_seconds"))
+    return min(1.0, max(0.0, (x1 - x0) / seconds)) if x0 is not None and x1 is not None else None
+
+
 def tier_view(load: Any, needed: float) -> dict[str, Any] | None:
     """The members a node reads from, as they published their load (fresh figures only): how much
     they hold against ``needed`` (the dataset times its replicas), and the busiest link."""
@@ -197,10 +207,10 @@ def _common_port(members: list[str]) -> int | None:
 
 
 def phase_origins(after: dict[str, Any], view: dict[str, Any] | None, job: str | None,
-                  epoch: int = 0) -> tuple[dict[str, int] | None, float | None]:
-    """Where epoch ``epoch``'s reads came from and how busy the node's CPUs were meanwhile: between the
-    counters the mount kept where it began and where the next began (else now); (None, None) where the
-    mount kept none."""
+                  epoch: int = 0) -> tuple[dict[str, int] | None, float | None, float | None]:
+    """Where epoch ``epoch``'s reads came from, how busy the node's CPUs were meanwhile, and the share
+    of its time the backend link carried bytes: between the counters the mount kept where it began and
+    where the next began (else now); (None, None, None) where the mount kept none."""
     names = [job] if job else (view or {}).get("jobs") or []
     marks = {}
     for name in names:
@@ -209,13 +219,20 @@ def phase_origins(after: dict[str, Any], view: dict[str, Any] | None, job: str |
                 marks.setdefault(mk["epoch"], mk["counters"])
     start = marks.get(epoch)
     if start is None:
-        return None, None
+        return None, None, None
     later = [n for n in marks if n > epoch]
-    end = marks[min(later)] if later else {**(after.get("cache") or {}),
-                                           **dict(zip(("cpu_busy", "cpu_all"), _cpu(after) or (), strict=False))}
+    link = (after.get("backend") or {}).get("link")
+    end = marks[min(later)] if later else {
+        **(after.get("cache") or {}), **dict(zip(("cpu_busy", "cpu_all"), _cpu(after) or (), strict=False)),
+        "backend_busy_seconds": link.get("busy_seconds") if isinstance(link, dict) else None, "time": after.get("now")}
     cpu = (_cpu_busy((start["cpu_busy"], start["cpu_all"]), (end["cpu_busy"], end["cpu_all"]))
            if all(_num(d.get(k)) is not None for d in (start, end) for k in ("cpu_busy", "cpu_all")) else None)
-    return _origins(end, start), cpu
+    busy = None
+    if all(_num(d.get(k)) is not None for d in (start, end) for k in ("backend_busy_seconds", "time")):
+        spent = end["time"] - start["time"]
+        busy = min(1.0, max(0.0, (end["backend_busy_seconds"] - start["backend_busy_seconds"]) / spent)) \
+            if spent > 0 else None
+    return _origins(end, start), cpu, busy
 
 
 def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -259,6 +276,7 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "isatty_asks_per_second": (asks1 - asks0) / seconds if asks0 is not None and asks1 is not None
             and seconds > 0 and asks1 >= asks0 else None,
             "origins": origins, "cpu_busy": _cpu_busy(_cpu(before), _cpu(after)),
+            "link_busy": _link_busy(before, after, seconds),
             "backend_link": (after["backend"].get("link") or {}).get("detail"),
             "backend_link_source": (after["backend"].get("link") or {}).get("source"),
             "peer_fallbacks": p1.get("fallbacks") if p1 else None,
@@ -485,10 +503,14 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               "data = f.read()` (decode from `io.BytesIO(data)`), or run the job on Python 3.14 or later")
     limit = m["backend_bandwidth_limit"]
     rate = m["backend_bytes_per_second"]
-    if limit and origins and first and first.get("seconds", 0) > 0 and judged == "first":  # (the cold read's own)
-        rate = max(rate, origins["backend"] / first["seconds"])
-    if limit and rate > BACKEND_BUSY * limit:
+    busy = m.get("link_busy")
+    if judged == "first" and first:  # (the cold read's own)
+        if limit and origins and first.get("seconds", 0) > 0:
+            rate = max(rate, origins["backend"] / first["seconds"])
+        busy = m.get("first_link_busy") if m.get("first_link_busy") is not None else busy
+    if (limit and rate > BACKEND_BUSY * limit) or (busy is not None and busy >= LINK_CARRYING):
         link = m.get("backend_link") or "--backend-bandwidth"
+        carrying = f"; bytes were arriving {busy:.0%} of the time" if busy is not None else ""
         if client or m.get("peer_role") == "peer":
             fix = (f"add a cache node (on a spare machine, with the token and password files copied to the same "
                    f"paths): `{serve_command(m)}`")
@@ -496,8 +518,9 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
             fix = ("put cache nodes in front of it: a Redis store, `epochfs serve` on spare machines (`epochfs cluster "
                    "warmup` fills them before the job) and the GPU nodes remounted with `--peer-role client` "
                    "(docs/cluster-cache.md): each block then crosses this link once for the cluster")
-        found("backend-saturated", f"the link to the backend is {rate / limit:.0%} busy ({human(rate)}/s of "
-              f"{human(limit)}/s: {link}), over {BACKEND_BUSY:.0%}: it is the bound", fix)
+        load = (f"{rate / limit:.0%} busy ({human(rate)}/s of {human(limit)}/s: {link})" if limit
+                else f"carrying {human(rate)}/s, its capacity not known")
+        found("backend-saturated", f"the link to the backend is {load}{carrying}: it is the bound", fix)
     if through_tier:
         busiest = (tier or {}).get("busiest")
         cpu = first_cpu if judged == "first" and first_cpu is not None else m.get("cpu_busy")
@@ -607,7 +630,7 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
             view["checkpoint_save_seconds"] = theirs["checkpoint_save_seconds"]
     verdict = verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else "no-job-data"
     mount = mount_view(before, after, seconds)
-    mount["first_origins"], mount["first_cpu"] = phase_origins(after, view, job)
+    mount["first_origins"], mount["first_cpu"], mount["first_link_busy"] = phase_origins(after, view, job)
     if checkpoints is not None:
         mount["checkpoint_writeback"] = bool(checkpoints.get("writeback"))
     first = (view or {}).get("phases", {}).get("first")

@@ -80,7 +80,7 @@ class Mark:
     time: float
     usage: tuple[int, int, int]  # (GET-class requests, LIST requests, bytes read), since the mount started
     #: other counters at that moment (where reads came from, the host's CPU time): name, value
-    counters: tuple[tuple[str, int], ...] = ()
+    counters: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -117,7 +117,7 @@ class Jobs:
         return entry.epochs[last][4] if r.epoch < last else None
 
     def report(self, r: Report, now: float, usage: tuple[int, int, int] | None = None,
-               counters: dict[str, int] | None = None) -> None:
+               counters: dict[str, float] | None = None) -> None:
         restarted = self._restarted(r)
         key = (r.job, r.rank)
         entry = self._entries.pop(key, None) or _Entry()
@@ -155,7 +155,7 @@ class Jobs:
         totals[4] = now
 
     def _mark(self, r: Report, now: float, usage: tuple[int, int, int] | None, restarted: float | None,
-              counters: dict[str, int] | None = None) -> None:
+              counters: dict[str, float] | None = None) -> None:
         assert r.epoch is not None
         marks = self._marks.get(r.job)
         if marks is None:

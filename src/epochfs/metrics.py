@@ -110,6 +110,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
+    "backend_link_busy_seconds": ("counter", "Seconds during which bytes were arriving on the link to the backend (a "
+                                  "body moving; waiting for the first byte not counted): its rate is the share of "
+                                  "the time the link carried data, whatever its capacity (near 1: the link is the bound)."),
+    "peer_link_busy_seconds": ("counter", "Seconds during which this node was sending block bytes to members (its "
+                               "rate: the share of the time its link carried them)."),
     "peer_link_capacity_bytes": ("gauge", "This node's network link for the cluster tier, bytes/s, labelled by where "
                                  "it is known from: declared (--link-capacity), interface (the speed or shaping of "
                                  "the interface of its peer address), or measured (from its sends while they kept "
@@ -161,6 +166,9 @@ def sample_of(c: Collected) -> Sample:
     links = {short: {view.capacity.source: view.capacity.bytes_per_second}
              for short, view in (("backend_bandwidth_limit_bytes", c.backend_link),
                                  ("peer_link_capacity_bytes", c.peer_link)) if view is not None and view.capacity}
+    for short, view in (("backend_link_busy_seconds", c.backend_link), ("peer_link_busy_seconds", c.peer_link)):
+        if view is not None:
+            values[short] = view.busy_seconds
     errors = dict(c.fs.errors)
     errors["cache_write"] = store.fill_errors
     errors["cache_read"] = store.read_errors
@@ -258,15 +266,18 @@ class TargetFile:
     """This mount's entry in Prometheus file-based service discovery: ``DIR/epochfs-<hash>.json``,
     ``[{"targets": ["HOST:PORT"], "labels": {"node": ..., "mountpoint": ...}}]``, written atomically
     once the port is known and removed at unmount, so a scrape job over ``DIR/*.json`` finds every
-    mount of the node. A restart of the same mount replaces its file; a mount that died and was not
+    mount of the node, one file per daemon. A restart of the same mount replaces its file; a mount that died and was not
     restarted leaves a target that is down (``up == 0``), which is what it is. Never fails the mount:
     a directory that cannot be used is logged and skipped."""
 
-    def __init__(self, directory: Path, mountpoint: str, node: str) -> None:
+    def __init__(self, directory: Path, mountpoint: str, node: str, daemon: str = "") -> None:
         self.directory = directory
         self.mountpoint = mountpoint
         self.node = node
-        self.path = directory / f"epochfs-{hashlib.sha256(mountpoint.encode()).hexdigest()[:16]}.json"
+        # Named for the daemon (its cache directory, one daemon per directory): two cache nodes of one
+        # dataset on one host share the mountpoint label and must not share a file.
+        name = mountpoint if not daemon else f"{mountpoint}\0{daemon}"
+        self.path = directory / f"epochfs-{hashlib.sha256(name.encode()).hexdigest()[:16]}.json"
         self.written = False
 
     def write(self, host: str, port: int) -> None:
@@ -334,12 +345,13 @@ class MetricsServer:
     FALLBACK_PORTS = 100
 
     def __init__(self, host: str, port: int, collect: Callable[[], Collected], mountpoint: str, *,
-                 node: str = "localhost", fallback: bool = False, targets: Path | None = None) -> None:
+                 node: str = "localhost", fallback: bool = False, targets: Path | None = None,
+                 daemon: str = "") -> None:
         self.host, self.port = host, port
         self.fallback = fallback
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(collect, mountpoint, node))
-        self.target = TargetFile(targets, mountpoint, node) if targets is not None else None
+        self.target = TargetFile(targets, mountpoint, node, daemon) if targets is not None else None
         self._slots = Slots(MAX_CONNECTIONS)  # earned by a complete request
 
     def render(self) -> bytes:

@@ -170,7 +170,7 @@ class Daemon:
             self._open_writeback(opened)
         self.metrics = MetricsServer(*metrics_addr, self.collect, config.instance(), node=config.node_name(),
                                      fallback=config.metrics_addr is None,
-                                     targets=config.targets_dir()) if metrics_addr else None
+                                     targets=config.targets_dir(), daemon=str(config.cache_dir)) if metrics_addr else None
         info = MountInfo(
             source=config.source.url, mountpoint=config.instance(), cache_dir=str(config.cache_dir),
             block_size=config.block_size, eviction=self.store.policy.name, started=time.time(),

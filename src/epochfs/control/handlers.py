@@ -260,12 +260,16 @@ def job_of(j: JobStats) -> dict[str, Any]:
 MARKED = ("hit_bytes", "miss_bytes", "demand_bytes", "prefetch_bytes", "peer_bytes", "replica_bytes")
 
 
-def epoch_counters(c: Collected) -> dict[str, int]:
-    """The counters kept where a job's epoch begins: where reads came from so far, the host's CPU time."""
-    out = {k: int(getattr(c.cache, k)) for k in MARKED}
+def epoch_counters(c: Collected) -> dict[str, float]:
+    """The counters kept where a job's epoch begins: where reads came from so far, the host's CPU time,
+    the seconds the backend link carried bytes, and when."""
+    out: dict[str, float] = {k: int(getattr(c.cache, k)) for k in MARKED}
     cpu = host_cpu()
     if cpu is not None:
         out["cpu_busy"], out["cpu_all"] = cpu[0], cpu[1]
+    if c.backend_link is not None:
+        out["backend_busy_seconds"] = c.backend_link.busy_seconds
+    out["time"] = time.time()
     return out
 
 
@@ -307,6 +311,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "version": __version__,
         "pid": os.getpid(),
         "uptime_seconds": time.time() - info.started,
+        "now": time.time(),
         "source": info.source,
         "mountpoint": info.mountpoint,
         "cache_dir": info.cache_dir,

@@ -1,11 +1,12 @@
 """Which figure a link's utilisation is measured against.
 
-A declared capacity (``--backend-bandwidth``, ``--link-capacity``) wins. Otherwise the lower of what
-the interface states and what was measured: the interface knows its own speed and shaping, not a
-narrower link further on (an object store's uplink the whole cluster shares, a WAN), which the
-transfers measure; and a measurement of a shared link falls when the others read too. Where neither
-is known there is no capacity, and the utilisation alarms cannot fire for that link (an alert of its
-own says so).
+A declared capacity (``--backend-bandwidth``, ``--link-capacity``) wins. Otherwise what the interface
+states, unless the transfers measured clearly less (under :data:`NARROWER` of it): the interface knows
+its own speed and shaping, not a narrower link further on (an object store's uplink the whole cluster
+shares, a WAN), which the transfers measure; and a measurement of a shared link falls when the others
+read too. A measurement a little under the interface's figure is the interface's own link, full, less
+what the protocols carry besides the bodies: the interface's figure stands. Where neither is known
+there is no capacity, and the utilisation alarms cannot fire for that link (an alert of its own says so).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from epochfs.links.interface import InterfaceCapacity, rate_text
 from epochfs.links.meter import WINDOW, Measurement
 
 SOURCES = ("declared", "interface", "measured")
+NARROWER = 0.8  # a measurement under this share of the interface's figure is of a narrower link beyond it
 
 
 @dataclass(frozen=True)
@@ -33,30 +35,29 @@ class LinkView:
     declared: float | None
     interface: InterfaceCapacity | None
     measured: Measurement | None
+    busy_seconds: float = 0.0  # seconds bytes were moving on it, so far
 
     def as_dict(self) -> dict[str, object]:
         c, i, m = self.capacity, self.interface, self.measured
         return {"bytes_per_second": c.bytes_per_second if c else None, "source": c.source if c else None,
                 "detail": c.detail if c else None, "declared": self.declared,
                 "interface": {"name": i.name, "bytes_per_second": i.bytes_per_second, "detail": i.detail} if i else None,
-                "measured": {"bytes_per_second": m.bytes_per_second, "busy": m.busy} if m else None}
+                "measured": {"bytes_per_second": m.bytes_per_second, "busy": m.busy} if m else None,
+                "busy_seconds": self.busy_seconds}
 
 
 def choose(declared: float | None, interface: InterfaceCapacity | None, measured: Measurement | None,
-           flag: str) -> LinkView:
+           flag: str, busy_seconds: float = 0.0) -> LinkView:
     """The view of a link from its figures (``flag``: the option that declares it, named in the detail)."""
+    capacity: LinkCapacity | None = None
     if declared:
-        capacity: LinkCapacity | None = LinkCapacity(declared, "declared", f"{flag} {rate_text(declared)}")
-    else:
-        known = []
-        if interface is not None:
-            known.append(LinkCapacity(interface.bytes_per_second, "interface", interface.detail))
-        if measured is not None:
-            busy = f"bytes moving {measured.busy:.0%} of {WINDOW:g} s"
-            beyond = (f", under the interface's {rate_text(interface.bytes_per_second)}"
-                      if interface is not None and measured.bytes_per_second < interface.bytes_per_second else "")
-            known.append(LinkCapacity(measured.bytes_per_second, "measured",
-                                      f"measured {rate_text(measured.bytes_per_second)} ({busy}){beyond}"))
-        capacity = min(known, key=lambda c: c.bytes_per_second) if known else None
-    return LinkView(capacity, declared, interface, measured)
+        capacity = LinkCapacity(declared, "declared", f"{flag} {rate_text(declared)}")
+    elif measured is not None and (interface is None or measured.bytes_per_second < NARROWER * interface.bytes_per_second):
+        busy = f"bytes moving {measured.busy:.0%} of its busiest {WINDOW:g} s windows"
+        beyond = f", under the interface's {rate_text(interface.bytes_per_second)}" if interface is not None else ""
+        capacity = LinkCapacity(measured.bytes_per_second, "measured",
+                                f"measured {rate_text(measured.bytes_per_second)} ({busy}){beyond}")
+    elif interface is not None:
+        capacity = LinkCapacity(interface.bytes_per_second, "interface", interface.detail)
+    return LinkView(capacity, declared, interface, measured, busy_seconds)
 

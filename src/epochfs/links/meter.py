@@ -8,9 +8,12 @@ the time they were moving, overlapping transfers counted once) is a measurement 
 carries. A link that is mostly idle gives none: a few quick transfers say little about a sustained rate,
 and a reader whose demand is low never measures its demand as the link's capacity.
 
-The capacity measured is the highest rate of the last :data:`HOLD` seconds (a link shared with other
-nodes gives a node less when they read too: an old, higher figure would hide that), or, when no window
-of that time was busy, the last one measured.
+The capacity measured is the highest rate of the last :data:`HOLD` seconds, each rate the mean of up to
+:data:`RUN` busy windows in a row (a link shared with other nodes gives each a share that swings from
+window to window; an old, higher figure would hide that the others read too), or, when no window of
+that time was busy, the last one measured. The meter also counts the seconds bytes were moving
+(:attr:`TransferMeter.busy_seconds`): over an epoch, the fraction of its time the link carried a
+transfer, which says the link was the bound whatever its capacity.
 
 Concurrency contract: :meth:`TransferMeter.record` is called from any thread (under a lock, a few
 operations); :meth:`TransferMeter.sample` and :meth:`TransferMeter.measured` from one thread (the
@@ -29,6 +32,7 @@ WINDOW = 10.0  # seconds of one measurement
 BUSY = 0.5  # of a window with bytes moving: a window busier than this measures the link
 MIN_BYTES = 1 << 20  # a window that moved less measures nothing
 HOLD = 600.0  # seconds a measurement is kept as the capacity
+RUN = 3  # busy windows in a row averaged into one rate
 KEPT = 50_000  # transfers kept (a window's worth at most; the oldest go first)
 
 
@@ -83,8 +87,10 @@ class TransferMeter:
         self._lock = threading.Lock()
         self._transfers: deque[Transfer] = deque(maxlen=KEPT)
         self._measurements: deque[Measurement] = deque()
+        self._run: list[Measurement] = []  # the busy windows in a row so far (the last RUN)
         self._last: Measurement | None = None
         self._sampled = clock()
+        self.busy_seconds = 0.0  # seconds bytes were moving, over every window sampled
 
     def record(self, start: float, end: float, nbytes: int) -> None:
         """A body of ``nbytes`` moved from ``start`` to ``end`` (monotonic seconds)."""
@@ -102,10 +108,17 @@ class TransferMeter:
             while self._transfers and self._transfers[0].end < lo:
                 self._transfers.popleft()
             transfers = list(self._transfers)
+        self.busy_seconds += union_length((max(t.start, lo), min(t.end, now)) for t in transfers
+                                          if min(t.end, now) > max(t.start, lo))
         got = window_rate(transfers, lo, now)
-        if got is not None:
-            self._measurements.append(got)
-            self._last = got
+        if got is None:
+            self._run.clear()
+        else:
+            self._run = [*self._run, got][-RUN:]
+            mean = Measurement(now, sum(m.bytes_per_second for m in self._run) / len(self._run),
+                               sum(m.busy for m in self._run) / len(self._run))
+            self._measurements.append(mean)
+            self._last = mean
         while self._measurements and self._measurements[0].when < now - HOLD:
             self._measurements.popleft()
         return got

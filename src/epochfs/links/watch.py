@@ -44,7 +44,9 @@ class LinkWatch:
         link = self.links.get(key)
         if link is None:
             return None
-        return choose(link.declared, link.interface, link.meter.measured() if link.meter else None, link.flag)
+        meter = link.meter
+        return choose(link.declared, link.interface, meter.measured() if meter else None, link.flag,
+                      meter.busy_seconds if meter else 0.0)
 
     async def _probe(self) -> None:
         for link in self.links.values():
