@@ -99,6 +99,7 @@ class Scale:
     latency_ms: float = 20.0
     rule_scale: float = 20.0
     epochs: int = 2
+    busy_epochs: int = 1  # scaled-out: epochs read through the busy cache nodes before the third joins
 
     @property
     def compute(self) -> float:
@@ -111,7 +112,7 @@ class Scale:
 
 
 QUICK = Scale()
-FULL = Scale(dataset_mib=1536, rule_scale=4.0)
+FULL = Scale(dataset_mib=2560, rule_scale=6.0, busy_epochs=2)
 
 
 def scaled_rules(text: str, scale: float, alert_for: float) -> str:
@@ -568,6 +569,16 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
 
     holder: dict[str, Any] = {}
 
+    def through_cache_nodes(job: str, epochs: int, members: int, **kw: Any) -> tuple[list[dict[str, Any]], set[str]]:
+        """``epochs`` epochs of fresh client mounts (every block through the cache nodes), the alerts
+        seen meanwhile; the doctor's answer after the first kept under ``job``."""
+        roots = {i: box.mount(i, client=True) for i in gpus}
+        box.wait_members(members)
+        with Alerts(box) as alerts:
+            out = box.run_epochs(roots, epochs, hand_over=True, watch=True, job=job,
+                                 between=doctor_after_first(job, job), **kw)
+        return out, alerts.seen
+
     log("local-disk")
     local = box.run_epochs({i: box.work / "local" for i in gpus}, sc.epochs, hand_over=False, watch=False,
                            job="local")
@@ -591,18 +602,12 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
         warmup_seconds = box.warmup()
     warmup_bytes = box.store.sent_bytes() - sent0
     settle_rates(box)
-    roots = {i: box.mount(i, client=True) for i in gpus}
-    box.wait_members(sc.cache_nodes)
-    with Alerts(box) as alerts:
-        warm = box.run_epochs(roots, sc.epochs, hand_over=True, watch=True, job="warm",
-                              between=doctor_after_first("warm", "warm"))
-    steps.append(step_row(box, "warm-cache-nodes", warm, alerts.seen, holder.get("warm"),
+    warm, seen = through_cache_nodes("warm", sc.epochs, sc.cache_nodes)
+    steps.append(step_row(box, "warm-cache-nodes", warm, seen, holder.get("warm"),
                           warmup_seconds=warmup_seconds, warmup_backend_bytes_per_dataset=warmup_bytes / box.dataset_bytes,
                           alerts_during_warmup=sorted(during_warmup.seen)))
 
     log("cache-node-lost: cache1 killed mid-epoch")
-    roots = {i: box.mount(i, client=True) for i in gpus}  # (fresh: every block through the cache nodes)
-    box.wait_members(sc.cache_nodes)
     killed: dict[str, float] = {}
 
     def kill_midway(epoch: int, progress: float) -> None:
@@ -611,10 +616,8 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
             box.stop_serving(1, signal.SIGKILL)
             log(f"  killed cache1 at {progress:.0%} of the epoch")
 
-    with Alerts(box) as alerts:
-        lost = box.run_epochs(roots, 1, hand_over=True, watch=True, job="lost", at_epoch=kill_midway,
-                              between=doctor_after_first("lost", "lost"))
-    steps.append(step_row(box, "cache-node-lost", lost, alerts.seen, holder.get("lost"),
+    lost, seen = through_cache_nodes("lost", 1, sc.cache_nodes, at_epoch=kill_midway)
+    steps.append(step_row(box, "cache-node-lost", lost, seen, holder.get("lost"),
                           killed_at_progress=killed.get("at"), au_drop=warm[0]["au"] - lost[0]["au"]))
     for i in gpus:
         box.unmount(i)
@@ -628,10 +631,7 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
         box.serve(k)
     box.warmup()
     settle_rates(box)
-    roots = {i: box.mount(i, client=True) for i in gpus}
-    box.wait_members(sc.cache_nodes)
-    with Alerts(box) as busy_alerts:
-        busy = box.run_epochs(roots, 1, hand_over=True, watch=True, job="busy", between=doctor_after_first("busy", "busy"))
+    busy, busy_alerts = through_cache_nodes("busy", sc.busy_epochs, sc.cache_nodes)
     held_before = {k: box.status(Path(box.serving[k]))["store"]["used_bytes"] for k in range(sc.cache_nodes)}
     backend_before = {k: _backend_bytes(box.status(Path(box.serving[k]))) for k in range(sc.cache_nodes)}
     new = sc.cache_nodes
@@ -654,20 +654,15 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
              "others_held_after": {k: box.status(Path(box.serving[k]))["store"]["used_bytes"]
                                    for k in range(sc.cache_nodes)}}
     settle_rates(box)
-    roots = {i: box.mount(i, client=True) for i in gpus}
-    box.wait_members(sc.cache_nodes + 1)
-    with Alerts(box) as after_alerts:
-        scaled = box.run_epochs(roots, 1, hand_over=True, watch=True, job="scaled",
-                                between=doctor_after_first("scaled", "scaled"))
-        time.sleep(300 / sc.rule_scale)  # (the last window of the busy epoch gone: is it quiet now?)
-        still = box.firing()
+    scaled, after_alerts = through_cache_nodes("scaled", 1, sc.cache_nodes + 1)
+    still = box.firing()  # (the busy epoch's windows long gone: what fires now is this epoch's)
     after = holder.get("scaled") or {}
-    steps.append(step_row(box, "scaled-out", [busy[0], scaled[0]], busy_alerts.seen, holder.get("busy"),
+    steps.append(step_row(box, "scaled-out", [busy[-1], scaled[0]], busy_alerts, holder.get("busy"),
                           doctor_after_join={"verdict": after.get("verdict"),
                                              "findings": [f["cause"] for f in after.get("findings", [])]},
-                          alerts_after_join=sorted(after_alerts.seen),
+                          alerts_after_join=sorted(after_alerts),
                           alerts_firing_at_end=sorted(still), joined=moved,
-                          cache_link_utilisation_busy=_cache_util(busy[0], sc, sc.cache_nodes),
+                          cache_link_utilisation_busy=_cache_util(busy[-1], sc, sc.cache_nodes), busy_epochs=busy,
                           cache_link_utilisation_scaled=_cache_util(scaled[0], sc, sc.cache_nodes + 1)))
     return steps
 

@@ -143,6 +143,8 @@ def test_odd_tc_output_is_not_a_capacity():
 
 
 def test_the_default_route_and_network_mounts_are_found():
+    from epochfs.backend.local import mount_server
+
     table = ("Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n"
              "eth1\t0012A8C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n"
              "eth0\t00000000\t0102A8C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n")
@@ -156,13 +158,13 @@ def test_the_default_route_and_network_mounts_are_found():
         "43 22 0:43 / /lustre rw shared:5 - lustre 10.0.0.9@tcp:/fs rw",
         "44 22 0:44 / /v6 rw shared:6 - nfs [fd00::5]:/x rw",
     ])
-    assert interface.mount_server(info, "/data/train/000.jpg") == ("filer.example", 2049)
-    assert interface.mount_server(info, "/data/local/x") is None  # the deeper mount is local
-    assert interface.mount_server(info, "/mnt/smb/a") == ("nas", 445)
-    assert interface.mount_server(info, "/lustre/ds") == ("10.0.0.9", 988)
-    assert interface.mount_server(info, "/v6/ds") == ("fd00::5", 2049)
-    assert interface.mount_server(info, "/home") is None
-    assert interface.mount_server("garbage\n - \n", "/x") is None
+    assert mount_server(info, "/data/train/000.jpg") == ("filer.example", 2049)
+    assert mount_server(info, "/data/local/x") is None  # the deeper mount is local
+    assert mount_server(info, "/mnt/smb/a") == ("nas", 445)
+    assert mount_server(info, "/lustre/ds") == ("10.0.0.9", 988)
+    assert mount_server(info, "/v6/ds") == ("fd00::5", 2049)
+    assert mount_server(info, "/home") is None
+    assert mount_server("garbage\n - \n", "/x") is None
 
 
 def test_loopback_states_no_capacity():

@@ -21,10 +21,10 @@ import os
 import stat
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from epochfs.backend.base import Backend, BackendSettings, BackendStats, StatsRecorder, servable
 from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
-from epochfs.links.interface import network_server
 from epochfs.links.meter import TransferMeter
 from epochfs.records import ObjectInfo
 
@@ -186,3 +186,38 @@ class LocalBackend(Backend):
         end = time.monotonic()
         self._stats.record("get", "ok", len(data), end - started, moving=(started, end))
         return data
+
+
+#: Network file systems whose server a directory source is read from, and the port each serves on.
+NETWORK_FS = {"nfs": 2049, "nfs4": 2049, "cifs": 445, "smb3": 445, "lustre": 988, "ceph": 6789, "glusterfs": 24007}
+
+
+def mount_server(mountinfo: str, path: str) -> tuple[str, int] | None:
+    """The server of the network file system holding ``path``, from ``/proc/self/mountinfo``'s text:
+    ``(host, port)``, or None where ``path`` is on a local file system."""
+    best: tuple[int, str, str] | None = None
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 2:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > best[0]):
+            best = (len(point), tail[0], tail[1])
+    if best is None or best[1] not in NETWORK_FS:
+        return None
+    fstype, spec = best[1], best[2]
+    if spec.startswith("//"):  # cifs: //host/share
+        host = spec[2:].split("/", 1)[0]
+    else:  # nfs host:/export (an IPv6 host in brackets), lustre addr@tcp:/fs, ceph mon1,mon2:/
+        host = spec.rsplit(":/", 1)[0] if ":/" in spec else spec.split(":", 1)[0]
+        host = host.split(",", 1)[0].split("@", 1)[0].strip("[]")
+    return (host, NETWORK_FS[fstype]) if host else None
+
+
+def network_server(path: str) -> tuple[str, int] | None:
+    """:func:`mount_server` of this process's mounts."""
+    try:
+        return mount_server(Path("/proc/self/mountinfo").read_text(), os.path.realpath(path))
+    except OSError:
+        return None
