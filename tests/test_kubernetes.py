@@ -19,7 +19,7 @@ import pytest
 from epochfs.cli import build_parser
 from epochfs.cli.options import config_from
 from epochfs.errors import ConfigError
-from epochfs.fluid import config_text
+from epochfs.fluid import Policy, config_text
 from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
@@ -152,13 +152,16 @@ def test_a_fluid_dataset_becomes_an_epochfs_config(tmp_path):
     (pod,) = by_kind(docs, "Pod")
     validate(pod)
     mount = dataset["spec"]["mounts"][0]
+    policy_file = tmp_path / "fluid-policy.toml"
+    policy_file.write_text((ROOT / "deploy" / "fluid" / "fluid-policy.toml").read_text())
     text, target = config_text(fluid_config(mount["mountPoint"], "/runtime-mnt/thin/default/imagenet/thin-fuse",
-                                            **mount["options"]))
+                                            **mount["options"]), Policy.load(str(policy_file)))
     path = tmp_path / "c.toml"
     path.write_text(text)
     cfg = parse(["mount", "--config", str(path)])
     assert cfg.source.url == "s3://training-data/imagenet/" and str(cfg.mountpoint) == target
     assert cfg.allow_other and cfg.cache_size == 500 << 30 and cfg.endpoint_url == "http://minio.storage.svc:9000"
+    assert cfg.metrics_addr == "0.0.0.0:9567" and cfg.eviction == "manifest"  # (the node's, the Dataset's)
     (profile,) = [d for d in yaml.safe_load_all((ROOT / "deploy" / "fluid" / "runtime-profile.yaml").read_text())]
     assert profile["kind"] == "ThinRuntimeProfile" and profile["spec"]["fuse"]["command"] == ["epochfs-fluid-mount"]
 
@@ -170,14 +173,109 @@ def test_a_fluid_dataset_becomes_an_epochfs_config(tmp_path):
     (fluid_config("s3://b/p", "/x", mountpoint="/elsewhere"), "set by Fluid"),
     (fluid_config("s3://b/p", "/x", aws_secret_access_key="k"), "credentials go in the environment"),
     (fluid_config("s3://b/p", "/x", meta_password="p"), "credentials go in the environment"),
-    (fluid_config("s3://b/p", "/x", writeback="maybe"), "expected true or false"),
-    (fluid_config("s3://b/p", "/x", endpoint_url="http://a\nsource = 'x'"), "control character"),
+    (fluid_config("s3://b/p", "/x", refresh="maybe"), "expected true or false"),
+    (fluid_config("s3://b/p", "/x", region="a\nsource = 'x'"), "control character"),
+    (fluid_config("s3://b/p\n", "/x"), "control character"),
     (fluid_config("s3://b/p", "/x", cache_size={"a": 1}), "expected a string or a number"),
     ([1, 2], "not a JSON object"),
 ])
 def test_a_fluid_config_that_is_not_one_is_refused_with_what_is_wrong(config, message):
     with pytest.raises(ConfigError, match=message):
         config_text(config)
+
+
+def _policy(tmp_path, text: str, mode: int = 0o644) -> Policy:
+    path = tmp_path / "policy.toml"
+    path.write_text(text)
+    path.chmod(mode)
+    return Policy.load(str(path))
+
+
+@pytest.mark.parametrize("source,options,message", [
+    ("file:///var/cache/epochfs", {"file_mode": "0444"}, "never a Dataset's source"),
+    ("file:///var/cache/epochfs/B/packs", {}, "never a Dataset's source"),
+    ("file:///var/cache", {}, "never a Dataset's source"),  # (above the cache: it holds it)
+    ("file:///", {}, "never a Dataset's source"),
+    ("file:///datasets/../var/cache/epochfs", {}, "without . or .."),
+    ("s3://training-data/a/../b", {}, "without . or .."),
+    ("file:///datasets/./imagenet", {}, "without . or .."),
+    ("file:///elsewhere", {}, "allowed only under"),
+    ("s3://other-bucket/x", {}, "not one of the sources"),
+    ("s3://training-data-evil/x", {}, "not one of the sources"),  # (a prefix of a name is not the bucket)
+    ("s3://training-data/imagenet", {"file_mode": "0444"}, "not one a Dataset may set"),
+    ("s3://training-data/imagenet", {"uid": "0"}, "not one a Dataset may set"),
+    ("s3://training-data/imagenet", {"cache_dir": "/var/cache/epochfs"}, "not one a Dataset may set"),
+    ("s3://training-data/imagenet", {"metrics_addr": "0.0.0.0:9567"}, "not one a Dataset may set"),
+    ("s3://training-data/imagenet", {"passthrough": "true"}, "not one a Dataset may set"),
+    ("s3://training-data/imagenet", {"endpoint_url": "http://169.254.169.254"}, "not one a Dataset may set"),
+    ("s3://training-data/imagenet", {"cache_size": "5T"}, "more than the node's policy allows"),
+    ("s3://training-data/imagenet", {"allow_other": "false"}, "set for every Dataset by the node's policy"),
+])
+def test_a_dataset_sets_only_what_the_node_allows_a_tenant(tmp_path, source, options, message):
+    """A Dataset is a namespace user's, the daemon the node's root: it cannot name the node's cache (or
+    any of the node's directories) as its source, present files with modes and owners of its choosing,
+    move the cache, expose metrics, nor send the node's credentials to an endpoint of its choosing."""
+    policy = _policy(tmp_path, 'sources = ["s3://training-data/", "file:///datasets/"]\n'
+                     'endpoints = ["http://minio.storage.svc:9000"]\nmax_cache_size = "1T"\n'
+                     '[options]\nallow_other = true\n')
+    with pytest.raises(ConfigError, match=message):
+        config_text(fluid_config(source, "/x", **options), policy)
+    text, _ = config_text(fluid_config("s3://training-data/imagenet", "/x", cache_size="500G",
+                                       endpoint_url="http://minio.storage.svc:9000"), policy)
+    assert 'endpoint_url = "http://minio.storage.svc:9000"' in text and "allow_other = true" in text
+    # Without a policy: any s3:// source, no file:// one, the cache's own options only.
+    with pytest.raises(ConfigError, match="allowed only under"):
+        config_text(fluid_config("file:///datasets/imagenet", "/x"))
+    with pytest.raises(ConfigError, match="not one a Dataset may set"):
+        config_text(fluid_config("s3://b/p", "/x", endpoint_url="http://minio:9000"))
+    assert "cache_size" in config_text(fluid_config("s3://any/p", "/x", cache_size="1G"))[0]
+
+
+def test_a_policy_anyone_but_root_could_write_is_refused(tmp_path):
+    for mode in (0o666, 0o646, 0o664):
+        with pytest.raises(ConfigError, match="no one else may write"):
+            _policy(tmp_path, 'sources = ["s3://b/"]\n', mode)
+    with pytest.raises(ConfigError, match="unknown key 'source'"):
+        _policy(tmp_path, 'source = "x"\n')
+    with pytest.raises(ConfigError, match="must be a list of strings"):
+        _policy(tmp_path, 'sources = "s3://b/"\n')
+    with pytest.raises(ConfigError, match="no such policy file"):
+        Policy.load(str(tmp_path / "nope.toml"))
+
+
+def test_no_dataset_gets_past_the_allow_list(tmp_path):
+    """A fuzz loop over mountPoints and options: whatever a Dataset says, an accepted one has a source the
+    policy allows and only options a tenant may set (beside the policy's own)."""
+    import random
+
+    from epochfs.cli.options import mount_options
+
+    policy = _policy(tmp_path, 'sources = ["s3://training-data/", "file:///datasets/"]\n'
+                     'endpoints = ["http://minio:9000"]\n[options]\nmetrics_addr = "off"\n')
+    rng = random.Random(11)
+    keys = [mo.key for mo in mount_options()] + ["source", "mountpoint", "x", "Cache-Size", "cache-size"]
+    parts = ["training-data", "training-data", "datasets", "datasets", "imagenet", "imagenet", "..", ".", "var",
+             "cache", "epochfs", "etc", "%2e%2e", "", "\x00", "\n", "é", "training-data-x", ":", "@", "?", "#"]
+    values = ["0444", "0", "true", "false", "1G", "5T", "http://minio:9000", "http://169.254.169.254", "/etc", "", 7]
+    accepted = 0
+    for _ in range(3000):
+        source = rng.choice(["s3://", "file:///", "file://", "s3:///", "", "S3://"]) + "/".join(
+            rng.choice(parts) for _ in range(rng.randrange(1, 5)))
+        options = {rng.choice(keys + ["cache_size", "eviction", "endpoint_url"] * 8): rng.choice(values)
+                   for _ in range(rng.randrange(0, 3))}
+        try:
+            text, _ = config_text({"mounts": [{"mountPoint": source, "options": options}], "targetPath": "/x"},
+                                  policy)
+        except ConfigError:
+            continue
+        accepted += 1
+        set_keys = {line.split(" = ")[0] for line in text.splitlines()}
+        assert set_keys <= policy.tenant_options | {"source", "mountpoint", "allow_other", "metrics_addr", "endpoint_url"}
+        src = next(line for line in text.splitlines() if line.startswith("source = "))
+        url = json.loads(src.split(" = ", 1)[1])
+        assert url.startswith(("s3://training-data", "file:///datasets")), url
+        assert "/var/cache" not in url and ".." not in url.split("/")
+    assert accepted > 20
 
 
 def test_fluid_entry_checks_every_value_before_it_mounts(tmp_path):
@@ -200,9 +298,12 @@ def test_the_fluid_fuse_pod_mounts_the_dataset_and_unmounts_on_sigterm(tmp_path,
     target = tmp_path / "runtime-mnt" / "thin" / "default" / "ds" / "thin-fuse"
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(fluid_config(f"s3://{fresh_bucket}", str(target), endpoint_url=s3.endpoint,
-                                           cache_dir=str(tmp_path / "cache"), metrics_addr="off")))
-    proc = subprocess.Popen([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg)], env={**os.environ, **s3.env()},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                           cache_size="1G")))
+    policy = tmp_path / "fluid-policy.toml"  # (the node's: the cache directory and the metrics are its)
+    policy.write_text(f'endpoints = ["{s3.endpoint}"]\n[options]\ncache_dir = "{tmp_path / "cache"}"\n'
+                      'metrics_addr = "off"\nmetrics_targets = "off"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg), "--policy", str(policy)],
+                            env={**os.environ, **s3.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not os.path.ismount(target) and time.monotonic() < deadline and proc.poll() is None:
@@ -237,12 +338,20 @@ class Node:
             d.mkdir(parents=True)
         self.calls = root / "calls"
         self.fail = root / "fail"  # units that fail to start, one per line
+        self.active = root / "active"  # units running, one per line
         for tool in ("systemctl", "scontrol"):
             path = self.bin / tool
             path.write_text(f"""#!/usr/bin/env bash
 echo "{tool} $*" >> "{self.calls}"
 if [ "{tool}" = scontrol ]; then printf '   JobId=%s\\n   Comment=%s\\n' "$4" "$(cat "{root}/comment" 2>/dev/null)"; fi
-if [ "{tool}" = systemctl ] && [ "$1" = start ] && grep -qx "$2" "{self.fail}" 2>/dev/null; then exit 1; fi
+if [ "{tool}" = systemctl ]; then
+  case "$1" in
+    is-active) grep -qx "$3" "{self.active}" 2>/dev/null; exit $? ;;
+    start) if grep -qx "$2" "{self.fail}" 2>/dev/null; then exit 1; fi
+           grep -qx "$2" "{self.active}" 2>/dev/null || echo "$2" >> "{self.active}" ;;
+    stop) grep -vx "$2" "{self.active}" > "{self.active}.new" 2>/dev/null; mv "{self.active}.new" "{self.active}" ;;
+  esac
+fi
 """)
             path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
@@ -259,8 +368,9 @@ if [ "{tool}" = systemctl ] && [ "$1" = start ] && grep -qx "$2" "{self.fail}" 2
         return subprocess.run(["bash", str(SLURM / f"{which}.sh")], env=e, capture_output=True, text=True, timeout=60)
 
     def units(self) -> list[str]:
-        return [line for line in self.calls.read_text().splitlines() if line.startswith("systemctl")] \
-            if self.calls.exists() else []
+        """What the scripts asked systemctl to start and stop, in order."""
+        return [line for line in self.calls.read_text().splitlines()
+                if line.startswith(("systemctl start", "systemctl stop"))] if self.calls.exists() else []
 
 
 def test_slurm_mounts_a_jobs_datasets_and_unmounts_after_the_last_job(tmp_path):
@@ -287,18 +397,94 @@ def test_slurm_mounts_a_jobs_datasets_and_unmounts_after_the_last_job(tmp_path):
 @pytest.mark.parametrize("comment,message", [
     ("epochfs=../../etc/passwd", "not a dataset name"),
     ("epochfs=$(reboot)", "not a dataset name"),
-    ("epochfs=missing", "which this node does not have"),
-    ("epochfs=broken", "did not mount for job 7"),
+    ("epochfs=nope", "not configured on this node"),
+    ("epochfs=..", "not a dataset name"),
+    ("epochfs=", None),
+    ("epochfs=,,,", None),
 ])
-def test_slurm_refuses_what_it_cannot_mount_with_the_reason(tmp_path, comment, message):
+def test_what_a_job_asks_for_never_fails_the_prolog(tmp_path, comment, message):
+    """A failed prolog drains the node, and a job's comment is anyone's: what it asks for that is not a
+    dataset it may have is skipped with the reason, and the job runs without it."""
+    node = Node(tmp_path)
+    node.dataset("imagenet")
+    r = node.script("prolog", 7, f"{comment} epochfs=imagenet")
+    assert r.returncode == 0, r.stderr
+    assert message is None or (message in r.stderr and "runs without it" in r.stderr), r.stderr
+    assert node.units() == ["systemctl start epochfs@imagenet.service"]  # what it may have is mounted
+    assert [p.parent.name for p in node.run.glob("*/7")] == ["imagenet"]
+    assert node.script("epilog", 7).returncode == 0
+    assert node.units()[-1] == "systemctl stop epochfs@imagenet.service"
+
+
+def test_a_dataset_that_does_not_mount_fails_the_prolog_with_the_reason(tmp_path):
+    """The node cannot serve a dataset it should (the unit fails): that is the node's, not the job's."""
     node = Node(tmp_path)
     node.dataset("broken")
     node.fail.write_text("epochfs@broken.service\n")
-    r = node.script("prolog", 7, comment)
-    assert r.returncode == 1 and message in r.stderr, r.stderr
-    assert not list(node.run.glob("*/7"))  # nothing recorded for the epilog to stop
+    r = node.script("prolog", 7, "epochfs=broken")
+    assert r.returncode == 1 and "did not mount for job 7" in r.stderr, r.stderr
+    assert not list(node.run.glob("*/7")) and not list(node.run.glob("*/.started"))  # nothing for the epilog
     assert node.script("epilog", 7).returncode == 0
     assert not any("stop" in u for u in node.units())
+
+
+def test_the_epilog_never_stops_a_mount_the_administrator_runs(tmp_path):
+    """A dataset the administrator keeps mounted (systemctl enable --now) stays mounted under every job
+    that named it; one the prolog started is stopped after the last job that used it."""
+    node = Node(tmp_path)
+    node.dataset("data")
+    node.dataset("extra")
+    node.active.write_text("epochfs@data.service\n")  # the administrator's
+    assert node.script("prolog", 1, "epochfs=data,extra").returncode == 0
+    assert node.script("prolog", 2, "epochfs=data").returncode == 0
+    assert node.script("epilog", 1).returncode == 0
+    assert node.script("epilog", 2).returncode == 0
+    assert "systemctl stop epochfs@data.service" not in node.units()
+    assert node.units()[-1] == "systemctl stop epochfs@extra.service"
+    assert node.active.read_text().split() == ["epochfs@data.service"]
+
+
+def test_the_administrator_says_which_datasets_a_job_may_ask_for(tmp_path):
+    node = Node(tmp_path)
+    for name in ("open", "team", "secret"):
+        node.dataset(name)
+    (node.etc / "slurm-datasets").write_text("# dataset  who may ask\nopen\nteam alice @ml\n")
+    r = node.script("prolog", 3, "epochfs=open,team,secret", SLURM_JOB_USER="bob")
+    assert r.returncode == 0 and "'team' is not one its user bob may ask for" in r.stderr
+    assert "'secret' is not one its user bob may ask for" in r.stderr
+    assert node.units() == ["systemctl start epochfs@open.service"]
+    r = node.script("prolog", 4, "epochfs=team", SLURM_JOB_USER="alice")
+    assert r.returncode == 0 and node.units()[-1] == "systemctl start epochfs@team.service"
+    root = subprocess.run(["id", "-gn", "root"], capture_output=True, text=True).stdout.strip()
+    (node.etc / "slurm-datasets").write_text(f"secret @{root}\n")  # a group of the job's user
+    r = node.script("prolog", 5, "epochfs=secret", SLURM_JOB_USER="root")
+    assert r.returncode == 0 and node.units()[-1] == "systemctl start epochfs@secret.service"
+
+
+def test_no_comment_fails_the_prolog_nor_starts_what_it_may_not(tmp_path):
+    """A fuzz loop over comments: whatever a job writes, the prolog exits 0, starts only configured
+    datasets the job may have, and the epilog leaves nothing behind."""
+    import random
+
+    node = Node(tmp_path)
+    for name in ("a", "b.c", "d_1"):
+        node.dataset(name)
+    (node.etc / "slurm-datasets").write_text("a\nb.c\n")  # d_1 configured, not for jobs
+    rng = random.Random(5)
+    words = ["epochfs=", "a", "b.c", "d_1", ",", "..", "/", "$(x)", "`id`", "*", "?", "\\", "'", '"', ";", "|",
+             "&", "\t", " ", "é", "x" * 70, "-", "epochfs=a", " epochfs=b.c", " epochfs=d_1", "%s", "${HOME}", "\x7f", "~"]
+    skipped = 0
+    for job in range(1, 241):
+        comment = "".join(rng.choice(words) for _ in range(rng.randrange(1, 12)))
+        r = node.script("prolog", job, comment)
+        assert r.returncode == 0, (comment, r.stderr)
+        skipped += r.stderr.count("runs without it")
+        started = {u.split("@", 1)[1] for u in node.units() if u.startswith("systemctl start")}
+        assert started <= {"a.service", "b.c.service"}, (comment, started)
+        assert node.script("epilog", job).returncode == 0
+    assert started == {"a.service", "b.c.service"} and skipped > 20  # (the loop reached both sides)
+    assert not list(node.run.glob("*/[0-9]*"))  # every job's use recorded and removed
+    assert not node.active.exists() or not node.active.read_text().strip()  # all stopped again
 
 
 def test_slurm_scripts_refuse_an_odd_job_id(tmp_path):
