@@ -216,3 +216,43 @@ def test_a_store_writer_cannot_give_anyone_a_private_checkpoint(s3, s3_client, f
         a.stop()
     finally:
         server.stop()
+
+
+@requires_fuse
+def test_a_version_never_goes_back(s3, s3_client, fresh_bucket, mount_factory, guarded, tmp_path):
+    """Someone who can write the store without its password keeps a signed value (the pointer to version
+    1) and puts it back once version 2 is out: a node with the password refuses to go back, while it
+    runs and when it starts again, and a file deleted in version 2 does not come back."""
+    pw = tmp_path / "pw"
+    pw.write_bytes(SECRET)
+    pw.chmod(0o600)
+    source = f"s3://{fresh_bucket}/ds"
+    for key in ("a.bin", "b.bin"):
+        s3_client.put_object(Bucket=fresh_bucket, Key=f"ds/{key}", Body=key.encode())
+
+    def publish() -> None:
+        r = subprocess.run([*EPOCHFS, "import", source, "--meta", guarded.url, "--meta-password-file", str(pw),
+                            "--endpoint-url", s3.endpoint], capture_output=True, text=True, timeout=60, env=s3.env())
+        assert r.returncode == 0, r.stderr
+
+    publish()
+    anyone = guarded.client(as_default=True)
+    pointer = f"epochfs:{source}/:current"
+    kept = anyone.get(pointer)  # a signed value, kept for later
+    m = mount_factory(source, "--meta", guarded.url, "--meta-password-file", str(pw), "--meta-poll", "0.3")
+    with m:
+        assert sorted(os.listdir(m.mountpoint)) == ["a.bin", "b.bin"]
+        s3_client.delete_object(Bucket=fresh_bucket, Key="ds/b.bin")
+        publish()  # version 2: b.bin deleted
+        wait_for(lambda: m.status()["snapshot"]["version"] == 2, timeout=15)
+        assert sorted(os.listdir(m.mountpoint)) == ["a.bin"]
+        anyone.set(pointer, kept)  # the store says version 1 again, signed
+        wait_for(lambda: "older than the version 2 served" in m.log(), timeout=15)
+        time.sleep(1.0)
+        assert m.status()["snapshot"]["version"] == 2 and sorted(os.listdir(m.mountpoint)) == ["a.bin"]
+    m.start()  # a restart, the store still saying version 1
+    try:
+        assert m.status()["snapshot"]["version"] == 2 and sorted(os.listdir(m.mountpoint)) == ["a.bin"]
+        assert "older than the version 2 this node served" in m.log()
+    finally:
+        m.stop()

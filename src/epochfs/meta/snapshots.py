@@ -88,6 +88,7 @@ class Snapshots:
             self.index.close()
             raise
         self.latest_version = self.snapshot.version
+        self._refused: int | None = None  # an older version the store offered, refused
         self._switching = trio.Lock()
         self._compact = trio.Event()  # set when the shared store is due a full copy
 
@@ -118,6 +119,15 @@ class Snapshots:
         if self.store.shared:  # load what was published, never list
             try:
                 head = self.store.head(source)
+                kept = self.index.view(self._identity)
+                if head is not None and kept is not None and head.version < kept.version and not self.settings.refresh:
+                    log.warning("the store's snapshot of %s is version %d, older than the version %d this node served: "
+                                "a version never goes back (a store written without the password, or restored from an "
+                                "old backup); serving version %d (--refresh takes the store's as it is)",
+                                source, head.version, kept.version, kept.version)
+                    return self._head_of(kept), kept, None
+                if kept is not None:
+                    kept.close()
                 view = self._indexed(head) if head is not None else None
                 if head is not None and view is None:
                     view = self._catch_up(head)
@@ -221,6 +231,9 @@ class Snapshots:
                 latest = await self._call(self.store.current_version, source)
                 if latest is None or latest == self.snapshot.version:
                     return {"changed": False, "version": self.snapshot.version}
+                if latest < self.snapshot.version:
+                    self._refuse_older(latest)
+                    return {"changed": False, "version": self.snapshot.version, "refused": latest}
                 try:
                     changes = await self._call(self.store.changes, source, self.namespace.version, latest)
                     if changes:
@@ -232,8 +245,20 @@ class Snapshots:
                     raise
                 if loaded is None:
                     return {"changed": False, "version": self.snapshot.version}
+                if loaded.version < self.snapshot.version:  # (replaced under us between the two reads)
+                    self._refuse_older(loaded.version)
+                    return {"changed": False, "version": self.snapshot.version, "refused": loaded.version}
                 snapshot = loaded
             return await self._switch_to(snapshot)
+
+    def _refuse_older(self, version: int) -> None:
+        """The store says ``version``, older than the one served: a version never goes back."""
+        if self._refused != version:  # (once per version offered, not at every poll)
+            log.warning("the store's snapshot of %s is now version %d, older than the version %d served: a version "
+                        "never goes back (a store written without the password, or restored from an old backup); "
+                        "still serving version %d", self.settings.source_id, version, self.snapshot.version,
+                        self.snapshot.version)
+            self._refused = version
 
     async def _switch_to(self, snapshot: Snapshot) -> dict[str, Any]:
         old = self.namespace
