@@ -457,3 +457,57 @@ def test_seeded_crash_points_with_forked_and_dupd_writers(s3_client, fresh_bucke
     assert set(keys) == {f"ckpt/{n}" for n in released}, (released, keys, plan[:kill_at])
     for n in released:
         assert body(s3_client, fresh_bucket, f"ckpt/{n}") == content[n]
+
+
+def test_a_dot_epochfs_component_is_reserved_at_any_depth(s3_client, fresh_bucket, mount_factory, shared_dir):
+    """A user of a write-back mount of a parent prefix cannot make the records of a mount under it
+    (``ds/.epochfs/attrs/f-<hash>.666.<uid>.<gid>`` would present a dataset file as theirs, mode 0666, on
+    every mount of ``ds``), nor any name with a ``.epochfs`` component; one planted in the bucket at any
+    depth is hidden from every mount, the parent's and the child's."""
+    from epochfs.backend.attrs import record_key
+
+    s3_client.put_object(Bucket=fresh_bucket, Key="ds/data.bin", Body=b"the dataset's\n")
+    s3_client.put_object(Bucket=fresh_bucket, Key="ds/deep/.epochfs/planted", Body=b"x")
+    s3_client.put_object(Bucket=fresh_bucket, Key="ds/deep/kept.bin", Body=b"k")
+    parent = shared_mount(mount_factory, shared_dir, f"s3://{fresh_bucket}", "--dir-mode", "1777", name="parent")
+    parent.start()
+    try:
+        forged = f"ds/{record_key('data.bin', 0o666, NOBODY, NOBODY)}"
+        for name in (forged, "ds/.epochfs", "ds/deep/.epochfs/x", ".epochfs"):
+            made = as_nobody("sh", "-c", f"mkdir -p {parent.path(name).parent} && echo x > {parent.path(name)}")
+            assert made.returncode != 0, name
+        assert as_nobody("mkdir", str(parent.path("ds") / "sub" / ".epochfs")).returncode != 0
+        assert ".epochfs" not in os.listdir(parent.path("ds") / "deep")
+        assert sync(parent).returncode == 0
+    finally:
+        parent.stop()
+    assert not keys_of(s3_client, fresh_bucket, "ds/.epochfs/")  # nothing made under the child's records
+    child = mount_factory(f"s3://{fresh_bucket}/ds", "--allow-other", cache_dir=shared_dir / "child",
+                          name="unused-child")
+    child.mountpoint = shared_dir / "child-mnt"
+    child.mountpoint.mkdir()
+    with child:
+        assert sorted(os.listdir(child.mountpoint / "deep")) == ["kept.bin"]
+        st = os.stat(child.path("data.bin"))
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o444, 0)  # the defaults: no record of nobody's
+        assert as_nobody("sh", "-c", f"echo y > {child.path('data.bin')}").returncode != 0
+
+
+def test_the_reserved_name_is_found_in_any_key():
+    """A fuzz loop over keys: a key is reserved exactly when one of its components is ``.epochfs``, and
+    the namespace never holds one (whatever else the key is)."""
+    import random
+
+    from epochfs.backend.attrs import reserved
+    from epochfs.meta.index import build
+    from epochfs.records import ObjectInfo
+
+    rng = random.Random(9)
+    parts = [".epochfs", ".epochfs.", "epochfs", "..epochfs", ".EPOCHFS", "a", "", ".", "..", "x.epochfs", "attrs"]
+    keys = ["/".join(rng.choice(parts) for _ in range(rng.randrange(1, 5))) + rng.choice(["", "/"])
+            for _ in range(4000)]
+    for key in keys:
+        assert reserved(key) == (".epochfs" in key.split("/")), key
+    ns = build([ObjectInfo(k, 1, 0, '"e"') for k in keys])
+    held = [f.obj.key for f in ns.files()]
+    assert held and not any(".epochfs" in k.split("/") for k in held)

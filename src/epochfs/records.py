@@ -209,6 +209,17 @@ PATH_MAX = 4000
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+#: A path component that is epochfs's own at any depth of any source (its records: ``.epochfs/attrs/``):
+#: never a file of a mount, never a name a writer may make. A mount of a parent prefix would otherwise
+#: see, and let its writers make, the records of every mount under it.
+RESERVED_NAME = ".epochfs"
+
+
+def reserved_key(key: str) -> bool:
+    """Whether ``key`` has a component named :data:`RESERVED_NAME`, at any depth."""
+    return RESERVED_NAME in key and RESERVED_NAME in key.split("/")
+
+
 def unsafe_reason(key: str) -> str | None:
     """Why ``key`` cannot be a path of the mount, or None if it can."""
     if key.isascii() and key.isprintable() and len(key) <= NAME_MAX:  # the common case, checked at once

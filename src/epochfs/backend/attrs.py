@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from epochfs.records import ObjectInfo
+from epochfs.records import ObjectInfo, reserved_key
 
 #: Keys under this prefix of a source are epochfs's own: never files of the mount, never a writer's.
 RESERVED = ".epochfs/"
@@ -42,8 +42,9 @@ class Attrs(NamedTuple):
 
 
 def reserved(key: str) -> bool:
-    """Whether ``key`` (relative to the source root) is under the reserved prefix."""
-    return key == RESERVED[:-1] or key.startswith(RESERVED)
+    """Whether ``key`` (relative to the source root) is epochfs's own: a ``.epochfs`` component at any
+    depth (the source's records are under its root's; a deeper one is another mount's, or planted)."""
+    return reserved_key(key)
 
 
 def _kind_hash(key: str) -> str:

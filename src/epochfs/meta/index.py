@@ -63,7 +63,7 @@ from epochfs.meta.entries import (
 )
 from epochfs.meta.namespace import Namespace
 from epochfs.private import private_dir
-from epochfs.records import MEMBER_TAG, ObjectInfo, stored_extent, unsafe_reason
+from epochfs.records import MEMBER_TAG, ObjectInfo, reserved_key, stored_extent, unsafe_reason
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ def _path_of(obj: ObjectInfo) -> str | None:
     reason = unsafe_reason(obj.key)
     if reason is None and obj.key.endswith("/") and obj.size:
         reason = "a directory marker with data"
+    if reason is None and reserved_key(obj.key):
+        reason = "a '.epochfs' component is reserved for epochfs's own records"
     if reason:
         _warn_skipped(obj.key, reason)
         return None
@@ -520,7 +522,7 @@ class _Edit:
             self.dirs += 1
 
     def add(self, obj: ObjectInfo) -> None:
-        if unsafe_reason(obj.key) is None or obj.key == "":
+        if (unsafe_reason(obj.key) is None and not reserved_key(obj.key)) or obj.key == "":
             self.objects += not self._present(obj.key)
         path = _path_of(obj)
         if not path:
