@@ -433,3 +433,34 @@ def test_a_shared_cache_the_user_already_runs_in_front_of_the_origin(tmp_path, s
         assert s3.request_count(fresh_bucket) - gets <= warmed + 2
     finally:
         near.stop()
+
+
+def test_planted_members_cannot_hang_cluster_status_nor_warmup(tier):
+    """Whoever writes the store lists 10,000 cache nodes (closed loopback ports): `cluster status` and
+    `cluster warmup` take at most MAX_LISTED of them, prove them in bounded time, rank the shares within a
+    budget, say so, and still report the real node and warm the dataset at it."""
+    import redis
+
+    from epochfs.cli.cluster import MAX_LISTED
+
+    real = tier.server()
+    tier.wait_servers(1)
+    port = int(tier.redis_url.rsplit(":", 1)[1].split("/")[0])
+    r = redis.Redis(port=port)
+    key = next(k for k in r.keys("*servers") if b"epochfs" in k)
+    r.zadd(key, {f"127.0.0.{2 + i // 60000}:{1024 + i % 60000}": time.time() + 3600 for i in range(10_000)})
+    started = time.monotonic()
+    st = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url, "--json",
+                         "--peer-token-file", str(tier.token_file)], capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - started
+    assert st.returncode == 0, st.stderr
+    assert f"more than {MAX_LISTED} members" in st.stderr
+    rows = json.loads(st.stdout)["members"]
+    assert len(rows) <= MAX_LISTED and took < 90, (len(rows), took)
+    base = [*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url, "--peer-token-file",
+            str(tier.token_file), "--block-size", "1M"]
+    started = time.monotonic()
+    w = subprocess.run(base, capture_output=True, text=True, timeout=240)
+    assert time.monotonic() - started < 120
+    assert "did not prove" in w.stderr  # (the planted ones are left out)
+    assert held(real) > 0

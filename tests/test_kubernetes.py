@@ -133,6 +133,79 @@ def test_the_training_pod_example_reads_the_node_mount_read_only():
     assert pod["spec"]["volumes"][0]["hostPath"]["path"] == "/mnt/epochfs/data"
 
 
+def test_each_workload_asks_for_the_least_privilege_that_works():
+    """The GPU node's pod is privileged only because Kubernetes allows Bidirectional mount propagation to
+    privileged containers alone (the mount must reach the node); the cache node mounts nothing: no
+    capability, no escalation, a read-only root file system; neither talks to the Kubernetes API."""
+    for overlay in OVERLAYS:
+        for d in render(overlay):
+            spec = d.get("spec", {}).get("template", {}).get("spec")
+            if spec is None:
+                continue
+            assert spec.get("automountServiceAccountToken") is False, (overlay, d["metadata"]["name"])
+            for c in spec["containers"]:
+                bidirectional = any(m.get("mountPropagation") == "Bidirectional" for m in c.get("volumeMounts", []))
+                privileged = (c.get("securityContext") or {}).get("privileged") is True
+                assert privileged == bidirectional, (overlay, d["metadata"]["name"], c["name"])
+    (sts,) = by_kind(render("cache-nodes"), "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True and "privileged" not in sc
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not any("hostPath" in v for v in pod["volumes"])  # its cache is its own volume, not the node's
+    writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+    assert writable == {"/var/cache/epochfs", "/tmp"}
+
+
+def _admitted(pod: dict) -> list[str]:
+    """The messages of the hostPath policy's validations that ``pod`` fails (none: admitted)."""
+    import celpy
+
+    (policy, binding) = [d for d in yaml.safe_load_all((K8S / "examples" / "hostpath-policy.yaml").read_text()) if d]
+    env = celpy.Environment()
+    return [v["message"] for v in policy["spec"]["validations"]
+            if not env.program(env.compile(v["expression"])).evaluate({"object": celpy.json_to_cel(pod)})]
+
+
+def test_an_admission_policy_keeps_training_pods_from_the_nodes_cache():
+    """A training pod needs a hostPath to read the node's mount; the example policy (its CEL evaluated
+    here) admits a dataset under /mnt/epochfs/ read-only and nothing else of the node: not the cache
+    directory, not / nor /etc, not a path that climbs out with .., not a writable mount, in containers
+    and init containers alike. A fuzz loop of pods checks it against the rule itself."""
+    import random
+
+    docs = [d for d in yaml.safe_load_all((K8S / "examples" / "hostpath-policy.yaml").read_text()) if d]
+    for doc in docs:
+        validate(doc)
+    assert docs[1]["spec"]["policyName"] == docs[0]["metadata"]["name"]
+    (example,) = [d for d in yaml.safe_load_all((K8S / "examples" / "training-pod.yaml").read_text()) if d]
+    assert _admitted(example) == []
+
+    def pod(path: str, read_only: bool | None = True, init: bool = False) -> dict:
+        mount = {"name": "d", "mountPath": "/data", **({} if read_only is None else {"readOnly": read_only})}
+        c = {"name": "c", "image": "x", "volumeMounts": [mount]}
+        spec = {"containers": [{"name": "main", "image": "x"}], "initContainers": [c]} if init else {"containers": [c]}
+        return {"spec": {**spec, "volumes": [{"name": "d", "hostPath": {"path": path}}]}}
+
+    for path in ("/var/cache/epochfs", "/var/cache/epochfs/B/packs", "/", "/etc", "/mnt/epochfs/../../var/cache",
+                 "/mnt/epochfs", "/mnt/epochfsx/data", "/mnt/epochfs//../x"):
+        assert _admitted(pod(path)), path
+    assert _admitted(pod("/mnt/epochfs/data", read_only=False))
+    assert _admitted(pod("/mnt/epochfs/data", read_only=None))
+    assert _admitted(pod("/mnt/epochfs/data", read_only=False, init=True))
+    assert _admitted({"spec": {"containers": [{"name": "c", "image": "x"}]}}) == []  # no hostPath: not its business
+    rng = random.Random(3)
+    parts = ["mnt", "epochfs", "data", "..", ".", "", "var", "cache", "etc", "x"]
+    for _ in range(300):
+        path = "/" + "/".join(rng.choice(parts) for _ in range(rng.randrange(1, 5)))
+        ro = rng.choice([True, False, None])
+        admitted = not _admitted(pod(path, ro))
+        safe = path.startswith("/mnt/epochfs/") and ".." not in path and "//" not in path and ro is True
+        assert admitted == safe, (path, ro)
+
+
 def test_the_container_image_installs_the_pinned_package():
     text = (ROOT / "deploy" / "container" / "Containerfile").read_text()
     assert "fuse3" in text and "pip install --no-cache-dir /src" in text and 'ENTRYPOINT ["epochfs"]' in text

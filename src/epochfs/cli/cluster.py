@@ -98,17 +98,34 @@ def _store(args: argparse.Namespace) -> tuple[Any, str]:
     return store, source_id
 
 
+#: Members of each role the tools take from the store at most: anyone who can write the store can list
+#: members, and each one costs a proof and a share of the ranking; a tier has a handful.
+MAX_LISTED = 256
+PROOF_SECONDS = 30.0  # all the proofs together, whatever the members listed do
+RANK_BUDGET = 4_000_000  # blocks ranked times members: what ranking the shares may cost at most
+
+
 def _members(store: Any, source_id: str) -> dict[str, str]:
-    """Member address -> role, as the store lists them (checked: literal addresses only)."""
+    """Member address -> role, as the store lists them (checked: literal addresses only), at most
+    :data:`MAX_LISTED` of each role (the rest said on standard error)."""
     from epochfs.peer.wire import member_addr
 
     out: dict[str, str] = {}
-    for role, entries in store.heartbeat(source_id, None, 0.0, 10_000).items():
-        for raw in entries:
+    for role, entries in store.heartbeat(source_id, None, 0.0, MAX_LISTED + 1).items():
+        if len(entries) > MAX_LISTED:
+            print(f"epochfs: the store lists more than {MAX_LISTED} members of role {role}: the first {MAX_LISTED} "
+                  "are taken (members of a real tier are a handful: someone may have planted entries)",
+                  file=sys.stderr)
+        for raw in entries[:MAX_LISTED]:
             addr = member_addr(raw.decode("ascii", "replace")) if isinstance(raw, bytes) and len(raw) <= 64 else None
             if addr is not None:
                 out.setdefault(addr, role)
     return out
+
+
+def _stats(store: Any, source_id: str, members: dict[str, str]) -> dict[str, bytes]:
+    """The listed members' published statistics, each read only if it is of a member's size."""
+    return store.member_stats_of(source_id, sorted(members)) if members else {}
 
 
 def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0
@@ -128,8 +145,14 @@ def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0
             return str(exc)[:200]
         return None
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        proofs = dict(zip(addrs, pool.map(one, addrs), strict=True))
+    pool = concurrent.futures.ThreadPoolExecutor(32)
+    futures = {pool.submit(one, addr): addr for addr in addrs}
+    done, late = concurrent.futures.wait(futures, timeout=PROOF_SECONDS)
+    proofs: dict[str, str | None] = {futures[f]: f.result() for f in done}
+    for f in late:
+        f.cancel()
+        proofs[futures[f]] = f"not asked: the proofs of {len(addrs)} members took over {PROOF_SECONDS:g} s"
+    pool.shutdown(wait=False, cancel_futures=True)
     return client, proofs, stated
 
 
@@ -137,7 +160,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     store, source_id = _store(args)
     try:
         members = _members(store, source_id)
-        stats = store.member_stats(source_id, 10_000)
+        stats = _stats(store, source_id, members)
         snapshot = store.load(source_id) if members else None
     finally:
         store.close()
@@ -214,7 +237,7 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
     from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from epochfs.doctor import share_fix
     from epochfs.peer.ring import Ring, ring_weights
-    from epochfs.peer.share import ownership
+    from epochfs.peer.share import SHARE_SAMPLE, ownership
 
     servers = [r for r in rows if r["role"] == "server"]
     owners = [r for r in (servers or [r for r in rows if r["role"] == "peer"]) if r["member"] not in unproven]
@@ -235,7 +258,8 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
     sizes_stated = {r["member"]: stated[r["member"]] if r["member"] in stated
                     else _published_int(r, "cache_size", 0, 1 << 62) for r in owners}
     ring = Ring(sizes_stated, ring_weights(sizes_stated, sizes_stated))
-    owned = ownership(snapshot.objects, source_id, ring, block_size, count)
+    owned = ownership(snapshot.objects, source_id, ring, block_size, count,
+                      sample=max(1000, min(SHARE_SAMPLE, RANK_BUDGET // max(1, len(owners)))))
     for r in owners:
         r["share_bytes"] = share = owned.owned.get(r["member"], 0)
         capacity = _published_int(r, "capacity_bytes", 0, 1 << 62)
@@ -303,7 +327,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     try:
         snapshot = store.load(source_id)
         members = _members(store, source_id)
-        stats = store.member_stats(source_id, 10_000)
+        stats = _stats(store, source_id, members)
     finally:
         store.close()
     if snapshot is None:

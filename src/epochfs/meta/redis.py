@@ -513,20 +513,6 @@ class RedisMetaStore:
         key = self._prefix(source) + "member-stats"
         self._call(self._redis.hset, key, member, self._wrap(f"{key}:{member}", stats[:self.MAX_STATS]))
 
-    def member_stats(self, source: str, limit: int) -> dict[str, bytes]:
-        """Every member's published statistics (unchecked beyond their signature and size)."""
-        key = self._prefix(source) + "member-stats"
-        out = {}
-        for name, raw in list(self._call(self._redis.hscan_iter, key))[:limit]:
-            try:
-                member = name.decode("ascii")
-                payload = self._unwrap(f"{key}:{member}", raw)
-            except (UnicodeDecodeError, SnapshotInvalid):
-                continue
-            if payload is not None and len(payload) <= self.MAX_STATS:
-                out[member] = payload
-        return out
-
     def member_stats_of(self, source: str, members: list[str]) -> dict[str, bytes]:
         """The published statistics of ``members`` (a node's own ring: a few), each read only if it is
         no larger than a member publishes (a planted value of any size costs one length query)."""
