@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
-import xxhash
 
 from epochfs.cache.keys import block_count, whole_id
 from epochfs.cache.service import BlockCache
-from epochfs.cache.whole import Whole, WholeFiles
+from epochfs.cache.whole import Whole, WholeFiles, hasher
 from epochfs.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,7 @@ class PassthroughStats:
     assembled: int
     damaged: int
     evicted: int
+    unchecked: int = 0  # copies a run before left, not hashed yet (read through the daemon until they are)
 
 
 class Passthrough:
@@ -185,8 +185,7 @@ class Passthrough:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._assemble_loop)
-            if self.scrub_every > 0:
-                nursery.start_soon(self._scrub_loop)
+            nursery.start_soon(self._scrub_loop)  # (with no scrub: the copies a run before left, once)
             task_status.started()
 
     async def _assemble_loop(self) -> None:
@@ -207,7 +206,7 @@ class Passthrough:
         if wid in self.whole.files or not self.whole.admit(obj.size):
             return None
         tmp = self.whole.temp_path(wid)
-        h = xxhash.xxh3_128()
+        h = hasher(wid)
         blocks = self._blocks(obj)
         try:
             for index in range(blocks):
@@ -232,12 +231,17 @@ class Passthrough:
             if w is None:
                 await trio.sleep(min(60.0, self.scrub_every / 4 or 60.0))
                 continue
-            answer = await trio.to_thread.run_sync(self.whole.verify, w, self.SCRUB_RATE)
+            if not w.verified:
+                log.info("checking whole cached file %s, left by a run before, before it is served", w.name)
+            try:
+                answer = await trio.to_thread.run_sync(self.whole.verify, w, self.SCRUB_RATE)
+            except Exception as exc:  # noqa: BLE001 - a scrub never takes the mount down: the copy goes
+                answer = OSError(errno.EIO, f"checking it failed: {exc!r}")
             self.whole.verified(w, answer)
 
     def statistics(self) -> PassthroughStats:
         w = self.whole.statistics()
         return PassthroughStats(self.active, self.opens, self.cached_opens,
                                 sum(1 for st in self._inodes.values() if st.backing), w.files, w.bytes, w.limit,
-                                w.assembled, w.damaged, w.evicted)
+                                w.assembled, w.damaged, w.evicted, w.unchecked)
 

@@ -3,13 +3,17 @@
 A passthrough open hands the kernel one backing file whose offset 0 is the object's offset 0; the
 block store keeps an object as blocks, so an object read whole is assembled once into
 ``whole/<id>.<xxh3-128>`` from its verified blocks (``id``: the object's version, see
-:func:`epochfs.cache.keys.whole_id`; the digest: of the whole file, taken as it was written). The
+:func:`epochfs.cache.keys.whole_id`; the digest: of the whole file, taken as it was written, seeded with
+the id, so a copy moved under another object's name fails its check: :func:`hasher`). The
 kernel's reads of such a file never reach the daemon, so they are not checked: the bytes are checked
 when the file is assembled (every block against its chunk checksums), at every open (the file is the
 one written: a regular file of this user, of the object's size, with the inode and modification time
 recorded when it was verified) and by a scrub that hashes every file again (:meth:`WholeFiles.verify`,
-at most once per ``scrub`` seconds each, at a bounded rate). A file that fails any of these is removed
-and never served again; its object is read through the daemon, verified on every read, as before.
+at most once per ``scrub`` seconds each, at a bounded rate). A file a run before left is served only
+once this daemon has hashed it (what happened to it while no daemon watched is not known): until then
+its object is read through the daemon, and the scrub takes such files first. A file that fails any of
+these is removed and never served again; its object is read through the daemon, verified on every
+read, as before.
 
 Whole files are a second copy of their blocks, and count against the cache's bound: their bytes are
 pinned in the block store (blocks are evicted for them, as the policy orders), and they are kept within
@@ -29,11 +33,13 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from epochfs.cache.packs import discard
 from epochfs.cache.store import BlockStore
+from epochfs.errors import ConfigError
 from epochfs.private import open_private, private_subdir
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,7 @@ class WholeStats:
     assembled: int
     damaged: int
     evicted: int
+    unchecked: int = 0  # left by a run before, not hashed by this daemon yet (not served until then)
 
 
 class WholeFiles:
@@ -95,11 +102,14 @@ class WholeFiles:
     # -- serving -----------------------------------------------------------------------------------------
 
     def get(self, wid: str, size: int) -> Whole | None:
+        """The whole file of ``wid`` to serve, if there is one checked by this daemon."""
         w = self.files.get(wid)
         if w is None:
             return None
         if w.size != size:
             self.drop(w, f"it holds {w.size} bytes, the object {size}")
+            return None
+        if not w.verified:  # (a run before's, not hashed yet: read through the daemon)
             return None
         self.files.move_to_end(wid)
         return w
@@ -109,7 +119,7 @@ class WholeFiles:
         else it is removed and None."""
         try:
             fd = open_private(self.dir / w.name)
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:  # (gone, a link, another user's or linked twice)
             self.drop(w, f"it cannot be opened ({exc})")
             return None
         st = os.fstat(fd)
@@ -184,7 +194,7 @@ class WholeFiles:
             if st.st_size != size:
                 raise OSError(errno.EIO, f"{st.st_size} bytes written of {size}")
             os.rename(tmp, self.dir / w.name)
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             log.warning("whole cached file for %s not installed: %s", wid, exc)
             self.abandon(wid, size)
             return None
@@ -201,10 +211,11 @@ class WholeFiles:
     # -- the scrub ---------------------------------------------------------------------------------------
 
     def due(self, every: float) -> Whole | None:
-        """The whole file verified longest ago, if that is more than ``every`` seconds (or never)."""
+        """The whole file to hash next: one never hashed by this daemon, else the one hashed longest ago
+        if that is more than ``every`` seconds (``every`` 0: only those never hashed)."""
         now = time.monotonic()
         oldest = min(self.files.values(), key=lambda w: w.verified, default=None)
-        if oldest is None or (oldest.verified and now - oldest.verified < every):
+        if oldest is None or (oldest.verified and (every <= 0 or now - oldest.verified < every)):
             return None
         return oldest
 
@@ -215,9 +226,11 @@ class WholeFiles:
             fd = open_private(self.dir / w.name)
         except OSError as exc:
             return exc
+        except ConfigError as exc:  # (gone, a link, another user's or linked twice)
+            return OSError(errno.EIO, str(exc))
         try:
             st = os.fstat(fd)
-            h = xxhash.xxh3_128()
+            h = hasher(w.wid)
             started, done = time.monotonic(), 0
             while True:
                 chunk = os.read(fd, _CHUNK)
@@ -248,7 +261,14 @@ class WholeFiles:
             w.ino, w.mtime_ns, w.verified = answer[1], answer[2], time.monotonic()
 
     def statistics(self) -> WholeStats:
-        return WholeStats(len(self.files), self.held, self.limit, self.assembled, self.damaged, self.evicted)
+        return WholeStats(len(self.files), self.held, self.limit, self.assembled, self.damaged, self.evicted,
+                          sum(1 for w in self.files.values() if not w.verified))
+
+
+def hasher(wid: str) -> Any:
+    """The digest of the copy of ``wid``: xxh3-128 seeded with the id, so the digest in a copy's name
+    holds for that object's copy alone."""
+    return xxhash.xxh3_128(seed=int(wid[:16], 16))
 
 
 def _hex(text: str) -> bool:

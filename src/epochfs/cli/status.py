@@ -303,6 +303,8 @@ def format_peer(p: dict[str, Any]) -> list[str]:
 def format_passthrough(p: dict[str, Any]) -> str:
     state = "on" if p["active"] else "OFF (the kernel refused a backing file: see the log)"
     damaged = f"; {p['damaged']} damaged copies removed" if p["damaged"] else ""
+    if p.get("unchecked"):
+        damaged += f"; {p['unchecked']} copies left by the run before being checked before they are served"
     return (f"passthrough {state}: {p['opens']} opens read by the kernel, {p['cached_opens']} through the daemon; "
             f"{p['whole_files']} whole copies ({human(p['whole_bytes'])} of {human(p['whole_limit'])}){damaged}")
 
