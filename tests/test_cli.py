@@ -271,3 +271,25 @@ def test_status_tells_a_replica_from_the_backend_and_where_reads_came_from():
         None, "--backend-bandwidth")
     assert format_link({"bytes_per_second": 40 << 20, "source": "interface", "detail": "eth0, speed 10 Gbit/s"},
                        "x") == "link 40.0 MiB/s (interface: eth0, speed 10 Gbit/s)"
+
+
+def test_cluster_warmup_takes_the_cache_nodes_geometry_and_warns_where_told_otherwise(capsys):
+    """`cluster warmup` without --replicas or --block-size takes what the cache nodes publish; told
+    otherwise, it says so (a warmup at other replicas leaves blocks unheld, at another block size it
+    warms blocks no member asks for)."""
+    import argparse
+    import json as _json
+
+    from epochfs.cli.cluster import geometry
+
+    stats = {a: _json.dumps({"replicas": 2, "block_size": 1 << 20}).encode() for a in ("10.0.0.1:9570", "10.0.0.2:9570")}
+    args = argparse.Namespace(replicas=None, block_size=None)
+    geometry(args, sorted(stats), stats)
+    assert (args.replicas, args.block_size) == (2, 1 << 20) and capsys.readouterr().err == ""
+    args = argparse.Namespace(replicas=1, block_size=4 << 20)
+    geometry(args, sorted(stats), stats)
+    err = capsys.readouterr().err
+    assert "run with --replicas 2, this warmup with --replicas 1" in err and "--block-size 1048576" in err
+    args = argparse.Namespace(replicas=None, block_size=None)
+    geometry(args, ["10.0.0.3:9570"], {"10.0.0.3:9570": b"{not json"})  # nothing published: the defaults
+    assert (args.replicas, args.block_size) == (1, 4 << 20)

@@ -40,3 +40,8 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """``1 block``, ``2 blocks``: a count with its noun."""
+    return f"{n} {one if n == 1 else many or one + 's'}"

@@ -35,6 +35,7 @@ from epochfs.config import parse_rate, parse_size, store_access
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.peer.published import published_stats
 from epochfs.records import ObjectInfo, Source
+from epochfs.text import plural
 
 HEARTBEAT_STALE = 10.0  # seconds after which a member's published statistics are old
 
@@ -74,9 +75,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories of the dataset (default: all)")
     w.add_argument("--manifest", metavar="FILE", help="the files to warm, one path a line")
     w.add_argument("--peer-token-file", type=Path, required=True, metavar="FILE", help="the members' token")
-    w.add_argument("--block-size", type=parse_size, default=4 << 20, metavar="SIZE",
-                   help="the members' --block-size (default: 4M)")
-    w.add_argument("--replicas", type=int, default=1, metavar="R", help="the members' --replicas (default: 1)")
+    w.add_argument("--block-size", type=parse_size, metavar="SIZE",
+                   help="the members' --block-size (default: what the cache nodes publish, else 4M)")
+    w.add_argument("--replicas", type=int, metavar="R",
+                   help="the members' --replicas (default: what the cache nodes publish, else 1)")
     w.add_argument("--concurrency", type=int, default=16, metavar="N",
                    help="blocks asked for at once, in all (default: 16)")
     w.add_argument("--bandwidth", type=parse_rate, metavar="RATE",
@@ -201,7 +203,8 @@ def status_lines(source_id: str, rows: list[dict[str, Any]], shares: dict[str, A
                  warnings: list[str]) -> list[str]:
     """``cluster status`` in words."""
     servers = sum(1 for r in rows if r["role"] == "server")
-    lines = [f"cluster tier of {source_id}: {servers} cache nodes, {len(rows) - servers} serving GPU nodes"]
+    lines = [f"cluster tier of {source_id}: {plural(servers, 'cache node')}, "
+             f"{plural(len(rows) - servers, 'serving GPU node')}"]
     for r in rows:
         util, capacity = r.get("utilization"), r.get("link_capacity")
         link = (f"{util:.0%} of {human(capacity)}/s" if util is not None and capacity
@@ -273,6 +276,22 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
             "sampled": owned.sampled}, warnings
 
 
+def geometry(args: argparse.Namespace, servers: list[str], stats: dict[str, Any]) -> None:
+    """Fill in ``--replicas`` and ``--block-size`` from what the cache nodes publish (the most common
+    figure), and warn where those given differ from theirs: a warmup at other replicas leaves blocks
+    unheld (or held twice), at another block size it warms blocks no member asks for."""
+    published = [published_stats(stats.get(a)) or {} for a in servers]
+    for flag, key, default in (("--replicas", "replicas", 1), ("--block-size", "block_size", 4 << 20)):
+        theirs = Counter(v for p in published if isinstance(v := p.get(key), int) and v > 0)
+        common = theirs.most_common(1)[0][0] if theirs else None
+        given = getattr(args, key)
+        if given is None:
+            setattr(args, key, common or default)
+        elif common is not None and given != common:
+            print(f"epochfs: warning: the cache nodes run with {flag} {common}, this warmup with {flag} {given}: "
+                  f"it warms blocks as {flag} {given} places them (leave {flag} out to take theirs)", file=sys.stderr)
+
+
 def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: dict[str, Any], ring: Any) -> None:
     """Name each cache node asked to hold more than its cache holds (as it last published it): it would
     evict blocks it is warming, and each member that asks for one of them then costs a backend read."""
@@ -321,7 +340,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from epochfs.peer.wire import BlockRequest
     from epochfs.records import stored_extent
 
-    if args.replicas < 1 or args.concurrency < 1:
+    if (args.replicas is not None and args.replicas < 1) or args.concurrency < 1:
         raise ConfigError("--replicas and --concurrency must be at least 1")
     store, source_id = _store(args)
     try:
@@ -335,6 +354,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     servers = sorted(a for a, role in members.items() if role == "server") or sorted(members)
     if not servers:
         raise EpochfsError("no member of the cluster tier is up (start the cache nodes: epochfs serve)")
+    geometry(args, servers, stats)
     client, proofs, stated = _prove(servers, args.peer_token_file)
     client.timeout = args.timeout
     down = {a: why for a, why in proofs.items() if why is not None}
@@ -342,6 +362,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     ring = Ring(up, ring_weights(up, stated))  # (as the cache nodes rank: by the cache sizes they stated)
     if not len(ring):
         raise EpochfsError("no cache node proved it holds the token: " + "; ".join(f"{a}: {w}" for a, w in down.items()))
+    if args.replicas > len(ring):
+        print(f"epochfs: warning: {args.replicas} replicas of each block asked for, and {plural(len(ring), 'cache node')} "
+              f"up: each block is held {len(ring)} times", file=sys.stderr)
+        args.replicas = len(ring)
     blocks: dict[bytes, tuple[ObjectInfo, int, int]] = {}
     for obj in _selected(list(snapshot.objects), args):
         stored, base = stored_extent(obj)
@@ -400,7 +424,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     progress(final=True)
     missing = len(work) - done[1]
     if down:  # (no member counts them among the owners either: they are bypassed until they answer)
-        print(f"epochfs: {len(down)} cache nodes listed in the store did not prove themselves and were left out "
+        print(f"epochfs: {plural(len(down), 'cache node')} listed in the store did not prove themselves and were left out "
               "(gone, or not yet up; their share went to the others): "
               + "; ".join(f"{a}: {w}" for a, w in sorted(down.items())), file=sys.stderr)
     if missing:
@@ -409,5 +433,5 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         print(f"epochfs: {missing} of {len(work)} blocks are not held by their owners (run again)", file=sys.stderr)
         return 1
     print(f"epochfs: {len(blocks)} blocks ({human(sum(b[2] for b in blocks.values()))}) held by their owners "
-          f"({args.replicas} each, {len(ring)} cache nodes) in {time.monotonic() - started:.1f}s")
+          f"({args.replicas} each, {plural(len(ring), 'cache node')}) in {time.monotonic() - started:.1f}s")
     return 0

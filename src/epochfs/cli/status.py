@@ -11,6 +11,7 @@ from typing import Any
 from epochfs.cli.common import human
 from epochfs.cost import add_price_options
 from epochfs.errors import ConfigError, EpochfsError
+from epochfs.text import plural
 
 
 def bounded_by_disk(st: dict[str, Any]) -> str:
@@ -253,11 +254,6 @@ def reader_errors(s: dict[str, Any]) -> str:
     if failed:
         parts.append("backend requests failed: " + ", ".join(f"{k} {n}" for k, n in sorted(failed.items())))
     return "; ".join(parts)
-
-
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """``1 block``, ``2 blocks``."""
-    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def format_origins(s: dict[str, Any]) -> str:
