@@ -174,6 +174,12 @@ class Link:
             return answer
         except redis.exceptions.TimeoutError:
             raise MetaUnavailable(f"metadata store {self.url} did not answer in time") from None
+        except redis.exceptions.AuthenticationError as exc:  # (the password, or the user: not the network)
+            raise ConfigError(
+                f"metadata store {self.url} refused the password ({_plain(exc)}): check --meta-password-file "
+                "(or EPOCHFS_META_PASSWORD); a user in the URL (redis://USER@HOST...) needs a Redis ACL user of "
+                "that name, while a server with a plain requirepass takes a URL with no user "
+                "(redis://HOST:6379/0)") from None
         except redis.exceptions.ConnectionError as exc:
             raise MetaUnavailable(f"metadata store {self.url} is unreachable: {_plain(exc)}") from None
         except redis.exceptions.RedisError as exc:  # an error answer (WRONGTYPE, OOM, ...)
