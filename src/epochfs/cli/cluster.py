@@ -350,7 +350,10 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if snapshot is None:
-        raise ConfigError(f"no snapshot of {source_id} in the store: publish one with epochfs import")
+        named = f" under the name {args.meta_name!r}" if args.meta_name else ""
+        raise ConfigError(f"no snapshot of {source_id}{named} in the store: publish one with `epochfs import "
+                          f"{source_id} --meta {args.meta}" + (f" --meta-name {args.meta_name}" if args.meta_name else "")
+                          + "` (the name the members mount it under: --meta-name)")
     servers = sorted(a for a, role in members.items() if role == "server") or sorted(members)
     if not servers:
         raise EpochfsError("no member of the cluster tier is up (start the cache nodes: epochfs serve)")

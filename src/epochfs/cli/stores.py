@@ -26,7 +26,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "published are signed with it, and mounts with it take owners and modes from them")
     im.add_argument("--meta-ca-file", type=Path, metavar="FILE",
                     help="CA certificates a rediss:// store's certificate must chain to (default: the system's)")
-    im.add_argument("--name", metavar="NAME", help="dataset name in the store (default: the source URL)")
+    im.add_argument("--meta-name", "--name", dest="name", metavar="NAME",
+                    help="the dataset's name in the store, as mount, serve and cluster take it (default: the "
+                    "source URL)")
     im.add_argument("--endpoint-url", metavar="URL")
     im.add_argument("--region", help="the bucket's region (default: from the AWS configuration, or as the "
                     "endpoint says)")

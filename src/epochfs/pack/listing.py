@@ -51,7 +51,8 @@ def dataset_listing(backend: Backend, *, writable: bool = False) -> Iterator[Obj
     try:
         index = current_index(backend)
     except BackendError as exc:  # (the error names what the user asked for, not the probe)
-        exc.args = (f"reading {backend.source_id}: looking for a pack's pointer ({POINTER}): {exc}",)
+        exc.args = (f"reading {backend.source_id}: {exc} (the first request of a listing: it asks whether "
+                    f"the source is a packed dataset, {POINTER})",)
         raise
     if index is None:
         for obj in backend.list_objects():
