@@ -721,3 +721,24 @@ def test_a_link_that_carried_bytes_all_the_time_is_the_bound_whatever_its_capaci
     assert "its capacity not known" in f["evidence"] and "arriving 95% of the time" in f["evidence"]
     s["backend"]["link"]["busy_seconds"] = 10.0 + 0.3 * 90  # a link that was mostly idle: not the bound
     assert "backend-saturated" not in [f["cause"] for f in doctor(s, s)["findings"]]
+
+
+def test_the_headline_names_a_first_epoch_that_waited_and_compare_tells_noise_from_savings():
+    """A job whose later epochs are fine but whose first waited says both in its first line; --compare
+    sets the first epochs' verdicts beside each other, and a per-day difference within 5% is not a saving
+    one run can show."""
+    s = healthy()
+    s["store"]["used_bytes"] = DATASET // 2
+    s["jobs"] = [job(wait=69.0, compute=111.0, epochs=[(0, 100, 56.0, 44.0), (1, 100, 12.0, 88.0)])]
+    before = doctor(s)
+    head = render(before, "/mnt/data").splitlines()[0]
+    assert head.startswith("compute-bound:") and "the first epoch storage-bound: waited 56%" in head
+    s["jobs"] = [job(wait=29.0, compute=151.0, epochs=[(0, 100, 17.0, 83.0), (1, 100, 12.0, 88.0)])]
+    after = doctor(s)
+    rows = {what: (b, a) for what, b, a in compare(before, after)}
+    assert rows["first epoch: verdict"] == ("storage-bound", "compute-bound")
+    def costing(usd: float) -> dict:
+        return {"verdict": "compute-bound", "cost": {"later": {"day": {"total_usd": usd}}}}
+
+    assert compare(costing(100.0), costing(97.0))[-1] == ("saved per day, $", "", "none to tell: within 5% ($3.00)")
+    assert compare(costing(100.0), costing(60.0))[-1] == ("saved per day, $", "", "$40.00")

@@ -92,6 +92,10 @@ COMPARED = [("data wait share", ("data_wait_fraction",), "{:.0%}"), ("step time,
             ("total per day, $", ("cost", "*", "day", "total_usd"), "${:.2f}")]
 
 
+#: A difference of per-day costs under this share of them is within what two runs of one job differ by.
+NOISE = 0.05
+
+
 def compare(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, str, str]]:
     """Rows (what, before, after) of two diagnoses (``--save``, then ``--compare``); money is the per-day
     cost of the phase each was judged on, and the last row what the change saves per day."""
@@ -99,12 +103,19 @@ def compare(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, st
         v = _get(d, path)
         return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
-    rows = [("verdict", str(before.get("verdict", "-")), str(after.get("verdict", "-")))]
+    def first(d: dict[str, Any]) -> str:
+        return str(_get(d, ("job", "phases", "first", "verdict")) or "-")
+
+    rows = [("verdict", str(before.get("verdict", "-")), str(after.get("verdict", "-"))),
+            ("first epoch: verdict", first(before), first(after))]
     rows += [(what, get(before, path, fmt), get(after, path, fmt)) if path else (what, "", "")
              for what, path, fmt in COMPARED]
     b, a = _get(before, ("cost", "*", "day", "total_usd")), _get(after, ("cost", "*", "day", "total_usd"))
     if isinstance(b, (int, float)) and isinstance(a, (int, float)):
-        rows.append(("saved per day, $", "", f"${b - a:,.2f}"))
+        if abs(b - a) < NOISE * max(abs(b), abs(a)):  # (one run's measurement cannot tell such a difference)
+            rows.append(("saved per day, $", "", f"none to tell: within {NOISE:.0%} (${b - a:,.2f})"))
+        else:
+            rows.append(("saved per day, $", "", f"${b - a:,.2f}"))
     return rows
 
 
@@ -135,9 +146,12 @@ def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
     else:
         gpu = view.get("gpu_utilization")
         gpu_text = f", GPU {gpu:.0f}% busy" if isinstance(gpu, (int, float)) else ""
-        lines.append(f"{result['verdict']}: {', '.join(view['jobs'])} ({view['ranks']} rank(s)) waited for data "
-                     f"{wait:.0%} of step time{gpu_text}, over {result.get('judged_on') or 'its reports'}")
         phases = view.get("phases") or {}
+        cold = phases.get("first") if view.get("judged_on") != "first" else None
+        also = (f"; the first epoch {cold['verdict']}: waited {cold['data_wait_fraction']:.0%}"
+                if cold and cold["verdict"] != result["verdict"] else "")
+        lines.append(f"{result['verdict']}: {', '.join(view['jobs'])} ({view['ranks']} rank(s)) waited for data "
+                     f"{wait:.0%} of step time{gpu_text}, over {result.get('judged_on') or 'its reports'}{also}")
         for name, label in (("first", "first epoch"), ("later", "later epochs")):
             ph = phases.get(name)
             if ph is None:
