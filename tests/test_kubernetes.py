@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
 K8S_VERSION = "1.30"  # the schemas validated against (a version the Kubernetes project still patches)
-CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 def kubectl() -> str:
@@ -103,6 +103,36 @@ def test_every_overlay_renders_offline_and_validates_against_the_schemas(overlay
         for container in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             assert not any(w in " ".join(container.get("args", [])).lower() for w in ("secret", "password=", "token="))
         assert d["kind"] != "Secret", "Secrets are made by the operator, not shipped with placeholder values"
+
+
+def test_each_set_up_has_a_monitoring_overlay_with_the_shipped_rules():
+    """local-cache and cache-nodes each have an overlay with a PodMonitor on every epochfs pod and the
+    alert rules as a PrometheusRule: the rules file's groups exactly, the cache nodes' alarm included;
+    the cache-node one keeps the cache nodes (it is applied instead of cache-nodes, not after it)."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "epochfs-rules.yml").read_text())
+    generated = subprocess.run(["bash", str(ROOT / "scripts" / "prometheus-rule.sh")], capture_output=True, text=True,
+                               timeout=60)
+    assert generated.returncode == 0, generated.stderr
+    assert not subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "--",
+                               "deploy/kubernetes/monitoring/prometheusrule.yaml"]).returncode, \
+        "regenerate it: bash scripts/prometheus-rule.sh"
+    for overlay, base in (("monitoring", "local-cache"), ("cache-nodes-monitoring", "cache-nodes")):
+        docs = render(overlay)
+        (rule,) = by_kind(docs, "PrometheusRule")
+        assert rule["spec"]["groups"] == rules["groups"]
+        alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+        assert {"EpochfsBackendBandwidthHigh", "EpochfsCacheNodesBusy", "EpochfsLinkCapacityUnknown"} <= alerts
+        (monitor,) = by_kind(docs, "PodMonitor")
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        workloads = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet")]
+        assert {d["kind"] for d in workloads} == ({"DaemonSet", "StatefulSet"} if base == "cache-nodes" else {"DaemonSet"})
+        for w in workloads:  # every epochfs pod is scraped on its metrics port
+            labels = w["spec"]["template"]["metadata"]["labels"]
+            assert all(labels.get(k) == v for k, v in selector.items()), w["metadata"]["name"]
+            ports = {p["name"] for c in w["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+            assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+        kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs if d["kind"] not in ("PodMonitor", "PrometheusRule"))
+        assert kinds == sorted((d["kind"], d["metadata"]["name"]) for d in render(base))  # the set-up, whole
 
 
 def test_cache_nodes_are_their_own_workload_and_the_gpu_nodes_their_clients(tmp_path):
