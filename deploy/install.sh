@@ -1,33 +1,51 @@
 #!/usr/bin/env bash
-# Install epochfs on a compute node (Debian/Ubuntu, as root):
-#   bash deploy/install.sh [NAME]        # NAME of the instance (default: data -> /mnt/data)
-#   bash deploy/install.sh --config-only NAME   # only write /etc/epochfs/NAME.toml (another mount)
+# Install epochfs on a compute node or a cache node (Debian/Ubuntu, as root):
+#   bash deploy/install.sh [NAME]               # a GPU node's mount NAME (default: data -> /mnt/data)
+#   bash deploy/install.sh --serve NAME         # a cache node of dataset NAME (epochfs serve)
+#   bash deploy/install.sh --config-only [--serve] NAME   # only write its config (another instance)
 # It installs FUSE 3, a virtualenv in /opt/epochfs, the commands /usr/local/bin/epochfs and
-# /sbin/mount.epochfs (for /etc/fstab), the systemd unit, an instance config and the cache directory.
-# Each instance gets its own metrics port (9567 for the first, the next free one after that).
+# /sbin/mount.epochfs (for /etc/fstab), the systemd units, the instance's config (/etc/epochfs/NAME.toml,
+# or serve-NAME.toml for a cache node) and its cache directory. Each instance gets its own metrics port
+# (9567 for the first, the next free one after that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-config_only=0
-if [ "${1:-}" = "--config-only" ]; then
-  config_only=1
-  shift
-fi
+config_only=0 serve=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config-only) config_only=1; shift ;;
+    --serve) serve=1; shift ;;
+    -*) echo "install.sh: unknown option $1 (--config-only, --serve)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
 name="${1:-data}"
+[[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$ ]] || { echo "install.sh: '$name' is not an instance name" >&2; exit 2; }
 etc="${EPOCHFS_ETC:-/etc/epochfs}"
+if [ "$serve" = 1 ]; then
+  config="$etc/serve-$name.toml" template=deploy/epochfs-serve.example.toml unit="epochfs-serve@$name"
+else
+  config="$etc/$name.toml" template=deploy/epochfs.example.toml unit="epochfs@$name"
+fi
 
 write_config() {
   install -d -m 0755 "$etc"
-  if [ -e "$etc/$name.toml" ]; then
-    echo "install.sh: $etc/$name.toml exists; left as it is"
+  if [ -e "$config" ]; then
+    echo "install.sh: $config exists; left as it is"
     return
   fi
   local port=9567
   while grep -qs "^metrics_addr = \"127.0.0.1:$port\"" "$etc"/*.toml; do port=$((port + 1)); done
   sed -e "s#/mnt/data#/mnt/$name#; s#/var/cache/epochfs/data#/var/cache/epochfs/$name#" \
-      -e "s#^\# metrics_addr = \"127.0.0.1:9567\"#metrics_addr = \"127.0.0.1:$port\"#" \
-    deploy/epochfs.example.toml > "$etc/$name.toml"
-  chmod 0644 "$etc/$name.toml"
-  echo "install.sh: wrote $etc/$name.toml (metrics on 127.0.0.1:$port) -- edit source and endpoint_url before starting"
+      -e "s#/var/cache/epochfs/serve-NAME#/var/cache/epochfs/serve-$name#" \
+      -e "s#^\(\# \)\{0,1\}metrics_addr = \"127.0.0.1:9567\"#metrics_addr = \"127.0.0.1:$port\"#" \
+    "$template" > "$config"
+  chmod 0644 "$config"
+  if [ "$serve" = 1 ]; then
+    echo "install.sh: wrote $config (metrics on 127.0.0.1:$port) -- set source, meta, peer_listen (this machine's" \
+         "address), the password and token files, cache_size and replicas before starting"
+  else
+    echo "install.sh: wrote $config (metrics on 127.0.0.1:$port) -- edit source and endpoint_url before starting"
+  fi
 }
 
 if [ "$config_only" = 1 ]; then
@@ -46,10 +64,16 @@ ln -sf /opt/epochfs/venv/bin/epochfs /usr/local/bin/epochfs
 ln -sf /opt/epochfs/venv/bin/mount.epochfs /sbin/mount.epochfs
 
 write_config
-install -d -m 0700 /var/cache/epochfs "/var/cache/epochfs/$name"
-install -d -m 0755 "/mnt/$name"
+install -d -m 0700 /var/cache/epochfs
+if [ "$serve" = 1 ]; then
+  install -d -m 0700 "/var/cache/epochfs/serve-$name"
+else
+  install -d -m 0700 "/var/cache/epochfs/$name"
+  install -d -m 0755 "/mnt/$name"
+fi
 install -m 0644 deploy/systemd/epochfs@.service /etc/systemd/system/epochfs@.service
+install -m 0644 deploy/systemd/epochfs-serve@.service /etc/systemd/system/epochfs-serve@.service
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  echo "install.sh: start with: systemctl enable --now epochfs@$name"
+  echo "install.sh: start with: systemctl enable --now $unit"
 fi

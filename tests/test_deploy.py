@@ -214,3 +214,24 @@ def test_install_gives_each_instance_its_own_metrics_port(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "val"], env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "left as it is" in r.stdout  # an existing config is never overwritten
+
+
+def test_install_writes_a_cache_nodes_config_the_serve_unit_runs(tmp_path):
+    """`install.sh --serve NAME` is a cache node: its config (serve-NAME.toml, what epochfs-serve@NAME
+    reads) is a valid `epochfs serve` config with its own cache directory and metrics port."""
+    env = dict(os.environ, EPOCHFS_ETC=str(tmp_path / "etc"))
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "data"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "--serve", "imagenet"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "peer_listen" in r.stdout, r.stderr
+    path = tmp_path / "etc" / "serve-imagenet.toml"
+    cfg = config_from(build_parser().parse_args(["serve", "--config", str(path)]), serving=True)
+    assert cfg.serving and str(cfg.cache_dir) == "/var/cache/epochfs/serve-imagenet" and cfg.rebalance
+    assert cfg.metrics_addr == "127.0.0.1:9568" and cfg.peer_listen and cfg.replicas == 2
+    unit = (ROOT / "deploy" / "systemd" / "epochfs-serve@.service").read_text()
+    assert "/etc/epochfs/serve-%i.toml" in unit
+    bad = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "--serve", "../x"], env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not an instance name" in bad.stderr
