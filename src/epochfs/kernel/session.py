@@ -31,6 +31,7 @@ from typing import Any
 import trio
 
 from epochfs.kernel import abi, mounting
+from epochfs.kernel.operations import Operations
 from epochfs.kernel.translate import ROWS, handlers_of, read_reply, waited_read
 from epochfs.kernel.types import FUSEError
 
@@ -53,7 +54,7 @@ class Session:
     """``ops`` mounted at ``mountpoint`` with ``options`` (mount(8)-style: ``ro``, ``nosuid``,
     ``default_permissions``, ``allow_other``, ``fsname=``, ``subtype=``, ``debug``...)."""
 
-    def __init__(self, ops: Any, mountpoint: str, options: Iterable[str]) -> None:
+    def __init__(self, ops: Operations, mountpoint: str, options: Iterable[str]) -> None:
         self.ops = ops
         self.mountpoint = os.path.abspath(mountpoint)
         self.options = mounting.parse_options(options)
