@@ -249,6 +249,10 @@ class Box:
         return ["--endpoint-url", self.endpoint, "--cache-dir", str(cache), "--node", host.name,
                 "--metrics-addr", f"{host.address}:{METRICS_PORT}", "--metrics-targets", str(self.targets)]
 
+    def _cache_size(self) -> str:
+        """Every node's cache: the whole dataset and a quarter (a cache node alone may own all of it)."""
+        return f"{max(1024, int(self.dataset_bytes * 1.25) >> 20)}M"
+
     def mount(self, i: int, *, client: bool, fresh: bool = True) -> Path:
         """GPU node ``i``'s mount: plain (its own snapshot, listed through the WAN) or a client of the
         cache nodes (the store's snapshot)."""
@@ -261,7 +265,8 @@ class Box:
         extra = (["--meta", self.meta, "--meta-password-file", str(self.password_file), "--peer-role", "client",
                   "--peer-token-file", str(self.token_file)] if client else [])
         r = subprocess.run(host.command(*self._epochfs(), "mount", SOURCE, str(mnt), *self._common(host, cache),
-                                        "--cache-size", "2G", *extra), env=self.env, capture_output=True, text=True,
+                                        "--cache-size", self._cache_size(), *extra), env=self.env, capture_output=True,
+                                        text=True,
                            timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"mount on {host.name} failed: {r.stderr}")
@@ -282,7 +287,8 @@ class Box:
         r = subprocess.run(host.command(*self._epochfs(), "serve", SOURCE, *self._common(host, cache), "--meta",
                                         self.meta, "--meta-password-file", str(self.password_file),
                                         "--peer-token-file", str(self.token_file),
-                                        "--peer-listen", f"{host.address}:{PEER_PORT}", "--cache-size", "1G", *extra),
+                                        "--peer-listen", f"{host.address}:{PEER_PORT}", "--cache-size",
+                                        self._cache_size(), *extra),
                            env=self.env, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"serve on {host.name} failed: {r.stderr}")

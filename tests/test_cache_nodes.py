@@ -229,10 +229,15 @@ def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists
                              "--peer-token-file", str(tier.token_file)], capture_output=True, text=True, timeout=60)
         assert st.returncode == 0, st.stderr
         rows = {r["member"]: r for r in json.loads(st.stdout)["members"]}
-        if all(r["held_bytes"] >= 0.95 * TOTAL for r in rows.values()) or time.monotonic() > deadline:
+        sessions = json.loads(st.stdout)["clients"]
+        if (all(r["held_bytes"] >= 0.95 * TOTAL for r in rows.values())
+                and all((c.get("tier_bytes") or 0) >= 0.95 * TOTAL for c in sessions)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert set(rows) == {s.addr for s in servers}  # the client is listed nowhere
+    assert set(rows) == {s.addr for s in servers}  # the client is no member...
+    (session,) = json.loads(st.stdout)["clients"]  # ...but its session is listed: who reads through the tier
+    assert session["member"].endswith(f":{c.mountpoint}") and session["role"] == "client"
+    assert session["tier_bytes"] >= 0.95 * TOTAL and session["backend_bytes"] == 0, session
     for s in servers:
         row = rows[s.addr]
         assert row["role"] == "server" and row["health"] == "up" and row["held_bytes"] >= 0.95 * TOTAL
@@ -241,6 +246,7 @@ def test_cluster_warmup_fills_the_owners_before_the_gpus_arrive_and_status_lists
     text = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url],
                           capture_output=True, text=True, timeout=60).stdout
     assert "2 cache nodes" in text and servers[0].addr in text
+    assert "1 client mount read through it" in text and str(c.mountpoint) in text
     servers[1].stop(signal.SIGKILL)  # its entry stays in the store until it expires: left out, and named
     r = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "did not prove" in r.stderr and servers[1].addr in r.stderr, r.stderr

@@ -27,6 +27,7 @@ import trio
 
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
+from epochfs.cache.flights import read_origins
 from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
@@ -236,7 +237,8 @@ class Daemon:
         members = Membership(self.snapshots.store, self.backend.source_id,
                              config.peer_advertise or config.peer_listen or "client",
                              prove=lambda member: client.hello(member, min(2.0, config.peer_timeout)), role=role,
-                             stats=self._member_stats, capacity=config.cache_size)
+                             stats=self._member_stats, capacity=config.cache_size,
+                             session=f"{config.node_name()}:{config.mountpoint}" if role == "client" else None)
         self.peer = PeerTier(self.backend, members, client, mode=config.peer_cache, replicas=config.replicas)
         self.tier_load = None if role == "server" else TierLoad(
             self.snapshots.store, self.backend.source_id,
@@ -267,7 +269,11 @@ class Daemon:
         self._link_sample = (now, out)
         st, link = self.store.statistics(), self.links.view("peer")
         capacity = link.capacity.bytes_per_second if link and link.capacity else None
+        reads = read_origins(self.cache.statistics())
         return json.dumps({
+            "mountpoint": str(self.config.mountpoint) if self.config.mountpoint else None,
+            "tier_bytes": reads["owner"] + reads["replica"], "backend_bytes": reads["backend"],
+            "local_bytes": reads["local"],
             "role": self.peer.members.role, "node": self.config.node_name(), "held_bytes": st.used_bytes,
             "capacity_bytes": st.capacity_bytes, "cache_size": self.config.cache_size, "served_bytes": out,
             "out_bytes_per_second": rate,

@@ -35,7 +35,7 @@ from epochfs.config import parse_rate, parse_size, store_access
 from epochfs.errors import ConfigError, EpochfsError
 from epochfs.peer.published import published_stats
 from epochfs.records import ObjectInfo, Source
-from epochfs.text import plural
+from epochfs.text import plural, printable
 
 HEARTBEAT_STALE = 10.0  # seconds after which a member's published statistics are old
 
@@ -107,13 +107,19 @@ PROOF_SECONDS = 30.0  # all the proofs together, whatever the members listed do
 RANK_BUDGET = 4_000_000  # blocks ranked times members: what ranking the shares may cost at most
 
 
-def _members(store: Any, source_id: str) -> dict[str, str]:
+def _members(store: Any, source_id: str, clients: list[str] | None = None) -> dict[str, str]:
     """Member address -> role, as the store lists them (checked: literal addresses only), at most
-    :data:`MAX_LISTED` of each role (the rest said on standard error)."""
+    :data:`MAX_LISTED` of each role (the rest said on standard error); the clients' sessions (printable
+    names) into ``clients``, when given."""
     from epochfs.peer.wire import member_addr
 
     out: dict[str, str] = {}
     for role, entries in store.heartbeat(source_id, None, 0.0, MAX_LISTED + 1).items():
+        if role == "client":  # (sessions of mounts that read through the tier: never members)
+            if clients is not None:
+                clients += [name for raw in entries[:MAX_LISTED] if isinstance(raw, bytes) and len(raw) <= 256
+                            and (name := raw.decode("utf-8", "replace")).isprintable()]
+            continue
         if len(entries) > MAX_LISTED:
             print(f"epochfs: the store lists more than {MAX_LISTED} members of role {role}: the first {MAX_LISTED} "
                   "are taken (members of a real tier are a handful: someone may have planted entries)",
@@ -160,9 +166,10 @@ def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0
 
 def cmd_status(args: argparse.Namespace) -> int:
     store, source_id = _store(args)
+    sessions: list[str] = []
     try:
-        members = _members(store, source_id)
-        stats = _stats(store, source_id, members)
+        members = _members(store, source_id, sessions)
+        stats = _stats(store, source_id, {**members, **dict.fromkeys(sessions, "client")})
         snapshot = store.load(source_id) if members else None
     finally:
         store.close()
@@ -172,11 +179,26 @@ def cmd_status(args: argparse.Namespace) -> int:
             sorted(members, key=lambda a: (members[a] != "server", a))]
     shares, warnings = _shares(rows, snapshot, source_id, {a for a, why in proofs.items() if why is not None},
                                stated)
+    clients = [member_row(name, "client", stats.get(name), now) for name in sorted(sessions)]
     if args.json:
-        print(json.dumps({"source": source_id, "members": rows, "shares": shares, "warnings": warnings}, indent=1))
+        print(json.dumps({"source": source_id, "members": rows, "shares": shares, "warnings": warnings,
+                          "clients": clients}, indent=1))
     else:
-        print("\n".join(status_lines(source_id, rows, shares, warnings)))
+        print("\n".join(status_lines(source_id, rows, shares, warnings) + client_lines(clients)))
     return 0
+
+
+def client_lines(clients: list[dict[str, Any]]) -> list[str]:
+    """The mounts that read through the tier (``--peer-role client``), as they publish themselves."""
+    if not clients:
+        return ["no client mounts (GPU nodes with --peer-role client) read through the tier now"]
+    lines = [f"{plural(len(clients), 'client mount')} read through it:"]
+    for c in clients:
+        read = (f"read {human(c.get('tier_bytes') or 0)} through the tier, {human(c.get('backend_bytes') or 0)} from "
+                f"the backend, {human(c.get('local_bytes') or 0)} from its own cache"
+                if c.get("tier_bytes") is not None else "nothing published yet")
+        lines.append(f"  {printable(c['member'])}: {read}; {c['health']}")
+    return lines
 
 
 def member_row(addr: str, role: str, raw: object, now: float, proof: str | None = "") -> dict[str, Any]:

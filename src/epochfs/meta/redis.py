@@ -483,15 +483,17 @@ class RedisMetaStore:
 
     # -- cluster members (the peer tier) --------------------------------------------------------------
 
-    #: The member list of each role: GPU nodes that serve (``peer``) and cache nodes (``server``).
-    ROLES = {"peer": "peers", "server": "servers"}
+    #: The member list of each role: GPU nodes that serve (``peer``), cache nodes (``server``), and the
+    #: sessions of clients (``client``: mounts that read through the tier, listed for ``cluster status``
+    #: only, never members).
+    ROLES = {"peer": "peers", "server": "servers", "client": "clients"}
     MAX_STATS = 4096  # bytes of one member's published statistics
 
     def heartbeat(self, source: str, member: str | None, ttl: float, limit: int,
                   role: str = "peer") -> dict[str, list[bytes]]:
         """Renew ``member`` in its ``role``'s list for ``ttl`` seconds (by the store's clock, so the
-        nodes' clocks do not matter; None: a client, listed nowhere), forget members whose time ran out,
-        and return the live ones of every role (at most ``limit`` each), unchecked."""
+        nodes' clocks do not matter; None: renew nothing), forget members whose time ran out, and return
+        the live ones of every role (at most ``limit`` each), unchecked."""
         seconds, micros = self._call(self._redis.time)
         now = seconds + micros / 1e6
         pipe = self._redis.pipeline(transaction=True)

@@ -50,6 +50,7 @@ from epochfs.text import printable
 log = logging.getLogger(__name__)
 
 MAX_MEMBERS = 10_000
+MAX_SESSION = 200  # characters of a client's session name
 
 
 ROLES = ("peer", "server", "client")
@@ -79,12 +80,14 @@ class Membership:
     REPROVE = 300.0  # a proven member is asked again after this long (a cache size it changed is learnt)
 
     def __init__(self, store: MemberStore, source: str, me: str, prove: Prove, *, role: str = "peer",
-                 stats: Stats | None = None, capacity: int | None = None) -> None:
+                 stats: Stats | None = None, capacity: int | None = None, session: str | None = None) -> None:
         if role not in ROLES:
             raise ValueError(role)
         self.store = store
         self.source = source
         self.me = me
+        # A client's name in the list of sessions (``cluster status`` shows who reads; never a member).
+        self.session = session[:MAX_SESSION] if session and role == "client" else None
         self.prove = prove
         self.role = role
         self.stats = stats
@@ -121,7 +124,7 @@ class Membership:
 
     async def beat(self) -> None:
         """Renew this node's entry and take the store's list of candidates."""
-        me = None if self.role == "client" else self.me
+        me = self.session if self.role == "client" else self.me
         try:
             raw = await trio.to_thread.run_sync(self.store.heartbeat, self.source, me, self.TTL, MAX_MEMBERS,
                                                 self._role_listed)
@@ -140,8 +143,8 @@ class Membership:
                 pass  # (the next heartbeat publishes them again)
         listed: dict[str, str] = {}
         for role, entries in raw.items():
-            if self.role == "server" and role != "server":
-                continue  # a cache node serves from the backend and the other cache nodes only
+            if role == "client" or (self.role == "server" and role != "server"):
+                continue  # (a cache node serves from the backend and the other cache nodes only)
             for m in map(self._checked, entries):
                 if m is not None and m != self.me:
                     listed.setdefault(m, role)
@@ -231,7 +234,7 @@ class Membership:
 
     @property
     def _role_listed(self) -> str:
-        return "server" if self.role == "server" else "peer"
+        return self.role
 
     def _rebuild(self) -> None:  # (under the lock)
         for gone in self._capacity.keys() - self._proven:
@@ -272,10 +275,11 @@ class Membership:
         return text
 
     def _leave(self) -> None:
-        if self.role == "client":
+        name = self.session if self.role == "client" else self.me
+        if name is None:
             return
         try:
-            self.store.leave(self.source, self.me, self._role_listed)
+            self.store.leave(self.source, name, self._role_listed)
         except BackendUnavailable as exc:
             log.info("could not leave the member list (%s); it expires in %.0fs", exc, self.TTL)
 

@@ -15,7 +15,8 @@ from typing import Any
 MAX_PUBLISHED = 64 << 10  # bytes of one member's statistics decoded at most
 
 #: Whole counts, each an integer in [0, 2**63).
-COUNTS = ("held_bytes", "capacity_bytes", "cache_size", "served_bytes", "replicas", "block_size", "snapshot")
+COUNTS = ("held_bytes", "capacity_bytes", "cache_size", "served_bytes", "replicas", "block_size", "snapshot",
+          "tier_bytes", "backend_bytes", "local_bytes")
 #: Rates and times, each a finite number >= 0.
 RATES = ("out_bytes_per_second", "link_capacity", "utilization", "updated")
 LINK_SOURCES = ("declared", "interface", "measured")
@@ -40,6 +41,8 @@ def published_stats(raw: object) -> dict[str, Any] | None:
         out[k] = float(v) if ok else None  # type: ignore[arg-type]
     node, mode, down = published.get("node"), published.get("mode"), published.get("down")
     out["node"] = node if isinstance(node, str) and len(node) <= 255 and node.isprintable() else None
+    mnt = published.get("mountpoint")
+    out["mountpoint"] = mnt if isinstance(mnt, str) and len(mnt) <= 4096 and mnt.isprintable() else None
     out["mode"] = mode if mode in ("all", "owned") else None
     out["link_source"] = published.get("link_source") if published.get("link_source") in LINK_SOURCES else None
     out["down"] = ([d for d in down[:1000] if isinstance(d, str) and len(d) <= 64 and d.isprintable()]
