@@ -235,3 +235,26 @@ def test_install_writes_a_cache_nodes_config_the_serve_unit_runs(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "--serve", "../x"], env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not an instance name" in bad.stderr
+
+
+def test_the_bare_metal_walkthrough_configures_a_tier(tmp_path):
+    """docs/deploying.md's bare-metal steps 1 to 3, run as written: the secrets, a cache node's config and
+    a GPU node's, which parse as a cache node and a client of one tier (the same store, token, source)."""
+    import re as _re
+
+    text = (ROOT / "docs" / "deploying.md").read_text()
+    block = next(b for b in _re.findall(r"```sh\n(.*?)```", text, flags=_re.S) if b.startswith("# 1. the secrets"))
+    etc = tmp_path / "etc"
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, EPOCHFS_ETC=str(etc)))
+    assert r.returncode == 0, r.stderr
+    for secret in ("redis-password", "peer-token"):
+        assert oct((etc / secret).stat().st_mode & 0o777) == "0o600"
+    serve = config_from(build_parser().parse_args(["serve", "--config", str(etc / "serve-imagenet.toml")]),
+                        serving=True)
+    mount = parse_mount(["mount", "--config", str(etc / "imagenet.toml")])
+    assert serve.serving and serve.peer_listen == "10.0.1.5:9570" and mount.peer_role == "client"
+    assert str(mount.mountpoint) == "/mnt/imagenet"
+    for key in ("meta", "meta_password_file", "peer_token_file", "endpoint_url", "source"):
+        assert getattr(serve, key) == getattr(mount, key), key
+    assert str(serve.peer_token_file).startswith(str(etc)) and serve.meta == "redis://epochfs@10.0.0.9:6379/0"
