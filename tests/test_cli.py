@@ -293,3 +293,15 @@ def test_cluster_warmup_takes_the_cache_nodes_geometry_and_warns_where_told_othe
     args = argparse.Namespace(replicas=None, block_size=None)
     geometry(args, ["10.0.0.3:9570"], {"10.0.0.3:9570": b"{not json"})  # nothing published: the defaults
     assert (args.replicas, args.block_size) == (1, 4 << 20)
+
+
+def test_a_dead_endpoint_at_mount_says_its_first_request_failed(tmp_path):
+    """No snapshot stored and an endpoint that does not answer: the mount fails saying the source's first
+    request failed and what to check, not that it was looking for packs the user never used."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s")
+    (tmp_path / "mnt").mkdir()
+    r = subprocess.run([*EPOCHFS, "mount", "s3://b/p", str(tmp_path / "mnt"), "--endpoint-url", "http://127.0.0.1:9",
+                        "--cache-dir", str(tmp_path / "c"), "--metrics-addr", "off", "--metrics-targets", "off",
+                        "--backend-timeout", "3"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "its first request failed" in r.stderr and "--endpoint-url" in r.stderr, r.stderr
+    assert r.stderr.index("first request failed") < r.stderr.index("packed")

@@ -256,3 +256,26 @@ def test_a_version_never_goes_back(s3, s3_client, fresh_bucket, mount_factory, g
         assert "older than the version 2 this node served" in m.log()
     finally:
         m.stop()
+
+
+def test_a_wrong_password_or_user_says_so_and_how_to_name_the_user(s3, s3_client, fresh_bucket, guarded, tmp_path):
+    """A refused password is not an unreachable store: `epochfs import` (and a mount) say the store
+    refused it, and how a user in the URL relates to requirepass and ACL users; --meta-name names the
+    dataset in the store as mount, serve and cluster do."""
+    s3_client.put_object(Bucket=fresh_bucket, Key="ds/a.bin", Body=b"a")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password")
+    wrong.chmod(0o600)
+    base = [*EPOCHFS, "import", f"s3://{fresh_bucket}/ds", "--endpoint-url", s3.endpoint, "--meta-password-file"]
+    r = subprocess.run([*base, str(wrong), "--meta", guarded.url], capture_output=True, text=True, timeout=60,
+                       env=s3.env())
+    assert r.returncode == 2 and "refused the password" in r.stderr and "unreachable" not in r.stderr, r.stderr
+    assert "requirepass" in r.stderr and "ACL user" in r.stderr
+    right = tmp_path / "right"
+    right.write_bytes(SECRET)
+    right.chmod(0o600)
+    r = subprocess.run([*base, str(right), "--meta", guarded.url, "--meta-name", "imagenet"], capture_output=True,
+                       text=True, timeout=60, env=s3.env())
+    assert r.returncode == 0, r.stderr
+    keys = guarded.client().keys("epochfs:imagenet:*")
+    assert keys, "published under the name given"

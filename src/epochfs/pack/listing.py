@@ -51,8 +51,9 @@ def dataset_listing(backend: Backend, *, writable: bool = False) -> Iterator[Obj
     try:
         index = current_index(backend)
     except BackendError as exc:  # (the error names what the user asked for, not the probe)
-        exc.args = (f"reading {backend.source_id}: {exc} (the first request of a listing: it asks whether "
-                    f"the source is a packed dataset, {POINTER})",)
+        exc.args = (f"reading {backend.source_id}: its first request failed: {exc} (check the endpoint, "
+                    f"--endpoint-url, and the credentials; that request asks whether the source is a packed "
+                    f"dataset, {POINTER})",)
         raise
     if index is None:
         for obj in backend.list_objects():
