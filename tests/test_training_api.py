@@ -192,3 +192,108 @@ def test_a_path_the_mount_lacks_leaves_the_rest_of_the_order_handed_over(dataset
     list(DataLoader(dataset, batch_size=4, sampler=sampler))
     with pytest.raises(EpochfsError, match="not in the snapshot"):  # asked for, a missing path still fails
         Client(m.mountpoint).hand_over(paths)
+
+
+TRAIN_LOOP = r"""
+import json, os, sys, time
+from epochfs.client import Client
+from epochfs.prefetch.manifest import epoch_order
+mnt, ckpt, batch = sys.argv[1], sys.argv[2], 4
+paths = sorted(os.path.relpath(os.path.join(d, f), mnt) for d, _, fs in os.walk(mnt) for f in fs)
+state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"epoch": 0, "step": 0}
+client = Client(mnt)
+reply = client.prefetch(paths, seed=42, epoch=state["epoch"], start=state["step"] * batch, replace=True)
+print(json.dumps({"handed": reply["files"]}), flush=True)
+order = epoch_order(paths, seed=42, epoch=state["epoch"])
+for step in range(state["step"], -(-len(order) // batch)):
+    for p in order[step * batch:(step + 1) * batch]:
+        with open(os.path.join(mnt, p), "rb", buffering=0) as f:
+            f.read()
+    with open(ckpt + ".tmp", "w") as f:  # the checkpoint after each step: where a resumed job goes on
+        json.dump({"epoch": state["epoch"], "step": step + 1}, f)
+    os.replace(ckpt + ".tmp", ckpt)
+    time.sleep(0.05)
+print(json.dumps({"done": True}), flush=True)
+"""
+
+
+@pytest.mark.page_cache
+def test_a_job_resumed_mid_epoch_prefetches_the_rest_and_reads_it_as_an_uninterrupted_one(s3_client, fresh_bucket,
+                                                                                          mount_factory, tmp_path):
+    """A training loop killed (SIGKILL) mid-epoch and resumed from its checkpoint hands over the rest of
+    its epoch only (Client.prefetch(start=step * batch)): the plan is the rest, and the rest is read from
+    the cache at the hit ratio of an uninterrupted epoch."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    files = [SampleFile(f"train/{i:03d}.bin", 48 * KiB + i) for i in range(96)]
+    upload(s3_client, fresh_bucket, "", files)
+
+    def hit_ratio(before: dict, after: dict) -> float:
+        c0, c1 = before["cache"], after["cache"]
+        hit, miss = c1["hit_bytes"] - c0["hit_bytes"], c1["miss_bytes"] - c0["miss_bytes"]
+        return hit / (hit + miss)
+
+    ratios = {}
+    for run in ("uninterrupted", "resumed"):
+        m = mount_factory(f"s3://{fresh_bucket}", "--block-size", "64K", name=run, cache_dir=tmp_path / f"c-{run}")
+        m.start()
+        ckpt = tmp_path / f"{run}.json"
+        client = Client(m.mountpoint)
+        proc = subprocess.Popen([sys.executable, "-c", TRAIN_LOOP, str(m.mountpoint), str(ckpt)],
+                                stdout=subprocess.PIPE, text=True)
+        first = json.loads(proc.stdout.readline())
+        assert first["handed"] == len(files)
+        if run == "resumed":
+            deadline = time.monotonic() + 60
+            while not ckpt.exists() or json.loads(ckpt.read_text())["step"] < 10:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGKILL)  # killed mid-epoch
+            proc.wait()
+            done = json.loads(ckpt.read_text())["step"]
+            drop_all_caches()
+            before = client.status()
+            proc = subprocess.Popen([sys.executable, "-c", TRAIN_LOOP, str(m.mountpoint), str(ckpt)],
+                                    stdout=subprocess.PIPE, text=True)
+            handed = json.loads(proc.stdout.readline())["handed"]
+            assert handed == len(files) - 4 * done  # the rest of the epoch, not what it had read
+            assert client.status()["prefetch"]["files"] == handed
+        else:
+            before = client.status()
+        assert json.loads(proc.stdout.readline()) == {"done": True}
+        proc.wait(timeout=60)
+        ratios[run] = hit_ratio(before, wait_idle(m))
+        m.stop()
+    assert ratios["resumed"] >= ratios["uninterrupted"] - 0.05, ratios
+
+
+@pytest.mark.page_cache
+def test_the_sampler_resumes_an_epoch_where_the_checkpoint_left_it(dataset_mount):
+    """`set_epoch(epoch, start=step * batch)`: the DataLoader reads the rest of the epoch's order, exactly
+    what an uninterrupted epoch reads from that sample on, and that rest is what is handed over."""
+    needs_torch()
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from epochfs.torch import EpochfsSampler
+
+    m, files = dataset_mount
+    dataset = Files(samples_like_image_folder(str(m.path("train"))))
+    inner = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=42)
+    client = Recording(m.mountpoint)
+    sampler = EpochfsSampler(inner, dataset.samples, m.mountpoint, client=client)
+    sampler.set_epoch(3)
+    sampler.wait()
+    full = list(DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=0))
+    whole = list(dataset.read)
+    dataset.read.clear()
+    sampler.set_epoch(3, start=2 * 4)  # resumed after two steps of four
+    sampler.wait()
+    assert len(sampler) == len(whole) - 8
+    rest = list(DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=0))
+    assert dataset.read == whole[8:] and client.handed[-1] == whole[8:] and len(rest) == len(full) - 2
+    with pytest.raises(ValueError):
+        sampler.set_epoch(3, start=-1)

@@ -66,14 +66,18 @@ class Client:
 
     def prefetch(self, paths: Sequence[PathItem], *, seed: int | None = None, epoch: int = 0,
                  rank: int | None = None, world_size: int = 1, drop_last: bool = False,
-                 replace: bool = False) -> dict[str, Any]:
+                 replace: bool = False, start: int = 0) -> dict[str, Any]:
         """Hand over the order in which this rank reads ``paths`` in ``epoch``: the dataset in index order,
         shuffled as ``DistributedSampler(shuffle=True, seed=seed, drop_last=drop_last)`` does when a
         seed is given (else read as given), and partitioned for ``rank`` of ``world_size``. A rank named
-        (or more than one rank) is merged with the other ranks of this epoch on the node."""
+        (or more than one rank) is merged with the other ranks of this epoch on the node. ``start``: a
+        job resumed mid-epoch has read the first ``start`` entries of this rank's order (its step times
+        its batch size): only the rest is handed over."""
+        if start < 0:
+            raise ValueError("start is the number of entries of this rank's order already read")
         order = epoch_order(list(paths), seed=seed, epoch=epoch, rank=rank or 0, world_size=world_size,
                             drop_last=drop_last)
-        return self.hand_over(order, epoch=epoch, rank=merge_rank(rank, world_size), replace=replace)
+        return self.hand_over(order[start:], epoch=epoch, rank=merge_rank(rank, world_size), replace=replace)
 
     def hand_over(self, order: Iterable[PathItem], *, epoch: int | None = None, rank: int | None = None,
                   replace: bool = False, skip_missing: bool = False) -> dict[str, Any]:

@@ -60,14 +60,24 @@ class EpochfsSampler(Sampler[int]):
         self._sender: threading.Thread | None = None
 
     def __len__(self) -> int:
+        if self._order is not None:  # (an epoch resumed mid-way: what is left of it)
+            return len(self._order)
         return len(self.sampler)  # type: ignore[arg-type]
 
-    def set_epoch(self, epoch: int) -> None:
-        """Set the inner sampler's epoch, draw that epoch's order and hand it to the daemon."""
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Set the inner sampler's epoch, draw that epoch's order and hand it to the daemon. ``start``: a
+        job resumed from a checkpoint mid-epoch has read the first ``start`` samples of this epoch's
+        order (its step times its batch size): the epoch goes on from there, and only the rest is
+        handed over (the daemon prefetches what is still to be read, not what was)::
+
+            sampler.set_epoch(ckpt["epoch"], start=ckpt["step"] * batch_size)
+        """
+        if start < 0:
+            raise ValueError("start is the number of samples of this epoch already read")
         self.epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-        self._order = list(iter(self.sampler))
+        self._order = list(iter(self.sampler))[start:]
         self._hand_over(self._order, epoch)
 
     def __iter__(self) -> Iterator[int]:

@@ -63,6 +63,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--publish", metavar="NAME",
                    help="also publish --manifest to the metadata store under NAME, for the other ranks' daemons")
     p.add_argument("--replace", action="store_true", help="discard the current plan instead of queueing after it")
+    p.add_argument("--start", type=int, default=0, metavar="N",
+                   help="a job resumed mid-epoch: this rank has read the first N entries of its order already "
+                   "(its step times its batch size); only the rest is handed over (default: 0)")
     p.set_defaults(run=cmd_prefetch)
 
     w = sub.add_parser("warmup", parents=[order], help="fill the cache now, with a progress bar",
@@ -158,8 +161,10 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as tmp:
             tmp.write(text)
         manifest = tmp.name
+    if args.start < 0:
+        raise ConfigError("--start must be 0 or more (the entries of this rank's order already read)")
     try:
-        entries = _order(args, manifest)
+        entries = _order(args, manifest)[args.start:]
     finally:
         if args.stored:
             os.unlink(manifest)
