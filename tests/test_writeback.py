@@ -21,7 +21,7 @@ from epochfs.sample import pattern
 
 from .conftest import requires_fuse
 from .faultproxy import Fault, FaultProxy
-from .helpers import EPOCHFS, Mount, read_all
+from .helpers import EPOCHFS, Mount, drop_page_cache, read_all
 
 pytestmark = requires_fuse
 
@@ -348,6 +348,54 @@ def test_status_and_metrics_show_the_backlog(s3, fresh_bucket, mount_factory):
     metrics = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
     assert f'epochfs_writeback_uploaded_bytes_total{{{labels}}} 4.194304e+06' in metrics
     assert f'epochfs_writeback_pending_bytes{{{labels}}} 0.0' in metrics
+
+
+def backend_read(m: Mount) -> int:
+    cache = m.status()["cache"]
+    return cache["demand_bytes"] + cache["prefetch_bytes"]
+
+
+def test_a_checkpoint_is_restored_on_the_node_that_saved_it_without_the_backend(s3_client, fresh_bucket,
+                                                                                 mount_factory):
+    """The bytes a node wrote and uploaded become its cached blocks of the uploaded version: reading the
+    checkpoint back after the page cache is dropped, and after the daemon restarts (a resumed job), fetches
+    (almost) nothing from the backend, and every byte is the uploaded one."""
+    m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--writeback", "--block-size", "1M")
+    m.start()
+    shards = {f"step-9/rank{r}.distcp": random.Random(r).randbytes(6 * MiB + 1234 * r) for r in range(3)}
+    os.mkdir(m.path("step-9"))
+    for name, data in shards.items():
+        write_scattered(m.path(name), data, seed=len(data))
+    assert sync(m).returncode == 0
+    total = sum(len(d) for d in shards.values())
+    assert keys_of(s3_client, fresh_bucket, "ckpt/step-9/") == {f"ckpt/{n}": len(d) for n, d in shards.items()}
+    for name in shards:
+        drop_page_cache(m.path(name))
+    before = backend_read(m)
+    for name, data in shards.items():
+        assert read_all(m.path(name), 65_537) == data
+    assert backend_read(m) - before <= 0.02 * total
+    m.stop()
+    m.start()  # the job restarts: a fresh daemon on the same cache
+    for name, data in shards.items():
+        assert read_all(m.path(name), 1 << 20) == data
+    assert backend_read(m) <= 0.02 * total
+    assert not os.listdir(m.cache_dir / "writeback" / "data"), "uploaded data files stay behind"
+
+
+def test_a_checkpoint_larger_than_the_cache_is_restored_byte_exact(s3_client, fresh_bucket, mount_factory):
+    """What the cache's bound cannot keep is fetched when read: the restore is whole either way."""
+    m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--writeback", "--block-size", "1M", "--cache-size", "24M")
+    m.start()
+    data = random.Random(5).randbytes(20 * MiB + 3)
+    m.path("big.pt").write_bytes(data)
+    assert sync(m).returncode == 0
+    m.path("second.pt").write_bytes(data[::-1])
+    assert sync(m).returncode == 0
+    for name, want in (("big.pt", data), ("second.pt", data[::-1])):
+        drop_page_cache(m.path(name))
+        assert read_all(m.path(name), 131_071) == want
+    assert body(s3_client, fresh_bucket, "ckpt/big.pt") == data
 
 
 def test_another_node_finds_the_checkpoint_through_the_shared_store(s3_client, fresh_bucket, mount_factory,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import trio
 
@@ -38,7 +39,7 @@ from epochfs.backend.base import Backend
 from epochfs.cache.flights import CacheSettings, CacheStats, Fetch, Kept, ReadObserver
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
-from epochfs.cache.keys import block_bounds, block_id, range_blocks
+from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
 from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import Pusher
@@ -289,6 +290,42 @@ class BlockCache:
     @property
     def policy(self) -> EvictionPolicy:
         return self.store.policy
+
+    async def adopt(self, obj: ObjectInfo, read: Callable[[int, int], bytes]) -> int:
+        """Keep the bytes of ``obj`` this node has already (a file it wrote and uploaded: ``read(start,
+        length)``, blocking, gives them) as its cached blocks, bound to the uploaded version's ETag and
+        checksummed as any fill, so that reading it back here fetches nothing. Each block is admitted as
+        a fetched one would be (the eviction policy decides; counted against the cache's bound); it
+        stops at the first the policy refuses or that fails. The bytes cached."""
+        kept = 0
+        for index in range(block_count(obj.size, self.block_size)):
+            bid = self.block_id(obj, index)
+            start, length = block_bounds(index, obj.size, self.block_size)
+            if self.store.lookup(bid) is not None or bid in self._flights:
+                continue
+            if not self.store.reserve(bid, length):
+                break
+            try:
+                data = await trio.to_thread.run_sync(read, start, length)
+                if len(data) != length:
+                    raise OSError(f"{len(data)} bytes read of {length}")
+                tmp, meta = await trio.to_thread.run_sync(self.store.write_temp, bid, data)
+            except OSError as exc:
+                self.store.release(length)
+                log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)
+                break
+            if self.store.lookup(bid) is not None:  # (fetched by a reader meanwhile)
+                self.store.abandon(tmp, meta)
+                self.store.release(length, failed=False)
+                continue
+            try:
+                self.store.install(bid, tmp, meta)
+            except OSError as exc:
+                self.store.release(length)
+                log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)
+                break
+            kept += length
+        return kept
 
     def is_cached(self, bid: bytes) -> bool:
         """Resident in the store, or being fetched (:meth:`read_stored` waits for it)."""

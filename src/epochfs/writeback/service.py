@@ -58,7 +58,7 @@ from epochfs.records import MAX_OBJECT_SIZE, NAME_MAX, unsafe_reason
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of
-from epochfs.writeback.uploads import Publish, Uploads
+from epochfs.writeback.uploads import Keep, Publish, Uploads
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class WriteBack:
     RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
 
     def __init__(self, journal: Journal, store: Room, backend: Backend, tree: Tree, settings: WritebackSettings, *,
-                 demand_waiting: Callable[[], bool], publish: Publish) -> None:
+                 demand_waiting: Callable[[], bool], publish: Publish, keep: Keep | None = None) -> None:
         self.journal = journal
         self.tree = tree
         if tree.overlay is None:
@@ -117,7 +117,7 @@ class WriteBack:
         self.owed = Owed(store, user_quota=settings.user_quota)
         self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=settings.upload_bandwidth,
                                concurrency=settings.upload_concurrency, demand_waiting=demand_waiting,
-                               publish=publish, fail=self._fail)
+                               publish=publish, fail=self._fail, keep=keep)
         self._handles: dict[int, Handle] = {}
 
     # -- start-up -------------------------------------------------------------------------------------------
@@ -160,7 +160,8 @@ class WriteBack:
             self.overlay.hidden.add(key)
             self.owed.deletes[key] = 0.0
         self.owed.aborts = dict(owed.multipart)  # cut off by the crash: nobody will complete them
-        for name in os.listdir(self.journal.data_dir):  # data files no record owns (a crash mid-create)
+        for name in os.listdir(self.journal.data_dir):  # data files no record owns (a crash mid-create, or
+            # after an upload, while its bytes were being kept in the cache)
             if name not in self.owed.files:
                 self.journal.remove_data(name)
         if files or uploaded or deletes or self.owed.aborts:

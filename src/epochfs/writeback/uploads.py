@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 #: so that a store that already holds it (the answer was lost, not the write) does not take it twice.
 Publish = Callable[[dict[str, ObjectInfo], set[str], str], Awaitable[None]]
 Fail = Callable[[LocalFile, str], None]  # a file that can never be uploaded as it is
+#: ``keep(obj, read)``: keep an uploaded object's bytes (``read(start, length)`` gives them, blocking) as
+#: cached blocks of its new version, so that reading it back here fetches nothing; the bytes kept.
+Keep = Callable[[ObjectInfo, Callable[[int, int], bytes]], Awaitable[int]]
 
 
 class Uploads:
@@ -41,7 +44,7 @@ class Uploads:
 
     def __init__(self, owed: Owed, journal: Journal, backend: Backend, tree: Tree, overlay: Overlay, *,
                  bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
-                 publish: Publish, fail: Fail | None = None) -> None:
+                 publish: Publish, fail: Fail | None = None, keep: Keep | None = None) -> None:
         self.owed = owed
         self.journal = journal
         self.backend = backend
@@ -53,6 +56,7 @@ class Uploads:
         self.publish = publish
         self._batch: tuple[str, dict[str, ObjectInfo], set[str]] | None = None  # (name, added, removed) to retry
         self.fail = fail
+        self.keep = keep
         self._recorded: set[tuple[str, int, int, int]] = set()  # directories' attribute records written
         self._uploads_running = 0  # upload threads still running (abandoned ones included)
         self._uploads_done = threading.Condition()
@@ -169,7 +173,6 @@ class Uploads:
             return
         obj = obj._replace(mode=f.mode, uid=f.uid, gid=f.gid)  # who may read it stays who could before
         self.journal.put_uploaded(obj, f.id)
-        self.journal.remove_data(f.id)
         self.owed.files.pop(f.id, None)
         self.owed.unreserve(f.uid, size)
         stored = Stored(f.inode, key, obj)  # the same inode: the kernel's view of it stays valid
@@ -181,6 +184,28 @@ class Uploads:
         self.owed.publish_now.set()
         self.owed.touch()
         log.info("uploaded %s (%d bytes)", key, size)
+        await self._keep_and_remove(f.id, obj)
+
+    async def _keep_and_remove(self, file_id: str, obj: ObjectInfo) -> None:
+        """The uploaded file's bytes become cached blocks of its new version (a restore on this node then
+        reads them, not the backend), then its data file goes. A file recovery finds no record of is
+        removed at the next start, should the daemon stop in between."""
+        try:
+            if self.keep is not None:
+                try:
+                    fd = await trio.to_thread.run_sync(self.journal.open_data, file_id, os.O_RDONLY)
+                except OSError as exc:
+                    log.warning("%s uploaded, its bytes not kept in the cache: %s", obj.key, exc)
+                else:
+                    try:
+                        kept = await self.keep(obj, lambda start, length: os.pread(fd, length, start))
+                    finally:
+                        os.close(fd)
+                    if kept < obj.size:
+                        log.info("kept %d of %s's %d bytes in the cache (the rest is fetched if read)", kept,
+                                 obj.key, obj.size)
+        finally:
+            self.journal.remove_data(file_id)
 
     def _directories(self, key: str) -> list[tuple[str, int, int, int]]:
         """The attribute records owed for the directories made here above ``key`` (each once)."""
