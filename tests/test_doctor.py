@@ -500,6 +500,25 @@ def test_a_checkpoint_mount_that_only_saw_saves_reads_as_such():
     assert "writes back already" in doctor(data, checkpoints=s)["findings"][0]["fix"]
 
 
+def test_the_text_shows_checkpoint_saves_and_what_is_not_yet_durable():
+    ckpt = healthy()
+    ckpt["jobs"] = [job(steps=0, wait=0.0, compute=0.0, saves=2, save_seconds=3.0)]
+    ckpt["writeback"] = {"pending_files": 2, "pending_bytes": 3 * GiB, "oldest_pending_seconds": 41.0,
+                         "uploaded_files": 10, "uploaded_bytes": 15 * GiB, "upload_errors": 0}
+    text = render(doctor(ckpt), "/mnt/ckpt")
+    assert ("checkpoints: a save holds the job 1.5 s; 2 files (3.0 GiB) not yet in the backend, the oldest "
+            "waiting 41 s (`epochfs sync` returns once they are); 10 files (15.0 GiB) uploaded") in text
+    ckpt["writeback"].update(pending_files=0, pending_bytes=0)
+    r = doctor(starving(), checkpoints=ckpt)  # (the data mount's doctor, the checkpoint mount named)
+    assert r["checkpoints"]["pending_bytes"] == 0
+    assert "checkpoints: a save holds the job 1.5 s; everything saved is in the backend" in render(r, "/mnt/data")
+    data = starving()
+    data["jobs"][0]["window"].update(saves=1, save_seconds=2.0)
+    assert "the mount they go to is not known (`--checkpoints MOUNT` names it)" in render(doctor(data), "/mnt/data")
+    assert doctor(starving())["checkpoints"] is None  # (no saves, no write-back: no line)
+    assert "checkpoints:" not in render(doctor(starving()), "/mnt/data")
+
+
 @requires_fuse
 def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"d/{i}.bin", 2048) for i in range(30)]

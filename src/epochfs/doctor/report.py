@@ -7,7 +7,16 @@ from typing import Any
 
 from epochfs.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
 from epochfs.doctor.findings import findings_of
-from epochfs.doctor.views import describe_window, in_place, job_view, mount_view, phase_origins, verdict_of
+from epochfs.doctor.views import (
+    checkpoint_view,
+    describe_window,
+    in_place,
+    job_view,
+    mount_view,
+    phase_origins,
+    verdict_of,
+)
+from epochfs.text import human, plural
 
 
 def _usage(status: dict[str, Any]) -> Usage:
@@ -74,6 +83,8 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
             "data_wait_fraction": view["data_wait_fraction"] if view else None,
             "judged_on": describe_window(view) if view else None,
             "mount": mount, "in_place": in_place(mount), "findings": findings,
+            "checkpoints": checkpoint_view(view, checkpoints if checkpoints is not None else after,
+                                           named=checkpoints is not None),
             "cost": costs_of(after, view, job, prices or Prices())}
 
 
@@ -127,6 +138,33 @@ def _get(d: Any, path: tuple[str, ...]) -> Any:
     return d
 
 
+def describe_checkpoints(c: dict[str, Any]) -> str:
+    """The checkpoint line of the text output: how long a save holds the job, and what is not yet durable."""
+    parts = []
+    if isinstance(c.get("save_seconds"), (int, float)):
+        parts.append(f"a save holds the job {c['save_seconds']:.1f} s")
+    if c.get("writeback"):
+        pending, files = c.get("pending_bytes") or 0, int(c.get("pending_files") or 0)
+        if pending or files:
+            oldest = c.get("oldest_pending_seconds")
+            parts.append(f"{plural(files, 'file')} ({human(pending)}) not yet in the backend"
+                         + (f", the oldest waiting {oldest:.0f} s" if isinstance(oldest, (int, float)) else "")
+                         + " (`epochfs sync` returns once they are)")
+        else:
+            parts.append("everything saved is in the backend")
+        done = int(c.get("uploaded_files") or 0)
+        if done:
+            parts.append(f"{plural(done, 'file')} ({human(c.get('uploaded_bytes') or 0)}) uploaded since the "
+                         "mount started")
+        if c.get("upload_errors"):
+            parts.append(f"{plural(int(c['upload_errors']), 'upload')} failed and retried")
+    elif c.get("named"):
+        parts.append("the checkpoint mount does not write back: saves wait for the backend")
+    else:
+        parts.append("the mount they go to is not known (`--checkpoints MOUNT` names it)")
+    return "; ".join(parts)
+
+
 def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
            earlier: dict[str, Any] | None = None) -> str:
     """The diagnosis as ``epochfs doctor`` prints it (any state a mount can be in, never an error)."""
@@ -163,6 +201,9 @@ def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
     placed = result.get("in_place") or []
     if placed and view is not None:
         lines.append("  in place: " + "; ".join(placed))
+    ckpt = result.get("checkpoints")
+    if isinstance(ckpt, dict):
+        lines.append("  checkpoints: " + describe_checkpoints(ckpt))
     findings = result.get("findings") or []
     if findings:
         heading = {"balanced": "what would move it", "compute-bound": "worth doing"}.get(result.get("verdict", ""),

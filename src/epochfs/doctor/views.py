@@ -115,6 +115,21 @@ def job_view(status: dict[str, Any], job: str | None) -> dict[str, Any] | None:
             "checkpoint_save_seconds": save_seconds / saves if saves else None}
 
 
+def checkpoint_view(view: dict[str, Any] | None, status: dict[str, Any], *, named: bool) -> dict[str, Any] | None:
+    """The job's checkpoint saves (their time as it sees it) and the write-back mount's uploads
+    (``status``: the checkpoint mount's where ``named``, else the data mount's): None when there are
+    neither."""
+    save = number((view or {}).get("checkpoint_save_seconds"))
+    wb = status.get("writeback") if isinstance(status.get("writeback"), dict) else None
+    if save is None and wb is None:
+        return None
+    out: dict[str, Any] = {"save_seconds": save, "writeback": wb is not None, "named": named}
+    for key in ("pending_files", "pending_bytes", "oldest_pending_seconds", "uploaded_files", "uploaded_bytes",
+                "upload_errors"):
+        out[key] = number((wb or {}).get(key))
+    return out
+
+
 def describe_window(view: dict[str, Any]) -> str:
     """What the verdict was judged on, in words."""
     phase = view["phases"].get(view["judged_on"]) if view["judged_on"] != "window" else None
