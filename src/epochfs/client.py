@@ -7,6 +7,7 @@
     client.hand_over(order, epoch=3)                                  # or any exact order
     client.warmup(["/mnt/data/val"])                                   # fill the cache now
     client.status()
+    Client("/mnt/ckpt").sync()          # returns once what was written there is in the backend
 
 Paths may be absolute (under the mount point: what a dataset's list of samples holds) or relative to
 the mount root; an item may also be a ``(path, target)`` pair as in ``ImageFolder.samples``. Errors
@@ -21,9 +22,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from epochfs.control.client import request
+from epochfs.errors import NotDurable
 from epochfs.prefetch.manifest import epoch_order, mount_relative
+from epochfs.text import human
 
 PathItem = str | os.PathLike[str] | Sequence[Any]  # a path, or a (path, target) sample
+SYNC_ROUND = 10.0  # seconds one sync request waits in the daemon before asking again
 
 
 class Location(NamedTuple):
@@ -107,6 +111,30 @@ class Client:
         reply = self._request("locate", entries=self._entries(paths), source="python")
         stores, sizes = reply["stores"], reply["sizes"]
         return [None if at is None else Location(stores[at[0]], at[1], sizes[at[0]]) for at in reply["locations"]]
+
+    def sync(self, paths: Iterable[PathItem] = (), *, timeout: float | None = None,
+             progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Return once everything written through this --writeback mount (or ``paths``: files and
+        directories under it) is in the backend: the point where a checkpoint is durable (what ``epochfs
+        sync`` does); the daemon's last answer. :class:`~epochfs.errors.NotDurable` when a file will never
+        upload as it is (a write of it failed) or ``timeout`` seconds pass first, naming what is pending;
+        the uploads go on. ``progress`` sees each answer that still lists uploads pending."""
+        rel = [mount_relative(self.mountpoint, _path(p)) for p in paths]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = SYNC_ROUND if deadline is None else max(0.0, min(SYNC_ROUND, deadline - time.monotonic()))
+            reply = request(self.mountpoint, "sync", timeout=wait + 30, paths=rel, wait=wait)
+            if not reply["pending_total"]:
+                return reply
+            failed = reply.get("failed_total", 0)
+            if failed and failed == reply["pending_total"]:
+                raise NotDurable(f"{failed} files will not be uploaded: a write of each failed, so none is a "
+                                 "finished file (write it again from the start, or remove it)", reply)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NotDurable(f"{reply['pending_total']} still pending ({human(reply['pending_bytes'])}) after "
+                                 f"{timeout:g}s; they are kept and uploaded as the backend allows", reply)
+            if progress is not None:
+                progress(reply)
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         """Stop a warmup job (what is in flight finishes; nothing more is fetched)."""

@@ -7,6 +7,7 @@ Components raise these; ``fs.py`` turns them into ``FUSEError`` through
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 
 class EpochfsError(Exception):
@@ -56,6 +57,19 @@ class UploadCancelled(BackendError):
 
 class NoSpace(EpochfsError):
     """Written data not yet uploaded would not fit in the cache (ENOSPC): it is never evicted."""
+
+
+class NotDurable(EpochfsError):
+    """What was written through a --writeback mount is not all in the backend (``Client.sync``). ``reply``:
+    the daemon's answer (``pending``: key, bytes and state of each file still owed, the first thousand;
+    ``pending_total``); ``message``: why, without the list."""
+
+    def __init__(self, message: str, reply: dict[str, Any]) -> None:
+        pending = reply.get("pending") or []
+        super().__init__(message + ": " + ", ".join(f"{x.get('key')} ({x.get('state')})" for x in pending[:5])
+                         + (", ..." if int(reply.get("pending_total") or 0) > 5 else ""))
+        self.message = message
+        self.reply = reply
 
 
 class Refused(EpochfsError):

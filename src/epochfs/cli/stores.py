@@ -139,48 +139,34 @@ def _list_pending(reply: dict) -> None:
         print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)
 
 
-SYNC_ROUND = 10.0  # seconds one sync request waits in the daemon before the command asks again
-
-
 def cmd_sync(args: argparse.Namespace) -> int:
     import sys
 
-    from epochfs.control import request
-    from epochfs.prefetch.manifest import mount_relative
+    from epochfs.client import Client
+    from epochfs.errors import NotDurable
 
     if args.timeout is not None and not args.timeout >= 0:
         raise ConfigError("--timeout must be a number of seconds >= 0")
-    paths = [mount_relative(args.mountpoint, p) for p in args.paths]
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     show = not args.quiet and sys.stderr.isatty()
-    while True:
-        wait = SYNC_ROUND if deadline is None else max(0.0, min(SYNC_ROUND, deadline - time.monotonic()))
-        try:
-            reply = request(args.mountpoint, "sync", timeout=wait + 30, paths=paths, wait=wait)
-        except KeyboardInterrupt:
-            print("\nepochfs sync: interrupted; the uploads go on", file=sys.stderr)
-            return 130
-        if not reply["pending_total"]:
-            if show:
-                print("\r\033[K", end="", file=sys.stderr)
-            if not reply["writeback"]:
-                print(f"{args.mountpoint} is read-only: nothing to sync", file=sys.stderr)
-            return 0
-        failed = reply.get("failed_total", 0)
-        if failed and failed == reply["pending_total"]:
-            if show:
-                print("\r\033[K", end="", file=sys.stderr)
-            print(f"epochfs sync: {failed} files will not be uploaded: a write of each failed, so none is a "
-                  "finished file (write it again from the start, or remove it):", file=sys.stderr)
-            _list_pending(reply)
-            return 1
-        if deadline is not None and time.monotonic() >= deadline:
-            if show:
-                print("\r\033[K", end="", file=sys.stderr)
-            print(f"epochfs sync: {reply['pending_total']} still pending ({human(reply['pending_bytes'])}) after "
-                  f"{args.timeout:g}s; they are kept and uploaded as the backend allows:", file=sys.stderr)
-            _list_pending(reply)
-            return 1
+
+    def progress(reply: dict) -> None:
         if show:
             print(f"\rwaiting for {reply['pending_total']} uploads ({human(reply['pending_bytes'])})\033[K",
                   end="", file=sys.stderr, flush=True)
+
+    try:
+        reply = Client(args.mountpoint).sync(args.paths, timeout=args.timeout, progress=progress)
+    except KeyboardInterrupt:
+        print("\nepochfs sync: interrupted; the uploads go on", file=sys.stderr)
+        return 130
+    except NotDurable as exc:
+        if show:
+            print("\r\033[K", end="", file=sys.stderr)
+        print(f"epochfs sync: {exc.message}:", file=sys.stderr)
+        _list_pending(exc.reply)
+        return 1
+    if show:
+        print("\r\033[K", end="", file=sys.stderr)
+    if not reply["writeback"]:
+        print(f"{args.mountpoint} is read-only: nothing to sync", file=sys.stderr)
+    return 0
