@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contenders import VENV_BIN, find_pid, proc_usage, wait_mounted  # noqa: E402
 from workloads import drop_page_cache, log, simulate, start_run  # noqa: E402
 
+from epochfs import Client  # noqa: E402
 from epochfs.devserver import ACCESS_KEY, SECRET_KEY, LocalRedis, LocalS3, client_for  # noqa: E402
 from epochfs.sample import SampleFile, upload  # noqa: E402
 
@@ -262,7 +263,7 @@ class LocalDisk(Fs):
 
 
 class EpochfsWb(Fs):
-    durable_by = "`epochfs sync` returns"
+    durable_by = "`epochfs.Client(mountpoint).sync()` returns (what the job calls)"
     extra: tuple[str, ...] = ()  # more mount flags
 
     def _mount(self, server: LocalS3, prefix: str) -> None:
@@ -272,7 +273,7 @@ class EpochfsWb(Fs):
         self.pid = int(os.getxattr(self.mnt, "user.epochfs.pid"))
 
     def durable(self, client: Any, keys: dict[str, int]) -> None:
-        subprocess.run([str(VENV_BIN / "epochfs"), "sync", str(self.mnt)], check=True, timeout=TIMEOUT)
+        Client(self.mnt).sync(timeout=TIMEOUT)
         wait_in_backend(client, keys, timeout=5)
 
     def settled(self) -> None:  # the uploaded bytes kept as cached blocks, the data files gone

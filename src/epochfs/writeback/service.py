@@ -102,7 +102,6 @@ class WritebackSettings:
 
 
 class WriteBack:
-    SETTLE = 1.0  # seconds a closed file waits before its upload starts: a rename usually follows
     PUBLISH_INTERVAL = 2.0
     RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
 
