@@ -444,7 +444,7 @@ def au_during_upload(server: LocalS3, work: Path, data: memoryview, cases: list[
     out: dict[str, float] = {}
     for name, extra in cases:
         fs = EpochfsWb(work, "au-" + name.split(",")[0])
-        fs.extra = tuple(extra)
+        fs.extra = EpochfsWb.extra + tuple(extra)
         fs.mount(server, "job")
         drop_page_cache()
         saver = None
@@ -476,6 +476,8 @@ def main() -> int:
                     "(the first: one file a rank); 1: only the first")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    ap.add_argument("--epochfs-flags", default="", help="more flags for the epochfs mount, e.g. "
+                    "'--upload-concurrency 4' (default: its defaults)")
     ap.add_argument("--au-compute-ms", type=float, default=60.0,
                     help="compute time per batch of the training simulation (0: skip the AU part)")
     ap.add_argument("--au-upload-bandwidth", default="400MB", help="the capped case's --upload-bandwidth")
@@ -502,6 +504,7 @@ def main() -> int:
         "JuiceFS --writeback": JuicefsWb(args.work, "juicefs", redis.url.rsplit("/", 1)[0] + "/1"),
         "rclone": RcloneWrites(args.work, "rclone"), "s3fs": S3fsRw(args.work, "s3fs")}
     contenders = {k: v for k, v in contenders.items() if not only or k in only}
+    EpochfsWb.extra = tuple(args.epochfs_flags.split())
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
         client = server.client()

@@ -60,9 +60,12 @@ class Uploads:
         self._recorded: set[tuple[str, int, int, int]] = set()  # directories' attribute records written
         self._uploads_running = 0  # upload threads still running (abandoned ones included)
         self._uploads_done = threading.Condition()
+        self._nursery: trio.Nursery | None = None  # (while running: where uploaded files are kept in the cache)
+        self._keeping = trio.Semaphore(1)  # one file's bytes copied into the cache at a time
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             for _ in range(self.concurrency):
                 nursery.start_soon(self._upload_worker)
             nursery.start_soon(self._delete_worker)
@@ -184,12 +187,19 @@ class Uploads:
         self.owed.publish_now.set()
         self.owed.touch()
         log.info("uploaded %s (%d bytes)", key, size)
-        await self._keep_and_remove(f.id, obj)
+        if self._nursery is not None:  # (beside the uploads: the next file's upload does not wait for it)
+            self._nursery.start_soon(self._keep_and_remove, f.id, obj)
+        else:
+            await self._keep_and_remove(f.id, obj)
 
     async def _keep_and_remove(self, file_id: str, obj: ObjectInfo) -> None:
         """The uploaded file's bytes become cached blocks of its new version (a restore on this node then
         reads them, not the backend), then its data file goes. A file recovery finds no record of is
         removed at the next start, should the daemon stop in between."""
+        async with self._keeping:
+            await self._keep_and_remove_now(file_id, obj)
+
+    async def _keep_and_remove_now(self, file_id: str, obj: ObjectInfo) -> None:
         try:
             if self.keep is not None:
                 try:
