@@ -52,8 +52,8 @@ from contenders import VENV_BIN, find_pid, proc_usage, wait_mounted  # noqa: E40
 from workloads import drop_page_cache, log, simulate, start_run  # noqa: E402
 
 from epochfs import Client  # noqa: E402
-from epochfs.devserver import ACCESS_KEY, SECRET_KEY, LocalRedis, LocalS3, client_for  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import ACCESS_KEY, SECRET_KEY, LocalRedis, LocalS3, client_for  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20

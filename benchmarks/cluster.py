@@ -32,8 +32,8 @@ from contenders import VENV_BIN, wait_mounted  # noqa: E402
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
 from epochfs.control import request  # noqa: E402
-from epochfs.devserver import LocalRedis, LocalS3, free_ports  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import LocalRedis, LocalS3, free_ports  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20

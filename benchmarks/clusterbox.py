@@ -24,7 +24,7 @@ The loop, step by step (``--out FILE.json`` writes ``steps``):
 
 Each step reports the AU of its two epochs, the WAN's utilisation (from the store's own link counter),
 the bytes the backend sent per dataset, the alerts Prometheus fired, the doctor's verdict and findings
-on a GPU node after the first epoch, the wrong bytes, and what an epoch costs (``epochfs.cost``: GETs,
+on a GPU node after the first epoch, the wrong bytes, and what an epoch costs (``epochfs.doctor.cost``: GETs,
 transfer and the GPU time spent waiting, at AWS list prices and $2.50 a GPU hour). ``epochfs plan
 --cluster`` is run with the box's figures and its predictions are set beside what was measured.
 
@@ -65,10 +65,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netbox import Host, NetBox  # noqa: E402
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
-from epochfs.cost import Cost, Prices, Usage  # noqa: E402
-from epochfs.devserver import LocalRedis, LocalS3, free_ports  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import LocalRedis, LocalS3, free_ports  # noqa: E402
+from epochfs.doctor.cost import Cost, Prices, Usage  # noqa: E402
 from epochfs.links.sizing import Cluster, plan  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from epochfs.devserver import ACCESS_KEY, SECRET_KEY
+from epochfs.dev.servers import ACCESS_KEY, SECRET_KEY
 
 VENV_BIN = Path(sys.executable).parent
 

@@ -1,16 +1,16 @@
 """The engines that could fetch a cold block stream, side by side in one run: one object read as parallel
 ranged GETs (the server's page cache dropped before each run), with the process's CPU seconds per GiB
-beside each rate. What the cold path of the mount chooses from (see ``epochfs.httpio``):
+beside each rate. What the cold path of the mount chooses from (see ``epochfs.transport.httpio``):
 
 - *boto3*: 8 threads, 8 MiB ranges (the plain client of benchmarks/readpath.py);
 - *curl, bytes*: libcurl easy handles, 8 threads, the body collected with ``bytearray.extend`` (what
   epochfs did before);
-- *curl, aligned*: the same into epochfs's aligned, pooled buffers (``epochfs.curlio.Answer``: the
+- *curl, aligned*: the same into epochfs's aligned, pooled buffers (``epochfs.transport.curlio.Answer``: the
   engine of short ranges);
 - *curl multi*: one thread driving 8 transfers through a multi handle;
 - *awscrt*: the AWS Common Runtime's S3 client (8 MiB parts, its own C threads), the body handed to
   Python (``on_body``) or written to a file by the runtime (``recv_filepath``);
-- *httpio*: ``epochfs.httpio``, 8 threads, straight into aligned buffers (the engine of long ranges);
+- *httpio*: ``epochfs.transport.httpio``, 8 threads, straight into aligned buffers (the engine of long ranges);
 - *epochfs backend*: ``S3Backend.read_range`` of 4 MiB blocks from 5 threads, signed, checked and
   pinned to the ETag: what a mount's cold stream asks of it with the default readahead.
 
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
-from epochfs.devserver import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
+from epochfs.dev.servers import ACCESS_KEY, SECRET_KEY, LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -60,10 +60,10 @@ def threaded(get: Callable[[int, int], int], size: int, threads: int, part: int)
 def engines(server: LocalS3, size: int) -> dict[str, Callable[[], int]]:
     import pycurl
 
-    from epochfs import httpio
     from epochfs.backend import BackendSettings, open_backend
-    from epochfs.config import Source
-    from epochfs.curlio import Answer, new_handle
+    from epochfs.daemon.config import Source
+    from epochfs.transport import httpio
+    from epochfs.transport.curlio import Answer, new_handle
 
     url = f"{server.endpoint}/{BUCKET}/{KEY}"
     local = threading.local()

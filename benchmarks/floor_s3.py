@@ -21,8 +21,8 @@ import trio
 from epochfs import kernel
 from epochfs.backend.base import BackendSettings
 from epochfs.backend.s3 import S3Backend
-from epochfs.config import Source
-from epochfs.host import set_background_requests, set_kernel_readahead
+from epochfs.daemon.config import Source
+from epochfs.daemon.host import set_background_requests, set_kernel_readahead
 
 
 class ColdFloor:

@@ -31,9 +31,9 @@ from contenders import VENV_BIN, Epochfs  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
-from epochfs.devserver import LocalS3, client_for  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
 from epochfs.prefetch.manifest import shuffled  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
 from epochfs.watch import Meter, Reporter, watch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -26,8 +26,8 @@ from contenders import Epochfs, proc_usage  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from workloads import drop_page_cache, fresh_workdir, log  # noqa: E402
 
-from epochfs.devserver import LocalS3  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BUCKET = "bench"

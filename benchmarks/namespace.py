@@ -49,7 +49,7 @@ meta, name = (None, None) if meta == "-" else (meta, os.path.basename(cache))
 from pathlib import Path
 from epochfs.meta import open_meta
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
-from epochfs.records import ObjectInfo
+from epochfs.core.records import ObjectInfo
 SOURCE = "file:///synthetic"
 DIRS = 1000
 
@@ -221,7 +221,7 @@ def main() -> None:
             results["sizes"][str(count)] = row
         if args.shared:
             sys.path.insert(0, str(ROOT / "src"))
-            from epochfs.devserver import LocalRedis
+            from epochfs.dev.servers import LocalRedis
 
             server = LocalRedis(work / "redis").start()
             try:

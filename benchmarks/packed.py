@@ -30,8 +30,8 @@ from latency_proxy import LatencyProxy  # noqa: E402
 from trainloop import one_epoch  # noqa: E402
 from workloads import drop_page_cache, fresh_workdir, log, settle  # noqa: E402
 
-from epochfs.devserver import LocalS3  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 LOADERS = HERE / "work" / ".venv-loaders" / "bin" / "python"

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contenders import wait_mounted  # noqa: E402
 
 from epochfs.control import request
-from epochfs.devserver import LocalS3
-from epochfs.sample import SampleFile, upload, write_tree
+from epochfs.dev.sample import SampleFile, upload, write_tree
+from epochfs.dev.servers import LocalS3
 
 HERE = Path(__file__).resolve().parent
 

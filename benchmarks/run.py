@@ -42,10 +42,10 @@ from workloads import (  # noqa: E402
     ttfb,
 )
 
-from epochfs.devserver import LocalS3, client_for  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload, write_tree  # noqa: E402
+from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
 from epochfs.prefetch.manifest import shuffled  # noqa: E402
 from epochfs.prefetch.simulate import offline_optimum  # noqa: E402
-from epochfs.sample import SampleFile, upload, write_tree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB, GiB = 1 << 20, 1 << 30
@@ -170,9 +170,9 @@ def policy_study(work: Path, endpoint: str, bucket: str, prefix: str, files: lis
 
 def namespace_mount_times(work: Path, sizes: list[int]) -> list[dict[str, float]]:
     """Time to publish a synthetic namespace to Redis and to mount from it (no listing)."""
-    from epochfs.devserver import LocalRedis
+    from epochfs.core.records import ObjectInfo
+    from epochfs.dev.servers import LocalRedis
     from epochfs.meta import open_meta
-    from epochfs.records import ObjectInfo
 
     rows = []
     server = LocalRedis(work / "redis").start()

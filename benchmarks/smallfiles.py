@@ -39,8 +39,8 @@ from workloads import (  # noqa: E402
     small_files_rate,
 )
 
-from epochfs.devserver import LocalS3  # noqa: E402
-from epochfs.sample import upload, write_tree  # noqa: E402
+from epochfs.dev.sample import upload, write_tree  # noqa: E402
+from epochfs.dev.servers import LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20

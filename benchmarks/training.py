@@ -24,8 +24,8 @@ from contenders import Epochfs  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, simulate, train  # noqa: E402
 
-from epochfs.devserver import LocalS3, client_for  # noqa: E402
-from epochfs.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contenders import proc_usage  # noqa: E402
 from workloads import start_run  # noqa: E402
 
-from epochfs.devserver import LocalS3  # noqa: E402
+from epochfs.dev.servers import LocalS3  # noqa: E402
 
 BIN = Path(sys.executable).parent
 SECONDS, RATE = 6, 200

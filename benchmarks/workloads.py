@@ -209,7 +209,7 @@ def simulate(read: Callable[[str], int], keys: list[str], *, accelerators: int, 
 
 def shard_and_files(files: int, large_mib: int) -> tuple[list[Any], Any]:
     """The read-path data set: ``files`` x 100 KiB in 20 directories and one ``large_mib`` MiB shard."""
-    from epochfs.sample import SampleFile
+    from epochfs.dev.sample import SampleFile
 
     small = [SampleFile(f"s/{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(files)]
     return small, SampleFile("large/shard.tar", large_mib << 20)

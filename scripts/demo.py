@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from epochfs.control import request
-from epochfs.devserver import LocalS3
-from epochfs.sample import SampleFile, sample_layout, upload
+from epochfs.dev.sample import SampleFile, sample_layout, upload
+from epochfs.dev.servers import LocalS3
 
 console = Console(width=None if sys.stdout.isatty() else 120)  # a log or a pipe does not wrap at 80
 

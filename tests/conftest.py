@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.devserver import LocalS3
-from epochfs.sample import SampleFile, sample_layout, upload
+from epochfs.dev.sample import SampleFile, sample_layout, upload
+from epochfs.dev.servers import LocalS3
 
 from .helpers import Mount, page_cache_to_myself
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from epochfs.backend.base import Backend, BackendStats
 from epochfs.control import request
-from epochfs.sample import pattern
+from epochfs.dev.sample import pattern
 
 EPOCHFS = [sys.executable, "-m", "epochfs"]
 

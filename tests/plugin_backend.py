@@ -10,9 +10,9 @@ from urllib.parse import urlparse
 
 from epochfs.backend.base import Backend, BackendStats
 from epochfs.backend.kinds import Capabilities, Kind, register
-from epochfs.errors import ConfigError
-from epochfs.records import ObjectInfo, Source, SourceForm
-from epochfs.sample import pattern
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import ObjectInfo, Source, SourceForm
+from epochfs.dev.sample import pattern
 
 MTIME_NS = 1_700_000_000_000_000_000
 

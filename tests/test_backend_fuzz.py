@@ -18,9 +18,9 @@ import pytest
 
 from epochfs.backend import BackendSettings
 from epochfs.backend.s3 import S3Backend
-from epochfs.config import Source
-from epochfs.errors import EpochfsError
-from epochfs.sample import pattern
+from epochfs.core.errors import EpochfsError
+from epochfs.daemon.config import Source
+from epochfs.dev.sample import pattern
 
 KEY = "obj.bin"
 SIZE = 3 << 20
@@ -139,7 +139,7 @@ def credentials(monkeypatch):
 @pytest.mark.parametrize("seed", range(2))
 def test_random_answers_give_the_exact_bytes_or_an_error_within_the_deadline(credentials, seed, engine):
     """Both engines of block GETs: ranges shorter than STREAM_MIN through libcurl, longer ones through
-    epochfs.httpio."""
+    epochfs.transport.httpio."""
     from epochfs.backend.s3 import STREAM_MIN
 
     endpoint = Hostile(seed)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from epochfs.backend import BackendSettings, kind_of, open_backend
-from epochfs.config import Config
-from epochfs.errors import ConfigError
-from epochfs.records import Source
-from epochfs.sample import pattern
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import Source
+from epochfs.daemon.config import Config
+from epochfs.dev.sample import pattern
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS

@@ -11,10 +11,10 @@ import pytest
 
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.backend.local import file_etag
-from epochfs.config import Source
-from epochfs.devserver import ACCESS_KEY, LocalS3
-from epochfs.errors import AccessDenied, ConfigError, ObjectChanged
-from epochfs.sample import pattern
+from epochfs.core.errors import AccessDenied, ConfigError, ObjectChanged
+from epochfs.daemon.config import Source
+from epochfs.dev.sample import pattern
+from epochfs.dev.servers import ACCESS_KEY, LocalS3
 
 from .helpers import EPOCHFS
 
@@ -89,7 +89,7 @@ def test_block_gets_are_signed_correctly_for_an_endpoint_that_checks(tmp_path, m
             client.put_object(Bucket="signed", Key="p/" + key, Body=pattern(key, 0, 0, 3 << 20))
         backend = s3_backend(server, "signed", "p")
         listed = {o.key: o for o in backend.list_objects()}
-        for key in keys:  # a short range (libcurl signs it) and a long one (botocore signs it; epochfs.httpio)
+        for key in keys:  # a short range (libcurl signs it) and a long one (botocore signs it; epochfs.transport.httpio)
             assert backend.read_range(key, listed[key].etag, 1, 150_000) == pattern(key, 0, 1, 150_000), key
             assert backend.read_range(key, listed[key].etag, 7, 2 << 20) == pattern(key, 0, 7, 2 << 20), key
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -298,8 +298,8 @@ def _fetch(engine, port, limit, deadline=30.0):
     """(body, stopped) of a GET of / through ``engine`` with a body limit."""
     import pycurl
 
-    from epochfs import httpio
-    from epochfs.curlio import Answer, new_handle
+    from epochfs.transport import httpio
+    from epochfs.transport.curlio import Answer, new_handle
 
     if engine == "curl":
         curl = new_handle()
@@ -329,7 +329,7 @@ def _fetch(engine, port, limit, deadline=30.0):
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("size, stopped", [(1000, False), (4096, False), (4097, True), (1 << 20, True)])
 def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked, engine):
-    """Both engines of block GETs (libcurl; epochfs.httpio) fill the body and stop at the limit, with a
+    """Both engines of block GETs (libcurl; epochfs.transport.httpio) fill the body and stop at the limit, with a
     Content-Length or without one; what they return is aligned for O_DIRECT."""
     import http.server
 
@@ -366,7 +366,7 @@ def test_an_answer_never_buffers_more_than_its_limit(size, stopped, chunked, eng
 
 @pytest.mark.parametrize("phase", ["headers", "body"])
 def test_the_stream_engine_holds_a_dripping_answer_to_its_deadline(phase):
-    """One byte every 0.3 s never resets the deadline of an epochfs.httpio request: it ends in a
+    """One byte every 0.3 s never resets the deadline of an epochfs.transport.httpio request: it ends in a
     TimeoutError at the deadline, not when the server stops dripping."""
     import http.server
 
@@ -403,8 +403,7 @@ def test_the_stream_engine_answers_with_an_aligned_body_and_reuses_its_connectio
     on the thread's client goes over the same connection."""
     import ctypes
 
-    from epochfs import httpio
-
+    from epochfs.transport import httpio
     peers = []
     server = _serving(_partial_content(pattern("y", 0, 0, 3 << 20), peers))
     client = httpio.Client("127.0.0.1", server.server_port, None)
@@ -445,7 +444,7 @@ def test_an_upload_confirms_its_key_and_attribute_records_read_back(s3, s3_clien
     upload with KeyRefused, never a success; attribute records are applied to a listing (files and
     directories, the strictest where several name one key) and the reserved prefix is never listed."""
     from epochfs.backend import attrs
-    from epochfs.errors import KeyRefused
+    from epochfs.core.errors import KeyRefused
 
     backend = s3_backend(s3, fresh_bucket, "ckpt/")
     path = tmp_path / "f"
@@ -480,7 +479,7 @@ def test_an_object_listed_with_a_quoted_empty_etag_cannot_be_pinned():
     object's version cannot be pinned, so it is skipped like one without an ETag (a directory marker may
     have none)."""
     from epochfs.backend.base import listing_problem
-    from epochfs.records import ObjectInfo
+    from epochfs.core.records import ObjectInfo
 
     assert "no ETag" in listing_problem(ObjectInfo("d/a.bin", 5, 0, '""'))
     assert listing_problem(ObjectInfo("d/", 0, 0, '""')) is None
@@ -508,8 +507,7 @@ def test_the_stream_engine_replaces_a_kept_connection_the_server_closed():
         def log_message(self, *args):
             pass
 
-    from epochfs import httpio
-
+    from epochfs.transport import httpio
     server = _serving(Handler)
     client = httpio.Client("127.0.0.1", server.server_port, None)
     try:
@@ -527,8 +525,7 @@ def test_the_stream_engine_speaks_tls_and_checks_the_certificate(tmp_path):
     (not retried as a transport failure), and verification off (as the AWS client was told) reads."""
     import ssl
 
-    from epochfs import httpio
-
+    from epochfs.transport import httpio
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
@@ -555,8 +552,7 @@ def test_the_stream_engine_speaks_tls_and_checks_the_certificate(tmp_path):
 
 def test_the_stream_engine_connects_to_the_schemes_port_when_the_endpoint_names_none():
     """https://host (AWS itself) is port 443 and http://host port 80, as the signature's Host says."""
-    from epochfs import httpio
-
+    from epochfs.transport import httpio
     assert httpio._Connection("s3.example.com", None, httpio.tls_context(None)).port == 443
     assert httpio._Connection("s3.example.com", None, None).port == 80
     assert httpio._Connection("s3.example.com", 8443, httpio.tls_context(None)).port == 8443

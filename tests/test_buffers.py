@@ -1,4 +1,4 @@
-"""Receive buffers (epochfs.buffers): aligned for O_DIRECT, and a pooled one never handed out while any
+"""Receive buffers (epochfs.transport.buffers): aligned for O_DIRECT, and a pooled one never handed out while any
 view of it is alive."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import ctypes
 import random
 import threading
 
-from epochfs import buffers
-from epochfs.buffers import ALIGN, POOLED_MIN, aligned_buffer, is_aligned
+from epochfs.transport import buffers
+from epochfs.transport.buffers import ALIGN, POOLED_MIN, aligned_buffer, is_aligned
 
 
 def address(view: memoryview) -> int:

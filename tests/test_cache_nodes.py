@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epochfs.devserver import free_ports
+from epochfs.dev.servers import free_ports
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, read_all
@@ -419,8 +419,8 @@ def test_a_shared_cache_the_user_already_runs_in_front_of_the_origin(tmp_path, s
     """The recipe of docs/cluster-cache.md: a SeaweedFS server that mounts the origin bucket as remote
     storage (read through, kept) is the endpoint the GPU nodes mount; epochfs adds its verified local
     tier on top. Byte-exact; a second GPU node reads the dataset without the origin being asked again."""
-    from epochfs.devserver import LocalS3
-    from epochfs.sample import upload
+    from epochfs.dev.sample import upload
+    from epochfs.dev.servers import LocalS3
 
     upload(s3_client, fresh_bucket, "ds/", FILES)
     near = LocalS3(tmp_path / "near", remote_origins=True).start()

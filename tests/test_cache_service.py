@@ -13,9 +13,9 @@ from epochfs.cache.keys import block_relpath
 from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
-from epochfs.errors import BackendUnavailable, ObjectChanged
-from epochfs.records import ObjectInfo
-from epochfs.sample import pattern
+from epochfs.core.errors import BackendUnavailable, ObjectChanged
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.sample import pattern
 
 from .helpers import BS, MemoryBackend, damage_block
 
@@ -200,7 +200,7 @@ def test_a_large_packed_members_window_grows_as_a_streams_and_stops_at_the_membe
     import xxhash
 
     from epochfs.cache.readahead import Readahead
-    from epochfs.records import member_etag
+    from epochfs.core.records import member_etag
 
     shard = ObjectInfo("s/shard-0.tar", 48 * BS, 0, '"s1"')
     base, size = 3 * BS + 100, 30 * BS

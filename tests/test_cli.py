@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.sample import SampleFile, upload
+from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, Mount, read_all
@@ -166,7 +166,7 @@ def test_small_things(s3, sample_bucket, sample_files, tmp_path):
 
 
 def test_credentials_from_a_named_profile(s3, sample_bucket, sample_files, tmp_path):
-    from epochfs.devserver import ACCESS_KEY, SECRET_KEY
+    from epochfs.dev.servers import ACCESS_KEY, SECRET_KEY
 
     creds = tmp_path / "credentials"
     creds.write_text(f"[training]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
@@ -194,11 +194,11 @@ def cmdline(proc: Path) -> bytes:
 def test_the_dev_server_has_help_and_stops_seaweedfs_with_it(tmp_path):
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "epochfs.devserver", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "epochfs.dev.servers", "--help"], capture_output=True, text=True,
                        timeout=20, cwd=tmp_path)
     assert r.returncode == 0 and "DATA_DIR" in r.stdout and not (tmp_path / "--help").exists()
     data = tmp_path / "s3-data"
-    proc = subprocess.Popen([sys.executable, "-m", "epochfs.devserver", str(data)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "epochfs.dev.servers", str(data)], stdout=subprocess.PIPE, text=True)
     try:
         assert "S3 endpoint http://127.0.0.1:" in proc.stdout.readline()
         weed = [p for p in Path("/proc").iterdir() if p.name.isdigit() and f"-dir={data}".encode() in cmdline(p)]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from epochfs.control import request
-from epochfs.sample import SampleFile, upload
+from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 

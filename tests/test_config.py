@@ -1,7 +1,7 @@
 import pytest
 
-from epochfs.config import Config, Source, parse_rate, parse_size
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
+from epochfs.daemon.config import Config, Source, parse_rate, parse_size
 
 
 @pytest.mark.parametrize("text,value", [
@@ -55,7 +55,7 @@ def test_node_name_and_prometheus_targets(tmp_path, monkeypatch):
     import socket
     from pathlib import Path
 
-    from epochfs.config import DEFAULT_TARGETS_DIR
+    from epochfs.daemon.config import DEFAULT_TARGETS_DIR
 
     src = Source.parse("s3://b/p")
     plain = Config(src, tmp_path / "m", cache_dir=tmp_path / "c")

@@ -14,8 +14,8 @@ import pytest
 
 from epochfs.control import protocol as p
 from epochfs.control.client import request
-from epochfs.errors import EpochfsError
-from epochfs.jobs import Report
+from epochfs.control.jobs import Report
+from epochfs.core.errors import EpochfsError
 
 WRONG_VALUES = [None, True, False, 0, -1, 1 << 64, 1.5, float("nan"), "", "x", "\udc80", [], [1], {}, {"a": 1},
                 [[1]], [["a", "b"]], [[1, 2]], [[True, "a"]], [[-1, "a"]], [[1, "a", 3]], "a" * 70_000]

@@ -16,8 +16,8 @@ import pytest
 
 from epochfs.cli import build_parser
 from epochfs.cli.options import config_from, example_config, mount_options
-from epochfs.errors import ConfigError
-from epochfs.sample import sample_layout, upload
+from epochfs.core.errors import ConfigError
+from epochfs.dev.sample import sample_layout, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, read_all

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.config import parse_size, read_config_file
-from epochfs.cost import Prices, cost_table, prices_from
+from epochfs.core.errors import ConfigError
+from epochfs.daemon.config import parse_size, read_config_file
+from epochfs.dev.sample import SampleFile, upload
 from epochfs.doctor import compare, diagnose, render, share_fix, size_flag
-from epochfs.errors import ConfigError
-from epochfs.sample import SampleFile, upload
+from epochfs.doctor.cost import Prices, cost_table, prices_from
 from epochfs.watch import watch
 
 from .conftest import requires_fuse

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from epochfs.sample import pattern
+from epochfs.dev.sample import pattern
 
 from .conftest import requires_fuse
 from .faultproxy import Fault, FaultProxy
@@ -30,7 +30,7 @@ def proxy(s3):
 
 def _mount_through(proxy, s3_client, bucket, mount_factory, timeout: int, block: str = "1M"):
     """A mount through the proxy. ``block``: 1M blocks are received by the stream engine
-    (epochfs.httpio), blocks under its minimum by libcurl (see epochfs.backend.s3)."""
+    (epochfs.transport.httpio), blocks under its minimum by libcurl (see epochfs.backend.s3)."""
     s3_client.put_object(Bucket=bucket, Key=KEY, Body=pattern(KEY, 0, 0, SIZE))
     m = mount_factory(f"s3://{bucket}", "--endpoint-url", proxy.endpoint, "--block-size", block,
                       "--readahead", "0", "--backend-timeout", str(timeout), "--backend-attempts", "4")

@@ -12,12 +12,12 @@ import pytest
 import trio
 
 from epochfs import kernel
-from epochfs.errors import AccessDenied, BackendUnavailable, ObjectChanged
-from epochfs.fs import Operations, Presentation
+from epochfs.core.errors import AccessDenied, BackendUnavailable, ObjectChanged
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.index import build as build_namespace
 from epochfs.meta.namespace import ROOT_INODE, Namespace, diff
-from epochfs.records import ObjectInfo
+from epochfs.vfs.fs import Operations, Presentation
 
 from .helpers import FakeCache
 

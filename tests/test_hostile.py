@@ -22,9 +22,9 @@ import pytest
 from epochfs.backend.local import file_etag
 from epochfs.control import protocol as p
 from epochfs.control.protocol import OPERATIONS
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.sample import SampleFile, pattern, upload, write_tree
 from epochfs.meta.lmdb import LmdbMetaStore
-from epochfs.records import ObjectInfo
-from epochfs.sample import SampleFile, pattern, upload, write_tree
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, read_all, run_with_deadline, wait_idle

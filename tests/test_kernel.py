@@ -19,12 +19,12 @@ import trio
 import trio.testing
 
 from epochfs import kernel
-from epochfs.fs import Operations, Presentation
+from epochfs.core.records import ObjectInfo
 from epochfs.kernel import abi
 from epochfs.kernel.session import Session
 from epochfs.kernel.types import FileInfo, FUSEError
 from epochfs.meta.index import build as build_namespace
-from epochfs.records import ObjectInfo
+from epochfs.vfs.fs import Operations, Presentation
 
 from .helpers import FakeCache
 
@@ -444,9 +444,9 @@ def test_every_request_is_one_row_with_a_typed_handler():
     signatures."""
     import inspect
 
-    from epochfs.fs import Operations as Adapter
     from epochfs.kernel.operations import Operations
     from epochfs.kernel.translate import ROWS
+    from epochfs.vfs.fs import Operations as Adapter
 
     for opcode, row in ROWS.items():
         assert opcode in abi.PARSERS, f"opcode {opcode} has no arguments row"

@@ -2,15 +2,8 @@ import random
 
 import pytest
 
-from epochfs.cache.keys import (
-    CHUNK_SIZE,
-    block_bounds,
-    block_count,
-    block_id,
-    block_relpath,
-    blocks_for_range,
-    chunk_span,
-)
+from epochfs.cache.keys import CHUNK_SIZE, block_relpath, chunk_span
+from epochfs.core.blocks import block_bounds, block_count, block_id, blocks_for_range
 
 
 def test_block_id_depends_on_every_part():

@@ -18,9 +18,9 @@ import pytest
 
 from epochfs.cli import build_parser
 from epochfs.cli.options import config_from
-from epochfs.errors import ConfigError
-from epochfs.fluid import Policy, config_text
-from epochfs.sample import SampleFile, upload
+from epochfs.core.errors import ConfigError
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.node.fluid import Policy, config_text
 
 from .conftest import requires_fuse
 
@@ -384,12 +384,12 @@ def test_no_dataset_gets_past_the_allow_list(tmp_path):
 def test_fluid_entry_checks_every_value_before_it_mounts(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(fluid_config("s3://b/p", str(tmp_path / "mnt"), cache_size="lots")))
-    r = subprocess.run([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "epochfs.node.fluid", "--config", str(cfg)], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "cache_size" in r.stderr and "not a size" in r.stderr
     assert not (tmp_path / "mnt").exists()
     cfg.write_text(json.dumps(fluid_config("s3://b/p", str(tmp_path / "mnt"), cache_size="2G")))
-    r = subprocess.run([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg), "--print"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "epochfs.node.fluid", "--config", str(cfg), "--print"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and 'cache_size = "2G"' in r.stdout and "allow_other = true" in r.stdout
 
@@ -405,7 +405,7 @@ def test_the_fluid_fuse_pod_mounts_the_dataset_and_unmounts_on_sigterm(tmp_path,
     policy = tmp_path / "fluid-policy.toml"  # (the node's: the cache directory and the metrics are its)
     policy.write_text(f'endpoints = ["{s3.endpoint}"]\n[options]\ncache_dir = "{tmp_path / "cache"}"\n'
                       'metrics_addr = "off"\nmetrics_targets = "off"\n')
-    proc = subprocess.Popen([sys.executable, "-m", "epochfs.fluid", "--config", str(cfg), "--policy", str(policy)],
+    proc = subprocess.Popen([sys.executable, "-m", "epochfs.node.fluid", "--config", str(cfg), "--policy", str(policy)],
                             env={**os.environ, **s3.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

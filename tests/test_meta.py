@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.devserver import LocalRedis
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.sample import SampleFile, pattern, upload
+from epochfs.dev.servers import LocalRedis
 from epochfs.meta import open_meta
 from epochfs.meta.index import build as build_namespace
 from epochfs.meta.namespace import diff
-from epochfs.records import ObjectInfo
-from epochfs.sample import SampleFile, pattern, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, read_all, wait_idle
@@ -541,7 +541,7 @@ def test_fuzzed_change_sets_are_refused_or_applied_and_the_node_keeps_serving(re
     import redis
     import trio
 
-    from epochfs.errors import EpochfsError
+    from epochfs.core.errors import EpochfsError
     from epochfs.meta.base import encode_objects
     from epochfs.meta.snapshots import Snapshots, SnapshotSettings
 

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epochfs.control import request
-from epochfs.devserver import LocalRedis, free_ports
-from epochfs.sample import SampleFile, upload
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.dev.servers import LocalRedis, free_ports
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, Mount, drop_all_caches, read_all, wait_idle
@@ -139,7 +139,7 @@ def test_exporter_binds_to_loopback_and_warns_when_exposed(mount_factory, sample
 def test_the_default_metrics_address_is_loopback():
     from epochfs.cli import build_parser
     from epochfs.cli.options import config_from
-    from epochfs.metrics import DEFAULT_ADDR
+    from epochfs.daemon.metrics import DEFAULT_ADDR
 
     assert config_from(build_parser().parse_args(["mount", "s3://b", "/mnt/data"])).metrics_addr is None
     assert DEFAULT_ADDR == "127.0.0.1:9567"
@@ -386,7 +386,7 @@ def test_status_lines_name_reader_errors_and_the_policy_evictions_followed():
 
 
 def test_quantiles_are_interpolated_within_their_bucket():
-    from epochfs.stats import HistogramSnapshot
+    from epochfs.core.stats import HistogramSnapshot
 
     h = HistogramSnapshot((0.001, 0.005, 0.025), (0, 50, 50, 0), 0.5, 100)  # 50 in (1, 5] ms, 50 in (5, 25]
     assert h.quantile(0.5) == pytest.approx(0.005)
@@ -399,7 +399,7 @@ def test_quantiles_are_interpolated_within_their_bucket():
 
 
 def test_target_files_are_written_atomically_only_where_no_other_user_can_write(tmp_path, caplog):
-    from epochfs.metrics import TargetFile
+    from epochfs.daemon.metrics import TargetFile
 
     t = TargetFile(tmp_path / "targets", "/mnt/data", "gpu-07")
     t.write("127.0.0.1", 9568)

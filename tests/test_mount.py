@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.cache.keys import block_id, block_relpath
-from epochfs.sample import SampleFile, pattern, sample_layout, upload, write_tree
+from epochfs.cache.keys import block_relpath
+from epochfs.core.blocks import block_id
+from epochfs.dev.sample import SampleFile, pattern, sample_layout, upload, write_tree
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, Mount, drop_all_caches, read_all, run_with_deadline, wait_idle

@@ -1,10 +1,10 @@
 import logging
 
+from epochfs.core.records import ObjectInfo, unsafe_reason
 from epochfs.meta.entries import name_cookie
 from epochfs.meta.index import build as build_namespace
 from epochfs.meta.namespace import ROOT_INODE
 from epochfs.meta.nodes import Dir, File
-from epochfs.records import ObjectInfo, unsafe_reason
 
 
 def obj(key, size=1):

@@ -19,12 +19,8 @@ import xxhash
 
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.backend.base import Backend
-from epochfs.errors import ConfigError
-from epochfs.pack import layout
-from epochfs.pack.layout import Index, Member, PackInvalid
-from epochfs.pack.listing import current_index, dataset_listing
-from epochfs.pack.writer import PackSettings, pack
-from epochfs.records import (
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import (
     MEMBER_TAG,
     ObjectInfo,
     Source,
@@ -33,7 +29,11 @@ from epochfs.records import (
     record_problem,
     stored_extent,
 )
-from epochfs.sample import SampleFile, upload
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.pack import layout
+from epochfs.pack.layout import Index, Member, PackInvalid
+from epochfs.pack.listing import current_index, dataset_listing
+from epochfs.pack.writer import PackSettings, pack
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, MemoryBackend, errno_of
@@ -461,7 +461,7 @@ def test_a_member_whose_location_is_wrong_is_eio_never_other_bytes(tmp_path):
     block and across blocks: every answer is the file's exact bytes or DamagedMember, before any byte
     of a wrong range reaches a reader; a right member is checked once and remembered."""
     from epochfs.cache.members import DamagedMember
-    from epochfs.sample import pattern
+    from epochfs.dev.sample import pattern
 
     from .helpers import BS
     from .test_cache_service import run_with_cache
@@ -613,7 +613,7 @@ def test_the_daemon_says_where_members_are_and_the_sampler_hands_over_a_local_or
 def test_peers_are_answered_for_the_shards_of_packed_members_and_nothing_else():
     import trio
 
-    from epochfs.cache.keys import block_bounds, block_id
+    from epochfs.core.blocks import block_bounds, block_id
     from epochfs.meta.index import NamespaceIndex
     from epochfs.peer import wire
     from epochfs.peer.tier import PeerAnswers
@@ -679,7 +679,7 @@ def test_a_fuzzed_shard_list_is_refused_or_valid_never_a_crash():
 @requires_fuse
 def test_a_packed_dataset_published_to_redis_is_served_by_nodes_that_never_list(s3, s3_client, fresh_bucket, s3_env,
                                                                                 mount_factory, tmp_path):
-    from epochfs.devserver import LocalRedis
+    from epochfs.dev.servers import LocalRedis
 
     files = dataset(n=30, seed=5)
     upload(s3_client, fresh_bucket, "raw/", files)
@@ -698,7 +698,7 @@ def test_a_packed_dataset_published_to_redis_is_served_by_nodes_that_never_list(
 
 
 def test_the_prefetch_plan_of_members_reads_their_shards_blocks():
-    from epochfs.cache.keys import block_id
+    from epochfs.core.blocks import block_id
     from epochfs.prefetch.plan import Plan
 
     bs = 1 << 20
@@ -730,7 +730,7 @@ def test_a_pack_of_a_directory_keeps_its_permissions_for_other_users(s3, fresh_b
     import tempfile
     from pathlib import Path
 
-    from epochfs.sample import write_tree
+    from epochfs.dev.sample import write_tree
 
     from .test_hostile import as_nobody
 

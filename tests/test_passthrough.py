@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.sample import SampleFile, upload
+from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.devserver import LocalRedis, free_ports
-from epochfs.sample import SampleFile, upload
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.dev.servers import LocalRedis, free_ports
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, read_all
@@ -377,7 +377,7 @@ def test_a_captured_request_is_worthless_elsewhere_and_once_used(cluster):
     assert st == 401 and wire.ANSWER_HEADER not in hdrs
     # a block request captured on its way to b is refused a second time, and after b restarts on the same
     # address (its memory of used requests is new) too; a hello says when b started, so askers sign no earlier
-    from epochfs.cache.keys import block_id
+    from epochfs.core.blocks import block_id
 
     f = FILES[0]
     etag = cluster.s3.client().head_object(Bucket="peers", Key="ds/" + f.key)["ETag"]

@@ -197,7 +197,7 @@ def test_random_published_statistics_are_shown_as_what_they_are_or_not_at_all():
     import math
 
     from epochfs.cli.cluster import _shares, member_row, status_lines
-    from epochfs.records import ObjectInfo
+    from epochfs.core.records import ObjectInfo
 
     rng = random.Random(9)
     values = [None, True, False, -1, 0, 1, 7, 2**63, 10**400, 1.5, -0.5, "x", "\x1b[2J", "", [], {}, ["a"],

@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 import trio
 
-from epochfs.config import Config, Source
-from epochfs.errors import BackendUnavailable, ConfigError
+from epochfs.core.errors import BackendUnavailable, ConfigError
+from epochfs.daemon.config import Config, Source
 from epochfs.peer import wire
 from epochfs.peer.members import Membership
 from epochfs.peer.ring import Ring
@@ -109,9 +109,9 @@ def test_the_shares_of_a_snapshot_are_its_blocks_as_the_members_rank_them():
     stored object once (a shard behind several packed members once), each counted for each of its
     holders, exactly as `Ring.owners` ranks it; a dataset of more blocks than the sample is estimated
     from an even sample, close to the exact figure."""
-    from epochfs.cache.keys import block_id
+    from epochfs.core.blocks import block_id
+    from epochfs.core.records import ObjectInfo, member_etag
     from epochfs.peer.share import ownership
-    from epochfs.records import ObjectInfo, member_etag
 
     rng = random.Random(7)
     members = [f"10.0.0.{i}:9570" for i in range(1, 5)]
@@ -148,8 +148,8 @@ def test_a_node_ranks_its_own_share_when_the_ring_changes_and_a_failed_ranking_c
     that fails while walked leaves the figure unknown and the watch running."""
     from types import SimpleNamespace
 
+    from epochfs.core.records import ObjectInfo
     from epochfs.peer.share import ShareWatch, ownership
-    from epochfs.records import ObjectInfo
 
     objs = [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(40)]
     good = SimpleNamespace(files=lambda: (SimpleNamespace(obj=o) for o in objs), total_bytes=120 << 20)
@@ -188,8 +188,8 @@ def test_the_first_node_of_a_tier_ranks_again_as_soon_as_the_others_join():
     at the next look once they join, not after INTERVAL; after that, rankings are INTERVAL apart."""
     from types import SimpleNamespace
 
+    from epochfs.core.records import ObjectInfo
     from epochfs.peer.share import ShareWatch
-    from epochfs.records import ObjectInfo
 
     objs = [ObjectInfo(f"f{i}", 3 << 20, 0, f"e{i}") for i in range(40)]
     namespace = SimpleNamespace(files=lambda: (SimpleNamespace(obj=o) for o in objs), total_bytes=120 << 20)

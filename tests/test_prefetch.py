@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from epochfs.dev.sample import SampleFile, upload
 from epochfs.prefetch.manifest import shuffled
-from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, offline_min_misses, wait_idle

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from epochfs.cache.push import GAP, Pusher
-from epochfs.records import ObjectInfo
-from epochfs.sample import SampleFile, pattern, upload
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.sample import SampleFile, pattern, upload
 
 from .conftest import requires_fuse
 from .helpers import BS, MemoryBackend

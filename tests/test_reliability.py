@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from epochfs.cache.format import locate
-from epochfs.cache.keys import block_id
-from epochfs.sample import SampleFile, pattern, sample_layout, upload, write_tree
+from epochfs.core.blocks import block_id
+from epochfs.dev.sample import SampleFile, pattern, sample_layout, upload, write_tree
 
 from .conftest import requires_fuse
 from .faultproxy import Fault, FaultProxy
@@ -308,7 +308,7 @@ def test_64_concurrent_readers_threads_and_processes(s3, s3_client, fresh_bucket
 
         script = (
             "import os, random, sys, hashlib\n"
-            "from epochfs.sample import SampleFile\n"
+            "from epochfs.dev.sample import SampleFile\n"
             f"files = [SampleFile(k, s) for k, s in {[(f.key, f.size) for f in files]!r}]\n"
             "rng = random.Random(int(sys.argv[1]))\n"
             "bad = 0\n"

@@ -10,8 +10,8 @@ import trio.testing
 from epochfs.cache.policies.manifest import ManifestPolicy
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
+from epochfs.core.records import ObjectInfo
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
-from epochfs.records import ObjectInfo
 
 from .helpers import BS, MemoryBackend
 
@@ -208,7 +208,7 @@ def test_cached_bytes_the_reader_reads_next_are_read_into_memory_ahead_of_it(tmp
 
     import pytest
 
-    from epochfs import pagecache
+    from epochfs.cache import pagecache
     from epochfs.cache.keys import block_relpath
 
     if not pagecache.available():

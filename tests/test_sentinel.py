@@ -15,12 +15,12 @@ import urllib.request
 
 import pytest
 
-from epochfs.devserver import LocalRedis, LocalSentinels
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.core.errors import ConfigError, EpochfsError
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.dev.servers import LocalRedis, LocalSentinels
 from epochfs.meta import StoreAccess, open_meta
 from epochfs.meta.redis_link import _sentinel_url, online_replicas
-from epochfs.records import ObjectInfo
-from epochfs.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS

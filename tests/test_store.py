@@ -10,7 +10,7 @@ from epochfs.cache.keys import CHUNK_SIZE, block_relpath
 from epochfs.cache.packs import PACK_BELOW
 from epochfs.cache.policies.lru import LruPolicy
 from epochfs.cache.store import BlockStore, CacheLocked
-from epochfs.errors import CacheUnreadable, ConfigError
+from epochfs.core.errors import CacheUnreadable, ConfigError
 
 from .helpers import damage_block
 
@@ -579,7 +579,7 @@ def test_an_index_of_another_version_is_discarded_with_its_blocks(tmp_path, capl
 def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(tmp_path, packing):
     """``read(nowait=True)`` answers from the page cache, or says WOULD_BLOCK for a worker thread to
     read: it never starts the disk read on the event loop (cachestat, where the kernel has it)."""
-    from epochfs import pagecache
+    from epochfs.cache import pagecache
     from epochfs.cache.store import WOULD_BLOCK
 
     store = make(tmp_path, packing=packing)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.devserver import LocalRedis
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.servers import LocalRedis
 from epochfs.meta import StoreAccess, open_meta
 from epochfs.meta.base import CLOSED_DIR, CLOSED_FILE, SnapshotInvalid, decode_objects, encode_objects
-from epochfs.records import ObjectInfo
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, as_user, write_private
@@ -86,7 +86,7 @@ def test_signed_records_are_taken_and_anything_else_is_refused(guarded):
 
 
 def test_the_password_comes_from_a_private_file_or_the_environment(tmp_path, monkeypatch):
-    from epochfs.config import store_access
+    from epochfs.daemon.config import store_access
 
     secret = tmp_path / "pw"
     secret.write_bytes(SECRET + b"\n")
@@ -110,7 +110,7 @@ def test_the_password_comes_from_a_private_file_or_the_environment(tmp_path, mon
 def test_tls_and_a_password_work_end_to_end(s3, s3_client, fresh_bucket, tmp_path):
     """``epochfs import`` publishes over rediss:// with a password from a file; a store with a CA this
     machine does not know is refused; the records read back signed."""
-    from epochfs.sample import SampleFile, upload
+    from epochfs.dev.sample import SampleFile, upload
 
     server = LocalRedis(tmp_path / "redis", password=SECRET.decode(), tls=True).start()
     try:

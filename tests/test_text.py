@@ -7,7 +7,7 @@ import logging
 import random
 import unicodedata
 
-from epochfs.text import SafeFormatter, printable
+from epochfs.core.text import SafeFormatter, printable
 
 BIDI = ("LRE", "RLE", "PDF", "LRO", "RLO", "LRI", "RLI", "FSI", "PDI")
 
@@ -35,7 +35,7 @@ def test_a_log_record_is_one_line_whatever_its_message_holds():
     log.addHandler(handler)
     log.propagate = False
     try:
-        log.warning("peer said %s for %r", "ok\n2026-12-01 INFO epochfs.mount: forged", "k\u0085\u009b")
+        log.warning("peer said %s for %r", "ok\n2026-12-01 INFO epochfs.daemon.mount: forged", "k\u0085\u009b")
     finally:
         log.removeHandler(handler)
     lines = stream.getvalue().splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from epochfs import Client
-from epochfs.devserver import free_ports
+from epochfs.dev.servers import free_ports
 
 from .conftest import requires_fuse
 from .helpers import drop_page_cache

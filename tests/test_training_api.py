@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from epochfs.client import Client
-from epochfs.errors import EpochfsError
-from epochfs.sample import SampleFile, upload
+from epochfs.core.errors import EpochfsError
+from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 from .helpers import drop_all_caches, wait_idle

@@ -13,9 +13,9 @@ import urllib.request
 import pytest
 
 from epochfs.control import request
-from epochfs.errors import EpochfsError
-from epochfs.jobs import MAX_ENTRIES, MAX_EPOCHS, WINDOW, Jobs, Report
-from epochfs.sample import SampleFile, upload
+from epochfs.control.jobs import MAX_ENTRIES, MAX_EPOCHS, WINDOW, Jobs, Report
+from epochfs.core.errors import EpochfsError
+from epochfs.dev.sample import SampleFile, upload
 from epochfs.watch import Meter, Reporter, _reporters, job_name, job_rank, saving, watch
 
 from .conftest import requires_fuse

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.devserver import LocalRedis
-from epochfs.sample import pattern
+from epochfs.dev.sample import pattern
+from epochfs.dev.servers import LocalRedis
 
 from .conftest import requires_fuse
 from .faultproxy import Fault, FaultProxy

@@ -499,8 +499,8 @@ def test_the_reserved_name_is_found_in_any_key():
     import random
 
     from epochfs.backend.attrs import reserved
+    from epochfs.core.records import ObjectInfo
     from epochfs.meta.index import build
-    from epochfs.records import ObjectInfo
 
     rng = random.Random(9)
     parts = [".epochfs", ".epochfs.", "epochfs", "..epochfs", ".EPOCHFS", "a", "", ".", "..", "x.epochfs", "attrs"]

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import pytest
 
-from epochfs.records import PATH_MAX, ObjectInfo, unsafe_reason
+from epochfs.core.records import PATH_MAX, ObjectInfo, unsafe_reason
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal, key_hash
 
 

@@ -14,11 +14,11 @@ import pytest
 import trio
 
 from epochfs.backend.base import Backend, BackendStats
-from epochfs.errors import BackendUnavailable, NoSpace, Refused
+from epochfs.core.errors import BackendUnavailable, NoSpace, Refused
+from epochfs.core.private import private_dir
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.base import merged
 from epochfs.meta.index import build as build_namespace
-from epochfs.private import private_dir
-from epochfs.records import ObjectInfo
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree

@@ -11,7 +11,7 @@
 
 Paths may be absolute (under the mount point: what a dataset's list of samples holds) or relative to
 the mount root; an item may also be a ``(path, target)`` pair as in ``ImageFolder.samples``. Errors
-are :class:`~epochfs.errors.EpochfsError` with the daemon's message.
+are :class:`~epochfs.core.errors.EpochfsError` with the daemon's message.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from epochfs.control.client import request
-from epochfs.errors import NotDurable
+from epochfs.core.errors import NotDurable
+from epochfs.core.text import human
 from epochfs.prefetch.manifest import epoch_order, mount_relative
-from epochfs.text import human
 
 PathItem = str | os.PathLike[str] | Sequence[Any]  # a path, or a (path, target) sample
 SYNC_ROUND = 10.0  # seconds one sync request waits in the daemon before asking again
@@ -116,7 +116,7 @@ class Client:
              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Return once everything written through this --writeback mount (or ``paths``: files and
         directories under it) is in the backend: the point where a checkpoint is durable (what ``epochfs
-        sync`` does); the daemon's last answer. :class:`~epochfs.errors.NotDurable` when a file will never
+        sync`` does); the daemon's last answer. :class:`~epochfs.core.errors.NotDurable` when a file will never
         upload as it is (a write of it failed) or ``timeout`` seconds pass first, naming what is pending;
         the uploads go on. ``progress`` sees each answer that still lists uploads pending."""
         rel = [mount_relative(self.mountpoint, _path(p)) for p in paths]

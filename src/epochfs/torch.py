@@ -35,7 +35,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from epochfs.client import Client, PathItem
-from epochfs.errors import EpochfsError
+from epochfs.core.errors import EpochfsError
 from epochfs.prefetch.manifest import local_order
 from epochfs.watch import watch
 

@@ -39,8 +39,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from epochfs.errors import EpochfsError
-from epochfs.jobs import JOB_NAME
+from epochfs.control.jobs import JOB_NAME
+from epochfs.core.errors import EpochfsError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ EXIT_BUDGET = 5.0  # seconds a process's exit may wait for its last reports
 
 def job_name(job: str | None) -> str:
     """The job's name as reported: ``job``, ``$EPOCHFS_JOB`` or the script's name, cut to what the
-    daemon accepts (:data:`epochfs.jobs.JOB_NAME`)."""
+    daemon accepts (:data:`epochfs.control.jobs.JOB_NAME`)."""
     raw = job or os.environ.get("EPOCHFS_JOB") or os.path.splitext(os.path.basename(sys.argv[0] or ""))[0] or "job"
     name = re.sub(r"[^A-Za-z0-9_.:-]", "_", raw).lstrip("_.:-")[:64] or "job"
     assert JOB_NAME.fullmatch(name)

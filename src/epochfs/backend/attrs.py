@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from epochfs.records import ObjectInfo, reserved_key
+from epochfs.core.records import ObjectInfo, reserved_key
 
 #: Keys under this prefix of a source are epochfs's own: never files of the mount, never a writer's.
 RESERVED = ".epochfs/"

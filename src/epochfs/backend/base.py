@@ -6,12 +6,12 @@ capacity limiter.
 
 Backends own their retries. A temporary failure (throttling, 5xx, a reset connection, a body cut short)
 is retried with exponential backoff and jitter inside the call, bounded by an overall deadline; the
-caller only ever sees a permanent domain error from :mod:`epochfs.errors`:
+caller only ever sees a permanent domain error from :mod:`epochfs.core.errors`:
 
-- :class:`~epochfs.errors.ObjectChanged` when the object no longer has the snapshot's ETag (or is
+- :class:`~epochfs.core.errors.ObjectChanged` when the object no longer has the snapshot's ETag (or is
   gone) — the reader gets ESTALE and never a mix of versions;
-- :class:`~epochfs.errors.BackendUnavailable` when retries or the deadline ran out — EIO;
-- :class:`~epochfs.errors.AccessDenied` — EACCES.
+- :class:`~epochfs.core.errors.BackendUnavailable` when retries or the deadline ran out — EIO;
+- :class:`~epochfs.core.errors.AccessDenied` — EACCES.
 
 ``read_range`` returns exactly ``length`` bytes of the version named by ``etag`` or raises.
 """
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from epochfs.backend import attrs
-from epochfs.errors import BackendUnavailable
+from epochfs.core.errors import BackendUnavailable
+from epochfs.core.records import MAX_MTIME_NS, MIN_MTIME_NS, ObjectInfo, Source, record_problem
+from epochfs.core.stats import Histogram, HistogramSnapshot
 from epochfs.links.meter import TransferMeter
-from epochfs.records import MAX_MTIME_NS, MIN_MTIME_NS, ObjectInfo, Source, record_problem
-from epochfs.stats import Histogram, HistogramSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,8 @@ class Backend(abc.ABC):
 
     def check_access(self) -> None:  # noqa: B027 - optional: a source that cannot refuse has nothing to check
         """Ask the source once whether it serves this mount (the credentials, the bucket, the endpoint),
-        before a stored snapshot is served: :class:`~epochfs.errors.AccessDenied` or
-        :class:`~epochfs.errors.ConfigError` say what is wrong for good, :class:`BackendUnavailable`
+        before a stored snapshot is served: :class:`~epochfs.core.errors.AccessDenied` or
+        :class:`~epochfs.core.errors.ConfigError` say what is wrong for good, :class:`BackendUnavailable`
         that it does not answer now."""
 
     @abc.abstractmethod
@@ -205,7 +205,7 @@ class Backend(abc.ABC):
                     multipart_started: Callable[[str], None] | None = None) -> ObjectInfo:
         """Put the file at ``path`` under ``key``, atomically (the object appears whole or not at all),
         with ``metadata`` (user metadata of the object), and return the new object. Raises
-        :class:`~epochfs.errors.BackendError`; ``cancelled`` stops it (nothing is left behind).
+        :class:`~epochfs.core.errors.BackendError`; ``cancelled`` stops it (nothing is left behind).
         ``multipart_started`` is called (from another thread) with the id of each multipart upload this
         starts, so that one cut off by a crash can be aborted later (:meth:`abort_multipart`)."""
         raise NotImplementedError

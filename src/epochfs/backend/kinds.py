@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-from epochfs.errors import ConfigError
-from epochfs.records import FORM_PROBLEMS, Source, SourceForm, register_form
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import FORM_PROBLEMS, Source, SourceForm, register_form
 
 if TYPE_CHECKING:
     from epochfs.backend.base import Backend, BackendSettings
@@ -31,6 +31,7 @@ class Capabilities:
     conditional_reads: bool  # a read names the version it wants and fails if the object changed
     attribute_records: bool  # owners and modes kept beside the objects, read back by every listing
     shared: bool  # other nodes reach the same objects (a cluster tier can share its blocks)
+    local_path: bool = False  # the source's prefix is a path of this node's file system (what a policy confines)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ register(Kind(SourceForm("s3", "s3://BUCKET[/PREFIX]", _s3),
               Capabilities(write=True, stat=True, conditional_reads=True, attribute_records=True, shared=True),
               "epochfs.backend.s3:S3Backend"))
 register(Kind(SourceForm("file", "file:///PATH", _file),
-              Capabilities(write=False, stat=True, conditional_reads=True, attribute_records=False, shared=True),
+              Capabilities(write=False, stat=True, conditional_reads=True, attribute_records=False, shared=True,
+                           local_path=True),
               "epochfs.backend.local:LocalBackend"))
 
 for _name in filter(None, (n.strip() for n in os.environ.get("EPOCHFS_BACKENDS", "").split(","))):

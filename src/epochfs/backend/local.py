@@ -10,7 +10,7 @@ The version tag ("ETag") of a file is its device, inode, size, mtime and ctime: 
 rewritten or rewritten in place with its mtime restored gets a new tag (the ctime moves on any
 change). A read checks the tag before and after reading, so a file changed underneath is reported as
 changed, never mixed. Directories are listed as markers carrying their mode and owner, so the mount
-presents the source's permissions (see :class:`epochfs.fs.Presentation`).
+presents the source's permissions (see :class:`epochfs.vfs.fs.Presentation`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from epochfs.backend.base import Backend, BackendSettings, BackendStats, StatsRecorder, servable
-from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
+from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, ObjectChanged
+from epochfs.core.records import ObjectInfo
 from epochfs.links.meter import TransferMeter
-from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 

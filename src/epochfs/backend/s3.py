@@ -7,7 +7,7 @@ Block GETs are the hot path. A range shorter than :data:`STREAM_MIN` goes throug
 which signs it itself (AWS SigV4 with the credentials of boto3's chain, re-read on every request so
 refreshed ones are used) and sends it with the GIL released: a cold small file costs a fraction of the
 CPU of a botocore request. A longer one (a block of a large file) is signed by botocore and received by
-:mod:`epochfs.httpio` straight into an aligned buffer, which costs far less CPU per byte (unless a proxy
+:mod:`epochfs.transport.httpio` straight into an aligned buffer, which costs far less CPU per byte (unless a proxy
 is configured for the endpoint: then libcurl, which honours it, takes every range). Either way the
 whole request, headers and body included, is bounded by one deadline (a server that drips its answer
 cannot hold a read), and each worker thread keeps its own connections. The answer is checked completely
@@ -40,7 +40,6 @@ import botocore.exceptions
 import botocore.httpsession
 import pycurl
 
-from epochfs import httpio
 from epochfs.backend import attrs
 from epochfs.backend.base import (
     Backend,
@@ -52,15 +51,16 @@ from epochfs.backend.base import (
     servable,
 )
 from epochfs.backend.s3_writes import S3Writes
-from epochfs.curlio import Answer, new_handle
-from epochfs.errors import (
+from epochfs.core.errors import (
     AccessDenied,
     BackendUnavailable,
     ConfigError,
     ObjectChanged,
 )
+from epochfs.core.records import ObjectInfo
 from epochfs.links.meter import TransferMeter
-from epochfs.records import ObjectInfo
+from epochfs.transport import httpio
+from epochfs.transport.curlio import Answer, new_handle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,7 +97,7 @@ _CREDENTIAL_SOURCES = {
 #: Most attribute records one listing takes (a name each; far more than any checkpoint area holds).
 MAX_ATTRIBUTE_RECORDS = 10_000_000
 
-#: Ranges at least this long are received through :mod:`epochfs.httpio` (see the module's text).
+#: Ranges at least this long are received through :mod:`epochfs.transport.httpio` (see the module's text).
 STREAM_MIN = 1 << 20
 
 _TLS_FAILURES = {35, 51, 53, 54, 58, 59, 60, 64, 66, 77, 80, 82, 83, 90, 91}  # certificate, TLS setup
@@ -138,7 +138,7 @@ class S3Backend(S3Writes, Backend):
         self._stream_to = self._stream_endpoint(probe)
 
     def _stream_endpoint(self, url: urllib.parse.SplitResult) -> tuple[str, int | None, ssl.SSLContext | None] | None:
-        """Where :mod:`epochfs.httpio` sends long ranges: host, port and TLS context; None where a
+        """Where :mod:`epochfs.transport.httpio` sends long ranges: host, port and TLS context; None where a
         proxy is configured for the endpoint (libcurl then takes every range, through it)."""
         host = url.hostname or ""
         if urllib.request.getproxies().get(url.scheme) and not urllib.request.proxy_bypass(host):
@@ -411,7 +411,7 @@ class S3Backend(S3Writes, Backend):
         return data
 
     def _stream_once(self, key: str, etag: str, start: int, length: int, deadline: float) -> memoryview:
-        """:meth:`_get_once` through :mod:`epochfs.httpio` (a long range)."""
+        """:meth:`_get_once` through :mod:`epochfs.transport.httpio` (a long range)."""
         started = time.monotonic()
         if deadline <= started:
             raise TemporaryFailure("deadline passed")

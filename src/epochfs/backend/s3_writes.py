@@ -20,8 +20,8 @@ import botocore.config
 import botocore.exceptions
 
 from epochfs.backend import attrs
-from epochfs.errors import KeyRefused, UploadCancelled
-from epochfs.records import ObjectInfo
+from epochfs.core.errors import KeyRefused, UploadCancelled
+from epochfs.core.records import ObjectInfo
 
 _KEY_REFUSED_CODES = {"KeyTooLongError", "InvalidObjectName", "InvalidKey"}
 #: Longest key S3 stores (UTF-8 bytes, the prefix included).

@@ -1,5 +1,5 @@
 """Writing a block around the page cache (``O_DIRECT``): from where it is when it is aligned (a block
-received into :func:`epochfs.buffers.aligned_buffer`), else through a buffer of the thread's own."""
+received into :func:`epochfs.transport.buffers.aligned_buffer`), else through a buffer of the thread's own."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import mmap
 import os
 import threading
 
-from epochfs.buffers import ALIGN, is_aligned
 from epochfs.cache.packs import padded
+from epochfs.transport.buffers import ALIGN, is_aligned
 
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 

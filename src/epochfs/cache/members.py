@@ -22,10 +22,10 @@ from typing import Protocol
 
 import xxhash
 
-from epochfs.cache.keys import blocks_for_range
 from epochfs.cache.readahead import Readahead
-from epochfs.errors import EpochfsError
-from epochfs.records import ObjectInfo
+from epochfs.core.blocks import blocks_for_range
+from epochfs.core.errors import EpochfsError
+from epochfs.core.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable
 
-from epochfs.buffers import ALIGN
 from epochfs.cache.descriptors import Descriptors
+from epochfs.transport.buffers import ALIGN
 
 log = logging.getLogger(__name__)
 

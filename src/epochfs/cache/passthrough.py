@@ -21,10 +21,11 @@ from typing import Protocol
 
 import trio
 
-from epochfs.cache.keys import block_count, whole_id
+from epochfs.cache.keys import whole_id
 from epochfs.cache.service import BlockCache
 from epochfs.cache.whole import Whole, WholeFiles, hasher
-from epochfs.records import ObjectInfo, stored_extent
+from epochfs.core.blocks import block_count
+from epochfs.core.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from typing import NamedTuple, Protocol
 
 import trio
 
-from epochfs.cache.keys import block_bounds, block_count
 from epochfs.cache.store import BlockStore
-from epochfs.records import ObjectInfo
+from epochfs.core.blocks import block_bounds, block_count
+from epochfs.core.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 

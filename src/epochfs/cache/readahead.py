@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from epochfs.records import ObjectInfo
+from epochfs.core.records import ObjectInfo
 
 
 class BlockCache(Protocol):

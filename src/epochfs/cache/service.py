@@ -36,10 +36,10 @@ from collections.abc import Callable
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.cache.flights import CacheSettings, CacheStats, Fetch, Kept, ReadObserver
+from epochfs.cache.accounting import CacheStats
+from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
-from epochfs.cache.keys import block_bounds, block_count, block_id, range_blocks
 from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import Pusher
@@ -47,8 +47,9 @@ from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
-from epochfs.errors import BackendUnavailable, EpochfsError
-from epochfs.records import ObjectInfo, member_location
+from epochfs.core.blocks import block_bounds, block_count, block_id, range_blocks
+from epochfs.core.errors import BackendUnavailable, EpochfsError
+from epochfs.core.records import ObjectInfo, member_location
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from epochfs.backend.base import Backend
-from epochfs.records import ObjectInfo
+from epochfs.core.records import ObjectInfo
 
 #: Where a fetched block's bytes came from.
 ORIGINS = ("backend", "owner", "replica")

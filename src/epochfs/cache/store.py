@@ -37,9 +37,8 @@ from typing import Any
 
 import lmdb
 
-from epochfs import pagecache
 from epochfs.cache import packs as pk
-from epochfs.cache import recovery
+from epochfs.cache import pagecache, recovery
 from epochfs.cache.descriptors import Descriptors
 from epochfs.cache.direct import write_direct
 from epochfs.cache.format import BlockMeta, checksums, missing, verify, where
@@ -47,8 +46,8 @@ from epochfs.cache.index import Index, OtherFormat
 from epochfs.cache.keys import block_relpath, chunk_span
 from epochfs.cache.packs import Packs, discard
 from epochfs.cache.policies import EvictionPolicy, make_room
-from epochfs.errors import CacheUnreadable, ConfigError
-from epochfs.private import open_private, private_dir, private_subdir, touch_private
+from epochfs.core.errors import CacheUnreadable, ConfigError
+from epochfs.core.private import open_private, private_dir, private_subdir, touch_private
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from epochfs.cache.keys import block_count
 from epochfs.cache.push import GAP, Pusher
 from epochfs.cache.readahead import Readahead
-from epochfs.records import ObjectInfo
+from epochfs.core.blocks import block_count
+from epochfs.core.records import ObjectInfo
 
 
 class BlockCache(Protocol):

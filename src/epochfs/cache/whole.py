@@ -39,8 +39,8 @@ import xxhash
 
 from epochfs.cache.packs import discard
 from epochfs.cache.store import BlockStore
-from epochfs.errors import ConfigError
-from epochfs.private import open_private, private_subdir
+from epochfs.core.errors import ConfigError
+from epochfs.core.private import open_private, private_subdir
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Command line: arguments -> calls, errors -> one line and an exit code. One module per command family:
 :mod:`.mount` (mount, serve, umount), :mod:`.status` (status, stats), :mod:`.epoch` (prefetch, warmup, manifest,
 plan), :mod:`.stores` (import, refresh, fsck), :mod:`.pack` (pack), :mod:`.cluster` (cluster status, warmup); :mod:`.options` derives the mount options from
-:class:`~epochfs.config.Config`.
+:class:`~epochfs.daemon.config.Config`.
 
 Exit codes: 0 success, 1 runtime failure, 2 usage or configuration error.
 """
@@ -15,7 +15,7 @@ import sys
 
 from epochfs.cli import cluster, epoch, mount, pack, status, stores
 from epochfs.cli.common import EPILOG
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.core.errors import ConfigError, EpochfsError
 from epochfs.version import __version__
 
 

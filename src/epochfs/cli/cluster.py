@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from epochfs.cli.common import EPILOG, human
-from epochfs.config import parse_rate, parse_size, store_access
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.core.errors import ConfigError, EpochfsError
+from epochfs.core.records import ObjectInfo, Source
+from epochfs.core.text import plural, printable
+from epochfs.daemon.config import parse_rate, parse_size, store_access
 from epochfs.peer.published import published_stats
-from epochfs.records import ObjectInfo, Source
-from epochfs.text import plural, printable
 
 HEARTBEAT_STALE = 10.0  # seconds after which a member's published statistics are old
 
@@ -356,11 +356,11 @@ def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[Objec
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from epochfs.cache.keys import block_id, extent_blocks
+    from epochfs.core.blocks import block_id, extent_blocks
+    from epochfs.core.records import stored_extent
     from epochfs.peer.client import PeerFailure
     from epochfs.peer.ring import Ring, ring_weights
     from epochfs.peer.wire import BlockRequest
-    from epochfs.records import stored_extent
 
     if (args.replicas is not None and args.replicas < 1) or args.concurrency < 1:
         raise ConfigError("--replicas and --concurrency must be at least 1")

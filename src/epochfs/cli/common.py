@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epochfs.text import human
+from epochfs.core.text import human
 
 __all__ = ["EPILOG", "human"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from epochfs.cli.common import human
 from epochfs.client import merge_rank
-from epochfs.config import parse_rate, parse_size
-from epochfs.cost import add_price_options
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
+from epochfs.daemon.config import parse_rate, parse_size
+from epochfs.doctor.cost import add_price_options
 from epochfs.links.sizing import WORKLOADS
 from epochfs.prefetch.manifest import Entry, mount_relative
 
@@ -287,7 +287,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         before = _sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest)
         previous = block_sequence(before, args.block_size, _stored(args, before))
     from epochfs.cache.policies import names
-    from epochfs.cost import describe_dict, predicted, prices_of
+    from epochfs.doctor.cost import describe_dict, predicted, prices_of
 
     if args.epoch_hours is not None and not 0 < args.epoch_hours <= 10_000:
         raise ConfigError("--epoch-hours must be a number of hours above 0")

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from epochfs.cli.common import EPILOG
 from epochfs.cli.options import add_mount_options, config_from
-from epochfs.config import Config, read_config_file
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.core.errors import ConfigError, EpochfsError
+from epochfs.daemon.config import Config, read_config_file
 
 log = logging.getLogger("epochfs")
 
@@ -68,8 +68,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def setup_logging(config: Config) -> None:
-    from epochfs.private import PrivateLogFile
-    from epochfs.text import SafeFormatter
+    from epochfs.core.private import PrivateLogFile
+    from epochfs.core.text import SafeFormatter
 
     handler: logging.Handler
     if config.log_file is not None:
@@ -93,8 +93,7 @@ def cmd_mount(args: argparse.Namespace, *, serving: bool = False) -> int:
     if not config.foreground:
         return _spawn_daemon(config, args.argv)
 
-    from epochfs import mount
-
+    from epochfs.daemon import mount
     setup_logging(config)
     ready_fd = args.ready_fd
     reported = False
@@ -123,7 +122,7 @@ def cmd_mount(args: argparse.Namespace, *, serving: bool = False) -> int:
 
 def _spawn_daemon(config: Config, argv: list[str]) -> int:
     """Start the daemon in its own session and wait for it to say the mount answers, or why not."""
-    from epochfs.private import open_private, private_dir
+    from epochfs.core.private import open_private, private_dir
 
     assert config.cache_dir is not None
     log_file = config.log_file or config.cache_dir / "epochfs.log"
@@ -155,7 +154,7 @@ def _spawn_daemon(config: Config, argv: list[str]) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     from epochfs.control import PID_XATTR
-    from epochfs.mountpoint import is_dead_mount, lazy_unmount
+    from epochfs.daemon.mountpoint import is_dead_mount, lazy_unmount
 
     mountpoint = args.mountpoint
     if args.config:

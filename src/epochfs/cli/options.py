@@ -1,4 +1,4 @@
-"""The mount's options, derived from :class:`~epochfs.config.Config`'s fields: the argparse flags, the
+"""The mount's options, derived from :class:`~epochfs.daemon.config.Config`'s fields: the argparse flags, the
 config-file keys and the example config all come from the one definition there.
 
 A flag the user did not give stays unset (``argparse.SUPPRESS``), so the value comes from the config
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from epochfs.config import Config, Option, Source, read_config_file
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
+from epochfs.daemon.config import Config, Option, Source, read_config_file
 
 GROUPS = ("object store", "cache", "prefetch", "write-back", "namespace", "cluster cache", "metrics", "mount")
 NOT_IN_FILES = {"foreground"}  # the unit passes --foreground itself
@@ -193,7 +193,7 @@ def example_config() -> str:
                 _toml(mo.shown()) if mo.option.shown else _toml(mo.default))
             lines += textwrap.wrap(mo.option.help, 100, initial_indent="# ", subsequent_indent="#   ")
             lines.append(f"# {mo.key} = {value}")
-    from epochfs.cost import PRICE_GB, PRICE_GET, PRICE_LIST
+    from epochfs.doctor.cost import PRICE_GB, PRICE_GET, PRICE_LIST
 
     lines += ["", "# -- prices (US dollars): what `epochfs doctor --config` and `epochfs plan --config` read; the",
               "# mount itself ignores this table. Defaults: AWS S3 Standard list prices (us-east-1); GPU time has",

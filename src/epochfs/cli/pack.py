@@ -7,7 +7,7 @@ import os
 
 from epochfs.cli.common import EPILOG, human
 from epochfs.cli.epoch import size_arg
-from epochfs.records import Source
+from epochfs.core.records import Source
 
 DESCRIPTION = """\
 Write the files under SOURCE (s3://BUCKET/PREFIX or file:///PATH) as standard tar shards under DEST
@@ -60,7 +60,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     )
 
     from epochfs.backend import BackendSettings, kind_of, open_backend
-    from epochfs.errors import ConfigError
+    from epochfs.core.errors import ConfigError
     from epochfs.pack.writer import PackSettings, pack
 
     source, dest = Source.parse(args.source), Source.parse(args.dest)

@@ -9,9 +9,9 @@ import time
 from typing import Any
 
 from epochfs.cli.common import human
-from epochfs.cost import add_price_options
-from epochfs.errors import ConfigError, EpochfsError
-from epochfs.text import plural
+from epochfs.core.errors import ConfigError, EpochfsError
+from epochfs.core.text import plural
+from epochfs.doctor.cost import add_price_options
 
 
 def bounded_by_disk(st: dict[str, Any]) -> str:
@@ -79,8 +79,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from epochfs.control import request
-    from epochfs.cost import prices_of
     from epochfs.doctor import compare, diagnose, render
+    from epochfs.doctor.cost import prices_of
 
     if args.interval < 0 or args.interval > 600:
         raise ConfigError("--interval must be between 0 and 600 seconds")
@@ -116,7 +116,7 @@ def stats_table(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> An
     """The rows of one ``epochfs stats`` refresh, from two status snapshots ``seconds`` apart."""
     from rich.table import Table
 
-    from epochfs.stats import HistogramSnapshot
+    from epochfs.core.stats import HistogramSnapshot
 
     c0, c1, s1, p1 = prev["cache"], cur["cache"], cur["store"], cur["prefetch"]
     hit = c1["hit_bytes"] - c0["hit_bytes"]

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 from epochfs.cli.common import EPILOG, human
-from epochfs.errors import ConfigError
-from epochfs.records import Source
-from epochfs.text import printable
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import Source
+from epochfs.core.text import printable
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -72,7 +72,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from epochfs.backend import BackendSettings, open_backend
-    from epochfs.config import store_access
+    from epochfs.daemon.config import store_access
     from epochfs.meta import open_meta
     from epochfs.pack.listing import dataset_listing
 
@@ -143,7 +143,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     import sys
 
     from epochfs.client import Client
-    from epochfs.errors import NotDurable
+    from epochfs.core.errors import NotDurable
 
     if args.timeout is not None and not args.timeout >= 0:
         raise ConfigError("--timeout must be a number of seconds >= 0")

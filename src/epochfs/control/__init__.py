@@ -1,6 +1,9 @@
 """The local control channel between the command-line tools (or the Python API) and a daemon:
-:mod:`.protocol` (typed, validated requests), :mod:`.server` (the daemon's end), :mod:`.client`.
-(The face hands on the tools' end only: the command line never loads the daemon's event loop.)"""
+:mod:`.protocol` (typed, validated requests), :mod:`.server` (the daemon's end), :mod:`.client`,
+:mod:`.handlers` (requests -> component calls), and what it renders: :mod:`.collected` (every
+component's statistics at one moment) and :mod:`.jobs` (what training jobs report). It may import the
+components and the doctor, never the daemon's composition root or the command line. (The face hands on
+the tools' end only: the command line never loads the daemon's event loop.)"""
 
 from epochfs.control.client import CONTROL_XATTR, PID_XATTR, request
 

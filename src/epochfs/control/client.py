@@ -19,7 +19,7 @@ from typing import Any
 from epochfs.control.creds import peer_uid
 from epochfs.control.paths import socket_path
 from epochfs.control.protocol import CHUNK_ENTRIES, encode
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.core.errors import ConfigError, EpochfsError
 
 CONTROL_XATTR = "user.epochfs.control"
 PID_XATTR = "user.epochfs.pid"

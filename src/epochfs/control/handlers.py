@@ -18,20 +18,20 @@ from typing import Any
 
 import trio
 
-from epochfs.cache.flights import read_origins
-from epochfs.collected import Collected
+from epochfs.cache.accounting import read_origins
 from epochfs.control import protocol as p
+from epochfs.control.collected import Collected
+from epochfs.control.jobs import Jobs, JobStats, Report
 from epochfs.control.server import Chunks, Handler
-from epochfs.cost import usage_of
-from epochfs.errors import ConfigError
-from epochfs.jobs import Jobs, JobStats, Report
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import ObjectInfo, stored_extent
+from epochfs.doctor.cost import usage_of
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.nodes import File
 from epochfs.meta.snapshots import Snapshots
 from epochfs.prefetch.manifest import ManifestError
 from epochfs.prefetch.plan import MAX_PLAN_BLOCKS, PlanTooLarge, count_blocks
 from epochfs.prefetch.scheduler import Prefetcher
-from epochfs.records import ObjectInfo, stored_extent
 from epochfs.version import __version__
 from epochfs.writeback.service import WriteBack
 

@@ -8,7 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from epochfs.private import private_dir
+from epochfs.core.private import private_dir
 
 _SUN_PATH_MAX = 107
 

@@ -24,7 +24,7 @@ Operations and fields:
 ``get_manifest``      ``name``
 ``sync``              ``paths`` (list of paths relative to the mount root; empty: everything), ``wait``
                       (seconds, at most 60): wait until what was written under them is in the backend
-``report``            ``job`` (a name, see :data:`epochfs.jobs.JOB_NAME`), ``rank`` (int; null: 0), ``steps`` (int),
+``report``            ``job`` (a name, see :data:`epochfs.control.jobs.JOB_NAME`), ``rank`` (int; null: 0), ``steps`` (int),
                       ``data_wait`` and ``compute`` (seconds), ``gpu_utilization`` (percent or null),
                       ``saves`` and ``save_seconds`` (checkpoint saves timed): what one rank of a
                       training job measured since its previous report
@@ -47,8 +47,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from epochfs.errors import EpochfsError
-from epochfs.jobs import JOB_NAME, MAX_EPOCH, Report
+from epochfs.control.jobs import JOB_NAME, MAX_EPOCH, Report
+from epochfs.core.errors import EpochfsError
 
 #: Longest line accepted, checked before it is parsed: a request, or one chunk of streamed entries.
 MAX_LINE = 32 << 20

@@ -24,7 +24,7 @@ import trio
 from epochfs.control.creds import peer_uid
 from epochfs.control.paths import runtime_dir, socket_path  # noqa: F401 - (the daemon's)
 from epochfs.control.protocol import MAX_LINE, BadRequest, Request, encode, parse, parse_chunk
-from epochfs.errors import ConfigError, EpochfsError
+from epochfs.core.errors import ConfigError, EpochfsError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ The rules are the operators' ones:
   and the fix, as a command or flag to paste, only where it is not in place already, most helpful first;
 - what an epoch and a day cost: the backend's requests and bytes of each epoch (the mount's counters
   where the job's epochs began) and the GPU hours spent waiting, at the operator's prices
-  (:mod:`epochfs.cost`).
+  (:mod:`epochfs.doctor.cost`).
 
 The package: :mod:`.views` (the job's phases, the mount's state), :mod:`.findings` (causes and fixes),
 :mod:`.advice` (the commands and sizes advised), :mod:`.report` (the answer, its cost, its words). It

@@ -8,8 +8,8 @@ import math
 import shlex
 from typing import Any
 
+from epochfs.core.text import human
 from epochfs.doctor.views import HEADROOM, number
-from epochfs.text import human
 
 
 def size_flag(nbytes: float, *, down: bool = False) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from epochfs.core.text import human
 from epochfs.doctor.advice import serve_command, share_fix, size_flag, store_flags, warm_fix, warmup_command
 from epochfs.doctor.views import (
     BACKEND_BUSY,
@@ -25,7 +26,6 @@ from epochfs.doctor.views import (
     WARM_HITS,
     verdict_of,
 )
-from epochfs.text import human
 
 #: Findings, most helpful first (the order they are listed in).
 ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from epochfs.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
+from epochfs.core.text import human, plural
+from epochfs.doctor.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
 from epochfs.doctor.findings import findings_of
 from epochfs.doctor.views import (
     checkpoint_view,
@@ -16,7 +17,6 @@ from epochfs.doctor.views import (
     phase_origins,
     verdict_of,
 )
-from epochfs.text import human, plural
 
 
 def _usage(status: dict[str, Any]) -> Usage:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from epochfs.cache.flights import read_origins
-from epochfs.stats import HistogramSnapshot
+from epochfs.cache.accounting import read_origins
+from epochfs.core.stats import HistogramSnapshot
 
 STORAGE_BOUND = 0.5  # of step time spent waiting for data
 COMPUTE_BOUND = 0.2

@@ -2,7 +2,7 @@
 routed on the trio thread (each request's translation: :mod:`epochfs.kernel.translate`), notifications
 sent from any thread, backing files registered for passthrough.
 
-The handlers are the methods of an operations object (:class:`epochfs.fs.Operations`) named as the
+The handlers are the methods of an operations object (:class:`epochfs.vfs.fs.Operations`) named as the
 requests are (``lookup``, ``open``, ``read``...). A plain method is called as its request is read and
 answered at once, with no task and no scheduling; a coroutine method (``read``, ``fsync``: those that
 may wait for the network or a disk) runs as its own trio task. A method the object lacks is answered

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from epochfs.text import human
+from epochfs.core.text import human
 
 SYS_NET = Path("/sys/class/net")
 SIOCGIFADDR = 0x8915

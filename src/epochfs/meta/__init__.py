@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 from epochfs.meta.base import SHARED_FORMS, MetaStore, Snapshot, StoreAccess, is_shared
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from epochfs.errors import EpochfsError
-from epochfs.records import ObjectInfo, record_problem
+from epochfs.core.errors import EpochfsError
+from epochfs.core.records import ObjectInfo, record_problem
 
 #: One object record: size, mtime_ns, len(key), len(etag), mode, uid, gid (0xFFFFFFFF: not given).
 _RECORD = struct.Struct("<QqIIIII")

@@ -8,8 +8,8 @@ import struct
 
 import xxhash
 
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.nodes import Dir, File
-from epochfs.records import ObjectInfo
 
 #: A node's record in the index: kind, whether a directory has a marker, size, mtime_ns, mode, uid, gid
 #: (0xFFFFFFFF: not given), len(key), len(etag); then the key (a directory's path) and the ETag.

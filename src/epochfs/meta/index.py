@@ -47,6 +47,8 @@ from typing import Any
 import lmdb
 import xxhash
 
+from epochfs.core.private import private_dir
+from epochfs.core.records import MEMBER_TAG, ObjectInfo, reserved_key, stored_extent, unsafe_reason
 from epochfs.kernel.abi import ROOT_INODE
 from epochfs.meta.base import Change
 from epochfs.meta.entries import (
@@ -62,8 +64,6 @@ from epochfs.meta.entries import (
     record_path,
 )
 from epochfs.meta.namespace import Namespace
-from epochfs.private import private_dir
-from epochfs.records import MEMBER_TAG, ObjectInfo, reserved_key, stored_extent, unsafe_reason
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,9 @@ from pathlib import Path
 import lmdb as _lmdb
 import xxhash
 
-from epochfs.errors import EpochfsError
+from epochfs.core.errors import EpochfsError
+from epochfs.core.private import private_dir
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.base import (
     MAX_OBJECTS,
     Head,
@@ -31,8 +33,6 @@ from epochfs.meta.base import (
     decode_objects,
     encode_objects,
 )
-from epochfs.private import private_dir
-from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import xxhash
 
+from epochfs.core.records import ObjectInfo
 from epochfs.kernel.abi import ROOT_INODE
 from epochfs.meta.entries import (
     COOKIE_MAX,
@@ -41,7 +42,6 @@ from epochfs.meta.entries import (
     record_path,
 )
 from epochfs.meta.nodes import Dir, File
-from epochfs.records import ObjectInfo
 
 _CHUNK = 1024  # entries read per turn of the lock when iterating
 _BULK = 16384  # paths resolved per turn of the lock

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from epochfs.records import ObjectInfo
+from epochfs.core.records import ObjectInfo
 
 
 class Flags(NamedTuple):

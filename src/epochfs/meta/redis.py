@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import blake3
 import redis
 
+from epochfs.core.records import MAX_KEY_BYTES, ObjectInfo
 from epochfs.meta.base import (
     MAX_OBJECTS,
     Change,
@@ -52,7 +53,6 @@ from epochfs.meta.base import (
 )
 from epochfs.meta.redis_link import Link, MetaUnavailable
 from epochfs.meta.redis_lock import UpdateLocks
-from epochfs.records import MAX_KEY_BYTES, ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from epochfs.errors import BackendUnavailable, ConfigError
+from epochfs.core.errors import BackendUnavailable, ConfigError
 from epochfs.meta.base import StoreAccess
 
 log = logging.getLogger(__name__)

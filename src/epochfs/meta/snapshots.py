@@ -32,11 +32,11 @@ from typing import Any, TypeVar
 
 import trio
 
-from epochfs.errors import BackendUnavailable, ConfigError, EpochfsError
+from epochfs.core.errors import BackendUnavailable, ConfigError, EpochfsError
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.base import Change, Head, MetaStore, Snapshot, SnapshotInvalid, kept_attributes
 from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.namespace import Namespace, diff
-from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any, Protocol
 
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.base import Change, MetaStore, Snapshot
-from epochfs.records import ObjectInfo
 
 
 class AttributeRecords(Protocol):

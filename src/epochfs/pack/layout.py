@@ -32,8 +32,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from epochfs.errors import EpochfsError
-from epochfs.records import (
+from epochfs.core.errors import EpochfsError
+from epochfs.core.records import (
     MAX_MTIME_NS,
     MAX_OBJECT_SIZE,
     MIN_MTIME_NS,

@@ -10,7 +10,8 @@ import logging
 from collections.abc import Iterator
 
 from epochfs.backend.base import Backend, servable
-from epochfs.errors import BackendError, ConfigError
+from epochfs.core.errors import BackendError, ConfigError
+from epochfs.core.records import MEMBER_TAG, ObjectInfo
 from epochfs.pack.layout import (
     MAX_INDEX_BYTES,
     MAX_POINTER_BYTES,
@@ -20,7 +21,6 @@ from epochfs.pack.layout import (
     decode_index,
     decode_pointer,
 )
-from epochfs.records import MEMBER_TAG, ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import xxhash
 
 from epochfs.backend.base import Backend
-from epochfs.errors import BackendError, ConfigError, EpochfsError, ObjectChanged
+from epochfs.core.errors import BackendError, ConfigError, EpochfsError, ObjectChanged
+from epochfs.core.records import ObjectInfo, unsafe_reason
 from epochfs.pack import layout
 from epochfs.pack.layout import Index, Member, PackInvalid
 from epochfs.pack.listing import current_index, read_object
-from epochfs.records import ObjectInfo, unsafe_reason
 
 log = logging.getLogger(__name__)
 

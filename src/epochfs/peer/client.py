@@ -15,9 +15,9 @@ import time
 
 import pycurl
 
-from epochfs.curlio import Answer, new_handle
+from epochfs.core.text import printable
 from epochfs.peer import wire
-from epochfs.text import printable
+from epochfs.transport.curlio import Answer, new_handle
 
 
 class PeerFailure(Exception):

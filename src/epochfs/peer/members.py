@@ -42,10 +42,10 @@ from typing import Protocol
 
 import trio
 
-from epochfs.errors import BackendUnavailable
+from epochfs.core.errors import BackendUnavailable
+from epochfs.core.text import printable
 from epochfs.peer.ring import Ring, ring_weights
 from epochfs.peer.wire import member_addr, same_family
-from epochfs.text import printable
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 from epochfs.meta.base import SHARED_FORMS, is_shared
 from epochfs.peer.wire import is_wildcard, member_addr, split_addr
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import h11
 import trio
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 from epochfs.links.meter import TransferMeter
 from epochfs.peer import wire
-from epochfs.slots import Slot, Slots
+from epochfs.transport.slots import Slot, Slots
 
 log = logging.getLogger(__name__)
 

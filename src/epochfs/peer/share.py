@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from epochfs.cache.keys import block_bounds, block_count, block_id
+from epochfs.core.blocks import block_bounds, block_count, block_id
+from epochfs.core.records import ObjectInfo, stored_extent
 from epochfs.doctor import share_fix
 from epochfs.meta.namespace import Namespace
 from epochfs.peer import wire
 from epochfs.peer.ring import Ring
-from epochfs.records import ObjectInfo, stored_extent
 
 if TYPE_CHECKING:
     from epochfs.peer.tier import PeerTier

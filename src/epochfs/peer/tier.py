@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from epochfs.backend.base import Backend
-from epochfs.errors import EpochfsError, ObjectChanged
+from epochfs.core.errors import EpochfsError, ObjectChanged
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.nodes import File
 from epochfs.peer import wire
@@ -52,7 +53,6 @@ from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.load import MemberLoad
 from epochfs.peer.members import Membership
 from epochfs.peer.server import ServerStats
-from epochfs.records import ObjectInfo
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import blake3
 
-from epochfs.errors import ConfigError
-from epochfs.private import read_secret
-from epochfs.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, text_problem
+from epochfs.core.errors import ConfigError
+from epochfs.core.private import read_secret
+from epochfs.core.records import MAX_ETAG_BYTES, MAX_KEY_BYTES, MAX_OBJECT_SIZE, text_problem
 
 PREFIX = "/v2/block/"
 HELLO = "/v2/hello"

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -6,9 +6,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from epochfs.cache.keys import block_bounds, block_count, extent_blocks
-from epochfs.errors import ConfigError
-from epochfs.records import ObjectInfo, stored_extent
+from epochfs.core.blocks import block_bounds, block_count, extent_blocks
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import ObjectInfo, stored_extent
 
 
 @dataclass(frozen=True, slots=True)

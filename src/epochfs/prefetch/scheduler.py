@@ -60,10 +60,10 @@ from typing import Any
 
 import trio
 
-from epochfs.cache.keys import extent_blocks
 from epochfs.cache.service import BlockCache, Fetch
+from epochfs.core.blocks import extent_blocks
+from epochfs.core.records import ObjectInfo, stored_extent
 from epochfs.prefetch.plan import DEFAULT_LEAD, Plan
-from epochfs.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import lmdb
 
-from epochfs.errors import EpochfsError, NoSpace
-from epochfs.private import private_subdir
-from epochfs.records import MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo, record_problem, unsafe_reason
+from epochfs.core.errors import EpochfsError, NoSpace
+from epochfs.core.private import private_subdir
+from epochfs.core.records import MAX_KEY_BYTES, MAX_OBJECT_SIZE, ObjectInfo, record_problem, unsafe_reason
 
 log = logging.getLogger(__name__)
 

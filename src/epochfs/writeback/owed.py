@@ -20,8 +20,8 @@ from typing import Protocol
 
 import trio
 
-from epochfs.errors import EpochfsError, NoSpace, Refused
-from epochfs.records import ObjectInfo
+from epochfs.core.errors import EpochfsError, NoSpace, Refused
+from epochfs.core.records import ObjectInfo
 from epochfs.writeback.tree import LocalFile
 
 

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.errors import EpochfsError, NoSpace, NotFound, Refused
+from epochfs.core.errors import EpochfsError, NoSpace, NotFound, Refused
+from epochfs.core.records import MAX_OBJECT_SIZE, NAME_MAX, unsafe_reason
 from epochfs.meta.nodes import File
-from epochfs.records import MAX_OBJECT_SIZE, NAME_MAX, unsafe_reason
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of

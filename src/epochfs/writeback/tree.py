@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
+from epochfs.core.records import ObjectInfo
 from epochfs.meta.entries import name_cookie
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.nodes import KINDS
-from epochfs.records import ObjectInfo
 
 OVERLAY_INODES = 1 << 48
 

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from epochfs.backend.base import Backend
-from epochfs.errors import BackendError, EpochfsError, KeyRefused
-from epochfs.records import ObjectInfo
+from epochfs.core.errors import BackendError, EpochfsError, KeyRefused
+from epochfs.core.records import ObjectInfo
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.owed import Owed, Pending
 from epochfs.writeback.tree import LocalFile, Overlay, Stored, Tree

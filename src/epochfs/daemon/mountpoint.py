@@ -8,9 +8,9 @@ import logging
 import os
 import subprocess
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 
-log = logging.getLogger("epochfs.mount")
+log = logging.getLogger("epochfs.daemon.mount")
 
 
 def is_dead_mount(path: str) -> bool:

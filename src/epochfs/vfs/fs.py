@@ -1,6 +1,6 @@
 """The FUSE adapter: inode and name bookkeeping over a :class:`Namespace`, reads through a
 :class:`BlockCache`. It adapts only; every domain error becomes an errno through
-:func:`epochfs.errors.errno_for`, and any other exception is logged and answered with EIO so that a
+:func:`epochfs.core.errors.errno_for`, and any other exception is logged and answered with EIO so that a
 bug fails one request, never the mount.
 
 Differences from a plain read-only filesystem:
@@ -33,10 +33,10 @@ from epochfs.cache.members import MemberStream
 from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
-from epochfs.errors import Answered, EpochfsError, NotFound, Refused, errno_for
+from epochfs.core.errors import Answered, EpochfsError, NotFound, Refused, errno_for
+from epochfs.core.records import ObjectInfo
+from epochfs.core.stats import Histogram, HistogramSnapshot
 from epochfs.meta.namespace import ROOT_INODE, Namespace
-from epochfs.records import ObjectInfo
-from epochfs.stats import Histogram, HistogramSnapshot
 from epochfs.writeback.service import WriteBack
 from epochfs.writeback.tree import Node, Tree
 

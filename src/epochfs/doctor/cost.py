@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 
 GB = 1 << 30
 DAY = 86400.0

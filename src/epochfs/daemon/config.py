@@ -17,10 +17,10 @@ from epochfs.backend.base import DEFAULT_ATTEMPTS, DEFAULT_CONCURRENCY, DEFAULT_
 from epochfs.backend.kinds import kind_of
 from epochfs.cache import policies
 from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
+from epochfs.core.records import Source
 from epochfs.meta.base import StoreAccess
 from epochfs.prefetch.plan import DEFAULT_LEAD
-from epochfs.records import Source
 
 _SIZE_UNITS = {
     "": 1, "B": 1,
@@ -397,7 +397,7 @@ PASSWORD_ENV = "EPOCHFS_META_PASSWORD"
 def store_access(password_file: Path | None, ca_file: Path | None) -> StoreAccess:
     """A shared store's access: the password from ``password_file`` (a private file) or
     ``$EPOCHFS_META_PASSWORD``; ``ca_file`` checked to be readable."""
-    from epochfs.private import read_secret
+    from epochfs.core.private import read_secret
 
     password = None
     if password_file is not None:
@@ -434,7 +434,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key == "cost" and isinstance(value, dict):
-            continue  # the prices `epochfs doctor` and `epochfs plan --config` read (epochfs.cost)
+            continue  # the prices `epochfs doctor` and `epochfs plan --config` read (epochfs.doctor.cost)
         if isinstance(value, dict):
             raise ConfigError(f"config file {path}: [{key}]: tables are not supported; put keys at the top level "
                               "(the one table is [cost], the prices doctor and plan read)")

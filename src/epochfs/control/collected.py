@@ -1,5 +1,5 @@
 """Every component's statistics at one moment (:class:`Collected`): the composition root gathers them on
-the trio thread; the metrics (:mod:`epochfs.metrics`) and ``epochfs status`` (:mod:`epochfs.control`)
+the trio thread; the metrics (:mod:`epochfs.daemon.metrics`) and ``epochfs status`` (:mod:`epochfs.control`)
 render them. It stands above the components and below both renderers, so neither imports the other."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from epochfs.backend.base import BackendStats
+    from epochfs.cache.accounting import CacheStats
     from epochfs.cache.passthrough import PassthroughStats
-    from epochfs.cache.service import CacheStats
     from epochfs.cache.store import StoreStats
-    from epochfs.fs import FsStats
-    from epochfs.jobs import JobStats
+    from epochfs.control.jobs import JobStats
     from epochfs.links.capacity import LinkView
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.peer.tier import PeerStats
     from epochfs.prefetch.scheduler import PrefetchStats
+    from epochfs.vfs.fs import FsStats
     from epochfs.writeback.owed import WritebackStats
 
 

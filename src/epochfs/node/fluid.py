@@ -32,9 +32,12 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from epochfs.core.records import Source
 
 CONFIG_PATHS = ("/etc/fluid/config/config.json", "/etc/fluid/config.json")
 POLICY_PATH = "/etc/epochfs/fluid-policy.toml"
@@ -69,7 +72,7 @@ class Policy:
         import stat as st
         import tomllib
 
-        from epochfs.config import parse_size
+        from epochfs.daemon.config import parse_size
 
         where = path or POLICY_PATH
         try:
@@ -110,19 +113,19 @@ class Policy:
         """Refuse a mountPoint the Dataset may not name (:class:`ConfigError` saying why)."""
         from urllib.parse import urlparse
 
-        from epochfs.records import Source
+        from epochfs.core.records import Source
 
         parsed = Source.parse(source)
         if any(part in (".", "..") for part in urlparse(source).path.split("/")):
             raise ConfigError(f"mountPoint {source!r}: a source is a path without . or .. components")
-        if parsed.scheme == "file":
+        if _local(parsed):
             clean = os.path.realpath(parsed.prefix)  # (where a link in it leads: what the daemon would read)
             for never in NEVER:
                 if clean == never or clean.startswith(never + "/") or never.startswith(clean.rstrip("/") + "/") \
                         or clean == "/":
                     raise ConfigError(f"mountPoint {source!r}: a node's own directory ({never}) is never a "
                                       "Dataset's source")
-            allowed = [p for p in self.sources or [] if p.startswith("file://")]
+            allowed = [p for p in self.sources or [] if _local(Source.parse(p))]
             if not any(_under(clean, Source.parse(p).prefix) for p in allowed):
                 raise ConfigError(f"mountPoint {source!r}: file:// sources are allowed only under the node's policy "
                                   f"({POLICY_PATH}: sources = [\"file:///...\"]); it lists "
@@ -132,9 +135,16 @@ class Policy:
                               f"({', '.join(self.sources) or 'none'})")
 
 
+def _local(source: Source) -> bool:
+    """Whether ``source`` names a directory of this node (its kind says so)."""
+    from epochfs.backend.kinds import kind_of
+
+    return kind_of(source).capabilities.local_path
+
+
 def _within(url: str, prefix: str) -> bool:
     """Whether the source ``url`` is ``prefix`` or under it, whole path components only."""
-    from epochfs.records import Source
+    from epochfs.core.records import Source
 
     try:
         root = Source.parse(prefix).url.rstrip("/")
@@ -169,7 +179,7 @@ def config_text(config: Any, policy: Policy | None = None) -> tuple[str, str]:
     """The epochfs config file for Fluid's ``config`` under the administrator's ``policy``, and the
     target path; :class:`ConfigError` naming what is wrong."""
     from epochfs.cli.options import mount_options
-    from epochfs.config import parse_size
+    from epochfs.daemon.config import parse_size
 
     policy = policy or Policy()
 
@@ -188,7 +198,7 @@ def config_text(config: Any, policy: Policy | None = None) -> tuple[str, str]:
     if any(ord(c) < 0x20 or c == "\x7f" for c in source):
         raise ConfigError("mountPoint: contains a control character")
     policy.check_source(source)
-    from epochfs.records import Source
+    from epochfs.core.records import Source
 
     source = Source.parse(source).url  # (as the checks read it: S3:// and s3:// are one)
     options = mount.get("options") or {}

@@ -7,7 +7,7 @@ endpoint; answer the first request through the mount; then report ready. Tear-do
 SIGINT/SIGTERM or an external unmount (``epochfs umount``, ``fusermount3 -u``).
 
 Nothing else lives here: requests are answered in :mod:`epochfs.control.handlers`, the snapshot's
-lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`epochfs.metrics`.
+lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`epochfs.daemon.metrics`.
 """
 
 from __future__ import annotations
@@ -27,30 +27,30 @@ import trio
 
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
-from epochfs.cache.flights import read_origins
+from epochfs.cache.accounting import read_origins
 from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
 from epochfs.cache.whole import WholeFiles
-from epochfs.collected import Collected
-from epochfs.config import Config
 from epochfs.control import CONTROL_XATTR, PID_XATTR
+from epochfs.control.collected import Collected
 from epochfs.control.handlers import ControlHandlers, MountInfo
+from epochfs.control.jobs import Jobs
 from epochfs.control.server import ControlServer, socket_path
-from epochfs.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
-from epochfs.fs import KernelPages, Operations, Presentation
-from epochfs.host import raise_descriptor_limit, sd_notify, set_background_requests, set_kernel_readahead
-from epochfs.jobs import Jobs
+from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError, error_inside
+from epochfs.core.records import ObjectInfo
+from epochfs.daemon import host as node_host
+from epochfs.daemon.config import Config
+from epochfs.daemon.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
+from epochfs.daemon.mountpoint import check_mountpoint
 from epochfs.links import interface
 from epochfs.links.watch import Link, LinkWatch
 from epochfs.meta import open_meta
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.snapshots import Snapshots, SnapshotSettings
 from epochfs.meta.vouched import Vouched
-from epochfs.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
-from epochfs.mountpoint import check_mountpoint
 from epochfs.pack.listing import dataset_listing
 from epochfs.peer import share
 from epochfs.peer.client import PeerClient
@@ -60,7 +60,7 @@ from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerAnswers, PeerStats, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
-from epochfs.records import ObjectInfo
+from epochfs.vfs.fs import KernelPages, Operations, Presentation
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree
@@ -418,7 +418,7 @@ class Daemon:
         for warning in self.warnings:
             log.warning("%s", warning)
         ready(None, self.warnings)
-        sd_notify(f"READY=1\nSTATUS=cache node of {self.config.source.url} on {self.peer.members.me if self.peer else ''}\n"
+        node_host.sd_notify(f"READY=1\nSTATUS=cache node of {self.config.source.url} on {self.peer.members.me if self.peer else ''}\n"
                   f"MAINPID={os.getpid()}")
 
     async def run(self, ready: Ready) -> None:
@@ -463,7 +463,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s; unmounting", signal.Signals(signum).name)
-                sd_notify("STOPPING=1")
+                node_host.sd_notify("STOPPING=1")
                 self._terminate()
 
     async def _announce(self, ready: Ready) -> None:
@@ -473,13 +473,13 @@ class Daemon:
             self._terminate()
             return
         if self.config.kernel_readahead:
-            set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
-            set_background_requests(st.st_dev)
+            node_host.set_kernel_readahead(st.st_dev, self.config.kernel_readahead)
+            node_host.set_background_requests(st.st_dev)
         log.info("mounted %s at %s", self.config.source.url, self.config.mountpoint)
         for warning in self.warnings:
             log.warning("%s", warning)
         ready(None, self.warnings)
-        sd_notify(f"READY=1\nSTATUS=serving {self.config.source.url} at {self.config.mountpoint}\n"
+        node_host.sd_notify(f"READY=1\nSTATUS=serving {self.config.source.url} at {self.config.mountpoint}\n"
                   f"MAINPID={os.getpid()}")
 
     def close(self) -> None:
@@ -519,18 +519,6 @@ def _invalidate(session: kernel.Session, entries: list[tuple[int, bytes]], inode
             session.invalidate_entry(parent, name)
         except OSError:
             pass
-
-
-def _epochfs_error(exc: BaseException) -> EpochfsError | None:
-    """The EpochfsError inside ``exc`` (trio wraps errors of nursery children in exception groups)."""
-    if isinstance(exc, EpochfsError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _epochfs_error(inner)
-            if found is not None:
-                return found
-    return None
 
 
 def run(config: Config, ready: Ready) -> int:
@@ -576,7 +564,7 @@ def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None
     try:
         if check is not None:
             check()
-        raise_descriptor_limit()
+        node_host.raise_descriptor_limit()
         return Daemon(config)
     except EpochfsError as exc:
         ready(str(exc), [])
@@ -592,7 +580,7 @@ def _until_stopped(daemon: Daemon, ready: Ready, what: str, closed: Callable[[],
     try:
         trio.run(daemon.run, ready)
     except BaseException as exc:
-        known = _epochfs_error(exc)
+        known = error_inside(exc)
         if known is None:
             log.exception("%s failed", what)
         closed()

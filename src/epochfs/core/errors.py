@@ -1,6 +1,6 @@
 """Domain errors and the one mapping from them to errno values.
 
-Components raise these; ``fs.py`` turns them into ``FUSEError`` through
+Components raise these; ``vfs/fs.py`` turns them into ``FUSEError`` through
 :func:`errno_for` and nowhere else.
 """
 
@@ -113,3 +113,15 @@ def errno_for(exc: BaseException) -> int:
         if isinstance(exc, cls):
             return code
     return errno.EIO
+
+
+def error_inside(exc: BaseException) -> EpochfsError | None:
+    """The EpochfsError inside ``exc`` (trio wraps errors of nursery children in exception groups)."""
+    if isinstance(exc, EpochfsError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = error_inside(inner)
+            if found is not None:
+                return found
+    return None

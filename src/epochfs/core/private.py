@@ -12,7 +12,7 @@ would let that user read cached data. Every such path is checked where it is ope
 - files are opened with ``O_NOFOLLOW`` and created 0600; an existing file must be a regular file owned
   by the daemon's user with no other link to it.
 
-Violations raise :class:`~epochfs.errors.ConfigError` naming the path and what is wrong; nothing is
+Violations raise :class:`~epochfs.core.errors.ConfigError` naming the path and what is wrong; nothing is
 changed then. See docs/security.md.
 """
 
@@ -25,7 +25,7 @@ import os
 import stat
 from pathlib import Path
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

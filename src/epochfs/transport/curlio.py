@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pycurl
 
-from epochfs.buffers import aligned_buffer
+from epochfs.transport.buffers import aligned_buffer
 
 
 def new_handle() -> pycurl.Curl:
@@ -21,7 +21,7 @@ class Answer:
     """Collects one answer: headers (lower-case names) and a body of at most ``limit`` bytes.
 
     The body is received into memory allocated once for ``limit`` bytes
-    (:func:`epochfs.buffers.aligned_buffer`): no copy as it grows, and a block of it is written to the
+    (:func:`epochfs.transport.buffers.aligned_buffer`): no copy as it grows, and a block of it is written to the
     cache disk from where it is. libcurl itself stops a transfer that would exceed ``limit``
     (``CURLOPT_MAXFILESIZE_LARGE``, which also applies to answers of unknown length); the write
     callback refuses what would not fit all the same."""

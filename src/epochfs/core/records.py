@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-from epochfs.errors import ConfigError
+from epochfs.core.errors import ConfigError
 
 #: Largest object accepted from a listing or a stored snapshot (64 TiB, above any object store's limit).
 #: Anything larger is malformed input: block arithmetic over it would not finish.

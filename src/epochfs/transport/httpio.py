@@ -22,7 +22,7 @@ import ssl
 import time
 from typing import Any
 
-from epochfs.buffers import aligned_buffer
+from epochfs.transport.buffers import aligned_buffer
 
 #: Connection setup waits at most this long (within the request's deadline).
 CONNECT_TIMEOUT = 5.0

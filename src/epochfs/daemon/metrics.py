@@ -26,10 +26,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from epochfs.collected import Collected
-from epochfs.errors import ConfigError
-from epochfs.slots import Slot, Slots
-from epochfs.stats import HistogramSnapshot
+from epochfs.control.collected import Collected
+from epochfs.core.errors import ConfigError
+from epochfs.core.stats import HistogramSnapshot
+from epochfs.transport.slots import Slot, Slots
 
 if TYPE_CHECKING:
     pass
