@@ -26,11 +26,10 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from epochfs import kernel
 from epochfs.cache.members import MemberStream
-from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
 from epochfs.core.errors import Answered, EpochfsError, NotFound, Refused, errno_for
@@ -91,6 +90,21 @@ def _translated(fn: F) -> F:
             raise answer(self, exc) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+class BackingFiles(Protocol):
+    """What the adapter asks of the whole copies the kernel reads itself (``--passthrough``; the cache
+    provides it: :class:`epochfs.cache.passthrough.Passthrough`)."""
+
+    active: bool  # False once the kernel refused a backing file
+
+    def open(self, inode: int, obj: ObjectInfo, fh: int) -> int:
+        """The backing id to answer this open with, or 0: read it through the daemon."""
+        ...
+
+    def off(self, why: str) -> None: ...
+
+    def release(self, fh: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -159,7 +173,7 @@ class Operations(kernel.Operations):
         tree: Tree | None = None,
         writeback: WriteBack | None = None,
         zero_open: bool = False,
-        passthrough: Passthrough | None = None,
+        passthrough: BackingFiles | None = None,
     ) -> None:
         self.tree = tree or Tree(namespace)
         self.tree.namespace = namespace
