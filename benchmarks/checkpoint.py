@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import VENV_BIN, find_pid, proc_usage, wait_mounted  # noqa: E402
+from contenders import VENV_BIN, find_pid, proc_usage, unmount, wait_mounted  # noqa: E402
 from workloads import drop_page_cache, log, simulate, start_run  # noqa: E402
 
 from epochfs import Client  # noqa: E402
@@ -202,12 +202,7 @@ class Fs:
         raise NotImplementedError
 
     def unmount(self) -> None:
-        if self.mnt.exists() and os.path.ismount(self.mnt):
-            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
-            deadline = time.monotonic() + 60
-            while self.pid and Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        unmount(self.mnt, self.pid, timeout=60)
         self.pid = None
 
     def durable(self, client: Any, keys: dict[str, int]) -> None:

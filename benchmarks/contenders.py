@@ -42,6 +42,17 @@ def find_pid(mountpoint: Path, program: str) -> int | None:
     return None
 
 
+def unmount(path: Path, pid: int | None, *, timeout: float = 30.0, force: bool = False) -> None:
+    """Unmount a FUSE mount and wait (at most ``timeout``) for its daemon ``pid`` to exit; lazily
+    detached at last if it will not go. ``force``: even where it no longer looks mounted (a dead one)."""
+    if path.exists() and (force or os.path.ismount(path)):
+        subprocess.run(["fusermount3", "-u", str(path)], capture_output=True)
+        deadline = time.monotonic() + timeout
+        while pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run(["fusermount3", "-uz", str(path)], capture_output=True)
+
+
 def proc_usage(pid: int | None) -> dict[str, float]:
     """CPU seconds so far and peak RSS of a process."""
     if pid is None:
@@ -82,12 +93,7 @@ class Contender:
         raise NotImplementedError
 
     def unmount(self) -> None:
-        if self.root.exists() and (os.path.ismount(self.root) or self._dead()):
-            subprocess.run(["fusermount3", "-u", str(self.root)], capture_output=True)
-            deadline = time.monotonic() + 30
-            while self.pid and Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            subprocess.run(["fusermount3", "-uz", str(self.root)], capture_output=True)
+        unmount(self.root, self.pid, force=self._dead())
         self.pid = None
 
     def _dead(self) -> bool:

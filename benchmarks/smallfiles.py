@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import proc_usage, wait_mounted  # noqa: E402
+from contenders import proc_usage, unmount, wait_mounted  # noqa: E402
 from workloads import (  # noqa: E402
     boto_parallel,
     boto_small_rate,
@@ -56,11 +56,7 @@ class Mounted:
         self.pid: int | None = None
 
     def unmount(self) -> None:
-        if self.mnt.exists() and os.path.ismount(self.mnt):
-            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
-            deadline = time.monotonic() + 30
-            while self.pid and Path(f"/proc/{self.pid}").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+        unmount(self.mnt, self.pid)
         self.pid = None
 
     def cpu(self) -> float:
