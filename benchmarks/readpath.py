@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import Contender, Epochfs, RawDisk, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
+from contenders import Contender, Epochfs, Juicefs, RawDisk, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from workloads import (  # noqa: E402
     boto_parallel,
@@ -117,7 +117,7 @@ def main() -> int:
         RawDisk(args.work, data_dir=raw, **common),
         Floor(args.work, raw=raw, blksize=128 << 10, readahead_kb=0, **common),
         Floor(args.work, raw=raw, blksize=MiB, readahead_kb=4096, name="floor-1M", **common),
-        epochfs, S3fs(args.work, **common), Rclone(args.work, **common)]
+        epochfs, Juicefs(args.work, **common), S3fs(args.work, **common), Rclone(args.work, **common)]
     if args.variant:
         variant = Epochfs(args.work, manifest=False, name="epochfs-variant", **common)
         variant.extra = args.variant.split()
@@ -227,7 +227,7 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
         cells = [f"{med[(w, what)]:.4g}" if (w, what) in med else "" for w in who]
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
     lines += ["", "| ratio | value |", "|---|---|"]
-    peers = [w for w in ("s3fs", "rclone") if any(k[0] == w for k in rows)]
+    peers = [w for w in ("JuiceFS", "s3fs", "rclone") if any(k[0] == w for k in rows)]
     for what in MEASURES:
         for ref in peers + ["floor", "floor-1M", "raw disk", "raw boto3", "epochfs-variant"]:
             r = paired(("epochfs", what), (ref, what))

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ORDER = ["raw disk", "raw boto3", "s3fs", "rclone", "epochfs lru", "epochfs+manifest"]
+ORDER = ["raw disk", "raw boto3", "JuiceFS", "s3fs", "rclone", "epochfs lru", "epochfs+manifest"]
 
 
 def _table(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[float]]]:
@@ -46,7 +46,7 @@ def ratios(results: dict[str, Any]) -> list[tuple[str, float | None]]:
         b = _median(cells, workload, "cold", "raw boto3")
         out.append((f"epochfs+manifest / raw boto3, cold, {workload}", ec / b if ec and b else None))
         for state in ("cold", "warm"):
-            peers = [v for v in (_median(cells, workload, state, p) for p in ("s3fs", "rclone")) if v]
+            peers = [v for v in (_median(cells, workload, state, p) for p in ("JuiceFS", "s3fs", "rclone")) if v]
             best = max(peers) if peers else None
             mine = max(v for v in (_median(cells, workload, state, p) for p in ("epochfs lru", "epochfs+manifest"))
                        if v) if any(_median(cells, workload, state, p) for p in ("epochfs lru", "epochfs+manifest")) else None

