@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -597,3 +599,81 @@ def test_slurm_scripts_refuse_an_odd_job_id(tmp_path):
                            env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1/../2",
                                 "EPOCHFS_SLURM_RUN": str(node.run), "EPOCHFS_ETC": str(node.etc)})
         assert r.returncode == 1 and "odd SLURM_JOB_ID" in r.stderr
+
+
+KUBECTL_SHIM = """#!/bin/bash
+# kubectl for the walk-through: renders for real, records what it would send to a cluster.
+printf '%s\\n' "$*" >> "$KUBECTL_LOG"
+if [ "$1" = kustomize ]; then exec "$REAL_KUBECTL" "$@"; fi
+for a in "$@"; do
+  case "$a" in
+    --from-file=*) f="${a#--from-file=}"; f="${f#*=}"; [ -s "$f" ] || { echo "kubectl: $f: no such file" >&2; exit 1; };;
+  esac
+done
+if [ "$1" = apply ] && [ "$2" = -f ]; then [ -s "$3" ] || { echo "kubectl: $3: nothing to apply" >&2; exit 1; }; fi
+"""
+
+
+def test_the_kubernetes_walkthrough_runs_and_asks_for_what_the_manifests_need(tmp_path):
+    """docs/deploying.md's Kubernetes walk-through (four GPU nodes, a cache node, monitored), every step up
+    to where a cluster answers, run as written: the render validates, and the nodes it labels, the
+    Secrets it makes (names and keys) and the StatefulSet it scales are the ones the manifests use."""
+    text = (ROOT / "docs" / "deploying.md").read_text()
+    (block,) = [b for b in re.findall(r"```sh\n(.*?)```", text, flags=re.S) if b.startswith("# 1. the nodes")]
+    steps = block.split("# 5.")[0]  # (5: a cluster's answers)
+    shim = tmp_path / "bin" / "kubectl"
+    shim.parent.mkdir()
+    shim.write_text(KUBECTL_SHIM)
+    shim.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "deploy").symlink_to(ROOT / "deploy")
+    (work / "redis-password").write_text("the-redis-password\n")
+    log = tmp_path / "kubectl.log"
+    env = dict(os.environ, PATH=f"{shim.parent}:{os.environ['PATH']}", KUBECTL_LOG=str(log), REAL_KUBECTL=kubectl())
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", steps], cwd=work, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    calls = [line.split() for line in log.read_text().splitlines()]
+    docs = [d for d in yaml.safe_load_all((work / "epochfs.yaml").read_text()) if d]
+    assert docs == render("cache-nodes-monitoring")
+    for doc in docs:
+        validate(doc)
+    labelled: dict[str, list[str]] = {}
+    for c in calls:
+        if c[:2] == ["label", "node"]:
+            key, value = c[-1].split("=")
+            labelled.setdefault(value, []).extend(c[2:-1])
+    assert len(labelled["gpu"]) == 4 and len(labelled["cache"]) == 1
+    workloads = by_kind(docs, "DaemonSet") + by_kind(docs, "StatefulSet")
+    for w in workloads:
+        assert w["spec"]["template"]["spec"]["nodeSelector"]["epochfs.io/node"] in labelled
+    namespace = {d["metadata"].get("namespace") for d in workloads}
+    assert namespace == {"epochfs"} and ["create", "namespace", "epochfs"] in calls
+    secrets: dict[str, set[str]] = {}
+    for c in calls:
+        if c[:5] == ["-n", "epochfs", "create", "secret", "generic"]:
+            secrets[c[5]] = {a.split("=", 2)[1] for a in c[6:] if a.startswith(("--from-file=", "--from-literal="))}
+    configs_by_name = {name: tomllib.loads(text) for d in by_kind(docs, "ConfigMap")
+                       if d["metadata"]["name"] == "epochfs-config" for name, text in d["data"].items()}
+    for w in workloads:
+        spec = w["spec"]["template"]["spec"]
+        for c in spec["containers"]:
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets[ref["name"]], ref
+        mounts = {m["name"]: m["mountPath"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        for v in spec.get("volumes", []):
+            if "secret" in v:
+                name = v["secret"]["secretName"]
+                assert name in secrets, name
+                files = {f"{mounts[v['name']]}/{key}" for key in secrets[name]}
+                wanted = {p for cfg in configs_by_name.values() for k, p in cfg.items()
+                          if k.endswith("_file") and str(p).startswith(mounts[v["name"]] + "/")}
+                assert wanted and wanted <= files, (name, wanted, files)
+    (scale,) = [c for c in calls if c[2:3] == ["scale"]]
+    kind, name = scale[3].split("/")
+    assert kind == "statefulset" and name in {d["metadata"]["name"] for d in by_kind(docs, "StatefulSet")}
+    assert scale[-2:] == ["--replicas", "1"]
+    assert ["apply", "-f", "epochfs.yaml"] in calls
