@@ -3,7 +3,11 @@ and 100 KiB files read whole (warm at 1 and 16 readers, hot at 1, cold at 16), f
 rclone mount, the floor of our stack (benchmarks/floor.py: a minimal daemon on epochfs's FUSE session
 layer doing a plain ``pread`` of the same bytes on local disk) and the raw local disk. Also the daemon's CPU seconds per GiB
 of the warm stream. *Cold*: fresh mount, empty cache; *warm*: cache filled, page cache dropped; *hot*:
-read again at once. Files are opened with ``buffering=0``; the hot pass also runs with Python's default
+read again at once (and once more: the first read after the pages were filled also moves each page-cache
+folio to the active list, so it pays per folio, the second does not), with the sizes of the folios the
+kernel holds the file in (``benchmarks/folios.py``; as root); with ``--passthrough`` (``--variant``), the
+time and daemon CPU of the whole copy the kernel then reads, and the time until a restarted daemon has
+hashed it again (it serves no copy a run before left until then), apart from the steady state. Files are opened with ``buffering=0``; the hot pass also runs with Python's default
 buffering, as most datasets open files (each such open asks the file system whether the file is a
 terminal: on FUSE, a request to the daemon). Each contender runs in turn, in alternating order from one
 repetition to the next; each ratio is the median of the ratios within a repetition.
@@ -28,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Contender, Epochfs, Juicefs, RawDisk, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
+from folios import folio_kib, median_kib  # noqa: E402
 from latency_proxy import LatencyProxy  # noqa: E402
 from workloads import (  # noqa: E402
     boto_parallel,
@@ -47,6 +52,18 @@ HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 
 
+
+
+def checked(c: Epochfs, timeout: float = 300.0) -> int:
+    """Wait until a --passthrough mount has hashed the whole copies a run before left (they are not served
+    until then); their bytes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = c.status()["passthrough"] or {}
+        if not p.get("unchecked", 0):
+            return int(p.get("whole_bytes", 0))
+        time.sleep(0.05)
+    raise TimeoutError(f"{c.name}: copies still unchecked after {timeout:g} s")
 
 
 class Floor(Contender):
@@ -69,15 +86,15 @@ class Floor(Contender):
         self.pid = self.proc.pid
 
 
-def copied(c: Epochfs, timeout: float = 120.0) -> None:
-    """Wait until a --passthrough mount has made its whole copies of what was read."""
+def copied(c: Epochfs, timeout: float = 120.0) -> int:
+    """Wait until a --passthrough mount has made its whole copies of what was read; their bytes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         p = c.status()["passthrough"] or {}
         if p.get("whole_files", 0) >= 1:
             log(f"{c.name}: {p['whole_files']} whole copies")
-            return
-        time.sleep(0.2)
+            return int(p.get("whole_bytes", 0))
+        time.sleep(0.02)
     log(f"{c.name}: no whole copy made in {timeout:g} s")
 
 
@@ -141,12 +158,25 @@ def main() -> int:
                     record(c.name, "cold small files/s, 16 readers", small_files_rate(c.root, keys, 16))
                     drop_page_cache()
                     record(c.name, "cold large MiB/s", seq_read(c.root / large.key) / MiB)
+                    passthrough = isinstance(c, Epochfs) and "--passthrough" in c.extra
+                    if passthrough:
+                        # The whole copy that later opens read, made once the cold pass's open is
+                        # released: its time and the daemon's CPU apart.
+                        started, cpu = time.monotonic(), proc_usage(c.pid)["cpu"]
+                        gib = copied(c) / (1 << 30)
+                        if gib:
+                            record(c.name, "passthrough copy s per GiB", (time.monotonic() - started) / gib)
+                            record(c.name, "daemon CPU s per copied GiB", (proc_usage(c.pid)["cpu"] - cpu) / gib)
                     time.sleep(1)  # what was written behind the reader lands
-                    if isinstance(c, Epochfs) and "--passthrough" in c.extra:
-                        copied(c)  # (the whole copy a later epoch's opens read, made during this one)
                     c.unmount()  # a fresh mount over the filled cache: nothing of the cold pass in memory
                     c._mount()
                     wait_mounted(c.root)
+                    if passthrough:  # a copy a run before left is served once hashed again: the steady state
+                        started = time.monotonic()
+                        gib = checked(c) / (1 << 30)
+                        if gib:
+                            record(c.name, "passthrough check after a restart, s per GiB",
+                                   (time.monotonic() - started) / gib)
                 drop_page_cache()
                 before = proc_usage(c.pid)["cpu"]
                 record(c.name, "warm large MiB/s", seq_read(c.root / large.key) / MiB)
@@ -154,6 +184,9 @@ def main() -> int:
                     record(c.name, "daemon CPU s per warm GiB",
                            (proc_usage(c.pid)["cpu"] - before) / (large.size / (1 << 30)))
                 record(c.name, "hot large MiB/s", seq_read(c.root / large.key) / MiB)
+                record(c.name, "hot large MiB/s, read again", seq_read(c.root / large.key) / MiB)
+                if os.geteuid() == 0:  # what the kernel holds the file in: a hot read copies folio by folio
+                    record(c.name, "page-cache folio KiB, large file", median_kib(folio_kib(str(c.root / large.key))))
                 for threads in (1, 16):
                     drop_page_cache()
                     before = proc_usage(c.pid)["cpu"]
@@ -202,10 +235,15 @@ def main() -> int:
     return 0
 
 
-MEASURES = ["cold large MiB/s", "warm large MiB/s", "hot large MiB/s", "daemon CPU s per warm GiB",
+MEASURES = ["cold large MiB/s", "warm large MiB/s", "hot large MiB/s", "hot large MiB/s, read again",
+            "page-cache folio KiB, large file", "passthrough copy s per GiB", "daemon CPU s per copied GiB",
+            "passthrough check after a restart, s per GiB",
+            "daemon CPU s per warm GiB",
             "cold small files/s, 16 readers", "warm small files/s, 1 readers", "warm small files/s, 16 readers",
             "daemon CPU ms per warm file, 1 readers", "daemon CPU ms per warm file, 16 readers",
             "hot small files/s, 1 reader", "hot small files/s, 1 reader, buffered open"]
+
+NOT_RATIOS = {"page-cache folio KiB, large file"}  # (a size the kernel chose, not a speed)
 
 
 def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, contenders: list[Contender]) -> str:
@@ -228,12 +266,12 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
     lines += ["", "| ratio | value |", "|---|---|"]
     peers = [w for w in ("JuiceFS", "s3fs", "rclone") if any(k[0] == w for k in rows)]
-    for what in MEASURES:
+    for what in (m for m in MEASURES if m not in NOT_RATIOS):
         for ref in peers + ["floor", "floor-1M", "raw disk", "raw boto3", "epochfs-variant"]:
             r = paired(("epochfs", what), (ref, what))
             if r:
                 lines.append(f"| epochfs / {ref}, {what} | {r} |")
-    for what in MEASURES:  # the variant against the same references
+    for what in (m for m in MEASURES if m not in NOT_RATIOS):  # the variant against the same references
         for ref in peers + ["raw disk", "raw boto3"]:
             r = paired(("epochfs-variant", what), (ref, what))
             if r:

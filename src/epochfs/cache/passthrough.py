@@ -69,6 +69,9 @@ class Passthrough:
     #: How often every whole file is hashed again, and how fast (bytes a second).
     SCRUB_EVERY = 86400.0
     SCRUB_RATE = 64 << 20
+    #: A copy a run before left is not served until hashed, and its object is read through the daemon
+    #: meanwhile: it is checked faster (16 s per GiB at the scrub's rate, 4 s at this one).
+    FIRST_CHECK_RATE = 256 << 20
 
     def __init__(self, whole: WholeFiles, cache: BlockCache, kernel: Callable[[], Kernel | None], *,
                  scrub_every: float | None = None) -> None:
@@ -235,7 +238,8 @@ class Passthrough:
             if not w.verified:
                 log.info("checking whole cached file %s, left by a run before, before it is served", w.name)
             try:
-                answer = await trio.to_thread.run_sync(self.whole.verify, w, self.SCRUB_RATE)
+                answer = await trio.to_thread.run_sync(self.whole.verify, w,
+                                                       self.SCRUB_RATE if w.verified else self.FIRST_CHECK_RATE)
             except Exception as exc:  # noqa: BLE001 - a scrub never takes the mount down: the copy goes
                 answer = OSError(errno.EIO, f"checking it failed: {exc!r}")
             self.whole.verified(w, answer)
