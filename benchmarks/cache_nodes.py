@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, wait_mounted  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
 from epochfs.control import request  # noqa: E402
@@ -183,7 +183,7 @@ def main() -> int:
     token.write_text(os.urandom(16).hex())
     token.chmod(0o600)
     s3 = LocalS3(args.work / "s3").start()
-    proxy = LatencyProxy(s3.port, args.latency_ms / 1000).start()
+    proxy = ProxyProcess(s3.port, args.latency_ms / 1000)
     redis = LocalRedis(args.work / "redis").start()
     ENV.update(s3.env())
     clients = [Client(args.work, f"client{i}") for i in range(4)]

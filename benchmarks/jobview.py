@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, Epochfs  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> int:
     compute, batch, workers = args.compute_ms / 1000, 8, 4
     out: dict = {"files": args.files, "latency_ms": args.latency_ms, "compute_ms": args.compute_ms}
     server = LocalS3(args.work / "s3").start()
-    proxy = LatencyProxy(server.port, args.latency_ms / 1000).start()
+    proxy = ProxyProcess(server.port, args.latency_ms / 1000)
     try:
         upload(server.client(), "bench", "ds/", files)
         client = client_for(proxy.endpoint)

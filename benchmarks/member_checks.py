@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Epochfs, proc_usage  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import drop_page_cache, fresh_workdir, log  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
@@ -71,7 +71,7 @@ def main() -> int:
     fresh_workdir(args.work)
     files = [SampleFile(f"class{i % 20:02d}/img{i:06d}.jpg", 100 << 10) for i in range(args.files)]
     server = LocalS3(args.work / "s3").start()
-    proxy = LatencyProxy(server.port, args.latency_ms / 1000).start()
+    proxy = ProxyProcess(server.port, args.latency_ms / 1000)
     rows = []
     try:
         client = server.client()

@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, Epochfs  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from trainloop import one_epoch  # noqa: E402
 from workloads import drop_page_cache, fresh_workdir, log, settle  # noqa: E402
 
@@ -149,7 +149,7 @@ def main() -> int:
         wds_shards = sorted(o["Key"][4:] for o in server.client().list_objects_v2(Bucket=BUCKET, Prefix="wds/")["Contents"])
         log(f"converted: {json.dumps(results['convert'])}; quiet after {settle():.0f} s")
         for latency in args.latency_ms:
-            proxy = LatencyProxy(server.port, latency / 1000).start()
+            proxy = ProxyProcess(server.port, latency / 1000)
             log(f"{latency:g} ms added per request")
             try:
                 reps = [run_latency(args, server, proxy, args.work / f"lat{latency:g}-{rep}", keys, disk, wds_shards,
@@ -169,7 +169,7 @@ def main() -> int:
     return 0
 
 
-def run_latency(args: argparse.Namespace, server: LocalS3, proxy: LatencyProxy, work: Path, keys: list[str],
+def run_latency(args: argparse.Namespace, server: LocalS3, proxy: ProxyProcess, work: Path, keys: list[str],
                 disk: Path, wds_shards: list[str], wanted: set[str]) -> list[dict[str, Any]]:
     compute, n, rows = args.compute_ms / 1000, len(keys), []  # (one latency's contenders, in turn)
     if "local disk" in wanted:
@@ -201,7 +201,7 @@ def run_latency(args: argparse.Namespace, server: LocalS3, proxy: LatencyProxy, 
     return rows
 
 
-def epochfs_run(args: argparse.Namespace, server: LocalS3, proxy: LatencyProxy, work: Path, name: str, prefix: str,
+def epochfs_run(args: argparse.Namespace, server: LocalS3, proxy: ProxyProcess, work: Path, name: str, prefix: str,
                 local: bool, keys: list[str], cache_size: int) -> dict[str, Any]:
     from epochfs.torch import EpochfsSampler, local_sampler
 

@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Epochfs, proc_usage  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import drop_page_cache, fresh_workdir, log  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
@@ -64,7 +64,7 @@ def main() -> int:
     files = [SampleFile(f"s/{i:05d}.bin", MiB - 17 * i) for i in range(args.files)]
     keys = [f.key for f in files]
     server = LocalS3(args.work / "s3").start()
-    proxy = LatencyProxy(server.port, args.latency_ms / 1000).start()
+    proxy = ProxyProcess(server.port, args.latency_ms / 1000)
     rows: list[dict[str, Any]] = []
     try:
         client = server.client()

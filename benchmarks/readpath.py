@@ -1,6 +1,7 @@
 """The read path against the peers, side by side in one run: one large file streamed (cold, warm, hot)
-and 100 KiB files read whole (warm at 1 and 16 readers, hot at 1, cold at 16), for epochfs, s3fs-fuse,
-rclone mount, the floor of our stack (benchmarks/floor.py: a minimal daemon on epochfs's FUSE session
+and 100 KiB files read whole (cold, warm at 1 and 16 readers, hot at 1), for epochfs, JuiceFS, s3fs-fuse,
+rclone mount, raw boto3 GETs of the same objects (what the endpoint serves one client: a cold cell that
+is as fast for every contender is bound by the backend's round trips), the floor of our stack (benchmarks/floor.py: a minimal daemon on epochfs's FUSE session
 layer doing a plain ``pread`` of the same bytes on local disk) and the raw local disk. Also the daemon's CPU seconds per GiB
 of the warm stream. *Cold*: fresh mount, empty cache; *warm*: cache filled, page cache dropped; *hot*:
 read again at once (and once more: the first read after the pages were filled also moves each page-cache
@@ -10,7 +11,9 @@ time and daemon CPU of the whole copy the kernel then reads, and the time until 
 hashed it again (it serves no copy a run before left until then), apart from the steady state. Files are opened with ``buffering=0``; the hot pass also runs with Python's default
 buffering, as most datasets open files (each such open asks the file system whether the file is a
 terminal: on FUSE, a request to the daemon). Each contender runs in turn, in alternating order from one
-repetition to the next; each ratio is the median of the ratios within a repetition.
+repetition to the next; each ratio is the median of the ratios within a repetition. The report is
+written after each repetition (a run stopped early keeps what it measured, and says so). With
+``--latency-ms`` the endpoint is reached through ``latency_proxy.py`` in a process of its own.
 
     sudo .venv/bin/python benchmarks/readpath.py [--reps 3] [--latency-ms 20] [--cores 1] [--only epochfs,floor]
 """
@@ -33,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Contender, Epochfs, Juicefs, RawDisk, Rclone, S3fs, proc_usage, wait_mounted  # noqa: E402
 from folios import folio_kib, median_kib  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import (  # noqa: E402
     boto_parallel,
+    boto_small_rate,
     drop_page_cache,
     log,
     seq_read,
@@ -46,7 +50,7 @@ from workloads import (  # noqa: E402
 )
 
 from epochfs.dev.sample import upload, write_tree  # noqa: E402
-from epochfs.dev.servers import LocalS3  # noqa: E402
+from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -117,14 +121,22 @@ def main() -> int:
         return 2
     small, large = shard_and_files(args.files, args.large_mib)
     keys = [f.key for f in small]
+    # The cold small passes read files no pass before them read: one reader a share of the files,
+    # sixteen the rest (the warm and hot passes read them all).
+    one_reader = keys[:max(1, len(keys) // 8)]
+    sixteen = keys[len(one_reader):]
     rows: dict[tuple[str, str], list[float]] = {}
+    stem = args.out / (f"{datetime.date.today().isoformat()}-readpath-{args.cores}core"
+                       + (f"-{args.latency_ms:g}ms" if args.latency_ms else ""))
+    if Path(f"{stem}.md").exists():  # an earlier run of the same day stays
+        stem = stem.with_name(stem.name + time.strftime("-%H%M"))
 
     def record(who: str, what: str, value: float) -> None:
         rows.setdefault((who, what), []).append(value)
         log(f"{who:18s} {what:34s} {value:10.2f}")
 
     server = LocalS3(args.work / "s3").start()
-    proxy = LatencyProxy(server.port, args.latency_ms / 1000).start() if args.latency_ms else None
+    proxy = ProxyProcess(server.port, args.latency_ms / 1000) if args.latency_ms else None
     endpoint = proxy.endpoint if proxy else server.endpoint
     raw = args.work / "raw"
     common = dict(endpoint=endpoint, bucket="bench", prefix="ds/", cache_size=20 << 30)
@@ -144,8 +156,8 @@ def main() -> int:
         wanted = set(args.only.split(","))
         contenders = [c for c in contenders if c.name in wanted]
     try:
-        client = server.client()
-        upload(client, "bench", "ds/", [*small, large])
+        upload(server.client(), "bench", "ds/", [*small, large])
+        client = client_for(endpoint)  # raw GETs take the contenders' way to the endpoint (the proxy)
         write_tree(str(raw), [*small, large])
         log(f"uploaded; quiet after {settle():.0f} s")
 
@@ -155,7 +167,8 @@ def main() -> int:
             try:
                 if fs:  # cold: an empty cache
                     drop_page_cache()
-                    record(c.name, "cold small files/s, 16 readers", small_files_rate(c.root, keys, 16))
+                    record(c.name, "cold small files/s, 1 reader", small_files_rate(c.root, one_reader, 1))
+                    record(c.name, "cold small files/s, 16 readers", small_files_rate(c.root, sixteen, 16))
                     drop_page_cache()
                     record(c.name, "cold large MiB/s", seq_read(c.root / large.key) / MiB)
                     passthrough = isinstance(c, Epochfs) and "--passthrough" in c.extra
@@ -201,16 +214,22 @@ def main() -> int:
             finally:
                 c.unmount()
 
-        def boto() -> None:
+        def boto() -> None:  # what the endpoint serves one client (what every contender's cold read waits on)
             drop_page_cache()
             record("raw boto3", "cold large MiB/s",
                    boto_parallel(client, "bench", [("ds/" + large.key, large.size)], 8, 8 * MiB) / MiB)
+            record("raw boto3", "cold small files/s, 1 reader",
+                   boto_small_rate(client, "bench", ["ds/" + k for k in one_reader], 1))
+            record("raw boto3", "cold small files/s, 16 readers",
+                   boto_small_rate(client, "bench", ["ds/" + k for k in sixteen], 16))
 
         runs: list[Callable[[], None]] = [boto] + [lambda c=c: measure(c) for c in contenders]
         for rep in range(args.reps):
             log(f"repetition {rep + 1} of {args.reps}")
             for run in runs if rep % 2 == 0 else runs[::-1]:
                 run()
+            if rep + 1 < args.reps:  # what a run stopped early measured stays, marked as such
+                save(stem, rows, args, contenders, done=rep + 1)
     finally:
         for c in contenders:
             c.unmount()
@@ -219,34 +238,37 @@ def main() -> int:
         server.stop()
         shutil.rmtree(args.work / "s3", ignore_errors=True)
 
-    text = report(rows, args, contenders)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (f"{datetime.date.today().isoformat()}-readpath-{args.cores}core"
-                       + (f"-{args.latency_ms:g}ms" if args.latency_ms else ""))
-    if Path(f"{stem}.md").exists():  # an earlier run of the same day stays
-        stem = stem.with_name(stem.name + time.strftime("-%H%M"))
+    print(save(stem, rows, args, contenders, done=args.reps))
+    return 0
+
+
+def save(stem: Path, rows: dict[tuple[str, str], list[float]], args: argparse.Namespace,
+         contenders: list[Contender], *, done: int) -> str:
+    """Write the report and the raw rows of ``done`` repetitions to ``stem``.md and .json; the report."""
+    text = report(rows, args, contenders, done)
+    stem.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.md").write_text(text)
     Path(f"{stem}.json").write_text(json.dumps(
         {"files": args.files, "large_mib": args.large_mib, "cores": args.cores, "latency_ms": args.latency_ms,
-         "reps": args.reps, "epochfs_args": args.epochfs_args, "variant": args.variant,
+         "reps": args.reps, "reps_done": done, "epochfs_args": args.epochfs_args, "variant": args.variant,
          "tuning": {c.name: c.tuning for c in contenders},
          "rows": [{"who": k[0], "what": k[1], "values": v} for k, v in rows.items()]}, indent=2) + "\n")
-    return 0
+    return text
 
 
 MEASURES = ["cold large MiB/s", "warm large MiB/s", "hot large MiB/s", "hot large MiB/s, read again",
             "page-cache folio KiB, large file", "passthrough copy s per GiB", "daemon CPU s per copied GiB",
             "passthrough check after a restart, s per GiB",
             "daemon CPU s per warm GiB",
-            "cold small files/s, 16 readers", "warm small files/s, 1 readers", "warm small files/s, 16 readers",
+            "cold small files/s, 1 reader", "cold small files/s, 16 readers", "warm small files/s, 1 readers", "warm small files/s, 16 readers",
             "daemon CPU ms per warm file, 1 readers", "daemon CPU ms per warm file, 16 readers",
             "hot small files/s, 1 reader", "hot small files/s, 1 reader, buffered open"]
 
 NOT_RATIOS = {"page-cache folio KiB, large file"}  # (a size the kernel chose, not a speed)
 
 
-def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, contenders: list[Contender]) -> str:
+def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, contenders: list[Contender],
+           done: int) -> str:
     who = ["raw boto3"] + [c.name for c in contenders]
     med = {k: statistics.median(v) for k, v in rows.items()}
 
@@ -258,7 +280,8 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
 
     variant = f", *epochfs-variant*: `{args.variant}`" if args.variant else ""
     lines = [f"# Read path, {datetime.date.today().isoformat()}: one {args.large_mib} MiB file and {args.files} x "
-             f"100 KiB; {args.cores} core(s), {args.latency_ms:g} ms added; medians of {args.reps}", "",
+             f"100 KiB; {args.cores} core(s), {args.latency_ms:g} ms added; medians of {done}"
+             + ("" if done == args.reps else f" (the run was stopped after {done} of {args.reps} repetitions)"), "",
              f"epochfs flags: `{args.epochfs_args or '(defaults)'}`{variant}", "",
              "| measurement | " + " | ".join(who) + " |", "|---|" + "---|" * len(who)]
     for what in MEASURES:

@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Contender, Epochfs, Juicefs, RawDisk, Rclone, S3fs  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import (  # noqa: E402
     boto_parallel,
     boto_single,
@@ -281,7 +281,7 @@ def main() -> int:
             save()
 
         # Latency proxy overhead at 0 ms, then the training simulation behind added latency.
-        proxy0 = LatencyProxy(server.port, 0.0).start()
+        proxy0 = ProxyProcess(server.port, 0.0)
         direct = boto_small_rate(client, "bench", ["ds/" + k for k in small_keys[:200]], 1)
         via = boto_small_rate(client_for(proxy0.endpoint), "bench",
                               ["ds/" + k for k in small_keys[:200]], 1)
@@ -294,7 +294,7 @@ def main() -> int:
         results["training"] = {"batch": batch, "compute_seconds": compute, "workers": workers,
                                "files": len(train_keys), "epochs": 3, "runs": []}
         for latency in latencies:
-            proxy = LatencyProxy(server.port, latency / 1000).start()
+            proxy = ProxyProcess(server.port, latency / 1000)
             peers = [Juicefs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),
                      S3fs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),
                      Rclone(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", cache_size),

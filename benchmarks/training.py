@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Epochfs  # noqa: E402
-from latency_proxy import LatencyProxy  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, simulate, train  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> int:
     try:
         upload(server.client(), "bench", "ds/", files)
         for latency in args.latency_ms:
-            proxy = LatencyProxy(server.port, latency / 1000).start()
+            proxy = ProxyProcess(server.port, latency / 1000)
             client = client_for(proxy.endpoint)
             capacity = boto_small_rate(client, "bench", ["ds/" + k for k in keys[:400]], 16)
             log(f"{latency:g} ms: the backend gives {capacity:.0f} files/s to 16 parallel GETs")
