@@ -1,6 +1,7 @@
 """The first epoch of the training simulation (MLPerf Storage style, benchmarks/workloads.py::train) with
-and without an epoch manifest, beside raw boto3 GETs from the same readers, behind a latency proxy.
-The manifest is handed over at the start of each epoch (as a job would from its sampler), not before.
+and without an epoch manifest, beside JuiceFS (its defaults; the dataset written through it once,
+untimed) and raw boto3 GETs from the same readers, behind a latency proxy. The manifest is handed over
+at the start of each epoch (as a job would from its sampler), not before.
 
     sudo .venv/bin/python benchmarks/training.py [--latency-ms 20 50] [--accelerators 1 2 4] [--compute-ms 40]
 
@@ -20,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import Epochfs  # noqa: E402
+from contenders import Contender, Epochfs, Juicefs  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, simulate, train  # noqa: E402
 
@@ -65,6 +66,7 @@ def main() -> int:
             client = client_for(proxy.endpoint)
             capacity = boto_small_rate(client, "bench", ["ds/" + k for k in keys[:400]], 16)
             log(f"{latency:g} ms: the backend gives {capacity:.0f} files/s to 16 parallel GETs")
+            juicefs = Juicefs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", 1 << 34)
             for n, fraction in ((n, f) for n in args.accelerators for f in args.demand):
                 demand = fraction * capacity
                 compute = n * batch / demand
@@ -73,11 +75,14 @@ def main() -> int:
                                        "compute_ms": compute * 1000}
                 row["raw boto3"] = boto_train(client, keys, accelerators=n, batch=batch, compute=compute,
                                               workers=workers, seed=42)
+                contenders: list[Contender] = [juicefs]
                 for manifest in (False, True):
                     c = Epochfs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", 1 << 34,
                                 manifest=manifest)
                     c.extra = args.epochfs_args.split()
-                    c.mount()
+                    contenders.append(c)
+                for c in contenders:
+                    c.mount()  # (an empty cache)
                     drop_page_cache()
                     before = c.usage()["cpu"]
                     (au,) = train(c.root, keys, accelerators=n, batch=batch, compute=compute, workers=workers,
@@ -86,7 +91,7 @@ def main() -> int:
                     row[f"{c.name} daemon CPU ms/file"] = (c.usage()["cpu"] - before) * 1000 / len(keys)
                     c.unmount()
                 log(f"{latency:g} ms, {n} accelerators ({demand / capacity:.0%} of the backend): " +
-                    ", ".join(f"{k} {v:.1%}" for k, v in row.items() if k in ("raw boto3", "epochfs lru",
+                    ", ".join(f"{k} {v:.1%}" for k, v in row.items() if k in ("raw boto3", "JuiceFS", "epochfs lru",
                                                                                 "epochfs+manifest")))
                 rows.append(row)
             proxy.stop()
@@ -95,12 +100,15 @@ def main() -> int:
     lines = [f"# First-epoch AU, {datetime.date.today().isoformat()}: {args.files} x 100 KiB, batch {batch}, "
              f"{workers} readers per accelerator; the manifest handed over at the start of the epoch",
              "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
-             "| latency | accelerators | demand / backend | raw boto3 | epochfs lru | epochfs+manifest | "
-             "daemon CPU ms/file (lru / manifest) |", "|---|---|---|---|---|---|---|"]
+             "| latency | accelerators | demand / backend | raw boto3 | JuiceFS | epochfs lru | epochfs+manifest | "
+             "epochfs+manifest / JuiceFS | daemon CPU ms/file (JuiceFS / lru / manifest) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['latency_ms']:g} ms | {r['accelerators']} | {r['demand_over_backend']:.0%} | "
-                     f"{r['raw boto3']:.1%} | {r['epochfs lru']:.1%} | {r['epochfs+manifest']:.1%} | "
-                     f"{r['epochfs lru daemon CPU ms/file']:.2f} / {r['epochfs+manifest daemon CPU ms/file']:.2f} |")
+                     f"{r['raw boto3']:.1%} | {r['JuiceFS']:.1%} | {r['epochfs lru']:.1%} | "
+                     f"{r['epochfs+manifest']:.1%} | {r['epochfs+manifest'] / r['JuiceFS']:.2f}x | "
+                     f"{r['JuiceFS daemon CPU ms/file']:.2f} / {r['epochfs lru daemon CPU ms/file']:.2f} / "
+                     f"{r['epochfs+manifest daemon CPU ms/file']:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
