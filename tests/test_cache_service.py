@@ -514,3 +514,59 @@ def test_read_now_answers_only_what_is_at_hand_and_counts_only_what_it_answers(t
     assert (out["stats1"].hits, out["stats1"].hit_bytes) == (2, 105) and out["stats1"].misses == 2
     assert out["damaged"] is None and out["refetched"] == pattern(OBJ.key, 0, 10, 100)
     assert cache.store.statistics().corrupt_blocks == 1
+
+
+class PeakBackend(MemoryBackend):
+    """Counts the requests in flight at once (the most, and by which kind of fetch is not its concern)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.now = self.peak = 0
+
+    def read_range(self, key, etag, start, length):
+        with self._lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        try:
+            return super().read_range(key, etag, start, length)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+def test_planned_fetches_have_slots_of_their_own_and_readahead_keeps_its_own(tmp_path):
+    """The prefetch plan and warmups (``fetch``) may keep ``plan_concurrency`` requests in flight, far
+    more than ``concurrency`` (a far backend needs many); readahead (``prefetch``) stays within
+    ``concurrency``."""
+    obj = ObjectInfo("many.bin", 40 * BS, 0, '"v1"')
+
+    def peak(start) -> int:
+        backend = PeakBackend(delay=0.2)
+        store = BlockStore(tmp_path / f"c{start.__name__}", 1 << 30, 0.0, LruPolicy())
+        store.open()
+        cache = BlockCache(store, backend, CacheSettings(block_size=BS, concurrency=3, readahead_blocks=0,
+                                                         plan_concurrency=12))
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(cache.run)
+                start(cache)
+                await cache.wait_idle()
+                nursery.cancel_scope.cancel()
+
+        try:
+            trio.run(main)
+        finally:
+            store.close()
+        assert sum(backend.calls.values()) == 40  # every block fetched once
+        return backend.peak
+
+    def planned(cache):
+        for index in range(40):
+            cache.fetch(obj, index, cache.block_id(obj, index))
+
+    def readahead(cache):
+        cache.prefetch(obj, range(40))
+
+    assert peak(planned) == 12
+    assert peak(readahead) == 3

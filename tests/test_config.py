@@ -49,6 +49,11 @@ def test_config_validation(tmp_path):
         Config(src, tmp_path, endpoint_url="127.0.0.1:9000")
     with pytest.raises(ConfigError, match="free-space-ratio"):
         Config(src, tmp_path, free_space_ratio=1.5)
+    assert Config(src, tmp_path).prefetch_concurrency == 96  # a far backend's plan needs many in flight
+    assert Config(src, tmp_path, prefetch_concurrency=1024).prefetch_concurrency == 1024
+    for bad in (0, -3, 1025):
+        with pytest.raises(ConfigError, match="prefetch-concurrency"):
+            Config(src, tmp_path, prefetch_concurrency=bad)
 
 
 def test_node_name_and_prometheus_targets(tmp_path, monkeypatch):

@@ -17,8 +17,9 @@ class CacheSettings:
     """What the block cache service needs of the mount's options."""
 
     block_size: int
-    concurrency: int  # backend fetches at once, demand and prefetch each
+    concurrency: int  # backend fetches at once, demand and readahead each
     readahead_blocks: int  # blocks fetched ahead of a sequential reader
+    plan_concurrency: int = 0  # fetches of the prefetch plan and warmups at once (0: ``concurrency``)
     fetch_timeout: float = 60.0  # a fill gives up after this long, whatever its thread is doing
 
 

@@ -72,6 +72,7 @@ class BlockCache:
         self._flights: dict[bytes, Fetch] = {}
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
+        self._plan_limiter = trio.CapacityLimiter(settings.plan_concurrency or concurrency)
         self._read_limiter = trio.CapacityLimiter(16)
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
@@ -370,7 +371,7 @@ class BlockCache:
             return flight
         if self.store.lookup(bid) is not None or self._nursery is None:
             return None
-        return self._start(obj, index, bid, demand=False, warm_ok=True, near=False)
+        return self._start(obj, index, bid, demand=False, warm_ok=True, near=False, planned=True)
 
     def prefetch(self, obj: ObjectInfo, indices: range) -> int:
         """Start background fetches of those blocks that are neither cached nor in flight."""
@@ -445,9 +446,11 @@ class BlockCache:
     # -- fetching --------------------------------------------------------------------------------------
 
     def _start(self, obj: ObjectInfo, index: int, bid: bytes, *, demand: bool, direct: bool = False,
-               warm_ok: bool = False, near: bool = True) -> Fetch:
+               warm_ok: bool = False, near: bool = True, planned: bool = False) -> Fetch:
         """A fetch of the block; ``warm_ok`` (the manifest prefetcher, far ahead of the reader): of a
-        block this node does not keep, only warm its owner; ``near``: a reader is at or right behind it."""
+        block this node does not keep, only warm its owner; ``near``: a reader is at or right behind it;
+        ``planned``: for the prefetch plan or a warmup, which have slots of their own (the scheduler
+        sizes how many it uses by the backend's latency)."""
         if self._nursery is None:
             raise BackendUnavailable("the cache service is not running (shutting down)")
         keep = direct or self.source.keeps(bid)
@@ -457,15 +460,15 @@ class BlockCache:
         # Room is reserved now (the policy decides whether the block is cached), so what the store
         # reports as free already accounts for every fetch started.
         admitted = keep and self.store.reserve(bid, length, in_use=demand)
-        self._nursery.start_soon(self._fetch_and_fill, obj, index, start, length, bid, flight, admitted)
+        limiter = self._demand_limiter if demand else self._plan_limiter if planned else self._prefetch_limiter
+        self._nursery.start_soon(self._fetch_and_fill, obj, index, start, length, bid, flight, admitted, limiter)
         return flight
 
     async def _fetch_and_fill(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes,
-                              flight: Fetch, admitted: bool) -> None:
+                              flight: Fetch, admitted: bool, limiter: trio.CapacityLimiter) -> None:
         """One worker-thread job per block: fetch it, hand the bytes to the readers at once (from the
         thread), write them to a temporary file if ``admitted``; then, back on the trio thread, install
         and index it."""
-        limiter = self._demand_limiter if flight.demand else self._prefetch_limiter
         installed = False
         token = trio.lowlevel.current_trio_token()
         handoff = Handoff()

@@ -144,7 +144,7 @@ class Daemon:
             self._open_peer()
         self.cache = BlockCache(self.store, self.backend, CacheSettings(
             block_size=config.block_size, concurrency=config.backend_concurrency,
-            readahead_blocks=config.readahead_blocks,
+            readahead_blocks=config.readahead_blocks, plan_concurrency=config.prefetch_concurrency,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
         self.share: share.ShareWatch | None = None
@@ -155,7 +155,7 @@ class Daemon:
                                               lambda: self.snapshots.snapshot.version, self.backend.source_id,
                                               config.block_size, self.store.bound)
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
-            capacity=config.cache_size, max_inflight=config.backend_concurrency,
+            capacity=config.cache_size, max_inflight=config.prefetch_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
         self.cache.wire(observer=self.prefetcher)
         self.passthrough: Passthrough | None = None

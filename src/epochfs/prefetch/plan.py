@@ -27,6 +27,12 @@ class PlanFile:
 #: option's one source).
 DEFAULT_LEAD = 2.0
 
+#: Fetches of a plan in flight at most, by default, and the most that may be asked for (each is a
+#: worker thread and a backend connection while it lasts; the scheduler keeps far fewer in flight
+#: where the backend answers fast).
+DEFAULT_PREFETCH_CONCURRENCY = 96
+MAX_PREFETCH_CONCURRENCY = 1024
+
 #: Most blocks one plan (the epochs handed over and not yet read) may hold: about 1 GiB of daemon
 #: memory, 32 TiB of reading at the default block size. A larger hand-over is refused.
 MAX_PLAN_BLOCKS = 1 << 23

@@ -23,8 +23,9 @@ the reader:
   possible front-loads the daemon's CPU and slows the very reads it is meant to speed up (measured:
   the first epoch's AU fell to 75% with a 10 s lead on 2 cores, all reads being hits).
 - **In flight.** The number of concurrent prefetch fetches is sized by time (Little's law): twice the
-  reader's rate x the observed fetch latency (with a bandwidth cap, the cap's rate), at most the prefetch
-  share of backend connections. A backend that answers in milliseconds gets a couple of prefetches at a
+  reader's rate x the observed fetch latency (with a bandwidth cap, the cap's rate), at most
+  ``--prefetch-concurrency`` (the plan's and warmups' own slots in the cache, apart from readahead's and
+  demand's). A backend that answers in milliseconds gets a couple of prefetches at a
   time, one 50 ms away gets many: measured, 16 prefetches in flight against a fast local backend cost
   the reader up to 10 points of AU by crowding its demand fetches on a CPU-bound endpoint. Prefetch
   never delays demand: it waits while a demand fetch is queued, and uses its own capacity limiter.
