@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CLONE_NEWNET = 0x40000000
 
@@ -154,20 +155,28 @@ class LatencyProxy:
                 w.close()
 
 
+def spawn(args: list[str], **popen: Any) -> tuple[subprocess.Popen[str], str]:
+    """This proxy started as a child process with the command-line ``args`` (``popen``: more for
+    :class:`subprocess.Popen`), once it listens, and the endpoint it listens at. RuntimeError, the child
+    ended, if it does not start."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdout=subprocess.PIPE,
+                            text=True, **popen)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("proxy on http://"):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the latency proxy did not start (it said {line!r})")
+    return proc, line.split()[-1]
+
+
 class ProxyProcess:
     """A :class:`LatencyProxy` to ``127.0.0.1:upstream_port`` in a child process (see the module's
     text): ``endpoint`` and ``stop()`` as the in-process one."""
 
     def __init__(self, upstream_port: int, delay: float = 0.0) -> None:
         self.delay = delay
-        self._proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--upstream", f"127.0.0.1:{upstream_port}",
-             "--delay-ms", repr(delay * 1000), "--until-eof"], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
-        line = self._proc.stdout.readline() if self._proc.stdout else ""
-        if not line.startswith("proxy on http://"):
-            self.stop()
-            raise RuntimeError(f"the latency proxy did not start (it said {line!r})")
-        self.endpoint = line.split()[-1]
+        self._proc, self.endpoint = spawn(["--upstream", f"127.0.0.1:{upstream_port}", "--delay-ms",
+                                           repr(delay * 1000), "--until-eof"], stdin=subprocess.PIPE)
         self.port = int(self.endpoint.rsplit(":", 1)[1])
 
     def stop(self) -> None:

@@ -27,10 +27,12 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import latency_proxy
 
 SUBNET = "198.18.0"
 NETNS_DIR = Path("/var/run/netns")
@@ -111,7 +113,7 @@ class NetBox:
         self.switch = f"{self.name_prefix}sw"
         self.work = work
         self.hosts: dict[str, Host] = {}
-        self.procs: list[subprocess.Popen[bytes]] = []  # started here in the machine's namespace
+        self.procs: list[subprocess.Popen[Any]] = []  # started here in the machine's namespace
 
     def __enter__(self) -> NetBox:
         try:
@@ -150,23 +152,22 @@ class NetBox:
         return host
 
     def portal(self, listen: str, upstream: str, *, listen_in: Host | None = None, upstream_in: Host | None = None,
-               delay_ms: float = 0.0, log: Path | None = None) -> subprocess.Popen[bytes]:
+               delay_ms: float = 0.0, log: Path | None = None) -> subprocess.Popen[str]:
         """A TCP forwarder (``latency_proxy.py``) listening at ``listen`` in ``listen_in``'s namespace
         (None: the machine's) and connecting to ``upstream`` in ``upstream_in``'s, adding ``delay_ms`` to
         every answer: a server on the machine's loopback reached from the box, or the other way round.
         Returns once it listens; stopped at tear-down."""
-        cmd = [sys.executable, str(Path(__file__).resolve().parent / "latency_proxy.py"), "--listen", listen,
-               "--upstream", upstream, "--delay-ms", str(delay_ms)]
+        args = ["--listen", listen, "--upstream", upstream, "--delay-ms", str(delay_ms)]
         if listen_in is not None:
-            cmd += ["--listen-ns", str(NETNS_DIR / listen_in.ns)]
+            args += ["--listen-ns", str(NETNS_DIR / listen_in.ns)]
         if upstream_in is not None:
-            cmd += ["--upstream-ns", str(NETNS_DIR / upstream_in.ns)]
+            args += ["--upstream-ns", str(NETNS_DIR / upstream_in.ns)]
         err = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        try:
+            proc, _ = latency_proxy.spawn(args, stderr=err, start_new_session=True)
+        except RuntimeError:
+            raise RuntimeError(f"the portal from {listen} to {upstream} did not start") from None
         self.procs.append(proc)
-        line = proc.stdout.readline().decode() if proc.stdout else ""
-        if "proxy on" not in line:
-            raise RuntimeError(f"the portal from {listen} to {upstream} did not start")
         return proc
 
     def namespaces(self) -> list[str]:
