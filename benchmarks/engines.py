@@ -5,7 +5,8 @@ beside each rate. What the cold path of the mount chooses from (see ``epochfs.tr
 - *boto3*: 8 threads, 8 MiB ranges (the plain client of benchmarks/readpath.py);
 - *curl, bytes*: libcurl easy handles, 8 threads, the body collected with ``bytearray.extend`` (what
   epochfs did before);
-- *curl, aligned*: the same into epochfs's aligned, pooled buffers (``epochfs.transport.curlio.Answer``: the
+- *curl, aligned*: libcurl writing into epochfs's aligned, pooled buffers itself, no Python callback
+  (``epochfs.transport.curlio.Easy``: the
   engine of short ranges);
 - *curl multi*: one thread driving 8 transfers through a multi handle;
 - *awscrt*: the AWS Common Runtime's S3 client (8 MiB parts, its own C threads), the body handed to
@@ -62,24 +63,31 @@ def engines(server: LocalS3, size: int) -> dict[str, Callable[[], int]]:
 
     from epochfs.backend import BackendSettings, open_backend
     from epochfs.daemon.config import Source
-    from epochfs.transport import httpio
-    from epochfs.transport.curlio import Answer, new_handle
+    from epochfs.transport import curlio, httpio
+
+    def new_handle() -> pycurl.Curl:
+        handle = pycurl.Curl()
+        handle.setopt(pycurl.NOSIGNAL, 1)
+        handle.setopt(pycurl.BUFFERSIZE, 512 << 10)
+        return handle
 
     url = f"{server.endpoint}/{BUCKET}/{KEY}"
     local = threading.local()
 
     def curl_get(aligned: bool) -> Callable[[int, int], int]:
         def get(offset: int, n: int) -> int:
+            if aligned:
+                easy = getattr(local, "easy", None)
+                if easy is None:
+                    easy = local.easy = curlio.Easy()
+                easy.setopt(pycurl.URL, url)
+                easy.setopt(pycurl.RANGE, f"{offset}-{offset + n - 1}")
+                return len(easy.perform(n)[1])
             handle = getattr(local, "curl", None)
             if handle is None:
                 handle = local.curl = new_handle()
             handle.setopt(pycurl.URL, url)
             handle.setopt(pycurl.RANGE, f"{offset}-{offset + n - 1}")
-            if aligned:
-                answer = Answer(n)
-                answer.attach(handle)
-                handle.perform()
-                return len(answer.body)
             body = bytearray()
             handle.setopt(pycurl.WRITEFUNCTION, body.extend)
             handle.perform()
@@ -93,8 +101,8 @@ def engines(server: LocalS3, size: int) -> dict[str, Callable[[], int]]:
         while todo or active:
             while todo and free:
                 handle, offset = free.pop(), todo.pop(0)
-                answer = Answer(part)
-                answer.attach(handle)
+                answer = bytearray()
+                handle.setopt(pycurl.WRITEFUNCTION, answer.extend)
                 handle.setopt(pycurl.URL, url)
                 handle.setopt(pycurl.RANGE, f"{offset}-{min(offset + part, size) - 1}")
                 multi.add_handle(handle)
@@ -105,7 +113,7 @@ def engines(server: LocalS3, size: int) -> dict[str, Callable[[], int]]:
             while True:
                 queued, ok, failed = multi.info_read()
                 for handle in ok:
-                    total += len(active.pop(handle).body)
+                    total += len(active.pop(handle))
                     multi.remove_handle(handle)
                     free.append(handle)
                 if failed:

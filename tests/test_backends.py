@@ -298,22 +298,20 @@ def _fetch(engine, port, limit, deadline=30.0):
     """(body, stopped) of a GET of / through ``engine`` with a body limit."""
     import pycurl
 
-    from epochfs.transport import httpio
-    from epochfs.transport.curlio import Answer, new_handle
+    from epochfs.transport import curlio, httpio
+    from epochfs.transport.buffers import is_aligned
 
     if engine == "curl":
-        curl = new_handle()
-        answer = Answer(limit)
-        answer.attach(curl)
+        curl = curlio.Easy()
         curl.setopt(pycurl.URL, f"http://127.0.0.1:{port}/")
         curl.setopt(pycurl.PROXY, "")
         try:
-            curl.perform()
-        except pycurl.error as exc:
-            assert Answer.overflowed(exc), exc
-            assert len(answer.body) <= limit
+            _, body = curl.perform(limit)
+        except curlio.Failed as exc:
+            assert curlio.overflowed(exc), exc
             return None, True
-        return bytes(answer.body), False
+        assert len(body) <= limit and (is_aligned(body) or len(body) % 4096)
+        return bytes(body), False
     client = httpio.Client("127.0.0.1", port, None)
     try:
         status, _, body = client.get("/", {}, limit, time.monotonic() + deadline)

@@ -83,6 +83,41 @@ def test_a_deleted_pack_drops_its_blocks_not_others(tmp_path, monkeypatch):
     assert s.statistics().corrupt_blocks == 3 and s.statistics().blocks == 3
 
 
+def _open_on(directory) -> list[str]:
+    """What this process has open under ``directory``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+def test_a_pack_is_written_through_one_descriptor_closed_when_the_next_pack_starts(tmp_path, monkeypatch):
+    """The blocks of the current pack are written through the descriptor made with it (no open and close
+    per block); once the next pack takes the writes, the old one's is closed, and close() closes the
+    last. The blocks read back whole."""
+    monkeypatch.setattr(packs_mod, "PACK_SIZE", 3 * 4096)
+    s = make(tmp_path)
+    packs_dir = s.packs_dir
+    blocks = {n: os.urandom(4000) for n in range(7)}
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1])
+    for n, data in blocks.items():
+        assert put(s, bid(n), data)
+        assert len(_open_on(packs_dir)) == 1  # the current pack's writer: the full ones' are closed
+    monkeypatch.setattr(os, "open", real_open)
+    assert len([p for p in opened if p.startswith(str(packs_dir))]) == 3  # one per pack: its creation
+    for n, data in blocks.items():
+        assert bytes(s.read(bid(n), s.lookup(bid(n)), 0, 4000)) == data
+    s.close()
+    assert _open_on(packs_dir) == []
+
+
 def test_flipped_byte_in_an_unread_chunk_is_not_noticed_until_read(tmp_path):
     s = make(tmp_path)
     data = os.urandom(2 * CHUNK_SIZE)

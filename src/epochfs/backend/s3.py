@@ -59,8 +59,7 @@ from epochfs.core.errors import (
 )
 from epochfs.core.records import ObjectInfo
 from epochfs.links.meter import TransferMeter
-from epochfs.transport import httpio
-from epochfs.transport.curlio import Answer, new_handle
+from epochfs.transport import curlio, httpio
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -359,10 +358,10 @@ class S3Backend(S3Writes, Backend):
         return self._base_url + urllib.parse.quote((self.prefix + key).encode("utf-8", "surrogateescape"),
                                                    safe="/~")
 
-    def _curl(self) -> pycurl.Curl:
+    def _curl(self) -> curlio.Easy:
         curl = getattr(self._local, "curl", None)
         if curl is None:
-            curl = self._local.curl = new_handle()
+            curl = self._local.curl = curlio.Easy()
             if self._cainfo is False:
                 curl.setopt(pycurl.SSL_VERIFYPEER, 0)
                 curl.setopt(pycurl.SSL_VERIFYHOST, 0)
@@ -387,7 +386,6 @@ class S3Backend(S3Writes, Backend):
                    "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
         if creds.token:
             headers.append(f"x-amz-security-token: {creds.token}")
-        answer = Answer(max(length, 1 << 16))  # never buffer more than was asked for (or an error page)
         curl = self._curl()
         curl.setopt(pycurl.AWS_SIGV4, f"aws:amz:{self._region}:s3")
         curl.setopt(pycurl.URL, self._url(key))
@@ -396,14 +394,12 @@ class S3Backend(S3Writes, Backend):
         curl.setopt(pycurl.PASSWORD, creds.secret_key)
         curl.setopt(pycurl.TIMEOUT_MS, remaining_ms)  # the whole request, headers and body
         curl.setopt(pycurl.CONNECTTIMEOUT_MS, min(5000, remaining_ms))
-        answer.attach(curl)
-        try:
-            curl.perform()
-        except pycurl.error as exc:
-            code, message = exc.args[0], exc.args[1] if len(exc.args) > 1 else ""
-            kind = "overflow" if answer.overflowed(exc) else "tls" if code in _TLS_FAILURES else "transport"
-            raise self._transfer_failed(key, length, kind, f"curl error {code}: {message}") from None
-        data = self._checked(curl.getinfo(pycurl.RESPONSE_CODE), answer.headers, answer.body, key, etag, start,
+        try:  # (never more than was asked for, or an error page)
+            answer_headers, body = curl.perform(max(length, 1 << 16))
+        except curlio.Failed as exc:
+            kind = "overflow" if curlio.overflowed(exc) else "tls" if exc.code in _TLS_FAILURES else "transport"
+            raise self._transfer_failed(key, length, kind, f"curl error {exc.code}: {exc.message}") from None
+        data = self._checked(int(curl.getinfo(pycurl.RESPONSE_CODE)), answer_headers, body, key, etag, start,
                              length)
         end = time.monotonic()
         body_seconds = max(0.0, curl.getinfo(pycurl.TOTAL_TIME) - curl.getinfo(pycurl.STARTTRANSFER_TIME))

@@ -55,6 +55,11 @@ def padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def pack_name(pack: int) -> str:
     """The file name of pack ``pack`` under ``packs/``."""
     return f"{pack:08x}"
@@ -88,6 +93,10 @@ class Packs:
         self._write_off = 0
         self._last = 0  # the newest pack a block was installed in (to notice when it rolls over)
         self._fds: Descriptors[int] = Descriptors(self._open_pack, _PACK_FDS)
+        # pack -> [descriptor, writes using it]: the packs being written keep one write descriptor
+        # (made when the pack is created), closed once the pack is no longer the current one and its
+        # last write ended. A pack with a write running is never deleted (it has a pending block).
+        self._writers: dict[int, list[int]] = {}
         self._closed = False
 
     def path(self, pack: int) -> str:
@@ -165,16 +174,22 @@ class Packs:
         (worker thread): (pack, offset). Raises OSError, and then leaves the range punched out and
         uncounted."""
         size = padded(len(data))
+        retired: list[int] = []
         with self._lock:
             if self._closed:  # a fill abandoned at shutdown, finishing after close(): nothing lands
                 raise OSError(errno.ESHUTDOWN, "the block store is closed")
             if self._write_off + size > PACK_SIZE:
+                old = self._write_pack
                 self._write_pack, self._write_off = self._new_pack(), 0
+                retired = self._retire(old)
             pack, offset = self._write_pack, self._write_off
             self._write_off += size
             self.pending[pack] = self.pending.get(pack, 0) + 1
+            writer = self._writers[pack]  # (the current pack's, kept since _new_pack made it)
+            writer[1] += 1
+        _close_all(retired)
+        fd = writer[0]
         try:
-            fd = os.open(self.path(pack), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 view, at = memoryview(data), offset
                 while view:
@@ -183,13 +198,30 @@ class Packs:
             except BaseException:
                 punch_hole(fd, offset, size)
                 raise
-            finally:
-                os.close(fd)
         except BaseException:
             with self._lock:
                 self.pending[pack] -= 1
+                retired = self._write_ended(pack)
+            _close_all(retired)
             raise
+        with self._lock:
+            retired = self._write_ended(pack)
+        _close_all(retired)
         return pack, offset
+
+    def _write_ended(self, pack: int) -> list[int]:
+        """(Under the lock) a write to ``pack`` ended: the descriptors to close now."""
+        self._writers[pack][1] -= 1
+        return self._retire(pack) if pack != self._write_pack or self._closed else []
+
+    def _retire(self, pack: int) -> list[int]:
+        """(Under the lock) ``pack`` is no longer written to: its write descriptor, to be closed, once
+        no write uses it (else the last write's end retires it)."""
+        writer = self._writers.get(pack)
+        if writer is None or writer[1] > 0:
+            return []
+        del self._writers[pack]
+        return [writer[0]]
 
     def _new_pack(self) -> int:
         """Create the pack after the current one (under the lock): the next number that no pack on disk
@@ -200,10 +232,11 @@ class Packs:
             if pack in self.live or pack in self.pending:
                 continue
             try:
-                os.close(os.open(self.path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, 0o600))
+                fd = os.open(self.path(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o600)
             except FileExistsError:
                 continue
+            self._writers[pack] = [fd, 0]
             return pack
         raise OSError(errno.EEXIST, "no free pack number after the current one")
 
@@ -269,6 +302,9 @@ class Packs:
         """Stop writing (a write that finishes later lands nothing) and close the descriptors; whether
         every block written is indexed (else the store was not shut down consistent)."""
         pack, self._write_pack = self._write_pack, 0
+        with self._lock:
+            retired = self._retire(pack)
+        _close_all(retired)
         self.drop_if_empty(pack)
         with self._lock:
             self._closed = True

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import trio
 
 from epochfs.backend.base import Backend
+from epochfs.cache import workers
 from epochfs.cache.accounting import CacheStats
 from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
 from epochfs.cache.format import BlockMeta
@@ -271,7 +272,7 @@ class BlockCache:
     async def _read_from_disk(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> memoryview | None:
         """A cached block that is not in memory: read it in a worker thread, so the event loop serves
         other requests meanwhile. None if it turned out damaged, or was evicted while we read."""
-        raw = await trio.to_thread.run_sync(self.store.pread_range, bid, meta, lo, hi, limiter=self._read_limiter)
+        raw = await workers.run_sync(self.store.pread_range, bid, meta, lo, hi, limiter=self._read_limiter)
         if self.store.lookup(bid) != meta:
             return None  # evicted (or evicted and refilled) meanwhile: not damage, a miss
         return self.store.finish_read(bid, meta, lo, hi, raw)
@@ -497,7 +498,7 @@ class BlockCache:
                 # its headers): the readers get their error in time, the thread is left to finish.
                 try:
                     with trio.move_on_after(self.fetch_timeout):
-                        await trio.to_thread.run_sync(job, limiter=limiter, abandon_on_cancel=True)
+                        await workers.run_sync(job, limiter=limiter, abandon_on_cancel=True)
                         done = True
                 finally:
                     written = handoff.take()

@@ -1,7 +1,7 @@
 """Asking an owner for a block (blocking; called from the cache's fetch worker threads and the
 membership's proofs).
 
-libcurl (pycurl), one handle per thread, connections kept alive per peer. The whole request is bounded
+libcurl (:mod:`epochfs.transport.curlio`), one handle per thread, connections kept alive per peer. The whole request is bounded
 by the tier's timeout, the connection by ``CONNECT_TIMEOUT`` (a refused connection fails at once). An
 answer is used only if it is complete and authenticated: its MAC (made with the cluster's token, bound
 to this request) fits the status and the body, and a block is exactly the block's length. Anything
@@ -17,7 +17,7 @@ import pycurl
 
 from epochfs.core.text import printable
 from epochfs.peer import wire
-from epochfs.transport.curlio import Answer, new_handle
+from epochfs.transport import curlio
 
 
 class PeerFailure(Exception):
@@ -40,10 +40,10 @@ class PeerClient:
         self._local = threading.local()
         self._since: dict[str, int] = {}  # member -> the second it started (from its hello)
 
-    def _curl(self) -> pycurl.Curl:
+    def _curl(self) -> curlio.Easy:
         curl = getattr(self._local, "curl", None)
         if curl is None:
-            curl = self._local.curl = new_handle()
+            curl = self._local.curl = curlio.Easy()
             curl.setopt(pycurl.PROXY, "")  # peers are on the cluster network, never behind a proxy
             curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(self.CONNECT_TIMEOUT * 1000))
         return curl
@@ -73,31 +73,28 @@ class PeerClient:
         self._since[member], capacity = answer
         return capacity
 
-    def _ask(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
+    def _ask(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, memoryview]:
         try:
             return self._exchange(member, target, limit, timeout)
         except PeerFailure:
             self._local.curl = None  # its connection may hold the rest of a bad answer: start afresh
             raise
 
-    def _exchange(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, bytearray]:
+    def _exchange(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, memoryview]:
         headers, mac = self.keys.headers(member, target, max(time.time(), self._since.get(member, 0)))
-        answer = Answer(limit)
         curl = self._curl()
         curl.setopt(pycurl.URL, f"http://{member}{target}")
         curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in headers.items()])
         curl.setopt(pycurl.TIMEOUT_MS, max(1, int(timeout * 1000)))
-        answer.attach(curl)
         try:
-            curl.perform()
-        except pycurl.error as exc:
-            if answer.overflowed(exc):
+            fields, body = curl.perform(limit)
+        except curlio.Failed as exc:
+            if curlio.overflowed(exc):
                 raise PeerFailure("bad", f"{member}: answer longer than the block") from None
-            message = exc.args[1] if len(exc.args) > 1 else str(exc)
-            raise PeerFailure("unavailable", f"{member}: {message}") from None
-        status = curl.getinfo(pycurl.RESPONSE_CODE)
-        if not self.keys.answer_ok(mac, status, answer.body, answer.headers.get(wire.ANSWER_HEADER)):
+            raise PeerFailure("unavailable", f"{member}: {exc.message}") from None
+        status = int(curl.getinfo(pycurl.RESPONSE_CODE))
+        if not self.keys.answer_ok(mac, status, body, fields.get(wire.ANSWER_HEADER)):
             hint = " (does it have another --peer-token-file?)" if status == 401 else ""
             raise PeerFailure("bad", f"{member}: an answer (HTTP {status}) not authenticated with the "
                                      f"cluster's token{hint}", status)
-        return status, answer.body
+        return status, body
