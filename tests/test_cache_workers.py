@@ -107,3 +107,47 @@ def test_a_cancelled_caller_starts_no_thread():
 
     trio.run(main)
     assert not started.is_set()
+
+
+def test_the_mailbox_runs_posted_calls_in_order_with_one_wakeup_for_a_burst(monkeypatch):
+    """Calls posted from threads before the trio thread gets to them share one run_sync_soon; a call
+    that raises is logged and the others still run."""
+    ran, wakeups = [], []
+
+    def boom():
+        raise RuntimeError("a bad call")
+
+    real = workers.Mailbox._run
+    monkeypatch.setattr(workers.Mailbox, "_run", lambda self: (wakeups.append(1), real(self))[1])
+
+    async def main():
+        box = workers.mailbox()
+        assert workers.mailbox() is box  # (one per run)
+
+        done = trio.Event()
+
+        def burst():
+            for i in range(50):
+                box.post(ran.append, i)
+                if i == 25:
+                    box.post(boom)
+            box.post(done.set)
+
+        await trio.to_thread.run_sync(burst)
+        with trio.fail_after(5):
+            await done.wait()
+
+    trio.run(main)
+    assert ran == list(range(50))
+    assert len(wakeups) < 26  # (one per call without the mailbox: 52)
+
+
+def test_the_mailbox_says_when_the_run_is_over():
+    boxes = []
+
+    async def main():
+        boxes.append(workers.mailbox())
+
+    trio.run(main)
+    with pytest.raises(trio.RunFinishedError):
+        boxes[0].post(print, "late")

@@ -471,13 +471,13 @@ class BlockCache:
         thread), write them to a temporary file if ``admitted``; then, back on the trio thread, install
         and index it."""
         installed = False
-        token = trio.lowlevel.current_trio_token()
+        box = workers.mailbox()
         handoff = Handoff()
 
         def job() -> None:
             data, origin = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
                                                      warm=flight.warm)
-            token.run_sync_soon(self._deliver, flight, data, origin)
+            box.post(self._deliver, flight, data, origin)
             if not admitted or data is None:
                 return
             try:
@@ -486,7 +486,7 @@ class BlockCache:
                 result = exc
             if not handoff.give(result) and isinstance(result, tuple):
                 try:  # the fill gave up waiting: nobody installs this block; undo its write
-                    token.run_sync_soon(self.store.abandon, *result)
+                    box.post(self.store.abandon, *result)
                 except trio.RunFinishedError:
                     pass  # shut down: what it wrote is cleared at the next start
 
