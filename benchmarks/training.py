@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,8 @@ def main() -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{datetime.date.today().isoformat()}-training"
+    if Path(f"{stem}.md").exists():  # an earlier run of the same day stays
+        stem = stem.with_name(stem.name + time.strftime("-%H%M"))
     Path(f"{stem}.md").write_text(text)
     Path(f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0

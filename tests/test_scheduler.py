@@ -262,3 +262,21 @@ def test_cached_bytes_the_reader_reads_next_are_read_into_memory_ahead_of_it(tmp
     assert at_start == [True] * 4 + [False] * 8  # WARM_AHEAD bytes ahead, no further
     assert later[4:8] == [True] * 4 and later[8:] == [False] * 4  # follows the reader (at file 5 of 12)
     assert calls_after == calls == 12  # nothing fetched again: read from the cache disk
+
+
+def test_what_keeps_ahead_is_reported_beside_the_cap(tmp_path):
+    """statistics() says how many fetches Little's law asks for (unknown before the reader moved) and
+    the cap (--prefetch-concurrency), so the doctor can tell when the cap is what binds: a reader held
+    up by a slow backend wants more in flight than the cap of 2 lets start."""
+    files = objs(8)
+
+    async def fn(cache, pf, backend):
+        await pf.load(files)
+        before = pf.statistics()
+        for f in files:
+            await cache.read(f, 0, BS)
+        return before, pf.statistics()
+
+    before, after = with_prefetcher(tmp_path, fn, backend=MemoryBackend(delay=0.2))
+    assert before.wanted_inflight is None and before.max_inflight == 2
+    assert after.max_inflight == 2 and after.wanted_inflight is not None and after.wanted_inflight > 2

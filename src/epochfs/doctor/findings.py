@@ -26,6 +26,7 @@ from epochfs.doctor.views import (
     WARM_HITS,
     verdict_of,
 )
+from epochfs.prefetch.plan import MAX_PREFETCH_CONCURRENCY
 
 #: Findings, most helpful first (the order they are listed in).
 ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
@@ -188,11 +189,20 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     median = m["backend_median_seconds"]
     if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99):
         conc = m.get("backend_concurrency")
-        more = f"--backend-concurrency {max(32, 2 * conc)}" if conc else "--backend-concurrency 32"
-        fix = f"keep more requests in flight: remount with `{more}`"
-        if not handed:
-            fix += ", and hand over the order so the prefetcher fetches ahead"
-        found("backend-latency", f"a block request takes {median * 1000:.0f} ms (median)", fix)
+        wanted, cap = m.get("prefetch_wanted_inflight"), m.get("prefetch_max_inflight")
+        evidence = f"a block request takes {median * 1000:.0f} ms (median)"
+        if handed and wanted and cap and wanted > cap:
+            # The order is handed over and what keeps ahead of the reader at this latency is more than
+            # the plan's fetches may have in flight: their cap is what binds, not the readers' slots.
+            evidence += (f", and to keep ahead of the reader at that latency the prefetcher wants {wanted:.0f} "
+                         f"fetches in flight where it may start {cap:.0f}")
+            fix = f"let the plan keep more in flight: remount with `--prefetch-concurrency {min(MAX_PREFETCH_CONCURRENCY, max(2 * cap, wanted)):.0f}`"
+        else:
+            more = f"--backend-concurrency {max(32, 2 * conc)}" if conc else "--backend-concurrency 32"
+            fix = f"keep more requests in flight: remount with `{more}`"
+            if not handed:
+                fix += ", and hand over the order so the prefetcher fetches ahead"
+        found("backend-latency", evidence, fix)
     save = view.get("checkpoint_save_seconds") if view else None
     if save is not None and save > SLOW_SAVE:
         found("slow-checkpoints", f"a checkpoint save takes {save:.0f} s as the job sees it",

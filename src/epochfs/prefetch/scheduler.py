@@ -87,6 +87,10 @@ class PrefetchStats:
     fetched_bytes: int
     bandwidth_limit: float | None
     reader_bytes_per_second: float
+    #: Fetches in flight that keep ahead of the reader at the fetches' latency (Little's law, before
+    #: the cap; None until the reader's rate is known), and the cap (``--prefetch-concurrency``).
+    wanted_inflight: int | None = None
+    max_inflight: int = 0
 
 
 @dataclass
@@ -294,17 +298,25 @@ class Prefetcher:
         return self._plan is not None and not self._finished() and time.monotonic() - self._moved > self.PAUSE
 
     def _target_inflight(self) -> int:
-        """Fetches to keep in flight (Little's law): twice what carries the reader's rate at the observed
-        fetch latency (or the bandwidth cap's rate), so the prefetcher gains on the reader without
-        crowding a backend that answers fast; a few until the reader's rate is known."""
+        """Fetches to keep in flight: :meth:`_wanted_inflight` within the cap; a few until the reader's
+        rate is known."""
+        wanted = self._wanted_inflight()
+        if wanted is None:
+            return min(self.max_inflight, self.START_INFLIGHT)
+        return max(self.MIN_INFLIGHT, min(self.max_inflight, wanted))
+
+    def _wanted_inflight(self) -> int | None:
+        """What Little's law asks for: twice what carries the reader's rate at the observed fetch latency
+        (or the bandwidth cap's rate), so the prefetcher gains on the reader without crowding a backend
+        that answers fast; None while the reader's rate is not known."""
         if self.bandwidth:
             need = self.bandwidth * self._latency / self.cache.block_size
         else:
             rate = self._reader_rate()
             if rate <= 0:
-                return min(self.max_inflight, self.START_INFLIGHT)
+                return None
             need = 2 * rate * self._latency / self._avg_block()
-        return max(self.MIN_INFLIGHT, min(self.max_inflight, math.ceil(need) + 1))
+        return math.ceil(need) + 1
 
     async def _fill(self) -> None:
         while True:
@@ -484,7 +496,7 @@ class Prefetcher:
         rate = self._reader_rate()
         if plan is None or not len(plan):
             return PrefetchStats(False, None, 0, 0, 0, 0, 0, 0, 0, None, 0, self._inflight, self._fetched_blocks,
-                                 self._fetched_bytes, self.bandwidth, rate)
+                                 self._fetched_bytes, self.bandwidth, rate, None, self.max_inflight)
         pos = self._position
         end = pos
         limit = min(len(plan), pos + 10_000)  # bounded work per status request
@@ -509,4 +521,6 @@ class Prefetcher:
             fetched_bytes=self._fetched_bytes,
             bandwidth_limit=self.bandwidth,
             reader_bytes_per_second=rate,
+            wanted_inflight=self._wanted_inflight(),
+            max_inflight=self.max_inflight,
         )
