@@ -245,6 +245,7 @@ class Juicefs(Contender):
         super().__init__(*args, **kw)
         self.redis: Any = None
         self.meta = ""
+        self.volume = ""  # the bucket of its chunks (its GETs go there, not to the dataset's bucket)
 
     def _prepare(self) -> None:
         import atexit
@@ -258,7 +259,7 @@ class Juicefs(Contender):
         self.meta = self.redis.url.rsplit("/", 1)[0] + "/1"
         client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
                               aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
-        volume = f"jfs-{self.bucket}-{os.urandom(4).hex()}"  # (a volume of its own for each instance)
+        volume = self.volume = f"jfs-{self.bucket}-{os.urandom(4).hex()}"  # (a volume of its own for each instance)
         client.create_bucket(Bucket=volume)
         subprocess.run([str(VENV_BIN / "juicefs"), "format", "--storage", "s3", "--bucket",
                         f"{self.endpoint}/{volume}", "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY,

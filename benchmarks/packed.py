@@ -1,6 +1,7 @@
 """Packed datasets against the shard loaders: two epochs of a PyTorch DataLoader training loop (batch 16,
 4 workers, a fixed compute time per batch, page cache dropped before each epoch) over the same files as
-plain objects, as an epochfs pack (``epochfs pack``), as Mosaic Streaming MDS shards and as WebDataset
+plain objects (through epochfs, and through JuiceFS with its defaults: the files written through it
+once, untimed), as an epochfs pack (``epochfs pack``), as Mosaic Streaming MDS shards and as WebDataset
 tar shards, behind a latency proxy, side by side in one run.
 
     sudo .venv/bin/python benchmarks/packed.py [--latency-ms 20 50] [--files 2000] [--compute-ms 30]
@@ -25,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import VENV_BIN, Epochfs  # noqa: E402
+from contenders import VENV_BIN, Epochfs, Juicefs  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
 from trainloop import one_epoch  # noqa: E402
 from workloads import drop_page_cache, fresh_workdir, log, settle  # noqa: E402
@@ -77,13 +78,13 @@ def child(op: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def epochs_of(name: str, run_epoch: Any, server: LocalS3, epochs: int, usage: Any = None,
-              n: int = 0) -> dict[str, Any]:
+              n: int = 0, bucket: str = BUCKET) -> dict[str, Any]:
     row: dict[str, Any] = {"contender": name, "epochs": []}
     for epoch in range(epochs):
         drop_page_cache()
-        gets, cpu = server.request_count(BUCKET), usage() if usage else 0.0
+        gets, cpu = server.request_count(bucket), usage() if usage else 0.0
         r = run_epoch(epoch)
-        r["gets"] = server.request_count(BUCKET) - gets
+        r["gets"] = server.request_count(bucket) - gets
         if usage:
             r["daemon_cpu_ms_per_sample"] = (usage() - cpu) * 1000 / max(1, r["samples"])
         r["exact"] = r["samples"] == r["distinct"] == n
@@ -110,8 +111,13 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / "work" / "packed")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
-    if not LOADERS.exists():
-        raise SystemExit(f"{LOADERS} is missing: run  bash benchmarks/loaders-setup.sh")
+    small = f"cache {args.small_cache:g} of the data"
+    wanted = set(args.only or ["local disk", "epochfs plain", "JuiceFS plain", "epochfs packed, local order",
+                               "epochfs packed, random order", "Mosaic Streaming", "WebDataset",
+                               f"epochfs packed, local order, {small}", f"epochfs packed, random order, {small}"])
+    if wanted & {"Mosaic Streaming", "WebDataset"} and not LOADERS.exists():
+        raise SystemExit(f"{LOADERS} is missing: run  bash benchmarks/loaders-setup.sh (or leave the shard "
+                         "loaders out with --only)")
     fresh_workdir(args.work)
     files = [SampleFile(f"c{i % 20:02d}/{i:05d}.jpg", 100 * 1024) for i in range(args.files)]
     keys = [f.key for f in files]
@@ -120,10 +126,6 @@ def main() -> int:
         (disk / f.key).parent.mkdir(parents=True, exist_ok=True)
         (disk / f.key).write_bytes(f.content())
     shard_bytes = int(args.shard_size.rstrip("M")) << 20
-    small = f"cache {args.small_cache:g} of the data"
-    wanted = set(args.only or ["local disk", "epochfs plain", "epochfs packed, local order",
-                               "epochfs packed, random order", "Mosaic Streaming", "WebDataset",
-                               f"epochfs packed, local order, {small}", f"epochfs packed, random order, {small}"])
     if args.compute_ms is None:
         drop_page_cache()
         loaded = loader_epoch(disk, keys, shuffled_sampler(len(keys)), 0.0)
@@ -137,16 +139,21 @@ def main() -> int:
                                "convert": {}, "runs": []}
     try:
         upload(server.client(), BUCKET, "raw/", files)
-        started = time.perf_counter()
-        subprocess.run([str(VENV_BIN / "epochfs"), "pack", f"s3://{BUCKET}/raw", f"s3://{BUCKET}/packed",
-                        "--endpoint-url", server.endpoint, "--shard-size", args.shard_size, "-q"],
-                       env=server.env(), check=True, capture_output=True)
-        results["convert"]["epochfs pack"] = {"seconds": time.perf_counter() - started}
+        if any(name.startswith("epochfs packed") for name in wanted):
+            started = time.perf_counter()
+            subprocess.run([str(VENV_BIN / "epochfs"), "pack", f"s3://{BUCKET}/raw", f"s3://{BUCKET}/packed",
+                            "--endpoint-url", server.endpoint, "--shard-size", args.shard_size, "-q"],
+                           env=server.env(), check=True, capture_output=True)
+            results["convert"]["epochfs pack"] = {"seconds": time.perf_counter() - started}
         base = {"endpoint": server.endpoint, "bucket": BUCKET, "raw": "raw/", "keys": keys,
                 "work": str(args.work), "shard_size": shard_bytes}
-        results["convert"]["Mosaic Streaming"] = child("convert-mds", {**base, "prefix": "mds/"})
-        results["convert"]["WebDataset"] = child("convert-wds", {**base, "prefix": "wds/"})
-        wds_shards = sorted(o["Key"][4:] for o in server.client().list_objects_v2(Bucket=BUCKET, Prefix="wds/")["Contents"])
+        if "Mosaic Streaming" in wanted:
+            results["convert"]["Mosaic Streaming"] = child("convert-mds", {**base, "prefix": "mds/"})
+        wds_shards: list[str] = []
+        if "WebDataset" in wanted:
+            results["convert"]["WebDataset"] = child("convert-wds", {**base, "prefix": "wds/"})
+            wds_shards = sorted(o["Key"][4:] for o in
+                                server.client().list_objects_v2(Bucket=BUCKET, Prefix="wds/")["Contents"])
         log(f"converted: {json.dumps(results['convert'])}; quiet after {settle():.0f} s")
         for latency in args.latency_ms:
             proxy = ProxyProcess(server.port, latency / 1000)
@@ -164,6 +171,8 @@ def main() -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{results['date']}-packed"
+    if Path(f"{stem}.md").exists():  # an earlier run of the same day stays
+        stem = stem.with_name(stem.name + time.strftime("-%H%M"))
     Path(f"{stem}.md").write_text(text)
     Path(f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
@@ -188,6 +197,8 @@ def run_latency(args: argparse.Namespace, server: LocalS3, proxy: ProxyProcess, 
             (f"epochfs packed, random order, cache {args.small_cache:g} of the data", "packed/", False, small)):
         if name in wanted:
             rows.append(epochfs_run(args, server, proxy, work, name, prefix, local, keys, cache_size))
+        if name == "epochfs plain" and "JuiceFS plain" in wanted:
+            rows.append(juicefs_run(args, server, proxy, work, keys))
     common = {"proxy": proxy.endpoint, "bucket": BUCKET, "seed": SEED, "batch": BATCH, "workers": WORKERS,
               "compute": compute}
     if "Mosaic Streaming" in wanted:
@@ -218,6 +229,26 @@ def epochfs_run(args: argparse.Namespace, server: LocalS3, proxy: ProxyProcess, 
             return loader_epoch(c.root, keys, sampler, args.compute_ms / 1000)
 
         return epochs_of(name, fs_epoch, server, args.epochs, usage=lambda: c.usage()["cpu"], n=len(keys))
+    finally:
+        c.unmount()
+
+
+def juicefs_run(args: argparse.Namespace, server: LocalS3, proxy: ProxyProcess, work: Path,
+                keys: list[str]) -> dict[str, Any]:
+    """The plain files through JuiceFS, read by the same DataLoader in the same shuffled order as
+    ``epochfs plain`` (no order handed over: JuiceFS takes none). Its GETs are counted at its own
+    volume's bucket."""
+    c = Juicefs(work, proxy.endpoint, BUCKET, "raw/", 1 << 34)
+    c.mount()
+    try:
+        sampler = shuffled_sampler(len(keys))
+
+        def fs_epoch(e: int) -> dict[str, Any]:
+            sampler.set_epoch(e)
+            return loader_epoch(c.root, keys, sampler, args.compute_ms / 1000)
+
+        return epochs_of("JuiceFS plain", fs_epoch, server, args.epochs, usage=lambda: c.usage()["cpu"],
+                         n=len(keys), bucket=c.volume)
     finally:
         c.unmount()
 
@@ -257,7 +288,8 @@ def report(results: dict[str, Any]) -> str:
              f"workers, batch {results['batch']}, {results['compute_ms']:.1f} ms of compute per batch; page cache "
              f"dropped before each epoch; shards of {results['shard_size']} for every packed format; local order "
              f"window {results['window']} shards.", "",
-             "Conversion: " + ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in conv.items()) + ".", "",
+             "Conversion: " + (", ".join(f"{k} {v['seconds']:.1f} s" for k, v in conv.items()) or "none") + ".", "",
+             f"JuiceFS plain: {Juicefs.tuning}; its GETs are counted at its own volume's bucket.", "",
              f"Medians of {results['reps']} interleaved repetitions (AU range in brackets); a 2-core machine runs "
              "the loader workers, the daemon, the S3 server and the latency proxy at once. AU excludes the first "
              "batch (as MLPerf Storage does), so a loader that fetches much before its first batch gains by it: "

@@ -1,11 +1,11 @@
 """Asking an owner for a block (blocking; called from the cache's fetch worker threads and the
 membership's proofs).
 
-libcurl (:mod:`epochfs.transport.curlio`), one handle per thread, connections kept alive per peer. The whole request is bounded
-by the tier's timeout, the connection by ``CONNECT_TIMEOUT`` (a refused connection fails at once). An
-answer is used only if it is complete and authenticated: its MAC (made with the cluster's token, bound
-to this request) fits the status and the body, and a block is exactly the block's length. Anything
-else is a :class:`PeerFailure` and nothing of it is kept.
+libcurl (:mod:`epochfs.transport.curlio`), one handle per thread, connections kept alive per peer. The
+whole request is bounded by the tier's timeout, the connection by ``CONNECT_TIMEOUT`` (a refused
+connection fails at once). An answer is used only if it is complete and authenticated: its MAC (made
+with the cluster's token, bound to this request) fits the status and the body, and a block is exactly
+the block's length. Anything else is a :class:`PeerFailure` and nothing of it is kept.
 """
 
 from __future__ import annotations

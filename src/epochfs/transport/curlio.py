@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -95,9 +96,9 @@ def _loaded_libcurl() -> str:
     system's."""
     with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
         for line in maps:
-            path = line.rstrip("\n").partition("/")[2]
-            if "/libcurl" in "/" + path:
-                return "/" + path
+            path = "/" + line.rstrip("\n").partition("/")[2]
+            if "/libcurl" in path and os.path.exists(path):  # (not a file replaced since: "... (deleted)")
+                return path
     found = ctypes.util.find_library("curl")
     if found is None:
         raise ImportError("libcurl: pycurl is loaded but its library was not found")
@@ -237,6 +238,8 @@ class Easy:
         if code:
             message = self._errors.value or lib.strerror(code)
             raise Failed(code, message.decode("utf-8", "replace"))
+        if size < 0 or head_size < 0:
+            raise Failed(pycurl.E_WRITE_ERROR, "the answer's memory stream failed")
         if size > limit:
             raise Failed(pycurl.E_FILESIZE_EXCEEDED, f"an answer longer than the {limit} bytes allowed")
         if head_size > HEAD_MAX:
