@@ -233,21 +233,18 @@ def test_fixes_in_place_are_never_advised():
 def test_slow_requests_with_the_order_handed_over_name_the_plans_cap_when_it_binds():
     """With the order handed over, what keeps the prefetcher ahead at the backend's latency is the plan's
     fetches in flight: when Little's law asks for more than --prefetch-concurrency lets it start, that
-    is the flag advised (twice the cap, or what it asks for); when the cap does not bind, the readers'
+    is the flag advised (the value the prefetcher reports); when the cap does not bind, the readers'
     own slots are, as before."""
     s = starving()
     s["backend"]["request_seconds"] = {"bounds": [0.005, 0.01, 0.05], "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}
     s["cache"].update(hit_bytes=180 * MiB, miss_bytes=20 * MiB)
-    s["prefetch"].update(wanted_inflight=300, max_inflight=96)
+    s["prefetch"].update(wanted_inflight=300, max_inflight=96, advised_inflight=300)
     [f] = [f for f in doctor(s)["findings"] if f["cause"] == "backend-latency"]
     assert "`--prefetch-concurrency 300`" in f["fix"] and "wants 300 fetches in flight where it may start 96" in f["evidence"]
-    s["prefetch"].update(wanted_inflight=150)
-    [f] = [f for f in doctor(s)["findings"] if f["cause"] == "backend-latency"]
-    assert "`--prefetch-concurrency 192`" in f["fix"]  # (twice the cap)
-    s["prefetch"].update(wanted_inflight=40)  # the cap leaves room: not it
+    s["prefetch"].update(wanted_inflight=40, advised_inflight=None)  # the cap leaves room: not it
     [f] = [f for f in doctor(s)["findings"] if f["cause"] == "backend-latency"]
     assert "--prefetch-concurrency" not in f["fix"] and "--backend-concurrency 32" in f["fix"]
-    s["prefetch"].update(files=0, plan_bytes=0, wanted_inflight=300)  # no order: no plan to widen
+    s["prefetch"].update(files=0, plan_bytes=0, wanted_inflight=300, advised_inflight=300)  # no order
     [f] = [f for f in doctor(s)["findings"] if f["cause"] == "backend-latency"]
     assert "--prefetch-concurrency" not in f["fix"] and "hand over the order" in f["fix"]
 

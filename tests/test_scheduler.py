@@ -280,3 +280,15 @@ def test_what_keeps_ahead_is_reported_beside_the_cap(tmp_path):
     before, after = with_prefetcher(tmp_path, fn, backend=MemoryBackend(delay=0.2))
     assert before.wanted_inflight is None and before.max_inflight == 2
     assert after.max_inflight == 2 and after.wanted_inflight is not None and after.wanted_inflight > 2
+    assert after.advised_inflight == max(4, after.wanted_inflight)  # (twice the cap, or what is wanted)
+
+
+def test_the_advised_cap_stays_within_the_flags_bounds():
+    from epochfs.prefetch.plan import MAX_PREFETCH_CONCURRENCY
+
+    pf = Prefetcher.__new__(Prefetcher)  # (only the cap and what is wanted matter here)
+    for cap, wanted, advised in ((96, 300, 300), (96, 150, 192), (96, 90, None), (600, 900, MAX_PREFETCH_CONCURRENCY),
+                                 (MAX_PREFETCH_CONCURRENCY, 5000, None), (96, None, None)):
+        pf.max_inflight = cap
+        pf._wanted_inflight = lambda w=wanted: w
+        assert pf._advised_inflight() == advised, (cap, wanted)

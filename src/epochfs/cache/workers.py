@@ -41,8 +41,9 @@ class Mailbox:
         self._scheduled = False
 
     def post(self, fn: Callable[..., object], *args: Any) -> None:
-        """(Any thread) have the trio thread call ``fn(*args)``; trio.RunFinishedError once the run is
-        over."""
+        """(Any thread) have the trio thread call ``fn(*args)``. Once the run is over,
+        trio.RunFinishedError, or, where the run ended with a wake-up still pending, the call is
+        dropped unseen (as trio drops the callbacks it had not run)."""
         with self._lock:
             self._calls.append((fn, args))
             if self._scheduled:

@@ -26,7 +26,6 @@ from epochfs.doctor.views import (
     WARM_HITS,
     verdict_of,
 )
-from epochfs.prefetch.plan import MAX_PREFETCH_CONCURRENCY
 
 #: Findings, most helpful first (the order they are listed in).
 ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
@@ -190,13 +189,14 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99):
         conc = m.get("backend_concurrency")
         wanted, cap = m.get("prefetch_wanted_inflight"), m.get("prefetch_max_inflight")
+        advised = m.get("prefetch_advised_inflight")
         evidence = f"a block request takes {median * 1000:.0f} ms (median)"
-        if handed and wanted and cap and wanted > cap:
+        if handed and advised and wanted and cap:
             # The order is handed over and what keeps ahead of the reader at this latency is more than
             # the plan's fetches may have in flight: their cap is what binds, not the readers' slots.
             evidence += (f", and to keep ahead of the reader at that latency the prefetcher wants {wanted:.0f} "
                          f"fetches in flight where it may start {cap:.0f}")
-            fix = f"let the plan keep more in flight: remount with `--prefetch-concurrency {min(MAX_PREFETCH_CONCURRENCY, max(2 * cap, wanted)):.0f}`"
+            fix = f"let the plan keep more in flight: remount with `--prefetch-concurrency {advised:.0f}`"
         else:
             more = f"--backend-concurrency {max(32, 2 * conc)}" if conc else "--backend-concurrency 32"
             fix = f"keep more requests in flight: remount with `{more}`"

@@ -263,6 +263,7 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "backend_concurrency": after.get("backend_concurrency"),
             "prefetch_wanted_inflight": number(after["prefetch"].get("wanted_inflight")),
             "prefetch_max_inflight": number(after["prefetch"].get("max_inflight")),
+            "prefetch_advised_inflight": number(after["prefetch"].get("advised_inflight")),
             "errors": {k: n for k, n in errors.items() if n > 0},
             "errors_total": {k: n for k, n in (after.get("errors") or {}).items() if n > 0},
             "writeback": after.get("writeback"), "passthrough": after.get("passthrough"),

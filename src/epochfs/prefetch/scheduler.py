@@ -64,7 +64,7 @@ import trio
 from epochfs.cache.service import BlockCache, Fetch
 from epochfs.core.blocks import extent_blocks
 from epochfs.core.records import ObjectInfo, stored_extent
-from epochfs.prefetch.plan import DEFAULT_LEAD, Plan
+from epochfs.prefetch.plan import DEFAULT_LEAD, MAX_PREFETCH_CONCURRENCY, Plan
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,12 @@ class PrefetchStats:
     bandwidth_limit: float | None
     reader_bytes_per_second: float
     #: Fetches in flight that keep ahead of the reader at the fetches' latency (Little's law, before
-    #: the cap; None until the reader's rate is known), and the cap (``--prefetch-concurrency``).
+    #: the cap; None until the reader's rate is known), the cap (``--prefetch-concurrency``), and where
+    #: the cap is what binds, the cap that would let the plan keep ahead (twice it, or what is wanted,
+    #: within the flag's bounds; None where it does not bind or is at its most).
     wanted_inflight: int | None = None
     max_inflight: int = 0
+    advised_inflight: int | None = None
 
 
 @dataclass
@@ -304,6 +307,12 @@ class Prefetcher:
         if wanted is None:
             return min(self.max_inflight, self.START_INFLIGHT)
         return max(self.MIN_INFLIGHT, min(self.max_inflight, wanted))
+
+    def _advised_inflight(self) -> int | None:
+        wanted = self._wanted_inflight()
+        if wanted is None or wanted <= self.max_inflight or self.max_inflight >= MAX_PREFETCH_CONCURRENCY:
+            return None
+        return min(MAX_PREFETCH_CONCURRENCY, max(2 * self.max_inflight, wanted))
 
     def _wanted_inflight(self) -> int | None:
         """What Little's law asks for: twice what carries the reader's rate at the observed fetch latency
@@ -523,4 +532,5 @@ class Prefetcher:
             reader_bytes_per_second=rate,
             wanted_inflight=self._wanted_inflight(),
             max_inflight=self.max_inflight,
+            advised_inflight=self._advised_inflight(),
         )
