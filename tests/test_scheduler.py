@@ -290,5 +290,4 @@ def test_the_advised_cap_stays_within_the_flags_bounds():
     for cap, wanted, advised in ((96, 300, 300), (96, 150, 192), (96, 90, None), (600, 900, MAX_PREFETCH_CONCURRENCY),
                                  (MAX_PREFETCH_CONCURRENCY, 5000, None), (96, None, None)):
         pf.max_inflight = cap
-        pf._wanted_inflight = lambda w=wanted: w
-        assert pf._advised_inflight() == advised, (cap, wanted)
+        assert pf._advised_inflight(wanted) == advised, (cap, wanted)

@@ -308,8 +308,9 @@ class Prefetcher:
             return min(self.max_inflight, self.START_INFLIGHT)
         return max(self.MIN_INFLIGHT, min(self.max_inflight, wanted))
 
-    def _advised_inflight(self) -> int | None:
-        wanted = self._wanted_inflight()
+    def _advised_inflight(self, wanted: int | None) -> int | None:
+        """The cap that would let the plan keep ahead, where ``wanted`` (:meth:`_wanted_inflight`) is
+        over the cap; None where the cap does not bind or is at its most."""
         if wanted is None or wanted <= self.max_inflight or self.max_inflight >= MAX_PREFETCH_CONCURRENCY:
             return None
         return min(MAX_PREFETCH_CONCURRENCY, max(2 * self.max_inflight, wanted))
@@ -513,6 +514,7 @@ class Prefetcher:
             end += 1
         lead = plan.offsets[end] - plan.offsets[pos]
         ahead = plan.offsets[min(self._cursor, len(plan))] - plan.offsets[pos]
+        wanted = self._wanted_inflight()
         return PrefetchStats(
             active=not self._finished(),
             epoch=plan.files[self._file_pos].epoch,
@@ -530,7 +532,7 @@ class Prefetcher:
             fetched_bytes=self._fetched_bytes,
             bandwidth_limit=self.bandwidth,
             reader_bytes_per_second=rate,
-            wanted_inflight=self._wanted_inflight(),
+            wanted_inflight=wanted,
             max_inflight=self.max_inflight,
-            advised_inflight=self._advised_inflight(),
+            advised_inflight=self._advised_inflight(wanted),
         )

@@ -41,10 +41,7 @@ _OBJECTPOINT = 10000  # option numbers from here take a pointer (strings, lists,
 _OFF_T = 30000  # ... from here a curl_off_t
 _FUNCTIONPOINT = 20000
 _INFO_LONG, _INFO_DOUBLE, _INFO_TYPEMASK = 0x200000, 0x300000, 0xF00000
-_ERRORBUFFER = 10010
-_WRITEDATA = 10001
-_HEADERDATA = 10029
-_MAXFILESIZE_LARGE = 30117
+_ERRORBUFFER = 10010  # CURLOPT_ERRORBUFFER (pycurl keeps its own and does not name it)
 
 
 class _Library:
@@ -225,14 +222,14 @@ class Easy:
             raise
         self._errors.value = b""
         try:
-            self._set(_WRITEDATA, ctypes.c_void_p(body))
-            self._set(_HEADERDATA, ctypes.c_void_p(head))
-            self._set(_MAXFILESIZE_LARGE, ctypes.c_int64(limit))
+            self._set(pycurl.WRITEDATA, ctypes.c_void_p(body))
+            self._set(pycurl.WRITEHEADER, ctypes.c_void_p(head))
+            self._set(pycurl.MAXFILESIZE_LARGE, ctypes.c_int64(limit))
             code = lib.perform(self._handle)
             size, head_size = lib.ftell(body), lib.ftell(head)
         finally:
-            self._set(_WRITEDATA, ctypes.c_void_p(None))
-            self._set(_HEADERDATA, ctypes.c_void_p(None))
+            self._set(pycurl.WRITEDATA, ctypes.c_void_p(None))
+            self._set(pycurl.WRITEHEADER, ctypes.c_void_p(None))
             lib.fclose(body)
             lib.fclose(head)
         if code:
