@@ -301,13 +301,13 @@ class Packs:
     def close(self) -> bool:
         """Stop writing (a write that finishes later lands nothing) and close the descriptors; whether
         every block written is indexed (else the store was not shut down consistent)."""
-        pack, self._write_pack = self._write_pack, 0
-        with self._lock:
+        with self._lock:  # (a write that takes the lock after this finds the store closed, never pack 0)
+            pack, self._write_pack = self._write_pack, 0
+            self._closed = True
             retired = self._retire(pack)
         _close_all(retired)
         self.drop_if_empty(pack)
         with self._lock:
-            self._closed = True
             # A packed write still running (a fill abandoned at shutdown) may land in a pack unindexed:
             # then the next start reconciles, which frees the ranges no entry refers to.
             settled = not any(n > 0 for n in self.pending.values())
