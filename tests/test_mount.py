@@ -275,24 +275,89 @@ def test_foreground_unmounts_on_sigterm_and_sigint(tmp_path, s3, sample_bucket):
     for sig in (signal.SIGTERM, signal.SIGINT):
         mnt = tmp_path / f"fg-{sig.name}"
         mnt.mkdir()
-        proc = subprocess.Popen(
-            [*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(mnt), "--endpoint-url", s3.endpoint,
-             "--cache-dir", str(tmp_path / "cache-fg"), "--foreground", "--metrics-addr", "off"],
-            env=s3.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
+        log = tmp_path / f"fg-{sig.name}.log"  # (a file, not a pipe nobody drains: a full pipe stops a daemon)
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [*EPOCHFS, "mount", f"s3://{sample_bucket}/data", str(mnt), "--endpoint-url", s3.endpoint,
+                 "--cache-dir", str(tmp_path / "cache-fg"), "--foreground", "--metrics-addr", "off"],
+                env=s3.env(), stdout=out, stderr=subprocess.STDOUT, text=True,
+            )
         try:
             deadline = time.monotonic() + 60
             while not os.path.ismount(mnt):
-                assert proc.poll() is None, proc.stdout.read()
-                assert time.monotonic() < deadline
+                assert proc.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.05)
             assert os.listdir(mnt)
             proc.send_signal(sig)
-            assert proc.wait(timeout=30) == 0
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, f"{sig.name}: exit status {code}\n{log.read_text()}"
             assert not os.path.ismount(mnt)
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
+
+
+def _mounted(path: Path) -> bool:
+    """Whether ``path`` is a mount point, from /proc/self/mountinfo (a stat would wait for the daemon)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+# The daemon with its event loop held back for a few seconds after the mount is made: the window in
+# which a stop signal used to kill it (its default action) and leave a dead mount behind.
+_SLOW_TO_LISTEN = """
+import runpy, sys, trio
+import epochfs.daemon.mount as m
+real_run = m.Daemon.run
+async def run(self, *args):
+    await trio.sleep(3)
+    await real_run(self, *args)
+m.Daemon.run = run
+sys.argv[0] = "epochfs"
+runpy.run_module("epochfs", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_between_the_mount_and_the_event_loop_unmounts(tmp_path, s3, sample_bucket, sig):
+    """SIGTERM or SIGINT after the mount is made but before the event loop listens (services still
+    starting, or a process held up): the daemon unmounts and exits 0 once it runs, never dies with the
+    mount left dead (``Transport endpoint is not connected`` until someone unmounts it by hand)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    log = tmp_path / "daemon.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SLOW_TO_LISTEN, "mount", f"s3://{sample_bucket}/data", str(mnt),
+             "--endpoint-url", s3.endpoint, "--cache-dir", str(tmp_path / "cache"), "--foreground",
+             "--metrics-addr", "off"],
+            env=s3.env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _mounted(mnt):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, f"exit status {code}\n{log.read_text()}"
+        assert not _mounted(mnt), "the daemon left its mount behind"
+        text = log.read_text()
+        assert f"received {sig.name} while starting; unmounting" in text
+        assert f"stopped by {sig.name} before the mount was ready" in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if _mounted(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_umount_and_fusermount(mount_factory, sample_bucket):

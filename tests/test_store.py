@@ -633,8 +633,13 @@ def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(
         assert pagecache.resident(fd, offset, length) is False, "the disk read was started on the loop"
         raw = store.pread_range(bid(1), meta, 0, len(data))  # (a worker thread's part)
         assert bytes(store.finish_read(bid(1), meta, 0, len(data), raw)) == data
-        assert pagecache.resident(fd, offset, length) is True
-        assert bytes(store.read(bid(1), meta, 5, 70_000, nowait=True)) == data[5:70_000]
+        pages, cached, evicted = pagecache.counts(fd, offset, length)
+        assert cached + evicted >= pages, "the worker's read did not leave the block in memory"
+        answer = store.read(bid(1), meta, 5, 70_000, nowait=True)
+        if answer is WOULD_BLOCK:  # (only where the kernel took pages back since: a host short of memory)
+            assert pagecache.counts(fd, offset, length)[2] > 0
+        else:
+            assert bytes(answer) == data[5:70_000]
     finally:
         os.close(fd)
 

@@ -45,11 +45,25 @@ def available() -> bool:
 def resident(fd: int, offset: int, length: int) -> bool | None:
     """Whether every page of [offset, offset + length) of ``fd`` is in the page cache; None where the
     kernel cannot say (no ``cachestat``: ask :func:`available` first)."""
+    if length <= 0:
+        return True if _works else None
+    asked = _ask(fd, offset, length)
+    return None if asked is None else asked[1].nr_cache >= asked[0]
+
+
+def counts(fd: int, offset: int, length: int) -> tuple[int, int, int] | None:
+    """(pages, cached, evicted) of the pages covering [offset, offset + length) of ``fd``: how many
+    there are, how many the page cache holds, how many it held and the kernel reclaimed since (clean
+    pages read ahead and not yet touched are the first it takes back; an invalidation such as
+    ``POSIX_FADV_DONTNEED`` is not counted). None where the kernel cannot say."""
+    asked = _ask(fd, offset, max(length, 1))
+    return None if asked is None else (asked[0], asked[1].nr_cache, asked[1].nr_evicted)
+
+
+def _ask(fd: int, offset: int, length: int) -> tuple[int, _Stat] | None:
     global _works
     if not _works:
         return None
-    if length <= 0:
-        return True
     first, last = offset // _PAGE, (offset + length - 1) // _PAGE
     asked = getattr(_mine, "asked", None)
     if asked is None:  # each thread's own structures, made once (the call is on the hot path)
@@ -62,4 +76,4 @@ def resident(fd: int, offset: int, length: int) -> bool | None:
         if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an old kernel, or a seccomp filter
             _works = False
         return None
-    return stat.nr_cache >= last - first + 1
+    return last - first + 1, stat

@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -421,8 +422,13 @@ class Daemon:
         node_host.sd_notify(f"READY=1\nSTATUS=cache node of {self.config.source.url} on {self.peer.members.me if self.peer else ''}\n"
                   f"MAINPID={os.getpid()}")
 
-    async def run(self, ready: Ready) -> None:
+    async def run(self, ready: Ready, early: StopSignals | None = None) -> None:
+        """Serve until told to stop. ``early`` holds a stop signal received before the event loop listened
+        (the mount already made): it is acted on as the loop starts."""
         async with trio.open_nursery() as nursery:
+            if self.config.serving:
+                self._stopped = trio.Event()
+            await nursery.start(self._handle_signals, early)
             await nursery.start(self.cache.run)
             if self.peer is not None:
                 if self.peer_server is not None:
@@ -444,9 +450,6 @@ class Daemon:
             await nursery.start(self.control.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.run)
-            if self.config.serving:
-                self._stopped = trio.Event()
-            nursery.start_soon(self._handle_signals)
             if self._stopped is not None:  # a cache node: no mount; it serves until told to stop
                 self._announce_node(ready)
                 if self.config.rebalance:
@@ -457,17 +460,29 @@ class Daemon:
                 nursery.start_soon(self._announce, ready)
                 assert self.session is not None
                 await self.session.run()
+                if early is not None and early.received is not None:  # (stopped before it announced)
+                    ready(f"stopped by {signal.Signals(early.received).name} before the mount was ready", [])
             nursery.cancel_scope.cancel()
 
-    async def _handle_signals(self) -> None:
+    async def _handle_signals(self, early: StopSignals | None,
+                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            if early is not None and early.received is not None:
+                self._stop_on(early.received, " while starting")
             async for signum in signals:
-                log.info("received %s; unmounting", signal.Signals(signum).name)
-                node_host.sd_notify("STOPPING=1")
-                self._terminate()
+                self._stop_on(signum)
+
+    def _stop_on(self, signum: int, when: str = "") -> None:
+        log.info("received %s%s; %s", signal.Signals(signum).name, when,
+                 "stopping" if self.config.serving else "unmounting")
+        node_host.sd_notify("STOPPING=1")
+        self._terminate()
 
     async def _announce(self, ready: Ready) -> None:
-        st = await trio.to_thread.run_sync(os.stat, self.config.mountpoint)
+        # (abandoned if the daemon stops first: the stat waits for the kernel's INIT to be answered,
+        # which a session told to stop before it served never does; closing the device ends it)
+        st = await trio.to_thread.run_sync(os.stat, self.config.mountpoint, abandon_on_cancel=True)
         if st.st_ino != kernel.ROOT_INODE:
             ready(f"{self.config.mountpoint} did not answer as an epochfs mount", [])
             self._terminate()
@@ -530,19 +545,20 @@ def run(config: Config, ready: Ready) -> int:
     daemon = _start(config, ready, lambda: check_mountpoint(mountpoint, config.allow_non_empty))
     if not isinstance(daemon, Daemon):
         return daemon
-    try:
-        session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options())
-        session.mount()
-    except kernel.MountError as exc:
-        daemon.close()
-        ready(f"cannot mount {mountpoint}: {exc}", [])
-        return 1
 
     def closed() -> None:
         session.close(unmount=True)
         daemon.close()
 
-    code = _until_stopped(daemon, ready, "daemon", closed)
+    with StopSignals() as early:  # from the mount on, a stop signal unmounts: it never leaves a dead mount
+        try:
+            session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options())
+            session.mount()
+        except kernel.MountError as exc:
+            daemon.close()
+            ready(f"cannot mount {mountpoint}: {exc}", [])
+            return 1
+        code = _until_stopped(daemon, ready, "daemon", closed, early)
     if code == 0:
         log.info("unmounted %s", mountpoint)
     return code
@@ -553,10 +569,38 @@ def _serve(config: Config, ready: Ready) -> int:
     daemon = _start(config, ready)
     if not isinstance(daemon, Daemon):
         return daemon
-    code = _until_stopped(daemon, ready, "cache node", daemon.close)
+    with StopSignals() as early:  # (its peers hear it leave, and what it holds is handed over)
+        code = _until_stopped(daemon, ready, "cache node", daemon.close, early)
     if code == 0:
         log.info("cache node of %s stopped", config.source.url)
     return code
+
+
+class StopSignals:
+    """SIGINT and SIGTERM noted, not acted on, while installed: from the moment the daemon has something
+    to undo (a mount made, a cache node's services about to start) until its event loop listens for
+    them (:meth:`Daemon.run` acts on the one noted). Their defaults would kill it there and leave a
+    dead mount (``Transport endpoint is not connected``) behind. Before, a signal stops the daemon the
+    default way: nothing is mounted yet, and the cache survives a kill."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in self.SIGNALS:
+            self._before[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._before.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
 
 
 def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None) -> Daemon | int:
@@ -575,10 +619,11 @@ def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None
         return 1
 
 
-def _until_stopped(daemon: Daemon, ready: Ready, what: str, closed: Callable[[], None]) -> int:
+def _until_stopped(daemon: Daemon, ready: Ready, what: str, closed: Callable[[], None],
+                   early: StopSignals) -> int:
     """Run the daemon's services until they stop; ``closed`` closes what runs. The exit code."""
     try:
-        trio.run(daemon.run, ready)
+        trio.run(daemon.run, ready, early)
     except BaseException as exc:
         known = error_inside(exc)
         if known is None:
