@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import trio
 import trio.testing
 
@@ -200,6 +201,7 @@ def test_hand_overs_of_several_ranks_for_one_epoch_are_merged_side_by_side(tmp_p
     assert nxt_epoch == (False, 16)
 
 
+@pytest.mark.page_cache  # (counts on pages another test's drop of every cache would take)
 def test_cached_bytes_the_reader_reads_next_are_read_into_memory_ahead_of_it(tmp_path):
     """A warm epoch: the cached blocks the plan reads next are read from the cache disk into memory
     ahead of the reader (at most ``WARM_AHEAD`` bytes ahead), so its reads are answered as they come
@@ -210,8 +212,6 @@ def test_cached_bytes_the_reader_reads_next_are_read_into_memory_ahead_of_it(tmp
     a machine short of memory, or a host that takes clean page cache back, reclaims pages read ahead
     before anyone touched them, and that is not the prefetcher's doing)."""
     import os
-
-    import pytest
 
     from epochfs.cache import pagecache
     from epochfs.cache.keys import block_relpath

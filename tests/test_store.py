@@ -610,6 +610,7 @@ def test_an_index_of_another_version_is_discarded_with_its_blocks(tmp_path, capl
     assert put(s, bid(1), b"b" * 10) and bytes(s.read(bid(1), s.lookup(bid(1)), 0, 10)) == b"b" * 10
 
 
+@pytest.mark.page_cache
 @pytest.mark.parametrize("packing", [True, False])
 def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(tmp_path, packing):
     """``read(nowait=True)`` answers from the page cache, or says WOULD_BLOCK for a worker thread to
