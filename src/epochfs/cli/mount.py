@@ -93,7 +93,7 @@ def cmd_mount(args: argparse.Namespace, *, serving: bool = False) -> int:
     if not config.foreground:
         return _spawn_daemon(config, args.argv)
 
-    from epochfs.daemon import mount
+    from epochfs.daemon import process
     setup_logging(config)
     ready_fd = args.ready_fd
     reported = False
@@ -110,7 +110,7 @@ def cmd_mount(args: argparse.Namespace, *, serving: bool = False) -> int:
             os.write(ready_fd, answer.encode())
             os.close(ready_fd)
 
-    code = mount.run(config, ready)
+    code = process.run(config, ready)
     # Upload threads that did not stop when cancelled must not keep the process (and a second daemon
     # out of the cache directory): they die with it, the journal keeps what is owed, and a multipart
     # upload cut off is aborted at the next start.

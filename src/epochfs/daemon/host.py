@@ -1,14 +1,17 @@
 """What the daemon sets of the host it runs on: systemd's notifications, the mount's kernel tunables (its
 readahead window and background requests), the open-file limit. Each is best effort: a host that
-refuses one gets a log line, and the mount works with the kernel's defaults."""
+refuses one gets a log line, and the mount works with the kernel's defaults. And what the host tells
+the daemon: its stop signals, noted while the event loop does not listen yet (:class:`StopSignals`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import resource
+import signal
 import socket
 import subprocess
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +74,30 @@ def raise_descriptor_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError) as exc:
             log.info("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM noted, not acted on, while installed: from the moment the daemon has something
+    to undo (a mount made, a cache node's services about to start) until its event loop listens for
+    them (:meth:`Daemon.run` acts on the one noted). Their defaults would kill it there and leave a
+    dead mount (``Transport endpoint is not connected``) behind. Before, a signal stops the daemon the
+    default way: nothing is mounted yet, and the cache survives a kill."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in self.SIGNALS:
+            self._before[signum] = signal.signal(signum, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._before.items():
+            signal.signal(signum, handler)
+
+    def _note(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum

@@ -4,7 +4,8 @@ Order of start-up: clear a dead FUSE mount left by a crashed daemon; raise the d
 the backend; lock and open the block store; load the namespace snapshot (or list the source); mount;
 start the cache service, the prefetcher, the snapshot lifecycle, the control channel and the metrics
 endpoint; answer the first request through the mount; then report ready. Tear-down runs in reverse on
-SIGINT/SIGTERM or an external unmount (``epochfs umount``, ``fusermount3 -u``).
+SIGINT/SIGTERM or an external unmount (``epochfs umount``, ``fusermount3 -u``). The process around it
+(open, mount, run, close, the exit code) is :mod:`epochfs.daemon.process`.
 
 Nothing else lives here: requests are answered in :mod:`epochfs.control.handlers`, the snapshot's
 lifecycle is :mod:`epochfs.meta.snapshots`, statistics become series in :mod:`epochfs.daemon.metrics`.
@@ -22,7 +23,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import trio
 
@@ -40,12 +40,11 @@ from epochfs.control.collected import Collected
 from epochfs.control.handlers import ControlHandlers, MountInfo
 from epochfs.control.jobs import Jobs
 from epochfs.control.server import ControlServer, socket_path
-from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError, error_inside
+from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
 from epochfs.core.records import ObjectInfo
 from epochfs.daemon import host as node_host
 from epochfs.daemon.config import Config
 from epochfs.daemon.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
-from epochfs.daemon.mountpoint import check_mountpoint
 from epochfs.links import interface
 from epochfs.links.watch import Link, LinkWatch
 from epochfs.meta import open_meta
@@ -422,7 +421,7 @@ class Daemon:
         node_host.sd_notify(f"READY=1\nSTATUS=cache node of {self.config.source.url} on {self.peer.members.me if self.peer else ''}\n"
                   f"MAINPID={os.getpid()}")
 
-    async def run(self, ready: Ready, early: StopSignals | None = None) -> None:
+    async def run(self, ready: Ready, early: node_host.StopSignals | None = None) -> None:
         """Serve until told to stop. ``early`` holds a stop signal received before the event loop listened
         (the mount already made): it is acted on as the loop starts."""
         async with trio.open_nursery() as nursery:
@@ -464,7 +463,7 @@ class Daemon:
                     ready(f"stopped by {signal.Signals(early.received).name} before the mount was ready", [])
             nursery.cancel_scope.cancel()
 
-    async def _handle_signals(self, early: StopSignals | None,
+    async def _handle_signals(self, early: node_host.StopSignals | None,
                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
@@ -534,102 +533,3 @@ def _invalidate(session: kernel.Session, entries: list[tuple[int, bytes]], inode
             session.invalidate_entry(parent, name)
         except OSError:
             pass
-
-
-def run(config: Config, ready: Ready) -> int:
-    """Mount and serve until unmounted (a cache node: serve until SIGTERM). Calls ``ready`` exactly once.
-    Returns the exit code."""
-    if config.serving:
-        return _serve(config, ready)
-    mountpoint = str(config.mountpoint)
-    daemon = _start(config, ready, lambda: check_mountpoint(mountpoint, config.allow_non_empty))
-    if not isinstance(daemon, Daemon):
-        return daemon
-
-    def closed() -> None:
-        session.close(unmount=True)
-        daemon.close()
-
-    with StopSignals() as early:  # from the mount on, a stop signal unmounts: it never leaves a dead mount
-        try:
-            session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options())
-            session.mount()
-        except kernel.MountError as exc:
-            daemon.close()
-            ready(f"cannot mount {mountpoint}: {exc}", [])
-            return 1
-        code = _until_stopped(daemon, ready, "daemon", closed, early)
-    if code == 0:
-        log.info("unmounted %s", mountpoint)
-    return code
-
-
-def _serve(config: Config, ready: Ready) -> int:
-    """A cache node: the daemon's services without a mount, until SIGINT or SIGTERM."""
-    daemon = _start(config, ready)
-    if not isinstance(daemon, Daemon):
-        return daemon
-    with StopSignals() as early:  # (its peers hear it leave, and what it holds is handed over)
-        code = _until_stopped(daemon, ready, "cache node", daemon.close, early)
-    if code == 0:
-        log.info("cache node of %s stopped", config.source.url)
-    return code
-
-
-class StopSignals:
-    """SIGINT and SIGTERM noted, not acted on, while installed: from the moment the daemon has something
-    to undo (a mount made, a cache node's services about to start) until its event loop listens for
-    them (:meth:`Daemon.run` acts on the one noted). Their defaults would kill it there and leave a
-    dead mount (``Transport endpoint is not connected``) behind. Before, a signal stops the daemon the
-    default way: nothing is mounted yet, and the cache survives a kill."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._before: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        for signum in self.SIGNALS:
-            self._before[signum] = signal.signal(signum, self._note)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._before.items():
-            signal.signal(signum, handler)
-
-    def _note(self, signum: int, frame: object) -> None:
-        if self.received is None:
-            self.received = signum
-
-
-def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None) -> Daemon | int:
-    """The daemon's parts opened, or the exit code of why not (``ready`` told)."""
-    try:
-        if check is not None:
-            check()
-        node_host.raise_descriptor_limit()
-        return Daemon(config)
-    except EpochfsError as exc:
-        ready(str(exc), [])
-        return 2 if isinstance(exc, ConfigError) else 1
-    except Exception as exc:
-        log.exception("start-up failed")
-        ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
-        return 1
-
-
-def _until_stopped(daemon: Daemon, ready: Ready, what: str, closed: Callable[[], None],
-                   early: StopSignals) -> int:
-    """Run the daemon's services until they stop; ``closed`` closes what runs. The exit code."""
-    try:
-        trio.run(daemon.run, ready, early)
-    except BaseException as exc:
-        known = error_inside(exc)
-        if known is None:
-            log.exception("%s failed", what)
-        closed()
-        ready(str(known) if known else f"{what} failed: {exc!r}; see the log", [])
-        return 2 if isinstance(known, ConfigError) else 1
-    closed()
-    return 0
