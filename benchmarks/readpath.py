@@ -42,6 +42,7 @@ from workloads import (  # noqa: E402
     boto_small_rate,
     drop_page_cache,
     log,
+    machine,
     seq_read,
     settle,
     shard_and_files,
@@ -284,6 +285,7 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
     lines = [f"# Read path, {datetime.date.today().isoformat()}: one {args.large_mib} MiB file and {args.files} x "
              f"100 KiB; {args.cores} core(s), {args.latency_ms:g} ms added; medians of {done}"
              + ("" if done == args.reps else f" (the run was stopped after {done} of {args.reps} repetitions)"), "",
+             f"Machine: {machine()}", "",
              f"epochfs flags: `{args.epochfs_args or '(defaults)'}`{variant}", "",
              "| measurement | " + " | ".join(who) + " |", "|---|" + "---|" * len(who)]
     for what in MEASURES:

@@ -224,6 +224,20 @@ def fresh_workdir(work: Path) -> None:
     work.mkdir(parents=True)
 
 
+def machine() -> str:
+    """The machine a run measured, for its report: the CPU model, the cores, the memory, the kernel."""
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return f"{model}, {os.cpu_count()} cores, {gib:.0f} GiB, Linux {os.uname().release}"
+
+
 def start_run(work: Path) -> bool:
     """A benchmark's preamble: it needs root (FUSE mounts, dropping the page cache); a fresh ``work``."""
     if os.geteuid() != 0:
