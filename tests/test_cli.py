@@ -104,12 +104,17 @@ def test_warmup_into_a_small_cache_fails_and_ctrl_c_cancels_it_in_the_daemon(s3,
     slow = Mount(f"s3://{fresh_bucket}", tmp_path / "slow", tmp_path / "c-slow", s3.env(), "--endpoint-url",
                  s3.endpoint, "--metrics-addr", "off", "--block-size", "256K", "--prefetch-bandwidth", "512K")
     with slow:
+        started = time.monotonic()
         proc = subprocess.Popen([*EPOCHFS, "warmup", str(slow.mountpoint), str(slow.path("w"))], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         time.sleep(2.5)  # --prefetch-bandwidth caps warmup: 4 MiB take about 8 s
+        exited = proc.poll()
+        signalled = time.monotonic() - started
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
-        assert proc.returncode == 130 and "warmup cancelled" in err, err
+        assert proc.returncode == 130 and "warmup cancelled" in err, (
+            f"exit {proc.returncode} (already exited before the signal: {exited is not None}; signalled after "
+            f"{signalled:.1f} s); stdout: {out!r}; stderr: {err!r}; status: {slow.status()['cache']}")
         time.sleep(1.5)
         fetched = slow.status()["cache"]["prefetch_fetches"]
         assert 2 <= fetched <= 8, f"{fetched} blocks: the bandwidth cap was not applied"
