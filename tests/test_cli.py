@@ -92,6 +92,17 @@ def test_an_empty_prefix_warns_and_is_not_remembered(s3, s3_client, fresh_bucket
         m.stop()
 
 
+def _ignored_signals(pid: int) -> str:
+    """The process's mask of ignored signals (SigIgn in /proc), or why it could not be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigIgn:"):
+                return line.split()[1]
+    except OSError as exc:
+        return str(exc)
+    return "?"
+
+
 def test_warmup_into_a_small_cache_fails_and_ctrl_c_cancels_it_in_the_daemon(s3, s3_client, fresh_bucket, tmp_path):
     files = [SampleFile(f"w/{i}.bin", 256 * KiB) for i in range(16)]
     upload(s3_client, fresh_bucket, "", files)
@@ -110,11 +121,12 @@ def test_warmup_into_a_small_cache_fails_and_ctrl_c_cancels_it_in_the_daemon(s3,
         time.sleep(2.5)  # --prefetch-bandwidth caps warmup: 4 MiB take about 8 s
         exited = proc.poll()
         signalled = time.monotonic() - started
+        ignored = _ignored_signals(proc.pid), _ignored_signals(os.getpid())
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 130 and "warmup cancelled" in err, (
             f"exit {proc.returncode} (already exited before the signal: {exited is not None}; signalled after "
-            f"{signalled:.1f} s); stdout: {out!r}; stderr: {err!r}; status: {slow.status()['cache']}")
+            f"{signalled:.1f} s; signals ignored by it and by the test: {ignored}); stdout: {out!r}; stderr: {err!r}; status: {slow.status()['cache']}")
         time.sleep(1.5)
         fetched = slow.status()["cache"]["prefetch_fetches"]
         assert 2 <= fetched <= 8, f"{fetched} blocks: the bandwidth cap was not applied"

@@ -289,11 +289,7 @@ def test_foreground_unmounts_on_sigterm_and_sigint(tmp_path, s3, sample_bucket):
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.05)
             assert os.listdir(mnt)
-            proc.send_signal(sig)
-            try:
-                code = proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                code = None
+            code = _signal_and_wait(proc, sig)
             assert code == 0, f"{sig.name}: exit status {code}\n{log.read_text()}"
             assert not os.path.ismount(mnt)
         finally:
@@ -323,6 +319,15 @@ runpy.run_module("epochfs", run_name="__main__")
 """
 
 
+def _signal_and_wait(proc: subprocess.Popen, sig: signal.Signals) -> int | None:
+    """Send ``sig`` and wait for the daemon to end: its exit status, or None if it did not end in 30 s."""
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_between_the_mount_and_the_event_loop_unmounts(tmp_path, s3, sample_bucket, sig):
     """SIGTERM or SIGINT after the mount is made but before the event loop listens (services still
@@ -342,11 +347,7 @@ def test_a_stop_signal_between_the_mount_and_the_event_loop_unmounts(tmp_path, s
         while not _mounted(mnt):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
-        proc.send_signal(sig)
-        try:
-            code = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = _signal_and_wait(proc, sig)
         assert code == 0, f"exit status {code}\n{log.read_text()}"
         assert not _mounted(mnt), "the daemon left its mount behind"
         text = log.read_text()
