@@ -285,7 +285,7 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
     lines = [f"# Read path, {datetime.date.today().isoformat()}: one {args.large_mib} MiB file and {args.files} x "
              f"100 KiB; {args.cores} core(s), {args.latency_ms:g} ms added; medians of {done}"
              + ("" if done == args.reps else f" (the run was stopped after {done} of {args.reps} repetitions)"), "",
-             f"Machine: {machine()}", "",
+             "Machine: {cpu}, {cpus} cores, {memory_gib:g} GiB, Linux {kernel}".format(**machine()), "",
              f"epochfs flags: `{args.epochfs_args or '(defaults)'}`{variant}", "",
              "| measurement | " + " | ".join(who) + " |", "|---|" + "---|" * len(who)]
     for what in MEASURES:

@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from workloads import (  # noqa: E402
     drop_page_cache,
     fio_seq,
     log,
+    machine,
     small_files_rate,
     train,
     ttfb,
@@ -61,15 +61,6 @@ def endpoint_traffic(server: LocalS3, bucket: str) -> dict[str, float]:
 
 def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def machine() -> dict[str, Any]:
-    mem = Path("/proc/meminfo").read_text().split()[1]
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(int(mem) / 2**20, 1),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "disk": subprocess.run(["df", "-h", str(HERE)], capture_output=True, text=True).stdout.splitlines()[-1]}
 
 
 def measure_io(c: Contender, small: list[str], large: list[Path], rel_large: list[str], record: Any,

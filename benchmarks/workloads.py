@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -224,18 +225,15 @@ def fresh_workdir(work: Path) -> None:
     work.mkdir(parents=True)
 
 
-def machine() -> str:
-    """The machine a run measured, for its report: the CPU model, the cores, the memory, the kernel."""
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return f"{model}, {os.cpu_count()} cores, {gib:.0f} GiB, Linux {os.uname().release}"
+def machine() -> dict[str, Any]:
+    """The machine a run measured, for its results: CPUs, CPU model, memory, kernel, Python, the disk."""
+    mem = Path("/proc/meminfo").read_text().split()[1]
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    here = Path(__file__).resolve().parent
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(int(mem) / 2**20, 1),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "disk": subprocess.run(["df", "-h", str(here)], capture_output=True, text=True).stdout.splitlines()[-1]}
 
 
 def start_run(work: Path) -> bool:
