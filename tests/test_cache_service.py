@@ -570,3 +570,36 @@ def test_planned_fetches_have_slots_of_their_own_and_readahead_keeps_its_own(tmp
 
     assert peak(planned) == 12
     assert peak(readahead) == 3
+
+
+def test_an_objects_bytes_offered_here_are_read_here_not_fetched_and_kept_until_withdrawn(tmp_path):
+    """A file this node uploaded, not yet adopted: a miss reads its data file (no request, not a miss in
+    the accounting), and the block is cached as a fetched one would be. Once the offer is withdrawn, or
+    its bytes are gone, misses fetch from the backend again."""
+    backend = MemoryBackend()
+    mine = ObjectInfo("ckpt.pt", 3 * BS + 5, 0, '"up1"')
+    local = pattern(mine.key, 0, 0, mine.size)
+    reads: list[tuple[int, int]] = []
+    gone = ObjectInfo("gone.pt", BS, 0, '"up2"')
+
+    def read(start, length):
+        reads.append((start, length))
+        return local[start:start + length]
+
+    async def fn(cache):
+        cache.offer(mine, read)
+        cache.offer(gone, lambda start, length: None)  # (closed under the reader)
+        first = bytes(await cache.read(mine, BS - 7, 2 * BS))
+        stats = cache.statistics()
+        cache.withdraw(mine)
+        again = bytes(await cache.read(mine, 0, mine.size))
+        fetched = bytes(await cache.read(gone, 0, BS))
+        return first, stats, again, fetched, cache.statistics()
+
+    (first, stats, again, fetched, end), cache = run_with_cache(tmp_path, backend, fn)
+    assert first == local[BS - 7:3 * BS - 7]
+    assert reads == [(0, BS), (BS, BS), (2 * BS, BS)]
+    assert backend.calls == {("ckpt.pt", 3 * BS): 1, ("gone.pt", 0): 1}
+    assert (stats.misses, stats.demand_fetches, stats.demand_bytes) == (0, 0, 0)
+    assert again == local  # blocks 0-2 from the store, block 3 (5 bytes, never offered) from the backend
+    assert end.demand_bytes == 5 + BS and fetched == pattern(gone.key, 0, 0, BS)

@@ -85,7 +85,7 @@ class Bucket(Backend):
         pass
 
 
-def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
+def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=(), keep=None):
     """Run ``fn(wb, bucket, room, published)`` against a write-back service with its workers running."""
     cache = private_dir(tmp_path / "cache")
     journal = Journal(cache)
@@ -99,7 +99,7 @@ def run_writeback(tmp_path, fn, *, capacity=1 << 30, quota=None, objects=()):
 
     wb = WriteBack(journal, room, bucket, tree, WritebackSettings(upload_bandwidth=None, upload_concurrency=2,
                                                                   user_quota=quota),
-                   demand_waiting=lambda: False, publish=publish)
+                   demand_waiting=lambda: False, publish=publish, keep=keep)
     wb.recover()
 
     async def main():
@@ -139,6 +139,54 @@ def test_a_written_file_is_uploaded_whole_published_and_unpinned(tmp_path):
     assert node.obj.mode == 0o640 and node.obj.uid == UID  # published: an object of the snapshot, owner kept
     assert pinned == 0 and stats.pending_files == 0 and stats.uploaded_files == 1 and stats.uploaded_bytes == 300_000
     assert published and published[-1][0]["ckpt.pt"].size == 300_000
+
+
+class SlowKeeper:
+    """The block cache's side of keeping uploaded bytes, which adopts them only when told to."""
+
+    def __init__(self) -> None:
+        self.offered: dict[str, tuple[ObjectInfo, object]] = {}
+        self.adopted: dict[str, bytes | None] = {}
+        self.withdrawn: list[str] = []
+        self.adopt_now, self.gone = trio.Event(), trio.Event()
+
+    def offer(self, obj, read):
+        self.offered[obj.key] = (obj, read)
+
+    async def adopt(self, obj, read):
+        await self.adopt_now.wait()
+        self.adopted[obj.key] = read(0, obj.size)
+        return obj.size
+
+    def withdraw(self, obj):
+        self.withdrawn.append(obj.key)
+        self.gone.set()
+
+
+def test_an_uploaded_files_bytes_are_offered_to_the_cache_by_the_time_sync_returns_until_kept(tmp_path):
+    """A restore right after ``sync`` on the node that saved the file reads its own bytes, not the backend,
+    even while they are still being copied into the cache (under load that takes a while); once kept, the
+    offer is withdrawn and the data file goes."""
+    data = os.urandom(300_001)
+    keeper = SlowKeeper()
+
+    async def fn(wb, bucket, room, published):
+        fh, _ = wb.create(root(wb), b"ckpt.pt", 0o644, UID, GID)
+        wb.write(fh, 0, data)
+        wb.release(fh)
+        assert await wb.sync([], 10) == []
+        obj, read = keeper.offered["ckpt.pt"]
+        at_sync = read(65_537, 70_001), list(keeper.withdrawn), os.listdir(wb.journal.data_dir)
+        keeper.adopt_now.set()
+        with trio.fail_after(10):
+            await keeper.gone.wait()
+        return obj, at_sync, read(0, 10), os.listdir(wb.journal.data_dir)
+
+    obj, (offered, withdrawn, files), after, files_after = run_writeback(tmp_path, fn, keep=keeper)
+    assert obj.size == len(data) and obj.etag == f'"{hashlib.md5(data).hexdigest()}"'  # the uploaded version's
+    assert offered == data[65_537:65_537 + 70_001] and withdrawn == [] and len(files) == 1
+    assert keeper.adopted == {"ckpt.pt": data}
+    assert after is None and files_after == []  # withdrawn, closed, removed: a late reader gets nothing
 
 
 def test_the_object_holds_exactly_what_was_written_and_who_may_read_it(tmp_path):

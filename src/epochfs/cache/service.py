@@ -86,6 +86,9 @@ class BlockCache:
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
         self._peer_bytes = self._replica_bytes = 0
+        # Objects this node uploaded whose bytes are still in its own files, by (key, ETag): until they
+        # are adopted, a miss reads them there (``read(start, length)``, blocking; None once closed).
+        self._local: dict[tuple[str, str], Callable[[int, int], bytes | None]] = {}
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
         self.verified = Verified()  # packed members checked against their checksums
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
@@ -294,7 +297,18 @@ class BlockCache:
     def policy(self) -> EvictionPolicy:
         return self.store.policy
 
-    async def adopt(self, obj: ObjectInfo, read: Callable[[int, int], bytes]) -> int:
+    def offer(self, obj: ObjectInfo, read: Callable[[int, int], bytes | None]) -> None:
+        """The bytes of ``obj`` are on this node (a file it wrote and uploaded; ``read(start, length)``
+        gives them, blocking, or None once they are gone): from now until :meth:`withdraw`, a block of it
+        not in the store is read there, not fetched. Offered when the upload is published, so that a
+        restore right after it fetches nothing while :meth:`adopt` is still copying."""
+        self._local[(obj.key, obj.etag)] = read
+
+    def withdraw(self, obj: ObjectInfo) -> None:
+        """The bytes :meth:`offer` named are going: misses fetch again."""
+        self._local.pop((obj.key, obj.etag), None)
+
+    async def adopt(self, obj: ObjectInfo, read: Callable[[int, int], bytes | None]) -> int:
         """Keep the bytes of ``obj`` this node has already (a file it wrote and uploaded: ``read(start,
         length)``, blocking, gives them) as its cached blocks, bound to the uploaded version's ETag and
         checksummed as any fill, so that reading it back here fetches nothing. Each block is admitted as
@@ -310,8 +324,8 @@ class BlockCache:
                 break
             try:
                 data = await trio.to_thread.run_sync(read, start, length)
-                if len(data) != length:
-                    raise OSError(f"{len(data)} bytes read of {length}")
+                if data is None or len(data) != length:
+                    raise OSError(f"{0 if data is None else len(data)} bytes read of {length}")
                 tmp, meta = await trio.to_thread.run_sync(self.store.write_temp, bid, data)
             except OSError as exc:
                 self.store.release(length)
@@ -475,8 +489,13 @@ class BlockCache:
         handoff = Handoff()
 
         def job() -> None:
-            data, origin = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
-                                                     warm=flight.warm)
+            local = self._local.get((obj.key, obj.etag)) if self._local else None
+            data = local(start, length) if local is not None else None
+            if data is not None and len(data) == length:
+                origin = "local"
+            else:
+                data, origin = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
+                                                      warm=flight.warm)
             box.post(self._deliver, flight, data, origin)
             if not admitted or data is None:
                 return
@@ -555,7 +574,10 @@ class BlockCache:
     def _deliver(self, flight: Fetch, data: bytes | None, origin: str) -> None:
         """The bytes of a fetch arrived (called on the trio thread from the worker): release the readers."""
         flight.data = data
-        flight.from_peer = origin != "backend"
+        flight.from_peer = origin != "backend"  # (or this node's own file: not a miss either)
+        if origin == "local":  # (not a fetch: what readers read of it counts as this node's own)
+            flight.event.set()
+            return
         self._fetches[flight.demand] += 1
         if flight.from_peer:
             self._peer_bytes += len(data or b"")

@@ -14,8 +14,9 @@ from typing import Protocol
 from epochfs.backend.base import Backend
 from epochfs.core.records import ObjectInfo
 
-#: Where a fetched block's bytes came from.
-ORIGINS = ("backend", "owner", "replica")
+#: Where a fetched block's bytes came from (``local``: a file this node wrote and uploaded, not yet
+#: adopted as cached blocks: see :meth:`epochfs.cache.service.BlockCache.offer`).
+ORIGINS = ("backend", "owner", "replica", "local")
 
 
 class BlockSource(Protocol):

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import trio
 
@@ -33,9 +34,45 @@ log = logging.getLogger(__name__)
 #: so that a store that already holds it (the answer was lost, not the write) does not take it twice.
 Publish = Callable[[dict[str, ObjectInfo], set[str], str], Awaitable[None]]
 Fail = Callable[[LocalFile, str], None]  # a file that can never be uploaded as it is
-#: ``keep(obj, read)``: keep an uploaded object's bytes (``read(start, length)`` gives them, blocking) as
-#: cached blocks of its new version, so that reading it back here fetches nothing; the bytes kept.
-Keep = Callable[[ObjectInfo, Callable[[int, int], bytes]], Awaitable[int]]
+Read = Callable[[int, int], "bytes | None"]  # ``read(start, length)``, blocking; None once gone
+
+
+class Keep(Protocol):
+    """Where an uploaded file's bytes go so that reading it back here fetches nothing (the block cache)."""
+
+    def offer(self, obj: ObjectInfo, read: Read) -> None:
+        """The bytes of ``obj`` are here (``read`` gives them) until :meth:`withdraw`: read them, not the
+        backend."""
+
+    async def adopt(self, obj: ObjectInfo, read: Read) -> int:
+        """Keep them as cached blocks of ``obj``'s version; the bytes kept."""
+
+    def withdraw(self, obj: ObjectInfo) -> None:
+        """The bytes are going."""
+
+
+class DataFile:
+    """An uploaded file's data file, open for reading until :meth:`close` (reads after it, or racing it,
+    get None: the descriptor is never closed under a reader, nor its number reused for one)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    def read(self, start: int, length: int) -> bytes | None:
+        with self._lock:
+            if self._fd < 0:
+                return None
+            try:
+                return os.pread(self._fd, length, start)
+            except OSError:
+                return None
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Uploads:
@@ -187,34 +224,41 @@ class Uploads:
         self.owed.publish_now.set()
         self.owed.touch()
         log.info("uploaded %s (%d bytes)", key, size)
+        data = self._offer(f.id, obj)  # (no checkpoint since the upload was recorded: nobody saw it before)
         if self._nursery is not None:  # (beside the uploads: the next file's upload does not wait for it)
-            self._nursery.start_soon(self._keep_and_remove, f.id, obj)
+            self._nursery.start_soon(self._keep_and_remove, f.id, obj, data)
         else:
-            await self._keep_and_remove(f.id, obj)
+            await self._keep_and_remove(f.id, obj, data)
 
-    async def _keep_and_remove(self, file_id: str, obj: ObjectInfo) -> None:
-        """The uploaded file's bytes become cached blocks of its new version (a restore on this node then
-        reads them, not the backend), then its data file goes. A file recovery finds no record of is
-        removed at the next start, should the daemon stop in between."""
-        async with self._keeping:
-            await self._keep_and_remove_now(file_id, obj)
-
-    async def _keep_and_remove_now(self, file_id: str, obj: ObjectInfo) -> None:
+    def _offer(self, file_id: str, obj: ObjectInfo) -> DataFile | None:
+        """The uploaded file's bytes offered to the cache from the moment its upload is published (no
+        thread hop in between: ``sync`` returning means a read here finds them), or None."""
+        if self.keep is None:
+            return None
         try:
-            if self.keep is not None:
-                try:
-                    fd = await trio.to_thread.run_sync(self.journal.open_data, file_id, os.O_RDONLY)
-                except OSError as exc:
-                    log.warning("%s uploaded, its bytes not kept in the cache: %s", obj.key, exc)
-                else:
-                    try:
-                        kept = await self.keep(obj, lambda start, length: os.pread(fd, length, start))
-                    finally:
-                        os.close(fd)
+            data = DataFile(self.journal.open_data(file_id, os.O_RDONLY))  # (it is written no more)
+        except OSError as exc:
+            log.warning("%s uploaded, its bytes not kept in the cache: %s", obj.key, exc)
+            return None
+        self.keep.offer(obj, data.read)
+        return data
+
+    async def _keep_and_remove(self, file_id: str, obj: ObjectInfo, data: DataFile | None) -> None:
+        """The uploaded file's bytes become cached blocks of its new version (a restore on this node then
+        reads them, not the backend; until they are, it reads the data file), then its data file goes. A
+        file recovery finds no record of is removed at the next start, should the daemon stop in
+        between."""
+        try:
+            async with self._keeping:
+                if self.keep is not None and data is not None:
+                    kept = await self.keep.adopt(obj, data.read)
                     if kept < obj.size:
                         log.info("kept %d of %s's %d bytes in the cache (the rest is fetched if read)", kept,
                                  obj.key, obj.size)
         finally:
+            if self.keep is not None and data is not None:
+                self.keep.withdraw(obj)
+                data.close()
             self.journal.remove_data(file_id)
 
     def _directories(self, key: str) -> list[tuple[str, int, int, int]]:
