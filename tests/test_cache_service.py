@@ -587,11 +587,11 @@ def test_an_objects_bytes_offered_here_are_read_here_not_fetched_and_kept_until_
         return local[start:start + length]
 
     async def fn(cache):
-        cache.offer(mine, read)
-        cache.offer(gone, lambda start, length: None)  # (closed under the reader)
+        cache.uploads.offer(mine, read)
+        cache.uploads.offer(gone, lambda start, length: None)  # (closed under the reader)
         first = bytes(await cache.read(mine, BS - 7, 2 * BS))
         stats = cache.statistics()
-        cache.withdraw(mine)
+        cache.uploads.withdraw(mine)
         again = bytes(await cache.read(mine, 0, mine.size))
         fetched = bytes(await cache.read(gone, 0, BS))
         return first, stats, again, fetched, cache.statistics()

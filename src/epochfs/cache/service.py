@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
 
 import trio
 
@@ -42,13 +41,14 @@ from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
 from epochfs.cache.format import BlockMeta
 from epochfs.cache.handoff import Handoff
 from epochfs.cache.members import MemberStream, Verified
+from epochfs.cache.own import OwnUploads
 from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import Pusher
 from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
-from epochfs.core.blocks import block_bounds, block_count, block_id, range_blocks
+from epochfs.core.blocks import block_bounds, block_id, range_blocks
 from epochfs.core.errors import BackendUnavailable, EpochfsError
 from epochfs.core.records import ObjectInfo, member_location
 
@@ -86,9 +86,8 @@ class BlockCache:
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
         self._peer_bytes = self._replica_bytes = 0
-        # Objects this node uploaded whose bytes are still in its own files, by (key, ETag): until they
-        # are adopted, a miss reads them there (``read(start, length)``, blocking; None once closed).
-        self._local: dict[tuple[str, str], Callable[[int, int], bytes | None]] = {}
+        # Files this node uploaded: their bytes, read here until adopted (write-back hands them over).
+        self.uploads = OwnUploads(store, block_size, self.block_id, self.is_cached)
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
         self.verified = Verified()  # packed members checked against their checksums
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
@@ -297,53 +296,6 @@ class BlockCache:
     def policy(self) -> EvictionPolicy:
         return self.store.policy
 
-    def offer(self, obj: ObjectInfo, read: Callable[[int, int], bytes | None]) -> None:
-        """The bytes of ``obj`` are on this node (a file it wrote and uploaded; ``read(start, length)``
-        gives them, blocking, or None once they are gone): from now until :meth:`withdraw`, a block of it
-        not in the store is read there, not fetched. Offered when the upload is published, so that a
-        restore right after it fetches nothing while :meth:`adopt` is still copying."""
-        self._local[(obj.key, obj.etag)] = read
-
-    def withdraw(self, obj: ObjectInfo) -> None:
-        """The bytes :meth:`offer` named are going: misses fetch again."""
-        self._local.pop((obj.key, obj.etag), None)
-
-    async def adopt(self, obj: ObjectInfo, read: Callable[[int, int], bytes | None]) -> int:
-        """Keep the bytes of ``obj`` this node has already (a file it wrote and uploaded: ``read(start,
-        length)``, blocking, gives them) as its cached blocks, bound to the uploaded version's ETag and
-        checksummed as any fill, so that reading it back here fetches nothing. Each block is admitted as
-        a fetched one would be (the eviction policy decides; counted against the cache's bound); it
-        stops at the first the policy refuses or that fails. The bytes cached."""
-        kept = 0
-        for index in range(block_count(obj.size, self.block_size)):
-            bid = self.block_id(obj, index)
-            start, length = block_bounds(index, obj.size, self.block_size)
-            if self.store.lookup(bid) is not None or bid in self._flights:
-                continue
-            if not self.store.reserve(bid, length):
-                break
-            try:
-                data = await trio.to_thread.run_sync(read, start, length)
-                if data is None or len(data) != length:
-                    raise OSError(f"{0 if data is None else len(data)} bytes read of {length}")
-                tmp, meta = await trio.to_thread.run_sync(self.store.write_temp, bid, data)
-            except OSError as exc:
-                self.store.release(length)
-                log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)
-                break
-            if self.store.lookup(bid) is not None:  # (fetched by a reader meanwhile)
-                self.store.abandon(tmp, meta)
-                self.store.release(length, failed=False)
-                continue
-            try:
-                self.store.install(bid, tmp, meta)
-            except OSError as exc:
-                self.store.release(length)
-                log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)
-                break
-            kept += length
-        return kept
-
     def is_cached(self, bid: bytes) -> bool:
         """Resident in the store, or being fetched (:meth:`read_stored` waits for it)."""
         return bid in self._flights or self.store.lookup(bid) is not None
@@ -489,7 +441,7 @@ class BlockCache:
         handoff = Handoff()
 
         def job() -> None:
-            local = self._local.get((obj.key, obj.etag)) if self._local else None
+            local = self.uploads.reader(obj)
             data = local(start, length) if local is not None else None
             if data is not None and len(data) == length:
                 origin = "local"

@@ -15,7 +15,7 @@ from epochfs.backend.base import Backend
 from epochfs.core.records import ObjectInfo
 
 #: Where a fetched block's bytes came from (``local``: a file this node wrote and uploaded, not yet
-#: adopted as cached blocks: see :meth:`epochfs.cache.service.BlockCache.offer`).
+#: adopted as cached blocks: see :class:`epochfs.cache.own.OwnUploads`).
 ORIGINS = ("backend", "owner", "replica", "local")
 
 

@@ -303,7 +303,7 @@ class Daemon:
             self.journal, self.store, self.backend, self.tree, WritebackSettings(
                 upload_bandwidth=self.config.upload_bandwidth, upload_concurrency=self.config.upload_concurrency,
                 user_quota=self.config.writeback_user_quota),
-            demand_waiting=self.cache.demand_waiting, publish=self.snapshots.apply, keep=self.cache)
+            demand_waiting=self.cache.demand_waiting, publish=self.snapshots.apply, keep=self.cache.uploads)
         opened.callback(self.writeback.close)
         self.writeback.recover()
 
