@@ -3,11 +3,13 @@ and without an epoch manifest, beside JuiceFS (its defaults; the dataset written
 untimed) and raw boto3 GETs from the same readers, behind a latency proxy. The manifest is handed over
 at the start of each epoch (as a job would from its sampler), not before.
 
-    sudo .venv/bin/python benchmarks/training.py [--latency-ms 20 50] [--accelerators 1 2 4] [--compute-ms 40]
+    sudo .venv/bin/python benchmarks/training.py [--latency-ms 20 50] [--accelerators 1 2 4] [--reps 3]
 
 Demand is set by the compute time per batch: 8 x 100 KiB per step per accelerator. The backend's
 capacity at the prefetcher's concurrency is measured in the same run (16 parallel GETs through the
-proxy), so each row says what fraction of it the job asks for.
+proxy), so each row says what fraction of it the job asks for. With ``--reps`` each contender runs that
+many times per row, in alternating order; the table gives medians, and the range of the per-repetition
+ratio to JuiceFS.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Contender, Epochfs, Juicefs  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
-from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, simulate, train  # noqa: E402
+from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, machine, simulate, train  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
 from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
@@ -50,6 +53,7 @@ def main() -> int:
     ap.add_argument("--accelerators", type=int, nargs="+", default=[4])
     ap.add_argument("--demand", type=float, nargs="+", default=[0.5, 0.78, 3.9],
                     help="demand as fractions of what the backend gives 16 parallel GETs (sets the compute time)")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each contender per row (medians reported)")
     ap.add_argument("--epochfs-args", default="")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "training")
     ap.add_argument("--out", type=Path, default=HERE / "results")
@@ -59,6 +63,7 @@ def main() -> int:
     keys = [f.key for f in files]
     batch, workers = 8, 4
     rows: list[dict[str, Any]] = []
+    measured_on = machine()
     server = LocalS3(args.work / "s3").start()
     try:
         upload(server.client(), "bench", "ds/", files)
@@ -73,24 +78,34 @@ def main() -> int:
                 compute = n * batch / demand
                 row: dict[str, Any] = {"latency_ms": latency, "accelerators": n, "demand_files_s": demand,
                                        "backend_files_s": capacity, "demand_over_backend": fraction,
-                                       "compute_ms": compute * 1000}
-                row["raw boto3"] = boto_train(client, keys, accelerators=n, batch=batch, compute=compute,
-                                              workers=workers, seed=42)
+                                       "compute_ms": compute * 1000, "machine": measured_on}
                 contenders: list[Contender] = [juicefs]
                 for manifest in (False, True):
                     c = Epochfs(args.work / f"lat{latency:g}", proxy.endpoint, "bench", "ds/", 1 << 34,
                                 manifest=manifest)
                     c.extra = args.epochfs_args.split()
                     contenders.append(c)
-                for c in contenders:
-                    c.mount()  # (an empty cache)
-                    drop_page_cache()
-                    before = c.usage()["cpu"]
-                    (au,) = train(c.root, keys, accelerators=n, batch=batch, compute=compute, workers=workers,
-                                  epochs=1, seed=42, before_epoch=c.before_epoch)
-                    row[c.name] = au
-                    row[f"{c.name} daemon CPU ms/file"] = (c.usage()["cpu"] - before) * 1000 / len(keys)
-                    c.unmount()
+                runs: dict[str, list[float]] = {name: [] for name in ["raw boto3", *(c.name for c in contenders)]}
+                cpu: dict[str, list[float]] = {c.name: [] for c in contenders}
+                for rep in range(args.reps):
+                    runs["raw boto3"].append(boto_train(client, keys, accelerators=n, batch=batch, compute=compute,
+                                                        workers=workers, seed=42))
+                    for c in contenders if rep % 2 == 0 else contenders[::-1]:
+                        c.mount()  # (an empty cache)
+                        drop_page_cache()
+                        before = c.usage()["cpu"]
+                        (au,) = train(c.root, keys, accelerators=n, batch=batch, compute=compute, workers=workers,
+                                      epochs=1, seed=42, before_epoch=c.before_epoch)
+                        runs[c.name].append(au)
+                        cpu[c.name].append((c.usage()["cpu"] - before) * 1000 / len(keys))
+                        c.unmount()
+                for name, values in runs.items():
+                    row[name] = statistics.median(values)
+                    row[f"{name} runs"] = values
+                for name, values in cpu.items():
+                    row[f"{name} daemon CPU ms/file"] = statistics.median(values)
+                ratios = [m / j for m, j in zip(runs["epochfs+manifest"], runs["JuiceFS"], strict=True)]
+                row["manifest / JuiceFS range"] = [min(ratios), max(ratios)]
                 log(f"{latency:g} ms, {n} accelerators ({demand / capacity:.0%} of the backend): " +
                     ", ".join(f"{k} {v:.1%}" for k, v in row.items() if k in ("raw boto3", "JuiceFS", "epochfs lru",
                                                                                 "epochfs+manifest")))
@@ -99,7 +114,9 @@ def main() -> int:
     finally:
         server.stop()
     lines = [f"# First-epoch AU, {datetime.date.today().isoformat()}: {args.files} x 100 KiB, batch {batch}, "
-             f"{workers} readers per accelerator; the manifest handed over at the start of the epoch",
+             f"{workers} readers per accelerator; the manifest handed over at the start of the epoch"
+             + (f"; medians of {args.reps}" if args.reps > 1 else ""), "",
+             "Machine: {cpu}, {cpus} cores, {memory_gib:g} GiB, Linux {kernel}".format(**measured_on),
              "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
              "| latency | accelerators | demand / backend | raw boto3 | JuiceFS | epochfs lru | epochfs+manifest | "
              "epochfs+manifest / JuiceFS | daemon CPU ms/file (JuiceFS / lru / manifest) |",
@@ -107,7 +124,8 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['latency_ms']:g} ms | {r['accelerators']} | {r['demand_over_backend']:.0%} | "
                      f"{r['raw boto3']:.1%} | {r['JuiceFS']:.1%} | {r['epochfs lru']:.1%} | "
-                     f"{r['epochfs+manifest']:.1%} | {r['epochfs+manifest'] / r['JuiceFS']:.2f}x | "
+                     f"{r['epochfs+manifest']:.1%} | {r['epochfs+manifest'] / r['JuiceFS']:.2f}x"
+                     + (" ({:.2f}-{:.2f})".format(*r["manifest / JuiceFS range"]) if args.reps > 1 else "") + " | "
                      f"{r['JuiceFS daemon CPU ms/file']:.2f} / {r['epochfs lru daemon CPU ms/file']:.2f} / "
                      f"{r['epochfs+manifest daemon CPU ms/file']:.2f} |")
     text = "\n".join(lines) + "\n"
