@@ -3,7 +3,10 @@ summarised as the share of samples in which each function appears (inclusive), h
 Cold (empty cache) by default; ``--warm`` reads everything once, drops the page cache, then profiles
 the second pass (served from the block cache).
 
-    sudo .venv/bin/python benchmarks/profile.py [--files 3000] [--threads 16] [--warm] [--out FILE]
+    sudo .venv/bin/python benchmarks/profile.py [--files 3000] [--threads 16] [--warm] [--latency-ms 20] [--out FILE]
+
+``--latency-ms`` puts the endpoint behind ``latency_proxy.py`` (in a process of its own), as
+``readpath.py --latency-ms`` does: the cold path when every fetch waits on a far endpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import wait_mounted  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402
 
 from epochfs.control import request
 from epochfs.dev.sample import SampleFile, upload, write_tree
@@ -51,6 +55,7 @@ def main() -> int:
     ap.add_argument("--gil", action="store_true", help="only samples of the thread holding the GIL (CPU in Python)")
     ap.add_argument("--floor", action="store_true",
                     help="profile the floor of our stack instead (benchmarks/floor.py over the same files on local disk)")
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="added per request and new connection (a proxy)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -59,6 +64,7 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     (work / "mnt").mkdir(parents=True)
     server = LocalS3(work / "s3").start()
+    proxy = ProxyProcess(server.port, args.latency_ms / 1000) if args.latency_ms else None
     try:
         files = [SampleFile(f"s/{i:05d}.jpg", args.size_kib * 1024) for i in range(args.files)]
         upload(server.client(), "profile", "", files)
@@ -70,7 +76,7 @@ def main() -> int:
             pid = floor.pid
         else:
             subprocess.run([sys.executable, "-m", "epochfs", "mount", "s3://profile", str(work / "mnt"),
-                            "--endpoint-url", server.endpoint, "--cache-dir", str(work / "cache"), "--metrics-addr",
+                            "--endpoint-url", proxy.endpoint if proxy else server.endpoint, "--cache-dir", str(work / "cache"), "--metrics-addr",
                             "off"], env=server.env(), check=True)
             pid = int(os.getxattr(work / "mnt", "user.epochfs.pid"))
 
@@ -106,10 +112,12 @@ def main() -> int:
         else:
             subprocess.run([sys.executable, "-m", "epochfs", "umount", str(work / "mnt")], check=True)
     finally:
+        if proxy:
+            proxy.stop()
         server.stop()
     mib_s = rate * args.size_kib / 1024
     lines = [f"{'the floor: ' if args.floor else ''}{'warm' if args.warm else 'cold'} read of {args.files} x {args.size_kib} KiB files with {args.threads} "
-             f"threads: {rate:.0f} files/s, {mib_s:.0f} MiB/s",
+             f"threads{f', {args.latency_ms:g} ms added' if args.latency_ms else ''}: {rate:.0f} files/s, {mib_s:.0f} MiB/s",
              f"share of the daemon's ({'GIL-holding' if args.gil else 'non-idle'}) samples in which each "
              "function appears:"]
     total, shares = summarise(raw, args.top)
