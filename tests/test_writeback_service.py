@@ -22,6 +22,7 @@ from epochfs.meta.index import build as build_namespace
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree
+from epochfs.writeback.uploads import DataFile
 
 UID, GID = 1000, 1000
 
@@ -187,6 +188,36 @@ def test_an_uploaded_files_bytes_are_offered_to_the_cache_by_the_time_sync_retur
     assert offered == data[65_537:65_537 + 70_001] and withdrawn == [] and len(files) == 1
     assert keeper.adopted == {"ckpt.pt": data}
     assert after is None and files_after == []  # withdrawn, closed, removed: a late reader gets nothing
+
+
+def test_a_data_file_closed_while_a_read_is_in_progress_is_closed_by_that_read(tmp_path, monkeypatch):
+    """The cache's reads of an offered file run in worker threads; the close (on the event loop) neither
+    waits for them nor closes the descriptor under them."""
+    path = tmp_path / "data"
+    path.write_bytes(b"abcdef")
+    fd = os.open(path, os.O_RDONLY)
+    data = DataFile(fd)
+    inside, go_on = threading.Event(), threading.Event()
+    real = os.pread
+
+    def slow_pread(f, n, off):
+        inside.set()
+        go_on.wait(10)
+        return real(f, n, off)
+
+    monkeypatch.setattr(os, "pread", slow_pread)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(data.read(1, 3)))
+    reader.start()
+    assert inside.wait(10)
+    data.close()  # (returns at once)
+    still_open = os.fstat(fd).st_size
+    go_on.set()
+    reader.join(10)
+    assert got == [b"bcd"] and still_open == 6
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed by the read that ended last
+    assert data.read(0, 1) is None
 
 
 def test_the_object_holds_exactly_what_was_written_and_who_may_read_it(tmp_path):

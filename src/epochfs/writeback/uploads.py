@@ -52,27 +52,40 @@ class Keep(Protocol):
 
 
 class DataFile:
-    """An uploaded file's data file, open for reading until :meth:`close` (reads after it, or racing it,
-    get None: the descriptor is never closed under a reader, nor its number reused for one)."""
+    """An uploaded file's data file, open for reading until :meth:`close` (reads after it get None). The
+    descriptor is closed by whichever comes last, the close or the last read in progress: never under a
+    reader (nor its number reused for one), and a close never waits for a read."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._lock = threading.Lock()
+        self._reading = 0
+        self._closed = False
 
     def read(self, start: int, length: int) -> bytes | None:
         with self._lock:
-            if self._fd < 0:
+            if self._closed:
                 return None
-            try:
-                return os.pread(self._fd, length, start)
-            except OSError:
-                return None
+            self._reading += 1
+        try:
+            return os.pread(self._fd, length, start)
+        except OSError:
+            return None
+        finally:
+            with self._lock:
+                self._reading -= 1
+                last = self._closed and not self._reading
+            if last:
+                os.close(self._fd)
 
     def close(self) -> None:
         with self._lock:
-            fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+            if self._closed:
+                return
+            self._closed = True
+            last = not self._reading
+        if last:
+            os.close(self._fd)
 
 
 class Uploads:
