@@ -35,6 +35,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from epochfs.client import Client, PathItem
+from epochfs.control.client import tell_once
 from epochfs.core.errors import EpochfsError
 from epochfs.prefetch.manifest import local_order
 from epochfs.watch import watch
@@ -111,6 +112,8 @@ class EpochfsSampler(Sampler[int]):
             if not self._warned:
                 log.warning("epochfs: could not hand epoch %d's order to the daemon (%s); training goes on "
                             "without prefetch", epoch, exc)
+                tell_once("the sampler (no epoch order handed over, nothing fetched ahead)", self.client.mountpoint,
+                          exc)
                 self._warned = True
             log.debug("hand-over of epoch %d failed: %s", epoch, exc)
             return

@@ -130,6 +130,8 @@ class Reporter:
         self._pending: list[tuple[int, int, float, float]] = []  # marks taken, not yet reported past
         self._announced: int | None = None  # the last pass the daemon heard of
         self._warned = False
+        #: Whether the daemon has an epoch order from this job's user (its answer to the last report).
+        self.handed_over: bool | None = None
         self._wake = threading.Event()
         self._stop = False
         self._lock = threading.Lock()  # one report at a time (the thread, and the final flush)
@@ -137,10 +139,10 @@ class Reporter:
         self._thread = threading.Thread(target=self._run, name="epochfs-watch", daemon=True)
         self._thread.start()
 
-    def _request(self, fields: dict[str, Any]) -> None:
+    def _request(self, fields: dict[str, Any]) -> dict[str, Any]:
         from epochfs.control.client import request
 
-        request(self.mountpoint, "report", timeout=TIMEOUT, **fields)
+        return request(self.mountpoint, "report", timeout=TIMEOUT, **fields)
 
     def _run(self) -> None:
         self._gpu = _Gpu(self.rank)
@@ -180,14 +182,19 @@ class Reporter:
                 self._epoch = self._pending.pop(0)[0]
 
     def _deliver(self, fields: dict[str, Any]) -> bool:
+        from epochfs.control.client import tell_once
+
         try:
-            self._send(fields)
+            reply = self._send(fields)
         except (EpochfsError, OSError, ValueError) as exc:
             if not self._warned:
                 log.warning("epochfs.watch: cannot report to the daemon at %s (%s); measuring goes on",
                             self.mountpoint, exc)
+                tell_once("epochfs.watch (the job's view stays empty)", self.mountpoint, exc)
                 self._warned = True
             return False
+        if isinstance(reply, dict) and isinstance(reply.get("handed_over"), bool):
+            self.handed_over = reply["handed_over"]
         return True
 
     def flush(self) -> None:
@@ -229,9 +236,11 @@ def watch(loader: Iterable[T], mountpoint: str | os.PathLike[str], *, job: str |
         waited = meter.data_wait - started[1]
         busy = waited + meter.compute - started[2]
         if steps:
-            log.info("epoch %d (%s rank %d): waited for data %.0f%% of step time (%d steps, %.1f s)",
+            log.info("epoch %d (%s rank %d): waited for data %.0f%% of step time (%d steps, %.1f s)%s",
                      reporter.epochs, reporter.job, reporter.rank, 100 * waited / busy if busy else 0.0, steps,
-                     clock() - epoch_start)
+                     clock() - epoch_start, "; no epoch order was handed over to the daemon by this job's user, "
+                     "so nothing was fetched ahead (epochfs.torch.EpochfsSampler)" if reporter.handed_over is False
+                     else "")
             reporter.epochs += 1
 
 

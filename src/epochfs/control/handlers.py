@@ -20,10 +20,12 @@ import trio
 
 from epochfs.cache.accounting import read_origins
 from epochfs.control import protocol as p
+from epochfs.control.access import PathAccess, Presented
+from epochfs.control.caller import Caller
 from epochfs.control.collected import Collected
-from epochfs.control.jobs import Jobs, JobStats, Report
-from epochfs.control.server import Chunks, Handler
-from epochfs.core.errors import ConfigError
+from epochfs.control.jobs import Jobs, JobStats, JobTaken, Report
+from epochfs.control.server import OWNER, Chunks, Handler
+from epochfs.core.errors import ConfigError, NotPermitted
 from epochfs.core.records import ObjectInfo, stored_extent
 from epochfs.doctor.cost import usage_of
 from epochfs.meta.namespace import Namespace
@@ -61,23 +63,29 @@ class MountInfo:
 
 
 def resolve_some(namespace: Namespace, entries: Iterable[tuple[int, str]], source: str, *,
-                 expand_dirs: bool) -> tuple[list[ObjectInfo], list[str], int]:
+                 expand_dirs: bool, access: PathAccess | None = None) -> tuple[list[ObjectInfo], list[str], int]:
     """The objects ``entries`` name (directories expanded to their files if asked), what is missing (at
-    most six messages, naming the manifest lines) and how many are. Worker thread: the namespace is a
-    view of one version."""
+    most six messages, naming the manifest lines) and how many are. With ``access``, only what its
+    caller may read: a name it may not read is missing, told apart from one the snapshot lacks by
+    nothing, and a directory expands to the files the caller may read. Worker thread: the namespace is
+    a view of one version."""
     objs: list[ObjectInfo] = []
     missing: list[str] = []
     missed = 0
     entries = list(entries)
     for (line, path), node in zip(entries, namespace.resolve_all([path for _, path in entries]), strict=True):
+        if access is not None and node is not None and not access.readable(node):
+            node = None
         if isinstance(node, File):
             objs.append(node.obj)
         elif node is not None and expand_dirs:
-            objs.extend(f.obj for f in namespace.walk(node.inode))
+            objs.extend(f.obj for f in namespace.walk(node.inode) if access is None or access.readable(f))
         else:
             missed += 1
             if len(missing) < 6:
-                missing.append(f"{source}:{line}: {path!r} is {'a directory' if node else 'not in the snapshot'}")
+                what = ("a directory" if node else "not in the snapshot" if access is None
+                        else "not in the snapshot or not readable by you")
+                missing.append(f"{source}:{line}: {path!r} is {what}")
     return objs, missing, missed
 
 
@@ -101,23 +109,46 @@ class Resolved:
         return self.objs
 
 
-def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, block_size: int) -> Resolved:
+def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, block_size: int,
+            access: PathAccess | None = None) -> Resolved:
     """What a request's (own) entries name; :class:`~epochfs.prefetch.plan.PlanTooLarge` past the
     hand-over limit."""
-    objs, missing, missed = resolve_some(namespace, request.entries, request.source, expand_dirs=expand_dirs)
+    objs, missing, missed = resolve_some(namespace, request.entries, request.source, expand_dirs=expand_dirs,
+                                         access=access)
     count_blocks(objs, block_size)
     return Resolved(objs, missing, missed)
 
 
+@dataclass(frozen=True)
+class UserBounds:
+    """What one user who is not an operator may hold: blocks of orders not yet read, bytes of warmups
+    not yet done (``--user-share`` of the hand-over limit and of the cache)."""
+
+    order_blocks: int | None = None
+    warmup_bytes: int | None = None
+
+    @classmethod
+    def share(cls, fraction: float, capacity: int) -> UserBounds:
+        return cls(max(1, int(MAX_PLAN_BLOCKS * fraction)), max(1, int(capacity * fraction)))
+
+
 class ControlHandlers:
+    """Each request's answer for its caller (:class:`~epochfs.control.caller.Caller`; the daemon's own
+    user where none is given). ``presented`` gives a node's (mode, uid, gid) as the mount presents it:
+    the names a caller who is not an operator hands over are checked against it (without it, such a
+    caller names nothing)."""
+
     def __init__(self, *, info: MountInfo, collect: Callable[[], Collected], snapshots: Snapshots,
-                 prefetcher: Prefetcher, writeback: WriteBack | None = None, jobs: Jobs | None = None) -> None:
+                 prefetcher: Prefetcher, writeback: WriteBack | None = None, jobs: Jobs | None = None,
+                 presented: Presented | None = None, bounds: UserBounds = UserBounds()) -> None:
         self.jobs = jobs if jobs is not None else Jobs()
         self.info = info
         self.collect = collect
         self.snapshots = snapshots
         self.prefetcher = prefetcher
         self.writeback = writeback
+        self.presented = presented
+        self.bounds = bounds
 
     def table(self) -> dict[type, Handler]:
         return {
@@ -126,13 +157,21 @@ class ControlHandlers:
             p.GetManifest: self.get_manifest, p.Sync: self.sync, Report: self.report,
         }
 
+    def _access(self, namespace: Namespace, caller: Caller) -> PathAccess | None:
+        if caller.operator:
+            return None
+        presented = self.presented or (lambda node: (0, 0, 0))  # (nothing presented: only root reads)
+        return PathAccess(namespace.resolve, presented, caller)
+
     async def _objects(self, request: p.Entries, chunks: Chunks | None, *, expand_dirs: bool,
-                       skip_missing: bool = False) -> Resolved:
-        """What the request names; :class:`ManifestError` for what the snapshot lacks unless skipped."""
+                       skip_missing: bool = False, caller: Caller = OWNER) -> Resolved:
+        """What the request names that ``caller`` may read; :class:`ManifestError` for the rest unless
+        skipped."""
         namespace, block_size = self.snapshots.namespace, self.info.block_size  # one snapshot for all chunks
+        access = self._access(namespace, caller)
         if chunks is None:
             got = await trio.to_thread.run_sync(
-                lambda: resolve(namespace, request, expand_dirs=expand_dirs, block_size=block_size))
+                lambda: resolve(namespace, request, expand_dirs=expand_dirs, block_size=block_size, access=access))
             got.check(skip_missing)
             return got
         out = Resolved()
@@ -140,7 +179,7 @@ class ControlHandlers:
 
         def take(entries: tuple[tuple[int, str], ...]) -> None:  # (a worker thread)
             nonlocal blocks
-            got, miss, n = resolve_some(namespace, entries, request.source, expand_dirs=expand_dirs)
+            got, miss, n = resolve_some(namespace, entries, request.source, expand_dirs=expand_dirs, access=access)
             blocks += count_blocks(got, block_size)
             if blocks > MAX_PLAN_BLOCKS:  # refused as it grows: the rest is never read
                 raise PlanTooLarge(f"more than {MAX_PLAN_BLOCKS} blocks in one hand-over; hand over a shorter "
@@ -155,44 +194,57 @@ class ControlHandlers:
         out.check(skip_missing)
         return out
 
-    async def report(self, request: Report) -> dict[str, Any]:
+    async def report(self, request: Report, *, caller: Caller = OWNER) -> dict[str, Any]:
+        try:
+            self.jobs.check(request, caller.uid, caller.operator)
+        except JobTaken as exc:
+            raise NotPermitted(str(exc)) from None
         usage = counters = None
         if self.jobs.new_epoch(request):  # the counters where this epoch began
             c = self.collect()
             u = usage_of(c.backend.requests, c.backend.bytes_read)
             usage = (int(u.gets), int(u.lists), int(u.bytes))
             counters = epoch_counters(c)
-        self.jobs.report(request, time.time(), usage, counters)
-        return {}
+        self.jobs.report(request, time.time(), usage, counters, uid=caller.uid)
+        return {"handed_over": caller.uid in self.prefetcher.handed_by}
 
-    async def status(self, request: p.Status) -> dict[str, Any]:
+    async def status(self, request: p.Status, *, caller: Caller = OWNER) -> dict[str, Any]:
         c = self.collect()
-        return status_of(self.info, c, marks_of(self.jobs, c.jobs))
+        return status_of(self.info, c, marks_of(self.jobs, c.jobs), self.prefetcher.handed_by)
 
-    async def refresh(self, request: p.Refresh) -> dict[str, Any]:
+    async def refresh(self, request: p.Refresh, *, caller: Caller = OWNER) -> dict[str, Any]:
         return await self.snapshots.refresh()
 
-    async def prefetch(self, request: p.Prefetch, chunks: Chunks | None = None) -> dict[str, Any]:
-        got = await self._objects(request, chunks, expand_dirs=False, skip_missing=request.skip_missing)
-        reply = await self.prefetcher.load(got.objs, epoch=request.epoch, replace=request.replace, rank=request.rank)
+    async def prefetch(self, request: p.Prefetch, chunks: Chunks | None = None, *,
+                       caller: Caller = OWNER) -> dict[str, Any]:
+        got = await self._objects(request, chunks, expand_dirs=False, skip_missing=request.skip_missing,
+                                  caller=caller)
+        reply = await self.prefetcher.load(got.objs, epoch=request.epoch, replace=request.replace, rank=request.rank,
+                                           uid=caller.uid, operator=caller.operator,
+                                           share_blocks=self.bounds.order_blocks)
         if got.missed:
-            log.warning("prefetch: %d of the paths handed over are not in the snapshot, handed over without them: "
-                        "%s", got.missed, got.message())
+            log.warning("prefetch: %d of the paths %s handed over are not in the snapshot%s, handed over without "
+                        "them: %s", got.missed, caller.describe(), "" if caller.operator else " or not readable",
+                        got.message())
         return {**reply, "missing": got.missed, "missing_message": got.message()}
 
-    async def warmup(self, request: p.Warmup, chunks: Chunks | None = None) -> dict[str, Any]:
-        objs = (await self._objects(request, chunks, expand_dirs=True)).objs
-        return self.prefetcher.warmup(objs).as_dict()
+    async def warmup(self, request: p.Warmup, chunks: Chunks | None = None, *,
+                     caller: Caller = OWNER) -> dict[str, Any]:
+        objs = (await self._objects(request, chunks, expand_dirs=True, caller=caller)).objs
+        return self.prefetcher.warmup(objs, uid=caller.uid, operator=caller.operator,
+                                      share_bytes=self.bounds.warmup_bytes).as_dict()
 
-    async def resident(self, request: p.Resident, chunks: Chunks | None = None) -> dict[str, Any]:
-        objs = (await self._objects(request, chunks, expand_dirs=True)).objs
+    async def resident(self, request: p.Resident, chunks: Chunks | None = None, *,
+                       caller: Caller = OWNER) -> dict[str, Any]:
+        objs = (await self._objects(request, chunks, expand_dirs=True, caller=caller)).objs
         return await self.prefetcher.resident(objs)
 
-    async def locate(self, request: p.Locate, chunks: Chunks | None = None) -> dict[str, Any]:
+    async def locate(self, request: p.Locate, chunks: Chunks | None = None, *,
+                     caller: Caller = OWNER) -> dict[str, Any]:
         """Where each named file is stored, in order: ``locations[i]`` is ``[s, offset]`` (its bytes start
         at ``offset`` of ``stores[s]``, a packed member's shard of ``sizes[s]`` bytes) or null (a plain
         object)."""
-        objs = (await self._objects(request, chunks, expand_dirs=False)).objs
+        objs = (await self._objects(request, chunks, expand_dirs=False, caller=caller)).objs
         stores: dict[str, int] = {}
         sizes: list[int] = []
         locations: list[list[int] | None] = []
@@ -207,37 +259,46 @@ class ControlHandlers:
             locations.append([at, offset])
         return {"stores": list(stores), "sizes": sizes, "locations": locations}
 
-    async def job(self, request: p.Job) -> dict[str, Any]:
+    async def job(self, request: p.Job, *, caller: Caller = OWNER) -> dict[str, Any]:
         job = self.prefetcher.job(request.id)
         if job is None:
             raise ManifestError(f"no warmup job {request.id}")
         return job.as_dict()
 
-    async def cancel(self, request: p.Cancel) -> dict[str, Any]:
-        job = self.prefetcher.cancel(request.id)
+    async def cancel(self, request: p.Cancel, *, caller: Caller = OWNER) -> dict[str, Any]:
+        job = self.prefetcher.cancel(request.id, uid=caller.uid, operator=caller.operator)
         if job is None:
             raise ManifestError(f"no warmup job {request.id}")
         return job.as_dict()
 
-    async def publish_manifest(self, request: p.PublishManifest) -> dict[str, Any]:
+    async def publish_manifest(self, request: p.PublishManifest, *, caller: Caller = OWNER) -> dict[str, Any]:
         await self.snapshots.put_manifest(request.name, request.text)
         return {"published": request.name}
 
-    async def get_manifest(self, request: p.GetManifest) -> dict[str, Any]:
+    async def get_manifest(self, request: p.GetManifest, *, caller: Caller = OWNER) -> dict[str, Any]:
         text = await self.snapshots.get_manifest(request.name)
         if text is None:
             raise ManifestError(f"no manifest named {request.name!r} in {self.snapshots.store.url}")
         return {"text": text}
 
 
-    async def sync(self, request: p.Sync) -> dict[str, Any]:
+    async def sync(self, request: p.Sync, *, caller: Caller = OWNER) -> dict[str, Any]:
+        """Wait until what was written under the paths (all: none given) is in the backend; a caller who
+        is not an operator waits only for its own files."""
         wb = self.writeback
         if wb is None:  # a read-only mount owes the backend nothing
             return {"writeback": False, "pending": [], "pending_total": 0, "pending_bytes": 0}
         for path in request.paths:
             if path and wb.tree.resolve(path) is None and not wb.pending([path]):
                 raise ConfigError(f"{path!r} is not in the mount")
-        left = await wb.sync(list(request.paths), request.wait)
+        paths = list(request.paths)
+        if not caller.operator:
+            paths = wb.owned(caller.uid, paths)
+            if not paths:
+                return {"writeback": True, "pending": [], "pending_total": 0, "pending_bytes": 0, "failed_total": 0}
+        left = await wb.sync(paths, request.wait)
+        if not caller.operator:
+            left = [x for x in left if x.key in set(paths)]
         failed = [x for x in left if x.state.startswith("not uploaded")]
         left = failed + [x for x in left if x not in failed]  # what will never upload is listed first
         return {"writeback": True, "pending": [dataclasses.asdict(x) for x in left[:MAX_PENDING_LISTED]],
@@ -245,9 +306,11 @@ class ControlHandlers:
                 "failed_total": len(failed)}
 
 
-def job_of(j: JobStats) -> dict[str, Any]:
-    """One job x rank in ``status``: its totals, and the sums of its reports of the last window."""
+def job_of(j: JobStats, handed_by: dict[int | None, float] | None = None) -> dict[str, Any]:
+    """One job x rank in ``status``: its totals, the sums of its reports of the last window, and whether
+    its user has handed over an order to the mount (``handed_over``; None where not known)."""
     out = {k: v for k, v in vars(j).items() if k != "recent"}
+    out["handed_over"] = None if handed_by is None else j.uid in handed_by
     out["window"] = {"seconds": (j.recent[-1][0] - j.recent[0][0]) if j.recent else 0.0,
                      "reports": len(j.recent), "steps": sum(r[1] for r in j.recent),
                      "data_wait": sum(r[2] for r in j.recent), "compute": sum(r[3] for r in j.recent),
@@ -297,8 +360,8 @@ def host_cpu() -> list[int] | None:
     return [sum(ticks) - ticks[3] - ticks[4], sum(ticks), os.cpu_count() or 1]
 
 
-def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str, Any]]] | None = None
-              ) -> dict[str, Any]:
+def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str, Any]]] | None = None,
+              handed_by: dict[int | None, float] | None = None) -> dict[str, Any]:
     """The reply to ``status`` (``epochfs status --json`` prints it)."""
     snap = c.snapshot
     usage = usage_of(c.backend.requests, c.backend.bytes_read)  # (what the backend bills)
@@ -345,6 +408,6 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down),
                  "link": c.peer_link.as_dict() if c.peer_link else None, "load": [vars(m) for m in c.peer.load]}
         if c.peer is not None else None,
-        "jobs": [job_of(j) for j in c.jobs],
+        "jobs": [job_of(j, handed_by) for j in c.jobs],
         "job_epochs": job_epochs or {},
     }

@@ -21,6 +21,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 MAX_ENTRIES = 256
+MAX_ENTRIES_PER_UID = 64  # job x rank entries one uid may hold (operators aside)
 WINDOW = 600.0  # seconds of reports kept per entry
 MAX_SAMPLES = 1024  # reports kept per entry within the window
 MAX_EPOCHS = 64  # epochs kept per entry, and marks per job
@@ -58,6 +59,7 @@ class JobStats:
     saves: int = 0
     save_seconds: float = 0.0
     epochs: tuple[EpochStats, ...] = ()
+    uid: int | None = None  # the uid that reports it (None: the daemon's own, or not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +100,35 @@ class _Entry:
     #                                                                            compute, first, last]
 
 
+class JobTaken(ValueError):
+    """A report another uid may not make: the job name is held by another uid, or its uid holds as many
+    entries as one may."""
+
+
 class Jobs:
+    """The jobs' reports. A job name belongs to the uid whose report first named it, for as long as any
+    rank of it is kept: another uid's report of that name is refused (:class:`JobTaken`), so no user
+    forges or rewrites another's view, and one uid holds at most :data:`MAX_ENTRIES_PER_UID` entries."""
+
     def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._marks: dict[str, OrderedDict[int, Mark]] = {}
+        self._owners: dict[str, int | None] = {}  # job -> the uid that reports it
+
+    def check(self, r: Report, uid: int | None, operator: bool = True) -> None:
+        """:class:`JobTaken` if ``uid`` may not report ``r`` (an operator may report any job)."""
+        if operator:
+            return
+        owner = self._owners.get(r.job, uid) if any(k[0] == r.job for k in self._entries) else uid
+        if owner != uid:
+            raise JobTaken(f"job name {r.job!r} is reported by another user; name your job apart (watch(..., job=...))")
+        if (r.job, r.rank) not in self._entries and sum(
+                1 for (job, _) in self._entries if self._owners.get(job) == uid) >= MAX_ENTRIES_PER_UID:
+            raise JobTaken(f"uid {uid} already reports {MAX_ENTRIES_PER_UID} job ranks; the oldest are kept until "
+                           "they are forgotten")
+
+    def owner(self, job: str) -> int | None:
+        return self._owners.get(job)
 
     def new_epoch(self, r: Report) -> bool:
         """Whether ``r`` is its job's first report of its epoch (the caller then passes the backend's
@@ -117,13 +144,17 @@ class Jobs:
         return entry.epochs[last][4] if r.epoch < last else None
 
     def report(self, r: Report, now: float, usage: tuple[int, int, int] | None = None,
-               counters: dict[str, float] | None = None) -> None:
+               counters: dict[str, float] | None = None, uid: int | None = None) -> None:
         restarted = self._restarted(r)
         key = (r.job, r.rank)
+        if not any(k[0] == r.job for k in self._entries):
+            self._owners[r.job] = uid
         entry = self._entries.pop(key, None) or _Entry()
         self._entries[key] = entry  # most recently reported last
         while len(self._entries) > MAX_ENTRIES:
-            self._entries.popitem(last=False)
+            (gone, _), _ = self._entries.popitem(last=False)
+            if not any(k[0] == gone for k in self._entries):
+                self._owners.pop(gone, None)
         entry.steps += r.steps
         entry.data_wait += r.data_wait
         entry.compute += r.compute
@@ -183,5 +214,5 @@ class Jobs:
     def statistics(self) -> tuple[JobStats, ...]:
         return tuple(JobStats(job, rank, e.steps, e.data_wait, e.compute, e.gpu, e.last, tuple(e.recent), e.saves,
                               e.save_seconds, tuple(EpochStats(n, int(t[0]), t[1], t[2], t[3], t[4])
-                                                    for n, t in e.epochs.items()))
+                                                    for n, t in e.epochs.items()), self._owners.get(job))
                      for (job, rank), e in self._entries.items())

@@ -146,6 +146,17 @@ Request = (Status | Refresh | Prefetch | Warmup | Resident | Locate | Job | Canc
            | Report)
 
 
+_OPS: dict[type, str] = {Status: "status", Refresh: "refresh", Prefetch: "prefetch", Warmup: "warmup",
+                         Resident: "resident", Locate: "locate", Job: "job", Cancel: "cancel",
+                         PublishManifest: "publish_manifest", GetManifest: "get_manifest", Sync: "sync",
+                         Report: "report"}
+
+
+def op_of(request: Any) -> str:
+    """The operation name of a parsed request."""
+    return _OPS.get(type(request), type(request).__name__.lower())
+
+
 def _int(value: Any, field: str, lo: int = 0, hi: int = MAX_INT) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise BadRequest(f"{field!r} must be an integer in [{lo}, {hi}]")

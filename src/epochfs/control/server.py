@@ -1,8 +1,13 @@
-"""The daemon's end of the control channel: a Unix socket, one request and one reply per connection.
+"""The daemon's end of the control channel: one request and one reply per connection of its Unix socket,
+or per session of the channel through the mount (:mod:`.inmount`), answered alike.
 
-Only root and the user the daemon runs as may use it: the socket is mode 0600 in a private directory
-(the cache directory, or a checked private runtime directory when that path is too long for AF_UNIX),
-and the peer's credentials (SO_PEERCRED) are checked on every connection. Every line is bounded
+The socket is for the node's operators (root, the user the daemon runs as, the control group): it is
+mode 0600 in a private directory (the cache directory, or a checked private runtime directory when that
+path is too long for AF_UNIX), and the peer's credentials (SO_PEERCRED) are checked on every connection.
+Everybody else, and anyone who sees only the mount (a pod, a container), comes through the mount, where
+the kernel names the caller. Every request is authorised by its caller's credentials
+(:data:`epochfs.control.caller.RIGHTS`): what changes the mount for everybody needs an operator, the rest
+is checked by the handler against what the caller may read and own. Every line is bounded
 (``MAX_LINE``) before it is parsed, and parsed and validated by :mod:`.protocol` in a worker thread; a
 long manifest arrives as a stream of chunk lines, parsed and handed to the handler one at a time (a
 handler that refuses the request stops the reading). A request that does not parse, or a handler that
@@ -21,14 +26,14 @@ from typing import Any
 
 import trio
 
-from epochfs.control.creds import peer_uid
+from epochfs.control.caller import ADMIN, RIGHTS, Caller, caller_of_socket
 from epochfs.control.paths import runtime_dir, socket_path  # noqa: F401 - (the daemon's)
-from epochfs.control.protocol import MAX_LINE, BadRequest, Request, encode, parse, parse_chunk
-from epochfs.core.errors import ConfigError, EpochfsError
+from epochfs.control.protocol import MAX_LINE, BadRequest, Request, encode, op_of, parse, parse_chunk
+from epochfs.core.errors import ConfigError, EpochfsError, NotPermitted
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[..., Awaitable[dict[str, Any]]]  # (request) or, streamed, (request, chunks)
+Handler = Callable[..., Awaitable[dict[str, Any]]]  # (request, caller=) or, streamed, (request, chunks, caller=)
 Chunks = AsyncIterator[tuple[tuple[int, str], ...]]
 MAX_CONNECTIONS = 32
 RECEIVE_TIMEOUT = 60.0  # seconds to deliver a whole request
@@ -37,11 +42,12 @@ RECEIVE_TIMEOUT = 60.0  # seconds to deliver a whole request
 class ControlServer:
     """Serves requests on ``path``; ``handlers`` maps a request type to the coroutine answering it."""
 
-    def __init__(self, path: Path, handlers: dict[type, Handler]) -> None:
+    def __init__(self, path: Path, handlers: dict[type, Handler], *, control_group: int | None = None) -> None:
         self.path = Path(path)
         self.handlers = handlers
-        self._allowed = {0, os.geteuid()}
+        self.control_group = control_group
         self._slots = trio.Semaphore(MAX_CONNECTIONS)
+        self.refused: dict[str, int] = {}  # requests refused for their caller's rights, by operation
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -79,9 +85,9 @@ class ControlServer:
                 self._slots.release()
 
     async def _answer(self, stream: trio.SocketStream) -> None:
-        uid = peer_uid(stream.socket)  # type: ignore[arg-type]
-        if uid not in self._allowed:
-            log.warning("control: refused a request from uid %d", uid)
+        caller = caller_of_socket(stream.socket, self.control_group)
+        if not caller.operator:
+            log.warning("control: refused a connection to the socket from uid %d", caller.uid)
             # Take (a bounded part of) the request first, so the client reads the refusal rather than a
             # broken pipe.
             with trio.move_on_after(5):
@@ -89,8 +95,15 @@ class ControlServer:
                     await _Lines(stream).next(limit=1 << 16)
                 except BadRequest:
                     pass
-            await _try_send(stream, {"ok": False, "error": "permission denied: only root or the mount's owner"})
+            await _try_send(stream, {"ok": False, "error": "permission denied: the socket is for root, the mount's "
+                                     "owner and --control-group; other users reach the daemon through the mount",
+                                     "kind": "permission"})
             return
+        await self.serve_stream(stream, caller)
+
+    async def serve_stream(self, stream: Any, caller: Caller) -> None:
+        """Read one request from ``stream`` (``receive_some``/``send_all``: a socket connection, or a
+        session through the mount), answer it for ``caller``, and send the reply."""
         lines = _Lines(stream)
         streamed = False
         try:
@@ -98,7 +111,7 @@ class ControlServer:
                 line = await lines.next()
             request = await trio.to_thread.run_sync(parse, line)
             streamed = getattr(request, "follow", False)
-            reply = await self.dispatch(request, _chunks(lines) if streamed else None)
+            reply = await self.dispatch(request, _chunks(lines) if streamed else None, caller=caller)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
         except trio.TooSlowError:
@@ -109,14 +122,28 @@ class ControlServer:
         if streamed and not lines.ended:
             await _discard_rest(stream)
 
-    async def dispatch(self, request: Request, chunks: Chunks | None = None) -> dict[str, Any]:
-        """The reply to a parsed request (whose further entries come from ``chunks``, if streamed).
-        Never raises for a failure of the handler."""
+    async def dispatch(self, request: Request, chunks: Chunks | None = None, *, caller: Caller | None = None
+                       ) -> dict[str, Any]:
+        """The reply to a parsed request (whose further entries come from ``chunks``, if streamed) from
+        ``caller`` (None: the daemon's own user). Never raises for a failure of the handler."""
         handler = self.handlers.get(type(request))
+        op = op_of(request)
         if handler is None:
-            return {"ok": False, "error": f"{type(request).__name__.lower()} is not supported by this daemon"}
+            return {"ok": False, "error": f"{op} is not supported by this daemon"}
+        caller = caller if caller is not None else OWNER
+        if RIGHTS.get(op) == ADMIN and not caller.operator:
+            self.refused[op] = self.refused.get(op, 0) + 1
+            log.warning("control: refused %s from %s: not an operator", op, caller.describe())
+            return {"ok": False, "kind": "permission",
+                    "error": f"permission denied: {op} changes the mount for everybody; it needs root, the mount's "
+                             "owner or a member of the daemon's --control-group"}
         try:
-            return {"ok": True, **await (handler(request) if chunks is None else handler(request, chunks))}
+            reply = await (handler(request, caller=caller) if chunks is None else handler(request, chunks, caller=caller))
+            return {"ok": True, **reply}
+        except NotPermitted as exc:  # (what the caller may not do to what is not theirs)
+            self.refused[op] = self.refused.get(op, 0) + 1
+            log.info("control: refused %s from %s: %s", op, caller.describe(), exc)
+            return {"ok": False, "error": f"permission denied: {exc}", "kind": "permission"}
         except EpochfsError as exc:  # "config": the request's input is wrong (the CLI exits with 2)
             return {"ok": False, "error": str(exc), "kind": "config" if isinstance(exc, ConfigError) else "error"}
         except Exception as exc:  # a bug must fail the request, never the daemon
@@ -124,11 +151,15 @@ class ControlServer:
             return {"ok": False, "error": f"internal error: {type(exc).__name__}; see the daemon's log"}
 
 
+#: The daemon's own user: what a request made inside the daemon acts as.
+OWNER = Caller(os.geteuid(), os.getegid(), operator=True)
+
+
 class _Lines:
     """Newline-ended lines from a stream, each at most ``limit`` bytes (refused once it is longer,
     before anything of it is parsed)."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: Any) -> None:
         self.stream = stream
         self._buf = bytearray()
         self.ended = False  # the closing line of a streamed request was read
@@ -169,7 +200,7 @@ async def _chunks(lines: _Lines) -> Chunks:
         yield chunk
 
 
-async def _discard_rest(stream: trio.SocketStream) -> None:
+async def _discard_rest(stream: Any) -> None:
     """Read and drop what a refused streamed request still sends (for a few seconds at most): a Unix
     socket closed with unread data resets the connection, and the client would lose the reply."""
     with trio.move_on_after(5):
@@ -180,7 +211,7 @@ async def _discard_rest(stream: trio.SocketStream) -> None:
             pass
 
 
-async def _try_send(stream: trio.SocketStream, obj: dict[str, Any]) -> None:
+async def _try_send(stream: Any, obj: dict[str, Any]) -> None:
     """Send a reply, giving up on a client that does not read it."""
     with trio.move_on_after(RECEIVE_TIMEOUT):
         try:

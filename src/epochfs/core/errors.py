@@ -72,6 +72,11 @@ class NotDurable(EpochfsError):
         self.reply = reply
 
 
+class NotPermitted(EpochfsError):
+    """A control request its caller may not make: another user's order, warmup, job or files, a share
+    over its bound, or what needs an operator. Refused with nothing changed (the CLI exits 1)."""
+
+
 class Refused(EpochfsError):
     """An operation the mount does not do on this entry; ``errno`` says which (EROFS, EEXIST, ENOTEMPTY,
     EXDEV, EISDIR, ENOTDIR, EOPNOTSUPP, EPERM)."""
@@ -100,6 +105,7 @@ _ERRNO: tuple[tuple[type[BaseException], int], ...] = (
     (NoSpace, errno.ENOSPC),
     (ObjectChanged, errno.ESTALE),
     (AccessDenied, errno.EACCES),
+    (NotPermitted, errno.EACCES),
     (BackendError, errno.EIO),
     (EpochfsError, errno.EIO),
 )

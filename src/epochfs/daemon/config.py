@@ -89,6 +89,18 @@ class Option:
     example: str | None = None  # an example value (TOML) for the example config when the default is empty
 
 
+def parse_group(text: str | int) -> int:
+    """A group named by number or name (looked up in the group database)."""
+    if isinstance(text, int) or str(text).isdigit():
+        return int(text)
+    import grp
+
+    try:
+        return grp.getgrnam(str(text)).gr_gid
+    except KeyError:
+        raise ConfigError(f"no group named {text!r} on this node") from None
+
+
 def option(default: Any, group: str, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"option": Option(group, help, **kw)})
 
@@ -260,6 +272,16 @@ class Config:
         None, "mount", "present every entry as owned by this user (default: the source's for file://, else the "
         "daemon's)", metavar="N", parse=int, example="1000")
     gid: int | None = option(None, "mount", "likewise for the group", metavar="N", parse=int, example="1000")
+    control_group: int | None = option(
+        None, "mount", "members of this group (a name or a number) may change the mount for everybody through "
+        "its control channel (refresh, publish a manifest, replace or cancel another user's order or warmup); "
+        "root and the daemon's user always may. Any user who can read the mount may read its state and hand "
+        "over orders of the files they may read", metavar="GROUP", parse=lambda t: parse_group(t),
+        example='"epochfs-operators"')
+    user_share: float = option(
+        0.5, "mount", "the share of the hand-over limit (8 Mi blocks of orders not yet read) and of --cache-size "
+        "(warmups not yet done) one user who is not an operator may hold, so no user crowds out the others",
+        metavar="FRACTION", parse=float)
     allow_non_empty: bool = option(
         False, "mount", "mount even if MOUNTPOINT is not empty (its files are hidden while mounted)")
     open_requests: bool = option(
@@ -375,6 +397,10 @@ class Config:
         self._check_peer()
         if self.node is not None and not NODE_NAME.fullmatch(self.node):
             raise ConfigError(f"--node {self.node!r}: 1 to 253 letters, digits and . _ : - (a host name)")
+        if not 0 < self.user_share <= 1:
+            raise ConfigError("--user-share must be a fraction above 0 and at most 1")
+        if self.control_group is not None and not 0 <= self.control_group < 0xFFFFFFFF:
+            raise ConfigError("--control-group must be a group name or number")
         if self.writeback_user_quota is not None and self.writeback_user_quota <= 0:
             raise ConfigError("--writeback-user-quota must be a size above 0")
         if self.file_mode is not None and not 0 <= self.file_mode <= 0o777:

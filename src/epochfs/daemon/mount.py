@@ -35,9 +35,11 @@ from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.cache.store import BlockStore
 from epochfs.cache.whole import WholeFiles
-from epochfs.control import CONTROL_XATTR, PID_XATTR
+from epochfs.control import CONTROL_XATTR, PID_XATTR, frames
+from epochfs.control.caller import caller_of
 from epochfs.control.collected import Collected
-from epochfs.control.handlers import ControlHandlers, MountInfo
+from epochfs.control.handlers import ControlHandlers, MountInfo, UserBounds
+from epochfs.control.inmount import MountChannel
 from epochfs.control.jobs import Jobs
 from epochfs.control.server import ControlServer, socket_path
 from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
@@ -181,8 +183,13 @@ class Daemon:
         )
         self.jobs = Jobs()
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,
-                                   prefetcher=self.prefetcher, writeback=self.writeback, jobs=self.jobs)
-        self.control = ControlServer(socket_path(config.cache_dir), handlers.table())
+                                   prefetcher=self.prefetcher, writeback=self.writeback, jobs=self.jobs,
+                                   presented=lambda node: self.ops.presented(node),
+                                   bounds=UserBounds.share(config.user_share, config.cache_size))
+        self.control = ControlServer(socket_path(config.cache_dir), handlers.table(),
+                                     control_group=config.control_group)
+        self.channel = MountChannel(self.control.serve_stream,
+                                    lambda uid, gid, pid: caller_of(uid, gid, pid, config.control_group))
         self.ops = Operations(
             self.snapshots.namespace, self.cache, attr_timeout=config.attr_timeout,
             root_xattrs={
@@ -193,6 +200,7 @@ class Daemon:
             presentation=Presentation(writable=config.writeback, file_mode=config.file_mode,
                                       dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
             tree=self.tree, writeback=self.writeback, zero_open=self.zero_open, passthrough=self.passthrough,
+            control=ChannelFile(self.channel),
         )
         if config.push_ahead:
             self.cache.wire(pusher=Pusher(self.cache, KernelPages(self.ops), ahead=config.push_ahead))
@@ -447,6 +455,7 @@ class Daemon:
             if self.writeback is not None:
                 await nursery.start(self.writeback.run)
             await nursery.start(self.control.run)
+            await nursery.start(self.channel.run)
             if self.metrics is not None:
                 await nursery.start(self.metrics.run)
             if self._stopped is not None:  # a cache node: no mount; it serves until told to stop
@@ -533,3 +542,13 @@ def _invalidate(session: kernel.Session, entries: list[tuple[int, bytes]], inode
             session.invalidate_entry(parent, name)
         except OSError:
             pass
+
+
+class ChannelFile:
+    """The mount's control file (:class:`epochfs.vfs.fs.ControlFile`) over the channel's sessions."""
+
+    name = frames.NAME.encode()
+    command = frames.COMMAND
+
+    def __init__(self, channel: MountChannel) -> None:
+        self.call = channel.call

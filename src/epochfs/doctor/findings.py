@@ -43,7 +43,8 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     first = phases.get("first")
     judged = (view or {}).get("judged_on", "window")
     dataset, cap = m["dataset_bytes"], m["cache_capacity_bytes"]
-    handed = bool(m["manifest_files"])
+    # (the plan may hold another user's order: a job whose own user handed over none has no plan of its own)
+    handed = bool(m["manifest_files"]) and (view or {}).get("handed_over") is not False
     fits = bool(dataset) and cap >= dataset
     warm = bool(dataset) and (m.get("cached_bytes") or 0) >= WARM * dataset
 
@@ -84,7 +85,9 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     if tier_share is not None and tier_share >= CACHE_TIER and judged != "first":
         through_tier = True
     if not handed:
-        found("no-manifest", "no epoch order was handed over: nothing is fetched ahead of the reader",
+        whose = (" by this job's user (the plan holds another user's order)" if m["manifest_files"]
+                 else "")
+        found("no-manifest", f"no epoch order was handed over{whose}: nothing is fetched ahead of the reader",
               "wrap the sampler: `sampler = epochfs.torch.EpochfsSampler(sampler, MOUNTPOINT)`, or run "
               f"`epochfs prefetch {mnt} --manifest FILE` before each epoch")
     hit = m["hit_ratio"]

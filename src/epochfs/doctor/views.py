@@ -106,7 +106,10 @@ def job_view(status: dict[str, Any], job: str | None) -> dict[str, Any] | None:
               "later": _phase("later", [(n, e) for n, e in by_epoch if n > 0], with_epochs, gpu)}
     window_fraction = _share(wait, wait + compute)
     current = phases["later"] or phases["first"]
+    handed = [j.get("handed_over") for j in ranks if isinstance(j.get("handed_over"), bool)]
     return {"jobs": sorted({str(j.get("job")) for j in ranks}), "ranks": len(ranks), "steps": steps,
+            # whether the job's users handed the mount an epoch order (None: the daemon does not say)
+            "handed_over": any(handed) if handed else None,
             "window_data_wait_fraction": window_fraction,
             "data_wait_fraction": current["data_wait_fraction"] if current else window_fraction,
             "judged_on": current["phase"] if current else "window",

@@ -92,6 +92,8 @@ ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
 WRITE_OUT = struct.Struct("<II")
 XATTR_SIZE_OUT = struct.Struct("<II")
+IOCTL_IN = struct.Struct("<QIIQII")  # fh flags cmd arg in_size out_size
+IOCTL_OUT = struct.Struct("<iIII")  # result flags in_iovs out_iovs
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 INIT_IN = struct.Struct("<IIII")
 INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # ... max_pages map_alignment flags2 max_stack_depth
@@ -201,6 +203,18 @@ class WriteIn(NamedTuple):
     fh: int
     offset: int
     write_flags: int
+    data: bytes
+
+
+class IoctlIn(NamedTuple):
+    """A restricted ioctl of a file of the mount: its command (whose size field the kernel copied
+    ``data`` in by, and will copy at most ``out_size`` bytes back by) and its input bytes."""
+
+    fh: int
+    flags: int
+    cmd: int
+    in_size: int
+    out_size: int
     data: bytes
 
 
@@ -324,6 +338,14 @@ def _write_in(data: memoryview, nodeid: int) -> WriteIn:
     return WriteIn(fh, offset, write_flags, bytes(payload))
 
 
+def _ioctl_in(data: memoryview, nodeid: int) -> IoctlIn:
+    fh, flags, cmd, _arg, in_size, out_size = _fixed(IOCTL_IN, data)
+    payload = data[IOCTL_IN.size:]
+    if len(payload) != in_size:
+        raise Malformed(f"ioctl of {in_size} input bytes carries {len(payload)}")
+    return IoctlIn(fh, flags, cmd, in_size, out_size, bytes(payload))
+
+
 def _open_in(data: memoryview, nodeid: int) -> OpenIn:
     return OpenIn(_fixed(_OPEN_IN, data)[0])
 
@@ -429,7 +451,7 @@ PARSERS: dict[int, Callable[[memoryview, int], Any]] = {
     CREATE: _create_in, MKDIR: _mkdir_in, MKNOD: _mknod_in, SYMLINK: _symlink_in,
     RENAME: _rename_in, RENAME2: _rename2_in, LINK: _link_in, GETXATTR: _getxattr_in, LISTXATTR: _listxattr_in,
     FORGET: _forget_in, BATCH_FORGET: _batch_forget_in, INIT: _init_in, INTERRUPT: _interrupt_in,
-    STATFS: _none, DESTROY: _none,
+    STATFS: _none, DESTROY: _none, IOCTL: _ioctl_in,
 }
 
 

@@ -105,3 +105,13 @@ class Operations:
 
     def release(self, fh: int) -> None:
         raise _unsupported()
+
+    #: The ioctl commands :meth:`ioctl` answers; any other is answered ENOTTY as its request is read
+    #: (the kernel asks whether a file is a terminal on every buffered open).
+    ioctl_commands: frozenset[int] = frozenset()
+
+    async def ioctl(self, inode: int, fh: int, cmd: int, data: bytes, out_size: int,
+                    ctx: RequestContext) -> bytes:
+        """A restricted ioctl: ``data`` in (as many bytes as ``cmd``'s size says), at most ``out_size``
+        bytes back."""
+        raise FUSEError(errno.ENOTTY)

@@ -7,9 +7,10 @@ requests are (``lookup``, ``open``, ``read``...). A plain method is called as it
 answered at once, with no task and no scheduling; a coroutine method (``read``, ``fsync``: those that
 may wait for the network or a disk) runs as its own trio task. A method the object lacks is answered
 ENOSYS, which for FLUSH and OPEN tells the kernel not to send them again. IOCTL is answered ENOTTY as
-soon as its header is read: the kernel sends one whenever a process asks whether a file of the mount
-is a terminal, which Python's ``open()`` does on every open of a file with default buffering (before
-3.14), so it is the commonest request after READ and LOOKUP. A handler that raises
+soon as its header is read, unless it carries one of the commands the handlers name
+(``ioctl_commands``: the control channel through the mount): the kernel sends one whenever a process asks
+whether a file of the mount is a terminal, which Python's ``open()`` does on every open of a file with
+default buffering (before 3.14), so it is the commonest request after READ and LOOKUP. A handler that raises
 :class:`FUSEError` answers that errno; any other exception is logged and answered EIO: a request
 never ends the session, and neither does a request whose bytes cannot be parsed.
 
@@ -69,6 +70,7 @@ class Session:
         self._terminated = False
         self.isatty_asks = 0  # IOCTL requests answered (a process asking whether a file is a terminal)
         self._handlers = handlers_of(ops)
+        self._ioctl_commands = frozenset(getattr(ops, "ioctl_commands", ()))
         # A plain ``read_now`` answers the reads whose bytes are at hand with no task (see _answer_read).
         self._read_now: Callable[..., Any] | None = getattr(ops, "read_now", None)
         self._unmounted = threading.Event()
@@ -139,8 +141,8 @@ class Session:
     def _handle(self, view: memoryview) -> None:
         if len(view) >= abi.IN_HEAD.size:
             length, opcode, unique = abi.IN_HEAD.unpack_from(view)
-            if opcode == abi.IOCTL and length == len(view):  # (isatty: no file of the mount is a terminal)
-                self.isatty_asks += 1
+            if opcode == abi.IOCTL and length == len(view) and not self._ioctl_wanted(view):
+                self.isatty_asks += 1  # (isatty: no file of the mount is a terminal)
                 self._send([abi.error(unique, errno.ENOTTY)])
                 return
         try:
@@ -197,6 +199,14 @@ class Session:
             self._send([abi.error(req.unique, errno.EIO)])
         else:
             self._send(reply)
+
+    def _ioctl_wanted(self, view: memoryview) -> bool:
+        """Whether the IOCTL in ``view`` carries a command the handlers answer (read from its bytes
+        before anything else is: every other one is a process asking whether a file is a terminal)."""
+        at = abi.IN_HEADER.size + 12  # (fh, flags, then cmd)
+        if not self._ioctl_commands or len(view) < at + 4:
+            return False
+        return int.from_bytes(view[at:at + 4], "little") in self._ioctl_commands
 
     def _answer_read(self, req: abi.Request) -> None:
         """A READ through the handler's ``read_now``: answered at once if it has the bytes, else the

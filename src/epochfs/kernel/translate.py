@@ -182,6 +182,14 @@ def read_reply(req: abi.Request, data: bytes | memoryview) -> Reply:
     return abi.reply(req.unique, data)
 
 
+async def _ioctl(req: abi.Request, fn: Callable[..., Any]) -> Reply:
+    a: abi.IoctlIn = req.args
+    out = bytes(await fn(req.nodeid, a.fh, a.cmd, a.data, a.out_size, _ctx(req)))
+    if len(out) > a.out_size:
+        raise FUSEError(errno.EOVERFLOW)
+    return abi.reply(req.unique, abi.IOCTL_OUT.pack(0, 0, 0, 0), out)
+
+
 async def _fsync(req: abi.Request, fn: Callable[..., Any]) -> Reply:
     a: abi.FsyncIn = req.args
     await fn(a.fh, a.datasync)
@@ -227,6 +235,7 @@ ROWS: dict[int, Row] = {
     abi.STATFS: Row("statfs", _statfs, 1),
     abi.GETXATTR: Row("getxattr", _getxattr, 3),
     abi.LISTXATTR: Row("listxattr", _listxattr, 2),
+    abi.IOCTL: Row("ioctl", _ioctl, 6, waits=True),
 }
 
 

@@ -63,8 +63,9 @@ import trio
 
 from epochfs.cache.service import BlockCache, Fetch
 from epochfs.core.blocks import extent_blocks
+from epochfs.core.errors import NotPermitted
 from epochfs.core.records import ObjectInfo, stored_extent
-from epochfs.prefetch.plan import DEFAULT_LEAD, MAX_PREFETCH_CONCURRENCY, Plan
+from epochfs.prefetch.plan import DEFAULT_LEAD, MAX_PREFETCH_CONCURRENCY, Plan, count_blocks
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ class Handover:
     segment: int
     epoch: int | None
     parts: dict[int | None, list[ObjectInfo]] = field(default_factory=dict)
+    owners: dict[int | None, int | None] = field(default_factory=dict)  # each part's uid (None: the daemon's)
+    blocks: dict[int | None, int] = field(default_factory=dict)  # each part's blocks
+
+    def others(self, uid: int | None) -> set[int | None]:
+        """The uids other than ``uid`` whose parts it holds."""
+        return {o for o in self.owners.values() if o != uid}
 
     def files(self) -> list[ObjectInfo]:
         if len(self.parts) == 1:
@@ -123,6 +130,7 @@ class WarmupJob:
     errors: list[str] = field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
+    owner: int | None = None  # the uid that started it (None: the daemon's own)
     started: float = field(default_factory=time.monotonic)
     done: trio.Event = field(default_factory=trio.Event, repr=False)
 
@@ -152,6 +160,7 @@ class Prefetcher:
     PAUSE = 1.0  # seconds without the reader moving after which it counts as paused
     WARM_AHEAD = 256 << 20  # bytes of cached blocks read into memory ahead of the reader, at most
     _WARM_BATCH = 64  # positions warmed between two checkpoints
+    MAX_JOBS = 1024  # warmup jobs remembered (finished ones are forgotten, oldest first, past this)
 
     def __init__(self, cache: BlockCache, settings: PrefetchSettings) -> None:
         self.cache = cache
@@ -181,32 +190,58 @@ class Prefetcher:
         self._loading = trio.Lock()
         self._handovers: list[Handover] = []
         self._job_ids = itertools.count(1)
+        #: When each uid last handed over an order (what the job view tells a job that did not).
+        self.handed_by: dict[int | None, float] = {}
 
     # -- plan hand-over ------------------------------------------------------------------------------
 
     async def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None, replace: bool = False,
-                   rank: int | None = None) -> dict[str, Any]:
+                   rank: int | None = None, uid: int | None = None, operator: bool = True,
+                   share_blocks: int | None = None) -> dict[str, Any]:
         """Hand over the files one reader will read, in order (already partitioned for its rank).
 
         A hand-over is queued after the ones not yet read (or replaces them all). Hand-overs that name
         a ``rank`` and the same ``epoch`` are merged into one segment, their files interleaved rank by
         rank: the ranks of one node read their shares side by side. The plan is built in a worker
-        thread; hand-overs are applied one at a time, in the order they arrive."""
+        thread; hand-overs are applied one at a time, in the order they arrive.
+
+        ``uid`` hands it over; unless an ``operator``, it never replaces, merges into or rewrites
+        another uid's hand-over (a replace is refused, a merge becomes a segment of its own, queued
+        after), and its hand-overs not yet read hold at most ``share_blocks`` blocks
+        (:class:`~epochfs.core.errors.NotPermitted` otherwise, nothing changed)."""
         async with self._loading:
+            new_blocks = await trio.to_thread.run_sync(count_blocks, objs, self.cache.block_size)
             plan = self._plan
             current = None if plan is None or replace or self._finished() else plan.files[self._file_pos]
+            reading = None if plan is None or self._finished() else plan.files[self._file_pos].segment
+            unread = [] if reading is None else [h for h in self._handovers if h.segment >= reading]
+            if replace and not operator and any(h.others(uid) for h in unread):
+                raise NotPermitted("the plan being read holds another user's order; a replace would cancel it "
+                                   "(hand over without replace: yours is queued after it)")
+            if share_blocks is not None and not operator:
+                held = sum(b for h in unread for r, b in h.blocks.items() if h.owners.get(r) == uid
+                           and not (h.epoch == epoch and r == rank))
+                if held + new_blocks > share_blocks:
+                    raise NotPermitted(f"uid {uid}'s orders not yet read would hold {held + new_blocks} blocks, over "
+                                       f"the {share_blocks} one user may queue (--user-share); hand over one "
+                                       "epoch at a time")
             if current is None:
                 self._handovers = []
             else:  # forget the hand-overs the reader has finished
                 self._handovers = [h for h in self._handovers if h.segment >= current.segment]
-            merged = rank is not None and any(h.epoch == epoch and rank is not None and None not in h.parts
-                                              for h in self._handovers)
-            target = next((h for h in self._handovers if merged and h.epoch == epoch and None not in h.parts),
-                          None)
+
+            def joins(h: Handover) -> bool:
+                return (rank is not None and h.epoch == epoch and None not in h.parts
+                        and (operator or not h.others(uid)))
+            target = next((h for h in self._handovers if joins(h)), None)
+            merged = target is not None
             if target is None:
                 target = Handover(next(self._segments), epoch)
                 self._handovers.append(target)
             target.parts[rank] = list(objs)
+            target.owners[rank] = uid
+            target.blocks[rank] = new_blocks
+            self.handed_by[uid] = time.time()
             entries = [(o, h.epoch, h.segment) for h in self._handovers for o in h.files()]
             built = await trio.to_thread.run_sync(Plan, entries, self.cache.block_size, self.cache.block_id)
             file_pos = built.locate_in_segment(current.obj.key, current.segment) if current is not None else None
@@ -405,13 +440,25 @@ class Prefetcher:
 
     # -- warmup ----------------------------------------------------------------------------------------
 
-    def warmup(self, objs: Sequence[ObjectInfo]) -> WarmupJob:
+    def warmup(self, objs: Sequence[ObjectInfo], *, uid: int | None = None, operator: bool = True,
+               share_bytes: int | None = None) -> WarmupJob:
         """Fetch every block of ``objs`` now; progress in the returned job. A block is cached if the store
         admits it (evicting only what the policy gives up for it: under the manifest policy, blocks the
         handed-over order does not read; under LRU, the least recently used), and the job never fills
-        more than the cache holds (it would evict what it warmed): the rest is skipped."""
-        job = WarmupJob(next(self._job_ids), sum(o.size for o in objs), len(objs))
+        more than the cache holds (it would evict what it warmed): the rest is skipped. Unless an
+        ``operator``, ``uid``'s warmups not yet done hold at most ``share_bytes``
+        (:class:`~epochfs.core.errors.NotPermitted`)."""
+        total = sum(o.size for o in objs)
+        if share_bytes is not None and not operator:
+            held = sum(j.total_bytes - j.done_bytes - j.skipped_bytes for j in self._jobs.values()
+                       if j.owner == uid and not j.finished)
+            if held + total > share_bytes:
+                raise NotPermitted(f"uid {uid}'s warmups would hold {held + total} bytes, over the {share_bytes} "
+                                   "one user may warm at once (--user-share)")
+        job = WarmupJob(next(self._job_ids), total, len(objs), owner=uid)
         self._jobs[job.id] = job
+        for old in [j for j in self._jobs.values() if j.finished][:max(0, len(self._jobs) - self.MAX_JOBS)]:
+            del self._jobs[old.id]  # (the oldest finished jobs are forgotten)
         assert self._nursery is not None
         self._nursery.start_soon(self._run_warmup, job, list(objs))
         return job
@@ -419,9 +466,12 @@ class Prefetcher:
     def job(self, job_id: int) -> WarmupJob | None:
         return self._jobs.get(job_id)
 
-    def cancel(self, job_id: int) -> WarmupJob | None:
-        """Stop a warmup job: no new fetch is started; those in flight finish."""
+    def cancel(self, job_id: int, *, uid: int | None = None, operator: bool = True) -> WarmupJob | None:
+        """Stop a warmup job: no new fetch is started; those in flight finish. Only its starter or an
+        ``operator`` may (:class:`~epochfs.core.errors.NotPermitted`)."""
         job = self._jobs.get(job_id)
+        if job is not None and not operator and job.owner != uid:
+            raise NotPermitted(f"warmup {job_id} was started by another user; only they or an operator may cancel it")
         if job is not None and not job.finished:
             job.cancelled = True
         return job

@@ -9,6 +9,8 @@ Differences from a plain read-only filesystem:
   open files keep the kernel page cache (``keep_cache``);
 - extended attributes ``user.epochfs.*`` on the root describe the daemon (pid, control socket,
   snapshot version) for the command-line tools;
+- a control file at the root (:class:`ControlFile`: ``.epochfs``, found by name, never listed) carries
+  the control channel as ioctls, for callers who see only the mount;
 - with write-back (:class:`~epochfs.writeback.service.WriteBack`), the tree is the snapshot with this
   node's changes on top (:class:`~epochfs.writeback.tree.Tree`), and the write operations go to the
   write-back service; without it they answer EROFS.
@@ -107,6 +109,20 @@ class BackingFiles(Protocol):
     def release(self, fh: int) -> None: ...
 
 
+#: The control file's inode number (above the snapshot's and the overlay's numbers).
+CONTROL_INODE = 1 << 62
+
+
+class ControlFile(Protocol):
+    """The control channel through the mount (:mod:`epochfs.control.inmount`): a file at the root named
+    ``name`` whose ioctls of ``command`` it answers for the caller the kernel names."""
+
+    name: bytes
+    command: int
+
+    async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class Presentation:
     """How entries are presented: the source's permission bits and owners where it has them (a
@@ -174,7 +190,10 @@ class Operations(kernel.Operations):
         writeback: WriteBack | None = None,
         zero_open: bool = False,
         passthrough: BackingFiles | None = None,
+        control: ControlFile | None = None,
     ) -> None:
+        self.control = control
+        self.ioctl_commands = frozenset({control.command}) if control is not None else frozenset()
         self.tree = tree or Tree(namespace)
         self.tree.namespace = namespace
         self.writeback = writeback
@@ -260,6 +279,21 @@ class Operations(kernel.Operations):
         attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = mtime
         return attr
 
+    def presented(self, node: Node) -> tuple[int, int, int]:
+        """The mode, owner and group the mount presents ``node`` with (what the kernel checks)."""
+        attr = self._attrs(node)
+        return attr.st_mode, attr.st_uid, attr.st_gid
+
+    def _control_attrs(self) -> kernel.EntryAttributes:
+        attr = kernel.EntryAttributes()
+        attr.st_ino = CONTROL_INODE
+        attr.entry_timeout = attr.attr_timeout = self.attr_timeout
+        attr.st_mode = stat.S_IFREG | 0o444
+        attr.st_nlink = 1
+        attr.st_uid, attr.st_gid = self.present.default_uid, self.present.default_gid
+        attr.st_mtime_ns = attr.st_ctime_ns = attr.st_atime_ns = self.namespace.mtime_ns
+        return attr
+
     def _node(self, inode: int) -> Node:
         try:
             return self.tree.node(inode)
@@ -276,6 +310,8 @@ class Operations(kernel.Operations):
 
     @_translated
     def lookup(self, parent_inode: int, name: bytes, ctx: kernel.RequestContext) -> kernel.EntryAttributes:
+        if parent_inode == ROOT_INODE and self.control is not None and name == self.control.name:
+            return self._control_attrs()
         if self.tree.overlay is None:
             node: Node | None = self.namespace.lookup(parent_inode, name)
         else:
@@ -286,6 +322,8 @@ class Operations(kernel.Operations):
 
     @_translated
     def getattr(self, inode: int, ctx: kernel.RequestContext | None = None) -> kernel.EntryAttributes:
+        if inode == CONTROL_INODE and self.control is not None:
+            return self._control_attrs()
         return self._attrs(self._node(inode))
 
     def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -327,6 +365,12 @@ class Operations(kernel.Operations):
 
     @_translated
     def open(self, inode: int, flags: int, ctx: kernel.RequestContext) -> kernel.FileInfo:
+        if inode == CONTROL_INODE and self.control is not None:
+            if flags & _WRITE_FLAGS:
+                raise Refused("the control file is not written: its channel is ioctls", errno.EPERM)
+            if self.zero_open and (self.session is None or self.session.can(kernel.NO_OPEN_SUPPORT)):
+                raise Answered(errno.ENOSYS)
+            return kernel.FileInfo(fh=self._new_fh(), keep_cache=False)
         node = self._node(inode)
         if node.is_dir:
             raise Answered(errno.EISDIR)
@@ -353,6 +397,8 @@ class Operations(kernel.Operations):
                  pid: int = 0) -> bytes | memoryview | Callable[[], Awaitable[bytes | memoryview]]:
         """The bytes of a read if they are at hand (answered as the request is read), else the coroutine
         function that waits for them (run as a task). ``fh`` 0: a read with no open handle."""
+        if inode == CONTROL_INODE:
+            return b""  # (the control file reads empty: its channel is ioctls)
         started = time.perf_counter()
         stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off)
         if stream is None and fh not in self._local:  # (a passthrough open the kernel reads through us after all)
@@ -525,7 +571,17 @@ class Operations(kernel.Operations):
         return st
 
     @_translated
+    async def ioctl(self, inode: int, fh: int, cmd: int, data: bytes, out_size: int,
+                    ctx: kernel.RequestContext) -> bytes:
+        """The control channel's frames (:class:`ControlFile`), on the control file only."""
+        if self.control is None or inode != CONTROL_INODE or cmd != self.control.command:
+            raise Answered(errno.ENOTTY)
+        return await self.control.call(ctx.uid, ctx.gid, ctx.pid, data)
+
+    @_translated
     def getxattr(self, inode: int, name: bytes, ctx: kernel.RequestContext) -> bytes:
+        if inode == CONTROL_INODE:
+            raise Answered(kernel.ENOATTR)
         self._node(inode)
         getter = self.root_xattrs.get(bytes(name)) if inode == ROOT_INODE else None
         if getter is None:
@@ -534,5 +590,7 @@ class Operations(kernel.Operations):
 
     @_translated
     def listxattr(self, inode: int, ctx: kernel.RequestContext) -> Sequence[bytes]:
+        if inode == CONTROL_INODE:
+            return []
         self._node(inode)
         return list(self.root_xattrs) if inode == ROOT_INODE else []

@@ -542,6 +542,11 @@ class WriteBack:
         """What is not yet in the backend (under ``prefixes``, if given), by key."""
         return self.owed.pending(prefixes)
 
+    def owned(self, uid: int, prefixes: Iterable[str] = ()) -> list[str]:
+        """The paths of the files owed to the backend that ``uid`` owns (under ``prefixes``, if given)."""
+        mine = {f.path for f in self.owed.files.values() if f.uid == uid}
+        return sorted(p.key for p in self.owed.pending(prefixes) if p.key in mine)
+
     async def sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
         """See :meth:`Uploads.sync`."""
         return await self.uploads.sync(prefixes, seconds)
