@@ -43,7 +43,7 @@ def _needs() -> str | None:
         return f"needs {PYTHON} (the job's own interpreter)"
     probe = subprocess.run([PYTHON, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
                            text=True)
-    if probe.stdout.strip() != "%d.%d" % sys.version_info[:2]:
+    if probe.stdout.strip() != f"{sys.version_info[0]}.{sys.version_info[1]}":
         return f"{PYTHON} is Python {probe.stdout.strip()}, the virtualenv's is {sys.version_info[:2]}"
     return None
 

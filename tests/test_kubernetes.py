@@ -163,6 +163,13 @@ def test_the_training_pod_example_reads_the_node_mount_read_only():
     (m,) = pod["spec"]["containers"][0]["volumeMounts"]
     assert m["mountPropagation"] == "HostToContainer" and m["readOnly"] is True
     assert pod["spec"]["volumes"][0]["hostPath"]["path"] == "/mnt/epochfs/data"
+    # The job runs as it really does: not root, no capability, no hostPath but the dataset's (it reaches
+    # the daemon through the mount: test_job_channel.py runs such a job in a namespace that sees only it).
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True and pod["spec"]["securityContext"]["runAsUser"] != 0
+    (c,) = pod["spec"]["containers"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert [v for v in pod["spec"]["volumes"] if "hostPath" in v] == pod["spec"]["volumes"][:1]
 
 
 def test_each_workload_asks_for_the_least_privilege_that_works():
