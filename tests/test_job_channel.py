@@ -278,3 +278,28 @@ def test_another_user_can_neither_touch_a_jobs_order_warmup_nor_view_and_learns_
         for i in range(10):
             assert read_all(m.path(f"pub/{i}.bin")) == bytes([i]) * (4 * KiB + i)
         assert "Traceback" not in m.log(), "an input reached an unexpected error path"
+
+
+UNREACHABLE = """
+import json, sys
+from epochfs import Client
+from epochfs.control.client import Unreachable, tell_once
+
+mnt = sys.argv[1]
+try:
+    Client(mnt).status()
+except Unreachable as exc:
+    said = [tell_once("the sampler", mnt, exc), tell_once("the sampler", mnt, exc)]
+    print(json.dumps({"error": str(exc), "said": said}))
+"""
+
+
+def test_a_job_that_cannot_reach_the_daemon_is_told_why_and_the_fix_once(mount_factory, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"a" * 1000)
+    with mount_factory(f"file://{src}") as m:  # (no --allow-other: the kernel lets only root and the owner in)
+        done = in_pod(UNREACHABLE, m.mountpoint, user("epochfs-job"), hide=[tmp_path / "cache"])
+        got = answer(done)
+        assert "--allow-other" in got["error"] and got["said"] == [True, False]
+        assert done.stderr.count("cannot reach the daemon") == 1 and "--allow-other" in done.stderr

@@ -87,7 +87,8 @@ class ControlServer:
     async def _answer(self, stream: trio.SocketStream) -> None:
         caller = caller_of_socket(stream.socket, self.control_group)
         if not caller.operator:
-            log.warning("control: refused a connection to the socket from uid %d", caller.uid)
+            log.warning("control: refused a request from uid %d on the socket (other users come through the mount)",
+                        caller.uid)
             # Take (a bounded part of) the request first, so the client reads the refusal rather than a
             # broken pipe.
             with trio.move_on_after(5):
