@@ -67,26 +67,35 @@ def user(name: str, *, groups: tuple[str, ...] = ()) -> tuple[int, int, tuple[in
 
 
 def in_pod(script: str, mount: Path, who: tuple[int, int, tuple[int, ...]], *, hide: list[Path],
-           args: tuple[str, ...] = (), timeout: float = 120) -> subprocess.CompletedProcess[str]:
+           args: tuple[str, ...] = (), timeout: float = 120, files: dict[str, str] | None = None,
+           command: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Python ``script`` run as ``who`` (uid, gid, supplementary groups) in new mount and network
     namespaces that see the dataset's ``mount`` at ``<pod>/data`` (its first argument) and this
-    checkout's code, with ``hide`` and /run under an empty tmpfs: what a pod sees."""
+    checkout's code, with ``hide`` and /run under an empty tmpfs: what a pod sees. ``files`` are put in
+    the pod's directory (executable under ``bin/``, on the PATH, where ``epochfs`` is the command);
+    ``command`` (a shell line) runs instead of the script."""
     pod = Path(tempfile.mkdtemp(prefix="epochfs-pod-", dir="/tmp"))
     try:
         os.chmod(pod, 0o755)
         (pod / "data").mkdir()
         (pod / "code").mkdir()
-        (pod / "job.py").write_text(textwrap.dedent(script))
-        os.chmod(pod / "job.py", 0o644)
+        (pod / "bin").mkdir(mode=0o755)
         site = glob.glob(str(REPO / ".venv" / "lib" / "python3*" / "site-packages"))[0].replace(str(REPO), f"{pod}/code")
+        more = {"job.py": textwrap.dedent(script), "bin/epochfs": f'#!/bin/sh\nexec {PYTHON} -m epochfs "$@"\n',
+                **(files or {})}
+        for name, text in more.items():
+            (pod / name).write_text(text)
+            os.chmod(pod / name, 0o755 if name.startswith("bin/") else 0o644)
         uid, gid, groups = who
+        extra = " ".join(f"{k}={shlex.quote(v.replace('POD', str(pod)))}" for k, v in (env or {}).items())
+        run = command.replace("POD", str(pod)) if command else (
+            f"{PYTHON} {pod}/job.py {pod}/data " + " ".join(shlex.quote(a) for a in args))
         steps = [f"mount --bind {shlex.quote(str(mount))} {pod}/data", f"mount --bind {shlex.quote(str(REPO))} {pod}/code",
                  *[f"mount -t tmpfs -o size=1m none {shlex.quote(str(h))}" for h in hide],
                  "mount -t tmpfs -o size=1m none /run",
                  f"exec setpriv --reuid {uid} --regid {gid} "
                  + (f"--groups {','.join(map(str, groups))}" if groups else "--clear-groups")
-                 + f" env -i PATH=/usr/bin:/bin HOME=/ PYTHONPATH={pod}/code/src:{site} "
-                 f"{PYTHON} {pod}/job.py {pod}/data " + " ".join(shlex.quote(a) for a in args)]
+                 + f" env -i PATH={pod}/bin:/usr/bin:/bin HOME=/ PYTHONPATH={pod}/code/src:{site} {extra} {run}"]
         return subprocess.run(["unshare", "--mount", "--net", "--propagation", "private", "sh", "-ec",
                                "\n".join(steps)], capture_output=True, text=True, timeout=timeout)
     finally:
@@ -303,3 +312,41 @@ def test_a_job_that_cannot_reach_the_daemon_is_told_why_and_the_fix_once(mount_f
         got = answer(done)
         assert "--allow-other" in got["error"] and got["said"] == [True, False]
         assert done.stderr.count("cannot reach the daemon") == 1 and "--allow-other" in done.stderr
+
+
+TRAIN = """
+import json, os, sys
+from epochfs import Client
+from epochfs.prefetch.manifest import epoch_order
+from epochfs.watch import watch
+
+data = sys.argv[sys.argv.index("--data") + 1]
+samples = sorted(os.path.join(d, n) for d, _, names in os.walk(data) for n in names)
+reply = Client(data).prefetch(samples, seed=1, epoch=0)
+read = sum(len(b) for b in watch((open(p, "rb").read() for p in epoch_order(samples, seed=1, epoch=0)), data,
+                                 job=os.environ["SLURM_JOB_NAME"]))
+print(json.dumps({"handed": reply["files"], "read": read}))
+"""
+
+
+def test_the_slurm_example_job_hands_over_its_order_as_the_submitting_user(mount_factory, tmp_path):
+    """deploy/slurm/train.sbatch as Slurm runs it on a node (as the user who submitted it; srun stood in
+    for by the command itself): its status check, the hand-over of its training script, its doctor."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"{i}.bin").write_bytes(bytes([i]) * (3 * KiB))
+    os.chmod(tmp_path, 0o755)
+    os.chmod(src, 0o755)
+    with mount_factory(f"file://{src}", "--allow-other") as m:
+        done = in_pod("", m.mountpoint, user("epochfs-job"), hide=[tmp_path / "cache"], timeout=180,
+                      files={"bin/srun": '#!/bin/sh\nexec "$@"\n', "bin/python": f'#!/bin/sh\nexec {PYTHON} "$@"\n',
+                             "train.py": TRAIN, "train.sbatch": (REPO / "deploy" / "slurm" / "train.sbatch").read_text()},
+                      command="sh -c 'cd POD && exec bash POD/train.sbatch'",
+                      env={"EPOCHFS_DATA": "POD/data", "SLURM_JOB_NAME": "resnet50"})
+        assert done.returncode == 0, done.stdout + done.stderr
+        got = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][0])
+        assert got == {"handed": 12, "read": 12 * 3 * KiB}
+        assert "resnet50" in done.stdout  # the doctor answered the job as its user
+        (job,) = [j for j in m.status()["jobs"] if j["job"] == "resnet50"]
+        assert job["handed_over"] is True and job["uid"] == user("epochfs-job")[0]
