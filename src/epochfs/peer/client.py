@@ -1,15 +1,29 @@
 """Asking an owner for a block (blocking; called from the cache's fetch worker threads and the
 membership's proofs).
 
-libcurl (:mod:`epochfs.transport.curlio`), one handle per thread, connections kept alive per peer. The
-whole request is bounded by the tier's timeout, the connection by ``CONNECT_TIMEOUT`` (a refused
-connection fails at once). An answer is used only if it is complete and authenticated: its MAC (made
-with the cluster's token, bound to this request) fits the status and the body, and a block is exactly
-the block's length. Anything else is a :class:`PeerFailure` and nothing of it is kept.
+libcurl (:mod:`epochfs.transport.curlio`). Requests to one member go through that member's **gate**: a
+pool of handles (each with its kept-alive connection), so a node has at most the gate's size of
+requests in flight to a member and as many connections to it, whatever its fetch concurrency. The gate
+is sized by what the member's link carries: the bytes per second its answers arrived at over the last
+seconds, times ``HIDE`` (the latency an answer in flight should hide), in blocks of the size asked
+(``MIN_INFLIGHT`` to ``MAX_INFLIGHT``; ``START_INFLIGHT`` until it is measured). A fetch waits for a
+handle (a node's own queue: no fault of the member) at most ``WAIT`` times the tier's timeout, then the
+member counts as busy. Proofs (hellos) bypass the gate.
+
+A request is bounded by progress: an answer that moves fewer than ``LOW_SPEED`` bytes a second for the
+tier's timeout is given up (a member that died or stopped sending costs at most that), and by
+``TOTAL`` times the timeout in all (a full link still moves bytes). The connection by
+``CONNECT_TIMEOUT`` (a refused connection fails at once). A kept-alive connection the member closed
+just as it was reused (an empty reply, a reset) is asked again once on a new connection before it
+counts. An answer is used only if it is complete and authenticated: its MAC (made with the cluster's
+token, bound to this request) fits the status and the body, and a block is exactly the block's length.
+Anything else is a :class:`PeerFailure` and nothing of it is kept.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import threading
 import time
 
@@ -23,36 +37,121 @@ from epochfs.transport import curlio
 class PeerFailure(Exception):
     """The owner could not give the block. ``kind``: ``unavailable`` (no connection, no answer in
     time), ``bad`` (an answer that does not check out), ``declined`` (the owner answered an error:
-    ``status`` says which)."""
+    ``status`` says which), ``busy`` (the owner is answering as many as it can: ask again after
+    ``retry_after`` seconds; no fault of it)."""
 
-    def __init__(self, kind: str, message: str, status: int = 0) -> None:
+    def __init__(self, kind: str, message: str, status: int = 0, retry_after: float = 0.0) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
+        self.retry_after = retry_after
+
+
+class _Gate:
+    """A member's handles: at most ``limit`` requests in flight to it (its limit follows its rate)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lent = 0
+        self.free: list[curlio.Easy] = []
+        self.cond = threading.Condition()
+        self.done: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)  # (when, bytes) answered
 
 
 class PeerClient:
     CONNECT_TIMEOUT = 0.5
+    START_INFLIGHT = 8
+    MIN_INFLIGHT = 4
+    MAX_INFLIGHT = 32
+    HIDE = 0.5  # seconds of a member's rate kept in flight
+    WINDOW = 3.0  # seconds of answers the rate is measured over
+    WAIT = 4.0  # a fetch waits for a handle at most this many timeouts
+    TOTAL = 4.0  # a request takes at most this many timeouts in all
+    LOW_SPEED = 1024  # bytes/s under which, for a timeout, an answer counts as stopped
 
     def __init__(self, keys: wire.Keys, timeout: float) -> None:
         self.keys = keys
         self.timeout = timeout
         self._local = threading.local()
         self._since: dict[str, int] = {}  # member -> the second it started (from its hello)
+        self._gates: dict[str, _Gate] = {}
+        self._gates_lock = threading.Lock()
+
+    def _new_curl(self) -> curlio.Easy:
+        curl = curlio.Easy()
+        curl.setopt(pycurl.PROXY, "")  # peers are on the cluster network, never behind a proxy
+        curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(self.CONNECT_TIMEOUT * 1000))
+        return curl
 
     def _curl(self) -> curlio.Easy:
         curl = getattr(self._local, "curl", None)
         if curl is None:
-            curl = self._local.curl = curlio.Easy()
-            curl.setopt(pycurl.PROXY, "")  # peers are on the cluster network, never behind a proxy
-            curl.setopt(pycurl.CONNECTTIMEOUT_MS, int(self.CONNECT_TIMEOUT * 1000))
+            curl = self._local.curl = self._new_curl()
         return curl
+
+    def _gate(self, member: str) -> _Gate:
+        with self._gates_lock:
+            gate = self._gates.get(member)
+            if gate is None:
+                gate = self._gates[member] = _Gate(self.START_INFLIGHT)
+            return gate
+
+    def inflight_limit(self, member: str) -> int:
+        """The requests this node may have in flight to ``member`` now."""
+        return self._gate(member).limit
+
+    def _sized(self, gate: _Gate, size: int) -> None:
+        """The gate's limit from the rate its answers arrived at (``gate.cond`` held)."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in gate.done if now - t <= self.WINDOW]
+        if len(recent) < 4:
+            return
+        span = max(now - recent[0][0], 0.1)
+        rate = sum(n for _, n in recent) / span
+        gate.limit = max(self.MIN_INFLIGHT, min(self.MAX_INFLIGHT, math.ceil(rate * self.HIDE / max(size, 4096))))
+
+    def _borrow(self, member: str, gate: _Gate) -> curlio.Easy:
+        deadline = time.monotonic() + self.WAIT * self.timeout
+        with gate.cond:
+            while gate.lent >= gate.limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerFailure("busy", f"{member}: {gate.lent} requests in flight to it already", 0, 0.0)
+                gate.cond.wait(left)
+            gate.lent += 1
+            return gate.free.pop() if gate.free else self._new_curl()
+
+    def _give_back(self, gate: _Gate, curl: curlio.Easy | None, size: int, got: int) -> None:
+        with gate.cond:
+            gate.lent -= 1
+            if curl is not None:
+                gate.free.append(curl)
+            if got:
+                gate.done.append((time.monotonic(), got))
+                self._sized(gate, size)
+            gate.cond.notify()
 
     def get(self, member: str, req: wire.BlockRequest) -> bytes | None:
         """The block's bytes (None for a warm request, once the owner has it); :class:`PeerFailure`."""
-        status, data = self._ask(member, req.target(), max(req.length, 4096), self.timeout)
+        gate = self._gate(member)
+        curl: curlio.Easy | None = self._borrow(member, gate)
+        got = 0
+        try:
+            status, data, fields = self._ask(member, req.target(), max(req.length, 4096), self.timeout, curl)
+            got = len(data) if status == 200 else 0
+        except PeerFailure:
+            curl = None  # its connection may hold the rest of a bad answer: a new one next time
+            raise
+        finally:
+            self._give_back(gate, curl, req.length, got)
         if req.warm and status == 204:
             return None
+        if status == 503 and "retry-after" in fields:  # (authenticated: the owner itself says it is busy)
+            try:
+                wait = min(max(float(fields["retry-after"]), 0.0), 10.0)
+            except ValueError:
+                wait = 1.0
+            raise PeerFailure("busy", f"{member}: busy", status, wait)
         if status != 200:
             reason = bytes(data[:200]).decode("utf-8", "replace")
             raise PeerFailure("declined", f"{member}: HTTP {status} {printable(reason)}".strip(), status)
@@ -64,37 +163,64 @@ class PeerClient:
         """Have ``member`` prove that it holds the cluster's token; :class:`PeerFailure` if it does not.
         Its answer says when it started (requests to it are signed no earlier: it refuses older ones) and
         the size of its cache, returned (None from a member that does not say it)."""
-        status, body = self._ask(member, wire.HELLO_SIZED, 4096, timeout)
+        status, body, _ = self._ask(member, wire.HELLO_SIZED, 4096, timeout)
         if status in (400, 404):  # (authenticated: a member of an older version, which knows the plain hello)
-            status, body = self._ask(member, wire.HELLO, 4096, timeout)
+            status, body, _ = self._ask(member, wire.HELLO, 4096, timeout)
         answer = wire.parse_hello(bytes(body)) if status == 200 else None
         if answer is None:
             raise PeerFailure("declined", f"{member}: HTTP {status} to a hello", status)
         self._since[member], capacity = answer
         return capacity
 
-    def _ask(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, memoryview]:
-        try:
-            return self._exchange(member, target, limit, timeout)
-        except PeerFailure:
-            self._local.curl = None  # its connection may hold the rest of a bad answer: start afresh
-            raise
+    def _ask(self, member: str, target: str, limit: int, timeout: float, curl: curlio.Easy | None = None
+             ) -> tuple[int, memoryview, dict[str, str]]:
+        """One exchange (on ``curl``, a handle of the member's gate, else this thread's own), asked again
+        once on a new connection if a kept-alive one was closed as it was reused."""
+        for attempt in (0, 1):
+            handle = curl if curl is not None else self._curl()
+            try:
+                return self._exchange(member, target, limit, timeout, handle)
+            except _Dropped as exc:
+                if curl is None:
+                    self._local.curl = None
+                else:
+                    curl = self._new_curl()
+                if attempt:
+                    raise PeerFailure("unavailable", str(exc)) from None
+            except PeerFailure:
+                if curl is None:
+                    self._local.curl = None  # its connection may hold the rest of a bad answer: start afresh
+                raise
+        raise AssertionError("unreachable")
 
-    def _exchange(self, member: str, target: str, limit: int, timeout: float) -> tuple[int, memoryview]:
+    def _exchange(self, member: str, target: str, limit: int, timeout: float, curl: curlio.Easy
+                  ) -> tuple[int, memoryview, dict[str, str]]:
         headers, mac = self.keys.headers(member, target, max(time.time(), self._since.get(member, 0)))
-        curl = self._curl()
         curl.setopt(pycurl.URL, f"http://{member}{target}")
         curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in headers.items()])
-        curl.setopt(pycurl.TIMEOUT_MS, max(1, int(timeout * 1000)))
+        curl.setopt(pycurl.TIMEOUT_MS, max(1, int(self.TOTAL * timeout * 1000)))
+        curl.setopt(pycurl.LOW_SPEED_LIMIT, self.LOW_SPEED)
+        curl.setopt(pycurl.LOW_SPEED_TIME, max(1, math.ceil(timeout)))
         try:
             fields, body = curl.perform(limit)
         except curlio.Failed as exc:
             if curlio.overflowed(exc):
                 raise PeerFailure("bad", f"{member}: answer longer than the block") from None
+            if exc.code in _DROPPED:
+                raise _Dropped(f"{member}: {exc.message}") from None
             raise PeerFailure("unavailable", f"{member}: {exc.message}") from None
         status = int(curl.getinfo(pycurl.RESPONSE_CODE))
         if not self.keys.answer_ok(mac, status, body, fields.get(wire.ANSWER_HEADER)):
             hint = " (does it have another --peer-token-file?)" if status == 401 else ""
             raise PeerFailure("bad", f"{member}: an answer (HTTP {status}) not authenticated with the "
                                      f"cluster's token{hint}", status)
-        return status, body
+        return status, body, fields
+
+
+#: A connection closed under the request (an empty reply, a reset, a send that failed): on a kept-alive
+#: connection, the member closing it as it was reused.
+_DROPPED = (pycurl.E_GOT_NOTHING, pycurl.E_RECV_ERROR, pycurl.E_SEND_ERROR)
+
+
+class _Dropped(Exception):
+    pass

@@ -1,14 +1,22 @@
 """The peer port: answers other members' block requests (HTTP/1.1 over TCP, parsed by h11).
 
 Concurrency contract: one trio task per connection, at most ``MAX_CONNECTIONS`` at once. A connection
-earns its slot with its first request: until a request of it has been authenticated it has
-``REQUEST_TIMEOUT`` seconds to send one, and when the slots are full a new connection closes the oldest
-of those that have not (so connections without the token cannot hold the port shut); a request that
-fails authentication is answered and its connection closed. An authenticated connection that sends
-nothing for ``IDLE`` seconds is closed; an answer that cannot be sent within ``SEND_TIMEOUT`` closes
-the connection. Nothing a client sends can end the server: every request is checked by
-:mod:`epochfs.peer.wire` (signature and freshness first), anything else is answered with an error
-status or a close. Every answer to an authenticated request carries its answer MAC.
+earns its slot with its first request, as soon as that request is authenticated: until then it has
+``REQUEST_TIMEOUT`` seconds to send one, and when the slots are full a new connection takes the slot of
+the oldest one that has not earned its own, else of the oldest kept-alive one waiting between requests
+(so connections without the token cannot hold the port shut, and an answer being sent is never cut
+off). When every slot holds a connection being answered, a new one is answered too: its request is
+read and authenticated and it gets an authenticated **busy** answer (503 with ``Retry-After``), which a
+member takes as "ask again shortly", never as a fault (at most ``BUSY_CONNECTIONS`` such at once; past
+that it is closed). A request that fails authentication is answered and its connection closed. An
+authenticated connection that sends nothing for ``IDLE`` seconds is closed. An answer is sent as long
+as it makes progress: a connection whose answer moves no byte for ``STALL`` seconds is closed (a link
+that is full still moves bytes; a client that stopped reading does not); the block itself must be had
+within ``SERVE_TIMEOUT``. Every close but a client's own is counted by its reason (``stats.closed``),
+and logged (the first of each reason, then every ``LOG_EVERY``-th). Nothing a client sends can end the
+server: every request is checked by :mod:`epochfs.peer.wire` (signature and freshness first),
+anything else is answered with an error status or a close. Every answer to an authenticated request
+carries its answer MAC.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import h11
 import trio
@@ -31,19 +39,30 @@ log = logging.getLogger(__name__)
 Serve = Callable[[wire.BlockRequest], Awaitable[bytes | None]]
 
 
+#: Why the server closed a connection (``stats.closed``, the ``epochfs_peer_closed_total`` series).
+CLOSE_REASONS = ("idle", "unauthenticated", "protocol", "stalled", "serve-timeout", "evicted", "busy", "refused")
+
+
 @dataclass
 class ServerStats:
     served: int = 0
     served_bytes: int = 0
     rejected: int = 0
     connections: int = 0
+    busy: int = 0  # requests answered busy (every slot held by a connection being answered)
+    closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLOSE_REASONS, 0))
 
 
 class PeerServer:
     MAX_CONNECTIONS = 128
+    BUSY_CONNECTIONS = 64  # connections being told "busy" at once, past the slots
     IDLE = 60.0
     REQUEST_TIMEOUT = 5.0
-    SEND_TIMEOUT = 30.0
+    SERVE_TIMEOUT = 30.0  # seconds to have the block asked for (from the cache, or the backend)
+    STALL = 15.0  # seconds an answer may move no byte
+    SLICE = 64 << 10  # bytes of an answer's body sent under one progress deadline
+    RETRY_AFTER = 1  # seconds a busy answer asks the member to wait
+    LOG_EVERY = 100
     MAC_IN_THREAD = 256 << 10  # bodies from this size have their MAC computed in a worker thread
 
     def __init__(self, host: str, port: int, keys: wire.Keys, me: Callable[[], str], serve: Serve, *,
@@ -57,6 +76,7 @@ class PeerServer:
         self.sends = TransferMeter()  # when the bodies of answers went out: this node's link's rate
         self.replays = wire.Replays()
         self._slots = Slots(self.MAX_CONNECTIONS)  # earned by an authenticated request
+        self._busy = trio.Semaphore(self.BUSY_CONNECTIONS)
         self._listeners: list[trio.SocketListener] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -81,10 +101,24 @@ class PeerServer:
                     await trio.sleep(0.5)
                     continue
                 slot = self._slots.take()
-                if slot is None:
-                    await stream.aclose()  # every slot holds an authenticated connection
+                if slot is not None:
+                    nursery.start_soon(self._connection, stream, slot)
                     continue
-                nursery.start_soon(self._connection, stream, slot)
+                try:  # every slot holds a connection being answered: answer this one busy
+                    self._busy.acquire_nowait()
+                except trio.WouldBlock:
+                    self._closed("refused", f"{self.MAX_CONNECTIONS} connections being answered and "
+                                            f"{self.BUSY_CONNECTIONS} being told so")
+                    await stream.aclose()
+                    continue
+                nursery.start_soon(self._tell_busy, stream)
+
+    def _closed(self, reason: str, detail: str) -> None:
+        """Count (and log, the first and every ``LOG_EVERY``-th of each reason) a close by this server."""
+        n = self.stats.closed.get(reason, 0) + 1
+        self.stats.closed[reason] = n
+        if n == 1 or n % self.LOG_EVERY == 0:
+            log.info("peer port: closed a connection (%s: %s; %d so far)", reason, detail, n)
 
     async def _connection(self, stream: trio.SocketStream, slot: Slot) -> None:
         self.stats.connections += 1
@@ -92,25 +126,36 @@ class PeerServer:
         try:
             with slot.scope:
                 while True:
+                    slot.idle = slot.earned
                     with trio.move_on_after(self.IDLE if slot.earned else self.REQUEST_TIMEOUT) as idle:
                         request = await self._next(conn, stream)
-                    if idle.cancelled_caught or not isinstance(request, h11.Request):
-                        return  # idle, or closed
+                    slot.idle = False
+                    if idle.cancelled_caught:
+                        self._closed("idle", f"no request within {self.IDLE if slot.earned else self.REQUEST_TIMEOUT:g}s")
+                        return
+                    if not isinstance(request, h11.Request):
+                        return  # closed by the client
                     with trio.move_on_after(self.REQUEST_TIMEOUT) as late:
                         end = await self._next(conn, stream)
                     if late.cancelled_caught:
+                        self._closed("idle", "a request's end did not come")
                         return
                     if not isinstance(end, h11.EndOfMessage):
                         raise h11.RemoteProtocolError("a block request has no body", 400)
-                    with trio.move_on_after(self.SEND_TIMEOUT) as slow:
-                        trusted = await self._answer(conn, stream, request)
-                    if (not trusted or slow.cancelled_caught
-                            or h11.MUST_CLOSE in (conn.our_state, conn.their_state)):
+                    trusted = await self._answer(conn, stream, request, slot)
+                    if not trusted:
+                        self._closed("unauthenticated", "a request without the cluster's token")
                         return
-                    slot.earned = True
+                    if h11.MUST_CLOSE in (conn.our_state, conn.their_state):
+                        return
                     conn.start_next_cycle()
+            if slot.scope.cancelled_caught:
+                self._closed("evicted", "its slot was taken by a new connection (it was not being answered)")
+        except _Stalled as exc:
+            self._closed("stalled", str(exc))
         except h11.RemoteProtocolError as exc:
             self.stats.rejected += 1
+            self._closed("protocol", str(exc)[:100])
             await self._try_error(conn, stream, exc.error_status_hint, str(exc))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.LocalProtocolError):
             pass
@@ -120,6 +165,45 @@ class PeerServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
+    async def _tell_busy(self, stream: trio.SocketStream) -> None:
+        """Read one request of a connection no slot is free for and answer it busy (authenticated, so the
+        member knows it is this one saying so), then close."""
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=wire.MAX_TARGET + 8192)
+        try:
+            with trio.move_on_after(self.REQUEST_TIMEOUT):
+                request = await self._next(conn, stream)
+                if isinstance(request, h11.Request) and isinstance(await self._next(conn, stream), h11.EndOfMessage):
+                    if request.target in (wire.HELLO.encode(), wire.HELLO_SIZED.encode()):
+                        await self._answer(conn, stream, request)  # (a proof costs nothing: never busy)
+                        return
+                    mac = self._verified(request)
+                    if mac is not None:
+                        self.stats.busy += 1
+                        body = b"busy: every connection is being answered; ask again shortly"
+                        await self._send(conn, stream, 503, body, self.keys.answer_mac(mac, 503, body),
+                                         retry_after=self.RETRY_AFTER)
+                        self._closed("busy", "every slot holds a connection being answered")
+        except (h11.RemoteProtocolError, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
+                OSError, _Stalled):
+            pass
+        finally:
+            self._busy.release()
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    def _verified(self, request: h11.Request) -> str | None:
+        """The request's MAC if it is authenticated and fresh (a replay is not), else None."""
+        target = request.target.decode("latin-1")
+        try:
+            fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+            now = time.time()
+            mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
+                                                fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
+            self.replays.admit(nonce, sent, now, hello=target in (wire.HELLO, wire.HELLO_SIZED))
+        except wire.Rejected:
+            return None
+        return mac
+
     @staticmethod
     async def _next(conn: h11.Connection, stream: trio.SocketStream) -> object:
         while True:
@@ -128,9 +212,11 @@ class PeerServer:
                 return event
             conn.receive_data(await stream.receive_some(65536))
 
-    async def _answer(self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request) -> bool:
+    async def _answer(self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request,
+                      slot: Slot | None = None) -> bool:
         """Answer one request; whether it was authenticated (a connection that sent one that was not
-        is closed after the answer)."""
+        is closed after the answer). An authenticated request earns ``slot`` at once: an answer being
+        sent is never cut off for a new connection."""
         target = request.target.decode("latin-1")
         try:
             fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
@@ -142,6 +228,8 @@ class PeerServer:
             self.stats.rejected += 1
             await self._send(conn, stream, exc.status, str(exc).encode(), None)
             return False
+        if slot is not None:
+            slot.earned = True
         hello = target in (wire.HELLO, wire.HELLO_SIZED)
         status, body = (204, b"")
         if hello:  # (the plain hello's answer is the start second alone: what members of older versions take)
@@ -152,11 +240,15 @@ class PeerServer:
             if request.method != b"GET":
                 raise wire.Rejected(405, "only GET")
             if not hello:
-                data = await self.serve(wire.parse_target(request.target))
+                with trio.fail_after(self.SERVE_TIMEOUT):
+                    data = await self.serve(wire.parse_target(request.target))
                 status, body = (204, b"") if data is None else (200, data)
         except wire.Rejected as exc:
             self.stats.rejected += 1
             status, body = exc.status, str(exc).encode()
+        except trio.TooSlowError:
+            self.stats.rejected += 1
+            status, body = 503, f"the block was not had within {self.SERVE_TIMEOUT:g}s".encode()
         except Exception:  # a bug must not end the port: answer 500, keep serving
             log.exception("peer port: serving %r failed", request.target[:200])
             self.stats.rejected += 1
@@ -173,17 +265,30 @@ class PeerServer:
         return True
 
     async def _send(self, conn: h11.Connection, stream: trio.SocketStream, status: int, body: bytes,
-                    answer_mac: str | None) -> None:
+                    answer_mac: str | None, *, retry_after: int | None = None) -> None:
+        """Send an answer as long as it moves: :class:`_Stalled` if no byte of it goes for ``STALL`` s."""
         headers = [("content-length", str(len(body))), ("content-type", "application/octet-stream")]
         if answer_mac is not None:
             headers.append((wire.ANSWER_HEADER, answer_mac))
-        await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers)))
+        if retry_after is not None:
+            headers.append(("retry-after", str(retry_after)))
+        await self._moving(stream, conn.send(h11.Response(status_code=status, headers=headers)))
         if body:
             started = time.monotonic()
-            for chunk in conn.send_with_data_passthrough(h11.Data(data=body)):
-                await stream.send_all(chunk)
+            view = memoryview(body)
+            for at in range(0, len(view), self.SLICE):
+                for chunk in conn.send_with_data_passthrough(h11.Data(data=view[at:at + self.SLICE])):
+                    await self._moving(stream, chunk)
             self.sends.record(started, time.monotonic(), len(body))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
+        await self._moving(stream, conn.send(h11.EndOfMessage()))
+
+    async def _moving(self, stream: trio.SocketStream, data: bytes | memoryview | None) -> None:
+        if not data:
+            return
+        with trio.move_on_after(self.STALL) as stalled:
+            await stream.send_all(data)
+        if stalled.cancelled_caught:
+            raise _Stalled(f"an answer moved no byte for {self.STALL:g}s")
 
     async def _try_error(self, conn: h11.Connection, stream: trio.SocketStream, status: int, reason: str) -> None:
         if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
@@ -191,9 +296,13 @@ class PeerServer:
         with trio.move_on_after(2):
             try:
                 await self._send(conn, stream, status, reason.encode()[:200], None)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.LocalProtocolError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.LocalProtocolError, _Stalled):
                 pass
 
     async def aclose(self) -> None:
         for listener in self._listeners:
             await listener.aclose()
+
+
+class _Stalled(Exception):
+    """An answer that moved no byte for ``PeerServer.STALL`` seconds."""

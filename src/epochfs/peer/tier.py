@@ -8,7 +8,10 @@ cache or fetches it from the backend once (its own single flight serves every me
 same time). Only an authenticated answer (:mod:`.wire`) of exactly the block's length is used. If the
 owner cannot be reached, times out, answers something unauthenticated or fails (a 5xx, a refusal),
 it is distrusted: out of the ring until it proves itself again (its blocks go to their next choice
-meanwhile), and the next owner is asked, then the backend. An owner that says it does not have this
+meanwhile), and the next owner is asked, then the backend. An owner that answers **busy** (every
+connection it has is being answered: its link is full) is no fault: it is asked again after the pause
+it names (jittered), for as long as the tier's timeout allows, and only then is the next owner (or the
+backend) asked; it keeps its place in the ring. An owner that says it does not have this
 object version (404, 409, 412) keeps its place unless it says so ``DECLINES_IN_A_ROW`` times in a row;
 the block comes from the backend.
 
@@ -37,7 +40,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,7 +62,7 @@ from epochfs.peer.server import ServerStats
 log = logging.getLogger(__name__)
 
 MODES = ("all", "owned")
-OUTCOMES = ("ok", "unavailable", "bad", "declined", "served", "rejected")
+OUTCOMES = ("ok", "unavailable", "bad", "declined", "busy", "served", "rejected")
 
 
 @dataclass(frozen=True)
@@ -175,13 +180,26 @@ class PeerTier:
             return self._replicating
 
     def ask(self, member: str, req: wire.BlockRequest) -> tuple[bytes | None] | None:
-        """(the answer,) of ``member``, or None if it failed (distrusted where it must be)."""
-        try:
-            data = self.client.get(member, req)
-        except PeerFailure as exc:
-            if not (req.stored and exc.kind == "declined" and exc.status == 404):  # (not held there: fine)
-                self._failed(member, exc)
-            return None
+        """(the answer,) of ``member``, or None if it failed (distrusted where it must be). A busy
+        member is asked again, after the pause it names, until the tier's timeout has passed."""
+        deadline = time.monotonic() + self.client.timeout
+        while True:
+            try:
+                data = self.client.get(member, req)
+                break
+            except PeerFailure as exc:
+                if exc.kind == "busy":
+                    with self._lock:
+                        self._outcomes["busy"] += 1
+                    pause = exc.retry_after * random.uniform(0.2, 1.0)
+                    if time.monotonic() + pause < deadline:
+                        time.sleep(pause)
+                        continue
+                    log.debug("peer %s: busy for %.1fs; asking elsewhere", member, self.client.timeout)
+                    return None
+                if not (req.stored and exc.kind == "declined" and exc.status == 404):  # (not held there: fine)
+                    self._failed(member, exc)
+                return None
         with self._lock:
             self._outcomes["ok"] += 1
             self._declines.pop(member, None)

@@ -4,8 +4,10 @@ A server holds at most ``capacity`` connections. A new connection gets a slot at
 what it sends (a complete request, an authenticated one). When the slots are full, a new connection
 takes the slot of the oldest one that has not earned its own, whose handler is cancelled; failing that,
 of the oldest one whose answer is being sent (:attr:`Slot.sending`: a client that asks and never reads
-holds nothing once it has been answered as far as its socket takes); if every slot is earned and
-working, the new connection is refused. So connections that open and send nothing, or ask and never
+holds nothing once it has been answered as far as its socket takes); failing that, of the oldest one
+that waits between requests (:attr:`Slot.idle`: a kept-alive connection that asks nothing now; its
+client opens another when it asks again); if every slot is earned and working, the new connection is
+refused. So connections that open and send nothing, or ask and never
 read, cannot hold a server shut: an honest client is served as soon as it asks. Not thread-safe (the
 trio thread owns it).
 """
@@ -22,6 +24,7 @@ class Slot:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # the connection's handler runs in it
     earned: bool = False
     sending: bool = False  # its answer is being written: the client has been served all it reads
+    idle: bool = False  # earned, and waiting for the connection's next request
 
 
 class Slots:
@@ -33,7 +36,7 @@ class Slots:
         """A slot for a new connection, or None when every slot is earned."""
         if len(self._held) >= self.capacity:
             oldest = next((s for s in self._held if not s.earned), None) or next(
-                (s for s in self._held if s.sending), None)
+                (s for s in self._held if s.sending), None) or next((s for s in self._held if s.idle), None)
             if oldest is None:
                 return None
             del self._held[oldest]
