@@ -32,6 +32,7 @@ def _namespaces_work() -> bool:
 
 @requires_fuse
 @pytest.mark.mounts
+@pytest.mark.page_cache  # (each epoch of the box begins with the page cache dropped, and it keeps two cores busy)
 @pytest.mark.skipif(not _namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
 def test_a_warm_cache_node_serves_every_block_with_its_link_full(tmp_path):
     # The cache node's link is the narrowest: both GPU nodes, each with its prefetcher's default fetches

@@ -102,7 +102,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "peer_fallbacks": ("counter", "Asks of the cluster tier that failed and went on: to another replica of the block, "
                        "or to the backend."),
     "peer_requests": ("counter", "Block requests of the cluster cache tier by outcome: ok, unavailable, bad, "
-                      "declined (asked by this node); served, rejected (answered by it)."),
+                      "declined, busy (asked by this node; busy: the member answered that every connection it has "
+                      "is being answered, and was asked again); served, rejected (answered by it)."),
+    "peer_closed": ("counter", "Connections this node's peer port closed, by reason: idle, unauthenticated, protocol, "
+                    "stalled (its answer moved no byte), evicted (its slot taken by a new connection before it asked), "
+                    "reclaimed (a kept-alive connection between requests gave its slot to a new one), busy "
+                    "(answered busy), refused (past the busy answers too)."),
     "job_data_wait_seconds": ("counter", "Seconds a training job's rank waited in next() for a batch (epochfs.watch)."),
     "job_compute_seconds": ("counter", "Seconds a training job's rank spent between batches (epochfs.watch)."),
     "job_steps": ("counter", "Batches a training job's rank took (epochfs.watch)."),
@@ -143,6 +148,7 @@ class Sample:
     links: dict[str, dict[str, float]] = field(default_factory=dict)  # series -> source -> capacity
     fetched: dict[str, int] = field(default_factory=dict)  # origin -> bytes
     peer_fallbacks: dict[str, int] | None = None
+    peer_closed: dict[str, int] | None = None
     meta_master: dict[str, float] = field(default_factory=dict)  # address -> since (a Sentinel store)
 
 
@@ -212,6 +218,7 @@ def sample_of(c: Collected) -> Sample:
                            **({"owner": cache.peer_bytes - cache.replica_bytes, "replica": cache.replica_bytes}
                               if peer else {})},
                   peer_fallbacks=dict(peer.fallbacks or {}) if peer else None,
+                  peer_closed=dict(peer.closed) if peer and peer.closed is not None else None,
                   meta_master={snap.master: snap.master_since or 0.0} if snap.master else {})
 
 
@@ -243,6 +250,8 @@ class DaemonCollector(Collector):
             labelled += [("peer_bytes", ["direction"], s.peer_bytes.items()),
                          ("peer_requests", ["outcome"], s.peer_requests.items()),
                          ("peer_fallbacks", ["to"], (s.peer_fallbacks or {}).items())]
+        if s.peer_closed is not None:
+            labelled.append(("peer_closed", ["reason"], s.peer_closed.items()))
         labelled += [(short, ["job", "rank"], series.items()) for short, series in s.jobs.items()]
         labelled += [(short, ["source"], series.items()) for short, series in s.links.items()]
         if s.meta_master:

@@ -3,7 +3,8 @@
 Concurrency contract: one trio task per connection, at most ``MAX_CONNECTIONS`` at once. A connection
 earns its slot with its first request, as soon as that request is authenticated: until then it has
 ``REQUEST_TIMEOUT`` seconds to send one, and when the slots are full a new connection takes the slot of
-the oldest one that has not earned its own, else of the oldest kept-alive one waiting between requests
+the oldest one that has not earned its own in ``GRACE`` seconds, else of the oldest kept-alive one
+waiting between requests
 (so connections without the token cannot hold the port shut, and an answer being sent is never cut
 off). When every slot holds a connection being answered, a new one is answered too: its request is
 read and authenticated and it gets an authenticated **busy** answer (503 with ``Retry-After``), which a
@@ -40,7 +41,7 @@ Serve = Callable[[wire.BlockRequest], Awaitable[bytes | None]]
 
 
 #: Why the server closed a connection (``stats.closed``, the ``epochfs_peer_closed_total`` series).
-CLOSE_REASONS = ("idle", "unauthenticated", "protocol", "stalled", "serve-timeout", "evicted", "busy", "refused")
+CLOSE_REASONS = ("idle", "unauthenticated", "protocol", "stalled", "evicted", "reclaimed", "busy", "refused")
 
 
 @dataclass
@@ -58,6 +59,7 @@ class PeerServer:
     BUSY_CONNECTIONS = 64  # connections being told "busy" at once, past the slots
     IDLE = 60.0
     REQUEST_TIMEOUT = 5.0
+    GRACE = 1.0  # seconds a new connection has to ask before a newer one may take its slot
     SERVE_TIMEOUT = 30.0  # seconds to have the block asked for (from the cache, or the backend)
     STALL = 15.0  # seconds an answer may move no byte
     SLICE = 64 << 10  # bytes of an answer's body sent under one progress deadline
@@ -75,7 +77,7 @@ class PeerServer:
         self.stats = ServerStats()
         self.sends = TransferMeter()  # when the bodies of answers went out: this node's link's rate
         self.replays = wire.Replays()
-        self._slots = Slots(self.MAX_CONNECTIONS)  # earned by an authenticated request
+        self._slots = Slots(self.MAX_CONNECTIONS, grace=self.GRACE)  # earned by an authenticated request
         self._busy = trio.Semaphore(self.BUSY_CONNECTIONS)
         self._listeners: list[trio.SocketListener] = []
 
@@ -149,8 +151,10 @@ class PeerServer:
                     if h11.MUST_CLOSE in (conn.our_state, conn.their_state):
                         return
                     conn.start_next_cycle()
-            if slot.scope.cancelled_caught:
-                self._closed("evicted", "its slot was taken by a new connection (it was not being answered)")
+            if slot.scope.cancelled_caught and slot.idle:
+                self._closed("reclaimed", "a kept-alive connection between requests gave its slot to a new one")
+            elif slot.scope.cancelled_caught:
+                self._closed("evicted", f"its slot was taken by a new connection (no request in {self.GRACE:g}s)")
         except _Stalled as exc:
             self._closed("stalled", str(exc))
         except h11.RemoteProtocolError as exc:

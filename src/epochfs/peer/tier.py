@@ -84,6 +84,7 @@ class PeerStats:
     tier_cache_bytes: int | None = None  # the ring's members' caches together, as weighed (None: not weighted)
     fallbacks: dict[str, int] | None = None  # asks that failed and went on: to another replica, to the backend
     load: tuple[MemberLoad, ...] = ()  # what the members this node reads from publish of their load
+    closed: dict[str, int] | None = None  # connections this node's peer port closed, by why (None: no port)
 
 
 class PeerCache(Protocol):
@@ -240,7 +241,8 @@ class PeerTier:
                          bytes_out=served.served_bytes if served else 0, role=self.members.role,
                          replicas=self.replicas, link_capacity=link_capacity, share_bytes=share[0],
                          dataset_bytes=share[1], cache_size_bytes=own,
-                         tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks)
+                         tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks,
+                         closed=dict(served.closed) if served is not None else None)
 
 
 class PeerAnswers:

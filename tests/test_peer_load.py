@@ -1,0 +1,207 @@
+"""The peer port and its clients under load, without a mount: more members asking than the port has
+slots. An answer being sent is never cut off, a full port answers busy (authenticated) and the members
+ask again instead of bypassing it, idle kept-alive connections give up their slots first, an answer
+that moves no byte is closed with its reason counted, and a client keeps to its gate of requests in
+flight to a member."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import trio
+
+from epochfs.peer import wire
+from epochfs.peer.client import PeerClient, PeerFailure
+from epochfs.peer.server import PeerServer
+from epochfs.transport.slots import Slots
+
+KEYS = wire.Keys(b"a-token-of-enough-length-for-tests")
+BLOCK = bytes(range(256)) * 4096  # 1 MiB
+
+
+class Port:
+    """A peer port on 127.0.0.1 in a thread of its own, its answers after ``delay`` seconds."""
+
+    def __init__(self, *, slots: int, busy: int, delay: float = 0.0, stall: float | None = None) -> None:
+        self.delay = delay
+        self.inflight = self.most = 0
+        self._ready = threading.Event()
+        self._stop: trio.Event | None = None
+        server_cls = type("Small", (PeerServer,), {"MAX_CONNECTIONS": slots, "BUSY_CONNECTIONS": busy,
+                                                   **({"STALL": stall} if stall is not None else {})})
+        self.server = server_cls("127.0.0.1", 0, KEYS, lambda: self.addr, self.serve)
+        self.addr = ""
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    async def serve(self, req: wire.BlockRequest) -> bytes:
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        try:
+            await trio.sleep(self.delay)
+            return BLOCK[:req.length]
+        finally:
+            self.inflight -= 1
+
+    async def _main(self) -> None:
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as n:
+            await n.start(self.server.run)
+            self.addr = f"127.0.0.1:{self.server.port}"
+            self._ready.set()
+            await self._stop.wait()
+            n.cancel_scope.cancel()
+
+    def close(self) -> None:
+        assert self._stop is not None
+        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(10)
+
+
+def request(i: int = 0, length: int = len(BLOCK)) -> wire.BlockRequest:
+    return wire.BlockRequest(bytes([i % 256]) * 16, f"d/{i}.bin", '"e"', 0, length)
+
+
+def ask_all(clients: list[PeerClient], addr: str, n: int) -> tuple[list[bytes | None], list[str]]:
+    got: list[bytes | None] = [None] * n
+    failed: list[str] = []
+    for client in clients:  # (the proof the membership asks first: it says when the member started)
+        client.hello(addr, 5.0)
+
+    def one(i: int) -> None:
+        client = clients[i % len(clients)]
+        deadline = time.monotonic() + 20
+        while True:  # (what the tier does with a busy member: ask again after the pause it names)
+            try:
+                got[i] = client.get(addr, request(i))
+                return
+            except PeerFailure as exc:
+                if exc.kind != "busy" or time.monotonic() > deadline:
+                    failed.append(f"{exc.kind}: {exc}")
+                    return
+                time.sleep(exc.retry_after * 0.2)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got, failed
+
+
+def test_a_full_port_answers_busy_and_no_answer_being_sent_is_cut_off():
+    port = Port(slots=4, busy=16, delay=0.3)
+    try:
+        clients = [PeerClient(KEYS, timeout=5.0) for _ in range(12)]  # twelve members, one request each
+        got, failed = ask_all(clients, port.addr, 12)
+        stats = port.server.stats
+    finally:
+        port.close()
+    assert not failed and all(g == BLOCK for g in got)
+    assert stats.busy > 0 and stats.closed["busy"] == stats.busy  # told busy, authenticated, and asked again
+    assert stats.closed["evicted"] == 0 and stats.closed["stalled"] == 0  # nothing cut off mid-answer
+    assert port.most <= 4
+
+
+def test_a_client_keeps_to_its_gate_of_requests_in_flight_to_a_member():
+    port = Port(slots=64, busy=16, delay=0.2)
+    try:
+        client = PeerClient(KEYS, timeout=5.0)
+        client.START_INFLIGHT = client.MIN_INFLIGHT = client.MAX_INFLIGHT = 3
+        got, failed = ask_all([client], port.addr, 24)
+        connections = port.server.stats.connections
+    finally:
+        port.close()
+    assert not failed and all(g == BLOCK for g in got)
+    assert port.most <= 3  # 24 fetches at once, never more than the gate in flight
+    assert connections <= 3 + 1  # and as many connections (the gate's handles keep theirs), and the proof's
+
+
+def test_the_gate_follows_the_members_rate():
+    client = PeerClient(KEYS, timeout=5.0)
+    gate = client._gate("m")
+    now = time.monotonic()
+    with gate.cond:
+        for k in range(20):  # 20 MiB in the last 2 s: 10 MiB/s
+            gate.done.append((now - 2 + k * 0.1, 1 << 20))
+        client._sized(gate, 1 << 20)
+        assert gate.limit == 5  # 10 MiB/s x 0.5 s in 1 MiB blocks
+        gate.done.clear()
+        for k in range(20):
+            gate.done.append((now - 1 + k * 0.05, 64 << 20))
+        client._sized(gate, 1 << 20)
+        assert gate.limit == client.MAX_INFLIGHT
+
+
+def test_idle_kept_alive_connections_give_up_their_slots_first_and_busy_ones_are_kept():
+    async def main():
+        slots = Slots(3)
+        a, b, c = slots.take(), slots.take(), slots.take()
+        for s in (a, b, c):
+            s.earned = True
+        b.idle = True
+        d = slots.take()  # the idle one gives way
+        assert d is not None and b.scope.cancel_called and not a.scope.cancel_called
+        d.earned = True
+        assert slots.take() is None  # every slot earned and working: refused (the port then says busy)
+    trio.run(main)
+
+
+def test_an_answer_that_moves_no_byte_is_closed_and_counted():
+    port = Port(slots=8, busy=4, stall=1.0)
+    try:
+        prover = PeerClient(KEYS, timeout=5.0)
+        prover.hello(port.addr, 5.0)
+        headers, _ = KEYS.headers(port.addr, request(1, 8 << 20).target(), max(time.time(), prover._since[port.addr]))
+        global BLOCK
+        saved, BLOCK = BLOCK, bytes(8 << 20)
+        try:
+            s = socket.create_connection(("127.0.0.1", port.server.port))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.sendall(f"GET {request(1, 8 << 20).target()} HTTP/1.1\r\nHost: x\r\n".encode()
+                      + "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode() + b"\r\n")
+            deadline = time.monotonic() + 15  # never read: the answer stops moving
+            while not port.server.stats.closed["stalled"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            s.close()
+        finally:
+            BLOCK = saved
+        assert port.server.stats.closed["stalled"] == 1
+    finally:
+        port.close()
+
+
+@pytest.mark.parametrize("kind", ["busy", "unavailable"])
+def test_the_tier_asks_a_busy_member_again_and_never_distrusts_it(kind):
+    from epochfs.peer.tier import PeerTier
+
+    class Members:
+        role, me, down_calls = "client", "me:1", []
+        ring = None
+
+        def distrust(self, member, why):
+            self.down_calls.append(member)
+
+    class Client:
+        timeout = 1.0
+        calls = 0
+
+        def get(self, member, req):
+            self.calls += 1
+            if self.calls < 3:
+                raise PeerFailure(kind, "x", 503, 0.05)
+            return b"ok"
+
+    members = Members()
+    tier = PeerTier.__new__(PeerTier)
+    tier.__init__(None, members, Client(), mode="all")
+    got = tier.ask("m:1", request())
+    if kind == "busy":
+        assert got == (b"ok",) and not members.down_calls and tier._outcomes["busy"] == 2
+    else:
+        assert got is None and members.down_calls == ["m:1"]
