@@ -296,3 +296,14 @@ def damage_block(where: tuple[Path, int, int], how: str, other: tuple[Path, int,
             os.rename(tmp, other[0])
     else:
         raise ValueError(how)
+
+
+def namespaces_work() -> bool:
+    """Whether network namespaces can be made here (root and ``ip``): the cluster boxes need them."""
+    import random
+
+    name = f"efctest{random.randrange(1 << 30)}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made

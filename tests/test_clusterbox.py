@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from epochfs.control import request
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
+from .helpers import namespaces_work
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from netbox import NetBox  # noqa: E402
@@ -31,17 +31,9 @@ WAN = 8 * MiB  # the object store's link, shared
 NODE = 16 * MiB  # each node's own
 
 
-def _namespaces_work() -> bool:
-    name = f"efctest{random.randrange(1 << 30)}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return made
-
-
 @requires_fuse
 @pytest.mark.mounts
-@pytest.mark.skipif(not _namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
+@pytest.mark.skipif(not namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
 def test_nodes_behind_a_shared_link_read_exactly_and_measure_their_share(tmp_path, s3, s3_client, fresh_bucket):
     files = {i: [SampleFile(f"n{i}/{k:02d}.bin", 2 * MiB + 4099 * k) for k in range(32)] for i in range(2)}
     upload(s3_client, fresh_bucket, "", [f for group in files.values() for f in group])

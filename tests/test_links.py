@@ -15,6 +15,8 @@ import pytest
 from epochfs.links import capacity, interface, meter
 from epochfs.links.meter import BUSY, HOLD, MIN_BYTES, WINDOW, Measurement, Transfer, TransferMeter
 
+from .helpers import namespaces_work
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -191,15 +193,7 @@ def test_a_declared_capacity_wins_else_the_lower_of_interface_and_measured():
 
 # -- a shaped link in a network namespace of the test's own ------------------------------------------
 
-def _namespaces_work() -> bool:
-    name = f"efltest{random.randrange(1 << 30)}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return made
-
-
-@pytest.mark.skipif(not _namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
+@pytest.mark.skipif(not namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
 def test_a_process_in_a_namespace_reads_its_shaped_link(tmp_path):
     """Received traffic shaped through an ifb, sent traffic by a tbf: each direction is read as shaped."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))

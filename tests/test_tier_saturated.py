@@ -6,15 +6,14 @@ saturated. Every block comes from the tier: nothing from the backend, no peer by
 
 from __future__ import annotations
 
-import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from .conftest import requires_fuse
+from .helpers import namespaces_work
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from clusterbox import Box, Scale  # noqa: E402
@@ -22,18 +21,10 @@ from clusterbox import Box, Scale  # noqa: E402
 MiB = 1 << 20
 
 
-def _namespaces_work() -> bool:
-    name = f"efctest{random.randrange(1 << 30)}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return made
-
-
 @requires_fuse
 @pytest.mark.mounts
 @pytest.mark.page_cache  # (each epoch of the box begins with the page cache dropped, and it keeps two cores busy)
-@pytest.mark.skipif(not _namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
+@pytest.mark.skipif(not namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
 def test_a_warm_cache_node_serves_every_block_with_its_link_full(tmp_path):
     # The cache node's link is the narrowest: both GPU nodes, each with its prefetcher's default fetches
     # in flight, ask it for more than it sends, for the whole epoch.

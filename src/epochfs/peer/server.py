@@ -195,18 +195,21 @@ class PeerServer:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    def _verified(self, request: h11.Request) -> str | None:
-        """The request's MAC if it is authenticated and fresh (a replay is not), else None."""
+    def _verify(self, request: h11.Request) -> str:
+        """The request's MAC if it is authenticated and fresh (a replay is not); :class:`wire.Rejected`."""
         target = request.target.decode("latin-1")
+        fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
+        now = time.time()
+        mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
+                                            fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
+        self.replays.admit(nonce, sent, now, hello=target in (wire.HELLO, wire.HELLO_SIZED))
+        return mac
+
+    def _verified(self, request: h11.Request) -> str | None:
         try:
-            fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
-            now = time.time()
-            mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
-                                                fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
-            self.replays.admit(nonce, sent, now, hello=target in (wire.HELLO, wire.HELLO_SIZED))
+            return self._verify(request)
         except wire.Rejected:
             return None
-        return mac
 
     @staticmethod
     async def _next(conn: h11.Connection, stream: trio.SocketStream) -> object:
@@ -223,11 +226,7 @@ class PeerServer:
         sent is never cut off for a new connection."""
         target = request.target.decode("latin-1")
         try:
-            fields = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers}
-            now = time.time()
-            mac, nonce, sent = self.keys.verify(self.me(), target, fields.get(wire.TIME_HEADER),
-                                                fields.get(wire.NONCE_HEADER), fields.get(wire.AUTH_HEADER), now)
-            self.replays.admit(nonce, sent, now, hello=target in (wire.HELLO, wire.HELLO_SIZED))
+            mac = self._verify(request)
         except wire.Rejected as exc:
             self.stats.rejected += 1
             await self._send(conn, stream, exc.status, str(exc).encode(), None)
