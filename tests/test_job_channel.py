@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from epochfs.control.client import request
+from epochfs.control.inmount import MountChannel
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
@@ -186,11 +187,11 @@ attempt("publish", lambda: client._request("publish_manifest", name="x", text="p
 attempt("status", lambda: client.status()["snapshot"]["files"])
 fd = os.open(os.path.join(mnt, frames.NAME), os.O_RDONLY)
 held = []
-for i in range(12):  # sessions opened and never finished
+for i in range(20):  # sessions opened and never finished
     buf = frames.frame_in(bytes([i]) * 16, frames.SEND, b'{"op": "status"')
     fcntl.ioctl(fd, frames.COMMAND, buf, True)
     held.append(frames.parse_out(buf))
-for i in range(12):
+for i in range(20):
     fcntl.ioctl(fd, frames.COMMAND, frames.frame_in(bytes([i]) * 16, frames.CLOSE), True)
 os.close(fd)
 out["held"] = [[s, d.decode()] for s, d in held]
@@ -251,9 +252,25 @@ def test_another_user_can_neither_touch_a_jobs_order_warmup_nor_view_and_learns_
             handed = c.hand_over(pub, epoch=0, rank=0)
             job = c.warmup(["pub/0.bin"], wait=False)
             c._request("report", job="resnet", rank=0, steps=7, data_wait=1.0, compute=2.0)
-            print(json.dumps({"handed": handed, "job": job["id"]}))
-        """, m.mountpoint, owner, hide=[tmp_path / "cache"]))
+            # Every session this user may hold, open: a request waits its turn (busy, asked again), never fails.
+            import fcntl, os, threading, time
+            from epochfs.control import frames
+            fd = os.open(os.path.join(sys.argv[1], frames.NAME), os.O_RDONLY)
+            held = [bytes([i]) * 16 for i in range(int(sys.argv[2]))]
+            for sid in held:
+                fcntl.ioctl(fd, frames.COMMAND, frames.frame_in(sid, frames.SEND, b'{"op": '), True)
+            waited = {}
+            t = threading.Thread(target=lambda: waited.update(files=c.status()["snapshot"]["files"]))
+            t.start()
+            time.sleep(1.0)
+            busy_meanwhile = t.is_alive()
+            for sid in held:
+                fcntl.ioctl(fd, frames.COMMAND, frames.frame_in(sid, frames.CLOSE), True)
+            t.join(30)
+            print(json.dumps({"handed": handed, "job": job["id"], "waited": waited, "busy_meanwhile": busy_meanwhile}))
+        """, m.mountpoint, owner, hide=[tmp_path / "cache"], args=(str(MountChannel.PER_UID),)))
         assert mine["handed"]["files"] == 10
+        assert mine["busy_meanwhile"] is True and mine["waited"] == {"files": 12}  # it waited its turn
         plan_before = m.status()["prefetch"]
         got = answer(in_pod(HOSTILE, m.mountpoint, other, hide=[tmp_path / "cache"], args=(str(mine["job"]),)))
         refused = {k: v for k, v in got.items() if k not in ("held", "merge", "status")}
@@ -270,7 +287,7 @@ def test_another_user_can_neither_touch_a_jobs_order_warmup_nor_view_and_learns_
         assert "--control-group" in got["refresh"][1] and "--control-group" in got["publish"][1]
         assert got["status"] == ["ok", 12]  # reading state is anyone's
         busy = [d for s, d in got["held"] if s != 1]
-        assert len(busy) == 12 - 4 and all("busy" in d for d in busy)  # four sessions a user; the rest refused
+        assert len(busy) == 20 - MountChannel.PER_UID and all("busy" in d for d in busy)  # (a user's share of them)
         status = m.status()
         assert status["prefetch"]["files"] == 20 and status["prefetch"]["position"] == plan_before["position"]
         (resnet,) = [j for j in status["jobs"] if j["job"] == "resnet"]

@@ -19,6 +19,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import socket
 import stat
 import sys
@@ -237,9 +238,19 @@ def _by_mount(path: str, op: str, lines: Iterator[bytes], timeout: float) -> byt
     done = False
     try:
         sending = True
+        opened = False
         for line in lines:
             for at in range(0, len(line), frames.PAYLOAD):
-                state, data = _frame(fd, path, frames.frame_in(session, frames.SEND, line[at:at + frames.PAYLOAD]))
+                piece = frames.frame_in(session, frames.SEND, line[at:at + frames.PAYLOAD])
+                state, data = _frame(fd, path, piece)
+                pause = 0.02
+                while state == frames.BUSY and not opened:  # (as many requests open as it takes: wait a turn)
+                    if time.monotonic() + pause >= deadline:
+                        raise EpochfsError(f"the daemon was busy with other requests for {timeout:g}s; {op!r} not sent")
+                    time.sleep(pause * random.uniform(0.5, 1.5))
+                    pause = min(0.5, pause * 2)
+                    state, data = _frame(fd, path, frames.frame_in(session, frames.SEND, line[at:at + frames.PAYLOAD]))
+                opened = True
                 if state == frames.STOP:  # the daemon has answered before taking it all: its reply says why
                     sending = False
                     break

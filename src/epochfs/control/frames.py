@@ -41,6 +41,7 @@ MORE = 3  # reply bytes, and more follow
 END = 4  # the reply's last bytes: the session is over
 WAIT = 5  # no reply bytes yet: RECV again
 FAILED = 6  # the channel refused the frame: ``data`` says why (UTF-8)
+BUSY = 7  # no session was opened: as many are open as the daemon takes (of this uid, or in all); retry
 
 NAME = ".epochfs"  # the control file, at the mount's root (a reserved name: no object is listed as it)
 
@@ -82,6 +83,6 @@ def parse_out(buf: bytes) -> tuple[int, bytes]:
     if len(buf) < _OUT.size:
         raise BadFrame("a reply frame shorter than its header")
     state, length = _OUT.unpack_from(buf)
-    if state not in (TAKEN, STOP, MORE, END, WAIT, FAILED) or length > len(buf) - _OUT.size:
+    if state not in (TAKEN, STOP, MORE, END, WAIT, FAILED, BUSY) or length > len(buf) - _OUT.size:
         raise BadFrame(f"a reply frame of state {state} and {length} bytes")
     return state, bytes(buf[_OUT.size:_OUT.size + length])

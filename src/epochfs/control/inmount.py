@@ -76,9 +76,9 @@ class SessionStream:
 
 
 class MountChannel:
-    MAX_SESSIONS = 32
-    PER_UID = 4
-    BUFFER = 4 << 20  # request bytes, and reply bytes, a session holds at most
+    MAX_SESSIONS = 64
+    PER_UID = 16  # (a node's ranks of one job, each handing over and reporting at once)
+    BUFFER = 1 << 20  # request bytes, and reply bytes, a session holds at most
     IDLE = 60.0  # seconds a session may go unused
     RECV_WAIT = 10.0  # seconds one frame waits for reply bytes
     SEND_WAIT = 60.0  # seconds one frame waits for the server to take bytes
@@ -134,7 +134,7 @@ class MountChannel:
                 return f.frame_out(f.FAILED, b"that session id is taken; choose another")
             s, refusal = self._open(sid, uid, gid, pid)
             if s is None:
-                return f.frame_out(f.FAILED, refusal.encode())
+                return f.frame_out(f.BUSY if refusal.startswith("busy") else f.FAILED, refusal.encode())
         s.used = trio.current_time()
         async with s.lock:
             out = await (self._send(s, payload) if kind == f.SEND else self._receive(s))
@@ -146,9 +146,10 @@ class MountChannel:
         mine = sum(1 for s in self._sessions.values() if s.caller.uid == uid)
         if len(self._sessions) >= self.MAX_SESSIONS or (not caller.operator and mine >= self.PER_UID):
             self.refused += 1
-            log.warning("control: refused a session of uid %d: %d open (%d of that uid)", uid, len(self._sessions),
-                        mine)
-            return None, "the daemon is busy with other requests (too many at once); retry"
+            if self.refused == 1 or self.refused % 100 == 0:
+                log.warning("control: refused a session of uid %d: %d open (%d of that uid); %d refused so far", uid,
+                            len(self._sessions), mine, self.refused)
+            return None, "busy: the daemon has as many requests open as it takes (of this user, or in all); retry"
         if self._nursery is None:
             return None, "the daemon is stopping"
         s = _Session(sid, caller)
