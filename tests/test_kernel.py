@@ -152,6 +152,50 @@ def adapter() -> Operations:
                       root_xattrs={b"user.x": lambda: b"v"}, presentation=Presentation())
 
 
+def test_the_control_files_ioctl_reaches_its_channel_with_the_kernels_caller_and_no_other_does():
+    """The mount's control file (``.epochfs`` at the root, never listed) answers the channel's ioctl
+    command with what the channel says, for the uid, gid and pid of the request's header; any other
+    command, or that command on another file, is ENOTTY from the header alone (a process asking
+    whether a file is a terminal), and the file cannot be opened for writing."""
+    from epochfs.control import frames
+    from epochfs.vfs.fs import CONTROL_INODE
+
+    asked = []
+
+    class Channel:
+        name, command = frames.NAME.encode(), frames.COMMAND
+
+        async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes:
+            asked.append((uid, gid, pid, len(data)))
+            return frames.frame_out(frames.END, b"answer")
+
+    async def main() -> None:
+        ops = adapter()
+        ops.control = Channel()
+        ops.ioctl_commands = frozenset({frames.COMMAND})
+        pipe = Pipe(ops)
+        s = pipe.session
+        frame = bytes(frames.frame_in(b"s" * 16, frames.RECV))
+        ioctl = struct.pack("<QIIQII", 0, 0, frames.COMMAND, 0, len(frame), frames.FRAME) + frame
+        async with trio.open_nursery() as nursery:
+            s._nursery = nursery
+            s._handle(memoryview(request(abi.LOOKUP, b".epochfs\0", unique=1)))
+            s._handle(memoryview(request(abi.IOCTL, ioctl, unique=2, nodeid=CONTROL_INODE)))
+            s._handle(memoryview(request(abi.IOCTL, ioctl, unique=3, nodeid=1)))  # the root is no control file
+            s._handle(memoryview(request(abi.IOCTL, struct.pack("<QIIQII", 0, 0, 0x5401, 0, 0, 60), unique=4,
+                                         nodeid=CONTROL_INODE)))
+            s._handle(memoryview(request(abi.OPEN, struct.pack("<II", os.O_WRONLY, 0), unique=5, nodeid=CONTROL_INODE)))
+            await trio.testing.wait_all_tasks_blocked()
+            got = {u: (e, body) for u, e, body in pipe.replies()}
+        assert got[1][0] == 0 and struct.unpack_from("<Q", got[1][1])[0] == CONTROL_INODE
+        assert got[2][0] == 0 and frames.parse_out(got[2][1][abi.IOCTL_OUT.size:]) == (frames.END, b"answer")
+        assert got[3] == (errno.ENOTTY, b"") and got[4] == (errno.ENOTTY, b"") and got[5][0] == errno.EPERM
+        assert asked == [(1000, 1000, 42, frames.FRAME)] and s.isatty_asks == 1  # (the header's caller: request())
+        assert b".epochfs" not in [name for _, name, _ in ops.tree.entries(ops.tree.node(1), 0)]  # never listed
+
+    trio.run(main)
+
+
 def test_the_session_answers_every_request_and_survives_any_input():
     """Plain handlers are answered inline, a missing one with ENOSYS, an unparsable request with EIO,
     FORGET and INTERRUPT with nothing, IOCTL (a process asking whether a file is a terminal) with ENOTTY
