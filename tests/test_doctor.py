@@ -780,3 +780,19 @@ def test_the_headline_names_a_first_epoch_that_waited_and_compare_tells_noise_fr
 
     assert compare(costing(100.0), costing(97.0))[-1] == ("saved per day, $", "", "none to tell: within 5% ($3.00)")
     assert compare(costing(100.0), costing(60.0))[-1] == ("saved per day, $", "", "$40.00")
+
+
+def test_a_job_whose_user_handed_over_no_order_is_told_so_though_another_users_plan_is_there():
+    """The plan holds an order (another user's), but the job's own user handed over none (the daemon's
+    job view says so per job): the job read without prefetch, and the doctor says it and the fix."""
+    s = healthy()
+    s["jobs"] = [{**job(wait=6.0, compute=4.0), "uid": 1001, "handed_over": False}]
+    r = doctor(s)
+    assert r["verdict"] == "storage-bound" and r["job"]["handed_over"] is False
+    (finding,) = [f for f in r["findings"] if f["cause"] == "no-manifest"]
+    assert "by this job's user" in finding["evidence"] and "EpochfsSampler" in finding["fix"]
+    assert "without handing over its epoch order" in render(r, "/mnt/data")
+    s["jobs"] = [{**job(wait=6.0, compute=4.0), "uid": 1001, "handed_over": True}]
+    r = doctor(s)
+    assert "no-manifest" not in [f["cause"] for f in r["findings"]]
+    assert "without handing over" not in render(r, "/mnt/data")

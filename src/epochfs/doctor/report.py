@@ -190,6 +190,8 @@ def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
                 if cold and cold["verdict"] != result["verdict"] else "")
         lines.append(f"{result['verdict']}: {', '.join(view['jobs'])} ({view['ranks']} rank(s)) waited for data "
                      f"{wait:.0%} of step time{gpu_text}, over {result.get('judged_on') or 'its reports'}{also}")
+        if view.get("handed_over") is False:
+            lines.append("  it read without handing over its epoch order: nothing was fetched ahead of it")
         for name, label in (("first", "first epoch"), ("later", "later epochs")):
             ph = phases.get(name)
             if ph is None:
