@@ -796,3 +796,26 @@ def test_a_job_whose_user_handed_over_no_order_is_told_so_though_another_users_p
     r = doctor(s)
     assert "no-manifest" not in [f["cause"] for f in r["findings"]]
     assert "without handing over" not in render(r, "/mnt/data")
+
+
+def test_the_sampler_line_the_doctor_advises_runs_as_pasted():
+    """The no-manifest finding's fix is a line of Python: pasted into a training script (a sampler, a
+    dataset with its samples), it builds the wrapper against its real signature."""
+    torch = pytest.importorskip("torch")
+    import epochfs.torch  # noqa: F401 - (the name the line uses)
+
+    s = healthy()
+    s["prefetch"]["files"] = 0
+    s["jobs"] = [job(wait=6.0, compute=4.0)]
+    (finding,) = [f for f in doctor(s)["findings"] if f["cause"] == "no-manifest"]
+    line = finding["fix"].split("`")[1]
+
+    class Dataset:
+        samples = [("/mnt/data/a.jpg", 0), ("/mnt/data/b.jpg", 1)]
+
+    scope = {"epochfs": __import__("epochfs"), "dataset": Dataset(),
+             "sampler": torch.utils.data.SequentialSampler(range(2))}
+    exec(line, scope)  # noqa: S102 - the advice, run as a user would paste it
+    wrapped = scope["sampler"]
+    assert type(wrapped).__name__ == "EpochfsSampler" and wrapped.client.mountpoint == "/mnt/data"
+    assert list(wrapped.sampler) == [0, 1] and wrapped.paths == Dataset.samples

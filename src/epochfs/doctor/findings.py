@@ -34,6 +34,12 @@ ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "l
          "cluster-share-too-large", "backend-latency", "slow-checkpoints", "writeback-backlog")
 
 
+def sampler_line(m: dict[str, Any]) -> str:
+    """The line that wraps a training loop's sampler for the mount (``dataset.samples``: the dataset's
+    paths in its index order, as an ImageFolder has them)."""
+    return f"sampler = epochfs.torch.EpochfsSampler(sampler, dataset.samples, {str(m['mountpoint'])!r})"
+
+
 def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[dict[str, str]]:
     """What the mount's state shows that makes the job wait for data, each with its fix, the ones in
     place left out; most helpful first (:data:`ORDER`)."""
@@ -88,7 +94,7 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
         whose = (" by this job's user (the plan holds another user's order)" if m["manifest_files"]
                  else "")
         found("no-manifest", f"no epoch order was handed over{whose}: nothing is fetched ahead of the reader",
-              "wrap the sampler: `sampler = epochfs.torch.EpochfsSampler(sampler, MOUNTPOINT)`, or run "
+              f"wrap the sampler with the dataset's paths in its index order: `{sampler_line(m)}`, or run "
               f"`epochfs prefetch {mnt} --manifest FILE` before each epoch")
     hit = m["hit_ratio"]
     steady = judged != "first"  # (a first epoch's misses are the cold read)
