@@ -84,16 +84,17 @@ def _channel_of(mountpoint: str | os.PathLike[str]) -> tuple[str, str]:
     except OSError:
         st = None  # (a private directory, or a namespace that does not see it: through the mount)
     if st is not None and os.geteuid() in (0, st.st_uid):
-        return "socket", _checked_socket(path)
+        return "socket", _checked_socket(path, st)
     return "mount", _checked_mount(where)
 
 
-def _checked_socket(path: str) -> str:
+def _checked_socket(path: str, st: os.stat_result | None = None) -> str:
     trusted = {0, os.geteuid()}
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise Unreachable(f"control socket {path}: {exc.strerror}") from None
+    if st is None:
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise Unreachable(f"control socket {path}: {exc.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in trusted:
         raise EpochfsError(f"control socket {path} is not a socket owned by root or by you; refusing to use it")
     return path
@@ -241,15 +242,16 @@ def _by_mount(path: str, op: str, lines: Iterator[bytes], timeout: float) -> byt
         opened = False
         for line in lines:
             for at in range(0, len(line), frames.PAYLOAD):
-                piece = frames.frame_in(session, frames.SEND, line[at:at + frames.PAYLOAD])
-                state, data = _frame(fd, path, piece)
+                piece = line[at:at + frames.PAYLOAD]
                 pause = 0.02
-                while state == frames.BUSY and not opened:  # (as many requests open as it takes: wait a turn)
-                    if time.monotonic() + pause >= deadline:
+                while True:  # (the frame is the reply's buffer: a fresh one for each ioctl)
+                    state, data = _frame(fd, path, frames.frame_in(session, frames.SEND, piece))
+                    if state != frames.BUSY or opened:
+                        break
+                    if time.monotonic() + pause >= deadline:  # (as many requests open as it takes: wait a turn)
                         raise EpochfsError(f"the daemon was busy with other requests for {timeout:g}s; {op!r} not sent")
                     time.sleep(pause * random.uniform(0.5, 1.5))
                     pause = min(0.5, pause * 2)
-                    state, data = _frame(fd, path, frames.frame_in(session, frames.SEND, line[at:at + frames.PAYLOAD]))
                 opened = True
                 if state == frames.STOP:  # the daemon has answered before taking it all: its reply says why
                     sending = False

@@ -97,6 +97,7 @@ class Resolved:
     objs: list[ObjectInfo] = dataclasses.field(default_factory=list)
     missing: list[str] = dataclasses.field(default_factory=list)
     missed: int = 0
+    blocks: int = 0  # the blocks of ``objs`` read whole
 
     def message(self) -> str:
         more = f" (and {self.missed - 5} more)" if self.missed > 5 else ""
@@ -115,8 +116,7 @@ def resolve(namespace: Namespace, request: p.Entries, *, expand_dirs: bool, bloc
     hand-over limit."""
     objs, missing, missed = resolve_some(namespace, request.entries, request.source, expand_dirs=expand_dirs,
                                          access=access)
-    count_blocks(objs, block_size)
-    return Resolved(objs, missing, missed)
+    return Resolved(objs, missing, missed, count_blocks(objs, block_size))
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,7 @@ class ControlHandlers:
         await trio.to_thread.run_sync(take, request.entries)
         async for entries in chunks:
             await trio.to_thread.run_sync(take, entries)
+        out.blocks = blocks
         out.check(skip_missing)
         return out
 
@@ -221,7 +222,7 @@ class ControlHandlers:
                                   caller=caller)
         reply = await self.prefetcher.load(got.objs, epoch=request.epoch, replace=request.replace, rank=request.rank,
                                            uid=caller.uid, operator=caller.operator,
-                                           share_blocks=self.bounds.order_blocks)
+                                           share_blocks=self.bounds.order_blocks, blocks=got.blocks)
         if got.missed:
             log.warning("prefetch: %d of the paths %s handed over are not in the snapshot%s, handed over without "
                         "them: %s", got.missed, caller.describe(), "" if caller.operator else " or not readable",
@@ -298,7 +299,8 @@ class ControlHandlers:
                 return {"writeback": True, "pending": [], "pending_total": 0, "pending_bytes": 0, "failed_total": 0}
         left = await wb.sync(paths, request.wait)
         if not caller.operator:
-            left = [x for x in left if x.key in set(paths)]
+            mine = set(paths)
+            left = [x for x in left if x.key in mine]
         failed = [x for x in left if x.state.startswith("not uploaded")]
         left = failed + [x for x in left if x not in failed]  # what will never upload is listed first
         return {"writeback": True, "pending": [dataclasses.asdict(x) for x in left[:MAX_PENDING_LISTED]],

@@ -113,22 +113,18 @@ class Jobs:
     def __init__(self) -> None:
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._marks: dict[str, OrderedDict[int, Mark]] = {}
-        self._owners: dict[str, int | None] = {}  # job -> the uid that reports it
+        self._owners: dict[str, int | None] = {}  # job -> the uid that reports it (exactly the jobs kept)
 
     def check(self, r: Report, uid: int | None, operator: bool = True) -> None:
         """:class:`JobTaken` if ``uid`` may not report ``r`` (an operator may report any job)."""
         if operator:
             return
-        owner = self._owners.get(r.job, uid) if any(k[0] == r.job for k in self._entries) else uid
-        if owner != uid:
+        if self._owners.get(r.job, uid) != uid:
             raise JobTaken(f"job name {r.job!r} is reported by another user; name your job apart (watch(..., job=...))")
         if (r.job, r.rank) not in self._entries and sum(
                 1 for (job, _) in self._entries if self._owners.get(job) == uid) >= MAX_ENTRIES_PER_UID:
             raise JobTaken(f"uid {uid} already reports {MAX_ENTRIES_PER_UID} job ranks; the oldest are kept until "
                            "they are forgotten")
-
-    def owner(self, job: str) -> int | None:
-        return self._owners.get(job)
 
     def new_epoch(self, r: Report) -> bool:
         """Whether ``r`` is its job's first report of its epoch (the caller then passes the backend's
@@ -147,8 +143,7 @@ class Jobs:
                counters: dict[str, float] | None = None, uid: int | None = None) -> None:
         restarted = self._restarted(r)
         key = (r.job, r.rank)
-        if not any(k[0] == r.job for k in self._entries):
-            self._owners[r.job] = uid
+        self._owners.setdefault(r.job, uid)  # (its keys are the jobs with entries: the first reporter's)
         entry = self._entries.pop(key, None) or _Entry()
         self._entries[key] = entry  # most recently reported last
         while len(self._entries) > MAX_ENTRIES:

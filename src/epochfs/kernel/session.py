@@ -203,10 +203,9 @@ class Session:
     def _ioctl_wanted(self, view: memoryview) -> bool:
         """Whether the IOCTL in ``view`` carries a command the handlers answer (read from its bytes
         before anything else is: every other one is a process asking whether a file is a terminal)."""
-        at = abi.IN_HEADER.size + 12  # (fh, flags, then cmd)
-        if not self._ioctl_commands or len(view) < at + 4:
+        if not self._ioctl_commands or len(view) < abi.IN_HEADER.size + abi.IOCTL_IN.size:
             return False
-        return int.from_bytes(view[at:at + 4], "little") in self._ioctl_commands
+        return abi.IOCTL_IN.unpack_from(view, abi.IN_HEADER.size)[2] in self._ioctl_commands
 
     def _answer_read(self, req: abi.Request) -> None:
         """A READ through the handler's ``read_now``: answered at once if it has the bytes, else the

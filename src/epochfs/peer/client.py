@@ -96,10 +96,6 @@ class PeerClient:
                 gate = self._gates[member] = _Gate(self.START_INFLIGHT)
             return gate
 
-    def inflight_limit(self, member: str) -> int:
-        """The requests this node may have in flight to ``member`` now."""
-        return self._gate(member).limit
-
     def _sized(self, gate: _Gate, size: int) -> None:
         """The gate's limit from the rate its answers arrived at (``gate.cond`` held)."""
         now = time.monotonic()

@@ -197,7 +197,7 @@ class Prefetcher:
 
     async def load(self, objs: Sequence[ObjectInfo], *, epoch: int | None = None, replace: bool = False,
                    rank: int | None = None, uid: int | None = None, operator: bool = True,
-                   share_blocks: int | None = None) -> dict[str, Any]:
+                   share_blocks: int | None = None, blocks: int | None = None) -> dict[str, Any]:
         """Hand over the files one reader will read, in order (already partitioned for its rank).
 
         A hand-over is queued after the ones not yet read (or replaces them all). Hand-overs that name
@@ -208,9 +208,11 @@ class Prefetcher:
         ``uid`` hands it over; unless an ``operator``, it never replaces, merges into or rewrites
         another uid's hand-over (a replace is refused, a merge becomes a segment of its own, queued
         after), and its hand-overs not yet read hold at most ``share_blocks`` blocks
-        (:class:`~epochfs.core.errors.NotPermitted` otherwise, nothing changed)."""
+        (:class:`~epochfs.core.errors.NotPermitted` otherwise, nothing changed). ``blocks``: the blocks of
+        ``objs``, where the caller counted them already."""
         async with self._loading:
-            new_blocks = await trio.to_thread.run_sync(count_blocks, objs, self.cache.block_size)
+            new_blocks = blocks if blocks is not None else await trio.to_thread.run_sync(
+                count_blocks, objs, self.cache.block_size)
             plan = self._plan
             current = None if plan is None or replace or self._finished() else plan.files[self._file_pos]
             reading = None if plan is None or self._finished() else plan.files[self._file_pos].segment
