@@ -126,7 +126,7 @@ def test_the_gate_follows_the_members_rate():
     client = PeerClient(KEYS, timeout=5.0)
     gate = client._gate("m")
     now = time.monotonic()
-    with gate.cond:
+    with gate.lock:
         for k in range(20):  # 20 MiB in the last 2 s: 10 MiB/s
             gate.done.append((now - 2 + k * 0.1, 1 << 20))
         client._sized(gate, 1 << 20)
@@ -136,6 +136,56 @@ def test_the_gate_follows_the_members_rate():
             gate.done.append((now - 1 + k * 0.05, 64 << 20))
         client._sized(gate, 1 << 20)
         assert gate.limit == client.MAX_INFLIGHT
+
+
+def test_a_free_handle_goes_to_the_block_a_reader_waits_for_then_to_the_longest_waiting():
+    # One handle, held; four fetches queue for it in order: two prefetches, a demand read, and a
+    # prefetch a reader catches up with once it is queued. Handles come free one at a time: the demand
+    # and the caught-up prefetch go first (in the order they came), then the others in theirs; a
+    # newcomer never overtakes a waiter.
+    client = PeerClient(KEYS, timeout=5.0)
+    client.START_INFLIGHT = 1
+    gate = client._gate("m")
+    first = client._borrow("m", gate, None)
+    caught_up = threading.Event()
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def fetch(name: str, urgent) -> None:
+        curl = client._borrow("m", gate, urgent)
+        with lock:
+            order.append(name)
+        client._give_back(gate, curl, 4096, 0)
+
+    wanted = {"prefetch-1": None, "prefetch-2": caught_up.is_set, "demand": lambda: True, "prefetch-3": None}
+    threads = []
+    for name, urgent in wanted.items():
+        threads.append(threading.Thread(target=fetch, args=(name, urgent)))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while len(gate.waiting) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert len(gate.waiting) == 4
+    caught_up.set()  # a reader now waits for prefetch-2's block
+    with gate.lock:  # (a newcomer while handles are taken waits behind the queue, not before it)
+        assert gate.lent == 1 and gate.limit == 1
+    client._give_back(gate, first, 4096, 0)
+    for t in threads:
+        t.join(5)
+    assert order == ["prefetch-2", "demand", "prefetch-1", "prefetch-3"]
+    assert gate.lent == 0 and not gate.waiting
+
+
+def test_a_fetch_that_waits_too_long_for_a_handle_leaves_the_queue_and_says_busy():
+    client = PeerClient(KEYS, timeout=0.05)
+    client.START_INFLIGHT = 1
+    gate = client._gate("m")
+    held = client._borrow("m", gate, None)
+    with pytest.raises(PeerFailure) as exc:
+        client._borrow("m", gate, lambda: True)
+    assert exc.value.kind == "busy" and not gate.waiting and gate.lent == 1
+    client._give_back(gate, held, 4096, 0)
+    assert gate.lent == 0
 
 
 def test_idle_kept_alive_connections_give_up_their_slots_first_and_busy_ones_are_kept():
@@ -191,7 +241,7 @@ def test_the_tier_asks_a_busy_member_again_and_never_distrusts_it(kind):
         timeout = 1.0
         calls = 0
 
-        def get(self, member, req):
+        def get(self, member, req, urgent=None):
             self.calls += 1
             if self.calls < 3:
                 raise PeerFailure(kind, "x", 503, 0.05)

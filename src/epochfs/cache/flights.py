@@ -51,7 +51,7 @@ class ReadObserver(Protocol):
 class Fetch:
     """One block being fetched (single flight: every reader of the block waits on the same one)."""
 
-    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "served")
+    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "served", "waited")
 
     def __init__(self, demand: bool, direct: bool = False, warm: bool = False, near: bool = True) -> None:
         self.event = trio.Event()
@@ -63,6 +63,11 @@ class Fetch:
         self.near = near  # a reader is at or right behind this block: keep it in memory, write it around
         self.from_peer = False
         self.served = 0  # bytes of it the readers were given (once all were, the readers have moved on)
+        self.waited = demand  # a reader waits for it (a prefetch a reader caught up with): its request goes first
+
+    def urgent(self) -> bool:
+        """Whether a reader waits for this block now (read from the fetch's worker thread)."""
+        return self.waited
 
     async def wait(self) -> EpochfsError | None:
         """Wait for the fetch; its error, or None when the bytes arrived."""

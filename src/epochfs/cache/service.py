@@ -255,6 +255,7 @@ class BlockCache:
             if flight is None:
                 flight = self._start(obj, index, bid, demand=True, direct=for_peer)
         hit = flight.event.is_set() and not flight.demand
+        flight.waited = True  # (a prefetch still queued for its source goes first now)
         await flight.event.wait()
         if flight.error is None and flight.data is None:  # a prefetch that only warmed the owner
             again = self._flights.get(bid)
@@ -447,7 +448,7 @@ class BlockCache:
                 origin = "local"
             else:
                 data, origin = self.source.read_block(obj, index, start, length, bid, direct=flight.direct,
-                                                      warm=flight.warm)
+                                                      warm=flight.warm, urgent=flight.urgent)
             box.post(self._deliver, flight, data, origin)
             if not admitted or data is None:
                 return

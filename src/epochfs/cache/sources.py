@@ -9,6 +9,7 @@ cluster tier (a cache node, or a serving peer), or another replica of it (asked 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from epochfs.backend.base import Backend
@@ -26,10 +27,12 @@ class BlockSource(Protocol):
         """Whether this node caches the block."""
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, str]:
+                   warm: bool, urgent: Callable[[], bool] | None = None) -> tuple[bytes | None, str]:
         """The block's bytes and where they came from (one of :data:`ORIGINS`). ``direct``: from the
         backend only (a cache node answering a member: from another cache node that holds it, too).
-        ``warm``: a prefetch of a block not kept here: only make sure its owner has it (may return None)."""
+        ``warm``: a prefetch of a block not kept here: only make sure its owner has it (may return None).
+        ``urgent``: whether a reader waits for the block now (a source that queues its requests serves
+        those first)."""
 
 
 class BackendSource:
@@ -42,5 +45,5 @@ class BackendSource:
         return True
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, str]:
+                   warm: bool, urgent: Callable[[], bool] | None = None) -> tuple[bytes | None, str]:
         return self.backend.read_range(obj.key, obj.etag, start, length), "backend"

@@ -8,7 +8,8 @@ is sized by what the member's link carries: the bytes per second its answers arr
 seconds, times ``HIDE`` (the latency an answer in flight should hide), in blocks of the size asked
 (``MIN_INFLIGHT`` to ``MAX_INFLIGHT``; ``START_INFLIGHT`` until it is measured). A fetch waits for a
 handle (a node's own queue: no fault of the member) at most ``WAIT`` times the tier's timeout, then the
-member counts as busy. Proofs (hellos) bypass the gate.
+member counts as busy. A handle that comes free goes to a fetch a reader waits for (``urgent``) before
+the prefetches queued ahead of it, else to the fetch waiting longest. Proofs (hellos) bypass the gate.
 
 A request is bounded by progress: an answer that moves fewer than ``LOW_SPEED`` bytes a second for the
 tier's timeout is given up (a member that died or stopped sending costs at most that), and by
@@ -26,6 +27,7 @@ import collections
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import pycurl
 
@@ -47,15 +49,40 @@ class PeerFailure(Exception):
         self.retry_after = retry_after
 
 
+class _Waiter:
+    """A fetch waiting for one of a gate's handles; ``urgent`` says, when a handle comes free, whether a
+    reader waits for its block now (it goes first)."""
+
+    __slots__ = ("cond", "urgent", "granted")
+
+    def __init__(self, lock: threading.Lock, urgent: Callable[[], bool] | None) -> None:
+        self.cond = threading.Condition(lock)
+        self.urgent = urgent
+        self.granted = False
+
+
 class _Gate:
-    """A member's handles: at most ``limit`` requests in flight to it (its limit follows its rate)."""
+    """A member's handles: at most ``limit`` requests in flight to it (its limit follows its rate). A
+    handle that comes free goes to the first waiter a reader waits for, else to the one waiting
+    longest: prefetches queued at a busy member never hold a reader's block back, and none is overtaken
+    by a newcomer."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.lent = 0
         self.free: list[curlio.Easy] = []
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.waiting: collections.deque[_Waiter] = collections.deque()
         self.done: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)  # (when, bytes) answered
+
+    def grant(self) -> None:
+        """Hand free handles to waiters (``lock`` held): the urgent first, then in the order they came."""
+        while self.waiting and self.lent < self.limit:
+            chosen = next((w for w in self.waiting if w.urgent is not None and w.urgent()), self.waiting[0])
+            self.waiting.remove(chosen)
+            self.lent += 1
+            chosen.granted = True
+            chosen.cond.notify()
 
 
 class PeerClient:
@@ -97,7 +124,7 @@ class PeerClient:
             return gate
 
     def _sized(self, gate: _Gate, size: int) -> None:
-        """The gate's limit from the rate its answers arrived at (``gate.cond`` held)."""
+        """The gate's limit from the rate its answers arrived at (``gate.lock`` held)."""
         now = time.monotonic()
         recent = [(t, n) for t, n in gate.done if now - t <= self.WINDOW]
         if len(recent) < 4:
@@ -106,31 +133,37 @@ class PeerClient:
         rate = sum(n for _, n in recent) / span
         gate.limit = max(self.MIN_INFLIGHT, min(self.MAX_INFLIGHT, math.ceil(rate * self.HIDE / max(size, 4096))))
 
-    def _borrow(self, member: str, gate: _Gate) -> curlio.Easy:
-        deadline = time.monotonic() + self.WAIT * self.timeout
-        with gate.cond:
-            while gate.lent >= gate.limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerFailure("busy", f"{member}: {gate.lent} requests in flight to it already", 0, 0.0)
-                gate.cond.wait(left)
-            gate.lent += 1
+    def _borrow(self, member: str, gate: _Gate, urgent: Callable[[], bool] | None) -> curlio.Easy:
+        with gate.lock:
+            if gate.lent < gate.limit and not gate.waiting:
+                gate.lent += 1
+            else:
+                waiter = _Waiter(gate.lock, urgent)
+                gate.waiting.append(waiter)
+                deadline = time.monotonic() + self.WAIT * self.timeout
+                while not waiter.granted:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        gate.waiting.remove(waiter)
+                        raise PeerFailure("busy", f"{member}: {gate.lent} requests in flight to it already", 0, 0.0)
+                    waiter.cond.wait(left)
             return gate.free.pop() if gate.free else self._new_curl()
 
     def _give_back(self, gate: _Gate, curl: curlio.Easy | None, size: int, got: int) -> None:
-        with gate.cond:
+        with gate.lock:
             gate.lent -= 1
             if curl is not None:
                 gate.free.append(curl)
             if got:
                 gate.done.append((time.monotonic(), got))
                 self._sized(gate, size)
-            gate.cond.notify()
+            gate.grant()
 
-    def get(self, member: str, req: wire.BlockRequest) -> bytes | None:
-        """The block's bytes (None for a warm request, once the owner has it); :class:`PeerFailure`."""
+    def get(self, member: str, req: wire.BlockRequest, urgent: Callable[[], bool] | None = None) -> bytes | None:
+        """The block's bytes (None for a warm request, once the owner has it); :class:`PeerFailure`.
+        ``urgent``: whether a reader waits for the block now (asked when it waits for a handle)."""
         gate = self._gate(member)
-        curl: curlio.Easy | None = self._borrow(member, gate)
+        curl: curlio.Easy | None = self._borrow(member, gate, urgent)
         got = 0
         try:
             status, data, fields = self._ask(member, req.target(), max(req.length, 4096), self.timeout, curl)

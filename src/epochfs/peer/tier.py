@@ -136,11 +136,12 @@ class PeerTier:
         return not owners or self.members.me in owners
 
     def read_block(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes, *, direct: bool,
-                   warm: bool) -> tuple[bytes | None, str]:
+                   warm: bool, urgent: Callable[[], bool] | None = None) -> tuple[bytes | None, str]:
         """The block's bytes and where they came from (``owner``: its first owner; ``replica``: another,
         asked once an owner before it failed; ``backend``); ``direct``: not from its owners (this node
         answers a member: a cache node still asks the others for what they hold); ``warm``: only make
-        sure an owner has it (None when it does)."""
+        sure an owner has it (None when it does); ``urgent``: whether a reader waits for it now (its request
+        goes before the prefetches queued for the member)."""
         if not direct:
             failed = False
             for owner in self.owners(bid):
@@ -148,7 +149,7 @@ class PeerTier:
                     break
                 if failed:
                     self._count_fallback("replica")
-                got = self.ask(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm))
+                got = self.ask(owner, wire.BlockRequest(bid, obj.key, obj.etag, index, length, warm), urgent)
                 if got is not None:
                     return got[0], "replica" if failed else "owner"
                 failed = True
@@ -180,13 +181,14 @@ class PeerTier:
                 self._replicating = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="replicate")
             return self._replicating
 
-    def ask(self, member: str, req: wire.BlockRequest) -> tuple[bytes | None] | None:
+    def ask(self, member: str, req: wire.BlockRequest,
+            urgent: Callable[[], bool] | None = None) -> tuple[bytes | None] | None:
         """(the answer,) of ``member``, or None if it failed (distrusted where it must be). A busy
         member is asked again, after the pause it names, until the tier's timeout has passed."""
         deadline = time.monotonic() + self.client.timeout
         while True:
             try:
-                data = self.client.get(member, req)
+                data = self.client.get(member, req, urgent)
                 break
             except PeerFailure as exc:
                 if exc.kind == "busy":
