@@ -3,21 +3,26 @@
 #   bash deploy/install.sh [NAME]               # a GPU node's mount NAME (default: data -> /mnt/data)
 #   bash deploy/install.sh --serve NAME         # a cache node of dataset NAME (epochfs serve)
 #   bash deploy/install.sh --config-only [--serve] NAME   # only write its config (another instance)
+#   ... --secrets DIR ...                        # also install the cluster's secrets made once in DIR
+#                                                  (peer-token, redis-password: the same files on every node)
 # It installs FUSE 3, a virtualenv in /opt/epochfs, the commands /usr/local/bin/epochfs and
 # /sbin/mount.epochfs (for /etc/fstab), the systemd units, the instance's config (/etc/epochfs/NAME.toml,
 # or serve-NAME.toml for a cache node) and its cache directory. Each instance gets its own metrics port
 # (9567 for the first, the next free one after that).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-config_only=0 serve=0
+config_only=0 serve=0 secrets=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --config-only) config_only=1; shift ;;
     --serve) serve=1; shift ;;
-    -*) echo "install.sh: unknown option $1 (--config-only, --serve)" >&2; exit 2 ;;
+    --secrets)
+      [ $# -ge 2 ] && [ -d "$2" ] || { echo "install.sh: --secrets DIR: give the directory the cluster's secrets were made in" >&2; exit 2; }
+      secrets="$(cd "$2" && pwd)"; shift 2 ;;
+    -*) echo "install.sh: unknown option $1 (--config-only, --serve, --secrets DIR)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
+cd "$(dirname "$0")/.."
 name="${1:-data}"
 [[ "$name" =~ ^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$ ]] || { echo "install.sh: '$name' is not an instance name" >&2; exit 2; }
 etc="${EPOCHFS_ETC:-/etc/epochfs}"
@@ -48,7 +53,31 @@ write_config() {
   fi
 }
 
+# The cluster's secrets, made once and copied to every node: installed as root's, mode 0600. A node that
+# already holds a different one is not overwritten (its peers would refuse one or the other): said, and
+# left for the operator to remove.
+install_secrets() {
+  [ -n "$secrets" ] || return 0
+  install -d -m 0755 "$etc"
+  local found=0 f
+  for f in peer-token redis-password; do
+    [ -f "$secrets/$f" ] || continue
+    found=1
+    [ -s "$secrets/$f" ] || { echo "install.sh: $secrets/$f is empty" >&2; exit 1; }
+    if [ -e "$etc/$f" ]; then
+      if cmp -s "$secrets/$f" "$etc/$f"; then continue; fi
+      echo "install.sh: $etc/$f exists and differs from $secrets/$f: this node holds another secret (the" \
+           "cluster's members would refuse one or the other); remove $etc/$f if $secrets/$f is the cluster's" >&2
+      exit 1
+    fi
+    install -m 0600 "$secrets/$f" "$etc/$f"
+    echo "install.sh: installed $etc/$f (mode 0600)"
+  done
+  [ "$found" = 1 ] || { echo "install.sh: --secrets $secrets holds neither peer-token nor redis-password" >&2; exit 1; }
+}
+
 if [ "$config_only" = 1 ]; then
+  install_secrets
   write_config
   exit 0
 fi
@@ -63,6 +92,7 @@ install -m 0644 README.md /opt/epochfs/README.md
 ln -sf /opt/epochfs/venv/bin/epochfs /usr/local/bin/epochfs
 ln -sf /opt/epochfs/venv/bin/mount.epochfs /sbin/mount.epochfs
 
+install_secrets
 write_config
 install -d -m 0700 /var/cache/epochfs
 if [ "$serve" = 1 ]; then

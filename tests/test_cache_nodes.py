@@ -307,6 +307,9 @@ def test_cluster_status_names_a_cache_node_whose_share_outgrows_its_cache(tier):
     warned = [line for line in warmup.stderr.splitlines() if "warning:" in line]  # (said before it warms)
     assert {n.addr for n in (large, small) if any(f"warning: {n.addr} is asked to hold" in w for w in warned)} \
         == over, warmup.stderr
+    # every block was answered, yet not all are held: the warmup says which node cannot hold what, exit 1
+    assert warmup.returncode == 1 and "the warmup is not complete" in warmup.stderr, warmup.stderr
+    assert all(f"{node} holds at most" in warmup.stderr for node in over), warmup.stderr
     other = tier.server("--block-size", "2M")
     tier.wait_servers(3)
     out, text = cluster_status(tier, lambda rows: len(rows) == 3 and all("capacity_bytes" in r for r in rows))
@@ -328,8 +331,12 @@ def test_cache_nodes_share_the_dataset_in_proportion_to_their_caches(tier):
     assert (p["cache_size_bytes"], p["tier_cache_bytes"]) == (32 * MiB, 288 * MiB), p
     text = subprocess.run([*EPOCHFS, "status", str(small.cache_dir)], capture_output=True, text=True).stdout
     assert "(its 32.0 MiB of the members' 288.0 MiB of cache)" in text, text
-    r = subprocess.run([*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url, "--peer-token-file",
-                        str(tier.token_file), "--block-size", "1M"], capture_output=True, text=True, timeout=120)
+    # warmed as a Job warms them: from a member's own config file (the source, store, token and block size)
+    config = tier.tmp / "cache.toml"
+    config.write_text(f'source = "{tier.dataset}"\nmeta = "{tier.redis_url}"\npeer_token_file = "{tier.token_file}"\n'
+                      'block_size = "1M"\ncache_size = "32M"\n')
+    r = subprocess.run([*EPOCHFS, "cluster", "warmup", "--config", str(config)], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 0, r.stderr
     for node in (large, small):
         deadline = time.monotonic() + 15
@@ -470,3 +477,29 @@ def test_planted_members_cannot_hang_cluster_status_nor_warmup(tier):
     assert time.monotonic() - started < 120
     assert "did not prove" in w.stderr  # (the planted ones are left out)
     assert held(real) > 0
+
+
+def test_a_node_whose_token_the_cache_nodes_refuse_says_so_in_status_and_metrics(tier):
+    """A GPU node installed with a token of its own (not the cluster's): the cache node refuses its
+    proofs, so it reads from the backend. It says why where an operator looks: `epochfs status` names the
+    members refusing its token with the fix, the metric epochfs_peer_refusing_members (the alert's input)
+    counts them, and its log says it once. A node with the cluster's token shows none of it."""
+    server = tier.server()
+    other = tier.tmp / "another-token"
+    other.write_text(os.urandom(16).hex() + "\n")
+    other.chmod(0o600)
+    good, bad = tier.client(), tier.client("--peer-token-file", str(other))
+    deadline = time.monotonic() + 30
+    while not bad.status()["peer"].get("refusing") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert bad.status()["peer"]["refusing"] == [server.addr], bad.status()["peer"]
+    text = subprocess.run([*EPOCHFS, "status", str(bad.mountpoint)], capture_output=True, text=True, timeout=60).stdout
+    assert f"1 member refusing this node's token ({server.addr})" in text and "peer_token_file" in text, text
+    for node, expected in ((bad, 1.0), (good, 0.0)):
+        with urllib.request.urlopen(f"http://{node.status()['metrics_addr']}/metrics", timeout=10) as answer:
+            values = [s.value for fam in text_string_to_metric_families(answer.read().decode())
+                      for s in fam.samples if s.name == "epochfs_peer_refusing_members"]
+        assert values == [expected], (node.mountpoint, values)
+    assert not good.status()["peer"].get("refusing")
+    log = (tier.tmp / "client-cache1" / "epochfs.log").read_text(errors="replace")
+    assert log.count("refuses this node's token") == 1, log[-2000:]

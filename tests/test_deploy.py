@@ -238,23 +238,46 @@ def test_install_writes_a_cache_nodes_config_the_serve_unit_runs(tmp_path):
 
 
 def test_the_bare_metal_walkthrough_configures_a_tier(tmp_path):
-    """docs/deploying.md's bare-metal steps 1 to 3, run as written: the secrets, a cache node's config and
-    a GPU node's, which parse as a cache node and a client of one tier (the same store, token, source)."""
+    """docs/deploying.md's bare-metal steps 1 to 3, run as written, steps 2 and 3 as on two machines (each
+    its own /etc/epochfs, the secrets made once in step 1 copied to both): a cache node's config and a GPU
+    node's, which parse as a cache node and a client of one tier (the same store, source, and the same
+    token and password, byte for byte, mode 0600). Installing another token over a node's is refused."""
     import re as _re
 
     text = (ROOT / "docs" / "deploying.md").read_text()
-    block = next(b for b in _re.findall(r"```sh\n(.*?)```", text, flags=_re.S) if b.startswith("# 1. the secrets"))
-    etc = tmp_path / "etc"
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, EPOCHFS_ETC=str(etc)))
-    assert r.returncode == 0, r.stderr
+    block = next(b for b in _re.findall(r"```sh\n(.*?)```", text, flags=_re.S) if b.startswith("# 1. the cluster's secrets"))
+    made, rest = block.split("# 2.", 1)
+    cache_step, gpu_step = ("# 2." + rest).split("# 3.", 1)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "deploy").symlink_to(ROOT / "deploy")
+    (work / "README.md").symlink_to(ROOT / "README.md")
+    etcs = {"cache": tmp_path / "cache-etc", "gpu": tmp_path / "gpu-etc"}
+    for step, etc in ((made, None), (cache_step, etcs["cache"]), ("# 3." + gpu_step, etcs["gpu"])):
+        env = dict(os.environ, **({"EPOCHFS_ETC": str(etc)} if etc else {}))
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", step], cwd=work, capture_output=True, text=True,
+                           timeout=60, env=env)
+        assert r.returncode == 0, (step, r.stderr)
     for secret in ("redis-password", "peer-token"):
-        assert oct((etc / secret).stat().st_mode & 0o777) == "0o600"
+        for etc in etcs.values():
+            assert oct((etc / secret).stat().st_mode & 0o777) == "0o600"
+        assert (etcs["cache"] / secret).read_bytes() == (etcs["gpu"] / secret).read_bytes() == (
+            work / "secrets" / secret).read_bytes()  # made once, the same on both machines
+    etc = etcs["cache"]
     serve = config_from(build_parser().parse_args(["serve", "--config", str(etc / "serve-imagenet.toml")]),
                         serving=True)
-    mount = parse_mount(["mount", "--config", str(etc / "imagenet.toml")])
+    mount = parse_mount(["mount", "--config", str(etcs["gpu"] / "imagenet.toml")])
     assert serve.serving and serve.peer_listen == "10.0.1.5:9570" and mount.peer_role == "client"
     assert str(mount.mountpoint) == "/mnt/imagenet"
-    for key in ("meta", "meta_password_file", "peer_token_file", "endpoint_url", "source"):
+    for key in ("meta", "endpoint_url", "source"):
         assert getattr(serve, key) == getattr(mount, key), key
+    for key in ("meta_password_file", "peer_token_file"):
+        assert Path(getattr(serve, key)).read_bytes() == Path(getattr(mount, key)).read_bytes(), key
+    # a node that holds another token keeps it and says so: the operator decides which is the cluster's
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "peer-token").write_text("another-token\n")
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--config-only", "--secrets", str(tmp_path / "other"),
+                        "imagenet"], capture_output=True, text=True, timeout=60, env=dict(os.environ, EPOCHFS_ETC=str(etc)))
+    assert r.returncode == 1 and "exists and differs" in r.stderr, r.stderr
+    assert (etc / "peer-token").read_bytes() == (work / "secrets" / "peer-token").read_bytes()
     assert str(serve.peer_token_file).startswith(str(etc)) and serve.meta == "redis://epochfs@10.0.0.9:6379/0"

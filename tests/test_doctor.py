@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import re
 import subprocess
@@ -121,9 +122,15 @@ def test_a_cold_first_epoch_with_the_order_handed_over_is_not_a_missing_manifest
     assert "not a missing plan" in f["evidence"] and "`epochfs warmup /mnt/data`" in f["fix"]
     assert any("order is handed over" in x for x in r["in_place"])
     assert any("3.1x the dataset" in x or "2.0x the dataset" in x for x in r["in_place"])
-    # A cache too small for the dataset: warm what the first epoch reads.
+    # A cache too small for the dataset: no warmup holds an epoch, so the cache's size comes first, and
+    # the warmup once it holds the dataset; the advised size applied, the warmup alone is left.
     s["store"]["capacity_bytes"] = 16 * GiB
-    assert "--manifest" in doctor(s, s)["findings"][0]["fix"]
+    r = doctor(s, s)
+    assert [f["cause"] for f in r["findings"]] == ["cache-too-small", "cold-first-epoch"], r["findings"]
+    assert "is larger than the cache (16G)" in r["findings"][0]["evidence"]
+    assert "once the cache holds the dataset" in r["findings"][1]["fix"]
+    _cache_size_advised(s, r)
+    assert [f["cause"] for f in doctor(s, s)["findings"]] == ["cold-first-epoch"]
     # Through cache nodes: warm them.
     s["peer"] = {"role": "client", "bytes_in": 0, "requests": {"unavailable": 0, "bad": 0}}
     assert "epochfs cluster warmup s3://bucket/train" in doctor(s, s)["findings"][0]["fix"]
@@ -698,6 +705,20 @@ def test_a_busy_cache_node_link_is_named_with_a_complete_command():
         assert part in command, (part, command)
 
 
+def test_a_node_whose_peer_token_is_refused_hears_it_first():
+    """A GPU node whose cache nodes refuse its token (it made its own) reads everything from the backend;
+    the doctor says why first, not only that the first epoch was cold."""
+    s = first_epoch_read(client_of(2 * DATASET), 10 * GiB)
+    s["peer"]["refusing"] = ["198.18.0.5:9570", "198.18.0.6:9570"]
+    r = doctor(s, s)
+    causes = [f["cause"] for f in r["findings"]]
+    assert causes[0] == "peer-token-refused", causes
+    f = r["findings"][0]
+    assert "2 members" in f["evidence"] and "198.18.0.5:9570" in f["evidence"] and "peer_token_file" in f["fix"]
+    s["peer"]["refusing"] = []
+    assert "peer-token-refused" not in [f["cause"] for f in doctor(s, s)["findings"]]
+
+
 def test_a_node_whose_cpu_is_the_bound_hears_so():
     s = first_epoch_read(client_of(2 * DATASET), 10 * GiB, owner=10 * GiB, cpu_busy=0.97)
     r = doctor(s, s)
@@ -819,3 +840,23 @@ def test_the_sampler_line_the_doctor_advises_runs_as_pasted():
     wrapped = scope["sampler"]
     assert type(wrapped).__name__ == "EpochfsSampler" and wrapped.client.mountpoint == "/mnt/data"
     assert list(wrapped.sampler) == [0, 1] and wrapped.paths == Dataset.samples
+
+
+def test_the_pack_command_the_doctor_advises_runs_as_pasted(s3, s3_client, fresh_bucket):
+    """A mount of small files on an endpoint of its own (--endpoint-url): the small-files finding's
+    command, pasted into a shell as it is, packs the dataset beside it, reaching the backend as the
+    mount does (without the mount's endpoint it would ask AWS)."""
+    files = [SampleFile(f"train/{i:03d}.jpg", 100 * 1024 + i) for i in range(12)]
+    upload(s3_client, fresh_bucket, "ds/", files)
+    s = starving()
+    s["source"] = f"s3://{fresh_bucket}/ds/"
+    s["options"] = {"endpoint_url": s3.endpoint}
+    s["snapshot"].update(bytes=sum(f.size for f in files), objects=len(files))
+    (finding,) = [f for f in doctor(s)["findings"] if f["cause"] == "small-files"]
+    command = finding["fix"].split("`")[1]
+    assert f"--endpoint-url {s3.endpoint}" in command, command
+    env = dict(s3.env(), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # (where `epochfs` is installed)
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, (command, r.stderr)
+    listed = s3_client.list_objects_v2(Bucket=fresh_bucket, Prefix="ds-packed/")
+    assert listed.get("KeyCount", 0) >= 2, listed  # (its shards, its index and the pointer written last)

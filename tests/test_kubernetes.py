@@ -42,11 +42,23 @@ def kubectl() -> str:
     return path
 
 
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run([kubectl(), "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+def render(overlay: str, under: str = "overlays") -> list[dict]:
+    out = subprocess.run([kubectl(), "kustomize", str(K8S / under / overlay)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
+    assert "deprecated" not in out.stderr.lower() and "warning" not in out.stderr.lower(), out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+def the_image() -> str:
+    """The image set once for every render (components/image)."""
+    (image,) = yaml.safe_load((K8S / "components" / "image" / "kustomization.yaml").read_text())["images"]
+    return f"{image['newName']}:{image['newTag']}"
 
 
 def validate(doc: dict) -> None:
@@ -105,6 +117,55 @@ def test_every_overlay_renders_offline_and_validates_against_the_schemas(overlay
         for container in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
             assert not any(w in " ".join(container.get("args", [])).lower() for w in ("secret", "password=", "token="))
         assert d["kind"] != "Secret", "Secrets are made by the operator, not shipped with placeholder values"
+
+
+@pytest.mark.parametrize("overlay", [*(("overlays", o) for o in OVERLAYS), ("jobs", "cluster-warmup")])
+def test_every_render_runs_one_image_and_needs_nothing_it_does_not_create(overlay):
+    """Every container of a render (each workload an overlay adds included) runs the one image set in
+    components/image; a volume claim's storage class is one the render creates; kubectl renders it
+    without a warning."""
+    docs = render(overlay[1], overlay[0])
+    images = {c["image"] for d in docs for c in containers(d)}
+    assert images == {the_image()}, images
+    classes = {d["metadata"]["name"] for d in by_kind(docs, "StorageClass")}
+    for d in docs:
+        for claim in d.get("spec", {}).get("volumeClaimTemplates", []):
+            assert claim["spec"].get("storageClassName") in classes, claim
+        for v in d.get("spec", {}).get("template", {}).get("spec", {}).get("volumes", []):
+            assert "persistentVolumeClaim" not in v, v
+
+
+def test_the_warmup_job_warms_what_the_cache_nodes_serve_with_their_own_secrets(tmp_path):
+    """The Job of jobs/cluster-warmup takes the cache nodes' config (the ConfigMap the cache-nodes overlay
+    makes) and their Secrets: the dataset, store, password, token and replicas it warms with are exactly
+    the cache nodes' own."""
+    (job,) = by_kind(render("cluster-warmup", "jobs"), "Job")
+    validate(job)
+    nodes = render("cache-nodes")
+    (sts,) = by_kind(nodes, "StatefulSet")
+    files = configs(nodes, tmp_path)
+    spec = job["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    node_volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    node_mounts = {m["name"]: m["mountPath"] for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    for name in ("config", "peer-token", "redis-password"):  # the same Secrets and ConfigMap, where the config says
+        assert volumes[name] == node_volumes[name] and mounts[name] == node_mounts[name], name
+    from epochfs.cli.cluster import with_config
+
+    args = build_parser().parse_args(c["args"])
+    config_path = args.config
+    assert config_path.startswith(mounts["config"] + "/")
+    args.config = str(files[Path(config_path).name])
+    with_config(args)
+    served = parse(["serve", "--config", str(files["cache.toml"]), "--peer-advertise", "10.0.0.7:9570"])
+    assert args.source == served.source.url or args.source == str(served.source.url)
+    assert (args.meta, args.meta_password_file, args.peer_token_file, args.replicas) == (
+        served.meta, served.meta_password_file, served.peer_token_file, served.replicas)
+    assert args.peer_token_file and args.meta_password_file and args.replicas == 2
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]} and not c["securityContext"][
+        "allowPrivilegeEscalation"]
 
 
 def test_each_set_up_has_a_monitoring_overlay_with_the_shipped_rules():
@@ -193,7 +254,13 @@ def test_each_workload_asks_for_the_least_privilege_that_works():
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True and "privileged" not in sc
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert not any("hostPath" in v for v in pod["volumes"])  # its cache is its own volume, not the node's
+    # Its one hostPath is its own cache directory on the machine's NVMe: not the GPU node mount's cache
+    # (/var/cache/epochfs), no device, nothing of the node's; one cache node a machine.
+    host = [v["hostPath"] for v in pod["volumes"] if "hostPath" in v]
+    assert host == [{"path": "/var/cache/epochfs-serve", "type": "DirectoryOrCreate"}], host
+    (rule,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    assert rule["labelSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
     writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
     assert writable == {"/var/cache/epochfs", "/tmp"}
 
@@ -644,7 +711,9 @@ def test_the_kubernetes_walkthrough_runs_and_asks_for_what_the_manifests_need(tm
     calls = [line.split() for line in log.read_text().splitlines()]
     docs = [d for d in yaml.safe_load_all((work / "epochfs.yaml").read_text()) if d]
     assert docs == render("cache-nodes-monitoring")
-    for doc in docs:
+    warmup = [d for d in yaml.safe_load_all((work / "warmup.yaml").read_text()) if d]
+    assert warmup == render("cluster-warmup", "jobs") and by_kind(warmup, "Job")
+    for doc in docs + warmup:
         validate(doc)
     labelled: dict[str, list[str]] = {}
     for c in calls:
@@ -655,6 +724,7 @@ def test_the_kubernetes_walkthrough_runs_and_asks_for_what_the_manifests_need(tm
     workloads = by_kind(docs, "DaemonSet") + by_kind(docs, "StatefulSet")
     for w in workloads:
         assert w["spec"]["template"]["spec"]["nodeSelector"]["epochfs.io/node"] in labelled
+    workloads += by_kind(warmup, "Job")  # (runs anywhere; its Secrets and config are the cache nodes')
     namespace = {d["metadata"].get("namespace") for d in workloads}
     assert namespace == {"epochfs"} and ["create", "namespace", "epochfs"] in calls
     secrets: dict[str, set[str]] = {}

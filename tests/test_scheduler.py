@@ -152,6 +152,28 @@ def test_warmup_into_a_full_cache_evicts_what_the_plan_does_not_read(tmp_path):
     assert sum(cached[f.key] for f in old) == 1
 
 
+def test_a_warmup_counts_done_only_what_it_left_cached(tmp_path):
+    """A warmup while a handed-over order is read, into a cache that cannot hold both: the order's
+    reads evict blocks the warmup fetched before it ends. The job then counts those as evicted, not
+    done: what it reports done is exactly what is cached when it ends (what `warmup --check` sees)."""
+    order, warm = objs(6, prefix="o"), objs(6, prefix="w")
+
+    async def fn(cache, pf, backend):
+        await pf.load(order)
+        job = pf.warmup(warm)
+        for f in order:  # the epoch's reads, while the warmup runs
+            await cache.read(f, 0, BS)
+        await job.done.wait()
+        resident = sum(BS for f in warm if cache.is_resident(cache.block_id(f, 0)))
+        return job, resident
+
+    job, resident = with_prefetcher(tmp_path, fn, capacity=6 * BS, backend=MemoryBackend(delay=0.05))
+    assert job.evicted_bytes > 0  # the situation the test is about happened
+    assert job.done_bytes == resident
+    assert job.done_bytes + job.skipped_bytes + job.evicted_bytes + job.failed_bytes == job.total_bytes
+    assert job.as_dict()["evicted_bytes"] == job.evicted_bytes
+
+
 def test_a_merge_keeps_the_reader_where_it_is_and_its_rate_positive(tmp_path):
     """A rank that hands over late rebuilds the plan around the reader: it stays on the block it was
     reading, and the rate measured across the rebuild is what it read, never negative."""

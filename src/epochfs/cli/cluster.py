@@ -46,8 +46,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     csub = c.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("source", metavar="SOURCE", help="the dataset's source, as the members mount it")
-        p.add_argument("--meta", required=True, metavar="URL", help="the shared store (redis[s]://...)")
+        p.add_argument("source", nargs="?", metavar="SOURCE",
+                       help="the dataset's source, as the members mount it (default: source in --config)")
+        p.add_argument("--config", metavar="FILE",
+                       help="a member's config file (a cache node's, say): the source, store, its password, the "
+                       "peer token, --replicas and --block-size the members run with, unless given here")
+        p.add_argument("--meta", metavar="URL", help="the shared store (redis[s]://...; default: meta in --config)")
         p.add_argument("--meta-name", metavar="NAME", help="the dataset's name in the store (default: SOURCE)")
         p.add_argument("--meta-password-file", type=Path, metavar="FILE", help="the store's password (mode 0600)")
         p.add_argument("--meta-ca-file", type=Path, metavar="FILE", help="CA certificates of a rediss:// store")
@@ -69,12 +73,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         description="Have every block of the selected files (PATHs relative to the dataset's root, a "
         "--manifest, or everything) held by its owners among the cache nodes, in parallel. Resumable: a "
         "block already held is answered at once. Exit 0 only when every selected block is held by its "
-        "owners; 1 with what is missing otherwise. Ctrl-C stops sending (what was warmed stays).",
+        "owners; 1 with what is missing otherwise (a block an owner could not take, or a share larger than its "
+        "owner's cache: it evicts blocks as it warms them). Ctrl-C stops sending (what was warmed stays).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     common(w)
     w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories of the dataset (default: all)")
     w.add_argument("--manifest", metavar="FILE", help="the files to warm, one path a line")
-    w.add_argument("--peer-token-file", type=Path, required=True, metavar="FILE", help="the members' token")
+    w.add_argument("--peer-token-file", type=Path, metavar="FILE",
+                   help="the members' token (required; default: peer_token_file in --config)")
     w.add_argument("--block-size", type=parse_size, metavar="SIZE",
                    help="the members' --block-size (default: what the cache nodes publish, else 4M)")
     w.add_argument("--replicas", type=int, metavar="R",
@@ -86,7 +92,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="how long one owner may take to fetch one block (default: 120)")
     w.add_argument("--quiet", "-q", action="store_true", help="no progress line")
-    w.set_defaults(run=cmd_warmup)
+    w.set_defaults(run=cmd_warmup, needs_token=True)
+
+
+#: What the cluster commands take from a member's config file (``--config``), where not given as flags.
+FROM_CONFIG = ("meta", "meta_name", "meta_password_file", "meta_ca_file", "peer_token_file", "replicas", "block_size")
+
+
+def with_config(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with what they leave out taken from ``--config`` (a member's config: the same keys, so a
+    cache node's own file names the store, the secrets' files and the tier's geometry as it runs them);
+    :class:`ConfigError` for a source or store given nowhere."""
+    from epochfs.cli.options import file_values
+
+    values = file_values(args.config) if args.config else {}
+    if args.source is None:
+        args.source = values.get("source")
+    for name in FROM_CONFIG:
+        if hasattr(args, name) and getattr(args, name) is None and values.get(name) is not None:
+            setattr(args, name, values[name])
+    where = f" (not in config file {args.config})" if args.config else " (or --config with a member's config file)"
+    if not args.source:
+        raise ConfigError("give SOURCE" + where)
+    if not args.meta:
+        raise ConfigError("give --meta URL" + where)
+    if getattr(args, "needs_token", False) and not args.peer_token_file:
+        raise ConfigError("give --peer-token-file FILE" + where)
+    return args
 
 
 def _store(args: argparse.Namespace) -> tuple[Any, str]:
@@ -165,6 +197,7 @@ def _prove(addrs: list[str], token_file: Path, timeout: float = 2.0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    with_config(args)
     store, source_id = _store(args)
     sessions: list[str] = []
     try:
@@ -314,22 +347,27 @@ def geometry(args: argparse.Namespace, servers: list[str], stats: dict[str, Any]
                   f"it warms blocks as {flag} {given} places them (leave {flag} out to take theirs)", file=sys.stderr)
 
 
-def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: dict[str, Any], ring: Any) -> None:
+def _warn_outgrown(work: list[tuple[str, bytes, ObjectInfo, int, int]], stats: dict[str, Any],
+                   ring: Any) -> dict[str, tuple[int, int]]:
     """Name each cache node asked to hold more than its cache holds (as it last published it): it would
-    evict blocks it is warming, and each member that asks for one of them then costs a backend read."""
+    evict blocks it is warming, and each member that asks for one of them then costs a backend read.
+    Those nodes: (bytes asked of it, its cache's size)."""
     from epochfs.doctor import share_fix
 
     asked = Counter[str]()
     for owner, *_, length in work:
         asked[owner] += length
+    over = {}
     for owner, nbytes in sorted(asked.items()):
         published = published_stats(stats.get(owner)) or {}
         capacity = published.get("capacity_bytes")
         if capacity is not None and nbytes > capacity:
+            over[owner] = (nbytes, int(capacity))
             fix = share_fix(nbytes, capacity, ring.cache_of(owner), ring.cache_bytes(), sum(asked.values()))
             print(f"epochfs: warning: {owner} is asked to hold {human(nbytes)} and its cache holds "
                   f"{human(capacity)}: it will evict blocks it is warming (each read from the backend again when "
                   f"asked): {fix}; or warm less", file=sys.stderr)
+    return over
 
 
 def _selected(objects: list[ObjectInfo], args: argparse.Namespace) -> list[ObjectInfo]:
@@ -362,6 +400,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from epochfs.peer.ring import Ring, ring_weights
     from epochfs.peer.wire import BlockRequest
 
+    with_config(args)
     if (args.replicas is not None and args.replicas < 1) or args.concurrency < 1:
         raise ConfigError("--replicas and --concurrency must be at least 1")
     store, source_id = _store(args)
@@ -399,7 +438,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
                               (stored, index, length))
     work = [(owner, bid, *blocks[bid]) for bid in blocks for owner in ring.owners(bid, args.replicas)]
     total = sum(w[4] for w in work)
-    _warn_outgrown(work, stats, ring)
+    over = _warn_outgrown(work, stats, ring)
     done, failed, per_node = [0, 0], Counter[str](), Counter[str]()
     lock, stop = threading.Lock(), threading.Event()
     started = time.monotonic()
@@ -456,6 +495,14 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         for what, n in failed.most_common(5):
             print(f"epochfs: {n} blocks failed at {what}", file=sys.stderr)
         print(f"epochfs: {missing} of {len(work)} blocks are not held by their owners (run again)", file=sys.stderr)
+        return 1
+    if over:  # (every block was answered, and the nodes that cannot hold their share evicted some as they warmed)
+        for owner, (nbytes, capacity) in sorted(over.items()):
+            print(f"epochfs: {owner} holds at most {human(capacity)} of the {human(nbytes)} this warmup asked of it: "
+                  f"at least {human(nbytes - capacity)} of it is not cached there (evicted as it warmed)",
+                  file=sys.stderr)
+        print("epochfs: the warmup is not complete: the cache nodes above cannot hold their shares (see the "
+              "warnings for the fix)", file=sys.stderr)
         return 1
     print(f"epochfs: {len(blocks)} blocks ({human(sum(b[2] for b in blocks.values()))}) held by their owners "
           f"({args.replicas} each, {plural(len(ring), 'cache node')}) in {time.monotonic() - started:.1f}s")

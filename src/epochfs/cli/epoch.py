@@ -233,14 +233,20 @@ def cmd_warmup(args: argparse.Namespace) -> int:
               "fetches in flight finish", file=sys.stderr)
         return 130
     print(f"epochfs: warmed {human(job['done_bytes'])} of {human(job['total_bytes'])} "
-          f"in {job['elapsed']:.1f}s")
+          f"in {job['elapsed']:.1f}s" + ("" if job["done_bytes"] >= job["total_bytes"] else "; the rest is not cached"))
     if job["skipped_bytes"]:
         print(f"epochfs: the cache is full: {human(job['skipped_bytes'])} not cached (the cache holds less than "
               "this warmup, or the rest is what the handed-over order reads: grow --cache-size, or warm less)",
               file=sys.stderr)
+    evicted = job.get("evicted_bytes", 0)
+    if evicted:
+        print(f"epochfs: {human(evicted)} of what this warmup fetched was evicted again before it ended (the "
+              "cache cannot hold this warmup and what was read or prefetched meanwhile, such as a handed-over "
+              "order: grow --cache-size, or warm less); `epochfs warmup --check` shows what is cached now",
+              file=sys.stderr)
     for err in job["errors"]:
         print(f"epochfs: {err}", file=sys.stderr)
-    return 1 if job["errors"] or job["skipped_bytes"] else 0
+    return 1 if job["errors"] or job["skipped_bytes"] or evicted else 0
 
 
 def _sizes(args: argparse.Namespace, entries: list[Entry], manifest: str) -> list[tuple[str, int]]:

@@ -290,9 +290,15 @@ def format_peer(p: dict[str, Any]) -> list[str]:
              f"           asked {plural(r['ok'] + failed, 'block')} of the tier: {human(p['bytes_in'])} in "
              f"{plural(r['ok'], 'answer')}, {plural(failed, 'ask')} failed{onward}; served "
              f"{human(p['bytes_out'])} in {plural(r['served'], 'block')}, rejected {r['rejected']}{sends}"]
+    refusing = p.get("refusing") or []
     for member in p["members"]:
         mark = " (this node)" if member == p["me"] else " (bypassed: not answering)" if member in p["down"] else ""
         lines.append(f"           member {member}{mark}")
+    if refusing:
+        from epochfs.peer.members import REFUSED_FIX
+
+        lines.append(f"           ! {plural(len(refusing), 'member')} refusing this node's token "
+                     f"({', '.join(refusing[:8])}): {REFUSED_FIX}")
     return lines
 
 

@@ -115,6 +115,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
+    "peer_refusing_members": ("gauge", "Members of the cluster cache tier that refuse this node's peer token (their "
+                              "answers HTTP 401: a token not the cluster's, or clocks far apart): what they own is "
+                              "read from the backend instead. Above 0 fires EpochfsPeerTokenRefused."),
     "backend_link_busy_seconds": ("counter", "Seconds during which bytes were arriving on the link to the backend (a "
                                   "body moving; waiting for the first byte not counted): its rate is the share of "
                                   "the time the link carried data, whatever its capacity (near 1: the link is the bound)."),
@@ -196,6 +199,7 @@ def sample_of(c: Collected) -> Sample:
     peer = c.peer
     if peer is not None:
         values["peer_members"] = len(peer.members)
+        values["peer_refusing_members"] = len(peer.refusing)
         if peer.role == "server":
             values["cache_node"] = 1
         if peer.share_bytes is not None:  # (ranked only where the node keeps only what it owns)

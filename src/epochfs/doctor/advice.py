@@ -96,10 +96,29 @@ def serve_command(m: dict[str, Any]) -> str:
             + (f" --cache-size {size_flag(size)}" if size else "") + " --rebalance")
 
 
+def backend_flags(m: dict[str, Any]) -> str:
+    """The options that reach the mount's backend as it was mounted with them (endpoint, region,
+    profile), each with a leading space; empty where it used the defaults."""
+    o = m.get("options") or {}
+    return "".join(f" {flag} {shlex.quote(o[key])}" for key, flag in (
+        ("endpoint_url", "--endpoint-url"), ("region", "--region"), ("profile", "--profile"))
+        if isinstance(o.get(key), str) and o[key])
+
+
+def packed_source(m: dict[str, Any]) -> str:
+    """Where the doctor advises packing the mount's source to: beside it, ``-packed`` appended."""
+    return str(m["source"]).rstrip("/") + "-packed/"
+
+
+def pack_command(m: dict[str, Any]) -> str:
+    """``epochfs pack`` of the mount's source beside it, reaching the backend as the mount does."""
+    return f"epochfs pack {shlex.quote(str(m['source']))} {shlex.quote(packed_source(m))}{backend_flags(m)}"
+
+
 def warm_fix(m: dict[str, Any], mnt: str, src: str, fits: bool) -> str:
     if m.get("peer_role") == "client":
         return f"warm the cache nodes before the job: `{warmup_command(m)}`"
     if fits:
         return f"warm the cache before the job starts: `epochfs warmup {mnt}` (the dataset fits the cache)"
-    return (f"warm what the first epoch reads before the job starts: `epochfs warmup {mnt} --manifest "
-            "FIRST-EPOCH.txt` with the first epoch's order (the whole dataset does not fit the cache)")
+    return (f"once the cache holds the dataset (cache-too-small: warming a cache that cannot hold an epoch "
+            f"evicts what it warmed), warm it before the job starts: `epochfs warmup {mnt}`")

@@ -7,7 +7,15 @@ import shlex
 from typing import Any
 
 from epochfs.core.text import human
-from epochfs.doctor.advice import serve_command, share_fix, size_flag, store_flags, warm_fix, warmup_command
+from epochfs.doctor.advice import (
+    pack_command,
+    serve_command,
+    share_fix,
+    size_flag,
+    store_flags,
+    warm_fix,
+    warmup_command,
+)
 from epochfs.doctor.views import (
     BACKEND_BUSY,
     BACKLOG_SECONDS,
@@ -28,7 +36,8 @@ from epochfs.doctor.views import (
 )
 
 #: Findings, most helpful first (the order they are listed in).
-ORDER = ("read-errors", "cold-first-epoch", "no-manifest", "cache-too-small", "low-hit-ratio", "small-files",
+ORDER = ("read-errors", "peer-token-refused", "cache-too-small", "cold-first-epoch", "no-manifest", "low-hit-ratio",
+         "small-files",
          "warm-read-path", "buffered-opens", "backend-saturated", "cache-nodes-busy", "node-cpu", "cache-tier",
          "cache-tier-failing",
          "cluster-share-too-large", "backend-latency", "slow-checkpoints", "writeback-backlog")
@@ -63,6 +72,13 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               f"`epochfs status {mnt}` and the daemon's log name the cause; EACCES or EPERM from the backend: "
               "the credentials or the bucket policy; EIO: the backend failing (its requests in the log)")
     client = m.get("peer_role") == "client"
+    refusing = m.get("peer_refusing") or []
+    if refusing:
+        found("peer-token-refused", f"{len(refusing)} members of the cluster tier refuse this node's peer token "
+              f"({', '.join(refusing[:4])}{', ...' if len(refusing) > 4 else ''}): what they own is read from the "
+              "backend instead", "give every node the same token file (`peer_token_file`: made once, copied to "
+              "each node) and restart the nodes whose file differed; the refusal can also mean clocks far apart "
+              "(`timedatectl`)")
     tier = m.get("tier")
     origins, first_cpu = m.get("first_origins"), m.get("first_cpu")
     through_tier = False  # the reads that made the job wait came from the cluster tier
@@ -96,6 +112,11 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
         found("no-manifest", f"no epoch order was handed over{whose}: nothing is fetched ahead of the reader",
               f"wrap the sampler with the dataset's paths in its index order: `{sampler_line(m)}`, or run "
               f"`epochfs prefetch {mnt} --manifest FILE` before each epoch")
+    if "cold-first-epoch" in out and dataset and not fits and not client:
+        found("cache-too-small", f"the dataset ({size_flag(dataset)}) is larger than the cache ({size_flag(cap)}): "
+              "no warmup holds an epoch, and each epoch evicts what the next one reads",
+              f"remount with `--cache-size {size_flag(dataset * HEADROOM)}` (the dataset and a tenth; a larger "
+              "cache disk if this one is smaller)")
     hit = m["hit_ratio"]
     steady = judged != "first"  # (a first epoch's misses are the cold read)
     if steady and hit is not None and hit < HIT_RATIO:
@@ -114,9 +135,8 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
     avg = m["average_object_bytes"]
     if avg is not None and avg < SMALL_FILES and not m["shards"]:
         found("small-files", f"objects average {avg / 1024:.0f} KiB: each costs a request and an open",
-              f"pack them: `epochfs pack {src} {shlex.quote(str(m['source']).rstrip('/') + '-packed')}` and mount the "
-              "packed prefix (members read "
-              "as the same files, a shard per request)")
+              f"pack them: `{pack_command(m)}` and mount the packed prefix (members read as the same files, a "
+              "shard per request)")
     verdict = verdict_of(view["data_wait_fraction"], view["gpu_utilization"]) if view else None  # (the judged phase's)
     pt = m.get("passthrough")
     judged_origins = origins if judged == "first" else m.get("origins")

@@ -45,9 +45,20 @@ import trio
 from epochfs.core.errors import BackendUnavailable
 from epochfs.core.text import printable
 from epochfs.peer.ring import Ring, ring_weights
-from epochfs.peer.wire import member_addr, same_family
+from epochfs.peer.wire import CLOCK_SKEW, member_addr, same_family
 
 log = logging.getLogger(__name__)
+
+#: What to do when members refuse this node's token (said in its log, status and doctor).
+REFUSED_FIX = ("its answers are not authenticated with this node's token (HTTP 401): the nodes hold different "
+               "peer tokens (make the cluster's token once and copy the same file to every node: "
+               f"peer_token_file), or their clocks are more than {CLOCK_SKEW // 60} minutes apart")
+
+
+def refusal(exc: BaseException) -> bool:
+    """Whether a failed exchange was a member refusing this node's token (an answer 401, not authenticated)."""
+    return getattr(exc, "status", 0) == 401 and getattr(exc, "kind", "") == "bad"
+
 
 MAX_MEMBERS = 10_000
 MAX_SESSION = 200  # characters of a client's session name
@@ -101,6 +112,7 @@ class Membership:
         self._proved_at: dict[str, float] = {}  # proven member -> when (monotonic)
         self._retry: dict[str, tuple[float, float]] = {}  # member -> (not before (monotonic), backoff)
         self._proving: set[str] = set()
+        self._refusing: set[str] = set()  # members whose last word was a refusal of this node's token (401)
         self._ignored: set[bytes] = set()
         self._wake = trio.Event()
 
@@ -153,6 +165,7 @@ class Membership:
             self._proven &= listed.keys()
             for member in [m for m in self._retry if m not in listed]:
                 del self._retry[member]
+            self._refusing &= listed.keys()
             self._rebuild()
         self._wake.set()
 
@@ -183,9 +196,10 @@ class Membership:
         try:
             capacity = await trio.to_thread.run_sync(self.prove, member, limiter=limiter, abandon_on_cancel=True)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed proof
-            self._failed(member, str(exc))
+            self._failed(member, str(exc), refused=refusal(exc))
         else:
             with self._lock:
+                self._refusing.discard(member)
                 if member in self._listed:
                     self._proven.add(member)
                     self._capacity[member] = capacity if isinstance(capacity, int) else None
@@ -195,8 +209,12 @@ class Membership:
         finally:
             self._proving.discard(member)
 
-    def _failed(self, member: str, why: str) -> None:
+    def _failed(self, member: str, why: str, refused: bool = False) -> None:
         with self._lock:
+            if refused and member in self._listed:
+                if member not in self._refusing:
+                    log.error("peer %s refuses this node's token: %s", member, REFUSED_FIX)
+                self._refusing.add(member)
             if member in self._proven:
                 # A re-proof (asked for its cache size) that failed: the member stays with the weight it
                 # stated, and is asked again after a backoff. What it answers readers decides whether
@@ -211,9 +229,12 @@ class Membership:
         if first:
             log.warning("peer %s not trusted, asked again in %.0fs: %s", member, backoff, printable(why))
 
-    def distrust(self, member: str, why: str) -> None:
-        """``member`` answered wrongly or not at all: out of the ring until it proves itself again."""
+    def distrust(self, member: str, why: str, refused: bool = False) -> None:
+        """``member`` answered wrongly or not at all (``refused``: it refused this node's token): out of the
+        ring until it proves itself again."""
         with self._lock:
+            if refused and member in self._listed:
+                self._refusing.add(member)
             if member not in self._proven:
                 return
             self._proven.discard(member)
@@ -226,6 +247,12 @@ class Membership:
         """Whether every listed candidate has been tried at least once (proven, or failed its proof)."""
         with self._lock:
             return not self._proving and all(m in self._proven or m in self._retry for m in self._listed)
+
+    def refusing(self) -> tuple[str, ...]:
+        """Listed members whose last answer refused this node's token: it reads from elsewhere (the
+        backend) what they own, until the tokens agree."""
+        with self._lock:
+            return tuple(sorted(self._refusing))
 
     def down(self) -> tuple[str, ...]:
         """Listed members that are not (or no longer) trusted: bypassed."""

@@ -56,7 +56,7 @@ from epochfs.meta.nodes import File
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.load import MemberLoad
-from epochfs.peer.members import Membership
+from epochfs.peer.members import Membership, refusal
 from epochfs.peer.server import ServerStats
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class PeerStats:
     cache_size_bytes: int | None = None  # this node's cache as the ring weighs it (None: not weighted)
     tier_cache_bytes: int | None = None  # the ring's members' caches together, as weighed (None: not weighted)
     fallbacks: dict[str, int] | None = None  # asks that failed and went on: to another replica, to the backend
+    refusing: tuple[str, ...] = ()  # listed members that refuse this node's token (the tokens differ)
     load: tuple[MemberLoad, ...] = ()  # what the members this node reads from publish of their load
     closed: dict[str, int] | None = None  # connections this node's peer port closed, by why (None: no port)
 
@@ -220,7 +221,7 @@ class PeerTier:
             if distrust:
                 self._declines.pop(owner, None)
         if distrust:
-            self.members.distrust(owner, str(exc))
+            self.members.distrust(owner, str(exc), refused=refusal(exc))
         else:
             log.debug("peer %s: %s; reading from the backend", owner, exc)
 
@@ -244,6 +245,7 @@ class PeerTier:
                          replicas=self.replicas, link_capacity=link_capacity, share_bytes=share[0],
                          dataset_bytes=share[1], cache_size_bytes=own,
                          tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks,
+                         refusing=self.members.refusing(),
                          closed=dict(served.closed) if served is not None else None)
 
 
