@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from epochfs.cli.status import format_link
 from epochfs.links import capacity, interface, meter
 from epochfs.links.meter import BUSY, HOLD, MIN_BYTES, WINDOW, Measurement, Transfer, TransferMeter
 
@@ -169,9 +170,32 @@ def test_the_default_route_and_network_mounts_are_found():
     assert mount_server("garbage\n - \n", "/x") is None
 
 
-def test_loopback_states_no_capacity():
-    assert interface.towards("127.0.0.1", 9000) is None  # no speed, no shaping: measured or nothing
+def test_an_interface_that_states_no_speed_says_so_and_how_to_declare_the_link():
+    lo = interface.towards("127.0.0.1", 9000)  # no speed, no shaping: measured or nothing
+    assert lo is not None and lo.bytes_per_second == 0 and "states no speed" in lo.detail
     assert interface.towards("no-such-host.invalid", 9000) is None
+    view = capacity.choose(None, lo, None, "--backend-bandwidth")
+    assert view.capacity is None
+    assert "lo states no speed" in view.unknown and "--backend-bandwidth 25Gbit" in view.unknown
+    text = format_link(view.as_dict(), "--backend-bandwidth")
+    assert text.startswith("link capacity not known: lo states no speed") and "--backend-bandwidth RATE" in text
+    declared = capacity.choose(25e9 / 8, lo, None, "--backend-bandwidth")  # declared: it is the capacity
+    assert declared.capacity.source == "declared" and declared.unknown is None
+
+
+def test_a_measured_capacity_is_never_below_a_window_it_measured():
+    """The capacity measured is a mean of busy windows in a row; a single busier window raises it, so a
+    rate seen on the link never reads as more than all of it (a link shaped to 160 Mbit/s once read
+    15.5 MiB/s against 18.7 measured)."""
+    clock = [0.0]
+    meter = TransferMeter(clock=lambda: clock[0])
+    for k, rate in enumerate((12e6, 12e6, 19.5e6)):  # three busy windows: the mean 14.5 MB/s, the last 19.5
+        lo = k * WINDOW
+        meter.record(lo, lo + WINDOW, int(rate * WINDOW))
+        clock[0] = lo + WINDOW
+        meter.sample()
+    got = meter.measured()
+    assert got is not None and got.bytes_per_second == pytest.approx(19.5e6)
 
 
 def test_a_declared_capacity_wins_else_the_lower_of_interface_and_measured():

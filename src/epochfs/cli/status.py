@@ -231,8 +231,9 @@ def format_status(s: dict[str, Any]) -> str:
 def format_link(link: dict[str, Any] | None, flag: str) -> str:
     """A link's capacity and where it is known from, or that it is not known."""
     if not link or not link.get("bytes_per_second"):
-        return (f"link capacity not known (declare it with {flag}; the utilisation alarm cannot fire until then "
-                "or until the transfers measure it)")
+        why = f"{link['unknown']}" if link and link.get("unknown") else (
+            f"declare it with {flag}, or it is measured once transfers keep the link busy")
+        return f"link capacity not known: {why} (the utilisation alarm cannot fire until then)"
     return f"link {human(link['bytes_per_second'])}/s ({link['source']}: {link['detail']})"
 
 

@@ -182,7 +182,7 @@ def shaped_rate(name: str, receive: bool) -> tuple[float, str] | None:
 
 def capacity_of(name: str, receive: bool) -> InterfaceCapacity | None:
     """What ``name`` carries in one direction (``receive``: towards this node): the lower of its speed
-    and its shaping, or None where neither is stated."""
+    and its shaping; where neither is stated, a figure of 0 (not known) saying why."""
     speed = speed_of(name)
     shaped = shaped_rate(name, receive)
     if shaped is not None and (speed is None or shaped[0] < speed):
@@ -191,7 +191,8 @@ def capacity_of(name: str, receive: bool) -> InterfaceCapacity | None:
                                                   f"({shaped[1]})" + (f", speed {rate_text(speed)}" if speed else ""))
     if speed is not None:
         return InterfaceCapacity(name, speed, f"{name}, speed {rate_text(speed)}")
-    return None
+    return InterfaceCapacity(name, 0.0, f"{name} states no speed and is not shaped (a virtual interface, such as "
+                                       "veth or virtio, reports none)")
 
 
 def towards(host: str, port: int) -> InterfaceCapacity | None:

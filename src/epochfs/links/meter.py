@@ -89,6 +89,7 @@ class TransferMeter:
         self._measurements: deque[Measurement] = deque()
         self._run: list[Measurement] = []  # the busy windows in a row so far (the last RUN)
         self._last: Measurement | None = None
+        self._peak: Measurement | None = None  # the busiest single window of the last HOLD seconds
         self._sampled = clock()
         self.busy_seconds = 0.0  # seconds bytes were moving, over every window sampled
 
@@ -111,9 +112,13 @@ class TransferMeter:
         self.busy_seconds += union_length((max(t.start, lo), min(t.end, now)) for t in transfers
                                           if min(t.end, now) > max(t.start, lo))
         got = window_rate(transfers, lo, now)
+        if self._peak is not None and self._peak.when < now - HOLD:
+            self._peak = None
         if got is None:
             self._run.clear()
         else:
+            if self._peak is None or got.bytes_per_second > self._peak.bytes_per_second:
+                self._peak = got
             self._run = [*self._run, got][-RUN:]
             mean = Measurement(now, sum(m.bytes_per_second for m in self._run) / len(self._run),
                                sum(m.busy for m in self._run) / len(self._run))
@@ -124,7 +129,10 @@ class TransferMeter:
         return got
 
     def measured(self) -> Measurement | None:
-        """The capacity measured: the highest rate of the last :data:`HOLD` seconds, else the last."""
-        if self._measurements:
-            return max(self._measurements, key=lambda m: m.bytes_per_second)
-        return self._last
+        """The capacity measured: the highest rate of the last :data:`HOLD` seconds, else the last; never
+        below the busiest single window of that time (a mean of windows is lower than its busiest one,
+        and a capacity under a rate seen on the link would read as more than all of it)."""
+        best = max(self._measurements, key=lambda m: m.bytes_per_second) if self._measurements else self._last
+        if best is not None and self._peak is not None and self._peak.bytes_per_second > best.bytes_per_second:
+            return self._peak
+        return best
