@@ -87,6 +87,47 @@ def test_next_epoch_is_queued_and_reached_only_at_the_end(tmp_path):
     assert next_epoch == (301, 1)
 
 
+def test_an_epoch_handed_over_again_replaces_what_is_left_of_it(tmp_path):
+    """A job resumed mid-epoch hands the rest of the epoch over again (one reader, or rank by rank): it
+    replaces that epoch's earlier hand-over (the rank's part) instead of queueing a second copy after
+    it; another epoch is still queued after."""
+    order = objs(10, size=100)
+
+    async def one_reader(cache, pf, backend):
+        await pf.load(order, epoch=3)
+        cache.open_stream(order[4])  # the job read into the epoch, then was restarted
+        resumed = await pf.load(order[6:], epoch=3)  # what is left of epoch 3
+        files = pf.statistics().files
+        await pf.load(order, epoch=4)  # the next epoch: queued after
+        return resumed, files, pf.statistics().files
+
+    async def by_rank(cache, pf, backend):
+        await pf.load(order[:5], epoch=3, rank=0)
+        await pf.load(order[5:], epoch=3, rank=1)
+        cache.open_stream(order[0])
+        await pf.load(order[8:], epoch=3, rank=1)  # rank 1 restarted: what is left of its share
+        return pf.statistics().files
+
+    resumed, files, queued = with_prefetcher(tmp_path / "a", one_reader)
+    assert resumed["merged"] and files == 4 and queued == 4 + 10
+    assert with_prefetcher(tmp_path / "b", by_rank) == 5 + 2
+
+
+def test_a_plan_fetched_whole_is_done_though_its_reader_is_not_at_its_end(tmp_path):
+    files = objs(8, size=100)
+
+    async def fn(cache, pf, backend):
+        await pf.load(files)
+        cache.open_stream(files[2])
+        await trio.sleep(1.5)  # (a reader that pauses: the window opens, the rest is fetched)
+        await cache.wait_idle()
+        return pf.statistics()
+
+    after = with_prefetcher(tmp_path, fn)
+    assert after.file_position == 2 and after.queued_bytes == 0 and after.inflight == 0
+    assert not after.active  # nothing left to fetch: done, not "running"
+
+
 def test_prefetch_runs_ahead_and_stays_within_the_window(tmp_path):
     files = objs(40)
 

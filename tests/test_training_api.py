@@ -297,3 +297,24 @@ def test_the_sampler_resumes_an_epoch_where_the_checkpoint_left_it(dataset_mount
     assert dataset.read == whole[8:] and client.handed[-1] == whole[8:] and len(rest) == len(full) - 2
     with pytest.raises(ValueError):
         sampler.set_epoch(3, start=-1)
+
+
+def test_the_readme_installs_the_pytorch_integration_with_the_version_it_is_tested_with():
+    """The README's install line for the training job names an extra this package defines, and that
+    extra pins the PyTorch these tests run with (scripts/bootstrap.sh installs the same extra)."""
+    import importlib.metadata
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    (extra,) = set(re.findall(r"pip install 'epochfs\[(\w+)\]'", readme))
+    pins = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
+    torch_pin = next(p for p in pins if p.startswith("torch=="))
+    assert 'extras=test,torch' in (root / "scripts" / "bootstrap.sh").read_text()
+    try:
+        installed = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("PyTorch is not installed here (EPOCHFS_TORCH=1 bash scripts/bootstrap.sh)")
+    assert installed.split("+")[0] == torch_pin.split("==")[1], (installed, torch_pin)

@@ -194,6 +194,23 @@ def test_each_report_names_the_pass_its_steps_belong_to(tmp_path):
         reporter.meter.data_wait + reporter.meter.compute)
 
 
+def test_a_job_resumed_mid_epoch_says_which_epoch_it_is(tmp_path, caplog):
+    """A job restarted from a checkpoint in the middle of epoch 5 passes ``epoch=5``: its reports and its
+    log line name epoch 5, and its next pass counts on from there (6)."""
+    rec = Recorder()
+    reporter = Reporter(tmp_path, "j", 0, Meter(), interval=3600, send=rec)
+    with caplog.at_level(logging.INFO, logger="epochfs.watch"):
+        list(watch(range(3), tmp_path, reporter=reporter, epoch=5))
+        list(watch(range(4), tmp_path, reporter=reporter))
+    reporter.report()
+    reporter.close()
+    assert [(r["epoch"], r["steps"]) for r in rec.sent] == [(5, 3), (6, 4)]
+    lines = [r.getMessage() for r in caplog.records if "waited for data" in r.getMessage()]
+    assert lines[0].startswith("epoch 5") and lines[1].startswith("epoch 6")
+    with pytest.raises(ValueError):
+        next(watch(range(1), tmp_path, reporter=reporter, epoch=-1))
+
+
 def test_jobs_keep_each_epoch_and_where_it_began_in_the_backend():
     jobs = Jobs()
     usage = [0, 0, 0]

@@ -207,10 +207,17 @@ class Reporter:
 
 
 def watch(loader: Iterable[T], mountpoint: str | os.PathLike[str], *, job: str | None = None,
-          rank: int | None = None, interval: float = INTERVAL, reporter: Reporter | None = None) -> Iterator[T]:
-    """Yield ``loader``'s items unchanged, measuring each step's data wait and compute (see the module)."""
+          rank: int | None = None, interval: float = INTERVAL, reporter: Reporter | None = None,
+          epoch: int | None = None) -> Iterator[T]:
+    """Yield ``loader``'s items unchanged, measuring each step's data wait and compute (see the module).
+    ``epoch``: the epoch this pass is (a job resumed from a checkpoint mid-way through epoch 5 passes
+    ``epoch=5``, and its later passes count on from there); default: the passes this process made."""
     if reporter is None:
         reporter = _reporters.get(os.path.abspath(mountpoint), job_name(job), job_rank(rank), interval)
+    if epoch is not None:
+        if epoch < 0:
+            raise ValueError("epoch is the epoch's number, from 0")
+        reporter.epochs = epoch
     meter = reporter.meter
     started = (meter.steps, meter.data_wait, meter.compute)
     meter.marks.append((reporter.epochs, *started))

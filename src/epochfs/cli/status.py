@@ -329,7 +329,7 @@ def format_prefetch(p: dict[str, Any]) -> str:
     where = (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
              f"({human(p['position_bytes'])} of {human(p['plan_bytes'])}); ")
     if not p["active"]:
-        return where + "done"
+        return where + "done: every block of the plan fetched or read"
     if not p["queued_bytes"] and not p["inflight"]:
         return where + f"everything ahead is cached ({human(p['lead_bytes'])})"
     lead = f" = {p['lead_seconds']:.1f} s of reading" if p["lead_seconds"] is not None else ""

@@ -211,8 +211,12 @@ class Prefetcher:
                 self._handovers = [h for h in self._handovers if h.segment >= current.segment]
 
             def joins(h: Handover) -> bool:
-                return (rank is not None and h.epoch == epoch and None not in h.parts
-                        and (operator or not h.others(uid)))
+                """Its part of ``rank`` (a rank's share of the epoch, side by side with the others'), or
+                the whole of it (one reader's order of the epoch), is replaced: a job that hands an epoch
+                over again (resumed mid-way: what is left of it) never queues a second copy."""
+                if h.epoch != epoch or epoch is None or not (operator or not h.others(uid)):
+                    return False
+                return None not in h.parts if rank is not None else set(h.parts) == {None}
             target = next((h for h in self._handovers if joins(h)), None)
             merged = target is not None
             if target is None:
@@ -236,7 +240,8 @@ class Prefetcher:
             self.policy.advance(self._position)
             self._moved = time.monotonic()
             self._wake.set()
-        how = "merged with the other ranks' shares" if merged else "appended" if current else "loaded"
+        how = ("merged with the other ranks' shares" if merged and rank is not None else "replaced the epoch's earlier "
+               "hand-over" if merged else "appended" if current else "loaded")
         log.info("prefetch plan: %d files %s (%d files, %d blocks, %d bytes in the plan)", len(objs), how,
                  len(built.files), len(built), built.total_bytes)
         return {"files": len(objs), "queued_files": len(built.files), "appended": current is not None,
@@ -549,7 +554,7 @@ class Prefetcher:
         ahead = plan.offsets[min(self._cursor, len(plan))] - plan.offsets[pos]
         wanted = self._wanted_inflight()
         return PrefetchStats(
-            active=not self._finished(),
+            active=not self._finished() and (self._cursor < len(plan) or self._inflight > 0),
             epoch=plan.files[self._file_pos].epoch,
             files=len(plan.files),
             file_position=self._file_pos,
