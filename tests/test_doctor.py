@@ -288,7 +288,8 @@ def test_a_share_too_large_for_its_cache_is_fixed_where_the_weights_say():
 
 
 def test_sizes_in_advice_are_flags_to_paste():
-    assert size_flag(332346060) == "1G"
+    assert size_flag(332346060) == "317M" and size_flag(150 * MiB) == "150M"  # (not 1G: a size under 1 GiB in MiB)
+    assert parse_size(size_flag(150 * MiB + 1)) >= 150 * MiB + 1 and size_flag(GiB - 1) == "1024M"
     assert size_flag(300 * GiB) == "300G"
     assert size_flag(300.5 * GiB) == "301G"
     assert size_flag(1536 * GiB) == "1.5T"

@@ -213,6 +213,8 @@ def test_a_declared_capacity_wins_else_the_lower_of_interface_and_measured():
     assert (view.capacity.source, view.capacity.bytes_per_second) == ("interface", 1.25e9)
     assert capacity.choose(None, None, None, "--backend-bandwidth").capacity is None
     assert capacity.choose(None, None, shared, "x").as_dict()["source"] == "measured"
+    text = format_link(capacity.choose(None, None, shared, "x").as_dict(), "x")
+    assert text.startswith("link 28.6 MiB/s (measured 28.6 MiB/s") and "measured: measured" not in text, text
 
 
 # -- a shaped link in a network namespace of the test's own ------------------------------------------

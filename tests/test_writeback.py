@@ -283,6 +283,22 @@ def test_pending_data_filling_the_cache_is_enospc_and_reads_go_on(s3, s3_client,
         proxy.stop()
 
 
+def test_sync_says_why_a_file_is_still_pending(wb_mount, s3_client, fresh_bucket):
+    """A checkpoint still open for writing cannot be durable: `epochfs sync` with a deadline names it and
+    says it uploads once it is closed; closed, the same sync succeeds."""
+    writer = open(wb_mount.path("ckpt-open.pt"), "wb")  # noqa: SIM115 - kept open across the sync
+    try:
+        writer.write(b"x" * 4096)
+        writer.flush()
+        result = sync(wb_mount, "--timeout", "2")
+        assert result.returncode == 1, result.stderr
+        assert "ckpt-open.pt" in result.stderr and "open for writing" in result.stderr
+        assert "uploads once every process that has it open for writing closes it" in result.stderr, result.stderr
+    finally:
+        writer.close()
+    assert sync(wb_mount, "--timeout", "60").returncode == 0
+
+
 def test_concurrent_writers(wb_mount, s3_client, fresh_bucket):
     files = {f"rank{r}/shard.pt": random.Random(r).randbytes(MiB + 999 * r) for r in range(6)}
     for name in files:

@@ -131,8 +131,11 @@ class Client:
                 raise NotDurable(f"{failed} files will not be uploaded: a write of each failed, so none is a "
                                  "finished file (write it again from the start, or remove it)", reply)
             if deadline is not None and time.monotonic() >= deadline:
+                from epochfs.writeback.owed import pending_summary
+
                 raise NotDurable(f"{reply['pending_total']} still pending ({human(reply['pending_bytes'])}) after "
-                                 f"{timeout:g}s; they are kept and uploaded as the backend allows", reply)
+                                 f"{timeout:g}s: {pending_summary(reply['pending'], reply['pending_total'])}; they "
+                                 "are kept and uploaded as the backend allows", reply)
             if progress is not None:
                 progress(reply)
 

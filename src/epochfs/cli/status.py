@@ -234,7 +234,9 @@ def format_link(link: dict[str, Any] | None, flag: str) -> str:
         why = f"{link['unknown']}" if link and link.get("unknown") else (
             f"declare it with {flag}, or it is measured once transfers keep the link busy")
         return f"link capacity not known: {why} (the utilisation alarm cannot fire until then)"
-    return f"link {human(link['bytes_per_second'])}/s ({link['source']}: {link['detail']})"
+    detail = str(link.get("detail") or "")
+    how = detail if detail.startswith(str(link["source"])) else f"{link['source']}: {detail}"  # (never "measured: measured")
+    return f"link {human(link['bytes_per_second'])}/s ({how})"
 
 
 def eviction_policy(s: dict[str, Any]) -> str:

@@ -132,9 +132,13 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 def _list_pending(reply: dict) -> None:
     import sys
 
+    from epochfs.writeback.owed import PENDING_WHY
+
     for item in reply["pending"]:
         size = f" {human(item['bytes'])}" if item["bytes"] else ""
-        print(f"  {printable(str(item['key']))}{size} ({printable(str(item['state']))})", file=sys.stderr)
+        state = str(item["state"])
+        why = f": {PENDING_WHY[state]}" if state in PENDING_WHY else ""
+        print(f"  {printable(str(item['key']))}{size} ({printable(state)}{why})", file=sys.stderr)
     if reply["pending_total"] > len(reply["pending"]):
         print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)
 
@@ -149,9 +153,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
         raise ConfigError("--timeout must be a number of seconds >= 0")
     show = not args.quiet and sys.stderr.isatty()
 
+    from epochfs.core.text import printable
+    from epochfs.writeback.owed import pending_summary
+
     def progress(reply: dict) -> None:
         if show:
-            print(f"\rwaiting for {reply['pending_total']} uploads ({human(reply['pending_bytes'])})\033[K",
+            why = printable(pending_summary(reply["pending"], reply["pending_total"]))[:300]
+            print(f"\rwaiting for {reply['pending_total']} uploads ({human(reply['pending_bytes'])}): {why}\033[K",
                   end="", file=sys.stderr, flush=True)
 
     try:

@@ -13,13 +13,15 @@ from epochfs.doctor.views import HEADROOM, number
 
 
 def size_flag(nbytes: float, *, down: bool = False) -> str:
-    """A size as ``--cache-size`` takes it, rounded up (``down``: rounded down): ``320G``, ``1.5T``."""
+    """A size as ``--cache-size`` takes it, rounded up (``down``: rounded down) to two figures at most:
+    ``320G``, ``1.5T``, ``150M`` (a size under 1 GiB in MiB: 150 MiB is not ``1G``)."""
     gib = nbytes / (1 << 30)
+    rounding = math.floor if down else math.ceil
     if gib >= 1024:
-        return f"{(math.floor if down else math.ceil)(gib / 1024 * 10) / 10:g}T"
-    if gib < 1 and down:
-        return f"{max(1, math.floor(nbytes / (1 << 20)))}M"
-    return f"{max(1, (math.floor if down else math.ceil)(gib))}G"
+        return f"{rounding(gib / 1024 * 10) / 10:g}T"
+    if gib < 1:
+        return f"{max(1, rounding(nbytes / (1 << 20)))}M"
+    return f"{max(1, rounding(gib))}G"
 
 
 def share_fix(share: float, capacity: float, cache_size: float | None = None, tier_cache: float | None = None,

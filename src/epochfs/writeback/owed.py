@@ -42,7 +42,33 @@ class WritebackStats:
 class Pending:
     key: str
     bytes: int
-    state: str  # open for writing, waiting, uploading, retrying, to delete, to publish
+    state: str  # open for writing, waiting, uploading, retrying, to delete, to publish (or "not uploaded: WHY")
+
+
+#: What each state of a pending file waits for, in words (what ``epochfs sync`` says).
+PENDING_WHY = {
+    "open for writing": "it uploads once every process that has it open for writing closes it",
+    "waiting": "closed, queued for an upload slot (it starts a second after its close)",
+    "uploading": "being uploaded",
+    "retrying": "an upload of it failed; tried again",
+    "to delete": "its removal is being sent to the backend",
+    "to publish": "uploaded; the namespace that lists it is being published",
+}
+
+
+def pending_summary(pending: list[dict[str, object]], total: int) -> str:
+    """Why ``total`` files are pending, from a sync answer's first ones: a count per state, each with
+    what it waits for and the first file in it (``3 open for writing: it uploads once ... (ckpt/a.pt)``)."""
+    by_state: dict[str, list[str]] = {}
+    for item in pending:
+        state = str(item.get("state", ""))
+        by_state.setdefault("not uploaded" if state.startswith("not uploaded") else state, []).append(str(item["key"]))
+    parts = []
+    for state, keys in by_state.items():
+        why = PENDING_WHY.get(state, "a write of it failed: it will not upload as it is")
+        parts.append(f"{len(keys)} {state} ({why}; {keys[0]}{', ...' if len(keys) > 1 else ''})")
+    more = f"; {total - len(pending)} more not listed" if total > len(pending) else ""
+    return "; ".join(parts) + more
 
 
 class Room(Protocol):
@@ -161,7 +187,7 @@ class Owed:
             if f.failed:
                 return f"not uploaded: {f.failed}"
             if f.writers:
-                return "open for writing"
+                return "open for writing"  # (PENDING_WHY says why each state waits)
             if f.uploading:
                 return "uploading"
             return "retrying" if f.id in self.retry else "waiting"
