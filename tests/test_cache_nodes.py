@@ -503,3 +503,22 @@ def test_a_node_whose_token_the_cache_nodes_refuse_says_so_in_status_and_metrics
     assert not good.status()["peer"].get("refusing")
     log = (tier.tmp / "client-cache1" / "epochfs.log").read_text(errors="replace")
     assert log.count("refuses this node's token") == 1, log[-2000:]
+
+
+def test_epochfs_stop_stops_a_backgrounded_cache_node_after_its_hand_over(tier):
+    """`epochfs stop CACHE_DIR` (as `umount` does for a mount): the cache node started in the background
+    hands its blocks over, leaves, exits, and the command returns once it has; a mount or a directory
+    no cache node serves is refused with what to do instead."""
+    node = tier.server()
+    client = tier.client()
+    pid = node.pid()
+    r = subprocess.run([*EPOCHFS, "stop", str(client.mountpoint)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "epochfs umount" in r.stderr, r.stderr
+    r = subprocess.run([*EPOCHFS, "stop", str(tier.tmp / "nothing-here")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "no cache node answers" in r.stderr, r.stderr
+    r = subprocess.run([*EPOCHFS, "stop", str(node.cache_dir)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # (gone, or a zombie of ours)
+    assert "stopped the cache node" in r.stderr
+    assert "cache node of" in node.log() and "stopped" in node.log()

@@ -1,5 +1,5 @@
 """Command line: arguments -> calls, errors -> one line and an exit code. One module per command family:
-:mod:`.mount` (mount, serve, umount), :mod:`.status` (status, stats), :mod:`.epoch` (prefetch, warmup, manifest,
+:mod:`.mount` (mount, serve, umount, stop), :mod:`.status` (status, stats), :mod:`.epoch` (prefetch, warmup, manifest,
 plan), :mod:`.stores` (import, refresh, fsck), :mod:`.pack` (pack), :mod:`.cluster` (cluster status, warmup); :mod:`.options` derives the mount options from
 :class:`~epochfs.daemon.config.Config`.
 

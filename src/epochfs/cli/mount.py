@@ -66,6 +66,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="how long to wait for the daemon to exit (default: %(default)s)")
     u.set_defaults(run=cmd_umount)
 
+    st = sub.add_parser("stop", help="stop a cache node (epochfs serve) and wait for it to hand its blocks over",
+                        description="Stop the cache node serving from CACHE_DIR (what `epochfs serve` runs in "
+                        "the background): it hands the blocks it owns over to their next owners, leaves the "
+                        "member list and exits; this waits for that (a minute at most, then --timeout). A mount "
+                        "is stopped with `epochfs umount MOUNTPOINT`.")
+    st.add_argument("cache_dir", metavar="CACHE_DIR", nargs="?", help="the cache node's --cache-dir")
+    st.add_argument("--config", metavar="FILE", help="take the cache directory from this (serve) config file")
+    st.add_argument("--timeout", type=float, default=90.0, metavar="SECONDS",
+                    help="how long to wait for it to exit (default: %(default)s; its hand-over takes a minute at most)")
+    st.set_defaults(run=cmd_stop)
+
 
 def setup_logging(config: Config) -> None:
     from epochfs.core.private import PrivateLogFile
@@ -192,6 +203,43 @@ def cmd_umount(args: argparse.Namespace) -> int:
         print(f"epochfs: {pending[0]} written files ({pending[1]} bytes) were not uploaded yet; they stay in the "
               "cache directory's journal and upload when it is mounted again ('epochfs sync' before "
               "unmounting waits for them)", file=sys.stderr)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import signal
+
+    from epochfs.control import request
+
+    where = args.cache_dir or (read_config_file(args.config).get("cache_dir") if args.config else None)
+    if not where:
+        raise ConfigError("give CACHE_DIR (or --config with a cache_dir key)")
+    path = os.path.abspath(str(where))
+    if os.path.ismount(path):
+        raise ConfigError(f"{path} is a mount: stop it with `epochfs umount {path}`")
+    try:
+        status = request(path, "status", timeout=10)
+    except EpochfsError as exc:
+        raise EpochfsError(f"no cache node answers in {path}: {exc}") from None
+    peer = status.get("peer") if isinstance(status.get("peer"), dict) else {}
+    if peer.get("role") != "server":
+        raise ConfigError(f"{path} is not a cache node's directory (its daemon is a mount: `epochfs umount`)")
+    pid = status.get("pid")
+    if not isinstance(pid, int) or pid <= 1:
+        raise EpochfsError(f"the cache node in {path} did not say its process id")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return 0
+    except PermissionError:
+        raise EpochfsError(f"not allowed to stop pid {pid} (run as its user, or root)") from None
+    deadline = time.monotonic() + args.timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise EpochfsError(f"the cache node (pid {pid}) is still running after {args.timeout:g}s; its log: "
+                               f"{os.path.join(path, 'epochfs.log')}")
+        time.sleep(0.1)
+    print(f"epochfs: stopped the cache node in {path} (pid {pid})", file=sys.stderr)
     return 0
 
 
