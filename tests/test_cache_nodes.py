@@ -331,6 +331,9 @@ def test_cache_nodes_share_the_dataset_in_proportion_to_their_caches(tier):
     assert (p["cache_size_bytes"], p["tier_cache_bytes"]) == (32 * MiB, 288 * MiB), p
     text = subprocess.run([*EPOCHFS, "status", str(small.cache_dir)], capture_output=True, text=True).stdout
     assert "(its 32.0 MiB of the members' 288.0 MiB of cache)" in text, text
+    # a cache node's status: no mount, no reader of its own, so none of a mount's advice
+    assert text.startswith(f"cache node of {tier.dataset}") and "mount " not in text.splitlines()[0], text
+    assert "EpochfsSampler" not in text and "--eviction manifest" not in text and "hand one over" not in text, text
     # warmed as a Job warms them: from a member's own config file (the source, store, token and block size)
     config = tier.tmp / "cache.toml"
     config.write_text(f'source = "{tier.dataset}"\nmeta = "{tier.redis_url}"\npeer_token_file = "{tier.token_file}"\n'

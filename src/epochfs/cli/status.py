@@ -204,9 +204,12 @@ def format_status(s: dict[str, Any]) -> str:
     c, st, snap = s["cache"], s["store"], s["snapshot"]
     reads = c["hit_bytes"] + c["miss_bytes"]
     ratio = f"{c['hit_bytes'] / reads:.1%}" if reads else "n/a"
+    serving = (s.get("peer") or {}).get("role") == "server"  # a cache node: nothing mounted, no reader of its own
+    head = (f"cache node of {s['source']}" if serving else f"mount      {s['mountpoint']}  <-  {s['source']}")
+    prefetch = (format_prefetch(s["prefetch"]) if s["prefetch"]["blocks"] or not serving else
+                "prefetch   none: a cache node fetches what members ask for and what `epochfs cluster warmup` names")
     return "\n".join([
-        f"mount      {s['mountpoint']}  <-  {s['source']}  (pid {s['pid']}; metrics "
-        f"{s['metrics_addr'] or 'off'})",
+        f"{head}  (pid {s['pid']}; metrics {s['metrics_addr'] or 'off'})",
         f"snapshot   version {snap['version']}, taken {age(snap['age_seconds'])} ago: {snap['files']} files, "
         f"{snap['directories']} directories, {human(snap['bytes'])}; store {s['meta']['url']}"
         + ("" if s["meta"]["reachable"] else f" UNREACHABLE ({s['meta']['error']})")
@@ -218,10 +221,10 @@ def format_status(s: dict[str, Any]) -> str:
         *([f"           {origins}"] if (origins := format_origins(s)) else []),
         f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
         f"{c['inflight']} in flight; {format_link(s['backend'].get('link'), '--backend-bandwidth')}",
-        f"evictions  {st['evictions']} ({eviction_policy(s)}); corrupt blocks {st['corrupt_blocks']}; "
+        f"evictions  {st['evictions']} ({eviction_policy(s, serving)}); corrupt blocks {st['corrupt_blocks']}; "
         f"fill errors {st['fill_errors']}",
         f"errors     {reader_errors(s)}",
-        format_prefetch(s["prefetch"]),
+        prefetch,
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
         *([format_passthrough(s["passthrough"])] if s.get("passthrough") else []),
         *(format_peer(s["peer"]) if s.get("peer") else []),
@@ -239,10 +242,11 @@ def format_link(link: dict[str, Any] | None, flag: str) -> str:
     return f"link {human(link['bytes_per_second'])}/s ({how})"
 
 
-def eviction_policy(s: dict[str, Any]) -> str:
-    """The policy evictions followed: the manifest's only once an order was handed over."""
+def eviction_policy(s: dict[str, Any], serving: bool = False) -> str:
+    """The policy evictions followed: the manifest's only once an order was handed over (a cache node is
+    handed none: the least recently used, said without a mount's advice)."""
     if s["eviction"] == "manifest" and not s["prefetch"]["blocks"]:
-        return "least recently used: no order handed over yet (--eviction manifest)"
+        return "least recently used" if serving else "least recently used: no order handed over yet (--eviction manifest)"
     return {"manifest": "the handed-over order", "lru": "least recently used"}.get(s["eviction"], s["eviction"])
 
 
