@@ -273,6 +273,28 @@ def test_a_cluster_on_paper_follows_its_links():
     assert cache_nodes_needed(Cluster(4, 2, 1, 10 * GiB, 1, 1, 1e12, replicas=2, cache_node_cache=3 * GiB)) == 7
 
 
+def test_cache_nodes_are_sized_against_the_link_that_binds_first():
+    """GPU nodes whose own links carry less than their GPUs ask (4 x 8 GPUs of 3D U-Net, 192 Gbit/s a node on
+    100 Gbit/s links) take in 400 Gbit/s whatever the cache nodes send: the cache nodes are sized for
+    that (6 at 70% of 100 Gbit/s), not for the 770 asked (11), and the plan says which bound it."""
+    from epochfs.links.sizing import WORKLOADS, Cluster, cache_nodes_needed, plan
+
+    gbit = 1e9 / 8
+    c = Cluster(4, 8, WORKLOADS["unet3d"], 10 * 2**40, 100 * gbit, 100 * gbit, 100 * gbit)
+    assert cache_nodes_needed(c) == 6
+    p = plan(c)
+    assert p["sized_for"] == {"bytes_per_second": 400 * gbit, "bound": "the GPU nodes' links"}
+    warm = p["setups"]["warm-cache-nodes"]["epoch1"]
+    assert warm["bound"] == "the GPU nodes' links" and warm["cache_node_link_utilisation"] <= 0.7
+    light = Cluster(4, 2, WORKLOADS["resnet50"], 2**40, 10 * gbit, 100 * gbit, 100 * gbit)
+    assert plan(light)["sized_for"]["bound"] == "the GPUs' demand"
+    text = subprocess.run([sys.executable, "-m", "epochfs", "plan", "--cluster", "--nodes", "4", "--gpus-per-node", "8",
+                           "--workload", "unet3d", "--dataset", "10T", "--wan", "100Gbit", "--node-link", "100Gbit"],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "under 70%: 6, sized for 400 Gbit/s (bound first by the GPU nodes' links" in text, text
+    assert "assumptions:" in text
+
+
 def test_a_cluster_that_cannot_be_planned_says_why():
     from epochfs.links.sizing import Cluster
 

@@ -240,6 +240,8 @@ def test_warmup_check_and_plan(tmp_path, s3_client, fresh_bucket, mount_factory)
                     "--mount", str(m.mountpoint))  # a cold epoch: the prediction says what it means
         assert "fetched from the backend" in r.stdout and "cached when the epoch begins" in r.stdout
         assert "predicts backend traffic, not the hit ratio a prefetched epoch shows" in r.stdout.replace("\n", " ")
+        assert "assumptions: blocks of 1.0 MiB (--block-size)" in r.stdout  # what it assumed, said
+        assert "no backend bandwidth given" in r.stdout
 
 
 def test_warmup_takes_the_whole_mount_and_paths_from_the_current_directory(

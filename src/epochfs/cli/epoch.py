@@ -313,6 +313,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"epoch: {len(current)} blocks, {human(total)}; cache {human(args.cache_size)}"
           + (" (warm from the previous epoch)" if previous else " (cold)"))
+    print(f"assumptions: blocks of {human(args.block_size)} (--block-size), each fetched whole with one GET; "
+          + (f"the backend's link {human(args.backend_bandwidth)}/s (--backend-bandwidth)" if args.backend_bandwidth
+             else "no backend bandwidth given (the wait that fetching cannot hide is not counted)")
+          + (f"; {args.epoch_hours:g} h of compute an epoch on {args.gpus} GPUs (--epoch-hours, --gpus)"
+             if args.epoch_hours is not None else "")
+          + "; prices as below (--config's [cost], or --price-*)")
     print(f"{'policy':<10} {'fetched from the backend':>26} {'cached when the epoch begins':>30}")
     for r in results:
         print(f"{r.policy:<10} {human(r.miss_bytes):>26} {r.hit_ratio:>30.1%}")
@@ -360,8 +366,15 @@ def cluster_lines(result: dict[str, Any]) -> list[str]:
              f"{rate_text(i['demand'])} in all, {rate_text(i['node_demand'])} a node; a dataset of {human(i['dataset'])}",
              f"links: the object store's {rate_text(i['wan'])} (shared), each GPU node's {rate_text(i['node_link'])}, "
              f"each cache node's {rate_text(i['cache_node_link'])}",
-             f"cache nodes that keep their links under 70%: {result['cache_nodes_needed']}"
+             f"cache nodes that keep their links under 70%: {result['cache_nodes_needed']}, sized for "
+             f"{rate_text(result['sized_for']['bytes_per_second'])} (bound first by {result['sized_for']['bound']}"
+             + (f": {i['nodes']} links of {rate_text(i['node_link'])} for {rate_text(i['node_demand'])} asked a node"
+                if result["sized_for"]["bound"] == "the GPU nodes' links" else "") + ")"
              + (f" (planned with {result['cache_nodes']})" if result["cache_nodes"] != result["cache_nodes_needed"] else ""),
+             "assumptions: every GPU asks its rate the whole epoch (data-parallel, each epoch reads the dataset "
+             "once in a fresh order, prefetched with the order handed over: latency hidden); a link carries its "
+             "rate in full; the plain set-up's later epochs hit only what each node read before (1/nodes); "
+             "cache nodes hold the whole dataset (warm) or fetch it once (cold)",
              "", f"{'set-up':<22} {'epoch':>5} {'object store link':>18} {'cache node links':>17} {'GPU node link':>14} "
              f"{'WAN bytes/dataset':>18} {'AU':>5}  bound"]
     for name, s in result["setups"].items():

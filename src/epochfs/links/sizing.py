@@ -19,7 +19,9 @@ over. Three set-ups are compared, epoch by epoch:
 - ``warm-cache-nodes``: K cache nodes warmed before the job (``epochfs cluster warmup``, which moves
   the dataset over the WAN once, at the WAN's speed): every epoch comes from them; the WAN is idle.
 
-It says how many cache nodes keep their links under the 70% line, and the first epoch's AU of each
+It says how many cache nodes keep their links under the 70% line, sized against whichever binds first
+of the GPUs' demand and the GPU nodes' own links (a GPU node whose link carries less than its GPUs ask
+takes in no more, however many cache nodes send), and says which; and the first epoch's AU of each
 set-up. Every figure is a plain function of the inputs (tested against ``benchmarks/clusterbox.py``'s
 measured steps, scaled).
 """
@@ -95,10 +97,22 @@ class Setup:
     warmup_seconds: float | None = None  # warm-cache-nodes: filling them over the WAN first
 
 
+def carried(c: Cluster) -> float:
+    """What the cluster's GPU nodes can take in, bytes/s: their GPUs' demand, or all their links carry
+    where those bind first (a cache node past that sends nothing more)."""
+    return min(c.demand, c.nodes * c.node_link)
+
+
+def binds_first(c: Cluster) -> str:
+    """Which of the GPUs' demand and the GPU nodes' own links bounds what the cache nodes must send."""
+    return "the GPU nodes' links" if c.nodes * c.node_link < c.demand else "the GPUs' demand"
+
+
 def cache_nodes_needed(c: Cluster, busy: float = BUSY) -> int:
-    """Cache nodes whose links together carry the cluster's demand at no more than ``busy`` of them,
-    and whose caches hold the dataset ``replicas`` times."""
-    by_link = math.ceil(c.demand / (busy * c.cache_node_link))
+    """Cache nodes whose links together carry what the GPU nodes take in (their demand, or their own
+    links where those bind first: :func:`carried`) at no more than ``busy`` of them, and whose caches
+    hold the dataset ``replicas`` times."""
+    by_link = math.ceil(carried(c) / (busy * c.cache_node_link))
     by_space = math.ceil(c.dataset * c.replicas / c.cache_node_cache) if c.cache_node_cache else 1
     return max(1, by_link, by_space, c.replicas)
 
@@ -137,5 +151,6 @@ def plan(c: Cluster) -> dict[str, object]:
     ]
     return {"inputs": {**asdict(c), "demand": c.demand, "node_demand": c.node_demand},
             "cache_nodes_needed": cache_nodes_needed(c), "cache_nodes": k,
+            "sized_for": {"bytes_per_second": carried(c), "bound": binds_first(c)},
             "setups": {s.name: {"cache_nodes": s.cache_nodes, "epoch1": asdict(s.epoch1), "epoch2": asdict(s.epoch2),
                                 "warmup_seconds": s.warmup_seconds} for s in setups}}
