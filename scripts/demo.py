@@ -55,6 +55,9 @@ def main() -> int:
     parser.add_argument("--large", type=int, default=3, help="number of large files (default 3)")
     parser.add_argument("--large-mib", type=int, default=24, help="size of a large file in MiB (default 24)")
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--port", type=int, metavar="N", help="the local S3 endpoint's port (default: a free one)")
+    parser.add_argument("--metrics-port", type=int, metavar="N",
+                        help="the mount's metrics port on 127.0.0.1 (default: 9567, or the next free one if taken)")
     args = parser.parse_args()
 
     work = args.workdir.resolve()
@@ -66,15 +69,20 @@ def main() -> int:
 
     files = sample_layout(args.small, args.large, args.large_mib)
     total = sum(f.size for f in files)
-    with console.status("starting a local S3 endpoint (SeaweedFS)"):
-        server = LocalS3(work / "s3").start()
+    try:
+        with console.status("starting a local S3 endpoint (SeaweedFS)"):
+            server = LocalS3(work / "s3", port=args.port).start()
+    except RuntimeError as exc:
+        console.print(f"[red]demo: {exc}[/]")
+        return 1
     try:
         with console.status(f"uploading {len(files)} files, {total / 2**20:.0f} MiB"):
             upload(server.client(), "demo", "dataset/", files)
         console.print(f"S3 endpoint [bold]{server.endpoint}[/], dataset [bold]s3://demo/dataset/[/]: "
                       f"{len(files)} files, {total / 2**20:.0f} MiB")
         cmd = [sys.executable, "-m", "epochfs", "mount", "s3://demo/dataset", str(mnt),
-               "--endpoint-url", server.endpoint, "--cache-dir", str(cache), "--cache-size", "2G"]
+               "--endpoint-url", server.endpoint, "--cache-dir", str(cache), "--cache-size", "2G",
+               *(["--metrics-addr", f"127.0.0.1:{args.metrics_port}"] if args.metrics_port else [])]
         console.print("$ " + " ".join(cmd[2:]))
         if subprocess.run(cmd, env=server.env()).returncode != 0:
             return 1  # epochfs said why

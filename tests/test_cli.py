@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -321,3 +322,29 @@ def test_a_dead_endpoint_at_mount_says_its_first_request_failed(tmp_path):
                         "--backend-timeout", "3"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0 and "its first request failed" in r.stderr and "--endpoint-url" in r.stderr, r.stderr
     assert r.stderr.index("first request failed") < r.stderr.index("packed")
+
+
+def test_the_dev_endpoint_takes_a_port_and_says_when_it_is_taken(tmp_path):
+    """`python -m epochfs.dev.servers DIR --port N`: the endpoint on that port; a port another server
+    holds is refused at once with what to do, before SeaweedFS is started."""
+    import socket
+
+    from epochfs.dev.servers import free_ports
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "epochfs.dev.servers", str(tmp_path / "a"), "--port", str(taken)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"--port {taken}: 127.0.0.1:{taken} is taken" in r.stderr, r.stderr
+    assert "choose another --port" in r.stderr
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-m", "epochfs.dev.servers", str(tmp_path / "b"), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"S3 endpoint http://127.0.0.1:{port} " in line, (line, proc.stderr.read() if proc.poll() else "")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -36,6 +36,18 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def port_free(port: int, flag: str = "--port") -> None:
+    """That ``port`` on 127.0.0.1 can be listened on; RuntimeError saying what to do if not."""
+    if not 0 < port < 65536:
+        raise RuntimeError(f"{flag} {port}: a port is 1 to 65535")
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise RuntimeError(f"{flag} {port}: 127.0.0.1:{port} is taken ({exc.strerror}: another server, or "
+                               f"an earlier run still going); choose another {flag}, or leave it out for a free one") from None
+
+
 def weed_binary() -> str:
     here = Path(sys.executable).parent / "weed"
     found = str(here) if here.exists() else shutil.which("weed")
@@ -60,7 +72,8 @@ class LocalS3:
     then only the development credentials, and every request's signature is checked."""
 
     def __init__(self, data_dir: Path, log_file: Path | None = None, verify_signatures: bool = False,
-                 remote_origins: bool = False) -> None:
+                 remote_origins: bool = False, port: int | None = None) -> None:
+        self.wanted_port = port  # the endpoint's port (None: a free one)
         self.verify_signatures = verify_signatures
         self.remote_origins = remote_origins  # may mount an origin on loopback (remote.mount: tests only)
         self.data_dir = Path(data_dir)
@@ -78,6 +91,9 @@ class LocalS3:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # Every bucket is a SeaweedFS collection that grows 7 volumes: allow many small ones.
         ports = free_ports(9)
+        if self.wanted_port:
+            port_free(self.wanted_port)
+            ports[0] = self.wanted_port
         (s3, master, volume, filer, g1, g2, g3, g4, metrics) = ports
         self.port, self.metrics_port, self._ports = s3, metrics, ports
         cmd = [
@@ -362,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data_dir", metavar="DATA_DIR", help="where SeaweedFS keeps its data (created if missing)")
     parser.add_argument("--verify-signatures", action="store_true",
                         help=f"accept only the access key {ACCESS_KEY!r} with its secret (default: any credentials)")
+    parser.add_argument("--port", type=int, metavar="N", help="the endpoint's port on 127.0.0.1 (default: a free one)")
     args = parser.parse_args(argv)
 
     def stop(signum: int, frame: object) -> None:
@@ -370,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, stop)
     try:
-        with LocalS3(Path(args.data_dir), verify_signatures=args.verify_signatures) as server:
+        with LocalS3(Path(args.data_dir), verify_signatures=args.verify_signatures, port=args.port) as server:
             print(f"S3 endpoint {server.endpoint} (access key {ACCESS_KEY!r}, secret {SECRET_KEY!r}); "
                   "Ctrl-C to stop", flush=True)
             server.proc.wait()  # type: ignore[union-attr]
