@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -465,20 +466,20 @@ def test_planted_members_cannot_hang_cluster_status_nor_warmup(tier):
     r = redis.Redis(port=port)
     key = next(k for k in r.keys("*servers") if b"epochfs" in k)
     r.zadd(key, {f"127.0.0.{2 + i // 60000}:{1024 + i % 60000}": time.time() + 3600 for i in range(10_000)})
-    started = time.monotonic()
+    # Bounded by counts, not by how fast this machine is: at most MAX_LISTED members taken and proved
+    # (a hang, or all 10,000 proved one by one, runs into the subprocesses' timeouts and fails).
     st = subprocess.run([*EPOCHFS, "cluster", "status", tier.dataset, "--meta", tier.redis_url, "--json",
                          "--peer-token-file", str(tier.token_file)], capture_output=True, text=True, timeout=180)
-    took = time.monotonic() - started
     assert st.returncode == 0, st.stderr
     assert f"more than {MAX_LISTED} members" in st.stderr
     rows = json.loads(st.stdout)["members"]
-    assert len(rows) <= MAX_LISTED and took < 90, (len(rows), took)
+    assert len(rows) <= MAX_LISTED and real.addr in {r["member"] for r in rows}, len(rows)
     base = [*EPOCHFS, "cluster", "warmup", tier.dataset, "--meta", tier.redis_url, "--peer-token-file",
             str(tier.token_file), "--block-size", "1M"]
-    started = time.monotonic()
     w = subprocess.run(base, capture_output=True, text=True, timeout=240)
-    assert time.monotonic() - started < 120
-    assert "did not prove" in w.stderr  # (the planted ones are left out)
+    (left_out,) = [line for line in w.stderr.splitlines() if "did not prove" in line]  # (the planted ones)
+    named = int(re.search(r"epochfs: (\d+) cache nodes listed in the store did not prove", left_out)[1])
+    assert 0 < named <= MAX_LISTED, left_out[:300]
     assert held(real) > 0
 
 
