@@ -4,6 +4,7 @@ Dataset declares, and the Slurm prolog/epilog mount a job's datasets and unmount
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -454,6 +455,89 @@ def test_no_dataset_gets_past_the_allow_list(tmp_path):
         url = json.loads(src.split(" = ", 1)[1])
         assert url.startswith(("s3://training-data", "file:///datasets")), url
         assert "/var/cache" not in url and ".." not in url.split("/")
+    assert accepted > 20
+
+
+def _tree_with_links(tmp_path):
+    """An allowed prefix holding real directories and links (to a node's secret directory, to /etc, up
+    the tree), and the secret directory beside it."""
+    allowed, secret = tmp_path / "datasets", tmp_path / "secret"
+    (allowed / "imagenet" / "train").mkdir(parents=True)
+    (allowed / "imagenet" / "train" / "a.jpg").write_bytes(b"a" * 10)
+    secret.mkdir()
+    (secret / "node-key").write_text("the node's")
+    (allowed / "to-secret").symlink_to(secret)
+    (allowed / "to-etc").symlink_to("/etc")
+    (allowed / "imagenet" / "up").symlink_to("..")
+    (allowed / "imagenet" / "inner").symlink_to("train")
+    return allowed, secret
+
+
+def test_a_fluid_file_source_is_read_as_checked_whatever_is_swapped_under_its_path(tmp_path):
+    """A Dataset's file:// source is checked and opened once, with no link anywhere in its path, and the
+    daemon reads that directory: a link in the path is refused, and a directory swapped for a link to
+    the node's files after the check (what a Dataset author with a directory under the allowed prefix
+    can do at every FUSE pod start) changes nothing the daemon lists or reads."""
+    from epochfs.backend.base import BackendSettings
+    from epochfs.backend.local import ROOT_FD_ENV, LocalBackend
+    from epochfs.core.records import Source
+    from epochfs.node.fluid import hand_down_root
+
+    allowed, secret = _tree_with_links(tmp_path)
+    policy = _policy(tmp_path, f'sources = ["file://{allowed}/"]\n')
+    for linked in ("to-secret", "to-etc", "imagenet/inner", "imagenet/up/imagenet"):
+        with pytest.raises(ConfigError, match="symbolic link"):
+            config_text(fluid_config(f"file://{allowed}/{linked}", "/x"), policy)
+    text, _ = config_text(fluid_config(f"file://{allowed}/imagenet", "/x"), policy)
+    fd = hand_down_root(text)
+    try:
+        # the Dataset's author swaps the checked directory for a link to the node's secret directory
+        (allowed / "imagenet").rename(allowed / "moved")
+        (allowed / "imagenet").symlink_to(secret)
+        backend = LocalBackend(BackendSettings(Source.parse(f"file://{allowed}/imagenet")))
+        assert ROOT_FD_ENV not in os.environ  # (taken over: nothing below the daemon inherits it)
+        keys = {o.key for o in backend.list_objects()}
+        assert "train/a.jpg" in keys and "node-key" not in keys, keys
+        info = backend.stat("train/a.jpg")
+        assert backend.read_range("train/a.jpg", info.etag, 0, 10) == b"a" * 10
+        assert backend.stat("node-key") is None
+        backend.close()
+    finally:
+        os.environ.pop(ROOT_FD_ENV, None)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    # a descriptor handed down for another path is not taken
+    os.environ[ROOT_FD_ENV] = f"0:{secret}"
+    try:
+        other = LocalBackend(BackendSettings(Source.parse(f"file://{allowed}/moved")))
+        assert {o.key for o in other.list_objects()} >= {"train/a.jpg"}
+        other.close()
+    finally:
+        os.environ.pop(ROOT_FD_ENV, None)
+
+
+def test_no_fluid_file_source_with_a_link_gets_past_the_checks(tmp_path):
+    """A fuzz loop over file:// sources made of real directories, links and dots under the allowed
+    prefix: an accepted one names a directory under the prefix whose path holds no link."""
+    import random
+
+    allowed, _ = _tree_with_links(tmp_path)
+    policy = _policy(tmp_path, f'sources = ["file://{allowed}/"]\n')
+    rng = random.Random(66)
+    parts = ["imagenet", "train", "to-secret", "to-etc", "up", "inner", "..", ".", "", "nope", "a.jpg"]
+    accepted = 0
+    for _ in range(1500):
+        tail = "/".join(rng.choice(parts) for _ in range(rng.randrange(0, 4)))
+        source = f"file://{allowed}/{tail}"
+        try:
+            text, _ = config_text(fluid_config(source, "/x"), policy)
+        except ConfigError:
+            continue
+        accepted += 1
+        url = json.loads(next(line for line in text.splitlines() if line.startswith("source = ")).split(" = ", 1)[1])
+        path = url.removeprefix("file://")
+        assert os.path.realpath(path) == os.path.normpath(path) and os.path.isdir(path), url
+        assert os.path.normpath(path).startswith(str(allowed)), url
     assert accepted > 20
 
 

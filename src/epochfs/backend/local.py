@@ -6,6 +6,13 @@ path, so neither a link inside the source nor a snapshot entry naming one (a sha
 any name) can reach a file outside the source. Listing skips symbolic links, special files and names
 that are not UTF-8.
 
+The source root itself is opened once, when the backend is made, and every listing and read starts
+from that descriptor: the path is never resolved again, so a directory swapped for a link (or another
+directory) under the path later changes nothing this daemon reads. A process that checked the root
+before starting the daemon (``epochfs-fluid-mount``: a Dataset's source, walked without following any
+link, :func:`open_root`) hands its descriptor down (:data:`ROOT_FD_ENV`), so what was checked is what
+is read. (A file system mounted over the root later is not seen until the daemon restarts.)
+
 The version tag ("ETag") of a file is its device, inode, size, mtime and ctime: a file replaced,
 rewritten or rewritten in place with its mtime restored gets a new tag (the ctime moves on any
 change). A read checks the tag before and after reading, so a file changed underneath is reported as
@@ -45,13 +52,59 @@ def _info(key: str, st: os.stat_result, etag: str) -> ObjectInfo:
                       mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
 
 
-def open_beneath(root: str, key: str, *, directory: bool = False) -> int:
-    """Open ``key`` (``/``-separated, relative) beneath ``root`` without following any symbolic link.
-    Raises OSError: ELOOP or ENOTDIR where a component is a link, ENOENT, EACCES, ..."""
+#: The environment variable that hands a checked source root's descriptor to the daemon (its value:
+#: ``FD:PATH``, the descriptor and the path it was opened at).
+ROOT_FD_ENV = "EPOCHFS_SOURCE_ROOT_FD"
+
+
+def open_root(path: str) -> int:
+    """Open the directory ``path`` (absolute) walking from ``/`` one component at a time, following no
+    symbolic link anywhere (as ``openat2``'s RESOLVE_NO_SYMLINKS does): what it opens is exactly the
+    directory its literal path names. OSError: ELOOP or ENOTDIR where a component is a link, ..."""
+    if not os.path.isabs(path):
+        raise OSError(errno.EINVAL, f"not an absolute path: {path!r}")
+    parts = [p for p in path.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise OSError(errno.EINVAL, f"a path with . or .. components: {path!r}")
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        for part in parts:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def inherited_root(path: str) -> int | None:
+    """The descriptor a checking process handed down for the source root at ``path`` (:data:`ROOT_FD_ENV`),
+    taken over (close-on-exec from now on, the variable cleared); None where there is none for it."""
+    value = os.environ.pop(ROOT_FD_ENV, None)
+    if not value:
+        return None
+    fd_text, _, handed = value.partition(":")
+    try:
+        fd = int(fd_text)
+        info = os.fstat(fd)
+    except (ValueError, OSError):
+        log.warning("%s=%r names no open descriptor: ignored", ROOT_FD_ENV, value[:100])
+        return None
+    if os.path.normpath(handed) != os.path.normpath(path) or not stat.S_ISDIR(info.st_mode):
+        log.warning("%s hands down %r, not the source %s: ignored", ROOT_FD_ENV, handed[:200], path)
+        return None
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def open_beneath(root: int, key: str, *, directory: bool = False) -> int:
+    """Open ``key`` (``/``-separated, relative) beneath the directory open at ``root`` without following
+    any symbolic link. Raises OSError: ELOOP or ENOTDIR where a component is a link, ENOENT, EACCES, ..."""
     parts = key.split("/") if key else []
     if any(p in ("", ".", "..") for p in parts):
         raise OSError(errno.EINVAL, f"not a relative path: {key!r}")
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(".", _DIR_FLAGS, dir_fd=root)  # (a description of its own: each listing reads from its start)
     try:
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
@@ -70,6 +123,22 @@ class LocalBackend(Backend):
         self.root = settings.source.prefix
         self.source_id = settings.source.url
         self._stats = StatsRecorder()
+        self._root_fd = inherited_root(self.root)
+        if self._root_fd is None:
+            try:
+                self._root_fd = os.open(self.root, _DIR_FLAGS & ~os.O_NOFOLLOW)  # (the operator's path: links in it are theirs)
+            except OSError:
+                self._root_fd = None  # (said at the first listing, as before)
+
+    def _root(self) -> int:
+        if self._root_fd is None:
+            raise ConfigError(f"source directory {self.root} does not exist or is not a directory")
+        return self._root_fd
+
+    def close(self) -> None:
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
 
     def statistics(self) -> BackendStats:
         return self._stats.snapshot()
@@ -78,19 +147,18 @@ class LocalBackend(Backend):
         return self._stats.transfers
 
     def link_peer(self) -> tuple[str, int] | None:
-        return network_server(self.root)
+        return network_server(f"/proc/self/fd/{self._root_fd}" if self._root_fd is not None else self.root)
 
     def list_objects(self) -> Iterator[ObjectInfo]:
         return servable(self._listing())
 
     def _listing(self) -> Iterator[ObjectInfo]:
-        if not os.path.isdir(self.root):
-            raise ConfigError(f"source directory {self.root} does not exist or is not a directory")
+        root = self._root()
         stack = [""]
         while stack:
             rel = stack.pop()
             try:
-                fd = open_beneath(self.root, rel, directory=True)
+                fd = open_beneath(root, rel, directory=True)
             except OSError as exc:
                 self._stats.record("list", "error")
                 raise BackendUnavailable(f"listing {os.path.join(self.root, rel)}: {exc.strerror}") from None
@@ -129,7 +197,7 @@ class LocalBackend(Backend):
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
-            fd = open_beneath(self.root, key)
+            fd = open_beneath(self._root(), key)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except PermissionError:
@@ -146,8 +214,9 @@ class LocalBackend(Backend):
 
     def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
         started = time.monotonic()
+        root = self._root()
         try:
-            fd = open_beneath(self.root, key)
+            fd = open_beneath(root, key)
         except FileNotFoundError:
             self._stats.record("get", "changed")
             raise ObjectChanged(f"{key}: deleted") from None

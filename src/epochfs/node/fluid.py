@@ -11,7 +11,11 @@ node that only root may write; without one, the defaults below):
 
 - ``mountPoint``: an ``s3://`` source (any, or those under the policy's ``sources``); a ``file://``
   source only under a ``file://`` prefix of the policy's ``sources``, never with ``.`` or ``..``
-  components, and never the node's cache directory or a system directory, whatever the policy says;
+  components or a symbolic link anywhere in its path, and never the node's cache directory or a system
+  directory, whatever the policy says. Its directory is opened here, walking from ``/`` without
+  following a link, and that descriptor is handed to the daemon (:func:`hand_down_root`), which reads
+  it and never resolves the path again: what was checked is what is served, whatever the Dataset's
+  author swaps under the path afterwards;
 - ``options``: only the keys of the policy's ``tenant_options`` (default :data:`TENANT_OPTIONS`: how the
   cache behaves, never how the mount presents its files, where it writes, what it exposes or which
   credentials it uses); ``endpoint_url`` only one of the policy's ``endpoints``; ``cache_size`` at most
@@ -119,7 +123,7 @@ class Policy:
         if any(part in (".", "..") for part in urlparse(source).path.split("/")):
             raise ConfigError(f"mountPoint {source!r}: a source is a path without . or .. components")
         if _local(parsed):
-            clean = os.path.realpath(parsed.prefix)  # (where a link in it leads: what the daemon would read)
+            clean = os.path.normpath(parsed.prefix)  # (no link anywhere in it, checked below: where it is)
             for never in NEVER:
                 if clean == never or clean.startswith(never + "/") or never.startswith(clean.rstrip("/") + "/") \
                         or clean == "/":
@@ -130,9 +134,27 @@ class Policy:
                 raise ConfigError(f"mountPoint {source!r}: file:// sources are allowed only under the node's policy "
                                   f"({POLICY_PATH}: sources = [\"file:///...\"]); it lists "
                                   + (", ".join(allowed) or "none"))
+            os.close(open_source_root(clean))
         elif self.sources is not None and not any(_within(parsed.url, p) for p in self.sources if p.startswith("s3://")):
             raise ConfigError(f"mountPoint {source!r}: not one of the sources the node's policy allows "
                               f"({', '.join(self.sources) or 'none'})")
+
+
+def open_source_root(path: str) -> int:
+    """The directory a Dataset's ``file://`` source names, opened without following any link (no
+    component of its path may be one: a Dataset author could swap a link between this check and the
+    daemon's use); :class:`ConfigError` saying why not."""
+    import errno
+
+    from epochfs.backend.local import open_root
+
+    try:
+        return open_root(path)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ConfigError(f"mountPoint file://{path}: a component of it is a symbolic link or not a directory "
+                              "(a Dataset's file:// source is a path of directories, no links)") from None
+        raise ConfigError(f"mountPoint file://{path}: {exc.strerror or exc}") from None
 
 
 def _local(source: Source) -> bool:
@@ -281,9 +303,39 @@ def main(argv: list[str] | None = None) -> int:
         os.unlink(path)
         print(text + "\n# epochfs mount --config FILE --foreground")
         return 0
+    try:
+        hand_down_root(text)
+    except ConfigError as exc:
+        os.unlink(path)
+        print(f"epochfs-fluid-mount: {exc}", file=sys.stderr)
+        return 2
     Path(target).mkdir(parents=True, exist_ok=True)
     os.execv(sys.executable, command)
     return 1  # (not reached)
+
+
+def hand_down_root(text: str) -> int | None:
+    """For a ``file://`` source (the config ``text``'s), the root the checks passed, opened now without
+    following a link, checked again as opened, and handed to the daemon this process becomes
+    (:data:`~epochfs.backend.local.ROOT_FD_ENV`): it reads that directory and never resolves the path
+    again. Its descriptor (None for another kind of source)."""
+    import tomllib
+
+    from epochfs.backend.local import ROOT_FD_ENV
+    from epochfs.core.records import Source
+
+    source = Source.parse(tomllib.loads(text)["source"])
+    if not _local(source):
+        return None
+    fd = open_source_root(source.prefix)
+    try:
+        Policy(sources=[source.url]).check_source(source.url)  # (the node's directories, as opened)
+    except ConfigError:
+        os.close(fd)
+        raise
+    os.set_inheritable(fd, True)
+    os.environ[ROOT_FD_ENV] = f"{fd}:{source.prefix}"
+    return fd
 
 
 if __name__ == "__main__":
