@@ -621,14 +621,16 @@ fi
     def dataset(self, name: str) -> None:
         (self.etc / f"{name}.toml").write_text('source = "s3://b/p"\n')
 
-    def script(self, which: str, job: int, comment: str | None = None, via_scontrol: bool = False, **env: str):
+    def script(self, which: str, job: int, comment: str | None = None, via_scontrol: bool = False,
+               cwd: Path | None = None, **env: str):
         e = {"PATH": f"{self.bin}:{os.environ['PATH']}", "EPOCHFS_ETC": str(self.etc),
              "EPOCHFS_SLURM_RUN": str(self.run), "SLURM_JOB_ID": str(job), **env}
         if comment is not None and not via_scontrol:
             e["SLURM_JOB_COMMENT"] = comment
         if via_scontrol:
             (self.root / "comment").write_text(comment or "")
-        return subprocess.run(["bash", str(SLURM / f"{which}.sh")], env=e, capture_output=True, text=True, timeout=60)
+        return subprocess.run(["bash", str(SLURM / f"{which}.sh")], env=e, capture_output=True, text=True, timeout=60,
+                              cwd=cwd)
 
     def units(self) -> list[str]:
         """What the scripts asked systemctl to start and stop, in order."""
@@ -677,6 +679,55 @@ def test_what_a_job_asks_for_never_fails_the_prolog(tmp_path, comment, message):
     assert [p.parent.name for p in node.run.glob("*/7")] == ["imagenet"]
     assert node.script("epilog", 7).returncode == 0
     assert node.units()[-1] == "systemctl stop epochfs@imagenet.service"
+
+
+def test_a_jobs_comment_is_never_expanded_as_a_pattern(tmp_path):
+    """The prolog runs as root in slurmd's directory: a comment's words are data, never pathname patterns.
+    `epochfs=imag*` beside a file named `epochfs=imagenet` asks for no dataset (it is not a name), and
+    patterns that would walk the node's file systems are words like any other."""
+    node = Node(tmp_path / "node")
+    node.dataset("imagenet")
+    slurmd = tmp_path / "slurmd"
+    slurmd.mkdir()
+    (slurmd / "epochfs=imagenet").write_text("")  # what `epochfs=imag*` would expand to
+    walks = " ".join(["/*/*/*/*/*", "/*/*/*/*/*/*", "/**/*"] * 20)
+    r = node.script("prolog", 9, f"epochfs=imag* {walks}", cwd=slurmd)
+    assert r.returncode == 0, r.stderr
+    assert "'imag*' is not a dataset name" in r.stderr and node.units() == [], (r.stderr, node.units())
+    r = node.script("prolog", 10, "epochfs=imagenet,[a-z]*", cwd=slurmd)
+    assert r.returncode == 0 and node.units() == ["systemctl start epochfs@imagenet.service"]
+    assert "'[a-z]*' is not a dataset name" in r.stderr
+
+
+def test_no_comment_starts_a_dataset_it_does_not_name(tmp_path):
+    """A fuzz loop over comments (patterns, quotes, substitutions, separators, long ones): the prolog
+    always succeeds and starts exactly the configured datasets the comment names literally."""
+    import random
+    import re as _re
+
+    node = Node(tmp_path / "node")
+    for name in ("imagenet", "coco"):
+        node.dataset(name)
+    slurmd = tmp_path / "slurmd"
+    slurmd.mkdir()
+    (slurmd / "epochfs=coco").write_text("")
+    rng = random.Random(3)
+    pieces = ["epochfs=", "imagenet", "coco", "*", "?", "[a-z]", "/*/*", "$(id)", "`id`", "'", '"', ",", " ", "\t",
+              "\n", ";", "&", "|", "..", "/", "~", "{a,b}", "$HOME", "imag", "c*", "\\", "=", "epochfs"]
+    for job in range(1, 121):
+        comment = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 40)))
+        if rng.random() < 0.05:
+            comment = comment * 200  # (past the 4 KiB the prolog reads)
+        before = len(node.units())
+        r = node.script("prolog", job, comment, cwd=slurmd)
+        assert r.returncode == 0, (comment, r.stderr)
+        named = set()
+        for word in comment[:4096].split():
+            if word.startswith("epochfs="):
+                named |= {n for n in word[len("epochfs="):].split(",") if _re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", n)}
+        started = {u.split("@")[1].removesuffix(".service") for u in node.units()[before:]}
+        assert started <= named & {"imagenet", "coco"}, (comment, started)
+        node.script("epilog", job, cwd=slurmd)
 
 
 def test_a_dataset_that_does_not_mount_fails_the_prolog_with_the_reason(tmp_path):

@@ -17,6 +17,7 @@
 # the job may have that does not mount fails the prolog: the node cannot serve it (journalctl -u
 # epochfs@NAME), and Slurm requeues the job and drains the node.
 set -euo pipefail
+set -f  # no pathname expansion anywhere: a job's comment is anyone's, and this runs as root
 etc="${EPOCHFS_ETC:-/etc/epochfs}"
 run="${EPOCHFS_SLURM_RUN:-/run/epochfs/slurm}"
 job="${SLURM_JOB_ID:?SLURM_JOB_ID is not set: run as the Slurm Prolog}"
@@ -28,11 +29,15 @@ if [ -z "$comment" ] && command -v scontrol >/dev/null; then
   comment="$(scontrol show job "$job" 2>/dev/null | sed -n 's/^ *Comment=\(.*\)$/\1/p' | head -n 1)" || comment=""
 fi
 comment="${comment:0:4096}"  # (a comment is the job's: bounded before anything reads it)
+comment="${comment//$'\n'/ }"
 names=()
-for word in $comment; do
+# Split into words as data (read -a: no pathname expansion, no other expansion), then the epochfs= ones.
+read -r -a words <<<"$comment" || true
+for word in "${words[@]}"; do
   case "$word" in
     epochfs=*) IFS=, read -r -a more <<<"${word#epochfs=}" || true; names+=("${more[@]}") ;;
   esac
+  [ "${#names[@]}" -le 64 ] || break  # (what is taken is bounded below; no more work for the rest)
 done
 [ "${#names[@]}" -gt 0 ] || exit 0  # the job asks for no dataset
 [ "${#names[@]}" -le 32 ] || { echo "epochfs prolog: job $job asks for ${#names[@]} datasets; the first 32 are taken" >&2
@@ -42,13 +47,14 @@ skip() { echo "epochfs prolog: job $job: $*; it runs without it" >&2; }
 
 # Whether the job's user may ask for dataset $1 (the administrator's list, where there is one).
 allowed() {
-  local list="$etc/slurm-datasets" name="$1" entry who groups
+  local list="$etc/slurm-datasets" name="$1" entry who groups w whos
   [ -f "$list" ] || return 0
   groups=" $(id -Gn "$user" 2>/dev/null || true) "
   while read -r entry who || [ -n "$entry" ]; do
     [ "$entry" = "$name" ] || continue
     [ -n "$who" ] || return 0  # any job
-    for w in $who; do
+    read -r -a whos <<<"$who" || true
+    for w in "${whos[@]}"; do
       case "$w" in
         @*) [[ "$groups" == *" ${w#@} "* ]] && return 0 ;;
         *) [ -n "$user" ] && [ "$w" = "$user" ] && return 0 ;;
