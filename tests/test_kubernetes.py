@@ -313,6 +313,64 @@ def test_an_admission_policy_keeps_training_pods_from_the_nodes_cache():
         assert admitted == safe, (path, ro)
 
 
+BASELINE_CAPS = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE",
+                 "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+
+
+def test_the_admission_policy_enforces_the_rest_of_baseline_where_the_dataset_hostpath_is_allowed():
+    """A namespace that allows the dataset's hostPath cannot run Pod Security baseline, so the policy
+    holds the rest of it there: a pod reading the dataset read-only cannot also be privileged, share
+    the node's PID, IPC or network namespace, take a host port, add CAP_SYS_ADMIN, unmask /proc or run
+    unconfined, in any kind of container; an ephemeral container (added through pods/ephemeralcontainers,
+    which the policy matches) cannot mount the dataset writable. A fuzz loop of pods checks the rules."""
+    import random
+
+    (policy, _) = [d for d in yaml.safe_load_all((K8S / "examples" / "hostpath-policy.yaml").read_text()) if d]
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert "pods/ephemeralcontainers" in rule["resources"] and "UPDATE" in rule["operations"]
+    dataset = {"name": "d", "hostPath": {"path": "/mnt/epochfs/data"}}
+
+    def pod(kind="containers", sc=None, ro=True, **spec):
+        c = {"name": "c", "image": "x", "volumeMounts": [{"name": "d", "mountPath": "/data", "readOnly": ro}]}
+        if sc is not None:
+            c["securityContext"] = sc
+        base = {"containers": [{"name": "main", "image": "x"}]} if kind != "containers" else {}
+        return {"spec": {**base, kind: [c], "volumes": [dataset], **spec}}
+
+    assert _admitted(pod()) == []
+    for kind in ("containers", "initContainers", "ephemeralContainers"):
+        assert _admitted(pod(kind)) == []
+        assert _admitted(pod(kind, ro=False)), kind  # kubectl debug with the dataset writable
+        assert _admitted(pod(kind, {"privileged": True})), kind
+        assert _admitted(pod(kind, {"capabilities": {"add": ["SYS_ADMIN"]}})), kind
+        assert _admitted(pod(kind, {"capabilities": {"add": ["CHOWN", "SYS_PTRACE"]}})), kind
+        assert _admitted(pod(kind, {"procMount": "Unmasked"})), kind
+        assert _admitted(pod(kind, {"seccompProfile": {"type": "Unconfined"}})), kind
+        assert _admitted(pod(kind, {"capabilities": {"add": ["CHOWN"], "drop": ["ALL"]}})) == [], kind
+    for host in ("hostPID", "hostIPC", "hostNetwork"):
+        assert _admitted(pod(**{host: True})) and _admitted(pod(**{host: False})) == [], host
+    with_port = pod()
+    with_port["spec"]["containers"][0]["ports"] = [{"containerPort": 80, "hostPort": 80}]
+    assert _admitted(with_port)
+    assert _admitted(pod(securityContext={"seccompProfile": {"type": "Unconfined"}}))
+    rng = random.Random(66)
+    caps = sorted(BASELINE_CAPS) + ["SYS_ADMIN", "NET_ADMIN", "SYS_PTRACE", "BPF", "ALL"]
+    for _ in range(300):
+        kind = rng.choice(["containers", "initContainers", "ephemeralContainers"])
+        sc = {}
+        if rng.random() < 0.3:
+            sc["privileged"] = rng.choice([True, False])
+        if rng.random() < 0.4:
+            sc["capabilities"] = {"add": rng.sample(caps, rng.randrange(0, 3))}
+        if rng.random() < 0.2:
+            sc["procMount"] = rng.choice(["Default", "Unmasked"])
+        hosts = {h: rng.choice([True, False]) for h in ("hostPID", "hostIPC", "hostNetwork") if rng.random() < 0.2}
+        ro = rng.choice([True, True, False])
+        safe = (not sc.get("privileged") and set(sc.get("capabilities", {}).get("add", [])) <= BASELINE_CAPS
+                and sc.get("procMount", "Default") == "Default" and not any(hosts.values()) and ro)
+        assert (_admitted(pod(kind, sc or None, ro, **hosts)) == []) == safe, (kind, sc, hosts, ro)
+
+
 def test_the_container_image_installs_the_pinned_package():
     text = (ROOT / "deploy" / "container" / "Containerfile").read_text()
     assert "fuse3" in text and "pip install --no-cache-dir /src" in text and 'ENTRYPOINT ["epochfs"]' in text
