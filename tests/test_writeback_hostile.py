@@ -334,6 +334,72 @@ def test_users_own_what_they_make_the_sticky_bit_holds_and_a_quota_bounds_them(s
     again.stop()
 
 
+DCP_SAVE = """
+import sys, torch, torch.distributed.checkpoint as dcp
+try:
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=sys.argv[1])
+except BaseException as exc:  # (DCP wraps the writer's OSError in its CheckpointException, a BaseException)
+    print("refused:", "Permission denied" in str(exc), flush=True)
+    sys.exit(3)
+state = {"w": torch.zeros(6)}
+dcp.load(state, checkpoint_id=sys.argv[1])
+assert torch.equal(state["w"], torch.arange(6.0)), state
+print("saved and loaded", flush=True)
+"""
+
+
+def job_user() -> str:
+    """A second local user (besides nobody) for the job: made once, a system user with no home."""
+    import pwd
+
+    try:
+        pwd.getpwnam("epochfs-job")
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "epochfs-job"],
+                       check=True)
+    return "epochfs-job"
+
+
+def test_a_checkpoint_directory_squatted_by_another_user_is_refused_not_written(s3_client, fresh_bucket,
+                                                                                mount_factory, shared_dir):
+    """The documented multi-user set-up (--allow-other --dir-mode 1777) and a job saving with torch DCP to
+    /mnt/ckpt/step-1000: another user makes step-1000/ first (mode 0777), to rename their own .metadata
+    over the job's afterwards (a pickle the job's dcp.load would run). A user never writes in another
+    user's directory: the job's save is refused (EACCES), loudly, instead of landing where its owner can
+    swap it; in a directory of the job's own, the save and the load work."""
+    torch = pytest.importorskip("torch")  # noqa: F841 - (the job's own interpreter imports it)
+    python = "/usr/bin/python3"
+    site = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "python3.11" / "site-packages"
+    if not os.path.exists(python) or not site.is_dir():
+        pytest.skip("needs /usr/bin/python3 and the virtualenv's site-packages for the job's user")
+    job = job_user()
+    m = shared_mount(mount_factory, shared_dir, f"s3://{fresh_bucket}/ckpt", "--dir-mode", "1777")
+    m.start()
+    squat = m.path("step-1000")
+    assert as_nobody("sh", "-c", f"mkdir {squat} && chmod 777 {squat}").returncode == 0
+    script = shared_dir / "dcp_save.py"
+    script.write_text(DCP_SAVE)
+    script.chmod(0o644)
+    env = f"PYTHONPATH={Path(__file__).resolve().parents[1] / 'src'}:{site}"
+
+    def save(where: Path) -> subprocess.CompletedProcess[str]:
+        return as_user(job, "env", env, "HOME=/tmp", python, str(script), str(where))
+
+    r = save(squat)
+    assert r.returncode == 3 and "refused: True" in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert list(squat.iterdir()) == []  # nothing of the job's where another user could swap it
+    own = m.path("job")
+    assert as_user(job, "mkdir", str(own)).returncode == 0
+    r = save(own / "step-1000")
+    assert r.returncode == 0 and "saved and loaded" in r.stdout, (r.stdout, r.stderr[-2000:])
+    # a file in a directory of the job's own cannot be replaced by the other user, sticky bit or not
+    metadata = own / "step-1000" / ".metadata"
+    assert metadata.exists() and os.stat(metadata).st_uid == os.stat(own).st_uid
+    planted = as_nobody("sh", "-c", f"echo evil > {squat}/.metadata && mv -f {squat}/.metadata {metadata}")
+    assert planted.returncode != 0 and metadata.read_bytes() != b"evil\n"
+    m.stop()
+
+
 # -- stopping in the middle of an upload ------------------------------------------------------------------
 
 

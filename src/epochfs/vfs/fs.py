@@ -39,7 +39,7 @@ from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import Histogram, HistogramSnapshot
 from epochfs.meta.namespace import ROOT_INODE, Namespace
 from epochfs.writeback.service import WriteBack
-from epochfs.writeback.tree import Node, Tree
+from epochfs.writeback.tree import Node, Tree, parent_of
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +378,10 @@ class Operations(kernel.Operations):
             # The kernel stops sending OPEN and RELEASE for this mount and keeps the page cache across
             # opens: a file in the page cache is then read with no request at all.
             raise Answered(errno.ENOSYS)
+        if flags & _WRITE_FLAGS and self.writeback is not None:
+            parent = self.tree.resolve(parent_of(node.path)[0])
+            if parent is not None:
+                self._writes_in(parent, ctx)
         fh = self._new_fh()
         if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
@@ -465,10 +469,28 @@ class Operations(kernel.Operations):
 
     # -- writing (write-back mounts) -------------------------------------------------------------------
 
+    def _writes_in(self, parent: Node, ctx: kernel.RequestContext) -> None:
+        """A name is written (a file made, replaced or opened for writing; a directory made; a rename's
+        target) only in a directory of the caller's own, root's or the mount's (the daemon's user): the
+        owner of a directory can swap any name in it whatever its sticky bit (which protects files from
+        others, not from the directory's owner), so what one user writes in another user's directory,
+        a checkpoint's metadata say, could be replaced under them with what that user chose."""
+        mine = self.present.default_uid  # (the daemon's user: the mount's own)
+        if ctx.uid in (0, mine):
+            return
+        owner = self._attrs(parent).st_uid
+        if owner not in (ctx.uid, 0, mine):
+            where = parent.path or "the mount's root"
+            raise Refused(f"{where} is uid {owner}'s directory: uid {ctx.uid} does not write in another user's "
+                          "directory (its owner could replace what is written there); write in a directory of "
+                          "your own", errno.EACCES)
+
     @_translated
     def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: kernel.RequestContext) -> tuple[kernel.FileInfo, kernel.EntryAttributes]:
-        handle, f = self._writer().create(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid)
+        parent = self._node(parent_inode)
+        self._writes_in(parent, ctx)
+        handle, f = self._writer().create(parent, name, mode & ~ctx.umask, ctx.uid, ctx.gid)
         fh = self._new_fh()
         self._local[fh] = handle
         return kernel.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
@@ -511,7 +533,9 @@ class Operations(kernel.Operations):
     @_translated
     def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: kernel.RequestContext) -> kernel.EntryAttributes:
-        return self._attrs(self._writer().mkdir(self._node(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid))
+        parent = self._node(parent_inode)
+        self._writes_in(parent, ctx)
+        return self._attrs(self._writer().mkdir(parent, name, mode & ~ctx.umask, ctx.uid, ctx.gid))
 
     @_translated
     def rmdir(self, parent_inode: int, name: bytes, ctx: kernel.RequestContext) -> None:
@@ -542,7 +566,9 @@ class Operations(kernel.Operations):
     @_translated
     def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
                      flags: int, ctx: kernel.RequestContext) -> None:
-        self._writer().rename(self._node(parent_inode_old), name_old, self._node(parent_inode_new), name_new, flags)
+        target = self._node(parent_inode_new)
+        self._writes_in(target, ctx)
+        self._writer().rename(self._node(parent_inode_old), name_old, target, name_new, flags)
 
     def _new_fh(self) -> int:
         fh = self._next_fh
