@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -109,13 +110,19 @@ class NetBox:
     """A bridge and hosts on it, each in a namespace named ``<tag><pid>-<name>``."""
 
     def __init__(self, tag: str, work: Path | None = None) -> None:
-        self.name_prefix = f"{tag}{os.getpid() % 100000}-"
+        self.tag = tag
+        self.name_prefix = f"{tag}{os.getpid()}-"
         self.switch = f"{self.name_prefix}sw"
         self.work = work
         self.hosts: dict[str, Host] = {}
         self.procs: list[subprocess.Popen[Any]] = []  # started here in the machine's namespace
 
     def __enter__(self) -> NetBox:
+        for prefix in self.stale_prefixes():  # (boxes of this tag whose process is gone: killed before tear-down)
+            old = NetBox.__new__(NetBox)
+            old.tag, old.name_prefix, old.switch, old.work, old.hosts, old.procs = self.tag, prefix, f"{prefix}sw", None, {}, []
+            print(f"netbox: removing what an earlier run left: {' '.join(old.namespaces())}", flush=True)
+            old.close()
         try:
             _ip("netns", "add", self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -169,6 +176,17 @@ class NetBox:
             raise RuntimeError(f"the portal from {listen} to {upstream} did not start") from None
         self.procs.append(proc)
         return proc
+
+    def stale_prefixes(self) -> list[str]:
+        """The name prefixes of this tag's boxes whose process is gone (``<tag><pid>-``): what a run killed
+        before its tear-down left. A box whose process lives (another run) is never one."""
+        listed = _ip("netns", "list", check=False).stdout.split("\n")
+        found = set()
+        for line in listed:
+            m = re.match(rf"{re.escape(self.tag)}(\d+)-", line)
+            if m and m[0] != self.name_prefix and not Path(f"/proc/{m[1]}").exists():
+                found.add(m[0])
+        return sorted(found)
 
     def namespaces(self) -> list[str]:
         """The box's namespaces that exist now."""

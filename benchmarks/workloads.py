@@ -3,10 +3,13 @@ raw boto3 baselines. Each returns plain numbers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -216,13 +219,78 @@ def shard_and_files(files: int, large_mib: int) -> tuple[list[Any], Any]:
     return small, SampleFile("large/shard.tar", large_mib << 20)
 
 
+#: The file that marks a directory as a benchmark's own work directory (made when the tool makes it):
+#: only such a directory is ever cleared.
+WORK_MARK = ".epochfs-benchmark-work"
+
+
+def _unescape(field: str) -> str:
+    """A path of /proc/self/mountinfo (spaces, tabs, newlines and backslashes escaped as octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def fuse_mounts_under(work: Path, mountinfo: str | None = None) -> list[str]:
+    """The FUSE mounts at or under ``work``, whole path components only (``/srv/box`` holds
+    ``/srv/box/m``, never ``/srv/box2/m``), deepest first, from ``/proc/self/mountinfo``."""
+    text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
+    root = os.path.normpath(str(work))
+    found = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(" "), right.split(" ")
+        if not sep or len(fields) < 5 or not tail or not tail[0].startswith("fuse"):
+            continue
+        point = os.path.normpath(_unescape(fields[4]))
+        if point == root or point.startswith(root.rstrip("/") + "/"):
+            found.append(point)
+    return sorted(found, key=lambda p: -p.count("/"))
+
+
 def fresh_workdir(work: Path) -> None:
-    """Clear what a previous run left under ``work`` (its mounts too) and create it again."""
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        if str(work) in line:
-            subprocess.run(["fusermount3", "-uz", line.split()[1]], capture_output=True)
+    """Clear what a previous run left under ``work`` (its FUSE mounts, the processes it started) and
+    make it again, marked as this tool's (:data:`WORK_MARK`). A directory that exists, holds anything
+    and was not made by a benchmark is refused (``--work /tmp`` would clear other jobs' files)."""
+    work = Path(os.path.abspath(work))
+    ours = Path(__file__).resolve().parent / "work"  # (the tools' default place: theirs whatever it holds)
+    if work.exists() and not work.is_relative_to(ours) and (
+            not work.is_dir() or (any(work.iterdir()) and not (work / WORK_MARK).exists())):
+        raise SystemExit(f"--work {work}: exists and is not a benchmark's work directory (no {WORK_MARK} in "
+                         "it): give a new directory, or an earlier run's")
+    stop_leftovers(work)
+    for point in fuse_mounts_under(work):
+        subprocess.run(["fusermount3", "-uz", point], capture_output=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    (work / WORK_MARK).write_text("made by epochfs's benchmarks: cleared at the start of each run\n")
+
+
+def stop_leftovers(work: Path) -> list[int]:
+    """Kill the processes an earlier run under ``work`` left (killed before its tear-down): those whose
+    command line names a path under ``work`` (the servers, proxies and daemons a run starts all do).
+    Their pids."""
+    mine, needle = os.getpid(), (os.path.normpath(str(work)).rstrip("/") + "/").encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in (mine, os.getppid()):
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP (kill, timeout, systemd, CI) end a run as Ctrl-C does: through its tear-down."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
 
 
 def machine() -> dict[str, Any]:
@@ -241,5 +309,6 @@ def start_run(work: Path) -> bool:
     if os.geteuid() != 0:
         print("needs root (FUSE mounts, dropping the page cache)", file=sys.stderr)
         return False
+    stop_on_signals()
     fresh_workdir(work)
     return True

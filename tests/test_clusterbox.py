@@ -97,3 +97,84 @@ def test_nodes_behind_a_shared_link_read_exactly_and_measure_their_share(tmp_pat
     assert not any(str(tmp_path) in line for line in Path("/proc/self/mounts").read_text().splitlines())
     assert all(os.path.isdir(m) for m in mounts)
     json.dumps(links)
+
+
+def test_a_benchmark_clears_only_its_own_work_directory_and_fuse_mounts(tmp_path):
+    """A benchmark's --work: mounts matched by whole path components (never /srv/box2 for /srv/box), FUSE
+    ones only, escaped names read back; a directory that holds anything and was not made by a benchmark
+    is refused (``--work /tmp`` would clear other jobs' files), one it made is cleared and made again."""
+    from workloads import WORK_MARK, fresh_workdir, fuse_mounts_under
+
+    info = "\n".join([
+        "36 25 0:32 / /srv/box/m rw - fuse.epochfs epochfs rw",
+        "37 25 0:33 / /srv/box2/m rw - fuse.epochfs epochfs rw",  # (a sibling whose name starts the same)
+        "38 25 0:34 / /srv/box rw - ext4 /dev/sda1 rw",  # (not FUSE: never the tool's)
+        "39 25 0:35 / /srv/box/with\\040space/deep rw - fuse.s3fs s3fs rw",
+        "40 25 0:36 / /srv/boxes rw - fuse rclone rw",
+    ])
+    assert fuse_mounts_under(Path("/srv/box"), info) == ["/srv/box/with space/deep", "/srv/box/m"]
+    assert fuse_mounts_under(Path("/srv/box/"), info) == ["/srv/box/with space/deep", "/srv/box/m"]
+    others = tmp_path / "shared"
+    others.mkdir()
+    (others / "someone-elses.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="not a benchmark's work directory"):
+        fresh_workdir(others)
+    assert (others / "someone-elses.txt").read_text() == "keep me"
+    work = tmp_path / "work"
+    fresh_workdir(work)  # new: made, and marked
+    assert (work / WORK_MARK).exists()
+    (work / "left-by-a-run").write_text("x")
+    fresh_workdir(work)  # its own: cleared
+    assert sorted(p.name for p in work.iterdir()) == [WORK_MARK]
+
+
+@pytest.mark.skipif(not namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
+def test_a_box_is_torn_down_on_sigterm_and_a_killed_ones_leftovers_go_at_the_next_start(tmp_path):
+    """SIGTERM (kill, a timeout, systemd) ends a benchmark through its tear-down as Ctrl-C does; a box
+    whose process was killed outright (SIGKILL) leaves namespaces and processes, and the next box of
+    that tag removes them, by its own names only, leaving a live box's alone."""
+    here = Path(__file__).resolve().parents[1] / "benchmarks"
+    script = f"""
+import os, signal, subprocess, sys, time
+sys.path.insert(0, {str(here)!r})
+from pathlib import Path
+from netbox import NetBox
+from workloads import stop_on_signals
+stop_on_signals()
+with NetBox("efsg", Path(sys.argv[1])) as box:
+    host = box.host("h0", rate_in=1 << 20, rate_out=1 << 20)
+    host.popen("sleep", "600", log=Path(sys.argv[1]) / "sleep.log")
+    print("up", flush=True)
+    time.sleep(600)
+"""
+    said: list[str] = []
+
+    def start() -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        while (line := proc.stdout.readline().strip()) != "up":
+            assert line, "the box did not start"
+            said.append(line)
+        return proc
+
+    def listed() -> str:
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+    proc = start()
+    assert f"efsg{proc.pid}-h0" in listed()
+    proc.send_signal(15)
+    assert proc.wait(timeout=60) != 0
+    assert "efsg" not in listed()  # torn down
+    killed = start()
+    killed.kill()
+    killed.wait()
+    assert f"efsg{killed.pid}-h0" in listed()  # left behind
+    live = start()  # (its box removes the killed one's before it starts, and says so)
+    assert any(f"efsg{killed.pid}-h0" in line for line in said), said
+    try:
+        with NetBox("efsg", tmp_path):
+            names = listed()
+            assert f"efsg{killed.pid}-" not in names and f"efsg{live.pid}-h0" in names, names
+    finally:
+        live.send_signal(15)
+        live.wait(timeout=60)
+    assert "efsg" not in listed()
