@@ -33,6 +33,19 @@ def rate_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def count_arg(low: int, high: int):  # type: ignore[no-untyped-def]
+    """An argparse type: a whole number from ``low`` to ``high`` (bounded where it is parsed: a number
+    of 400 digits is a clear error, never an overflow further on)."""
+    def parse(text: str) -> int:
+        if not text.strip().lstrip("+-").isdigit() or len(text.strip()) > 20:
+            raise argparse.ArgumentTypeError(f"not a whole number from {low} to {high}: {text[:40]!r}")
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not from {low} to {high}")
+        return value
+    return parse
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     order = argparse.ArgumentParser(add_help=False)
     o = order.add_argument_group("epoch order")
@@ -102,7 +115,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cost.add_argument("--epoch-hours", type=float, metavar="H",
                       help="what one epoch takes the job with no data wait (its compute): gives the epochs of a "
                       "day and, with --backend-bandwidth, the wait fetching cannot hide")
-    cost.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs that wait when the job waits "
+    cost.add_argument("--gpus", type=count_arg(1, 10_000_000), default=1, metavar="N", help="GPUs that wait when the job waits "
                       "(default: 1)")
     cost.add_argument("--backend-bandwidth", type=rate_arg, metavar="RATE",
                       help="what the backend gives this node (10Gbit, 400MB)")
@@ -111,8 +124,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--cluster", action="store_true",
                     help="size a cluster: its links' utilisation, the cache nodes that keep them under 70%%, the "
                     "first epoch's accelerator utilisation, for plain mounts and cache nodes cold or warmed")
-    cl.add_argument("--nodes", type=int, metavar="N", help="GPU nodes")
-    cl.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default: 8)")
+    cl.add_argument("--nodes", type=count_arg(1, 1_000_000), metavar="N", help="GPU nodes")
+    cl.add_argument("--gpus-per-node", type=count_arg(1, 1024), default=8, metavar="G", help="GPUs per node (default: 8)")
     demand = cl.add_mutually_exclusive_group()
     demand.add_argument("--gpu-demand", type=rate_arg, metavar="RATE",
                         help="what one GPU reads while it trains, e.g. 2.8GB (per second)")
@@ -124,11 +137,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--node-link", type=rate_arg, metavar="RATE", help="each GPU node's link, e.g. 100Gbit")
     cl.add_argument("--cache-node-link", type=rate_arg, metavar="RATE",
                     help="each cache node's link (default: --node-link)")
-    cl.add_argument("--cache-nodes", type=int, metavar="K", help="cache nodes (default: as many as keep their links "
+    cl.add_argument("--cache-nodes", type=count_arg(1, 1_000_000), metavar="K", help="cache nodes (default: as many as keep their links "
                     "under 70%%)")
     cl.add_argument("--cache-node-cache", type=size_arg, metavar="SIZE",
                     help="what each cache node holds (with --replicas: cache nodes enough to hold the dataset)")
-    cl.add_argument("--replicas", type=int, default=1, metavar="R", help="cache nodes holding each block (default: 1)")
+    cl.add_argument("--replicas", type=count_arg(1, 64), default=1, metavar="R", help="cache nodes holding each block (default: 1)")
     pl.set_defaults(run=cmd_plan)
 
     mf = sub.add_parser("manifest", parents=[order], help="write an epoch manifest",

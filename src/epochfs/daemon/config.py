@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import socket
@@ -32,14 +33,19 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
+MAX_SIZE = float(1 << 63)  # bytes (or bytes/s): what any size or rate option may be at most
+
+
 def parse_size(text: str) -> int:
     """``'512M'`` -> bytes. Single letters are binary (K = 1024); ``KB``/``MB`` are decimal."""
-    m = _SIZE_RE.match(str(text))
+    m = _SIZE_RE.match(str(text)[:100])
     unit = m.group(2).upper() if m else None
     if m is None or unit not in _SIZE_UNITS:
-        raise ConfigError(f"not a size: {text!r} (examples: 4M, 512MiB, 50G, 1T)")
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    return value
+        raise ConfigError(f"not a size: {str(text)[:40]!r} (examples: 4M, 512MiB, 50G, 1T)")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ConfigError(f"not a size: {str(text)[:40]!r} is more than 8 EiB")
+    return int(value)
 
 
 _RATE_UNITS = {
@@ -52,13 +58,16 @@ def parse_rate(text: str) -> float:
     s = str(text).strip()
     if s.lower().endswith("/s"):
         s = s[:-2]
-    m = _SIZE_RE.match(s)
+    m = _SIZE_RE.match(s[:100])
     if m and m.group(2).upper() in _RATE_UNITS:
-        return float(m.group(1)) * _RATE_UNITS[m.group(2).upper()]
+        rate = float(m.group(1)) * _RATE_UNITS[m.group(2).upper()]
+        if not math.isfinite(rate) or rate > MAX_SIZE:
+            raise ConfigError(f"not a rate: {str(text)[:40]!r} is more than 8 EiB a second")
+        return rate
     try:
         return float(parse_size(s))
     except ConfigError:
-        raise ConfigError(f"not a rate: {text!r} (examples: 10Gbit, 1.25GB, 400M)") from None
+        raise ConfigError(f"not a rate: {str(text)[:40]!r} (examples: 10Gbit, 1.25GB, 400M)") from None
 
 
 DEFAULT_CACHE_DIR = "/var/cache/epochfs"
