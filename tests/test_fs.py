@@ -17,7 +17,8 @@ from epochfs.core.records import ObjectInfo
 from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.index import build as build_namespace
 from epochfs.meta.namespace import ROOT_INODE, Namespace, diff
-from epochfs.vfs.fs import Operations, Presentation
+from epochfs.vfs.fs import Operations
+from epochfs.vfs.presentation import Presentation
 
 from .helpers import FakeCache
 

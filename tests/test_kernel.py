@@ -24,7 +24,8 @@ from epochfs.kernel import abi
 from epochfs.kernel.session import Session
 from epochfs.kernel.types import FileInfo, FUSEError
 from epochfs.meta.index import build as build_namespace
-from epochfs.vfs.fs import Operations, Presentation
+from epochfs.vfs.fs import Operations
+from epochfs.vfs.presentation import Presentation
 
 from .helpers import FakeCache
 

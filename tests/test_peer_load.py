@@ -234,7 +234,7 @@ def test_the_tier_asks_a_busy_member_again_and_never_distrusts_it(kind):
         role, me, down_calls = "client", "me:1", []
         ring = None
 
-        def distrust(self, member, why):
+        def distrust(self, member, why, refused=False):
             self.down_calls.append(member)
 
     class Client:

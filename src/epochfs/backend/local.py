@@ -17,7 +17,7 @@ The version tag ("ETag") of a file is its device, inode, size, mtime and ctime: 
 rewritten or rewritten in place with its mtime restored gets a new tag (the ctime moves on any
 change). A read checks the tag before and after reading, so a file changed underneath is reported as
 changed, never mixed. Directories are listed as markers carrying their mode and owner, so the mount
-presents the source's permissions (see :class:`epochfs.vfs.fs.Presentation`).
+presents the source's permissions (see :class:`epochfs.vfs.presentation.Presentation`).
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerAnswers, PeerStats, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
-from epochfs.vfs.fs import KernelPages, Operations, Presentation
+from epochfs.vfs.fs import KernelPages, Operations
+from epochfs.vfs.presentation import Presentation
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree

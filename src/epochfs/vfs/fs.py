@@ -27,7 +27,7 @@ import stat
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from epochfs import kernel
@@ -38,6 +38,8 @@ from epochfs.core.errors import Answered, EpochfsError, NotFound, Refused, errno
 from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import Histogram, HistogramSnapshot
 from epochfs.meta.namespace import ROOT_INODE, Namespace
+from epochfs.vfs.presentation import Presentation
+from epochfs.writeback.access import writes_in
 from epochfs.writeback.service import WriteBack
 from epochfs.writeback.tree import Node, Tree, parent_of
 
@@ -121,36 +123,6 @@ class ControlFile(Protocol):
     command: int
 
     async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes: ...
-
-
-@dataclass(frozen=True)
-class Presentation:
-    """How entries are presented: the source's permission bits and owners where it has them (a
-    ``file://`` source), the kernel then enforcing them (``default_permissions``); uniform
-    ``file_mode``/``dir_mode``/``uid``/``gid`` where it has none (S3) or where they are given.
-    Set-id bits are never presented; the sticky bit only on directories. A write-back mount presents
-    objects without modes as 0644 and directories as 0755 (writable by their owner), otherwise 0444
-    and 0555; there an entry's own mode and owner (what its writer made, or set with chmod and chown)
-    win over the uniform ones, so a file written private stays private."""
-
-    writable: bool = False
-    file_mode: int | None = None
-    dir_mode: int | None = None
-    uid: int | None = None
-    gid: int | None = None
-    default_uid: int = field(default_factory=os.getuid)
-    default_gid: int = field(default_factory=os.getgid)
-
-    def mode(self, info: ObjectInfo | None, forced: int | None, default: int, *, directory: bool = False) -> int:
-        bits = 0o1777 if directory else 0o777
-        if info is not None and info.mode is not None and (forced is None or self.writable):
-            return info.mode & bits
-        return forced & bits if forced is not None else default
-
-    def owner(self, own: int | None, forced: int | None, default: int) -> int:
-        if own is not None and (forced is None or self.writable):
-            return own
-        return forced if forced is not None else default
 
 
 class KernelPages:
@@ -470,20 +442,8 @@ class Operations(kernel.Operations):
     # -- writing (write-back mounts) -------------------------------------------------------------------
 
     def _writes_in(self, parent: Node, ctx: kernel.RequestContext) -> None:
-        """A name is written (a file made, replaced or opened for writing; a directory made; a rename's
-        target) only in a directory of the caller's own, root's or the mount's (the daemon's user): the
-        owner of a directory can swap any name in it whatever its sticky bit (which protects files from
-        others, not from the directory's owner), so what one user writes in another user's directory,
-        a checkpoint's metadata say, could be replaced under them with what that user chose."""
-        mine = self.present.default_uid  # (the daemon's user: the mount's own)
-        if ctx.uid in (0, mine):
-            return
-        owner = self._attrs(parent).st_uid
-        if owner not in (ctx.uid, 0, mine):
-            where = parent.path or "the mount's root"
-            raise Refused(f"{where} is uid {owner}'s directory: uid {ctx.uid} does not write in another user's "
-                          "directory (its owner could replace what is written there); write in a directory of "
-                          "your own", errno.EACCES)
+        """A name is written only in a directory of the caller's, root's or the mount's (:func:`writes_in`)."""
+        writes_in(self._attrs(parent).st_uid, ctx.uid, self.present.default_uid, parent.path)
 
     @_translated
     def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
