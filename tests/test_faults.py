@@ -154,6 +154,36 @@ def test_a_dripping_endpoint_is_eio_within_the_deadline_and_unmount_does_not_wai
     assert elapsed < 15, f"unmount waited {elapsed:.0f}s for a dripping request"
 
 
+def test_a_buffered_read_of_a_small_file_waits_for_one_deadline_not_one_per_kernel_retry(
+        s3_client, fresh_bucket, mount_factory, proxy):
+    """A buffered read (Python's open().read(), the way most code reads) of a file under a block, behind a
+    dripping endpoint: the kernel reads ahead, then asks again at once for the pages the failed
+    readahead left. The second ask gets the first fetch's error, so the read waits for one
+    --backend-timeout and asks the endpoint once, not once per kernel retry (twice, measured before)."""
+    key, size = "small.bin", 600 * 1024 + 7
+    s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
+    m = mount_factory(f"s3://{fresh_bucket}", "--endpoint-url", proxy.endpoint, "--readahead", "0",
+                      "--backend-timeout", "4", "--backend-attempts", "4")
+    m.start()
+    try:
+        for how in ("buffered", "unbuffered"):
+            proxy.set(Fault("drip_body", rate=1.0, stall=1.5))
+
+            def read(how=how) -> bytes:
+                with open(m.path(key), "rb", **({} if how == "buffered" else {"buffering": 0})) as f:
+                    return f.read()
+
+            with pytest.raises(OSError) as info:
+                run_with_deadline(read, 15)
+            assert info.value.errno == errno.EIO
+            assert proxy.injected == 1, (how, proxy.injected)  # one fetch for the read, whatever the kernel asks
+            proxy.set(None)
+            time.sleep(1.5)  # (past the hold: a later read fetches again, and heals)
+        assert open(m.path(key), "rb").read() == pattern(key, 0, 0, size)
+    finally:
+        m.stop()
+
+
 @pytest.mark.parametrize("kind, code", [("no_etag", errno.EIO), ("other_etag", errno.ESTALE)])
 def test_an_answer_without_the_asked_for_etag_is_never_served_or_cached(faulty_mount, proxy, kind, code):
     proxy.set(Fault(kind, rate=1.0))

@@ -18,6 +18,10 @@ Concurrency contract (all on the trio thread unless noted):
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
+- **A failure answered once.** A block whose fetch just failed answers a new demand read with the
+  same error for ``FAILED_HOLD`` seconds: the kernel asks again at once for the pages a failed
+  readahead left (a buffered read is a readahead and then a read of the same range), and one read
+  then waits for one ``--backend-timeout``, not two or three.
 - **Accounting.** A block read is a *hit* when it is served without waiting for the backend: from the
   disk cache, a completed readahead/prefetch, or a peer's cache (the cluster tier). Every other block
   read is a *miss*. Fetched bytes are counted by where they came from: the backend or a peer.
@@ -58,6 +62,8 @@ log = logging.getLogger(__name__)
 class BlockCache:
     #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
     WHOLE_BUDGET = 64 << 20
+    FAILED_HOLD = 1.0  # seconds a failed block's error answers its new readers (the kernel's retry)
+    FAILED_KEPT = 1024  # failed blocks remembered at most
 
     def __init__(self, store: BlockStore, backend: Backend, settings: CacheSettings, *,
                  source: BlockSource | None = None) -> None:
@@ -71,6 +77,7 @@ class BlockCache:
         self._source = backend.source_id
         self._block_id = functools.lru_cache(maxsize=1 << 16)(self._compute_block_id)  # hot files' ids
         self._flights: dict[bytes, Fetch] = {}
+        self._failed: OrderedDict[bytes, tuple[float, EpochfsError]] = OrderedDict()  # bid -> (until, error)
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._plan_limiter = trio.CapacityLimiter(settings.plan_concurrency or concurrency)
@@ -253,6 +260,10 @@ class BlockCache:
                     return data
                 flight = self._flights.get(bid)  # another reader may have started it meanwhile
             if flight is None:
+                failed = self._failed.pop(bid, None)
+                if failed is not None and failed[0] > trio.current_time():
+                    self._failed[bid] = failed
+                    raise failed[1]  # (its fetch failed a moment ago: the same answer, not another wait)
                 flight = self._start(obj, index, bid, demand=True, direct=for_peer)
         hit = flight.event.is_set() and not flight.demand
         flight.waited = True  # (a prefetch still queued for its source goes first now)
@@ -501,6 +512,10 @@ class BlockCache:
                 self.store.release(length, failed=isinstance(written, OSError))
             if self._flights.get(bid) is flight:  # (a warm flight may have been replaced by a real one)
                 del self._flights[bid]
+                if flight.error is not None and flight.demand:
+                    self._failed[bid] = (trio.current_time() + self.FAILED_HOLD, flight.error)
+                    while len(self._failed) > self.FAILED_KEPT:
+                        self._failed.popitem(last=False)
             if not self._flights:
                 self._idle.set()
 
