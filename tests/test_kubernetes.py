@@ -187,6 +187,8 @@ def test_each_set_up_has_a_monitoring_overlay_with_the_shipped_rules():
         alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
         assert {"EpochfsBackendBandwidthHigh", "EpochfsCacheNodesBusy", "EpochfsLinkCapacityUnknown"} <= alerts
         (monitor,) = by_kind(docs, "PodMonitor")
+        # a pod's own labels never replace the target's (a training job's name is a user's choice)
+        assert not any(e.get("honorLabels") for e in monitor["spec"]["podMetricsEndpoints"])
         selector = monitor["spec"]["selector"]["matchLabels"]
         workloads = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet")]
         assert {d["kind"] for d in workloads} == ({"DaemonSet", "StatefulSet"} if base == "cache-nodes" else {"DaemonSet"})

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -295,7 +296,7 @@ def test_a_watched_loop_shows_up_in_status_and_metrics(tmp_path, s3_client, fres
         addr = m.status()["metrics_addr"]
         page = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
         steps = [line for line in page.splitlines() if line.startswith("epochfs_job_steps_total{")]
-        assert len(steps) == 1 and 'job="unit-test"' in steps[0] and 'rank="2"' in steps[0]
+        assert len(steps) == 1 and 'training_job="unit-test"' in steps[0] and 'rank="2"' in steps[0]
         assert steps[0].endswith(" 20.0")
         assert "epochfs_job_data_wait_seconds_total" in page
 
@@ -339,3 +340,15 @@ def test_a_daemon_killed_mid_epoch_does_not_stop_the_loop(tmp_path, s3_client, f
             time.sleep(0.2)
         assert time.perf_counter() - start < 5
         assert any("cannot report" in r.message for r in caplog.records)
+
+
+def test_a_jobs_name_never_takes_prometheus_job_label():
+    """A training job's name is its user's choice: it is exported as `training_job`, and neither the
+    bare-metal scrape config nor the PodMonitor lets an exported label replace the target's `job`."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert not any(job.get("honor_labels") for job in config["scrape_configs"])
+    rules = (root / "deploy" / "prometheus" / "epochfs-rules.yml").read_text()
+    assert "by (training_job, rank, node, mountpoint)" in rules and "$labels.job " not in rules

@@ -256,7 +256,7 @@ class DaemonCollector(Collector):
                          ("peer_fallbacks", ["to"], (s.peer_fallbacks or {}).items())]
         if s.peer_closed is not None:
             labelled.append(("peer_closed", ["reason"], s.peer_closed.items()))
-        labelled += [(short, ["job", "rank"], series.items()) for short, series in s.jobs.items()]
+        labelled += [(short, ["training_job", "rank"], series.items()) for short, series in s.jobs.items()]
         labelled += [(short, ["source"], series.items()) for short, series in s.links.items()]
         if s.meta_master:
             labelled.append(("meta_master_since_timestamp_seconds", ["address"], s.meta_master.items()))
