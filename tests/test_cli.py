@@ -310,6 +310,48 @@ def test_cluster_warmup_takes_the_cache_nodes_geometry_and_warns_where_told_othe
     args = argparse.Namespace(replicas=None, block_size=None)
     geometry(args, ["10.0.0.3:9570"], {"10.0.0.3:9570": b"{not json"})  # nothing published: the defaults
     assert (args.replicas, args.block_size) == (1, 4 << 20)
+    # figures out of bounds (a block of 1 byte or of 1 TiB, a million replicas) are no one's geometry
+    odd = {"10.0.0.4:9570": _json.dumps({"replicas": 10**6, "block_size": 1}).encode(),
+           "10.0.0.5:9570": _json.dumps({"replicas": 0, "block_size": 1 << 40}).encode()}
+    args = argparse.Namespace(replicas=None, block_size=None)
+    geometry(args, sorted(odd), odd)
+    assert (args.replicas, args.block_size) == (1, 4 << 20)
+
+
+def test_cluster_warmup_takes_its_geometry_from_the_members_that_proved_themselves(tmp_path, monkeypatch):
+    """Anyone who can write the store can list members and publish figures for them: the warmup takes
+    the block size and replicas only from members that proved they hold the token."""
+    import argparse
+
+    from epochfs.cli import cluster
+
+    class Store:
+        def load(self, source_id):
+            return type("Snapshot", (), {"objects": []})()
+
+        def close(self):
+            pass
+
+    real, planted = "10.0.0.1:9570", [f"10.0.0.{9 + i}:9570" for i in range(3)]  # (outnumbered by planted ones)
+    stats = {real: json.dumps({"replicas": 1, "block_size": 1 << 20}).encode(),
+             **{p: json.dumps({"replicas": 2, "block_size": 8 << 20}).encode() for p in planted}}
+    monkeypatch.setattr(cluster, "_store", lambda args: (Store(), "s3://b/p/"))
+    monkeypatch.setattr(cluster, "_members", lambda store, source: {real: "server", **dict.fromkeys(planted, "server")})
+    monkeypatch.setattr(cluster, "_stats", lambda store, source, members: stats)
+
+    class Client:
+        timeout = 0.0
+
+    monkeypatch.setattr(cluster, "_prove", lambda servers, token: (
+        Client(), {real: None, **dict.fromkeys(planted, "declined")}, {real: None}))
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    args = argparse.Namespace(source="s3://b/p/", config=None, meta="redis://h:1/0", meta_name=None,
+                              meta_password_file=None, meta_ca_file=None, peer_token_file=token, replicas=None,
+                              block_size=None, concurrency=4, timeout=5.0, bandwidth=None, quiet=True, paths=[],
+                              manifest=None, needs_token=True)
+    assert cluster.cmd_warmup(args) == 0
+    assert (args.replicas, args.block_size) == (1, 1 << 20)  # the real member's, though the planted one's is larger
 
 
 def test_a_dead_endpoint_at_mount_says_its_first_request_failed(tmp_path):

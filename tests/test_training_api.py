@@ -293,7 +293,12 @@ def test_the_sampler_resumes_an_epoch_where_the_checkpoint_left_it(dataset_mount
     sampler.set_epoch(3, start=2 * 4)  # resumed after two steps of four
     sampler.wait()
     assert len(sampler) == len(whole) - 8
-    rest = list(DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=0))
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=0)
+    rest, lengths = [], []
+    for batch in loader:  # while the resumed epoch is read, its length is what is left of it (progress bars)
+        rest.append(batch)
+        lengths.append((len(sampler), len(loader)))
+    assert set(lengths) == {(len(whole) - 8, len(full) - 2)}, lengths
     assert dataset.read == whole[8:] and client.handed[-1] == whole[8:] and len(rest) == len(full) - 2
     with pytest.raises(ValueError):
         sampler.set_epoch(3, start=-1)

@@ -57,12 +57,17 @@ class EpochfsSampler(Sampler[int]):
         self.background = background
         self.epoch = 0
         self._order: list[int] | None = None
+        self._drawn: int | None = None  # the length of the order last drawn (the epoch being read)
         self._warned = False
         self._sender: threading.Thread | None = None
 
     def __len__(self) -> int:
-        if self._order is not None:  # (an epoch resumed mid-way: what is left of it)
+        """The samples of the epoch set or being read: what is left of an epoch resumed mid-way (before
+        and while it is iterated), else the inner sampler's."""
+        if self._order is not None:
             return len(self._order)
+        if self._drawn is not None:
+            return self._drawn
         return len(self.sampler)  # type: ignore[arg-type]
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -88,6 +93,7 @@ class EpochfsSampler(Sampler[int]):
             order = list(iter(self.sampler))
             self._hand_over(order, self.epoch)
             self.epoch += 1
+        self._drawn = len(order)
         return iter(order)
 
     def _rank(self) -> int | None:

@@ -332,12 +332,16 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
 
 
 def geometry(args: argparse.Namespace, servers: list[str], stats: dict[str, Any]) -> None:
-    """Fill in ``--replicas`` and ``--block-size`` from what the cache nodes publish (the most common
-    figure), and warn where those given differ from theirs: a warmup at other replicas leaves blocks
+    """Fill in ``--replicas`` and ``--block-size`` from what the cache nodes (``servers``: those that
+    proved they hold the token) publish, the most common figure within bounds, and warn where those
+    given differ from theirs: a warmup at other replicas leaves blocks
     unheld (or held twice), at another block size it warms blocks no member asks for."""
+    from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+
     published = [published_stats(stats.get(a)) or {} for a in servers]
+    bounds = {"replicas": (1, 64), "block_size": (MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)}  # (as cluster status holds them)
     for flag, key, default in (("--replicas", "replicas", 1), ("--block-size", "block_size", 4 << 20)):
-        theirs = Counter(v for p in published if isinstance(v := p.get(key), int) and v > 0)
+        theirs = Counter(v for p in published if (v := _published_int(p, key, *bounds[key])))
         common = theirs.most_common(1)[0][0] if theirs else None
         given = getattr(args, key)
         if given is None:
@@ -418,7 +422,6 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     servers = sorted(a for a, role in members.items() if role == "server") or sorted(members)
     if not servers:
         raise EpochfsError("no member of the cluster tier is up (start the cache nodes: epochfs serve)")
-    geometry(args, servers, stats)
     client, proofs, stated = _prove(servers, args.peer_token_file)
     client.timeout = args.timeout
     down = {a: why for a, why in proofs.items() if why is not None}
@@ -426,6 +429,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     ring = Ring(up, ring_weights(up, stated))  # (as the cache nodes rank: by the cache sizes they stated)
     if not len(ring):
         raise EpochfsError("no cache node proved it holds the token: " + "; ".join(f"{a}: {w}" for a, w in down.items()))
+    geometry(args, up, stats)  # (from the members that proved themselves: anyone can list one in the store)
     if args.replicas > len(ring):
         print(f"epochfs: warning: {args.replicas} replicas of each block asked for, and {plural(len(ring), 'cache node')} "
               f"up: each block is held {len(ring)} times", file=sys.stderr)
