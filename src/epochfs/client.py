@@ -116,7 +116,8 @@ class Client:
              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Return once everything written through this --writeback mount (or ``paths``: files and
         directories under it) is in the backend: the point where a checkpoint is durable (what ``epochfs
-        sync`` does); the daemon's last answer. :class:`~epochfs.core.errors.NotDurable` when a file will never
+        sync`` does); the daemon's last answer. A user waits for their own files only; an operator (root,
+        the mount's user) for everyone's, other users' files still open for writing included. :class:`~epochfs.core.errors.NotDurable` when a file will never
         upload as it is (a write of it failed) or ``timeout`` seconds pass first, naming what is pending;
         the uploads go on. ``progress`` sees each answer that still lists uploads pending."""
         rel = [mount_relative(self.mountpoint, _path(p)) for p in paths]
