@@ -158,12 +158,13 @@ def test_a_buffered_read_of_a_small_file_waits_for_one_deadline_not_one_per_kern
         s3_client, fresh_bucket, mount_factory, proxy):
     """A buffered read (Python's open().read(), the way most code reads) of a file under a block, behind a
     dripping endpoint: the kernel reads ahead, then asks again at once for the pages the failed
-    readahead left. The second ask gets the first fetch's error, so the read waits for one
-    --backend-timeout and asks the endpoint once, not once per kernel retry (twice, measured before)."""
+    readahead left. That second fetch (errors are never cached: it asks the endpoint again) has a
+    short deadline of its own, so the read ends within --backend-timeout and that budget (8 + 2.5 s
+    here), not two full deadlines (16 s, measured before); once the endpoint heals, a read succeeds."""
     key, size = "small.bin", 600 * 1024 + 7
     s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
     m = mount_factory(f"s3://{fresh_bucket}", "--endpoint-url", proxy.endpoint, "--readahead", "0",
-                      "--backend-timeout", "4", "--backend-attempts", "4")
+                      "--backend-timeout", "8", "--backend-attempts", "4")
     m.start()
     try:
         for how in ("buffered", "unbuffered"):
@@ -174,12 +175,11 @@ def test_a_buffered_read_of_a_small_file_waits_for_one_deadline_not_one_per_kern
                     return f.read()
 
             with pytest.raises(OSError) as info:
-                run_with_deadline(read, 15)
+                run_with_deadline(read, 13)  # (8 s, then at most 2.5 s for the kernel's retry; 16 s before)
             assert info.value.errno == errno.EIO
-            assert proxy.injected == 1, (how, proxy.injected)  # one fetch for the read, whatever the kernel asks
+            assert proxy.injected <= 2, (how, proxy.injected)  # the fetch, and at most the retry's
             proxy.set(None)
-            time.sleep(1.5)  # (past the hold: a later read fetches again, and heals)
-        assert open(m.path(key), "rb").read() == pattern(key, 0, 0, size)
+        assert open(m.path(key), "rb").read() == pattern(key, 0, 0, size)  # healed: at once
     finally:
         m.stop()
 

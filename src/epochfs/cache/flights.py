@@ -51,7 +51,8 @@ class ReadObserver(Protocol):
 class Fetch:
     """One block being fetched (single flight: every reader of the block waits on the same one)."""
 
-    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "served", "waited")
+    __slots__ = ("event", "data", "error", "demand", "direct", "warm", "near", "from_peer", "served", "waited",
+                 "budget")
 
     def __init__(self, demand: bool, direct: bool = False, warm: bool = False, near: bool = True) -> None:
         self.event = trio.Event()
@@ -64,6 +65,7 @@ class Fetch:
         self.from_peer = False
         self.served = 0  # bytes of it the readers were given (once all were, the readers have moved on)
         self.waited = demand  # a reader waits for it (a prefetch a reader caught up with): its request goes first
+        self.budget: float | None = None  # its deadline, where shorter than the service's (a failed read's retry)
 
     def urgent(self) -> bool:
         """Whether a reader waits for this block now (read from the fetch's worker thread)."""

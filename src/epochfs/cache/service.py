@@ -18,10 +18,11 @@ Concurrency contract (all on the trio thread unless noted):
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
-- **A failure answered once.** A block whose fetch just failed answers a new demand read with the
-  same error for ``FAILED_HOLD`` seconds: the kernel asks again at once for the pages a failed
-  readahead left (a buffered read is a readahead and then a read of the same range), and one read
-  then waits for one ``--backend-timeout``, not two or three.
+- **A read waits for one deadline.** The kernel asks again at once for the pages a failed readahead
+  left (a buffered read is a readahead, then a read of the same range): a block whose demand fetch
+  failed less than ``RETRY_WINDOW`` seconds ago is fetched again (errors are never cached: an endpoint
+  that healed answers) with a deadline of ``retry_budget`` only, so one read waits for
+  ``--backend-timeout`` and that budget at most, not for two or three full deadlines.
 - **Accounting.** A block read is a *hit* when it is served without waiting for the backend: from the
   disk cache, a completed readahead/prefetch, or a peer's cache (the cluster tier). Every other block
   read is a *miss*. Fetched bytes are counted by where they came from: the backend or a peer.
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 class BlockCache:
     #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
     WHOLE_BUDGET = 64 << 20
-    FAILED_HOLD = 1.0  # seconds a failed block's error answers its new readers (the kernel's retry)
+    RETRY_WINDOW = 1.0  # seconds after a demand fetch failed in which a new one is the same read's retry
     FAILED_KEPT = 1024  # failed blocks remembered at most
 
     def __init__(self, store: BlockStore, backend: Backend, settings: CacheSettings, *,
@@ -77,7 +78,8 @@ class BlockCache:
         self._source = backend.source_id
         self._block_id = functools.lru_cache(maxsize=1 << 16)(self._compute_block_id)  # hot files' ids
         self._flights: dict[bytes, Fetch] = {}
-        self._failed: OrderedDict[bytes, tuple[float, EpochfsError]] = OrderedDict()  # bid -> (until, error)
+        self._failed: OrderedDict[bytes, float] = OrderedDict()  # bid -> when its demand fetch failed
+        self.retry_budget = max(2.0, self.fetch_timeout / 4)  # the deadline of a fetch a failed one's retry
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._plan_limiter = trio.CapacityLimiter(settings.plan_concurrency or concurrency)
@@ -261,10 +263,10 @@ class BlockCache:
                 flight = self._flights.get(bid)  # another reader may have started it meanwhile
             if flight is None:
                 failed = self._failed.pop(bid, None)
-                if failed is not None and failed[0] > trio.current_time():
-                    self._failed[bid] = failed
-                    raise failed[1]  # (its fetch failed a moment ago: the same answer, not another wait)
+                retry = failed is not None and trio.current_time() - failed < self.RETRY_WINDOW
                 flight = self._start(obj, index, bid, demand=True, direct=for_peer)
+                if retry:  # (the kernel asking again for what a failed fetch left: the same read)
+                    flight.budget = min(self.retry_budget, self.fetch_timeout)
         hit = flight.event.is_set() and not flight.demand
         flight.waited = True  # (a prefetch still queued for its source goes first now)
         await flight.event.wait()
@@ -480,13 +482,14 @@ class BlockCache:
                 # The backend bounds its own requests; this bounds what it cannot (a server that drips
                 # its headers): the readers get their error in time, the thread is left to finish.
                 try:
-                    with trio.move_on_after(self.fetch_timeout):
+                    with trio.move_on_after(flight.budget or self.fetch_timeout):
                         await workers.run_sync(job, limiter=limiter, abandon_on_cancel=True)
                         done = True
                 finally:
                     written = handoff.take()
                 if not done:
-                    raise BackendUnavailable(f"{obj.key}: no complete answer within {self.fetch_timeout:g}s")
+                    raise BackendUnavailable(f"{obj.key}: no complete answer within "
+                                             f"{flight.budget or self.fetch_timeout:g}s")
             except EpochfsError as exc:
                 flight.error = exc
             except Exception as exc:  # a bug or an unexpected library error: fail the read, not the mount
@@ -513,7 +516,7 @@ class BlockCache:
             if self._flights.get(bid) is flight:  # (a warm flight may have been replaced by a real one)
                 del self._flights[bid]
                 if flight.error is not None and flight.demand:
-                    self._failed[bid] = (trio.current_time() + self.FAILED_HOLD, flight.error)
+                    self._failed[bid] = trio.current_time()
                     while len(self._failed) > self.FAILED_KEPT:
                         self._failed.popitem(last=False)
             if not self._flights:
