@@ -720,6 +720,15 @@ def test_a_node_whose_peer_token_is_refused_hears_it_first():
     assert "peer-token-refused" not in [f["cause"] for f in doctor(s, s)["findings"]]
 
 
+def test_a_node_whose_store_password_is_refused_hears_it():
+    """A node whose store password was rotated under it keeps its last member list; the doctor says why."""
+    s = first_epoch_read(client_of(2 * DATASET), 10 * GiB)
+    s["peer"].update(store_reachable=False, store_error="metadata store redis://epochfs@10.1.0.5:6379/0 refused the "
+                     "password (WRONGPASS invalid username-password pair)")
+    (f,) = [f for f in doctor(s, s)["findings"] if f["cause"] == "store-password-refused"]
+    assert "WRONGPASS" in f["evidence"] and "meta_password_file" in f["fix"]
+
+
 def test_a_node_whose_cpu_is_the_bound_hears_so():
     s = first_epoch_read(client_of(2 * DATASET), 10 * GiB, owner=10 * GiB, cpu_busy=0.97)
     r = doctor(s, s)

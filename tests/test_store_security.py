@@ -279,3 +279,43 @@ def test_a_wrong_password_or_user_says_so_and_how_to_name_the_user(s3, s3_client
     assert r.returncode == 0, r.stderr
     keys = guarded.client().keys("epochfs:imagenet:*")
     assert keys, "published under the name given"
+
+
+@requires_fuse
+def test_a_password_refused_under_a_running_node_is_said_not_fatal(s3, s3_client, fresh_bucket, guarded, tmp_path,
+                                                                    mount_factory):
+    """The store's password rotated under a running client of the cluster tier (its connections dropped):
+    the node keeps serving what it has (never dies of it), and its status says the store refuses its
+    password, as a gauge does (epochfs_peer_store_reachable 0); the right password back, it recovers."""
+    import os as _os
+
+    s3_client.put_object(Bucket=fresh_bucket, Key="ds/a.bin", Body=b"a" * 1000)
+    right = tmp_path / "right"
+    right.write_bytes(SECRET)
+    right.chmod(0o600)
+    token = tmp_path / "token"
+    token.write_text(_os.urandom(16).hex())
+    token.chmod(0o600)
+    r = subprocess.run([*EPOCHFS, "import", f"s3://{fresh_bucket}/ds", "--endpoint-url", s3.endpoint,
+                        "--meta-password-file", str(right), "--meta", guarded.url], capture_output=True, text=True,
+                       timeout=60, env=s3.env())
+    assert r.returncode == 0, r.stderr
+    m = mount_factory(f"s3://{fresh_bucket}/ds", "--meta", guarded.url, "--meta-password-file", str(right),
+                      "--peer-role", "client", "--peer-token-file", str(token))
+    m.start()
+    try:
+        admin = guarded.client()
+        admin.execute_command("ACL", "SETUSER", "epochfs", "resetpass", ">another-password")
+        admin.execute_command("CLIENT", "KILL", "TYPE", "normal")  # (its connections authenticated before)
+        wait_for(lambda: m.status()["peer"]["store_reachable"] is False, 30)
+        peer = m.status()["peer"]
+        assert "refused the password" in (peer.get("store_error") or ""), peer
+        text = subprocess.run([*EPOCHFS, "status", str(m.mountpoint)], capture_output=True, text=True,
+                              timeout=30).stdout
+        assert "store unreachable" in text and "refused the password" in text, text
+        assert m.path("a.bin").read_bytes() == b"a" * 1000  # still serving
+        admin = guarded.client(as_default=True)
+        admin.execute_command("ACL", "SETUSER", "epochfs", "resetpass", f">{SECRET.decode()}")
+        wait_for(lambda: m.status()["peer"]["store_reachable"] is True, 30)
+    finally:
+        m.stop()

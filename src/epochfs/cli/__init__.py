@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(build_parser(), argv)
     args.argv = argv
+    from epochfs.meta.base import StoreRefused
+
     try:
         return args.run(args)
-    except ConfigError as exc:
+    except (ConfigError, StoreRefused) as exc:  # (a refused password is this node's configuration)
         print(f"epochfs: {exc}", file=sys.stderr)
         return 2
     except EpochfsError as exc:

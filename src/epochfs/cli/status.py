@@ -293,7 +293,8 @@ def format_peer(p: dict[str, Any]) -> list[str]:
     sends = (f"; its link {human(link['bytes_per_second'])}/s ({link['detail']})" if link.get("bytes_per_second")
              else "; its link's capacity not known yet" if p.get("bytes_out") else "")
     lines = [f"cluster    {plural(len(p['members']), 'member')}, keeping {p['mode']} blocks{replicas}; this node "
-             f"{what}{owns}" + ("" if p["store_reachable"] else " (store unreachable: last member list)"),
+             f"{what}{owns}" + ("" if p["store_reachable"] else
+                                 f" (store unreachable: last member list; {p.get('store_error') or 'no answer'})"),
              f"           asked {plural(r['ok'] + failed, 'block')} of the tier: {human(p['bytes_in'])} in "
              f"{plural(r['ok'], 'answer')}, {plural(failed, 'ask')} failed{onward}; served "
              f"{human(p['bytes_out'])} in {plural(r['served'], 'block')}, rejected {r['rejected']}{sends}"]

@@ -115,6 +115,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
+    "peer_store_reachable": ("gauge", "1 if the shared store answered this node's last heartbeat of the cluster tier, "
+                             "else 0 (keeping its last member list; status says why, a refused password included)."),
     "peer_refusing_members": ("gauge", "Members of the cluster cache tier that refuse this node's peer token (their "
                               "answers HTTP 401: a token not the cluster's, or clocks far apart): what they own is "
                               "read from the backend instead. Above 0 fires EpochfsPeerTokenRefused."),
@@ -200,6 +202,7 @@ def sample_of(c: Collected) -> Sample:
     if peer is not None:
         values["peer_members"] = len(peer.members)
         values["peer_refusing_members"] = len(peer.refusing)
+        values["peer_store_reachable"] = 1.0 if peer.store_reachable else 0.0
         if peer.role == "server":
             values["cache_node"] = 1
         if peer.share_bytes is not None:  # (ranked only where the node keeps only what it owns)

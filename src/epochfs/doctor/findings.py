@@ -36,7 +36,7 @@ from epochfs.doctor.views import (
 )
 
 #: Findings, most helpful first (the order they are listed in).
-ORDER = ("read-errors", "peer-token-refused", "cache-too-small", "cold-first-epoch", "no-manifest", "low-hit-ratio",
+ORDER = ("read-errors", "peer-token-refused", "store-password-refused", "cache-too-small", "cold-first-epoch", "no-manifest", "low-hit-ratio",
          "small-files",
          "warm-read-path", "buffered-opens", "backend-saturated", "cache-nodes-busy", "node-cpu", "cache-tier",
          "cache-tier-failing",
@@ -79,6 +79,10 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               "backend instead", "give every node the same token file (`peer_token_file`: made once, copied to "
               "each node) and restart the nodes whose file differed; the refusal can also mean clocks far apart "
               "(`timedatectl`)")
+    if "refused the password" in (m.get("peer_store_error") or ""):
+        found("store-password-refused", f"the shared store refuses this node's password: {m['peer_store_error']}",
+              "give every node the same password file (`meta_password_file`: made once, copied to each node) and "
+              "restart this one; until then it keeps its last member list")
     tier = m.get("tier")
     origins, first_cpu = m.get("first_origins"), m.get("first_cpu")
     through_tier = False  # the reads that made the job wait came from the cluster tier

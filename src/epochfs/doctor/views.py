@@ -252,6 +252,7 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "peer_role": p1.get("role"), "peer_share": _share(peer_in, hit + miss) if p1 else None,
             "peer_failures": failed, "peer_mode": p1.get("mode"), "peer_share_bytes": number(p1.get("share_bytes")),
             "peer_refusing": [str(r) for r in (p1.get("refusing") or [])][:16],
+            "peer_store_error": str(p1.get("store_error") or "")[:300] if p1.get("store_reachable") is False else "",
             "peer_cache_size_bytes": number(p1.get("cache_size_bytes")),
             "peer_tier_cache_bytes": number(p1.get("tier_cache_bytes")),
             "peer_needed_bytes": _needed(p1),

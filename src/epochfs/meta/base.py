@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from epochfs.core.errors import EpochfsError
+from epochfs.core.errors import BackendUnavailable, EpochfsError
 from epochfs.core.records import ObjectInfo, record_problem
 
 #: One object record: size, mtime_ns, len(key), len(etag), mode, uid, gid (0xFFFFFFFF: not given).
@@ -24,6 +24,12 @@ _NONE = 0xFFFFFFFF
 #: Most objects one snapshot may hold (memory: about 0.5 GiB per million in the daemon).
 MAX_OBJECTS = 100_000_000
 
+
+
+class StoreRefused(BackendUnavailable):
+    """The shared metadata store refuses this node's password (or user): at start-up a configuration
+    error (the mount does not start), later the store unreachable for that reason (a password rotated
+    under a running node: it keeps serving what it has, and says why in its status and log)."""
 
 class SnapshotInvalid(EpochfsError):
     """A stored snapshot that does not decode or breaks a limit. It is refused as a whole: the daemon

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from epochfs.core.errors import BackendUnavailable, ConfigError
-from epochfs.meta.base import StoreAccess
+from epochfs.meta.base import StoreAccess, StoreRefused
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Link:
         except redis.exceptions.TimeoutError:
             raise MetaUnavailable(f"metadata store {self.url} did not answer in time") from None
         except redis.exceptions.AuthenticationError as exc:  # (the password, or the user: not the network)
-            raise ConfigError(
+            raise StoreRefused(
                 f"metadata store {self.url} refused the password ({_plain(exc)}): check --meta-password-file "
                 "(or EPOCHFS_META_PASSWORD); a user in the URL (redis://USER@HOST...) needs a Redis ACL user of "
                 "that name, while a server with a plain requirepass takes a URL with no user "

@@ -34,7 +34,15 @@ import trio
 
 from epochfs.core.errors import BackendUnavailable, ConfigError, EpochfsError
 from epochfs.core.records import ObjectInfo
-from epochfs.meta.base import Change, Head, MetaStore, Snapshot, SnapshotInvalid, kept_attributes
+from epochfs.meta.base import (
+    Change,
+    Head,
+    MetaStore,
+    Snapshot,
+    SnapshotInvalid,
+    StoreRefused,
+    kept_attributes,
+)
 from epochfs.meta.index import NamespaceIndex
 from epochfs.meta.namespace import Namespace, diff
 
@@ -137,6 +145,8 @@ class Snapshots:
                         head, view = snapshot.head, self._build(snapshot)
                 if view is not None and head is not None and head.objects < 0:  # a change set's: counted here
                     head = dataclasses.replace(head, objects=view.info["objects"])
+            except StoreRefused as exc:  # (a password refused at start-up: the node's configuration)
+                raise ConfigError(str(exc)) from None
             except (BackendUnavailable, SnapshotInvalid) as exc:
                 return self._from_local_copy(exc)
             if head is None or view is None:

@@ -105,6 +105,7 @@ class Membership:
         self.capacity = capacity  # this node's cache in bytes: its weight, as its proof states it
         self.ring = Ring([] if role == "client" else [me])
         self.reachable = True
+        self.unreachable: str | None = None  # why the store did not answer the last heartbeat
         self._lock = threading.Lock()
         self._listed: dict[str, str] = {}  # valid candidates in the store's lists (not this node) -> role
         self._proven: set[str] = set()
@@ -140,14 +141,16 @@ class Membership:
         try:
             raw = await trio.to_thread.run_sync(self.store.heartbeat, self.source, me, self.TTL, MAX_MEMBERS,
                                                 self._role_listed)
-        except BackendUnavailable as exc:
+        except BackendUnavailable as exc:  # (a password refused under a running node too: said why)
             if self.reachable:
                 log.warning("peer membership: %s; keeping the last member list", exc)
             self.reachable = False
+            self.unreachable = str(exc)[:300]
             return
         if not self.reachable:
             log.info("peer membership: the store answers again")
         self.reachable = True
+        self.unreachable = None
         if self.stats is not None and me is not None:
             try:
                 await trio.to_thread.run_sync(self.store.publish_stats, self.source, me, self.stats())

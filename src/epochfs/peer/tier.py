@@ -84,6 +84,7 @@ class PeerStats:
     tier_cache_bytes: int | None = None  # the ring's members' caches together, as weighed (None: not weighted)
     fallbacks: dict[str, int] | None = None  # asks that failed and went on: to another replica, to the backend
     refusing: tuple[str, ...] = ()  # listed members that refuse this node's token (the tokens differ)
+    store_error: str | None = None  # why the shared store did not answer the last heartbeat (a refused password...)
     load: tuple[MemberLoad, ...] = ()  # what the members this node reads from publish of their load
     closed: dict[str, int] | None = None  # connections this node's peer port closed, by why (None: no port)
 
@@ -245,7 +246,7 @@ class PeerTier:
                          replicas=self.replicas, link_capacity=link_capacity, share_bytes=share[0],
                          dataset_bytes=share[1], cache_size_bytes=own,
                          tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks,
-                         refusing=self.members.refusing(),
+                         refusing=self.members.refusing(), store_error=self.members.unreachable,
                          closed=dict(served.closed) if served is not None else None)
 
 
