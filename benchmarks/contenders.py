@@ -269,6 +269,9 @@ class Juicefs(Contender):
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
             for obj in page.get("Contents", []):
                 target = self.root / obj["Key"][len(self.prefix):]
+                if obj["Key"].endswith("/"):  # (a directory's marker: the directory, even empty)
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with open(target, "wb") as f:
                     client.download_fileobj(self.bucket, obj["Key"], f)

@@ -137,6 +137,7 @@ def main() -> int:
         client.create_bucket(Bucket=BUCKET)
         for f in sorted((data / "train").iterdir()):
             client.upload_file(str(f), BUCKET, f"{PREFIX}train/{f.name}")
+        client.put_object(Bucket=BUCKET, Key=f"{PREFIX}valid/", Body=b"")  # (DLIO lists it, empty as it is)
         for latency in args.latency_ms:
             proxy = ProxyProcess(server.port, latency / 1000)
             try:
