@@ -66,16 +66,7 @@ def open_root(path: str) -> int:
     parts = [p for p in path.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise OSError(errno.EINVAL, f"a path with . or .. components: {path!r}")
-    fd = os.open("/", _DIR_FLAGS)
-    try:
-        for part in parts:
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _walk(os.open("/", _DIR_FLAGS), parts, _DIR_FLAGS)
 
 
 def inherited_root(path: str) -> int | None:
@@ -104,12 +95,16 @@ def open_beneath(root: int, key: str, *, directory: bool = False) -> int:
     parts = key.split("/") if key else []
     if any(p in ("", ".", "..") for p in parts):
         raise OSError(errno.EINVAL, f"not a relative path: {key!r}")
-    fd = os.open(".", _DIR_FLAGS, dir_fd=root)  # (a description of its own: each listing reads from its start)
+    # (the root opened anew: a description of its own, so each listing reads from its start)
+    return _walk(os.open(".", _DIR_FLAGS, dir_fd=root), parts, _DIR_FLAGS if directory else _FILE_FLAGS)
+
+
+def _walk(fd: int, parts: list[str], last: int) -> int:
+    """Open ``parts`` one below the other from the directory open at ``fd`` (taken over: closed as the
+    walk moves on, or on an error), following no link: each with ``O_NOFOLLOW``, the last with ``last``."""
     try:
         for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            flags = _FILE_FLAGS if last and not directory else _DIR_FLAGS
-            child = os.open(part, flags, dir_fd=fd)
+            child = os.open(part, last if i == len(parts) - 1 else _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
     except BaseException:
