@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -526,3 +527,20 @@ def test_epochfs_stop_stops_a_backgrounded_cache_node_after_its_hand_over(tier):
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # (gone, or a zombie of ours)
     assert "stopped the cache node" in r.stderr
     assert "cache node of" in node.log() and "stopped" in node.log()
+
+
+def test_the_warmup_command_the_doctor_advises_runs_as_pasted(tier):
+    """The doctor's advice to warm the cache nodes is a command built from the GPU node's own options (its
+    store, token file, block size, replicas): pasted into a shell on that node, it warms the tier."""
+    from epochfs.doctor.advice import warmup_command
+
+    servers = [tier.server(), tier.server()]
+    client = tier.client()
+    tier.wait_servers(2)
+    status = client.status()
+    command = warmup_command({"source": status["source"], "options": status["options"]})
+    assert "--peer-token-file" in command and "--meta " in command, command
+    r = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert r.returncode == 0 and "held by their owners" in r.stdout, (command, r.stderr)
+    assert sum(held(s) for s in servers) >= 0.95 * TOTAL
