@@ -18,7 +18,6 @@ from typing import Any
 
 import trio
 
-from epochfs.cache.accounting import read_origins
 from epochfs.control import protocol as p
 from epochfs.control.access import PathAccess, Presented
 from epochfs.control.caller import Caller
@@ -27,6 +26,7 @@ from epochfs.control.jobs import Jobs, JobStats, JobTaken, Report
 from epochfs.control.server import OWNER, Chunks, Handler
 from epochfs.core.errors import ConfigError, NotPermitted
 from epochfs.core.records import ObjectInfo, stored_extent
+from epochfs.core.stats import read_origins
 from epochfs.doctor.cost import usage_of
 from epochfs.meta.namespace import Namespace
 from epochfs.meta.nodes import File

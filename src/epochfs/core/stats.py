@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from bisect import bisect_left
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 #: Latency bucket upper bounds in seconds: 100 us to 30 s.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -64,3 +67,28 @@ class Histogram:
     def snapshot(self) -> HistogramSnapshot:
         with self._lock:
             return HistogramSnapshot(self.bounds, tuple(self._counts), self._sum, sum(self._counts))
+
+
+def read_origins(c: Mapping[str, Any] | object, before: Mapping[str, Any] | object | None = None) -> dict[str, int]:
+    """Where what readers read came from (between ``before`` and ``c``, or since the start): the bytes
+    this node fetched from the backend, from blocks' first owners in the cluster tier and from other
+    replicas, and the rest of what was read (``local``: this node's own cache). Fetched bytes readers
+    never read (a prefetch past the end) leave less to ``local``, never below nothing. ``c`` and
+    ``before``: the cache's counters (:class:`epochfs.cache.accounting.CacheStats`, or ``status``'s
+    mapping of them)."""
+    def get(d: Mapping[str, Any] | object | None, key: str) -> int:
+        if d is None:
+            return 0
+        value = d.get(key, 0) if isinstance(d, Mapping) else getattr(d, key)
+        if isinstance(value, float) and math.isfinite(value):
+            return int(value)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    def delta(key: str) -> int:
+        return max(0, get(c, key) - get(before, key))
+
+    backend = delta("demand_bytes") + delta("prefetch_bytes")
+    replica = min(delta("replica_bytes"), delta("peer_bytes"))
+    owner = delta("peer_bytes") - replica
+    read = delta("hit_bytes") + delta("miss_bytes")
+    return {"local": max(0, read - backend - owner - replica), "owner": owner, "replica": replica, "backend": backend}

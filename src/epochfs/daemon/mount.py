@@ -28,7 +28,6 @@ import trio
 
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
-from epochfs.cache.accounting import read_origins
 from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
@@ -44,6 +43,7 @@ from epochfs.control.jobs import Jobs
 from epochfs.control.server import ControlServer, socket_path
 from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
 from epochfs.core.records import ObjectInfo
+from epochfs.core.stats import read_origins
 from epochfs.daemon import host as node_host
 from epochfs.daemon.config import Config
 from epochfs.daemon.metrics import DEFAULT_ADDR, MetricsServer, parse_addr

@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from epochfs.cache.accounting import read_origins
-from epochfs.core.stats import HistogramSnapshot
+from epochfs.core.stats import HistogramSnapshot, read_origins
 
 STORAGE_BOUND = 0.5  # of step time spent waiting for data
 COMPUTE_BOUND = 0.2
