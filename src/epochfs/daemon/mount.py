@@ -378,7 +378,7 @@ class Daemon:
         if done or failed:
             log.info("handed %d blocks over to their next owners (%d not: they are fetched on demand)", done, failed)
 
-    REBALANCE_ROUNDS = 3  # fills of a joining node's share while the members it sees keep changing
+    REBALANCE_ROUNDS = 3  # fills of a joining node's share while the members it sees change, or blocks failed
 
     async def _rebalance(self) -> None:
         """A cache node that joins with --rebalance: fill its share now (from the other cache nodes, then
@@ -395,7 +395,7 @@ class Daemon:
                     if members.me in tier.owners(bid) and self.store.lookup(bid) is None]
 
         limiter = trio.CapacityLimiter(8)
-        for _ in range(self.REBALANCE_ROUNDS):  # (again while the members change under it: its share moved)
+        for round_no in range(self.REBALANCE_ROUNDS):  # (again while the members change under it, or blocks failed)
             ring = tuple(members.ring.members)
             todo = await trio.to_thread.run_sync(mine)
             log.info("rebalance: filling %d blocks of this node's share (of %d cache nodes)", len(todo),
@@ -415,8 +415,9 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 for obj, index in todo:
                     nursery.start_soon(one, obj, index)
-            log.info("rebalance: filled %d blocks (%d failed: fetched on demand)", len(todo) - failed, failed)
-            if tuple(members.ring.members) == ring:
+            log.info("rebalance: filled %d blocks (%d failed: %s)", len(todo) - failed, failed,
+                     "fetched on demand" if not failed or round_no == self.REBALANCE_ROUNDS - 1 else "asked again")
+            if tuple(members.ring.members) == ring and not failed:
                 break
         log.info("rebalance: done (%d cache nodes)", len(members.ring.members))
 
