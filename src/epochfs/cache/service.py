@@ -79,7 +79,8 @@ class BlockCache:
         self._block_id = functools.lru_cache(maxsize=1 << 16)(self._compute_block_id)  # hot files' ids
         self._flights: dict[bytes, Fetch] = {}
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # bid -> when its demand fetch failed
-        self.retry_budget = max(2.0, self.fetch_timeout / 4)  # the deadline of a fetch a failed one's retry
+        # the deadline of a failed fetch's retry: a quarter of a fetch's, 2 s at least, never more than one
+        self.retry_budget = min(self.fetch_timeout, max(2.0, self.fetch_timeout / 4))
         self._demand_limiter = trio.CapacityLimiter(concurrency)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._plan_limiter = trio.CapacityLimiter(settings.plan_concurrency or concurrency)
@@ -266,7 +267,7 @@ class BlockCache:
                 retry = failed is not None and trio.current_time() - failed < self.RETRY_WINDOW
                 flight = self._start(obj, index, bid, demand=True, direct=for_peer)
                 if retry:  # (the kernel asking again for what a failed fetch left: the same read)
-                    flight.budget = min(self.retry_budget, self.fetch_timeout)
+                    flight.budget = self.retry_budget
         hit = flight.event.is_set() and not flight.demand
         flight.waited = True  # (a prefetch still queued for its source goes first now)
         await flight.event.wait()

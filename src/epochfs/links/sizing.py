@@ -105,7 +105,7 @@ def carried(c: Cluster) -> float:
 
 def binds_first(c: Cluster) -> str:
     """Which of the GPUs' demand and the GPU nodes' own links bounds what the cache nodes must send."""
-    return "the GPU nodes' links" if c.nodes * c.node_link < c.demand else "the GPUs' demand"
+    return "the GPU nodes' links" if carried(c) < c.demand else "the GPUs' demand"
 
 
 def cache_nodes_needed(c: Cluster, busy: float = BUSY) -> int:
