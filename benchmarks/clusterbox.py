@@ -386,13 +386,13 @@ class Box:
             started = time.monotonic()
             (sync / f"go-{epoch}").touch()
             rows = {}
-            steady: dict[float, tuple[float, int, int]] = {}  # progress mark -> (when, WAN, cache nodes' sends)
+            steady: dict[float, tuple[float, int, int, float]] = {}  # mark -> (when, WAN, cache sends, progress)
             for i, p in procs.items():
                 while True:  # (a line per epoch; progress goes to the progress file)
                     progress = self._progress(sync, roots, epoch)
                     for mark in STEADY:
                         if progress >= mark and mark not in steady:
-                            steady[mark] = (time.monotonic(), self.store.sent_bytes(), self._cache_sends())
+                            steady[mark] = (time.monotonic(), self.store.sent_bytes(), self._cache_sends(), progress)
                     if at_epoch is not None:
                         at_epoch(epoch, progress)
                     line = _readline(p, 0.2)
@@ -406,10 +406,8 @@ class Box:
             usage = self.usage_since(usage0)
             mid = None
             if len(steady) == len(STEADY):  # the epoch's middle, its start-up and its tail left out
-                (t0, w0, c0), (t1, w1, c1) = steady[STEADY[0]], steady[STEADY[1]]
-                capacity = sum(self.caches[k].rate_out or 0 for k in serving)
-                mid = {"seconds": t1 - t0, "wan_utilisation": (w1 - w0) / (sc.wan * (t1 - t0)),
-                       "cache_link_utilisation": (c1 - c0) / (capacity * (t1 - t0)) if capacity else None}
+                mid = _steady(steady[STEADY[0]], steady[STEADY[1]], sc, self.dataset_bytes,
+                              sum(self.caches[k].rate_out or 0 for k in serving))
             tier = self._tier_counts()
             out.append({"epoch": epoch, "au": sum(r["au"] for r in rows.values()) / len(rows), "tier": tier,
                         "usage": {"gets": usage.gets, "lists": usage.lists, "bytes": usage.bytes}, "steady": mid,
@@ -673,6 +671,25 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
     return steps
 
 
+def _steady(first: tuple[float, int, int, float], last: tuple[float, int, int, float], sc: Scale, dataset: int,
+            capacity: float) -> dict[str, Any]:
+    """An epoch's steady part: what the WAN and the cache nodes' links sent in it, and what the readers
+    read. Over a long epoch the links send what the readers read; in the box's 20-second epoch the
+    prefetch lead (blocks sent ahead of the readers) is a large share of the dataset and shrinks towards
+    the epoch's end, so the links' sends in the window fall short of what the readers' pace asks of them.
+    ``cache_link_carried`` is that pace over the links' capacity (the long-epoch figure the plan
+    predicts), ``lead_shrunk_bytes`` the difference, and ``pace`` the readers' rate against the
+    accelerators' demand."""
+    (t0, w0, c0, p0), (t1, w1, c1, p1) = first, last
+    seconds = t1 - t0
+    read = (p1 - p0) * dataset
+    return {"seconds": seconds, "wan_utilisation": (w1 - w0) / (sc.wan * seconds),
+            "cache_link_utilisation": (c1 - c0) / (capacity * seconds) if capacity else None,
+            "cache_link_carried": read / (capacity * seconds) if capacity else None,
+            "lead_shrunk_bytes": read - (c1 - c0) if capacity else None,
+            "pace": min(1.0, read / seconds / (sc.gpu_demand * sc.accelerators * sc.gpu_nodes))}
+
+
 def _backend_bytes(status: dict[str, Any]) -> int:
     c = status["cache"]
     return int(c["demand_bytes"] + c["prefetch_bytes"])
@@ -681,6 +698,11 @@ def _backend_bytes(status: dict[str, Any]) -> int:
 def _cache_util(epoch: dict[str, Any], sc: Scale, nodes: int) -> float | None:
     """The cache nodes' links' utilisation in the steady part of an epoch (their sends' counters)."""
     return (epoch.get("steady") or {}).get("cache_link_utilisation")
+
+
+def _carried(step: dict[str, Any], epoch: int) -> dict[str, Any]:
+    """The steady part of one of a step's epochs (see ``_steady``)."""
+    return step["epochs"][epoch].get("steady") or {}
 
 
 # -- the plan beside it ------------------------------------------------------------------------------
@@ -716,11 +738,18 @@ def compare(steps: list[dict[str, Any]], pred: dict[str, Any]) -> list[dict[str,
     row("warm: WAN utilisation, epoch 1 (steady part)", pred["warm"]["epoch1"]["wan_utilisation"],
         by["warm-cache-nodes"]["backend_link_steady"])
     row("warm: AU, epoch 1", pred["warm"]["epoch1"]["au"], by["warm-cache-nodes"]["au_epoch1"])
-    row("scaled-out: cache links, two nodes", pred["busy"]["epoch1"]["cache_node_link_utilisation"],
+    busy, scaled = _carried(by["scaled-out"], 0), _carried(by["scaled-out"], 1)
+    row("scaled-out: cache links, two nodes (sent)", pred["busy"]["epoch1"]["cache_node_link_utilisation"],
         by["scaled-out"]["cache_link_utilisation_busy"])
-    row("scaled-out: cache links, three nodes", pred["scaled"]["epoch1"]["cache_node_link_utilisation"],
+    row("scaled-out: cache links, two nodes (the readers' pace)", pred["busy"]["epoch1"]["cache_node_link_utilisation"],
+        busy.get("cache_link_carried"))
+    row("scaled-out: cache links, three nodes (sent)", pred["scaled"]["epoch1"]["cache_node_link_utilisation"],
         by["scaled-out"]["cache_link_utilisation_scaled"])
+    row("scaled-out: cache links, three nodes (the readers' pace)",
+        pred["scaled"]["epoch1"]["cache_node_link_utilisation"], scaled.get("cache_link_carried"))
     row("scaled-out: AU, two busy nodes", pred["busy"]["epoch1"]["au"], by["scaled-out"]["au_epoch1"])
+    row("scaled-out: the readers' pace in the steady part, two busy nodes", pred["busy"]["epoch1"]["au"],
+        busy.get("pace"))
     return rows
 
 

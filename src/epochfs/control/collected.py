@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from epochfs.links.capacity import LinkView
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.peer.tier import PeerStats
+    from epochfs.prefetch.learned import LearnedStats
     from epochfs.prefetch.scheduler import PrefetchStats
     from epochfs.vfs.fs import FsStats
     from epochfs.writeback.owed import WritebackStats
@@ -38,3 +39,4 @@ class Collected:
     jobs: tuple[JobStats, ...] = ()
     passthrough: PassthroughStats | None = None
     peer_link: LinkView | None = None  # a serving member's own link (what it sends to the others)
+    learned: LearnedStats | None = None  # the order learned on a plain mount (``prefetch/learned.py``)

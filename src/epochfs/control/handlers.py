@@ -393,6 +393,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
                      "bytes": snap.bytes, "shards": snap.shards},
         "eviction": info.eviction,
         "prefetch": vars(c.prefetch),
+        "learned": c.learned.as_dict() if c.learned is not None else None,
         "cache": vars(c.cache),
         "reads": read_origins(c.cache),
         "store": vars(c.store),

@@ -179,6 +179,11 @@ class Config:
         "most; the prefetcher keeps twice what carries the reader's rate at the backend's latency, so a backend "
         "that answers fast gets a few and a far one many (README: what 16 and 96 carried at 20 ms)", metavar="N",
         parse=int)
+    no_learned_order: bool = option(
+        False, "prefetch", "do not learn the epoch on a plain mount: by default, where no order is handed over and "
+        "a job reads a directory's files each once in an order of its own (DLIO, a loader without our sampler), "
+        "the rest of that directory is fetched ahead, 64 MiB at first and then at most twice what the job has "
+        "read of it (a wrong guess costs no more), within a quarter of the cache")
     # -- write-back
     writeback: bool = option(
         False, "write-back", "accept new files (checkpoints): written to the cache disk at local speed, uploaded "

@@ -74,6 +74,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "prefetch_lead_seconds": ("gauge", "How long the reader can read from blocks already cached ahead of it."),
     "prefetch_lead_bytes": ("gauge", "Bytes cached contiguously ahead of the reader's manifest position."),
     "prefetch_inflight": ("gauge", "Prefetch fetches in flight."),
+    "learned_fetched_bytes": ("counter", "Bytes fetched ahead by an order learned on a plain mount (a job reading a "
+                              "directory's files each once, no order handed over)."),
+    "learned_used_bytes": ("counter", "Of the bytes fetched ahead by a learned order, those the job then read."),
     "manifest_position": ("gauge", "Index of the reader's current file in the manifest plan."),
     "manifest_files": ("gauge", "Files in the manifest plan (current and queued epochs)."),
     "errors": ("counter", "Errors by kind: errno answered to readers, cache_write / cache_read for failed "
@@ -191,6 +194,8 @@ def sample_of(c: Collected) -> Sample:
             "writeback_uploaded_bytes": wb.uploaded_bytes, "writeback_uploaded_files": wb.uploaded_files,
         })
         errors["upload"] = wb.upload_errors
+    if c.learned is not None:
+        values.update({"learned_fetched_bytes": c.learned.fetched_bytes, "learned_used_bytes": c.learned.used_bytes})
     pt = c.passthrough
     if pt is not None:
         values.update({"passthrough_opens": pt.opens, "passthrough_whole_bytes": pt.whole_bytes,

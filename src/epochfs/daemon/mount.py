@@ -61,6 +61,7 @@ from epochfs.peer.members import Membership
 from epochfs.peer.server import PeerServer
 from epochfs.peer.tier import PeerAnswers, PeerStats, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
+from epochfs.prefetch.learned import Learner, LearnSettings, Observers
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 from epochfs.vfs.fs import KernelPages, Operations
 from epochfs.vfs.presentation import Presentation
@@ -160,7 +161,10 @@ class Daemon:
         self.prefetcher = Prefetcher(self.cache, PrefetchSettings(
             capacity=config.cache_size, max_inflight=config.prefetch_concurrency,
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
-        self.cache.wire(observer=self.prefetcher)
+        self.learner = Learner(self.cache, lambda: self.snapshots.namespace, LearnSettings(
+            capacity=config.cache_size, max_inflight=config.prefetch_concurrency,
+            enabled=not config.no_learned_order and not config.serving), held=self.prefetcher.holds_order)
+        self.cache.wire(observer=Observers(self.prefetcher, self.learner))
         self.passthrough: Passthrough | None = None
         if config.passthrough and not config.serving and os.geteuid() == 0:
             whole = WholeFiles(config.cache_dir, self.store,
@@ -337,7 +341,8 @@ class Daemon:
         """Every component's statistics, read on the trio thread."""
         return Collected(cache=self.cache.statistics(), store=self.store.statistics(),
                          backend=self.backend.statistics(), fs=self.ops.statistics(),
-                         prefetch=self.prefetcher.statistics(), snapshot=self.snapshots.statistics(),
+                         prefetch=self.prefetcher.statistics(), learned=self.learner.statistics(),
+                         snapshot=self.snapshots.statistics(),
                          backend_link=self.links.view("backend"),
                          writeback=self.writeback.statistics() if self.writeback else None,
                          peer=self._peer_statistics(), jobs=self.jobs.statistics(),
@@ -450,6 +455,7 @@ class Daemon:
                 if self.share is not None:
                     await nursery.start(self.share.run)
             await nursery.start(self.prefetcher.run)
+            await nursery.start(self.learner.run)
             await nursery.start(self.links.run)
             if self.passthrough is not None:
                 await nursery.start(self.passthrough.run)

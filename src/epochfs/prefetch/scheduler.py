@@ -250,6 +250,10 @@ class Prefetcher:
     def _finished(self) -> bool:
         return self._plan is None or self._position >= len(self._plan) - 1
 
+    def holds_order(self) -> bool:
+        """Whether a handed-over order is being read (a guessed one then waits)."""
+        return not self._finished()
+
     # -- the reader ----------------------------------------------------------------------------------
 
     def opened(self, obj: ObjectInfo) -> None:

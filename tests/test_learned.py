@@ -1,0 +1,218 @@
+"""The epoch learned on a plain mount (``prefetch/learned.py``): the pattern's rules, a fuzz loop over
+it, and real mounts: a shuffled epoch read with no order handed over comes from the cache, and a wrong
+guess (a job that reads a tenth of a directory, ``find``, ``du``) costs at most its stated bound."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import time
+
+import pytest
+
+from epochfs.core.records import ObjectInfo
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.prefetch.learned import Learner, Pattern
+from epochfs.prefetch.manifest import shuffled
+
+from .conftest import requires_fuse
+
+KiB, MiB = 1 << 10, 1 << 20
+BS = 1 * MiB
+
+
+def obj(key: str, size: int = BS) -> ObjectInfo:
+    return ObjectInfo(key, size, 0, "e")
+
+
+def first_reads(p: Pattern, keys: list[str], size: int = BS) -> int:
+    return sum(p.saw(obj(k, size), 0) for k in keys)
+
+
+# -- the pattern, pure ---------------------------------------------------------------------------------
+
+def test_files_of_one_directory_read_once_each_start_a_guess_over_that_directory():
+    p = Pattern(BS)
+    keys = [f"train/img-{i:03d}.npz" for i in random.Random(1).sample(range(100), 20)]
+    assert first_reads(p, keys[:Pattern.START_FILES - 1]) == 0 and p.scope is None
+    first_reads(p, keys[Pattern.START_FILES - 1:Pattern.START_FILES])
+    assert p.scope == "train"
+    assert first_reads(p, keys[Pattern.START_FILES:]) == (20 - Pattern.START_FILES) * BS  # each read earns
+    assert p.saw(obj("train/x-2"), 0) == BS and p.saw(obj("train/x-2"), 1) == 0  # (the last block is short: none)
+
+
+def test_the_scope_is_the_deepest_directory_holding_them_all():
+    p = Pattern(BS)
+    first_reads(p, [f"train/class-{i % 3}/s{i}" for i in range(Pattern.START_FILES)])
+    assert p.scope == "train"  # (not "train/class-": components, not characters)
+    p = Pattern(BS)
+    first_reads(p, [f"top-{i}" for i in range(Pattern.START_FILES)])
+    assert p.scope == ""  # the mount's root
+    p = Pattern(BS)
+    first_reads(p, [f"a/b/c/s{i}" for i in range(Pattern.START_FILES)])
+    assert p.scope == "a/b/c"
+
+
+def test_a_file_read_again_long_after_starts_a_new_epoch_and_one_read_just_now_does_not():
+    p = Pattern(BS)
+    keys = [f"d/s{i:03d}" for i in range(100)]
+    first_reads(p, keys[:50])
+    assert p.scope == "d"
+    assert p.saw(obj(keys[49]), 0) == 0 and p.scope == "d"  # (its body again, a header read twice)
+    p.saw(obj(keys[0]), 0)  # read again 49 first reads later: the next epoch
+    assert p.scope is None and list(p.read) == [keys[0]]
+    assert first_reads(p, keys[1:Pattern.START_FILES]) == 0 and p.scope == "d"  # learned again
+
+
+def test_a_file_read_from_its_end_first_earns_its_span_once():
+    """A zip (npz) is read from its directory at the end, then from its start."""
+    p = Pattern(BS)
+    first_reads(p, [f"d/s{i}" for i in range(Pattern.START_FILES)])
+    big = obj("d/big", 4 * BS)
+    assert p.saw(big, 3) == BS
+    assert p.saw(big, 0) == 3 * BS  # blocks 0, 1 and 2: the span grew
+    assert p.saw(big, 1) == 0 and p.saw(big, 3) == 0  # within the span: nothing more
+
+
+def test_reads_elsewhere_end_the_guess():
+    p = Pattern(BS)
+    first_reads(p, [f"train/s{i}" for i in range(Pattern.START_FILES)])
+    first_reads(p, [f"val/s{i}" for i in range(Pattern.START_FILES - 1)])
+    assert p.scope == "train"  # (a few reads elsewhere: a validation batch)
+    first_reads(p, ["val/last"])
+    assert p.scope is None  # the job moved on: the next START_FILES first reads are learned afresh
+    first_reads(p, [f"val/t{i}" for i in range(Pattern.START_FILES)])
+    assert p.scope == "val"
+
+
+def test_the_pattern_never_fails_and_stays_bounded_on_any_sequence_of_reads():
+    rnd = random.Random(7)
+    for _ in range(40):
+        p = Pattern(rnd.choice([4096, BS]))
+        names = [f"{rnd.choice(['', 'a/', 'a/b/', 'c/'])}f{rnd.randrange(300)}" for _ in range(400)]
+        for _ in range(3000):
+            key = rnd.choice(names)
+            size = rnd.choice([0, 1, 4095, BS, 3 * BS + 5])
+            index = rnd.randrange(max(1, -(-size // p.block_size)))
+            earned = p.saw(obj(key, size), index)
+            assert 0 <= earned <= size  # (a span of a file: never more than the file)
+            assert len(p.read) <= Pattern.MAX_TRACKED
+            if p.scope:  # a directory of the files read this epoch
+                assert not p.scope.endswith("/") and any(k.startswith(p.scope + "/") for k in p.read), p.scope
+            assert p.earned >= 0
+
+
+def test_the_bound_of_a_guess_is_stated_in_the_settings():
+    """The budget the docs state: 64 MiB at first (a sixteenth of a small cache), then twice what the
+    job read of the directory."""
+    assert Learner.BASE == 64 * MiB and Learner.GAIN == 2
+
+
+# -- real mounts -----------------------------------------------------------------------------------------
+
+def tree(n_train: int, n_val: int, size) -> list[SampleFile]:
+    return ([SampleFile(f"train/c{i % 3}/s{i:04d}.bin", size(i)) for i in range(n_train)]
+            + [SampleFile(f"val/s{i:04d}.bin", size(i)) for i in range(n_val)])
+
+
+def read_all(m, files: list[SampleFile], step: float) -> None:
+    for f in files:
+        with open(m.path(f.key), "rb", buffering=0) as fh:
+            assert fh.read() == f.content(), f.key  # never a wrong byte
+        time.sleep(step)
+
+
+def fetched(m) -> int:
+    c = m.status()["cache"]
+    return c["demand_bytes"] + c["prefetch_bytes"]
+
+
+@requires_fuse
+@pytest.mark.page_cache
+def test_a_shuffled_epoch_on_a_plain_mount_is_read_from_the_cache(s3, s3_client, fresh_bucket, mount_factory,
+                                                                   tmp_path):
+    """20 ms to the endpoint, no order handed over: after the first files the rest of ``train/`` is
+    fetched ahead and most of the epoch is hits, ``val/`` is never fetched, and the second epoch
+    fetches nothing. Without the learner (``--no-learned-order``) the same epoch is all misses."""
+    from .faultproxy import FaultProxy
+    from .helpers import drop_all_caches
+
+    files = tree(90, 30, lambda i: 300 * KiB + 11 * i)
+    upload(s3_client, fresh_bucket, "", files)
+    train = [f for f in files if f.key.startswith("train/")]
+    order = shuffled(train, seed=4, epoch=0)
+    train_bytes = sum(f.size for f in train)
+    proxy = FaultProxy(s3.port).start()
+    proxy.delay = 0.02
+    try:
+        with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--endpoint-url", proxy.endpoint) as m:
+            read_all(m, order, step=0.02)
+            c = m.status()["cache"]
+            learned = m.status()["learned"]
+            assert learned["guesses"] >= 1 and learned["scope"] == "train", learned
+            assert c["hit_bytes"] >= 0.7 * train_bytes, (c, learned)
+            assert learned["used_bytes"] >= 0.7 * learned["fetched_bytes"], learned
+            assert fetched(m) <= train_bytes * 1.01, (c, learned)  # val/ never fetched; nothing twice
+            drop_all_caches()
+            before = fetched(m)
+            read_all(m, shuffled(train, seed=4, epoch=1), step=0.0)
+            assert fetched(m) == before  # the second epoch: all cached
+        drop_all_caches()
+        with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--endpoint-url", proxy.endpoint,
+                           "--no-learned-order", name="off", cache_dir=tmp_path / "cache-off") as m:
+            read_all(m, order, step=0.02)
+            c = m.status()["cache"]
+            assert c["hit_bytes"] <= 0.05 * train_bytes, c
+            assert m.status()["learned"]["state"] == "off"
+    finally:
+        proxy.stop()
+
+
+@requires_fuse
+def test_a_wrong_guess_costs_at_most_its_bound_and_listing_costs_nothing(s3_client, fresh_bucket, mount_factory,
+                                                                         tmp_path):
+    """A 64 MiB cache (a guess may fetch 4 MiB, then twice what the job reads of the directory): a job
+    that reads a tenth of ``train/`` and stops leaves the backend's bytes within what it read plus that
+    bound, far from the directory's size; ``find``, ``du`` and ``ls -lR`` read no file and fetch
+    nothing."""
+    files = tree(200, 0, lambda i: 512 * KiB - 5 * i)
+    upload(s3_client, fresh_bucket, "", files)
+    train_bytes = sum(f.size for f in files)
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--cache-size", "64M") as m:
+        for cmd in (["find", str(m.mountpoint)], ["du", "-s", str(m.mountpoint)], ["ls", "-lR", str(m.mountpoint)]):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+        assert fetched(m) == 0
+        tenth = shuffled(files, seed=9, epoch=0)[:20]
+        read_all(m, tenth, step=0.0)
+        read = sum(f.size for f in tenth)
+        time.sleep(3)  # (what the guess started has landed)
+        learned = m.status()["learned"]
+        base = (64 * MiB) // 16
+        assert learned["guesses"] == 1, learned
+        assert learned["fetched_bytes"] <= base + 2 * learned["read_bytes"] + MiB, learned
+        assert fetched(m) <= read + base + 2 * read + MiB, (fetched(m), learned)
+        assert fetched(m) < train_bytes / 3
+
+
+@requires_fuse
+def test_a_handed_over_order_rules_and_the_guess_waits(s3_client, fresh_bucket, mount_factory):
+    """With an order handed over the job said what it reads: nothing is guessed."""
+    from epochfs import Client
+
+    files = tree(60, 0, lambda i: 200 * KiB)
+    upload(s3_client, fresh_bucket, "", files)
+    order = shuffled(files, seed=2, epoch=0)
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
+        Client(m.mountpoint).hand_over([f.key for f in order], epoch=0)
+        read_all(m, order[:30], step=0.0)
+        learned = m.status()["learned"]
+        assert learned["state"] == "held" and learned["fetched_bytes"] == 0, learned
+
+
+def test_the_learner_is_documented_in_the_help():
+    from .helpers import EPOCHFS
+
+    out = subprocess.run([*EPOCHFS, "mount", "--help"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "--no-learned-order" in out and "twice what the job has read" in " ".join(out.split())
