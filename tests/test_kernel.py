@@ -513,3 +513,25 @@ def test_every_request_is_one_row_with_a_typed_handler():
     pipe.session._handle(memoryview(request(abi.FLUSH, struct.pack("<QIIQ", 1, 0, 0, 0), unique=3)))
     assert [(u, e) for u, e, _ in pipe.replies()] == [(2, errno.ENOSYS), (3, errno.ENOSYS)]
     pipe.close()
+
+
+@pytest.mark.parametrize("limit, pages", [("256\n", 256), ("512\n", 512), ("65535\n", 512), ("100\n", 256),
+                                          ("garbage", 256), (None, 256)])
+def test_requests_are_as_large_as_the_kernel_allows_up_to_a_2_mib_folio(tmp_path, monkeypatch, limit, pages):
+    """The INIT reply's max_pages and max_write (and the read buffer behind them) follow the node's
+    ``fs.fuse.max_pages_limit``, up to 512 pages: the largest folio a kernel that gives FUSE files large
+    folios would size from them (min(max_write, max_read) pages, max_pages; docs/kernel-paths.md)."""
+    from epochfs.kernel import session as sess
+
+    path = tmp_path / "max_pages_limit"
+    if limit is not None:
+        path.write_text(limit)
+    monkeypatch.setattr(sess, "MAX_PAGES_LIMIT", str(path))
+    pipe = Pipe(adapter())
+    s = pipe.session
+    assert (s.max_pages, s.max_write) == (pages, pages * 4096)
+    s._handle(memoryview(fake_init(abi.MINOR, abi.MAX_PAGES | abi.BIG_WRITES)))
+    (u, e, body), = pipe.replies()
+    assert e == 0
+    max_write, max_pages = struct.unpack_from("<I", body, 20)[0], struct.unpack_from("<H", body, 28)[0]
+    assert (max_write, max_pages) == (pages * 4096, pages)

@@ -66,8 +66,8 @@ def test_first_epoch_runs_from_cache_with_a_manifest(s3_client, fresh_bucket, mo
         assert status["prefetch"]["fetched_blocks"] >= 95
 
     drop_all_caches()
-    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", name="without",
-                       cache_dir=tmp_path / "cache-without") as m:
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--no-learned-order", name="without",
+                       cache_dir=tmp_path / "cache-without") as m:  # (no order at all: neither handed over nor learned)
         train_epoch(m, order, step=0.02)
         hits, misses = hits_and_misses(m)
         assert misses >= len(order) and hits <= len(order) * 0.05, (hits, misses)

@@ -38,9 +38,24 @@ from epochfs.kernel.types import FUSEError
 
 log = logging.getLogger(__name__)
 
-MAX_WRITE = 1 << 20
-BUFFER = MAX_WRITE + (64 << 10)  # the largest request: a WRITE of MAX_WRITE bytes and its header
-MAX_PAGES = 256
+PAGE = 4096
+#: Pages of one request, at least (the kernel's default limit) and at most (a 2 MiB folio on x86-64,
+#: the largest the page cache makes: a kernel that gives FUSE files large folios sizes them from the
+#: connection's max_write, max_read and max_pages; docs/kernel-paths.md).
+MIN_PAGES, MAX_PAGES = 256, 512
+MAX_PAGES_LIMIT = "/proc/sys/fs/fuse/max_pages_limit"
+HEADROOM = 64 << 10  # a WRITE's header beside its max_write bytes, in the read buffer
+
+
+def request_pages(limit_path: str | None = None) -> int:
+    """Pages of one request: as many as the kernel lets a server ask for (``fs.fuse.max_pages_limit``,
+    256 unless an administrator raised it), within [``MIN_PAGES``, ``MAX_PAGES``]."""
+    try:
+        with open(limit_path or MAX_PAGES_LIMIT) as f:
+            limit = int(f.read().strip())
+    except (OSError, ValueError):
+        return MIN_PAGES
+    return max(MIN_PAGES, min(MAX_PAGES, limit))
 #: File systems stacked under a backing file (a passthrough mount's cache is on a plain local one).
 PASSTHROUGH_DEPTH = 1
 
@@ -58,6 +73,8 @@ class Session:
     def __init__(self, ops: Operations, mountpoint: str, options: Iterable[str]) -> None:
         self.ops = ops
         self.mountpoint = os.path.abspath(mountpoint)
+        self.max_pages = request_pages()
+        self.max_write = self.max_pages * PAGE  # (the read buffer holds the largest WRITE and its header)
         self.options = mounting.parse_options(options)
         self.debug = self.options.debug
         self.fd = -1
@@ -111,7 +128,7 @@ class Session:
 
     async def _serve(self) -> None:
         fd = self.fd
-        buf = bytearray(BUFFER)
+        buf = bytearray(self.max_write + HEADROOM)
         view = memoryview(buf)
         in_row = 0
         while True:
@@ -277,7 +294,7 @@ class Session:
             self.minor = min(abi.PASSTHROUGH_MINOR, a.minor)
         self.negotiated = flags | (a.flags & abi.NO_OPEN_SUPPORT)
         out = abi.INIT_OUT.pack(abi.MAJOR, self.minor, a.max_readahead, flags & 0xFFFFFFFF,
-                                0, 0, MAX_WRITE, 1, MAX_PAGES if flags & abi.MAX_PAGES else 0, 0, flags >> 32,
+                                0, 0, self.max_write, 1, self.max_pages if flags & abi.MAX_PAGES else 0, 0, flags >> 32,
                                 PASSTHROUGH_DEPTH if flags & abi.PASSTHROUGH else 0)
         self._send(abi.reply(req.unique, out))
 
