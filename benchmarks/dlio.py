@@ -107,7 +107,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--fraction", type=float, default=0.25,
                     help="what one accelerator asks, as a fraction of local disk's cold rate (default 0.25)")
-    ap.add_argument("--contenders", nargs="+", default=["local disk", "epochfs", "JuiceFS"])
+    ap.add_argument("--contenders", nargs="+", default=["local disk", "epochfs", "JuiceFS"],
+                    help="of: 'local disk', epochfs, epochfs-unlearned (epochfs with --no-learned-order), JuiceFS")
     ap.add_argument("--work", type=Path, default=HERE / "work" / "dlio")
     ap.add_argument("--out", type=Path, help="results JSON (a .md beside it); default: results/DATE-dlio.json")
     args = ap.parse_args()
@@ -147,6 +148,12 @@ def main() -> int:
                 if "epochfs" in args.contenders:
                     contenders.append(Epochfs(args.work / f"lat{latency:g}", proxy.endpoint, BUCKET, PREFIX, 1 << 34,
                                               manifest=False, name="epochfs"))
+                if "epochfs-unlearned" in args.contenders:  # (the same mount, the order not learned: the A/B)
+                    plain = Epochfs(args.work / f"lat{latency:g}-unlearned", proxy.endpoint, BUCKET, PREFIX, 1 << 34,
+                                    manifest=False, name="epochfs, not learned")
+                    plain.extra = ["--no-learned-order"]
+                    plain.tuning += ", --no-learned-order"
+                    contenders.append(plain)
                 if "JuiceFS" in args.contenders:
                     contenders.append(Juicefs(args.work / f"lat{latency:g}", proxy.endpoint, BUCKET, PREFIX, 1 << 34))
                 for c in contenders:

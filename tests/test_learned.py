@@ -54,15 +54,24 @@ def test_the_scope_is_the_deepest_directory_holding_them_all():
     assert p.scope == "a/b/c"
 
 
-def test_a_file_read_again_long_after_starts_a_new_epoch_and_one_read_just_now_does_not():
+def test_files_read_again_long_after_start_a_new_epoch_and_stragglers_do_not():
     p = Pattern(BS)
     keys = [f"d/s{i:03d}" for i in range(100)]
     first_reads(p, keys[:50])
     assert p.scope == "d"
     assert p.saw(obj(keys[49]), 0) == 0 and p.scope == "d"  # (its body again, a header read twice)
-    p.saw(obj(keys[0]), 0)  # read again 49 first reads later: the next epoch
-    assert p.scope is None and list(p.read) == [keys[0]]
-    assert first_reads(p, keys[1:Pattern.START_FILES]) == 0 and p.scope == "d"  # learned again
+    # many readers side by side: late touches of files read a while ago, among new files, are no epoch
+    for i in range(50, 100):
+        p.saw(obj(keys[i - 20]), 0)
+        first_reads(p, [keys[i]])
+    assert p.scope == "d" and len(p.read) == 100
+    # the next epoch: files read again, one after another, with no new one between
+    again = keys[::7][:Pattern.START_FILES]
+    for k in again[:-1]:
+        p.saw(obj(k), 0)
+        assert p.scope == "d"
+    p.saw(obj(again[-1]), 0)
+    assert set(p.read) == set(again) and p.scope == "d"  # learned again from those very reads
 
 
 def test_a_file_read_from_its_end_first_earns_its_span_once():

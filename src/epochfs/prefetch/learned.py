@@ -5,10 +5,10 @@ in an order nobody knows. :class:`Learner` fetches them ahead while the job comp
 
 - **The pattern** (:class:`Pattern`, pure): ``START_FILES`` files read for the first time, none of them
   read before in this epoch, and the deepest directory holding them all (its subtree: a dataset split by
-  class holds its files in subdirectories) is the guess's scope. A file read again long after its first
-  read (more than ``REREAD_AGE`` first reads, or half the epoch's, ago) starts a new epoch: the guess
-  ends and the pattern is learned again. A re-read of a file just read (a header, then its body) is not
-  one. ``START_FILES`` first reads in a row outside the scope end the guess too: the job moved on.
+  class holds its files in subdirectories) is the guess's scope. ``START_FILES`` files read again, each
+  long after its first read and with no new file read between them, start a new epoch: the guess ends
+  and the pattern is learned again from them. A re-read of a file just read (a header, then its body),
+  or a straggling reader of the epoch's end among new files, is not one. ``START_FILES`` first reads in a row outside the scope end the guess too: the job moved on.
 - **The budget.** A guess may fetch ``base`` bytes (64 MiB, at most a sixteenth of the cache) plus
   ``GAIN`` times what the job has read of the scope since the guess began: what it has earned, by the
   job reading what it guessed. A wrong guess (a job that reads a tenth of a directory and stops, one
@@ -72,7 +72,6 @@ class Pattern:
     files each once (pure: fed the reads, it says what the guess is)."""
 
     START_FILES = 8
-    REREAD_AGE = 64
     MAX_TRACKED = 1 << 18  # files remembered in one epoch; past this the epoch is forgotten and learned again
 
     def __init__(self, block_size: int) -> None:
@@ -80,6 +79,7 @@ class Pattern:
         #: key -> (serial of its first read, the lowest and the highest block index read of it)
         self.read: dict[str, tuple[int, int, int]] = {}
         self.serial = 0
+        self.stale: dict[str, tuple[ObjectInfo, int]] = {}  # files read again long after, since the last new one
         self.recent: deque[str] = deque(maxlen=self.START_FILES)  # keys of the last first reads, no guess held
         self.scope: str | None = None
         self.outside = 0
@@ -94,9 +94,14 @@ class Pattern:
         if was is not None:
             first, lo, hi = was
             if lo <= index <= hi:
-                if self.serial - first > min(self.REREAD_AGE, max(self.START_FILES, len(self.read) // 2)):
-                    self.new_epoch()  # (read again long after its first read: the next epoch)
-                    return self.saw(obj, index)
+                if self.serial - first > self.START_FILES and key not in self.stale:
+                    # Read again well after its first read: the next epoch, if START_FILES such files are
+                    # read again before any new one (one alone is a reader of the epoch finishing late).
+                    self.stale[key] = (obj, index)
+                    if len(self.stale) >= self.START_FILES:
+                        again = list(self.stale.values())
+                        self.new_epoch()
+                        return sum(self.saw(o, i) for o, i in again)
                 return 0  # (a re-read within the file, or of one just read)
             self.read[key] = (first, min(lo, index), max(hi, index))
             if self.scope is None or not _under(key, self.scope):
@@ -104,6 +109,7 @@ class Pattern:
             return self._earn(obj.size, range(index, lo) if index < lo else range(hi + 1, index + 1))
         if len(self.read) >= self.MAX_TRACKED:
             self.new_epoch()
+        self.stale.clear()
         self.serial += 1
         self.read[key] = (self.serial, index, index)
         if self.scope is not None:
@@ -129,6 +135,7 @@ class Pattern:
 
     def new_epoch(self) -> None:
         self.read.clear()
+        self.stale.clear()
         self.recent.clear()
         self.scope = None
         self.outside = self.earned = 0
