@@ -150,7 +150,7 @@ def main() -> int:
                                               manifest=False, name="epochfs"))
                 if "epochfs-unlearned" in args.contenders:  # (the same mount, the order not learned: the A/B)
                     plain = Epochfs(args.work / f"lat{latency:g}-unlearned", proxy.endpoint, BUCKET, PREFIX, 1 << 34,
-                                    manifest=False, name="epochfs, not learned")
+                                    manifest=False, name="epochfs-unlearned")
                     plain.extra = ["--no-learned-order"]
                     plain.tuning += ", --no-learned-order"
                     contenders.append(plain)
