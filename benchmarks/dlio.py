@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import Contender, Epochfs, Juicefs, RawDisk  # noqa: E402
+from contenders import VENV_BIN, Contender, Epochfs, Juicefs, RawDisk  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
 from workloads import drop_page_cache, log, machine, start_run  # noqa: E402
 
@@ -85,6 +85,11 @@ def run_one(args: argparse.Namespace, c: Contender, server: LocalS3, n: int, com
            "au_mean": summary["metric"]["train_au_mean_percentage"],
            "throughput_samples_s": summary["metric"]["train_throughput_mean_samples_per_second"],
            "backend_gets": server.request_count(bucket) - gets0, "daemon_cpu_s": c.usage()["cpu"] - cpu0}
+    if isinstance(c, Epochfs):  # what the order learned on the plain mount fetched, and what the job used of it
+        status = json.loads(subprocess.run([str(VENV_BIN / "epochfs"), "status", str(c.root), "--json"], check=True,
+                                           capture_output=True, text=True).stdout)
+        row["learned"] = status.get("learned")
+        row["hit_bytes"] = status["cache"]["hit_bytes"]
     c.unmount()
     return row
 
