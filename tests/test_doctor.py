@@ -199,6 +199,9 @@ CASES = {
                                                                         "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}),
                                    s["cache"].update(hit_bytes=280 * MiB, miss_bytes=20 * MiB)),
                         lambda s, r: s["cache"].update(hit_bytes=300 * MiB, miss_bytes=0)),  # fetched ahead in time
+    "memory-bound": (lambda s: s.update(memory={"limit": 160 * MiB, "resident": 150 * MiB, "throttled_seconds": 9.0}),
+                     lambda s, r: s.update(memory={"limit": 320 * MiB, "resident": 200 * MiB,
+                                                   "throttled_seconds": 0.0})),  # (a larger --memory-limit)
     "slow-checkpoints": (lambda s: s["jobs"][0]["window"].update(saves=2, save_seconds=150.0),
                          lambda s, r: s["jobs"][0]["window"].update(saves=2, save_seconds=3.0)),  # (--writeback)
     "writeback-backlog": (lambda s: s.update(writeback={"pending_bytes": 4 << 30, "oldest_pending_seconds": 300.0}),

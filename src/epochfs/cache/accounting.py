@@ -24,3 +24,11 @@ class CacheStats:
     pushed_bytes: int = 0
     push_failures: int = 0  # pushes refused by the kernel, or of blocks found damaged
     push_stale: int = 0  # pushes whose file changed meanwhile (its pages dropped again)
+    # what the cache holds in memory (--memory-limit): demand fetches in flight (a block each, at most),
+    # fetches ahead in flight, blocks kept for readers, small files kept whole; and how long fetches ahead
+    # waited for room
+    demand_inflight_bytes: int = 0
+    ahead_bytes: int = 0
+    recent_bytes: int = 0
+    whole_bytes: int = 0
+    throttled_seconds: float = 0.0

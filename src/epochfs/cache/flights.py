@@ -9,6 +9,7 @@ from typing import Protocol
 import trio
 
 from epochfs.core.errors import EpochfsError
+from epochfs.core.memory import MemorySplit
 from epochfs.core.records import ObjectInfo
 
 
@@ -21,6 +22,7 @@ class CacheSettings:
     readahead_blocks: int  # blocks fetched ahead of a sequential reader
     plan_concurrency: int = 0  # fetches of the prefetch plan and warmups at once (0: ``concurrency``)
     fetch_timeout: float = 60.0  # a fill gives up after this long, whatever its thread is doing
+    memory: MemorySplit | None = None  # the shares of --memory-limit (None: unbounded)
 
 
 class Kept:

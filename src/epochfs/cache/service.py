@@ -55,7 +55,9 @@ from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
 from epochfs.core.blocks import block_bounds, block_id, range_blocks
 from epochfs.core.errors import BackendUnavailable, EpochfsError
+from epochfs.core.memory import MemoryBudget
 from epochfs.core.records import ObjectInfo, member_location
+from epochfs.transport import buffers
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,11 @@ class BlockCache:
         self._failed: OrderedDict[bytes, float] = OrderedDict()  # bid -> when its demand fetch failed
         # the deadline of a failed fetch's retry: a quarter of a fetch's, 2 s at least, never more than one
         self.retry_budget = min(self.fetch_timeout, max(2.0, self.fetch_timeout / 4))
-        self._demand_limiter = trio.CapacityLimiter(concurrency)
+        memory = settings.memory  # (the shares of --memory-limit: demand slots, bytes ahead, kept, whole, pool)
+        self._demand_limiter = trio.CapacityLimiter(memory.demand_slots if memory else concurrency)
+        self.ahead = MemoryBudget(memory.ahead if memory else 1 << 62)  # bytes fetched ahead, in flight
+        if memory is not None:
+            self.WHOLE_BUDGET, _ = memory.whole, buffers.set_pool_limit(memory.pool)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._plan_limiter = trio.CapacityLimiter(settings.plan_concurrency or concurrency)
         self._read_limiter = trio.CapacityLimiter(16)
@@ -91,7 +97,8 @@ class BlockCache:
         # Blocks just fetched for a reader (cached or not), kept for its next requests (see Kept).
         self._recent: OrderedDict[bytes, Kept] = OrderedDict()
         self._recent_bytes = 0
-        self.recent_max = max((concurrency + Readahead.widest(readahead_blocks, block_size)) * block_size, 16 << 20)
+        self.recent_max = min(max((concurrency + Readahead.widest(readahead_blocks, block_size)) * block_size,
+                                  16 << 20), memory.recent if memory else 1 << 62)
         self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
         self._fetches = {True: 0, False: 0}
         self._fetched_bytes = {True: 0, False: 0}
@@ -476,9 +483,13 @@ class BlockCache:
                 except trio.RunFinishedError:
                     pass  # shut down: what it wrote is cleared at the next start
 
+        held = 0
         try:
             written: tuple[str, BlockMeta] | OSError | None = None
             try:
+                if not flight.demand:  # (room for it in memory first; a reader that comes to wait lets it go)
+                    await self.ahead.acquire(length, flight.urgent)
+                    held = length
                 done = False
                 # The backend bounds its own requests; this bounds what it cannot (a server that drips
                 # its headers): the readers get their error in time, the thread is left to finish.
@@ -510,6 +521,7 @@ class BlockCache:
                 self._keep_recent(bid, Kept(flight.data, installed or flight.from_peer or not flight.demand,
                                             installed, flight.served))
         finally:
+            self.ahead.release(held)
             if isinstance(written, tuple) and not installed:
                 self.store.abandon(*written)  # written, but the fill gave up (deadline, error, shutdown)
             if admitted and not installed:
@@ -568,17 +580,13 @@ class BlockCache:
 
     def statistics(self) -> CacheStats:
         return CacheStats(
-            hits=self._hits,
-            misses=self._misses,
-            hit_bytes=self._hit_bytes,
-            miss_bytes=self._miss_bytes,
-            demand_fetches=self._fetches[True],
-            prefetch_fetches=self._fetches[False],
-            demand_bytes=self._fetched_bytes[True],
-            prefetch_bytes=self._fetched_bytes[False],
-            inflight=len(self._flights),
-            peer_bytes=self._peer_bytes,
-            replica_bytes=self._replica_bytes,
+            hits=self._hits, misses=self._misses, hit_bytes=self._hit_bytes, miss_bytes=self._miss_bytes,
+            demand_fetches=self._fetches[True], prefetch_fetches=self._fetches[False],
+            demand_bytes=self._fetched_bytes[True], prefetch_bytes=self._fetched_bytes[False],
+            inflight=len(self._flights), peer_bytes=self._peer_bytes, replica_bytes=self._replica_bytes,
+            demand_inflight_bytes=sum(self.block_size for f in self._flights.values() if f.demand),
+            ahead_bytes=self.ahead.held, recent_bytes=self._recent_bytes, whole_bytes=self.whole_held,
+            throttled_seconds=self.ahead.throttled_seconds,
             **({} if self.pusher is None else self.pusher.statistics()._asdict()),
         )
 

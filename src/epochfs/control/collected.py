@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from epochfs.cache.passthrough import PassthroughStats
     from epochfs.cache.store import StoreStats
     from epochfs.control.jobs import JobStats
+    from epochfs.core.memory import MemorySplit
     from epochfs.links.capacity import LinkView
     from epochfs.meta.snapshots import SnapshotStats
     from epochfs.peer.tier import PeerStats
@@ -40,3 +41,6 @@ class Collected:
     passthrough: PassthroughStats | None = None
     peer_link: LinkView | None = None  # a serving member's own link (what it sends to the others)
     learned: LearnedStats | None = None  # the order learned on a plain mount (``prefetch/learned.py``)
+    memory: MemorySplit | None = None  # the shares of --memory-limit
+    resident_bytes: int = 0  # the daemon's resident set
+    pool_bytes: int = 0  # idle receive buffers kept for reuse

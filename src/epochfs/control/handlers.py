@@ -362,6 +362,16 @@ def host_cpu() -> list[int] | None:
     return [sum(ticks) - ticks[3] - ticks[4], sum(ticks), os.cpu_count() or 1]
 
 
+def memory_of(c: Collected) -> dict[str, Any] | None:
+    """What the daemon holds in memory, by use, against its limit's shares (``--memory-limit``)."""
+    if c.memory is None:
+        return None
+    k = c.cache
+    return {**c.memory.as_dict(), "resident": c.resident_bytes, "throttled_seconds": k.throttled_seconds,
+            "held": {"demand": k.demand_inflight_bytes, "ahead": k.ahead_bytes, "recent": k.recent_bytes,
+                     "whole": k.whole_bytes, "pool": c.pool_bytes}}
+
+
 def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str, Any]]] | None = None,
               handed_by: dict[int | None, float] | None = None) -> dict[str, Any]:
     """The reply to ``status`` (``epochfs status --json`` prints it)."""
@@ -394,6 +404,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "eviction": info.eviction,
         "prefetch": vars(c.prefetch),
         "learned": c.learned.as_dict() if c.learned is not None else None,
+        "memory": memory_of(c),
         "cache": vars(c.cache),
         "reads": read_origins(c.cache),
         "store": vars(c.store),

@@ -165,6 +165,12 @@ class Config:
         4 << 20, "cache", "kernel readahead window of the mount: larger FUSE reads for sequential readers "
         "(0 keeps the kernel default of 128K; needs root)", metavar="SIZE", parse=lambda t: parse_size(t),
         shown="4M")
+    memory_limit: int | None = option(
+        None, "cache", "what the daemon may hold in memory: fetches in flight, blocks kept for readers, small "
+        "files kept whole, idle buffers (the page cache is the kernel's). Under it the daemon fetches less ahead; "
+        "a read is never failed or held back by it. Default: a sixteenth of the machine's (or the pod's cgroup's) "
+        "memory, 512M to 8G; epochfs status shows the shares", metavar="SIZE", parse=lambda t: parse_size(t),
+        shown="1/16 of memory", example="\"2G\"")
     eviction: str = option(policies.DEFAULT, "cache", "eviction policy: " + policies.describe(),
                            metavar="POLICY", parse=str)
     # -- prefetch
@@ -363,6 +369,8 @@ class Config:
             raise ConfigError("--block-size must be between 64K and 64M")
         if self.block_size % (64 << 10):
             raise ConfigError("--block-size must be a multiple of 64K")
+        if self.memory_limit is not None and self.memory_limit < 64 << 20:
+            raise ConfigError("--memory-limit must be at least 64M (the daemon alone holds about that)")
         if self.cache_size < self.block_size:
             raise ConfigError("--cache-size must hold at least one block")
         if not 0.0 <= self.free_space_ratio < 1.0:

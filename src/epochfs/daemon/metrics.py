@@ -74,6 +74,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "prefetch_lead_seconds": ("gauge", "How long the reader can read from blocks already cached ahead of it."),
     "prefetch_lead_bytes": ("gauge", "Bytes cached contiguously ahead of the reader's manifest position."),
     "prefetch_inflight": ("gauge", "Prefetch fetches in flight."),
+    "memory_limit_bytes": ("gauge", "The daemon's memory limit (--memory-limit)."),
+    "memory_resident_bytes": ("gauge", "The daemon's resident set."),
+    "memory_bytes": ("gauge", "What the daemon holds in memory, by use: demand fetches and fetches ahead in flight, "
+                     "blocks kept for readers (recent), small files kept whole, idle buffers (pool)."),
+    "memory_throttled_seconds": ("counter", "Time fetches ahead (readahead, prefetch, learned order, warmups) "
+                                 "waited for room under --memory-limit; reads are never held back by it."),
     "learned_fetched_bytes": ("counter", "Bytes fetched ahead by an order learned on a plain mount (a job reading a "
                               "directory's files each once, no order handed over)."),
     "learned_used_bytes": ("counter", "Of the bytes fetched ahead by a learned order, those the job then read."),
@@ -158,6 +164,7 @@ class Sample:
     peer_fallbacks: dict[str, int] | None = None
     peer_closed: dict[str, int] | None = None
     meta_master: dict[str, float] = field(default_factory=dict)  # address -> since (a Sentinel store)
+    memory: dict[str, float] = field(default_factory=dict)  # use -> bytes held
 
 
 def sample_of(c: Collected) -> Sample:
@@ -194,6 +201,12 @@ def sample_of(c: Collected) -> Sample:
             "writeback_uploaded_bytes": wb.uploaded_bytes, "writeback_uploaded_files": wb.uploaded_files,
         })
         errors["upload"] = wb.upload_errors
+    memory: dict[str, float] = {}
+    if c.memory is not None:
+        values.update({"memory_limit_bytes": c.memory.limit, "memory_resident_bytes": c.resident_bytes,
+                       "memory_throttled_seconds": cache.throttled_seconds})
+        memory = {"demand": cache.demand_inflight_bytes, "ahead": cache.ahead_bytes, "recent": cache.recent_bytes,
+                  "whole": cache.whole_bytes, "pool": c.pool_bytes}
     if c.learned is not None:
         values.update({"learned_fetched_bytes": c.learned.fetched_bytes, "learned_used_bytes": c.learned.used_bytes})
     pt = c.passthrough
@@ -231,7 +244,7 @@ def sample_of(c: Collected) -> Sample:
                               if peer else {})},
                   peer_fallbacks=dict(peer.fallbacks or {}) if peer else None,
                   peer_closed=dict(peer.closed) if peer and peer.closed is not None else None,
-                  meta_master={snap.master: snap.master_since or 0.0} if snap.master else {})
+                  meta_master={snap.master: snap.master_since or 0.0} if snap.master else {}, memory=memory)
 
 
 class DaemonCollector(Collector):
@@ -266,6 +279,8 @@ class DaemonCollector(Collector):
             labelled.append(("peer_closed", ["reason"], s.peer_closed.items()))
         labelled += [(short, ["training_job", "rank"], series.items()) for short, series in s.jobs.items()]
         labelled += [(short, ["source"], series.items()) for short, series in s.links.items()]
+        if s.memory:
+            labelled.append(("memory_bytes", ["use"], s.memory.items()))
         if s.meta_master:
             labelled.append(("meta_master_since_timestamp_seconds", ["address"], s.meta_master.items()))
         for short, label, series in labelled:

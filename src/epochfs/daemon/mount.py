@@ -41,6 +41,7 @@ from epochfs.control.handlers import ControlHandlers, MountInfo, UserBounds
 from epochfs.control.inmount import MountChannel
 from epochfs.control.jobs import Jobs
 from epochfs.control.server import ControlServer, socket_path
+from epochfs.core import memory
 from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
 from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import read_origins
@@ -63,6 +64,7 @@ from epochfs.peer.tier import PeerAnswers, PeerStats, PeerTier
 from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.learned import Learner, LearnSettings, Observers
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
+from epochfs.transport.buffers import pool_statistics
 from epochfs.vfs.fs import KernelPages, Operations
 from epochfs.vfs.presentation import Presentation
 from epochfs.writeback.journal import Journal
@@ -146,8 +148,13 @@ class Daemon:
         self.tier_load: TierLoad | None = None
         if config.peer_listen or config.peer_role == "client" or config.serving:
             self._open_peer()
+        try:  # (what the daemon holds now is its baseline: the limit's shares are of the rest)
+            self.memory = memory.split(config.memory_limit or memory.default_limit(), memory.resident(),
+                                       config.block_size, config.backend_concurrency)
+        except memory.MemoryTooSmall as exc:
+            raise ConfigError(str(exc)) from None
         self.cache = BlockCache(self.store, self.backend, CacheSettings(
-            block_size=config.block_size, concurrency=config.backend_concurrency,
+            memory=self.memory, block_size=config.block_size, concurrency=config.backend_concurrency,
             readahead_blocks=config.readahead_blocks, plan_concurrency=config.prefetch_concurrency,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
@@ -342,6 +349,7 @@ class Daemon:
         return Collected(cache=self.cache.statistics(), store=self.store.statistics(),
                          backend=self.backend.statistics(), fs=self.ops.statistics(),
                          prefetch=self.prefetcher.statistics(), learned=self.learner.statistics(),
+                         memory=self.memory, resident_bytes=memory.resident(), pool_bytes=pool_statistics()[1],
                          snapshot=self.snapshots.statistics(),
                          backend_link=self.links.view("backend"),
                          writeback=self.writeback.statistics() if self.writeback else None,

@@ -40,7 +40,8 @@ ORDER = ("read-errors", "peer-token-refused", "store-password-refused", "cache-t
          "small-files",
          "warm-read-path", "buffered-opens", "backend-saturated", "cache-nodes-busy", "node-cpu", "cache-tier",
          "cache-tier-failing",
-         "cluster-share-too-large", "backend-latency", "slow-checkpoints", "writeback-backlog")
+         "cluster-share-too-large", "memory-bound", "backend-latency", "slow-checkpoints", "writeback-backlog")
+MEMORY_THROTTLED = 1.0  # fetches ahead waiting for room on average over the window: memory binds
 
 
 def sampler_line(m: dict[str, Any]) -> str:
@@ -236,6 +237,13 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
             if not handed:
                 fix += ", and hand over the order so the prefetcher fetches ahead"
         found("backend-latency", evidence, fix)
+    mem = m.get("memory")
+    if mem and mem["throttled"] >= MEMORY_THROTTLED:
+        found("memory-bound", f"fetches ahead of the readers waited for room under --memory-limit "
+              f"{size_flag(mem['limit'])} ({mem['throttled']:.1f} fetches waiting on average; the daemon holds "
+              f"{size_flag(mem['resident'])}): less was fetched ahead than the readers needed",
+              f"remount with `--memory-limit {size_flag(2 * mem['limit'])}` if the node has the memory to spare, "
+              "or a smaller --block-size (each fetch holds a block)")
     save = view.get("checkpoint_save_seconds") if view else None
     if save is not None and save > SLOW_SAVE:
         found("slow-checkpoints", f"a checkpoint save takes {save:.0f} s as the job sees it",

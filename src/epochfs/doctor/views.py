@@ -280,7 +280,19 @@ def mount_view(before: dict[str, Any], after: dict[str, Any], seconds: float) ->
             "peer_fallbacks": p1.get("fallbacks") if p1 else None,
             "tier": tier_view(p1.get("load"), _needed(p1) or (snap["bytes"] or 0) * (number(p1.get("replicas")) or 1))
             if p1 else None,
+            "memory": _memory_view(before, after, seconds),
             "options": after.get("options") if isinstance(after.get("options"), dict) else {}}
+
+
+def _memory_view(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float] | None:
+    """The memory limit, the resident set and how much of the window fetches ahead waited for room under
+    it (their waits summed: 2.0 is two fetches waiting all along); None where the daemon does not say."""
+    m0, m1 = before.get("memory") or {}, after.get("memory") or {}
+    limit, t1 = number(m1.get("limit")), number(m1.get("throttled_seconds"))
+    t0 = number(m0.get("throttled_seconds")) or 0.0  # (an earlier reply without it: since the start)
+    if limit is None or t1 is None or seconds <= 0:
+        return None
+    return {"limit": limit, "resident": number(m1.get("resident")) or 0.0, "throttled": max(0.0, t1 - t0) / seconds}
 
 
 def in_place(m: dict[str, Any]) -> list[str]:

@@ -80,6 +80,19 @@ def is_aligned(data: bytes | bytearray | memoryview) -> bool:
         return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
+def set_pool_limit(limit: int) -> None:
+    """Keep at most ``limit`` bytes of idle buffers (``--memory-limit``'s share); those over it go."""
+    with _pool._lock:
+        _pool.limit = limit
+        for size, maps in _pool._maps.items():
+            while maps and _pool._bytes > limit:
+                _pool._bytes -= size
+                try:
+                    maps.pop().close()
+                except BufferError:  # (in use: it goes when its last view does)
+                    pass
+
+
 def pool_statistics() -> tuple[int, int]:
     """(buffers kept, bytes kept) by the pool."""
     return _pool.statistics()
