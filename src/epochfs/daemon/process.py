@@ -15,6 +15,7 @@ from collections.abc import Callable
 import trio
 
 from epochfs import kernel
+from epochfs.core import memory
 from epochfs.core.errors import ConfigError, EpochfsError, error_inside
 from epochfs.daemon import host as node_host
 from epochfs.daemon.config import Config
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 def run(config: Config, ready: Ready) -> int:
     """Mount and serve until unmounted (a cache node: serve until SIGTERM). Calls ``ready`` exactly once.
     Returns the exit code."""
+    memory.few_arenas()  # (before any thread: what the memory limit counts is what the daemon holds)
     if config.serving:
         return _serve(config, ready)
     mountpoint = str(config.mountpoint)
