@@ -784,6 +784,9 @@ def report(out: dict[str, Any]) -> str:
               f"- cache-node-lost: killed at {lost['killed_at_progress']:.0%} of the epoch; its AU {lost['au_epoch1']:.0%} "
               f"against the warm epoch's {w['au_epoch1']:.0%}; {lost['wrong_bytes']} wrong bytes.",
               f"- scaled-out: two cache nodes' links {sc_['cache_link_utilisation_busy']:.0%} busy "
+              f"(the readers' pace asked {_carried(sc_, 0).get('cache_link_carried') or 0:.0%} of them: over the "
+              f"steady part the prefetch lead shrank by {(_carried(sc_, 0).get('lead_shrunk_bytes') or 0) / MiB:.0f} "
+              "MiB) "
               f"(alerts: {', '.join(sc_['alerts_firing']) or 'none'}); the third took "
               f"{sc_['joined']['held_bytes'] / MiB:.0f} MiB ({sc_['joined']['share_of_dataset']:.0%} of the dataset; "
               f"{sc_['joined']['held_blocks']} blocks held of the {sc_['joined']['blocks_owned']} it owns), "

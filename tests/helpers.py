@@ -253,7 +253,7 @@ def offline_min_misses(seq: list[bytes], capacity: int) -> int:
 
 def damage_block(where: tuple[Path, int, int], how: str, other: tuple[Path, int, int] | None = None) -> None:
     """Damage a cached block in place, wherever it is (``where``: file, offset, length as
-    :func:`epochfs.cache.format.locate` gives): ``flip`` a bit in its middle; ``truncate`` it after 100
+    :func:`epochfs.blockstore.format.locate` gives): ``flip`` a bit in its middle; ``truncate`` it after 100
     bytes; ``empty`` it; ``delete`` it; ``swap`` its bytes with the block at ``other``. A block in a
     file of its own is truncated, emptied or deleted as a file; one in a pack file (shared with other
     blocks) has that range zeroed instead, as a hole punched by another program would read."""

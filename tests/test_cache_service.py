@@ -9,13 +9,13 @@ import time
 import pytest
 import trio
 
-from epochfs.cache.keys import block_relpath
-from epochfs.cache.policies.lru import LruPolicy
+from epochfs.blockstore.keys import block_relpath
+from epochfs.blockstore.store import BlockStore
 from epochfs.cache.service import BlockCache, CacheSettings
-from epochfs.cache.store import BlockStore
 from epochfs.core.errors import BackendUnavailable, ObjectChanged
 from epochfs.core.records import ObjectInfo
 from epochfs.dev.sample import pattern
+from epochfs.eviction.lru import LruPolicy
 
 from .helpers import BS, MemoryBackend, damage_block
 

@@ -178,3 +178,23 @@ with NetBox("efsg", Path(sys.argv[1])) as box:
         live.send_signal(15)
         live.wait(timeout=60)
     assert "efsg" not in listed()
+
+
+def test_the_steady_part_sets_the_links_sends_beside_the_readers_pace():
+    """The plan predicts a long epoch, whose links send what the readers read; in the box's short epoch
+    the prefetch lead shrinks over the steady part, so its sends fall short of the reads: both are kept,
+    and the readers' pace against the links and against the accelerators' demand."""
+    from clusterbox import QUICK, _steady
+
+    dataset = 640 * MiB
+    capacity = 2 * 18 * MiB
+    first = (100.0, 0, 1000 * MiB, 0.10)
+    last = (116.0, 0, 1000 * MiB + 480 * MiB, 0.90)  # 512 MiB read, 480 MiB sent in 16 s
+    mid = _steady(first, last, QUICK, dataset, capacity)
+    assert mid["seconds"] == 16.0 and mid["wan_utilisation"] == 0.0
+    assert abs(mid["cache_link_utilisation"] - 480 / (36 * 16)) < 1e-9
+    assert abs(mid["cache_link_carried"] - 512 / (36 * 16)) < 1e-9
+    assert mid["lead_shrunk_bytes"] == 32 * MiB
+    demand = QUICK.gpu_demand * QUICK.accelerators * QUICK.gpu_nodes
+    assert abs(mid["pace"] - min(1.0, 512 * MiB / 16 / demand)) < 1e-9
+    assert _steady(first, last, QUICK, dataset, 0)["cache_link_carried"] is None  # (no cache nodes: the WAN only)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from epochfs.cache.keys import CHUNK_SIZE, block_relpath, chunk_span
+from epochfs.blockstore.keys import CHUNK_SIZE, block_relpath, chunk_span
 from epochfs.core.blocks import block_bounds, block_count, block_id, blocks_for_range
 
 
@@ -76,7 +76,7 @@ def test_chunk_span():
 def test_the_block_glob_matches_every_block_path():
     from fnmatch import fnmatchcase
 
-    from epochfs.cache.keys import BLOCK_GLOB
+    from epochfs.blockstore.keys import BLOCK_GLOB
 
     for n in range(50):
         path = block_relpath(block_id("s", f"k{n}", "e", n, block_size=1 << 20))

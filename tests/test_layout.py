@@ -26,7 +26,7 @@ def test_only_the_s3_backend_imports_boto3():
 
 
 def test_pure_cores_do_no_io():
-    pure = ["cache/keys.py", "core/blocks.py", "meta/namespace.py", "control/protocol.py", "core/records.py", "kernel/abi.py",
+    pure = ["blockstore/keys.py", "core/blocks.py", "meta/namespace.py", "control/protocol.py", "core/records.py", "kernel/abi.py",
             *(p.relative_to(SRC).as_posix() for p in (SRC / "cache" / "policies").glob("*.py"))]
     for name in pure:
         assert not imports(SRC / name) & {"trio", "lmdb", "boto3", "socket", "subprocess"}, name

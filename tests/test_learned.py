@@ -179,16 +179,28 @@ def test_a_shuffled_epoch_on_a_plain_mount_is_read_from_the_cache(s3, s3_client,
 
 
 @requires_fuse
-def test_a_wrong_guess_costs_at_most_its_bound_and_listing_costs_nothing(s3_client, fresh_bucket, mount_factory,
+def test_a_wrong_guess_costs_at_most_its_bound_and_listing_costs_nothing(s3, s3_client, fresh_bucket, mount_factory,
                                                                          tmp_path):
-    """A 64 MiB cache (a guess may fetch 4 MiB, then twice what the job reads of the directory): a job
-    that reads a tenth of ``train/`` and stops leaves the backend's bytes within what it read plus that
-    bound, far from the directory's size; ``find``, ``du`` and ``ls -lR`` read no file and fetch
-    nothing."""
+    """20 ms to the endpoint, a 64 MiB cache (a guess may fetch 4 MiB, then twice what the job reads of
+    the directory): a job that reads a tenth of ``train/`` and stops leaves the backend's bytes within
+    what it read plus that bound, far from the directory's size; ``find``, ``du`` and ``ls -lR`` read no
+    file and fetch nothing."""
+    from .faultproxy import FaultProxy
+
     files = tree(200, 0, lambda i: 512 * KiB - 5 * i)
     upload(s3_client, fresh_bucket, "", files)
     train_bytes = sum(f.size for f in files)
-    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--cache-size", "64M") as m:
+    proxy = FaultProxy(s3.port).start()
+    proxy.delay = 0.02
+    try:
+        wrong_guess(mount_factory, fresh_bucket, proxy, files, train_bytes)
+    finally:
+        proxy.stop()
+
+
+def wrong_guess(mount_factory, fresh_bucket, proxy, files, train_bytes) -> None:
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--cache-size", "64M", "--endpoint-url",
+                       proxy.endpoint) as m:
         for cmd in (["find", str(m.mountpoint)], ["du", "-s", str(m.mountpoint)], ["ls", "-lR", str(m.mountpoint)]):
             subprocess.run(cmd, check=True, capture_output=True, timeout=60)
         assert fetched(m) == 0
@@ -198,10 +210,23 @@ def test_a_wrong_guess_costs_at_most_its_bound_and_listing_costs_nothing(s3_clie
         time.sleep(3)  # (what the guess started has landed)
         learned = m.status()["learned"]
         base = (64 * MiB) // 16
-        assert learned["guesses"] == 1, learned
+        assert learned["guesses"] == 1 and learned["fetched_bytes"] > 0, learned  # (it did guess, and fetch)
         assert learned["fetched_bytes"] <= base + 2 * learned["read_bytes"] + MiB, learned
         assert fetched(m) <= read + base + 2 * read + MiB, (fetched(m), learned)
         assert fetched(m) < train_bytes / 3
+
+
+@requires_fuse
+def test_nothing_is_fetched_ahead_of_a_near_endpoint(s3_client, fresh_bucket, mount_factory):
+    """The endpoint on this machine answers at once: the pattern is seen, nothing is fetched ahead (a
+    near endpoint's misses wait about as little as fetching ahead would save)."""
+    files = tree(60, 0, lambda i: 300 * KiB)
+    upload(s3_client, fresh_bucket, "", files)
+    with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
+        read_all(m, shuffled(files, seed=3, epoch=0), step=0.01)
+        learned = m.status()["learned"]
+        assert m.status()["backend"]["first_byte_seconds"] < 0.010, m.status()["backend"]
+        assert learned["guesses"] == 1 and learned["fetched_bytes"] == 0, learned
 
 
 @requires_fuse

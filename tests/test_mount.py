@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.cache.keys import block_relpath
+from epochfs.blockstore.keys import block_relpath
 from epochfs.core.blocks import block_id
 from epochfs.dev.sample import SampleFile, pattern, sample_layout, upload, write_tree
 

@@ -257,9 +257,9 @@ def test_passthrough_is_refused_with_writeback(fresh_bucket, mount_factory):
 def test_whole_files_left_by_a_run_are_taken_up_and_anything_else_removed(tmp_path):
     """What a killed daemon or another hand left in ``whole/``: a copy half written, a link, a directory,
     a name that is not a copy's; only copies are taken up (pinned again), the rest removed."""
-    from epochfs.cache.policies import make_policy
-    from epochfs.cache.store import BlockStore
-    from epochfs.cache.whole import WholeFiles
+    from epochfs.blockstore.store import BlockStore
+    from epochfs.blockstore.whole import WholeFiles
+    from epochfs.eviction import make_policy
 
     store = BlockStore(tmp_path / "c", 64 * MIB, 0.0, make_policy("lru"))
     store.open()

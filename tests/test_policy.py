@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from epochfs.cache.policies import make_policy, names
-from epochfs.cache.policies.lru import LruPolicy
-from epochfs.cache.policies.manifest import NEVER, ManifestPolicy
-from epochfs.cache.policies.none import NoEvictionPolicy
+from epochfs.eviction import make_policy, names
+from epochfs.eviction.lru import LruPolicy
+from epochfs.eviction.manifest import NEVER, ManifestPolicy
+from epochfs.eviction.none import NoEvictionPolicy
 from epochfs.prefetch.manifest import shuffled
 from epochfs.prefetch.simulate import block_sequence, simulate
 
@@ -128,7 +128,7 @@ def test_make_policy():
 
 
 def test_a_registered_policy_is_usable_everywhere_without_other_changes(tmp_path):
-    from epochfs.cache import policies
+    from epochfs import eviction as policies
     from epochfs.cli import build_parser
     from epochfs.cli.options import config_from
 
@@ -164,7 +164,7 @@ def test_every_policy_is_known_even_when_one_was_imported_first():
     import subprocess
     import sys
 
-    code = ("import epochfs.cache.policies.lru\nfrom epochfs.cache import policies\n"
+    code = ("import epochfs.eviction.lru\nfrom epochfs import eviction as policies\n"
             "print(','.join(policies.names()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().split(",") == ["manifest", "lru", "none"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.cache.format import locate
+from epochfs.blockstore.format import locate
 from epochfs.core.blocks import block_id
 from epochfs.dev.sample import SampleFile, pattern, sample_layout, upload, write_tree
 

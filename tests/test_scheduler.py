@@ -8,10 +8,10 @@ import pytest
 import trio
 import trio.testing
 
-from epochfs.cache.policies.manifest import ManifestPolicy
+from epochfs.blockstore.store import BlockStore
 from epochfs.cache.service import BlockCache, CacheSettings
-from epochfs.cache.store import BlockStore
 from epochfs.core.records import ObjectInfo
+from epochfs.eviction.manifest import ManifestPolicy
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 
 from .helpers import BS, MemoryBackend
@@ -276,8 +276,8 @@ def test_cached_bytes_the_reader_reads_next_are_read_into_memory_ahead_of_it(tmp
     before anyone touched them, and that is not the prefetcher's doing)."""
     import os
 
-    from epochfs.cache import pagecache
-    from epochfs.cache.keys import block_relpath
+    from epochfs.blockstore import pagecache
+    from epochfs.blockstore.keys import block_relpath
 
     if not pagecache.available():
         pytest.skip("this kernel has no cachestat(2)")

@@ -5,12 +5,12 @@ import os
 
 import pytest
 
-import epochfs.cache.packs as packs_mod
-from epochfs.cache.keys import CHUNK_SIZE, block_relpath
-from epochfs.cache.packs import PACK_BELOW
-from epochfs.cache.policies.lru import LruPolicy
-from epochfs.cache.store import BlockStore, CacheLocked
+import epochfs.blockstore.packs as packs_mod
+from epochfs.blockstore.keys import CHUNK_SIZE, block_relpath
+from epochfs.blockstore.packs import PACK_BELOW
+from epochfs.blockstore.store import BlockStore, CacheLocked
 from epochfs.core.errors import CacheUnreadable, ConfigError
+from epochfs.eviction.lru import LruPolicy
 
 from .helpers import damage_block
 
@@ -300,7 +300,7 @@ def test_garbage_index_is_rebuilt(tmp_path):
 @pytest.mark.parametrize("failing, around", [("write", False), ("pwrite", True), ("replace", False),
                                              ("replace", True)])
 def test_failed_fill_leaves_no_temp_file(tmp_path, monkeypatch, failing, around):
-    import epochfs.cache.store as store_mod
+    import epochfs.blockstore.store as store_mod
 
     monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)
     s = make(tmp_path, packing=False)
@@ -438,7 +438,7 @@ def test_unclean_shutdown_is_reconciled_at_the_next_open(tmp_path, packing):
         sys.path[:0] = {sys.path!r}
         from tests.test_store import make, put, bid
         from pathlib import Path
-        from epochfs.cache.keys import block_relpath
+        from epochfs.blockstore.keys import block_relpath
         s = make(Path({str(tmp_path)!r}), packing={packing})
         for n in range(3):
             put(s, bid(n), bytes([n]) * 70_000)
@@ -536,7 +536,7 @@ def _in_page_cache(path) -> bool:
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 100 * 1024 + 3, 5 << 20])
 def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, monkeypatch, size):
-    import epochfs.cache.store as store_mod
+    import epochfs.blockstore.store as store_mod
 
     monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)  # every size, to find alignment bugs
     s = make(tmp_path, packing=False)
@@ -553,7 +553,7 @@ def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, monkey
 def test_buffered_writes_stay_in_the_page_cache(tmp_path):
     """Blocks for a later reader, and small blocks (a direct write costs them more), go through the page
     cache; large blocks for a reader at hand around it."""
-    from epochfs.cache.store import DIRECT_MIN
+    from epochfs.blockstore.store import DIRECT_MIN
 
     s = make(tmp_path, packing=False)
     assert _in_page_cache(s.write_temp(bid(1), b"x" * DIRECT_MIN)[0])
@@ -565,7 +565,7 @@ def test_buffered_writes_stay_in_the_page_cache(tmp_path):
 def test_a_file_system_without_direct_writes_falls_back_to_the_page_cache(tmp_path, monkeypatch, where):
     """tmpfs and some network file systems refuse O_DIRECT at open, others at the first unaligned write:
     the block is written anyway, and later blocks do not try again."""
-    import epochfs.cache.store as store_mod
+    import epochfs.blockstore.store as store_mod
 
     s = make(tmp_path, packing=False)
     tries = []
@@ -615,8 +615,8 @@ def test_an_index_of_another_version_is_discarded_with_its_blocks(tmp_path, capl
 def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(tmp_path, packing):
     """``read(nowait=True)`` answers from the page cache, or says WOULD_BLOCK for a worker thread to
     read: it never starts the disk read on the event loop (cachestat, where the kernel has it)."""
-    from epochfs.cache import pagecache
-    from epochfs.cache.store import WOULD_BLOCK
+    from epochfs.blockstore import pagecache
+    from epochfs.blockstore.store import WOULD_BLOCK
 
     store = make(tmp_path, packing=packing)
     data = os.urandom(100 << 10)
@@ -648,7 +648,7 @@ def test_a_read_that_would_wait_for_the_disk_is_handed_back_without_starting_it(
 def test_block_files_read_keep_their_descriptors_until_the_block_goes(tmp_path):
     """The trio thread's reads keep a block file open (no open per read), at most a bounded number, and
     a block removed closes its descriptor: no deleted file is held open (its space is freed)."""
-    from epochfs.cache import store as store_mod
+    from epochfs.blockstore import store as store_mod
 
     s = make(tmp_path, packing=False)
     blocks = {bid(i): os.urandom(PACK_BELOW + i) for i in range(store_mod._BLOCK_FDS + 5)}

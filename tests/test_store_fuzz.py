@@ -11,9 +11,9 @@ import struct
 
 import pytest
 
-import epochfs.cache.packs as packs_mod
-from epochfs.cache.keys import CHUNK_SIZE, block_relpath
-from epochfs.cache.store import WOULD_BLOCK, BlockMeta
+import epochfs.blockstore.packs as packs_mod
+from epochfs.blockstore.keys import CHUNK_SIZE, block_relpath
+from epochfs.blockstore.store import WOULD_BLOCK, BlockMeta
 
 from .test_store import bid, make, put
 

@@ -14,9 +14,9 @@ import stat
 
 import pytest
 
-from epochfs.cache.policies import make_policy
-from epochfs.cache.store import BlockStore
-from epochfs.cache.whole import WholeFiles, hasher
+from epochfs.blockstore.store import BlockStore
+from epochfs.blockstore.whole import WholeFiles, hasher
+from epochfs.eviction import make_policy
 
 MIB = 1 << 20
 

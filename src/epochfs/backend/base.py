@@ -86,6 +86,7 @@ class BackendStats:
     requests: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, outcome) -> count
     bytes_read: int = 0
     request_seconds: HistogramSnapshot | None = None
+    first_byte_seconds: float | None = None  # how long a data request waits for its first byte (recent mean)
 
 
 class StatsRecorder:
@@ -97,6 +98,7 @@ class StatsRecorder:
         self._bytes = 0
         self.latency = Histogram()
         self.transfers = TransferMeter()  # when the bodies of data requests moved: the link's rate
+        self.first_byte: float | None = None  # EWMA of the wait for a data request's first byte
 
     def record(self, op: str, outcome: str, nbytes: int = 0, seconds: float | None = None,
                moving: tuple[float, float] | None = None) -> None:
@@ -108,11 +110,15 @@ class StatsRecorder:
             self.latency.observe(seconds)
         if moving is not None:
             self.transfers.record(moving[0], moving[1], nbytes)
+            if seconds is not None:  # (the request began ``seconds`` before its last byte)
+                wait = max(0.0, moving[0] - (moving[1] - seconds))
+                with self._lock:
+                    self.first_byte = wait if self.first_byte is None else 0.9 * self.first_byte + 0.1 * wait
 
     def snapshot(self) -> BackendStats:
         with self._lock:
             return BackendStats(requests=dict(self._requests), bytes_read=self._bytes,
-                                request_seconds=self.latency.snapshot())
+                                request_seconds=self.latency.snapshot(), first_byte_seconds=self.first_byte)
 
 
 class TemporaryFailure(Exception):

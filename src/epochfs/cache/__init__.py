@@ -1,2 +1,2 @@
-"""The local block cache: pure key and block arithmetic, eviction policies, the on-disk store and the
-async service that ties them to a backend. Invariants are written down in ``docs/block-cache.md``."""
+"""The block cache service: single-flight fetches from a backend or the cluster tier, readahead, reads of
+cached blocks, pushes into the page cache, passthrough. Invariants are written down in ``docs/block-cache.md``."""

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import trio
 
-from epochfs.cache.store import BlockStore
+from epochfs.blockstore.store import BlockStore
 from epochfs.core.blocks import block_bounds, block_count
 from epochfs.core.records import ObjectInfo
 

@@ -5,7 +5,7 @@ through the daemon (cached opens) or through one backing file (passthrough opens
 (the kernel fails the open that would mix them), so an inode with cached opens outstanding gets cached
 opens until they are released, and one with a backing file gets that same backing file for every open
 until the last is released (then its id is let go). Objects are assembled whole in the background
-(:mod:`epochfs.cache.whole`) once all their blocks are cached: at an open that finds them so, and when
+(:mod:`epochfs.blockstore.whole`) once all their blocks are cached: at an open that finds them so, and when
 the last open of an object that was read through the daemon is released. One at a time, in the order
 asked. Runs on the trio thread.
 """
@@ -21,9 +21,9 @@ from typing import Protocol
 
 import trio
 
-from epochfs.cache.keys import whole_id
+from epochfs.blockstore.keys import whole_id
+from epochfs.blockstore.whole import Whole, WholeFiles, hasher
 from epochfs.cache.service import BlockCache
-from epochfs.cache.whole import Whole, WholeFiles, hasher
 from epochfs.core.blocks import block_count
 from epochfs.core.records import ObjectInfo, stored_extent
 

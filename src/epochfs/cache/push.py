@@ -35,7 +35,7 @@ from typing import NamedTuple, Protocol
 
 import trio
 
-from epochfs.cache.store import BlockStore
+from epochfs.blockstore.store import BlockStore
 from epochfs.core.blocks import block_bounds, block_count
 from epochfs.core.records import ObjectInfo
 

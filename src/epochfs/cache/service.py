@@ -40,23 +40,23 @@ from collections import OrderedDict
 import trio
 
 from epochfs.backend.base import Backend
+from epochfs.blockstore.format import BlockMeta
+from epochfs.blockstore.handoff import Handoff
+from epochfs.blockstore.store import WOULD_BLOCK, BlockStore
 from epochfs.cache import workers
 from epochfs.cache.accounting import CacheStats
 from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
-from epochfs.cache.format import BlockMeta
-from epochfs.cache.handoff import Handoff
 from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.own import OwnUploads
-from epochfs.cache.policies import EvictionPolicy
 from epochfs.cache.push import Pusher
 from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
-from epochfs.cache.store import WOULD_BLOCK, BlockStore
 from epochfs.cache.streams import ReadStream
 from epochfs.core.blocks import block_bounds, block_id, range_blocks
 from epochfs.core.errors import BackendUnavailable, EpochfsError
 from epochfs.core.memory import MemoryBudget
 from epochfs.core.records import ObjectInfo, member_location
+from epochfs.eviction import EvictionPolicy
 from epochfs.transport import buffers
 
 log = logging.getLogger(__name__)
@@ -353,14 +353,15 @@ class BlockCache:
         """Whether a demand fetch is waiting for a backend connection (prefetch then holds back)."""
         return self._demand_limiter.statistics().tasks_waiting > 0
 
-    def fetch(self, obj: ObjectInfo, index: int, bid: bytes) -> Fetch | None:
-        """Fetch a block in the background; the flight to wait on, or None if it is already cached."""
+    def fetch(self, obj: ObjectInfo, index: int, bid: bytes, *, near: bool = False) -> Fetch | None:
+        """Fetch a block in the background; the flight to wait on, or None if it is already cached.
+        ``near``: a reader comes for it soon (kept in memory for it, written around the page cache)."""
         flight = self._flights.get(bid)
         if flight is not None:
             return flight
         if self.store.lookup(bid) is not None or self._nursery is None:
             return None
-        return self._start(obj, index, bid, demand=False, warm_ok=True, near=False, planned=True)
+        return self._start(obj, index, bid, demand=False, warm_ok=True, near=near, planned=True)
 
     def prefetch(self, obj: ObjectInfo, indices: range) -> int:
         """Start background fetches of those blocks that are neither cached nor in flight."""

@@ -292,7 +292,7 @@ def _shares(rows: list[dict[str, Any]], snapshot: Any, source_id: str, unproven:
     at the block size and replicas they publish and weighted by the cache sizes they stated in their
     proofs (``stated``; those not asked: the sizes they publish); set each such row's ``share_bytes``.
     The shares' geometry (None where there is nothing to rank) and what is wrong with it."""
-    from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from epochfs.blockstore.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
     from epochfs.doctor import share_fix
     from epochfs.peer.ring import Ring, ring_weights
     from epochfs.peer.share import SHARE_SAMPLE, ownership
@@ -336,7 +336,7 @@ def geometry(args: argparse.Namespace, servers: list[str], stats: dict[str, Any]
     proved they hold the token) publish, the most common figure within bounds, and warn where those
     given differ from theirs: a warmup at other replicas leaves blocks
     unheld (or held twice), at another block size it warms blocks no member asks for."""
-    from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+    from epochfs.blockstore.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 
     published = [published_stats(stats.get(a)) or {} for a in servers]
     bounds = {"replicas": (1, 64), "block_size": (MIN_BLOCK_SIZE, MAX_BLOCK_SIZE)}  # (as cluster status holds them)

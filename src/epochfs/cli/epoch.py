@@ -305,8 +305,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             prev_args.epoch = args.previous_epoch if args.previous_epoch is not None else args.epoch - 1
         before = _sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest)
         previous = block_sequence(before, args.block_size, _stored(args, before))
-    from epochfs.cache.policies import names
     from epochfs.doctor.cost import describe_dict, predicted, prices_of
+    from epochfs.eviction import names
 
     if args.epoch_hours is not None and not 0 < args.epoch_hours <= 10_000:
         raise ConfigError("--epoch-hours must be a number of hours above 0")

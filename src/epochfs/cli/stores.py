@@ -110,8 +110,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from epochfs.cache.policies import make_policy
-    from epochfs.cache.store import BlockStore
+    from epochfs.blockstore.store import BlockStore
+    from epochfs.eviction import make_policy
 
     if not (args.cache_dir / "index").is_dir():
         raise ConfigError(f"{args.cache_dir} is not an epochfs cache directory")

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from epochfs.backend.base import BackendStats
+    from epochfs.blockstore.store import StoreStats
     from epochfs.cache.accounting import CacheStats
     from epochfs.cache.passthrough import PassthroughStats
-    from epochfs.cache.store import StoreStats
     from epochfs.control.jobs import JobStats
     from epochfs.core.memory import MemorySplit
     from epochfs.links.capacity import LinkView

@@ -415,6 +415,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
             else None,
             "link": c.backend_link.as_dict() if c.backend_link else None,
             "request_seconds": c.backend.request_seconds.as_dict() if c.backend.request_seconds else None,
+            "first_byte_seconds": c.backend.first_byte_seconds,
             "usage": {"gets": int(usage.gets), "lists": int(usage.lists), "bytes": int(usage.bytes)},
         },
         "writeback": vars(c.writeback) if c.writeback is not None else None,

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from epochfs import eviction as policies
 from epochfs.backend.base import DEFAULT_ATTEMPTS, DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT
 from epochfs.backend.kinds import kind_of
-from epochfs.cache import policies
-from epochfs.cache.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from epochfs.blockstore.keys import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from epochfs.core.errors import ConfigError
 from epochfs.core.records import Source
 from epochfs.meta.base import StoreAccess
@@ -189,7 +189,7 @@ class Config:
         False, "prefetch", "do not learn the epoch on a plain mount: by default, where no order is handed over and "
         "a job reads a directory's files each once in an order of its own (DLIO, a loader without our sampler), "
         "the rest of that directory is fetched ahead, 64 MiB at first and then at most twice what the job has "
-        "read of it (a wrong guess costs no more), within a quarter of the cache")
+        "read of it (a wrong guess costs no more), while the endpoint takes 10 ms or more to answer")
     # -- write-back
     writeback: bool = option(
         False, "write-back", "accept new files (checkpoints): written to the cache disk at local speed, uploaded "

@@ -28,12 +28,11 @@ import trio
 
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
+from epochfs.blockstore.store import BlockStore
+from epochfs.blockstore.whole import WholeFiles
 from epochfs.cache.passthrough import Passthrough
-from epochfs.cache.policies import make_policy
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
-from epochfs.cache.store import BlockStore
-from epochfs.cache.whole import WholeFiles
 from epochfs.control import CONTROL_XATTR, PID_XATTR, frames
 from epochfs.control.caller import caller_of
 from epochfs.control.collected import Collected
@@ -48,6 +47,7 @@ from epochfs.core.stats import read_origins
 from epochfs.daemon import host as node_host
 from epochfs.daemon.config import Config
 from epochfs.daemon.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
+from epochfs.eviction import make_policy
 from epochfs.links import interface
 from epochfs.links.watch import Link, LinkWatch
 from epochfs.meta import open_meta
@@ -170,7 +170,8 @@ class Daemon:
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
         self.learner = Learner(self.cache, lambda: self.snapshots.namespace, LearnSettings(
             capacity=config.cache_size, max_inflight=config.prefetch_concurrency,
-            enabled=not config.no_learned_order and not config.serving), held=self.prefetcher.holds_order)
+            enabled=not config.no_learned_order and not config.serving), held=self.prefetcher.holds_order,
+            first_byte=lambda: self.backend.statistics().first_byte_seconds)
         self.cache.wire(observer=Observers(self.prefetcher, self.learner))
         self.passthrough: Passthrough | None = None
         if config.passthrough and not config.serving and os.geteuid() == 0:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from epochfs.cache.policies import make_policy, make_room
 from epochfs.core.blocks import extent_blocks, file_blocks
+from epochfs.eviction import make_policy, make_room
 
 Block = tuple[bytes, int]  # (block id, size)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from epochfs.cache.policies import EvictionPolicy, register
+from epochfs.eviction import EvictionPolicy, register
 
 
 @register("lru", "evict the least recently used block")

@@ -10,7 +10,7 @@ Why packs: a small block in a file of its own costs a file creation and a rename
 a directory block and an inode to read when the kernel's caches are cold; in a pack it costs one
 ``pwrite`` and one ``pread`` on a file whose inode stays in memory.
 
-Owned by :class:`epochfs.cache.store.BlockStore`, which keeps the index; this room keeps the packs'
+Owned by :class:`epochfs.blockstore.store.BlockStore`, which keeps the index; this room keeps the packs'
 counts and write position. Concurrency: :meth:`Packs.write` runs in worker threads; the counts and the
 write position are shared with them under one lock. Read descriptors and deletions belong to the trio
 thread.
@@ -26,7 +26,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable
 
-from epochfs.cache.descriptors import Descriptors
+from epochfs.blockstore.descriptors import Descriptors
 from epochfs.transport.buffers import ALIGN
 
 log = logging.getLogger(__name__)

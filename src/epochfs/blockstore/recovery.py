@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from epochfs.cache.format import BlockMeta, missing, scan, verify
-from epochfs.cache.index import Index
-from epochfs.cache.packs import Packs, discard
+from epochfs.blockstore.format import BlockMeta, missing, scan, verify
+from epochfs.blockstore.index import Index
+from epochfs.blockstore.packs import Packs, discard
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from epochfs.cache.format import BlockMeta
+from epochfs.blockstore.format import BlockMeta
 
 
 class Handoff:

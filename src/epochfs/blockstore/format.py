@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, NamedTuple
 import lmdb
 import xxhash
 
-from epochfs.cache import packs as pk
+from epochfs.blockstore import packs as pk
 
 if TYPE_CHECKING:
-    from epochfs.cache.packs import Packs
-from epochfs.cache.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
+    from epochfs.blockstore.packs import Packs
+from epochfs.blockstore.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
 
 _HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: a block file), offset in it
 _SUM = 8  # bytes of one xxh3-64 digest

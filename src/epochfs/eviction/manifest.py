@@ -15,7 +15,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from epochfs.cache.policies import EvictionPolicy, register
+from epochfs.eviction import EvictionPolicy, register
 
 NEVER = 1 << 62  # "no future use"
 

@@ -16,7 +16,7 @@ MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 64 << 10, 64 << 20
 
 def whole_id(source_id: str, key: str, etag: str, size: int) -> str:
     """Hex id of version ``etag`` (``size`` bytes) of ``key`` in ``source_id``, held whole
-    (:mod:`epochfs.cache.whole`): another version, another id."""
+    (:mod:`epochfs.blockstore.whole`): another version, another id."""
     return identity(b"epochfs-whole-v1", (source_id, key, etag), size).hexdigest()
 
 

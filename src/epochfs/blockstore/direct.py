@@ -8,7 +8,7 @@ import mmap
 import os
 import threading
 
-from epochfs.cache.packs import padded
+from epochfs.blockstore.packs import padded
 from epochfs.transport.buffers import ALIGN, is_aligned
 
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from epochfs.cache.policies import register
-from epochfs.cache.policies.lru import LruPolicy
+from epochfs.eviction import register
+from epochfs.eviction.lru import LruPolicy
 
 
 @register("none", "fill once, then read through")

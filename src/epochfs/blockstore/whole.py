@@ -3,7 +3,7 @@
 A passthrough open hands the kernel one backing file whose offset 0 is the object's offset 0; the
 block store keeps an object as blocks, so an object read whole is assembled once into
 ``whole/<id>.<xxh3-128>`` from its verified blocks (``id``: the object's version, see
-:func:`epochfs.cache.keys.whole_id`; the digest: of the whole file, taken as it was written, seeded with
+:func:`epochfs.blockstore.keys.whole_id`; the digest: of the whole file, taken as it was written, seeded with
 the id, so a copy moved under another object's name fails its check: :func:`hasher`). The
 kernel's reads of such a file never reach the daemon, so they are not checked: the bytes are checked
 when the file is assembled (every block against its chunk checksums), at every open (the file is the
@@ -37,8 +37,8 @@ from typing import Any
 
 import xxhash
 
-from epochfs.cache.packs import discard
-from epochfs.cache.store import BlockStore
+from epochfs.blockstore.packs import discard
+from epochfs.blockstore.store import BlockStore
 from epochfs.core.errors import ConfigError
 from epochfs.core.private import open_private, private_subdir
 

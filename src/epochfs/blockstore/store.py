@@ -11,7 +11,7 @@ Layout under the cache directory::
     lock                 flock held by the one daemon that owns this directory
     clean                present while no daemon runs, if the last one shut down cleanly
     blocks/ab/<id>       one file per block of at least PACK_BELOW bytes, named by its id
-                         (see :mod:`epochfs.cache.keys`)
+                         (see :mod:`epochfs.blockstore.keys`)
     packs/<n>            smaller blocks, at 4 KiB-aligned offsets (see :mod:`.packs`)
     tmp/                 fills of block files in progress; emptied at start-up
     index/               LMDB: block id -> (sequence, length, pack, offset, xxh3-64 per 64 KiB chunk)
@@ -37,17 +37,17 @@ from typing import Any
 
 import lmdb
 
-from epochfs.cache import packs as pk
-from epochfs.cache import pagecache, recovery
-from epochfs.cache.descriptors import Descriptors
-from epochfs.cache.direct import write_direct
-from epochfs.cache.format import BlockMeta, checksums, missing, verify, where
-from epochfs.cache.index import Index, OtherFormat
-from epochfs.cache.keys import block_relpath, chunk_span
-from epochfs.cache.packs import Packs, discard
-from epochfs.cache.policies import EvictionPolicy, make_room
+from epochfs.blockstore import packs as pk
+from epochfs.blockstore import pagecache, recovery
+from epochfs.blockstore.descriptors import Descriptors
+from epochfs.blockstore.direct import write_direct
+from epochfs.blockstore.format import BlockMeta, checksums, missing, verify, where
+from epochfs.blockstore.index import Index, OtherFormat
+from epochfs.blockstore.keys import block_relpath, chunk_span
+from epochfs.blockstore.packs import Packs, discard
 from epochfs.core.errors import CacheUnreadable, ConfigError
 from epochfs.core.private import open_private, private_dir, private_subdir, touch_private
+from epochfs.eviction import EvictionPolicy, make_room
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class BlockStore:
         self._consistent = False  # the index and the block files agree (checked or shut down cleanly)
         self._nowait_works = True
         self._direct_works = True
-        self.index = Index(self.index_dir)  # block id -> entry (cache/index.py)
-        self.packs = Packs(self._packs)  # the small blocks' files (cache/packs.py)
+        self.index = Index(self.index_dir)  # block id -> entry (blockstore/index.py)
+        self.packs = Packs(self._packs)  # the small blocks' files (blockstore/packs.py)
         self._block_fds: Descriptors[bytes] = Descriptors(self._open_block, _BLOCK_FDS)  # trio thread's reads
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
         self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
@@ -333,7 +333,7 @@ class BlockStore:
     verify = staticmethod(verify)
 
     def fsck(self, repair: bool) -> dict[str, int]:
-        """See :func:`epochfs.cache.recovery.fsck`; after a repair the directory is consistent."""
+        """See :func:`epochfs.blockstore.recovery.fsck`; after a repair the directory is consistent."""
         found = recovery.fsck(self, repair)
         self._consistent = self._consistent or repair
         return found

@@ -1,9 +1,9 @@
-"""The cache index: LMDB under ``<cache-dir>/index/``, block id -> :class:`~epochfs.cache.format.BlockMeta`.
+"""The cache index: LMDB under ``<cache-dir>/index/``, block id -> :class:`~epochfs.blockstore.format.BlockMeta`.
 
 One entry per cached block, plus a format mark (``\\x00format``) so an index of another layout is
 recognised and discarded rather than misread. Commits are not fsync'ed one by one (the index survives
 the daemon's death, not the machine's; the store reconciles after an unclean shutdown); :meth:`close`
-syncs. Owned by :class:`epochfs.cache.store.BlockStore` on the trio thread.
+syncs. Owned by :class:`epochfs.blockstore.store.BlockStore` on the trio thread.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lmdb
 
-from epochfs.cache.format import BlockMeta
+from epochfs.blockstore.format import BlockMeta
 
 FORMAT = b"4"  # 4: checksums bound to the block id; 3: small blocks in packs; 2: a file per block
 _FORMAT_KEY = b"\x00format"
