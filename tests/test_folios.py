@@ -54,7 +54,7 @@ def test_a_file_read_whole_is_resident_to_the_byte_on_the_mount_and_on_disk(s3_c
             assert sum(kib * n for kib, n in sizes.items()) == pages * 4, (p, sizes)
             assert median_kib(sizes) >= 4
             where = "mount" if p == path else "local disk"
-            record_property(f"folio_kib_{where.replace(' ', '_')}", sizes)
+            record_property(f"folio_kib_{where.replace(' ', '_')}", {str(k): int(n) for k, n in sizes.items()})
             print(f"{where}: folios of {median_kib(sizes)} KiB (median; KiB: count {sizes}), {os.uname().release}")
 
 
