@@ -231,7 +231,8 @@ def test_nothing_is_fetched_ahead_of_a_near_endpoint(s3_client, fresh_bucket, mo
 
 @requires_fuse
 def test_a_handed_over_order_rules_and_the_guess_waits(s3_client, fresh_bucket, mount_factory):
-    """With an order handed over the job said what it reads: nothing is guessed."""
+    """With an order handed over the job said what it reads: nothing is guessed, nor once it is read
+    (the job hands the next one over soon; a node of a job reads its own share, the rest is others')."""
     from epochfs import Client
 
     files = tree(60, 0, lambda i: 200 * KiB)
@@ -240,6 +241,10 @@ def test_a_handed_over_order_rules_and_the_guess_waits(s3_client, fresh_bucket, 
     with mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M") as m:
         Client(m.mountpoint).hand_over([f.key for f in order], epoch=0)
         read_all(m, order[:30], step=0.0)
+        learned = m.status()["learned"]
+        assert learned["state"] == "held" and learned["fetched_bytes"] == 0, learned
+        read_all(m, order[30:], step=0.0)
+        read_all(m, order[:20], step=0.0)  # (the order read; the next epoch begins without a hand-over)
         learned = m.status()["learned"]
         assert learned["state"] == "held" and learned["fetched_bytes"] == 0, learned
 

@@ -238,18 +238,18 @@ class Learner:
                 with trio.move_on_after(1.0):
                     await self._wake.wait()
                 self._wake = trio.Event()
+                held = self.held()
+                if held or self._scope is not None and time.monotonic() - self._last > self.IDLE:
+                    if self._scope is not None:
+                        log.info("learned order: the guess over %r ends (%s)", self._scope,
+                                 "an order was handed over" if held else "the job stopped reading it")
+                        self.pattern.end()
+                        self._begin(None)
+                    continue  # (a job that hands its order over is never guessed for)
                 if self.pattern.scope != self._scope:
                     self._begin(self.pattern.scope)
-                if self._scope is None:
-                    continue
-                if self.near():
+                if self._scope is None or self.near():
                     continue  # (the guess stands; nothing is fetched while the endpoint answers at once)
-                if self.held() or time.monotonic() - self._last > self.IDLE:
-                    log.info("learned order: the guess over %r ends (%s)", self._scope,
-                             "an order was handed over" if self.held() else "the job stopped reading it")
-                    self.pattern.end()
-                    self._begin(None)
-                    continue
                 await self._fill(nursery)
 
     def _begin(self, scope: str | None) -> None:
