@@ -40,7 +40,7 @@ import math
 import posixpath
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +197,11 @@ class Learner:
         self.pattern = Pattern(cache.block_size)
         self.base = min(self.BASE, settings.capacity // 16)
         self._scope: str | None = None  # the scope being fetched
-        self._files: Iterator[ObjectInfo] | None = None  # the scope's files left to look at (None: none)
+        # Where the walk of the scope stands: (directory path, last cookie read) from the scope down (None:
+        # walked). Paths, not a namespace: holding a version's iterator would pin that version's pages
+        # in the index while the mount refreshes; each batch reads the version current then.
+        self._files: list[tuple[str, int]] | None = None
+        self._batch: deque[ObjectInfo] = deque()  # files of the walk not looked at yet
         self._blocks: deque[tuple[ObjectInfo, int, int]] = deque()  # the next file's blocks to fetch
         self._fetched = 0  # this guess's
         self._pending: dict[tuple[str, int], int] = {}  # (key, index) fetched by the guess, not read yet
@@ -258,6 +262,7 @@ class Learner:
         self._pending.clear()
         self._outstanding = self._fetched = 0
         self._files = None
+        self._batch.clear()
         if scope is None:
             return
         ns = self.namespace()
@@ -268,7 +273,7 @@ class Learner:
             return
         self.guesses += 1
         self._began = self._last = time.monotonic()
-        self._files = (f.obj for f in ns.walk(node.inode) if f.obj is not None)
+        self._files = [(scope, 0)]
         log.info("learned order: files under %r read each once in an order of the job's own; fetching the rest "
                  "ahead (at most %d MiB, then twice what the job reads of it)", scope or "/", self.base >> 20)
 
@@ -295,7 +300,7 @@ class Learner:
         return self.base + self.GAIN * self.pattern.earned
 
     async def _fill(self, nursery: trio.Nursery) -> None:
-        while self._files is not None or self._blocks:
+        while self._files is not None or self._batch or self._blocks:
             await trio.lowlevel.checkpoint()
             if self._inflight >= self._target_inflight() or self._outstanding >= self._lead():
                 return  # woken when a fetch completes or the job reads
@@ -333,18 +338,43 @@ class Learner:
         for _ in range(self._SKIP):
             if self._blocks:
                 break
-            if self._files is None:
-                return None
-            obj = next(self._files, None)
-            if obj is None:
-                self._files = None
-                return None
+            if not self._batch:
+                if self._files is not None:
+                    self._refill()
+                if not self._batch:
+                    self._files = None
+                    return None
+            obj = self._batch.popleft()
             if obj.key in self.pattern.read or not obj.size or member_location(obj) is not None:
                 continue  # read already, empty (or a packed member: its shard is read through its own plan)
             bs = self.cache.block_size
             for index in range(max(1, math.ceil(obj.size / bs))):
                 self._blocks.append((obj, index, block_bounds(index, obj.size, bs)[1]))
         return self._blocks.popleft() if self._blocks else None
+
+    def _refill(self, most: int = 1024) -> None:
+        """The next ``most`` files of the scope's walk (depth first, each directory in its listing's
+        order), from the namespace current now; the walk goes on from where it stands."""
+        ns, walk = self.namespace(), self._files
+        while walk and len(self._batch) < most:
+            path, after = walk[-1]
+            node = ns.resolve(path) if path else ns.node(ROOT_INODE)
+            if not isinstance(node, Dir):
+                walk.pop()  # (gone in this version)
+                continue
+            for cookie, _, kid in ns.entries_after(node.inode, after):
+                walk[-1] = (path, cookie)
+                if isinstance(kid, Dir):
+                    walk.append((kid.path, 0))
+                    break
+                if kid.obj is not None:
+                    self._batch.append(kid.obj)
+                if len(self._batch) >= most:
+                    break
+            else:
+                walk.pop()
+        if not walk:
+            self._files = None
 
     async def _watch(self, fetch: Fetch) -> None:
         started = time.monotonic()
@@ -369,7 +399,7 @@ class Learner:
     def statistics(self) -> LearnedStats:
         state = ("off" if not self.settings.enabled else "held" if self.held() else "watching" if self._scope is None
                  else "near" if self.near()
-                 else "guessing" if self._files is not None or self._blocks else "fetched")
+                 else "guessing" if self._files is not None or self._batch or self._blocks else "fetched")
         return LearnedStats(state, self._scope, self.guesses, self.read_bytes, self.fetched_bytes, self.used_bytes,
                             self._inflight)
 
