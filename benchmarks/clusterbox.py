@@ -63,7 +63,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netbox import Host, NetBox  # noqa: E402
-from workloads import drop_page_cache, log, start_run  # noqa: E402
+from workloads import drop_page_cache, log, save_results, start_run  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
 from epochfs.dev.servers import LocalRedis, LocalS3, free_ports  # noqa: E402
@@ -824,9 +824,7 @@ def main() -> int:
     print(text)
     target = args.out or (None if args.quick else HERE / "results" / f"{date}-clusterbox.json")
     if target is not None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(out, indent=1, default=str) + "\n")
-        target.with_suffix(".md").write_text(text)
+        save_results(target, out, text)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "efcb" not in left, left
     return 0

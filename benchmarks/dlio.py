@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, Contender, Epochfs, Juicefs, RawDisk  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
-from workloads import drop_page_cache, log, machine, start_run  # noqa: E402
+from workloads import drop_page_cache, log, machine, save_results, start_run  # noqa: E402
 
 from epochfs.dev.servers import LocalS3  # noqa: E402
 
@@ -176,9 +176,7 @@ def main() -> int:
     text = report(out)
     print(text)
     target = args.out or HERE / "results" / f"{out['date']}-dlio.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(out, indent=1) + "\n")
-    target.with_suffix(".md").write_text(text)
+    save_results(target, out, text)
     return 0
 
 

@@ -304,6 +304,13 @@ def machine() -> dict[str, Any]:
             "disk": subprocess.run(["df", "-h", str(here)], capture_output=True, text=True).stdout.splitlines()[-1]}
 
 
+def save_results(target: Path, out: dict[str, Any], text: str) -> None:
+    """A benchmark's results: the JSON at ``target``, its markdown report beside it (``.md``)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    target.with_suffix(".md").write_text(text)
+
+
 def start_run(work: Path) -> bool:
     """A benchmark's preamble: it needs root (FUSE mounts, dropping the page cache); a fresh ``work``."""
     if os.geteuid() != 0:
