@@ -47,7 +47,7 @@ from typing import Any
 import trio
 
 from epochfs.cache.service import BlockCache, Fetch
-from epochfs.core.blocks import block_bounds
+from epochfs.core.blocks import extent_blocks
 from epochfs.core.records import ObjectInfo, member_location
 from epochfs.kernel.abi import ROOT_INODE
 from epochfs.meta.namespace import Namespace
@@ -347,9 +347,8 @@ class Learner:
             obj = self._batch.popleft()
             if obj.key in self.pattern.read or not obj.size or member_location(obj) is not None:
                 continue  # read already, empty (or a packed member: its shard is read through its own plan)
-            bs = self.cache.block_size
-            for index in range(max(1, math.ceil(obj.size / bs))):
-                self._blocks.append((obj, index, block_bounds(index, obj.size, bs)[1]))
+            self._blocks.extend((obj, index, length) for index, length, _ in
+                                extent_blocks(0, obj.size, obj.size, self.cache.block_size))
         return self._blocks.popleft() if self._blocks else None
 
     def _refill(self, most: int = 1024) -> None:
