@@ -87,7 +87,8 @@ class BlockCache:
         self._demand_limiter = trio.CapacityLimiter(memory.demand_slots if memory else concurrency)
         self.ahead = MemoryBudget(memory.ahead if memory else 1 << 62)  # bytes fetched ahead, in flight
         if memory is not None:
-            self.WHOLE_BUDGET, _ = memory.whole, buffers.set_pool_limit(memory.pool)
+            self.WHOLE_BUDGET = memory.whole
+            buffers.set_pool_limit(memory.pool)
         self._prefetch_limiter = trio.CapacityLimiter(concurrency)
         self._plan_limiter = trio.CapacityLimiter(settings.plan_concurrency or concurrency)
         self._read_limiter = trio.CapacityLimiter(16)
