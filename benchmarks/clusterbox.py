@@ -55,7 +55,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 import yaml
@@ -386,13 +386,14 @@ class Box:
             started = time.monotonic()
             (sync / f"go-{epoch}").touch()
             rows = {}
-            steady: dict[float, tuple[float, int, int, float]] = {}  # mark -> (when, WAN, cache sends, progress)
+            steady: dict[float, Mark] = {}
             for i, p in procs.items():
                 while True:  # (a line per epoch; progress goes to the progress file)
                     progress = self._progress(sync, roots, epoch)
                     for mark in STEADY:
                         if progress >= mark and mark not in steady:
-                            steady[mark] = (time.monotonic(), self.store.sent_bytes(), self._cache_sends(), progress)
+                            steady[mark] = Mark(time.monotonic(), self.store.sent_bytes(), self._cache_sends(),
+                                                progress, _host_cpu(), tuple(h.sent_bytes() for h in self.caches))
                     if at_epoch is not None:
                         at_epoch(epoch, progress)
                     line = _readline(p, 0.2)
@@ -407,7 +408,8 @@ class Box:
             mid = None
             if len(steady) == len(STEADY):  # the epoch's middle, its start-up and its tail left out
                 mid = _steady(steady[STEADY[0]], steady[STEADY[1]], sc, self.dataset_bytes,
-                              sum(self.caches[k].rate_out or 0 for k in serving))
+                              sum(self.caches[k].rate_out or 0 for k in serving),
+                              max((self.caches[k].rate_out or 0 for k in serving), default=None))
             tier = self._tier_counts()
             out.append({"epoch": epoch, "au": sum(r["au"] for r in rows.values()) / len(rows), "tier": tier,
                         "usage": {"gets": usage.gets, "lists": usage.lists, "bytes": usage.bytes}, "steady": mid,
@@ -671,22 +673,45 @@ def run_loop(box: Box) -> list[dict[str, Any]]:
     return steps
 
 
-def _steady(first: tuple[float, int, int, float], last: tuple[float, int, int, float], sc: Scale, dataset: int,
-            capacity: float) -> dict[str, Any]:
+class Mark(NamedTuple):
+    """What the box's counters say at one point of an epoch."""
+    when: float
+    wan: int  # bytes the object store sent
+    cache: int  # bytes the cache nodes sent, all of them
+    progress: float  # the share of the epoch's reads done
+    cpu: tuple[int, int] = (0, 0)  # the host's busy and total CPU ticks (/proc/stat)
+    by_node: tuple[int, ...] = ()  # bytes each cache node sent
+
+
+def _host_cpu() -> tuple[int, int]:
+    """The host's busy and total CPU ticks: every node of the box shares its cores."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def _steady(first: Mark, last: Mark, sc: Scale, dataset: int, capacity: float,
+            link: float | None = None) -> dict[str, Any]:
     """An epoch's steady part: what the WAN and the cache nodes' links sent in it, and what the readers
     read. Over a long epoch the links send what the readers read; in the box's 20-second epoch the
     prefetch lead (blocks sent ahead of the readers) is a large share of the dataset and shrinks towards
     the epoch's end, so the links' sends in the window fall short of what the readers' pace asks of them.
     ``cache_link_carried`` is that pace over the links' capacity (the long-epoch figure the plan
     predicts), ``lead_shrunk_bytes`` the difference, and ``pace`` the readers' rate against the
-    accelerators' demand."""
-    (t0, w0, c0, p0), (t1, w1, c1, p1) = first, last
-    seconds = t1 - t0
-    read = (p1 - p0) * dataset
-    return {"seconds": seconds, "wan_utilisation": (w1 - w0) / (sc.wan * seconds),
-            "cache_link_utilisation": (c1 - c0) / (capacity * seconds) if capacity else None,
+    accelerators' demand. ``cache_link_by_node`` is each serving node's link (``link`` bytes/s: the
+    plan assumes the blocks spread evenly) and ``host_cpu`` the share of the host's cores busy (every
+    node of the box runs on them: a step at 1.0 is bound by the box, not by its links)."""
+    seconds = last.when - first.when
+    read = (last.progress - first.progress) * dataset
+    busy, total = (b - a for a, b in zip(first.cpu, last.cpu, strict=True))
+    sent = [b - a for a, b in zip(first.by_node, last.by_node, strict=True)]
+    return {"seconds": seconds, "wan_utilisation": (last.wan - first.wan) / (sc.wan * seconds),
+            "cache_link_utilisation": (last.cache - first.cache) / (capacity * seconds) if capacity else None,
             "cache_link_carried": read / (capacity * seconds) if capacity else None,
-            "lead_shrunk_bytes": read - (c1 - c0) if capacity else None,
+            "lead_shrunk_bytes": read - (last.cache - first.cache) if capacity else None,
+            "cache_link_by_node": [b / (link * seconds) for b in sent if b > 0] if link else None,
+            "host_cpu": busy / total if total else None,
             "pace": min(1.0, read / seconds / (sc.gpu_demand * sc.accelerators * sc.gpu_nodes))}
 
 
@@ -722,7 +747,10 @@ def predictions(sc: Scale, dataset: float) -> dict[str, Any]:
             "cache_nodes_needed_busy": plan(busy)["cache_nodes_needed"]}
 
 
-def compare(steps: list[dict[str, Any]], pred: dict[str, Any]) -> list[dict[str, Any]]:
+def compare(steps: list[dict[str, Any]], pred: dict[str, Any], sc: Scale) -> list[dict[str, Any]]:
+    """The plan's figures beside the box's. The plan predicts a long epoch; the box's epoch 1 AU leaves
+    its start-up out (as MLPerf Storage does) while the order's prefetch already fills the cache, so in
+    a WAN-bound step the AU a long epoch sustains (the WAN's sends over the demand) stands beside it."""
     by = {s["name"]: s for s in steps}
     rows = []
 
@@ -733,6 +761,10 @@ def compare(steps: list[dict[str, Any]], pred: dict[str, Any]) -> list[dict[str,
     row("before: WAN utilisation, epoch 1 (steady part)", pred["plain"]["epoch1"]["wan_utilisation"],
         by["before"]["backend_link_steady"])
     row("before: AU, epoch 1", pred["plain"]["epoch1"]["au"], by["before"]["au_epoch1"])
+    wan = _carried(by["before"], 0).get("wan_utilisation")
+    demand = sc.gpu_demand * sc.accelerators * sc.gpu_nodes
+    row("before: AU the WAN's steady sends sustain, epoch 1", pred["plain"]["epoch1"]["au"],
+        None if wan is None else min(1.0, wan * sc.wan / demand))
     row("before: WAN bytes per dataset, epoch 2", pred["plain"]["epoch2"]["backend_bytes_per_dataset"],
         by["before"]["backend_bytes_per_dataset_epoch2"])
     row("warm: WAN utilisation, epoch 1 (steady part)", pred["warm"]["epoch1"]["wan_utilisation"],
@@ -795,9 +827,19 @@ def report(out: dict[str, Any]) -> str:
               f"{', '.join(sc_['alerts_firing_at_end']) or 'none'}.", "",
               "`epochfs plan --cluster` with the box's figures scaled to the real cluster, against the box:", "",
               "| figure | predicted | measured | error |", "|---|---|---|---|"]
+    fmt = (lambda v: "-" if v is None else f"{v:.2f}")  # noqa: E731
     for r in out["plan_vs_box"]:
-        fmt = (lambda v: "-" if v is None else f"{v:.2f}")  # noqa: E731
         lines.append(f"| {r['what']} | {fmt(r['predicted'])} | {fmt(r['measured'])} | {fmt(r['error'])} |")
+    lines += ["", "Each step's epochs in their steady part (the host's CPU is every node's: at 1.00 the box, not "
+              "its links, binds):", "", "| step | epoch | WAN | cache node links | host CPU | readers' pace |",
+              "|---|---|---|---|---|---|"]
+    for s in out["steps"]:
+        for n, e in enumerate(s.get("epochs") or [], 1):
+            mid = e.get("steady") or {}
+            if mid:
+                links = " / ".join(f"{u:.2f}" for u in mid.get("cache_link_by_node") or []) or "-"
+                lines.append(f"| {s['name']} | {n} | {fmt(mid['wan_utilisation'])} | {links} | "
+                             f"{fmt(mid.get('host_cpu'))} | {fmt(mid['pace'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -819,7 +861,7 @@ def main() -> int:
         out["dataset_bytes"] = box.dataset_bytes
         out["steps"] = run_loop(box)
     out["plan"] = predictions(sc, out["dataset_bytes"])
-    out["plan_vs_box"] = compare(out["steps"], out["plan"])
+    out["plan_vs_box"] = compare(out["steps"], out["plan"], sc)
     text = report(out)
     print(text)
     target = args.out or (None if args.quick else HERE / "results" / f"{date}-clusterbox.json")

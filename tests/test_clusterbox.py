@@ -184,17 +184,19 @@ def test_the_steady_part_sets_the_links_sends_beside_the_readers_pace():
     """The plan predicts a long epoch, whose links send what the readers read; in the box's short epoch
     the prefetch lead shrinks over the steady part, so its sends fall short of the reads: both are kept,
     and the readers' pace against the links and against the accelerators' demand."""
-    from clusterbox import QUICK, _steady
+    from clusterbox import QUICK, Mark, _steady
 
     dataset = 640 * MiB
     capacity = 2 * 18 * MiB
-    first = (100.0, 0, 1000 * MiB, 0.10)
-    last = (116.0, 0, 1000 * MiB + 480 * MiB, 0.90)  # 512 MiB read, 480 MiB sent in 16 s
-    mid = _steady(first, last, QUICK, dataset, capacity)
+    first = Mark(100.0, 0, 1000 * MiB, 0.10, (500, 1000), (400 * MiB, 600 * MiB))
+    last = Mark(116.0, 0, 1000 * MiB + 480 * MiB, 0.90, (3500, 4200), (680 * MiB, 800 * MiB))
+    mid = _steady(first, last, QUICK, dataset, capacity, 18 * MiB)  # 512 MiB read, 480 MiB sent in 16 s
     assert mid["seconds"] == 16.0 and mid["wan_utilisation"] == 0.0
     assert abs(mid["cache_link_utilisation"] - 480 / (36 * 16)) < 1e-9
     assert abs(mid["cache_link_carried"] - 512 / (36 * 16)) < 1e-9
     assert mid["lead_shrunk_bytes"] == 32 * MiB
     demand = QUICK.gpu_demand * QUICK.accelerators * QUICK.gpu_nodes
     assert abs(mid["pace"] - min(1.0, 512 * MiB / 16 / demand)) < 1e-9
+    assert abs(mid["host_cpu"] - 3000 / 3200) < 1e-9
+    assert [round(u, 6) for u in mid["cache_link_by_node"]] == [round(280 / (18 * 16), 6), round(200 / (18 * 16), 6)]
     assert _steady(first, last, QUICK, dataset, 0)["cache_link_carried"] is None  # (no cache nodes: the WAN only)
