@@ -1,6 +1,6 @@
 """A cluster in a box, small: an object store behind a shaped link that two GPU nodes share, each node
-a network namespace with its own shaped link, each mounting for real (``benchmarks/netbox.py``, the
-machinery of ``benchmarks/clusterbox.py``). The shared link runs full; each node reads every byte
+a network namespace with its own shaped link, each mounting for real (``benchmarks/cluster/netbox.py``, the
+machinery of ``benchmarks/cluster/clusterbox.py``). The shared link runs full; each node reads every byte
 right, knows its own link from its interface (the shaping in its namespace) and measures the narrower
 share of the shared one, which its utilisation is then taken against (so the 70% alarm can fire with
 no flag); and nothing of the box is left behind."""
@@ -23,7 +23,8 @@ from epochfs.dev.sample import SampleFile, upload
 from .conftest import requires_fuse
 from .helpers import namespaces_work
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path[:0] = [str(BENCH / "cluster"), str(BENCH / "shared")]
 from netbox import NetBox  # noqa: E402
 
 MiB = 1 << 20
@@ -133,10 +134,10 @@ def test_a_box_is_torn_down_on_sigterm_and_a_killed_ones_leftovers_go_at_the_nex
     """SIGTERM (kill, a timeout, systemd) ends a benchmark through its tear-down as Ctrl-C does; a box
     whose process was killed outright (SIGKILL) leaves namespaces and processes, and the next box of
     that tag removes them, by its own names only, leaving a live box's alone."""
-    here = Path(__file__).resolve().parents[1] / "benchmarks"
+    here = BENCH / "cluster"
     script = f"""
 import os, signal, subprocess, sys, time
-sys.path.insert(0, {str(here)!r})
+sys.path[:0] = [{str(here)!r}, {str(BENCH / "shared")!r}]
 from pathlib import Path
 from netbox import NetBox
 from workloads import stop_on_signals

@@ -1,4 +1,4 @@
-"""``benchmarks/folios.py``: the page-cache folio sizes a file is held in (what the readpath benchmark
+"""``benchmarks/peers/folios.py``: the page-cache folio sizes a file is held in (what the readpath benchmark
 reports beside each hot read). Its folding of page flags into folios, and the tool on a real mount and
 on the local disk: every resident byte of a file read whole is accounted for, in folios the kernel made."""
 
@@ -14,7 +14,7 @@ from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
 from folios import _HEAD, _TAIL, folio_kib, folio_runs, median_kib  # noqa: E402
 
 MIB = 1 << 20

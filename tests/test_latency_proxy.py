@@ -1,4 +1,4 @@
-"""``benchmarks/latency_proxy.py`` in a process of its own (:class:`ProxyProcess`), as every benchmark
+"""``benchmarks/shared/latency_proxy.py`` in a process of its own (:class:`ProxyProcess`), as every benchmark
 runs it: it forwards both ways, holds each answer for its delay, and never outlives the process that
 started it (stopped, or that process gone without stopping it)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "shared"))
 import latency_proxy  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
 

@@ -222,7 +222,7 @@ def test_a_declared_capacity_wins_else_the_lower_of_interface_and_measured():
 @pytest.mark.skipif(not namespaces_work(), reason="network namespaces cannot be made here (needs root and ip)")
 def test_a_process_in_a_namespace_reads_its_shaped_link(tmp_path):
     """Received traffic shaped through an ifb, sent traffic by a tbf: each direction is read as shaped."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "cluster"))
     from netbox import NetBox
 
     with NetBox("eflk") as box:

@@ -472,7 +472,7 @@ def test_concurrent_readers_get_a_small_file_in_one_request(s3_client, fresh_buc
         assert (conn / "max_background").read_text().strip() == "64"
         assert (conn / "congestion_threshold").read_text().strip() == "48"
         # (Whether the default limit is reached depends on timing: on a busy machine, 1.7 requests per
-        # file; benchmarks/smallfiles.py shows it.)
+        # file; benchmarks/peers/smallfiles.py shows it.)
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda f: read_all(m.path(f.key)), files))  # cold: fetched and cached
         wait_idle(m)

@@ -1,4 +1,4 @@
-"""The cache tier where it is needed: links full. A small cluster in a box (``benchmarks/clusterbox.py``'s
+"""The cache tier where it is needed: links full. A small cluster in a box (``benchmarks/cluster/clusterbox.py``'s
 machinery: network namespaces, shaped links, a real object store behind a shared WAN, Redis, one cache
 node): the cache node is warmed with ``epochfs cluster warmup``, then two GPU nodes, clients of it with
 the default prefetch concurrency, read an epoch with their order handed over, the cache node's link
@@ -15,7 +15,8 @@ import pytest
 from .conftest import requires_fuse
 from .helpers import namespaces_work
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path[:0] = [str(BENCH / "cluster"), str(BENCH / "shared")]
 from clusterbox import Box, Scale  # noqa: E402
 
 MiB = 1 << 20

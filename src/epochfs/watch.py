@@ -8,7 +8,7 @@
 :func:`watch` yields the loader's batches unchanged (any iterable: a DataLoader, a streaming loader, a
 generator) and measures, per step, the time spent in ``next()`` waiting for the batch (*data wait*)
 and the time from handing a batch over to being asked for the next (*compute*). In the loop it only
-reads the clock and adds (a few microseconds per step, ``benchmarks/watch_overhead.py``); a
+reads the clock and adds (a few microseconds per step, ``benchmarks/training/watch_overhead.py``); a
 background thread reports what was measured since its previous report to the mount's daemon every
 ``interval`` seconds over the control socket, and a last time when the loop ends. Reporting never
 blocks or breaks training: a daemon that is gone, slow or refuses (another user's mount) costs a

@@ -10,7 +10,7 @@ cancellation rules and the threads' names left alone.
 What the threads hand back to the trio thread (a fetched block for its readers, a job's end) goes
 through the run's :class:`Mailbox`: one wake-up of the trio thread for all the calls posted before it
 got to them, where ``TrioToken.run_sync_soon`` writes to trio's wake-up socket for each. Measured
-together (cold 100 KiB files, 16 readers, ``benchmarks/results/2026-12-04-cold-small-gil.md``): 9.4-9.8
+together (cold 100 KiB files, 16 readers, ``benchmarks/profiles/results/2026-12-04-cold-small-gil.md``): 9.4-9.8
 voluntary context switches of the daemon per file against 11.8-12.7 without the mailbox.
 """
 

@@ -22,7 +22,7 @@ over. Three set-ups are compared, epoch by epoch:
 It says how many cache nodes keep their links under the 70% line, sized against whichever binds first
 of the GPUs' demand and the GPU nodes' own links (a GPU node whose link carries less than its GPUs ask
 takes in no more, however many cache nodes send), and says which; and the first epoch's AU of each
-set-up. Every figure is a plain function of the inputs (tested against ``benchmarks/clusterbox.py``'s
+set-up. Every figure is a plain function of the inputs (tested against ``benchmarks/cluster/clusterbox.py``'s
 measured steps, scaled).
 """
 

@@ -10,7 +10,7 @@ changes hands a dozen times). Here libcurl's own default writer, the C library's
 body into a memory stream (``fmemopen``) over the answer's buffer and the header lines into another
 over the handle's buffer; the caller reads both once the transfer has ended. Measured on cold 100 KiB
 files from 16 readers (with the pack writes and worker calls that no longer give up the GIL either,
-``benchmarks/results/2026-12-04-cold-small-gil.md``): about 0.15 ms less daemon CPU per file.
+``benchmarks/profiles/results/2026-12-04-cold-small-gil.md``): about 0.15 ms less daemon CPU per file.
 
 pycurl stays the library that loads and initialises libcurl (its wheel pins the version); this module
 drives the same library through :mod:`ctypes`, with pycurl's option numbers. Every call into it but

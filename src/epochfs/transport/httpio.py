@@ -4,7 +4,7 @@ libcurl, through pycurl, hands a body over in Python ``bytes`` objects: each seg
 new object and again into the body, both while holding the GIL. Here the kernel copies each segment
 from the socket into the answer's buffer (``recv_into``) with the GIL released, and the cache writes
 the block to disk from that buffer (it is aligned for ``O_DIRECT``). Measured on a cold 256 MiB stream
-(``benchmarks/results/*-engines.md``): 1.1 daemon CPU seconds per GiB against 1.5 through pycurl, and
+(``benchmarks/profiles/results/*-engines.md``): 1.1 daemon CPU seconds per GiB against 1.5 through pycurl, and
 against ``awscrt``'s S3 client and a curl multi handle, which both cost more CPU per byte and read
 slower on this machine's two cores.
 
