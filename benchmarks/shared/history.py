@@ -130,7 +130,8 @@ def table(rs: list[Result]) -> str:
              "| date | benchmark | result | files | title |", "|---|---|---|---|---|"]
     for r in rs:
         rel = r.path.relative_to(BENCH)
-        others = ", ".join(f.rsplit(".", 1)[-1] if f.startswith(r.path.stem) else f for f in r.files if f != r.path.name)
+        stem = r.path.stem
+        others = ", ".join(f[len(stem):].lstrip("-") if f.startswith(stem) else f for f in r.files if f != r.path.name)
         title = r.title.replace("|", "\\|")
         lines.append(f"| {r.date} | {r.benchmark.room}/{r.benchmark.script} | [{r.path.name}]({rel}) | "
                      f"{others or '-'} | {title} |")
