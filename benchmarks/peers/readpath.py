@@ -104,6 +104,13 @@ def copied(c: Epochfs, timeout: float = 120.0) -> int:
     log(f"{c.name}: no whole copy made in {timeout:g} s")
 
 
+def _backend_asked(c: Contender) -> int | None:
+    """The requests an epochfs daemon has made of its backend (any other contender: None)."""
+    if not isinstance(c, Epochfs):
+        return None
+    return sum(c.status()["backend"]["requests"].values())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=4000,
@@ -198,8 +205,13 @@ def main() -> int:
                 if c.pid:
                     record(c.name, "daemon CPU s per warm GiB",
                            (proc_usage(c.pid)["cpu"] - before) / (large.size / (1 << 30)))
+                asked, before = _backend_asked(c), proc_usage(c.pid)["cpu"]
                 record(c.name, "hot large MiB/s", seq_read(c.root / large.key) / MiB)
                 record(c.name, "hot large MiB/s, read again", seq_read(c.root / large.key) / MiB)
+                if c.pid:  # a hot read is the kernel's: what the daemon did meanwhile is what can slow it
+                    record(c.name, "daemon CPU ms in the hot large passes", (proc_usage(c.pid)["cpu"] - before) * 1000)
+                if asked is not None:
+                    record(c.name, "backend requests in the hot large passes", _backend_asked(c) - asked)  # type: ignore[operator]
                 if os.geteuid() == 0:  # what the kernel holds the file in: a hot read copies folio by folio
                     kib = median_kib(folio_kib(str(c.root / large.key)))
                     if kib:  # (none where an open drops the file's pages: s3fs, which does not keep the cache)
@@ -263,12 +275,14 @@ def save(stem: Path, rows: dict[tuple[str, str], list[float]], args: argparse.Na
 MEASURES = ["cold large MiB/s", "warm large MiB/s", "hot large MiB/s", "hot large MiB/s, read again",
             "page-cache folio KiB, large file", "passthrough copy s per GiB", "daemon CPU s per copied GiB",
             "passthrough check after a restart, s per GiB",
-            "daemon CPU s per warm GiB",
+            "daemon CPU s per warm GiB", "daemon CPU ms in the hot large passes",
+            "backend requests in the hot large passes",
             "cold small files/s, 1 reader", "cold small files/s, 16 readers", "warm small files/s, 1 readers", "warm small files/s, 16 readers",
             "daemon CPU ms per warm file, 1 readers", "daemon CPU ms per warm file, 16 readers",
             "hot small files/s, 1 reader", "hot small files/s, 1 reader, buffered open"]
 
-NOT_RATIOS = {"page-cache folio KiB, large file"}  # (a size the kernel chose, not a speed)
+NOT_RATIOS = {"page-cache folio KiB, large file",  # (a size the kernel chose, not a speed)
+              "backend requests in the hot large passes", "daemon CPU ms in the hot large passes"}
 
 
 def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, contenders: list[Contender],
