@@ -53,6 +53,7 @@ from workloads import (  # noqa: E402
 
 from epochfs.dev.sample import upload, write_tree  # noqa: E402
 from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
+from epochfs.kernel import uring  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -104,6 +105,18 @@ def copied(c: Epochfs, timeout: float = 120.0) -> int:
     log(f"{c.name}: no whole copy made in {timeout:g} s")
 
 
+def _let_servers_use_io_uring(wanted: bool) -> str | None:
+    """Root's switch for FUSE over io_uring set (``--io-uring`` asked for in a run): what it was, to put
+    back at the end; None where nothing was changed."""
+    if not wanted:
+        return None
+    if not Path(uring.ENABLE).exists():
+        raise SystemExit(f"--io-uring: this kernel has no FUSE over io_uring ({uring.ENABLE} is absent)")
+    was = Path(uring.ENABLE).read_text().strip()
+    Path(uring.ENABLE).write_text("Y")
+    return was
+
+
 def _backend_asked(c: Contender) -> int | None:
     """The requests an epochfs daemon has made of its backend (any other contender: None)."""
     if not isinstance(c, Epochfs):
@@ -144,6 +157,7 @@ def main() -> int:
         rows.setdefault((who, what), []).append(value)
         log(f"{who:18s} {what:34s} {value:10.2f}")
 
+    uring_was = _let_servers_use_io_uring("--io-uring" in f"{args.epochfs_args} {args.variant}".split())
     server = LocalS3(args.work / "s3").start()
     proxy = ProxyProcess(server.port, args.latency_ms / 1000) if args.latency_ms else None
     endpoint = proxy.endpoint if proxy else server.endpoint
@@ -253,6 +267,8 @@ def main() -> int:
             proxy.stop()
         server.stop()
         shutil.rmtree(args.work / "s3", ignore_errors=True)
+        if uring_was is not None:
+            Path(uring.ENABLE).write_text(uring_was)
 
     print(save(stem, rows, args, contenders, done=args.reps))
     return 0

@@ -383,6 +383,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "read_seconds": c.fs.read_seconds.as_dict(),
         "errors": c.fs.errors,
         "isatty_asks": c.fs.isatty_asks,
+        "io_uring_requests": c.fs.uring_requests,
         "version": __version__,
         "pid": os.getpid(),
         "uptime_seconds": time.time() - info.started,

@@ -315,6 +315,11 @@ class Config:
         "checked one by one: the copy is checked when it is made, at each open (the file written, unchanged) "
         "and by a daily scrub; a damaged one is never served again. Opens then ask the daemon "
         "(--open-requests); not with --writeback. Off where the kernel has no passthrough, with a warning")
+    io_uring: bool = option(
+        False, "mount", "take the kernel's requests through an io_uring (FUSE over io_uring, Linux 6.14+) "
+        "instead of reading and writing /dev/fuse; the kernel offers it only once root has set "
+        "/sys/module/fuse/parameters/enable_uring to Y (else: /dev/fuse, with a warning). It changes the "
+        "transport, not the page cache; measured beside /dev/fuse in benchmarks/peers (docs/kernel-paths.md)")
     passthrough_size: int | None = option(
         None, "mount", "bound of the whole copies --passthrough keeps (default: half of --cache-size; they count "
         "against it, so it bounds them too)", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')

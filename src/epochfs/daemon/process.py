@@ -43,7 +43,8 @@ def run(config: Config, ready: Ready) -> int:
 
     with StopSignals() as early:  # from the mount on, a stop signal unmounts: it never leaves a dead mount
         try:
-            session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options())
+            session = daemon.ops.session = kernel.Session(daemon.ops, mountpoint, daemon.fuse_options(),
+                                                              io_uring=config.io_uring)
             session.mount()
         except kernel.MountError as exc:
             daemon.close()

@@ -52,10 +52,11 @@ PARALLEL_DIROPS = 1 << 18
 MAX_PAGES = 1 << 22
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37  # (flags2 bit 5)
+OVER_IO_URING = 1 << 41  # (flags2 bit 9; 6.14: requests through an io_uring, kernel/uring.py)
 #: The minor each INIT flag this module knows appeared in (a kernel of an earlier one never offers it).
 FLAG_MINOR = {ASYNC_READ: 6, ATOMIC_O_TRUNC: 9, BIG_WRITES: 9, AUTO_INVAL_DATA: 20, DO_READDIRPLUS: 21,
               ASYNC_DIO: 22, WRITEBACK_CACHE: 23, NO_OPEN_SUPPORT: 23, PARALLEL_DIROPS: 25, MAX_PAGES: 28,
-              INIT_EXT: 36, PASSTHROUGH: 40}
+              INIT_EXT: 36, PASSTHROUGH: 40, OVER_IO_URING: 42}
 #: The oldest minor spoken.
 OLDEST = 31
 #: The minor where the in-header's padding became ``total_extlen``.

@@ -70,8 +70,10 @@ class Session:
     """``ops`` mounted at ``mountpoint`` with ``options`` (mount(8)-style: ``ro``, ``nosuid``,
     ``default_permissions``, ``allow_other``, ``fsname=``, ``subtype=``, ``debug``...)."""
 
-    def __init__(self, ops: Operations, mountpoint: str, options: Iterable[str]) -> None:
+    def __init__(self, ops: Operations, mountpoint: str, options: Iterable[str], *, io_uring: bool = False) -> None:
         self.ops = ops
+        self.io_uring = io_uring  # asked for: requests through an io_uring where the kernel offers it
+        self.uring: Any = None  # the channel (epochfs.kernel.uring.Channel) once INIT set it up
         self.mountpoint = os.path.abspath(mountpoint)
         self.max_pages = request_pages()
         self.max_write = self.max_pages * PAGE  # (the read buffer holds the largest WRITE and its header)
@@ -106,6 +108,8 @@ class Session:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.uring is not None:
+            self.uring.close()
 
     # -- serving ----------------------------------------------------------------------------------------
 
@@ -260,6 +264,16 @@ class Session:
         self._send(reply)
 
     def _send(self, iov: list[bytes | memoryview]) -> None:
+        uring = self.uring
+        if uring is not None and uring.owns(abi.OUT_HEADER.unpack_from(iov[0])[2]):
+            try:
+                uring.answer(iov)
+            except TypeError:
+                log.exception("a reply could not be written")
+                uring.answer([abi.error(abi.OUT_HEADER.unpack_from(iov[0])[2], errno.EIO)])
+            except OSError as exc:
+                log.warning("reply failed: %s", exc)
+            return
         try:
             os.writev(self.fd, iov)
         except TypeError:  # a handler's answer of the wrong kind: still an answer
@@ -292,11 +306,47 @@ class Session:
         flags = want & a.flags  # (a kernel offers PASSTHROUGH only in flags2, which comes with INIT_EXT)
         if flags & abi.PASSTHROUGH:
             self.minor = min(abi.PASSTHROUGH_MINOR, a.minor)
+        uring = self._uring_channel(a.flags)
+        if uring is not None:
+            flags |= abi.INIT_EXT | abi.OVER_IO_URING
         self.negotiated = flags | (a.flags & abi.NO_OPEN_SUPPORT)
         out = abi.INIT_OUT.pack(abi.MAJOR, self.minor, a.max_readahead, flags & 0xFFFFFFFF,
                                 0, 0, self.max_write, 1, self.max_pages if flags & abi.MAX_PAGES else 0, 0, flags >> 32,
                                 PASSTHROUGH_DEPTH if flags & abi.PASSTHROUGH else 0)
         self._send(abi.reply(req.unique, out))
+        if uring is not None:
+            self.uring = uring
+            assert self._nursery is not None
+            self._nursery.start_soon(self._serve_uring, uring)
+
+    # -- FUSE over io_uring (6.14; root lets servers use it) ----------------------------------------------
+
+    def _uring_channel(self, offered: int) -> Any:
+        """The io_uring channel if it was asked for and the kernel offers it, else None (said why)."""
+        if not self.io_uring:
+            return None
+        from epochfs.kernel import uring
+
+        if not offered & abi.OVER_IO_URING:
+            log.warning("--io-uring: the kernel does not offer FUSE over io_uring (Linux 6.14 and later, "
+                        "and root must set %s to Y): requests go through /dev/fuse", uring.ENABLE)
+            return None
+        try:
+            return uring.Channel(self.fd, self.max_write, self._handle)
+        except uring.Unavailable as exc:
+            log.warning("--io-uring: %s: requests go through /dev/fuse", exc)
+            return None
+
+    async def _serve_uring(self, channel: Any) -> None:
+        """The channel's requests, as its eventfd says they came (the kernel moves every request to it
+        once each of its queues has an entry registered)."""
+        channel.start()
+        log.info("requests through io_uring: %d queues of %d entries", channel.queues, channel.depth)
+        while True:
+            await trio.lowlevel.wait_readable(channel.eventfd)
+            if not channel.ready():
+                return
+            await trio.lowlevel.checkpoint()
 
     def can(self, flag: int) -> bool:
         """Whether the kernel offered INIT ``flag`` (e.g. ``NO_OPEN_SUPPORT``: it takes ENOSYS to an OPEN

@@ -56,6 +56,7 @@ class FsStats:
     read_seconds: HistogramSnapshot
     errors: dict[str, int]  # errno name -> count of requests answered with it (ENOENT excluded)
     isatty_asks: int = 0  # requests asking whether a file is a terminal (default-buffered Python opens)
+    uring_requests: int | None = None  # requests taken through io_uring (None: the mount reads /dev/fuse)
 
 
 def _translated(fn: F) -> F:
@@ -536,8 +537,11 @@ class Operations(kernel.Operations):
         return fh
 
     def statistics(self) -> FsStats:
+        session = self.session
+        uring = getattr(session, "uring", None)
         return FsStats(self.read_latency.snapshot(), dict(self.errors),
-                       self.session.isatty_asks if self.session is not None else 0)
+                       session.isatty_asks if session is not None else 0,
+                       uring.requests if uring is not None else None)
 
     # -- file system -----------------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""FUSE over io_uring (``--io-uring``), mounted for real: the kernel's requests come through the ring's
+entries (the status counts them) and every byte is right (odd sizes at seeded random offsets, small
+files read whole, a listing, a file written where the mount is writable); without the kernel's leave
+(``enable_uring`` off) the mount serves through ``/dev/fuse`` and says why; an unmount ends the ring's
+loop. The kernel's switch is global: the tests set it for their mount and put it back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from epochfs.dev.sample import SampleFile, upload
+from epochfs.kernel import uring
+
+from .conftest import requires_fuse
+from .helpers import EPOCHFS
+
+pytestmark = [requires_fuse, pytest.mark.mounts]
+
+MIB = 1 << 20
+FILES = [SampleFile(f"ds/large-{i}.bin", 5 * MIB + 4097 * (i + 3), version=i) for i in range(2)] + [
+    SampleFile(f"ds/small/{i:03d}.bin", 1000 + 37 * i) for i in range(40)]
+
+needs_uring = pytest.mark.skipif(
+    not os.path.exists(uring.ENABLE) or os.geteuid() != 0,
+    reason="FUSE over io_uring: a kernel built with it (6.14+), and root to let servers use it")
+
+
+@contextlib.contextmanager
+def kernel_switch(on: bool) -> Iterator[None]:
+    before = open(uring.ENABLE).read().strip()
+    with open(uring.ENABLE, "w") as f:
+        f.write("Y" if on else "N")
+    try:
+        yield
+    finally:
+        with open(uring.ENABLE, "w") as f:
+            f.write(before)
+
+
+@pytest.fixture
+def dataset(s3_client, fresh_bucket):
+    upload(s3_client, fresh_bucket, "", FILES)
+    return f"s3://{fresh_bucket}/ds"
+
+
+def read_odd(path: Path, f: SampleFile, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "rb", buffering=0) as fh:
+        for _ in range(30):
+            off = rng.randrange(0, f.size)
+            size = rng.choice([1, 4095, 4097, 65537, MIB, 3 * MIB + 7])
+            fh.seek(off)
+            assert fh.read(size) == f.content(off, min(size, f.size - off)), (f.key, off, size)
+    assert path.read_bytes() == f.content()
+
+
+@needs_uring
+def test_requests_come_through_the_ring_and_every_byte_is_right(dataset, mount_factory):
+    with kernel_switch(True):
+        m = mount_factory(dataset, "--io-uring", "--cache-size", "64M")
+        m.start()
+        for i, f in enumerate(FILES[:2]):
+            read_odd(m.mountpoint / f.key.removeprefix("ds/"), f, seed=i)
+        assert sorted(os.listdir(m.mountpoint / "small")) == sorted(Path(f.key).name for f in FILES[2:])
+        for f in FILES[2:]:
+            assert (m.mountpoint / f.key.removeprefix("ds/")).read_bytes() == f.content()
+        taken = m.status()["io_uring_requests"]
+        assert taken is not None and taken > 50, taken  # (lookups, reads, the listing: not through /dev/fuse)
+        m.stop()
+        assert not os.path.ismount(m.mountpoint)
+        assert "requests through io_uring: 2 queues" in m.log() or "requests through io_uring" in m.log()
+
+
+@needs_uring
+def test_writes_go_through_the_ring_too(s3_client, fresh_bucket, mount_factory):
+    with kernel_switch(True):
+        m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--io-uring", "--writeback")
+        m.start()
+        data = random.Random(7).randbytes(3 * MIB + 11)
+        (m.mountpoint / "w.bin").write_bytes(data)
+        assert (m.mountpoint / "w.bin").read_bytes() == data
+        assert m.status()["io_uring_requests"] > 0
+        subprocess.run([*EPOCHFS, "sync", str(m.mountpoint)], check=True, capture_output=True, timeout=120)
+        m.stop()
+    assert s3_client.get_object(Bucket=fresh_bucket, Key="ckpt/w.bin")["Body"].read() == data
+
+
+@needs_uring
+def test_without_the_kernels_leave_the_mount_serves_through_dev_fuse_and_says_why(dataset, mount_factory):
+    with kernel_switch(False):
+        m = mount_factory(dataset, "--io-uring")
+        m.start()
+        f = FILES[0]
+        read_odd(m.mountpoint / f.key.removeprefix("ds/"), f, seed=3)
+        assert m.status()["io_uring_requests"] is None
+        m.stop()
+    assert "does not offer FUSE over io_uring" in m.log()
+
+
+def test_the_queue_count_is_the_kernels_possible_cpus(tmp_path):
+    p = tmp_path / "possible"
+    for text, n in (("0-1\n", 2), ("0\n", 1), ("0-3,8-11\n", 12), ("0,2\n", 3)):
+        p.write_text(text)
+        assert uring.possible_cpus(str(p)) == n
+    assert uring.possible_cpus(str(tmp_path / "absent")) == (os.cpu_count() or 1)
