@@ -110,3 +110,44 @@ def test_the_queue_count_is_the_kernels_possible_cpus(tmp_path):
         p.write_text(text)
         assert uring.possible_cpus(str(p)) == n
     assert uring.possible_cpus(str(tmp_path / "absent")) == (os.cpu_count() or 1)
+
+
+def test_a_ring_entry_of_any_bytes_is_handed_over_whole_or_answered_eio_and_never_raises():
+    """A fuzz loop over what the kernel leaves in an entry's buffers: lengths and payload sizes of any
+    value. The request handed on is exactly the in-header, the operation's header and the payload (as
+    ``/dev/fuse`` gives it); one whose sizes do not add up is answered EIO; every entry is committed."""
+    import struct as st
+
+    handed: list[bytes] = []
+    with open(os.devnull, "rb") as null:
+        ch = uring.Channel(null.fileno(), 64 << 10, lambda view: (handed.append(bytes(view)),
+                                                                  ch.answer([uring.OUT_HEADER.pack(16, 0, st.unpack_from("<Q", view, 8)[0])])),
+                           depth=2, queues=2)
+        try:
+            rng = random.Random(11)
+            for i in range(3000):
+                e = ch.entries[i % len(ch.entries)]
+                head = bytearray(rng.randbytes(uring.HEADERS_SIZE))
+                op_len = rng.choice([0, 16, 40, 128, 129, rng.randrange(0, 1 << 16)])
+                payload = rng.choice([0, 1, 4096, 64 << 10, (64 << 10) + 1, rng.randrange(0, 1 << 32)])
+                length = rng.choice([40 + op_len + payload, rng.randrange(0, 1 << 32)]) & 0xFFFFFFFF
+                st.pack_into("<I", head, 0, length)
+                st.pack_into("<Q", head, 8, i + 1)  # unique
+                uring.ENT_IN_OUT.pack_into(head, uring.HEADER_IN_OUT + uring.HEADER_OP, 0, i + 1, payload & 0xFFFFFFFF, 0)
+                e.headers[:uring.HEADERS_SIZE] = bytes(head)
+                before = len(handed)
+                ch._request(e)
+                assert not ch.owns(i + 1)  # answered either way: the entry goes back to the kernel
+                ok = 0 <= length - 40 - payload <= 128 and payload <= 64 << 10
+                if ok:
+                    got = handed[-1]
+                    assert len(handed) == before + 1 and len(got) == length
+                    assert got[:40] == bytes(head[:40])
+                    assert got[40:length - payload] == bytes(head[128:128 + length - 40 - payload])
+                    assert got[length - payload:] == e.payload[:payload]
+                else:
+                    assert len(handed) == before
+                    assert st.unpack_from("<i", e.headers, 4)[0] == -5  # EIO in the out header
+                ch.ring.completions()  # (the commits' answers from a device that is not FUSE's)
+        finally:
+            ch.close()
