@@ -30,11 +30,17 @@ def log(msg: str) -> None:
 
 
 def seq_read(path: Path) -> float:
-    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads (what a shard loader does)."""
+    """Bytes/s of one sequential reader of ``path`` in 1 MiB reads into one buffer (what a shard loader
+    reading into its own memory does). Not ``read()``, which allocates each MiB afresh: at page-cache
+    speed that allocation (glibc maps it and the kernel faults its pages in, until glibc's adaptive
+    threshold moves) weighs on the copy: a 256 MiB file in the page cache of the local disk read at
+    4,813 MiB/s in a process's first such pass and 6,700-7,100 in the next ones; into one buffer,
+    6,300-7,300 from the first."""
+    buf = bytearray(1 << 20)
     start, n = time.perf_counter(), 0
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 20):
-            n += len(chunk)
+        while k := f.readinto(buf):
+            n += k
     return n / (time.perf_counter() - start)
 
 
