@@ -122,18 +122,26 @@ def test_a_client_keeps_to_its_gate_of_requests_in_flight_to_a_member():
     assert connections <= 3 + 1  # and as many connections (the gate's handles keep theirs), and the proof's
 
 
-def test_the_gate_follows_the_members_rate():
+def test_the_gate_follows_the_members_rate_and_its_latency():
+    """In flight: the member's rate times its unqueued latency (the quickest answer's time) and HIDE: a
+    gate of the rate times the latency alone would hold the rate where it is, short of a link it could
+    fill (a busy cache node's links ran 72% full with the readers short of their demand)."""
     client = PeerClient(KEYS, timeout=5.0)
     gate = client._gate("m")
     now = time.monotonic()
     with gate.lock:
-        for k in range(20):  # 20 MiB in the last 2 s: 10 MiB/s
-            gate.done.append((now - 2 + k * 0.1, 1 << 20))
+        for k in range(20):  # 20 MiB in the last 2 s: 10 MiB/s, answers of 1-3 ms
+            gate.done.append((now - 2 + k * 0.1, 1 << 20, 0.001 + 0.0001 * k))
         client._sized(gate, 1 << 20)
-        assert gate.limit == 5  # 10 MiB/s x 0.5 s in 1 MiB blocks
+        assert gate.limit == 6  # 10 MiB/s x (0.001 s + 0.5 s) in 1 MiB blocks
+        gate.done.clear()
+        for k in range(20):  # the same rate, every answer at least 0.35 s even when nothing queued
+            gate.done.append((now - 2 + k * 0.1, 1 << 20, 0.35 + 0.05 * (k % 4)))
+        client._sized(gate, 1 << 20)
+        assert gate.limit == 9  # 10 MiB/s x (0.35 s + 0.5 s)
         gate.done.clear()
         for k in range(20):
-            gate.done.append((now - 1 + k * 0.05, 64 << 20))
+            gate.done.append((now - 1 + k * 0.05, 64 << 20, 0.01))
         client._sized(gate, 1 << 20)
         assert gate.limit == client.MAX_INFLIGHT
 
@@ -155,7 +163,7 @@ def test_a_free_handle_goes_to_the_block_a_reader_waits_for_then_to_the_longest_
         curl = client._borrow("m", gate, urgent)
         with lock:
             order.append(name)
-        client._give_back(gate, curl, 4096, 0)
+        client._give_back(gate, curl, 4096, 0, 0.0)
 
     wanted = {"prefetch-1": None, "prefetch-2": caught_up.is_set, "demand": lambda: True, "prefetch-3": None}
     threads = []

@@ -340,7 +340,11 @@ class Session:
     async def _serve_uring(self, channel: Any) -> None:
         """The channel's requests, as its eventfd says they came (the kernel moves every request to it
         once each of its queues has an entry registered)."""
-        channel.start()
+        try:
+            channel.start()
+        except OSError as exc:  # (the kernel refused the entries: requests stay on /dev/fuse)
+            log.warning("--io-uring: the ring's entries were refused (%s): requests go through /dev/fuse", exc)
+            return
         log.info("requests through io_uring: %d queues of %d entries", channel.queues, channel.depth)
         while True:
             await trio.lowlevel.wait_readable(channel.eventfd)

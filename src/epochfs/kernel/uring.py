@@ -282,11 +282,11 @@ class Channel:
                     log.exception("FUSE over io_uring: a request could not be taken")
             elif res in (-errno.EAGAIN, -errno.EINTR):
                 self.ring.push(e.sqe(self.fuse_fd))
-            else:
-                if res not in (-errno.ENOTCONN, -errno.ECANCELED, -errno.ENODEV, -errno.ECONNABORTED):
-                    log.warning("FUSE over io_uring: entry %d of queue %d ended: %s", e.index, e.qid,
-                                os.strerror(-res))
-                alive = False
+            elif res in (-errno.ENOTCONN, -errno.ECANCELED, -errno.ENODEV, -errno.ECONNABORTED):
+                alive = False  # (unmounted: the connection is gone)
+            else:  # (this entry only: the others keep serving, and until the ring is ready, /dev/fuse)
+                log.warning("FUSE over io_uring: entry %d of queue %d refused: %s", e.index, e.qid,
+                            os.strerror(-res))
         return alive
 
     def _request(self, e: _Entry) -> None:
@@ -316,6 +316,8 @@ class Channel:
         head = iov[0]
         _, error, unique = OUT_HEADER.unpack_from(head)
         e = self._waiting.pop(unique)
+        if self.closed:  # (unmounted while the request was answered: the kernel has let it go)
+            return
         size = 0
         if not error:
             for part in iov[1:]:
