@@ -177,7 +177,7 @@ def test_a_free_handle_goes_to_the_block_a_reader_waits_for_then_to_the_longest_
     caught_up.set()  # a reader now waits for prefetch-2's block
     with gate.lock:  # (a newcomer while handles are taken waits behind the queue, not before it)
         assert gate.lent == 1 and gate.limit == 1
-    client._give_back(gate, first, 4096, 0)
+    client._give_back(gate, first, 4096, 0, 0.0)
     for t in threads:
         t.join(5)
     assert order == ["prefetch-2", "demand", "prefetch-1", "prefetch-3"]
@@ -192,7 +192,7 @@ def test_a_fetch_that_waits_too_long_for_a_handle_leaves_the_queue_and_says_busy
     with pytest.raises(PeerFailure) as exc:
         client._borrow("m", gate, lambda: True)
     assert exc.value.kind == "busy" and not gate.waiting and gate.lent == 1
-    client._give_back(gate, held, 4096, 0)
+    client._give_back(gate, held, 4096, 0, 0.0)
     assert gate.lent == 0
 
 
