@@ -5,12 +5,8 @@ libcurl (:mod:`epochfs.transport.curlio`). Requests to one member go through tha
 pool of handles (each with its kept-alive connection), so a node has at most the gate's size of
 requests in flight to a member and as many connections to it, whatever its fetch concurrency. The gate
 is sized by what the member's link carries: the bytes per second its answers arrived at over the last
-seconds, times the quickest answer's time in that window (the member's latency with no queue before
-it) plus ``HIDE`` (the queue's time an answer in flight may wait), in blocks of the size asked
-(``MIN_INFLIGHT`` to ``MAX_INFLIGHT``; ``START_INFLIGHT`` until it is measured). By Little's law a gate
-of the rate times the latency alone keeps the rate where it is: the ``HIDE`` beside it lets the rate
-grow until the reader's demand or the member's link stops it, and bounds the queue at the member's
-link to about ``HIDE`` of its sends. A fetch waits for a
+seconds, times ``HIDE`` (the latency an answer in flight should hide), in blocks of the size asked
+(``MIN_INFLIGHT`` to ``MAX_INFLIGHT``; ``START_INFLIGHT`` until it is measured). A fetch waits for a
 handle (a node's own queue: no fault of the member) at most ``WAIT`` times the tier's timeout, then the
 member counts as busy. A handle that comes free goes to a fetch a reader waits for (``urgent``) before
 the prefetches queued ahead of it, else to the fetch waiting longest. Proofs (hellos) bypass the gate.
@@ -77,7 +73,7 @@ class _Gate:
         self.free: list[curlio.Easy] = []
         self.lock = threading.Lock()
         self.waiting: collections.deque[_Waiter] = collections.deque()
-        self.done: collections.deque[tuple[float, int, float]] = collections.deque(maxlen=512)  # (when, bytes, seconds)
+        self.done: collections.deque[tuple[float, int]] = collections.deque(maxlen=512)  # (when, bytes) answered
 
     def grant(self) -> None:
         """Hand free handles to waiters (``lock`` held): the urgent first, then in the order they came."""
@@ -94,7 +90,7 @@ class PeerClient:
     START_INFLIGHT = 8
     MIN_INFLIGHT = 4
     MAX_INFLIGHT = 32
-    HIDE = 0.5  # seconds of a member's rate kept in flight beyond its unqueued latency
+    HIDE = 0.5  # seconds of a member's rate kept in flight
     WINDOW = 3.0  # seconds of answers the rate is measured over
     WAIT = 4.0  # a fetch waits for a handle at most this many timeouts
     TOTAL = 4.0  # a request takes at most this many timeouts in all
@@ -130,14 +126,12 @@ class PeerClient:
     def _sized(self, gate: _Gate, size: int) -> None:
         """The gate's limit from the rate its answers arrived at (``gate.lock`` held)."""
         now = time.monotonic()
-        recent = [(t, n, s) for t, n, s in gate.done if now - t <= self.WINDOW]
+        recent = [(t, n) for t, n in gate.done if now - t <= self.WINDOW]
         if len(recent) < 4:
             return
         span = max(now - recent[0][0], 0.1)
-        rate = sum(n for _, n, _ in recent) / span
-        unqueued = min(min(s for _, _, s in recent), self.timeout)
-        gate.limit = max(self.MIN_INFLIGHT, min(self.MAX_INFLIGHT,
-                                                math.ceil(rate * (unqueued + self.HIDE) / max(size, 4096))))
+        rate = sum(n for _, n in recent) / span
+        gate.limit = max(self.MIN_INFLIGHT, min(self.MAX_INFLIGHT, math.ceil(rate * self.HIDE / max(size, 4096))))
 
     def _borrow(self, member: str, gate: _Gate, urgent: Callable[[], bool] | None) -> curlio.Easy:
         with gate.lock:
@@ -155,13 +149,13 @@ class PeerClient:
                     waiter.cond.wait(left)
             return gate.free.pop() if gate.free else self._new_curl()
 
-    def _give_back(self, gate: _Gate, curl: curlio.Easy | None, size: int, got: int, seconds: float) -> None:
+    def _give_back(self, gate: _Gate, curl: curlio.Easy | None, size: int, got: int) -> None:
         with gate.lock:
             gate.lent -= 1
             if curl is not None:
                 gate.free.append(curl)
             if got:
-                gate.done.append((time.monotonic(), got, seconds))
+                gate.done.append((time.monotonic(), got))
                 self._sized(gate, size)
             gate.grant()
 
@@ -171,7 +165,6 @@ class PeerClient:
         gate = self._gate(member)
         curl: curlio.Easy | None = self._borrow(member, gate, urgent)
         got = 0
-        started = time.monotonic()
         try:
             status, data, fields = self._ask(member, req.target(), max(req.length, 4096), self.timeout, curl)
             got = len(data) if status == 200 else 0
@@ -179,7 +172,7 @@ class PeerClient:
             curl = None  # its connection may hold the rest of a bad answer: a new one next time
             raise
         finally:
-            self._give_back(gate, curl, req.length, got, time.monotonic() - started)
+            self._give_back(gate, curl, req.length, got)
         if req.warm and status == 204:
             return None
         if status == 503 and "retry-after" in fields:  # (authenticated: the owner itself says it is busy)
