@@ -2,6 +2,7 @@
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -710,3 +711,34 @@ def test_a_block_advised_ahead_is_opened_once_for_its_reads(tmp_path, monkeypatc
         os.close(fd)
     s.remove(bid(1), len(data))
     s.advise(bid(1), meta)  # (gone: nothing to advise, nothing raised)
+
+
+def test_advice_is_made_off_the_calling_thread_lands_and_leaks_no_descriptor(tmp_path):
+    """The adviser's thread makes the advice (the pages of a dropped file come back into memory), on a
+    duplicate it closes, so the caller's descriptor may go at once; past its bound, advice is dropped,
+    counted, and still nothing leaks."""
+    from epochfs.blockstore import pagecache
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 << 20))
+    before = len(os.listdir("/proc/self/fd"))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    adviser = pagecache.Adviser()
+    adviser.advise(fd, 0, 8 << 20)
+    os.close(fd)  # (the caller's own: the advice holds a duplicate)
+    adviser.drain()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if pagecache.available():
+            deadline = time.monotonic() + 10
+            while not pagecache.resident(fd, 0, 8 << 20) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pagecache.resident(fd, 0, 8 << 20)
+        for _ in range(10 * pagecache.Adviser.BOUND):
+            adviser.advise(fd, 0, 4096)
+        adviser.drain()
+    finally:
+        os.close(fd)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -3,7 +3,8 @@
 A read that would wait for the disk is better made on a worker thread, and one the page cache can
 answer is quicker inline. ``preadv2(RWF_NOWAIT)`` answers that only by trying, and a try that fails
 has already started the disk read on the calling thread (measured: 0.14 ms of the event loop per
-100 KiB not in memory). ``cachestat`` only looks.
+100 KiB not in memory). ``cachestat`` only looks. And advice that the kernel read a range ahead,
+made off the calling thread (:class:`Adviser`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import queue
 import threading
 
 _SYS_CACHESTAT = 451  # the same number on every architecture (asm-generic)
@@ -77,3 +79,57 @@ def _ask(fd: int, offset: int, length: int) -> tuple[int, _Stat] | None:
             _works = False
         return None
     return last - first + 1, stat
+
+
+class Adviser:
+    """``POSIX_FADV_WILLNEED`` off the calling thread. The advice starts the disk reads that fill the
+    pages, and its call waits while it submits them (measured on a warm 512 MiB stream: a tenth of the
+    event loop's samples, during which the next request waited); here one thread of its own makes the
+    calls. Each advice carries a duplicate of the descriptor, closed once used: the caller may close
+    its own at once. Advice is a hint: at most ``BOUND`` wait, and more are dropped (counted)."""
+
+    BOUND = 64
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[int, int, int] | None] = queue.Queue(self.BOUND)
+        self._pid = 0  # (the thread is started in the process that advises: a fork leaves it behind)
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def advise(self, fd: int, offset: int, length: int) -> None:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._queue = queue.Queue(self.BOUND)
+                    threading.Thread(target=self._run, args=(self._queue,), daemon=True, name="advise").start()
+                    self._pid = os.getpid()
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            return
+        try:
+            self._queue.put_nowait((dup, offset, length))
+        except queue.Full:
+            os.close(dup)
+            self.dropped += 1
+
+    def drain(self) -> None:
+        """Wait until every advice handed over was made (tests; a store that closes)."""
+        if self._pid == os.getpid():
+            self._queue.join()
+
+    @staticmethod
+    def _run(q: queue.Queue[tuple[int, int, int] | None]) -> None:
+        while True:
+            item = q.get()
+            try:
+                if item is not None:
+                    fd, offset, length = item
+                    try:
+                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                    except OSError:
+                        pass
+                    finally:
+                        os.close(fd)
+            finally:
+                q.task_done()
