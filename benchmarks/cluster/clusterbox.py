@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # (the 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netbox import Host, NetBox  # noqa: E402
-from workloads import drop_page_cache, log, save_results, start_run  # noqa: E402
+from workloads import drop_page_cache, host_cpu, log, save_results, start_run  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
 from epochfs.dev.servers import LocalRedis, LocalS3, free_ports  # noqa: E402
@@ -394,7 +394,7 @@ class Box:
                     for mark in STEADY:
                         if progress >= mark and mark not in steady:
                             steady[mark] = Mark(time.monotonic(), self.store.sent_bytes(), self._cache_sends(),
-                                                progress, _host_cpu(), tuple(h.sent_bytes() for h in self.caches))
+                                                progress, host_cpu(), tuple(h.sent_bytes() for h in self.caches))
                     if at_epoch is not None:
                         at_epoch(epoch, progress)
                     line = _readline(p, 0.2)
@@ -682,14 +682,6 @@ class Mark(NamedTuple):
     progress: float  # the share of the epoch's reads done
     cpu: tuple[int, int] = (0, 0)  # the host's busy and total CPU ticks (/proc/stat)
     by_node: tuple[int, ...] = ()  # bytes each cache node sent
-
-
-def _host_cpu() -> tuple[int, int]:
-    """The host's busy and total CPU ticks: every node of the box shares its cores."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return sum(ticks) - idle, sum(ticks)
 
 
 def _steady(first: Mark, last: Mark, sc: Scale, dataset: int, capacity: float,

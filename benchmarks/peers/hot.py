@@ -22,28 +22,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # (the tools every room shares)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import Contender, Epochfs, proc_usage  # noqa: E402
+from contenders import Epochfs, proc_usage  # noqa: E402
 from folios import folio_kib  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
-from workloads import drop_page_cache, log, save_results, seq_read, start_run  # noqa: E402
+from workloads import drop_page_cache, host_cpu, log, save_results, seq_read, start_run  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
 from epochfs.dev.servers import LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-
-
-def host_cpu() -> tuple[int, int]:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v)
-
-
-def backend_requests(c: Contender) -> int | None:
-    if not isinstance(c, Epochfs):
-        return None
-    return sum(c.status()["backend"]["requests"].values())
 
 
 def main() -> int:
@@ -61,7 +49,7 @@ def main() -> int:
     large = SampleFile("large.bin", args.size_mib * MiB)
     server = LocalS3(args.work / "s3").start()
     proxy = ProxyProcess(server.port, args.latency_ms / 1000)
-    mounts: list[tuple[str, Contender]] = []
+    mounts: list[tuple[str, Epochfs]] = []
     try:
         upload(server.client(), "bench", "ds/", [large])
         ways = [("0 ms", server.endpoint), (f"{args.latency_ms:g} ms", proxy.endpoint)]
@@ -85,14 +73,11 @@ def main() -> int:
         for p in range(args.passes):
             order = mounts if p % 2 == 0 else mounts[::-1]
             for name, c in order:
-                cpu, asked = proc_usage(c.pid)["cpu"], backend_requests(c)
+                cpu, asked = proc_usage(c.pid)["cpu"], c.backend_requests()
                 rate = seq_read(c.root / large.key) / MiB
                 rows[name]["MiB/s"].append(rate)
                 rows[name]["daemon_cpu_ms"] += (proc_usage(c.pid)["cpu"] - cpu) * 1000
-                if asked is not None:
-                    rows[name]["backend_requests"] += backend_requests(c) - asked  # type: ignore[operator]
-                else:
-                    rows[name]["backend_requests"] = None
+                rows[name]["backend_requests"] += c.backend_requests() - asked
             log(f"pass {p + 1}: " + ", ".join(f"{n} {rows[n]['MiB/s'][-1]:.0f}" for n, _ in mounts))
         busy1, all1 = host_cpu()
         for name, c in mounts:  # (what the kernel holds each file in: a hot read copies folio by folio)

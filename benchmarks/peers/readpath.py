@@ -119,9 +119,7 @@ def _let_servers_use_io_uring(wanted: bool) -> str | None:
 
 def _backend_asked(c: Contender) -> int | None:
     """The requests an epochfs daemon has made of its backend (any other contender: None)."""
-    if not isinstance(c, Epochfs):
-        return None
-    return sum(c.status()["backend"]["requests"].values())
+    return c.backend_requests() if isinstance(c, Epochfs) else None
 
 
 def main() -> int:

@@ -189,6 +189,10 @@ class Epochfs(Contender):
 
         return request(self.root, "status")
 
+    def backend_requests(self) -> int:
+        """The requests the daemon has made of its backend so far."""
+        return sum(self.status()["backend"]["requests"].values())
+
 
 class S3fs(Contender):
     name = "s3fs"

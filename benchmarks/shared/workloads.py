@@ -44,6 +44,13 @@ def seq_read(path: Path) -> float:
     return n / (time.perf_counter() - start)
 
 
+def host_cpu() -> tuple[int, int]:
+    """The host's busy and total CPU ticks (``/proc/stat``; idle and iowait are not busy)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)
+
+
 def settle(busy_below: float = 0.15, most: float = 60.0) -> float:
     """Wait until the machine is quiet (what was just written is on disk and the CPUs are busy less than
     ``busy_below`` of one second), at most ``most`` seconds; the seconds waited. After an upload or a
@@ -52,15 +59,10 @@ def settle(busy_below: float = 0.15, most: float = 60.0) -> float:
     started = time.monotonic()
     os.sync()
 
-    def ticks() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v) - v[3] - v[4], sum(v)  # (busy, all): idle and iowait are not busy
-
     while time.monotonic() - started < most:
-        b0, a0 = ticks()
+        b0, a0 = host_cpu()
         time.sleep(1.0)
-        b1, a1 = ticks()
+        b1, a1 = host_cpu()
         if (b1 - b0) <= busy_below * max(1, a1 - a0):
             break
     return time.monotonic() - started
