@@ -681,9 +681,15 @@ def test_block_files_read_keep_their_descriptors_until_the_block_goes(tmp_path):
     assert not open_block_files()
 
 
-def test_a_block_advised_ahead_is_opened_once_for_its_reads(tmp_path, monkeypatch):
-    """Advising a block file (a reader comes next) keeps its descriptor for that reader's reads: the
-    file is opened once, not once to advise and again to read."""
+def test_a_block_advised_ahead_is_opened_once_on_the_trio_thread_and_the_advice_lands(tmp_path, monkeypatch):
+    """Advising a block file (a reader comes next) opens it off the calling thread (the open waits for
+    the disk after the caches were dropped, as the advice does): the calling thread opens it once, for
+    its reads, and the advised pages are in memory; a block whose file the calling thread holds open
+    is advised through that descriptor, with no open at all."""
+    import threading
+
+    from epochfs.blockstore import pagecache
+
     s = make(tmp_path, packing=False)
     data = os.urandom(PACK_BELOW + 3 * 4096)
     assert put(s, bid(1), data)
@@ -694,19 +700,29 @@ def test_a_block_advised_ahead_is_opened_once_for_its_reads(tmp_path, monkeypatc
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (as after drop_caches: the reads go to disk)
         opened = []
         real_open = os.open
+        caller = threading.current_thread()
 
         def counting_open(name, *args, **kwargs):
             if os.fspath(name) == str(path):
-                opened.append(name)
+                opened.append(threading.current_thread() is caller)
             return real_open(name, *args, **kwargs)
 
         monkeypatch.setattr(os, "open", counting_open)
         meta = s.lookup(bid(1))
         s.advise(bid(1), meta)
+        s.adviser.drain()
+        assert opened == [False]  # (the adviser's own open)
+        if pagecache.available():  # (the advice starts the reads; they land a moment later)
+            deadline = time.monotonic() + 10
+            while not pagecache.resident(fd, 0, len(data)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pagecache.resident(fd, 0, len(data))
         for lo in (0, 4096, len(data) - 10):
             assert bytes(s.read(bid(1), meta, lo, lo + 10)) == data[lo:lo + 10]
+        s.advise(bid(1), meta)  # (held open now: advised through it)
+        s.adviser.drain()
         monkeypatch.undo()
-        assert len(opened) == 1
+        assert opened == [False, True]
     finally:
         os.close(fd)
     s.remove(bid(1), len(data))

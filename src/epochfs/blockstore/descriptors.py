@@ -32,6 +32,10 @@ class Descriptors(Generic[K]):
             os.close(self._fds.popitem(last=False)[1])
         return fd
 
+    def peek(self, key: K) -> int | None:
+        """The descriptor of ``key``'s file if one is kept (nothing opened, the order unchanged)."""
+        return self._fds.get(key)
+
     def forget(self, key: K) -> None:
         """Close ``key``'s descriptor if one is kept (before its file is deleted or replaced)."""
         fd = self._fds.pop(key, None)

@@ -85,18 +85,32 @@ class Adviser:
     """``POSIX_FADV_WILLNEED`` off the calling thread. The advice starts the disk reads that fill the
     pages, and its call waits while it submits them (measured on a warm 512 MiB stream: a tenth of the
     event loop's samples, during which the next request waited); here one thread of its own makes the
-    calls. Each advice carries a duplicate of the descriptor, closed once used: the caller may close
-    its own at once. Advice is a hint: at most ``BOUND`` wait, and more are dropped (counted)."""
+    calls. Each advice carries a duplicate of the descriptor, closed once used (the caller may close
+    its own at once), or a path the thread opens itself (after the caches were dropped, opening a
+    block file waits for the disk too). Advice is a hint: at most ``BOUND`` wait, and more are
+    dropped (counted)."""
 
     BOUND = 64
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[int, int, int] | None] = queue.Queue(self.BOUND)
+        self._queue: queue.Queue[tuple[int | str, int, int] | None] = queue.Queue(self.BOUND)
         self._pid = 0  # (the thread is started in the process that advises: a fork leaves it behind)
         self._lock = threading.Lock()
         self.dropped = 0
 
     def advise(self, fd: int, offset: int, length: int) -> None:
+        """Advice on an open file (a duplicate of ``fd`` goes with it)."""
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            return
+        self._hand(dup, offset, length)
+
+    def advise_path(self, path: str, offset: int, length: int) -> None:
+        """Advice on a file the thread opens (and closes) itself."""
+        self._hand(path, offset, length)
+
+    def _hand(self, target: int | str, offset: int, length: int) -> None:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
@@ -104,13 +118,10 @@ class Adviser:
                     threading.Thread(target=self._run, args=(self._queue,), daemon=True, name="advise").start()
                     self._pid = os.getpid()
         try:
-            dup = os.dup(fd)
-        except OSError:
-            return
-        try:
-            self._queue.put_nowait((dup, offset, length))
+            self._queue.put_nowait((target, offset, length))
         except queue.Full:
-            os.close(dup)
+            if isinstance(target, int):
+                os.close(target)
             self.dropped += 1
 
     def drain(self) -> None:
@@ -119,12 +130,16 @@ class Adviser:
             self._queue.join()
 
     @staticmethod
-    def _run(q: queue.Queue[tuple[int, int, int] | None]) -> None:
+    def _run(q: queue.Queue[tuple[int | str, int, int] | None]) -> None:
         while True:
             item = q.get()
             try:
                 if item is not None:
-                    fd, offset, length = item
+                    target, offset, length = item
+                    try:
+                        fd = target if isinstance(target, int) else os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError:
+                        continue
                     try:
                         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
                     except OSError:
