@@ -151,3 +151,28 @@ def test_a_ring_entry_of_any_bytes_is_handed_over_whole_or_answered_eio_and_neve
                 ch.ring.completions()  # (the commits' answers from a device that is not FUSE's)
         finally:
             ch.close()
+
+
+def test_a_handler_that_raises_still_gets_its_request_answered_eio():
+    """The last guard: whatever ``handle`` does, the entry's request is answered (EIO) and committed:
+    a request left unanswered would hold its caller for ever."""
+    import struct as st
+
+    def boom(view: memoryview) -> None:
+        raise RuntimeError("a bug")
+
+    with open(os.devnull, "rb") as null:
+        ch = uring.Channel(null.fileno(), 64 << 10, boom, depth=1, queues=1)
+        try:
+            e = ch.entries[0]
+            head = bytearray(uring.HEADERS_SIZE)
+            st.pack_into("<IIQ", head, 0, 40, 3, 77)  # a GETATTR of 40 bytes, unique 77
+            uring.ENT_IN_OUT.pack_into(head, uring.HEADER_IN_OUT + uring.HEADER_OP, 0, 77, 0, 0)
+            e.headers[:uring.HEADERS_SIZE] = bytes(head)
+            ch.ring.completions = lambda: [(0, 0)]  # type: ignore[method-assign]  # (the kernel's: a request)
+            assert ch._take()
+            assert not ch.owns(77)
+            assert st.unpack_from("<IiQ", e.headers, 0) == (16, -5, 77)
+            assert e.last == uring.CMD_COMMIT_AND_FETCH and e.commit_id == 77
+        finally:
+            ch.close()

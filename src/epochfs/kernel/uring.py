@@ -279,7 +279,10 @@ class Channel:
                 try:
                     self._request(e)
                 except Exception:  # (the session answers what it can parse; this is the last guard)
-                    log.exception("FUSE over io_uring: a request could not be taken")
+                    log.exception("FUSE over io_uring: a request could not be taken: answered EIO")
+                    unique = int.from_bytes(e.headers[8:16], "little")
+                    if self.owns(unique):  # (never left unanswered: its caller would wait for ever)
+                        self.answer([OUT_HEADER.pack(OUT_HEADER.size, -errno.EIO, unique)])
             elif res in (-errno.EAGAIN, -errno.EINTR):
                 self.ring.push(e.sqe(self.fuse_fd))
             elif res in (-errno.ENOTCONN, -errno.ECANCELED, -errno.ENODEV, -errno.ECONNABORTED):
