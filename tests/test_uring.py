@@ -71,8 +71,11 @@ def test_requests_come_through_the_ring_and_every_byte_is_right(dataset, mount_f
         assert sorted(os.listdir(m.mountpoint / "small")) == sorted(Path(f.key).name for f in FILES[2:])
         for f in FILES[2:]:
             assert (m.mountpoint / f.key.removeprefix("ds/")).read_bytes() == f.content()
-        taken = m.status()["io_uring_requests"]
+        status = m.status()
+        taken = status["io_uring_requests"]
         assert taken is not None and taken > 50, taken  # (lookups, reads, the listing: not through /dev/fuse)
+        from epochfs.kernel.session import PAGE, request_pages
+        assert status["memory"]["baseline"] > uring.memory_needed(request_pages() * PAGE)  # (set aside)
         m.stop()
         assert not os.path.ismount(m.mountpoint)
         assert "requests through io_uring: 2 queues" in m.log() or "requests through io_uring" in m.log()
@@ -176,3 +179,14 @@ def test_a_handler_that_raises_still_gets_its_request_answered_eio():
             assert e.last == uring.CMD_COMMIT_AND_FETCH and e.commit_id == 77
         finally:
             ch.close()
+
+
+def test_the_rings_buffers_are_set_aside_from_the_memory_limit(tmp_path):
+    """A page of headers and a payload buffer per entry, 8 entries per queue: what ``--memory-limit``
+    counts as held before it splits the rest (16 MiB and 32 KiB here at 1 MiB requests on 2 CPUs)."""
+    from epochfs.core import memory
+
+    assert uring.memory_needed(1 << 20, queues=2) == 2 * 8 * (4096 + (1 << 20))
+    plain = memory.split(256 << 20, 80 << 20, 4 << 20, 16)
+    ringed = memory.split(256 << 20, (80 << 20) + uring.memory_needed(1 << 20, queues=2), 4 << 20, 16)
+    assert ringed.ahead + ringed.recent + ringed.whole + ringed.pool < plain.ahead + plain.recent + plain.whole + plain.pool

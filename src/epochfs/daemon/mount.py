@@ -148,8 +148,13 @@ class Daemon:
         self.tier_load: TierLoad | None = None
         if config.peer_listen or config.peer_role == "client" or config.serving:
             self._open_peer()
+        held = memory.resident()
+        if config.io_uring:  # (the ring's entry buffers, made once INIT is answered: set aside first)
+            from epochfs.kernel import session, uring
+
+            held += uring.memory_needed(session.request_pages() * session.PAGE)
         try:  # (what the daemon holds now is its baseline: the limit's shares are of the rest)
-            self.memory = memory.split(config.memory_limit or memory.default_limit(), memory.resident(),
+            self.memory = memory.split(config.memory_limit or memory.default_limit(), held,
                                        config.block_size, config.backend_concurrency)
         except memory.MemoryTooSmall as exc:
             raise ConfigError(str(exc)) from None

@@ -66,6 +66,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
+DEPTH = 8  # entries per queue
+
+
+def memory_needed(payload_size: int, depth: int = DEPTH, queues: int | None = None) -> int:
+    """The bytes a channel's entries hold: each a page of headers and a payload buffer (what
+    ``--memory-limit`` sets aside for them before it splits the rest)."""
+    return (queues or possible_cpus()) * depth * (mmap.PAGESIZE + payload_size)
+
+
 class Unavailable(Exception):
     """FUSE over io_uring cannot be used here (said why)."""
 
@@ -222,7 +231,7 @@ class Channel:
     its arguments), every answer taken by :meth:`answer` (an out header and its parts)."""
 
     def __init__(self, fuse_fd: int, payload_size: int, handle: Callable[[memoryview], None], *,
-                 depth: int = 8, queues: int | None = None) -> None:
+                 depth: int = DEPTH, queues: int | None = None) -> None:
         if platform.machine() not in ("x86_64", "AMD64"):
             raise Unavailable(f"FUSE over io_uring is implemented for x86-64 only (this is {platform.machine()})")
         self.fuse_fd = fuse_fd
