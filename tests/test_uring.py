@@ -74,8 +74,12 @@ def test_requests_come_through_the_ring_and_every_byte_is_right(dataset, mount_f
         status = m.status()
         taken = status["io_uring_requests"]
         assert taken is not None and taken > 50, taken  # (lookups, reads, the listing: not through /dev/fuse)
+        plain = mount_factory(dataset, "--cache-size", "64M", name="plain", cache_dir=m.cache_dir.parent / "plain-cache")
+        plain.start()
         from epochfs.kernel.session import PAGE, request_pages
-        assert status["memory"]["baseline"] > uring.memory_needed(request_pages() * PAGE)  # (set aside)
+        ring = uring.memory_needed(request_pages() * PAGE)  # (set aside by --memory-limit before its split)
+        assert status["memory"]["baseline"] - plain.status()["memory"]["baseline"] > 0.75 * ring
+        plain.stop()
         m.stop()
         assert not os.path.ismount(m.mountpoint)
         assert "requests through io_uring: 2 queues" in m.log() or "requests through io_uring" in m.log()
