@@ -73,6 +73,8 @@ def test_requests_come_through_the_ring_and_every_byte_is_right(dataset, mount_f
             assert (m.mountpoint / f.key.removeprefix("ds/")).read_bytes() == f.content()
         status = m.status()
         taken = status["io_uring_requests"]
+        text = subprocess.run([*EPOCHFS, "status", str(m.mountpoint)], capture_output=True, text=True, timeout=60)
+        assert "requests through the ring (--io-uring)" in text.stdout, text.stdout
         assert taken is not None and taken > 50, taken  # (lookups, reads, the listing: not through /dev/fuse)
         plain = mount_factory(dataset, "--cache-size", "64M", name="plain", cache_dir=m.cache_dir.parent / "plain-cache")
         plain.start()

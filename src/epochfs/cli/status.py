@@ -227,6 +227,8 @@ def format_status(s: dict[str, Any]) -> str:
         prefetch,
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
         *([format_passthrough(s["passthrough"])] if s.get("passthrough") else []),
+        *([f"io_uring   {s['io_uring_requests']} requests through the ring (--io-uring)"]
+          if s.get("io_uring_requests") is not None else []),
         *(format_peer(s["peer"]) if s.get("peer") else []),
     ])
 
