@@ -196,3 +196,27 @@ def test_the_rings_buffers_are_set_aside_from_the_memory_limit(tmp_path):
     plain = memory.split(256 << 20, 80 << 20, 4 << 20, 16)
     ringed = memory.split(256 << 20, (80 << 20) + uring.memory_needed(1 << 20, queues=2), 4 << 20, 16)
     assert ringed.ahead + ringed.recent + ringed.whole + ringed.pool < plain.ahead + plain.recent + plain.whole + plain.pool
+
+
+def test_an_answer_of_the_wrong_kind_keeps_its_entry_so_eio_can_answer_it():
+    """A handler's answer that cannot be copied (not bytes) leaves the request owned by the channel, so
+    the session's fallback answers it EIO through the same entry: never a request left unanswered."""
+    import struct as st
+
+    with open(os.devnull, "rb") as null:
+        ch = uring.Channel(null.fileno(), 64 << 10, lambda view: None, depth=1, queues=1)
+        try:
+            e = ch.entries[0]
+            head = bytearray(uring.HEADERS_SIZE)
+            st.pack_into("<IIQ", head, 0, 40, 3, 91)
+            uring.ENT_IN_OUT.pack_into(head, uring.HEADER_IN_OUT + uring.HEADER_OP, 0, 91, 0, 0)
+            e.headers[:uring.HEADERS_SIZE] = bytes(head)
+            ch._request(e)
+            assert ch.owns(91)
+            with pytest.raises(TypeError):
+                ch.answer([uring.OUT_HEADER.pack(16 + 8, 0, 91), 12345])  # type: ignore[list-item]
+            assert ch.owns(91)
+            ch.answer([uring.OUT_HEADER.pack(16, -5, 91)])
+            assert not ch.owns(91) and st.unpack_from("<IiQ", e.headers, 0) == (16, -5, 91)
+        finally:
+            ch.close()

@@ -93,7 +93,7 @@ class Adviser:
     BOUND = 64
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[int | str, int, int] | None] = queue.Queue(self.BOUND)
+        self._queue: queue.Queue[tuple[int | str, int, int]] = queue.Queue(self.BOUND)
         self._pid = 0  # (the thread is started in the process that advises: a fork leaves it behind)
         self._lock = threading.Lock()
         self.dropped = 0
@@ -130,21 +130,16 @@ class Adviser:
             self._queue.join()
 
     @staticmethod
-    def _run(q: queue.Queue[tuple[int | str, int, int] | None]) -> None:
+    def _run(q: queue.Queue[tuple[int | str, int, int]]) -> None:
         while True:
-            item = q.get()
+            target, offset, length = q.get()
             try:
-                if item is not None:
-                    target, offset, length = item
-                    try:
-                        fd = target if isinstance(target, int) else os.open(target, os.O_RDONLY | os.O_CLOEXEC)
-                    except OSError:
-                        continue
-                    try:
-                        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-                    except OSError:
-                        pass
-                    finally:
-                        os.close(fd)
+                fd = target if isinstance(target, int) else os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
             finally:
                 q.task_done()

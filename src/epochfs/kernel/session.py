@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -35,6 +35,9 @@ from epochfs.kernel import abi, mounting
 from epochfs.kernel.operations import Operations
 from epochfs.kernel.translate import ROWS, handlers_of, read_reply, waited_read
 from epochfs.kernel.types import FUSEError
+
+if TYPE_CHECKING:
+    from epochfs.kernel.uring import Channel
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ class Session:
     def __init__(self, ops: Operations, mountpoint: str, options: Iterable[str], *, io_uring: bool = False) -> None:
         self.ops = ops
         self.io_uring = io_uring  # asked for: requests through an io_uring where the kernel offers it
-        self.uring: Any = None  # the channel (epochfs.kernel.uring.Channel) once INIT set it up
+        self.uring: Channel | None = None  # once INIT set it up
         self.mountpoint = os.path.abspath(mountpoint)
         self.max_pages = request_pages()
         self.max_write = self.max_pages * PAGE  # (the read buffer holds the largest WRITE and its header)
@@ -264,25 +267,22 @@ class Session:
         self._send(reply)
 
     def _send(self, iov: list[bytes | memoryview]) -> None:
-        uring = self.uring
-        if uring is not None and uring.owns(abi.OUT_HEADER.unpack_from(iov[0])[2]):
-            try:
-                uring.answer(iov)
-            except TypeError:
-                log.exception("a reply could not be written")
-                uring.answer([abi.error(abi.OUT_HEADER.unpack_from(iov[0])[2], errno.EIO)])
-            except OSError as exc:
-                log.warning("reply failed: %s", exc)
-            return
+        """A reply, to ``/dev/fuse`` or, for a request the io_uring channel gave, into its entry."""
+        write = self._write
+        if self.uring is not None and self.uring.owns(abi.OUT_HEADER.unpack_from(iov[0])[2]):
+            write = self.uring.answer
         try:
-            os.writev(self.fd, iov)
+            write(iov)
         except TypeError:  # a handler's answer of the wrong kind: still an answer
             log.exception("a reply could not be written")
-            os.writev(self.fd, [abi.error(abi.OUT_HEADER.unpack_from(iov[0])[2], errno.EIO)])
+            write([abi.error(abi.OUT_HEADER.unpack_from(iov[0])[2], errno.EIO)])
         except OSError as exc:
             # ENOENT: the request was interrupted and is gone; ENODEV: unmounted
             if exc.errno not in (errno.ENOENT, errno.ENODEV, errno.EBADF):
                 log.warning("reply failed: %s", exc)
+
+    def _write(self, iov: list[bytes | memoryview]) -> None:
+        os.writev(self.fd, iov)
 
     def _init(self, req: abi.Request) -> None:
         a: abi.InitIn = req.args
@@ -321,7 +321,7 @@ class Session:
 
     # -- FUSE over io_uring (6.14; root lets servers use it) ----------------------------------------------
 
-    def _uring_channel(self, offered: int) -> Any:
+    def _uring_channel(self, offered: int) -> Channel | None:
         """The io_uring channel if it was asked for and the kernel offers it, else None (said why)."""
         if not self.io_uring:
             return None
@@ -337,7 +337,7 @@ class Session:
             log.warning("--io-uring: %s: requests go through /dev/fuse", exc)
             return None
 
-    async def _serve_uring(self, channel: Any) -> None:
+    async def _serve_uring(self, channel: Channel) -> None:
         """The channel's requests, as its eventfd says they came (the kernel moves every request to it
         once each of its queues has an entry registered)."""
         try:

@@ -325,10 +325,10 @@ class Channel:
     def answer(self, iov: list[bytes | memoryview]) -> None:
         """The answer to a request this channel gave (``iov[0]`` its out header): into its entry's
         buffers, committed with the next submission."""
-        head = iov[0]
-        _, error, unique = OUT_HEADER.unpack_from(head)
-        e = self._waiting.pop(unique)
+        _, error, unique = OUT_HEADER.unpack_from(iov[0])
+        e = self._waiting[unique]  # (kept until committed: an answer that fails here can be answered again)
         if self.closed:  # (unmounted while the request was answered: the kernel has let it go)
+            del self._waiting[unique]
             return
         size = 0
         if not error:
@@ -342,14 +342,10 @@ class Channel:
                 size += n
         e.headers[0:OUT_HEADER.size] = OUT_HEADER.pack(OUT_HEADER.size + size, error, unique)
         ENT_IN_OUT.pack_into(e.headers, HEADER_IN_OUT + HEADER_OP, 0, e.commit_id, size, 0)
+        del self._waiting[unique]
         e.last = CMD_COMMIT_AND_FETCH
         self.ring.push(e.sqe(self.fuse_fd))
         if not self._batching:
-            self.ring.submit()
-
-    def flush(self) -> None:
-        """Submit the answers written since the last submission."""
-        if not self.closed:
             self.ring.submit()
 
     def close(self) -> None:
