@@ -37,6 +37,7 @@ BENCHMARKS = [
     Benchmark("smallfiles", "peers", "smallfiles.py", r"smallfile"),
     Benchmark("warm-large", "peers", "readpath.py", r"(warm-large|warm-advise|restructure-paired)"),
     Benchmark("hot", "peers", "hot.py", r"hot"),
+    Benchmark("warmlarge", "peers", "warmlarge.py", r"warmlarge"),
     Benchmark("training", "training", "training.py", r"training"),
     Benchmark("packed", "training", "packed.py", r"packed(?!-warm-epoch-profiles)"),
     Benchmark("member-checks", "training", "member_checks.py", r"member-checks"),
