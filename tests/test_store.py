@@ -1,6 +1,7 @@
 """BlockStore without a mount: verification, atomic fills, capacity, recovery of a damaged index."""
 
 import errno
+import gc
 import os
 import time
 
@@ -737,6 +738,7 @@ def test_advice_is_made_off_the_calling_thread_lands_and_leaks_no_descriptor(tmp
 
     path = tmp_path / "f"
     path.write_bytes(os.urandom(8 << 20))
+    gc.collect()  # (what earlier tests left for the collector closes now, not while this one counts)
     before = len(os.listdir("/proc/self/fd"))
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
@@ -758,3 +760,28 @@ def test_advice_is_made_off_the_calling_thread_lands_and_leaks_no_descriptor(tmp
     finally:
         os.close(fd)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_advice_past_the_adviser_bound_is_dropped_counted_and_reported(tmp_path):
+    """Advice the adviser's queue has no room for is let go (its duplicate descriptor closed), counted,
+    and the count reaches the store's statistics and the metrics."""
+    import queue
+
+    from epochfs.daemon.metrics import METRICS
+
+    s = make(tmp_path)
+    full: queue.Queue = queue.Queue(1)
+    full.put(("/nonexistent", 0, 0))
+    s.adviser._queue, s.adviser._pid = full, os.getpid()  # (its thread never started: the queue stays full)
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    with open(path, "rb") as f:
+        for _ in range(3):
+            s.adviser.advise(f.fileno(), 0, 8192)
+        s.adviser.advise_path(str(path), 0, 8192)
+    assert len(os.listdir("/proc/self/fd")) == before  # (the file closed, and no duplicate left open)
+    assert s.statistics().advice_dropped == 4
+    assert "cache_advice_dropped" in METRICS
+    s.close()

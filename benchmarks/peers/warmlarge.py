@@ -115,7 +115,7 @@ def main() -> int:
 
 
 def paired(a: list[float], b: list[float]) -> str:
-    ratios = sorted(x / y for x, y in zip(a, b) if y)
+    ratios = sorted(x / y for x, y in zip(a, b, strict=True) if y)
     if not ratios:
         return "-"
     q = len(ratios) // 4

@@ -69,6 +69,7 @@ class StoreStats:
     read_errors: int
     not_admitted: int
     pinned_bytes: int
+    advice_dropped: int = 0  # read-ahead advice the adviser's queue had no room for (a hint let go)
 
 
 class CacheLocked(ConfigError):
@@ -570,4 +571,5 @@ class BlockStore:
             read_errors=self._read_errors,
             not_admitted=self._not_admitted,
             pinned_bytes=self.pinned,
+            advice_dropped=self.adviser.dropped,
         )

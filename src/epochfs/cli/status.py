@@ -222,7 +222,8 @@ def format_status(s: dict[str, Any]) -> str:
         f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
         f"{c['inflight']} in flight; {format_link(s['backend'].get('link'), '--backend-bandwidth')}",
         f"evictions  {st['evictions']} ({eviction_policy(s, serving)}); corrupt blocks {st['corrupt_blocks']}; "
-        f"fill errors {st['fill_errors']}",
+        f"fill errors {st['fill_errors']}" + (f"; read-ahead advice dropped {st['advice_dropped']} (its queue full)"
+                                              if st.get("advice_dropped") else ""),
         f"errors     {reader_errors(s)}",
         prefetch,
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),

@@ -70,6 +70,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "cache_evictions": ("counter", "Blocks evicted to make room."),
     "cache_corrupt_blocks": ("counter", "Cached blocks that failed verification and were dropped."),
     "cache_not_admitted": ("counter", "Fetched blocks the eviction policy chose not to cache (read through)."),
+    "cache_advice_dropped": ("counter", "Read-ahead advice on cached blocks let go because the adviser's queue was full "
+                                        "(a hint: the reader then waits for the disk itself)."),
     "prefetch_queued_bytes": ("gauge", "Bytes of the manifest plan ahead of the prefetch cursor, not yet fetched."),
     "prefetch_lead_seconds": ("gauge", "How long the reader can read from blocks already cached ahead of it."),
     "prefetch_lead_bytes": ("gauge", "Bytes cached contiguously ahead of the reader's manifest position."),
@@ -177,7 +179,7 @@ def sample_of(c: Collected) -> Sample:
         "cache_used_bytes": store.used_bytes, "cache_capacity_bytes": store.capacity_bytes,
         "cache_blocks": store.blocks, "cache_evictions": store.evictions,
         "cache_corrupt_blocks": store.corrupt_blocks, "cache_not_admitted": store.not_admitted,
-        "prefetch_queued_bytes": pf.queued_bytes, "prefetch_lead_bytes": pf.lead_bytes,
+        "cache_advice_dropped": store.advice_dropped, "prefetch_queued_bytes": pf.queued_bytes, "prefetch_lead_bytes": pf.lead_bytes,
         "prefetch_lead_seconds": pf.lead_seconds or 0.0, "prefetch_inflight": pf.inflight,
         "manifest_position": pf.file_position, "manifest_files": pf.files,
         "snapshot_version": snap.version, "snapshot_objects": snap.objects,
