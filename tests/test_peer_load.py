@@ -122,6 +122,30 @@ def test_a_client_keeps_to_its_gate_of_requests_in_flight_to_a_member():
     assert connections <= 3 + 1  # and as many connections (the gate's handles keep theirs), and the proof's
 
 
+def test_status_shows_each_members_requests_in_flight_its_limit_and_the_fetches_waiting():
+    from epochfs.cli.status import format_peer
+
+    client = PeerClient(KEYS, timeout=5.0)
+    client.START_INFLIGHT = 1
+    gate = client._gate("10.0.0.7:9570")
+    held = client._borrow("10.0.0.7:9570", gate, None)
+    waiter = threading.Thread(target=lambda: client._give_back(gate, client._borrow("10.0.0.7:9570", gate, None),
+                                                              4096, 0))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not gate.waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gates = client.gates()
+    client._give_back(gate, held, 4096, 0)
+    waiter.join(5)
+    assert gates == {"10.0.0.7:9570": {"in_flight": 1, "limit": 1, "waiting": 1}}
+    assert client.gates()["10.0.0.7:9570"] == {"in_flight": 0, "limit": 1, "waiting": 0}
+    peer = {"requests": {"ok": 1, "unavailable": 0, "bad": 0, "declined": 0, "served": 0, "rejected": 0},
+            "role": "client", "me": "client", "mode": "owned", "members": ["10.0.0.7:9570"], "down": [],
+            "store_reachable": True, "bytes_in": 1, "bytes_out": 0, "gates": gates}
+    assert "member 10.0.0.7:9570: 1 of 1 requests in flight, 1 waiting" in "\n".join(format_peer(peer))
+
+
 def test_the_gate_follows_the_members_rate():
     client = PeerClient(KEYS, timeout=5.0)
     gate = client._gate("m")

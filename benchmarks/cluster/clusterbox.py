@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -80,6 +81,7 @@ METRICS_PORT = 9567
 BUCKET, PREFIX, SOURCE = "bench", "ds/", "s3://bench/ds"
 REAL_NODE_LINK = 100e9 / 8  # bytes/s: the article's 100 Gbit NIC, what a box node link stands for
 STEADY = (0.1, 0.9)  # an epoch's steady part: from this fraction of its reads to that one
+PROBE_EVERY = 1.0  # seconds between samples of the GPU nodes' side in the steady part
 
 
 @dataclass(frozen=True)
@@ -388,6 +390,8 @@ class Box:
             (sync / f"go-{epoch}").touch()
             rows = {}
             steady: dict[float, Mark] = {}
+            probes: list[dict[str, float]] = []  # the GPU nodes' side, sampled in the steady part
+            probed = 0.0
             for i, p in procs.items():
                 while True:  # (a line per epoch; progress goes to the progress file)
                     progress = self._progress(sync, roots, epoch)
@@ -395,6 +399,9 @@ class Box:
                         if progress >= mark and mark not in steady:
                             steady[mark] = Mark(time.monotonic(), self.store.sent_bytes(), self._cache_sends(),
                                                 progress, host_cpu(), tuple(h.sent_bytes() for h in self.caches))
+                    if STEADY[0] in steady and STEADY[1] not in steady and time.monotonic() - probed >= PROBE_EVERY:
+                        probed = time.monotonic()
+                        probes += self._probe(roots)
                     if at_epoch is not None:
                         at_epoch(epoch, progress)
                     line = _readline(p, 0.2)
@@ -411,6 +418,8 @@ class Box:
                 mid = _steady(steady[STEADY[0]], steady[STEADY[1]], sc, self.dataset_bytes,
                               sum(self.caches[k].rate_out or 0 for k in serving),
                               max((self.caches[k].rate_out or 0 for k in serving), default=None))
+            if mid is not None and probes:
+                mid["gpu_side"] = {k: statistics.median(pr[k] for pr in probes) for k in probes[0]}
             tier = self._tier_counts()
             out.append({"epoch": epoch, "au": sum(r["au"] for r in rows.values()) / len(rows), "tier": tier,
                         "usage": {"gets": usage.gets, "lists": usage.lists, "bytes": usage.bytes}, "steady": mid,
@@ -425,6 +434,22 @@ class Box:
                 between(epoch)
         for p in procs.values():
             p.wait(timeout=60)
+        return out
+
+    def _probe(self, roots: dict[int, Path]) -> list[dict[str, float]]:
+        """Each GPU node's side of the tier now: the prefetcher's fetches in flight (and what Little's law
+        wants), its lead in seconds of reading, and its gates to the cache nodes (requests in flight,
+        their limits, fetches waiting for a handle), summed over the members."""
+        out = []
+        for i in roots:
+            with contextlib.suppress(Exception):
+                s = self.status(self.mounted[i])
+                pf, gates = s["prefetch"], ((s.get("peer") or {}).get("gates") or {}).values()
+                out.append({"inflight": pf["inflight"], "wanted_inflight": pf.get("wanted_inflight") or 0,
+                            "lead_seconds": pf.get("lead_seconds") or 0.0, "lead_mib": pf["lead_bytes"] / MiB,
+                            "gate_in_flight": sum(g["in_flight"] for g in gates),
+                            "gate_limit": sum(g["limit"] for g in gates),
+                            "gate_waiting": sum(g["waiting"] for g in gates)})
         return out
 
     def _tier_counts(self) -> dict[str, int]:
@@ -833,6 +858,18 @@ def report(out: dict[str, Any]) -> str:
                 links = " / ".join(f"{u:.2f}" for u in mid.get("cache_link_by_node") or []) or "-"
                 lines.append(f"| {s['name']} | {n} | {fmt(mid['wan_utilisation'])} | {links} | "
                              f"{fmt(mid.get('host_cpu'))} | {fmt(mid['pace'])} |")
+    lines += ["", "The GPU nodes' side in the steady part (medians of a sample a second of each node): the "
+              "prefetcher's fetches in flight and what Little's law wants of it, its lead, and its gates to the "
+              "cache nodes (requests in flight, their limits and fetches waiting, over the members):", "",
+              "| step | epoch | fetches in flight | wanted | lead s | lead MiB | gates in flight / limit | waiting |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s in out["steps"]:
+        for n, e in enumerate(s.get("epochs") or [], 1):
+            g = (e.get("steady") or {}).get("gpu_side")
+            if g:
+                lines.append(f"| {s['name']} | {n} | {g['inflight']:.0f} | {g['wanted_inflight']:.0f} | "
+                             f"{g['lead_seconds']:.1f} | {g['lead_mib']:.0f} | {g['gate_in_flight']:.0f} / "
+                             f"{g['gate_limit']:.0f} | {g['gate_waiting']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -304,6 +304,10 @@ def format_peer(p: dict[str, Any]) -> list[str]:
     refusing = p.get("refusing") or []
     for member in p["members"]:
         mark = " (this node)" if member == p["me"] else " (bypassed: not answering)" if member in p["down"] else ""
+        gate = (p.get("gates") or {}).get(member)
+        if gate and member != p["me"]:
+            mark += (f": {gate['in_flight']} of {gate['limit']} requests in flight"
+                     + (f", {gate['waiting']} waiting" if gate["waiting"] else ""))
         lines.append(f"           member {member}{mark}")
     if refusing:
         from epochfs.peer.members import REFUSED_FIX

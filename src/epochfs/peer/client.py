@@ -104,6 +104,16 @@ class PeerClient:
         self._gates: dict[str, _Gate] = {}
         self._gates_lock = threading.Lock()
 
+    def gates(self) -> dict[str, dict[str, int]]:
+        """Each member's gate now: requests in flight to it, its limit, fetches waiting for a handle."""
+        with self._gates_lock:
+            gates = dict(self._gates)
+        out = {}
+        for member, gate in gates.items():
+            with gate.lock:
+                out[member] = {"in_flight": gate.lent, "limit": gate.limit, "waiting": len(gate.waiting)}
+        return out
+
     def _new_curl(self) -> curlio.Easy:
         curl = curlio.Easy()
         curl.setopt(pycurl.PROXY, "")  # peers are on the cluster network, never behind a proxy

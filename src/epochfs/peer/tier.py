@@ -87,6 +87,7 @@ class PeerStats:
     store_error: str | None = None  # why the shared store did not answer the last heartbeat (a refused password...)
     load: tuple[MemberLoad, ...] = ()  # what the members this node reads from publish of their load
     closed: dict[str, int] | None = None  # connections this node's peer port closed, by why (None: no port)
+    gates: dict[str, dict[str, int]] | None = None  # member -> requests in flight to it, its limit, fetches waiting
 
 
 class PeerCache(Protocol):
@@ -247,7 +248,7 @@ class PeerTier:
                          dataset_bytes=share[1], cache_size_bytes=own,
                          tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks,
                          refusing=self.members.refusing(), store_error=self.members.unreachable,
-                         closed=dict(served.closed) if served is not None else None)
+                         closed=dict(served.closed) if served is not None else None, gates=self.client.gates())
 
 
 class PeerAnswers:
