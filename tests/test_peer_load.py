@@ -154,7 +154,7 @@ def test_the_gate_follows_the_members_rate():
         for k in range(20):  # 20 MiB in the last 2 s: 10 MiB/s
             gate.done.append((now - 2 + k * 0.1, 1 << 20))
         client._sized(gate, 1 << 20)
-        assert gate.limit == 5  # 10 MiB/s x 0.5 s in 1 MiB blocks
+        assert gate.limit == 3  # 10 MiB/s x 0.25 s in 1 MiB blocks, rounded up
         gate.done.clear()
         for k in range(20):
             gate.done.append((now - 1 + k * 0.05, 64 << 20))

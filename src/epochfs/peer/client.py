@@ -6,7 +6,13 @@ pool of handles (each with its kept-alive connection), so a node has at most the
 requests in flight to a member and as many connections to it, whatever its fetch concurrency. The gate
 is sized by what the member's link carries: the bytes per second its answers arrived at over the last
 seconds, times ``HIDE`` (the latency an answer in flight should hide), in blocks of the size asked
-(``MIN_INFLIGHT`` to ``MAX_INFLIGHT``; ``START_INFLIGHT`` until it is measured). A fetch waits for a
+(``MIN_INFLIGHT`` to ``MAX_INFLIGHT``; ``START_INFLIGHT`` until it is measured). Few: one download
+already carries 0.94-0.96 of a full link (``benchmarks/cluster/goodput.py``), so on a member whose link
+binds every request past a couple is queue, shared by every node asking it, and the block a reader
+waits for crosses the link at its share of all of them; with the cluster box's busy step at 0.89 of
+two cache nodes' links, 2 to start and at least (a quarter second of the rate) instead of 8 and 4
+(half a second) took the links from 0.76 to 0.85 busy and the epoch's AU from 0.90 to 0.93, the
+warm tier's from 0.96 to 0.99 (``benchmarks/cluster/results/``, quick boxes 11 and 12). A fetch waits for a
 handle (a node's own queue: no fault of the member) at most ``WAIT`` times the tier's timeout, then the
 member counts as busy. A handle that comes free goes to a fetch a reader waits for (``urgent``) before
 the prefetches queued ahead of it, else to the fetch waiting longest. Proofs (hellos) bypass the gate.
@@ -87,10 +93,10 @@ class _Gate:
 
 class PeerClient:
     CONNECT_TIMEOUT = 0.5
-    START_INFLIGHT = 8
-    MIN_INFLIGHT = 4
+    START_INFLIGHT = 2
+    MIN_INFLIGHT = 2
     MAX_INFLIGHT = 32
-    HIDE = 0.5  # seconds of a member's rate kept in flight
+    HIDE = 0.25  # seconds of a member's rate kept in flight
     WINDOW = 3.0  # seconds of answers the rate is measured over
     WAIT = 4.0  # a fetch waits for a handle at most this many timeouts
     TOTAL = 4.0  # a request takes at most this many timeouts in all
