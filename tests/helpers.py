@@ -19,7 +19,7 @@ from typing import Any
 
 from epochfs.backend.base import Backend, BackendStats
 from epochfs.control import request
-from epochfs.dev.sample import pattern
+from epochfs.dev.sample import drop_file_pages, pattern
 
 EPOCHFS = [sys.executable, "-m", "epochfs"]
 
@@ -90,15 +90,6 @@ def read_all(path: Path, read_size: int = 1 << 20) -> bytes:
     return b"".join(chunks)
 
 
-def drop_page_cache(path: Path) -> None:
-    """Evict a file's pages from the kernel page cache (so the next read reaches the daemon)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def run_with_deadline(fn, seconds: float):  # type: ignore[no-untyped-def]
     """Run ``fn`` in a thread; fail if it does not return within ``seconds`` (a read must never hang)."""
     box: dict[str, Any] = {}
@@ -125,7 +116,7 @@ def errno_of(exc: BaseException) -> int | None:
     return exc.errno if isinstance(exc, OSError) else None
 
 
-__all__ = ["Mount", "read_all", "drop_page_cache", "run_with_deadline", "errno_of", "errno"]
+__all__ = ["Mount", "read_all", "drop_file_pages", "run_with_deadline", "errno_of", "errno"]
 
 
 #: Taken exclusively for each test marked ``page_cache``, by every process of the suite (and any other

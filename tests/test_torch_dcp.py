@@ -18,7 +18,7 @@ from epochfs import Client
 from epochfs.dev.servers import free_ports
 
 from .conftest import requires_fuse
-from .helpers import drop_page_cache
+from .helpers import drop_file_pages
 
 pytest.importorskip("torch")
 pytestmark = requires_fuse
@@ -67,7 +67,7 @@ def test_dcp_saves_and_loads_through_a_writeback_mount(s3_client, fresh_bucket, 
     assert keys == {f"run/step-3/{n}": size for n, size in files.items()}
     wait_kept(m)
     for p in ckpt.iterdir():
-        drop_page_cache(p)
+        drop_file_pages(p)
     before = backend_read(m)
     ranks("load", ckpt, 3)  # the node that saved it: from its cache
     assert backend_read(m) - before <= 0.02 * sum(files.values())

@@ -21,7 +21,7 @@ from epochfs.dev.servers import LocalRedis
 
 from .conftest import requires_fuse
 from .faultproxy import Fault, FaultProxy
-from .helpers import EPOCHFS, Mount, drop_page_cache, read_all
+from .helpers import EPOCHFS, Mount, drop_file_pages, read_all
 
 pytestmark = requires_fuse
 
@@ -386,7 +386,7 @@ def test_a_checkpoint_is_restored_on_the_node_that_saved_it_without_the_backend(
     total = sum(len(d) for d in shards.values())
     assert keys_of(s3_client, fresh_bucket, "ckpt/step-9/") == {f"ckpt/{n}": len(d) for n, d in shards.items()}
     for name in shards:
-        drop_page_cache(m.path(name))
+        drop_file_pages(m.path(name))
     before = backend_read(m)
     for name, data in shards.items():
         assert read_all(m.path(name), 65_537) == data
@@ -409,7 +409,7 @@ def test_a_checkpoint_larger_than_the_cache_is_restored_byte_exact(s3_client, fr
     m.path("second.pt").write_bytes(data[::-1])
     assert sync(m).returncode == 0
     for name, want in (("big.pt", data), ("second.pt", data[::-1])):
-        drop_page_cache(m.path(name))
+        drop_file_pages(m.path(name))
         assert read_all(m.path(name), 131_071) == want
     assert body(s3_client, fresh_bucket, "ckpt/big.pt") == data
 

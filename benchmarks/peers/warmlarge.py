@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -32,21 +31,12 @@ from contenders import Contender, Epochfs, proc_usage  # noqa: E402
 from readpath import Floor  # noqa: E402
 from workloads import drop_page_cache, log, save_results, seq_read, start_run  # noqa: E402
 
-from epochfs.dev.sample import SampleFile, upload, write_tree  # noqa: E402
+from epochfs.dev.sample import SampleFile, drop_file_pages, upload, write_tree  # noqa: E402
 from epochfs.dev.servers import LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 REGIMES = ("memory", "disk")
-
-
-def drop_file_pages(path: Path) -> None:
-    """The page cache's pages of one file dropped (clean pages: a read-only mount's all are)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ keeping the data. Used by the demo, the tests and the benchmarks.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -82,3 +83,12 @@ def write_tree(root: str, files: list[SampleFile]) -> None:
         with open(path, "wb") as out:
             out.write(f.content())
 
+
+def drop_file_pages(path: Any) -> None:
+    """Evict one file's clean pages from the kernel page cache (POSIX_FADV_DONTNEED), so the next read
+    of it reaches its file system (a mount's: its daemon) and nothing else is dropped."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
