@@ -258,9 +258,12 @@ def test_a_cluster_on_paper_follows_its_links():
     assert plain["epoch1"]["au"] == pytest.approx(25 / 32) and plain["epoch1"]["wan_utilisation"] == 1.0
     assert plain["epoch1"]["bound"] == "the object store's link"
     assert plain["epoch2"]["backend_bytes_per_dataset"] == pytest.approx(0.75)  # each node held a quarter
-    # warmed cache nodes: nothing over the WAN; their links 40% busy; every GPU fed
-    assert warm["epoch1"] == warm["epoch2"]
+    # warmed cache nodes: nothing over the WAN; their links 40% busy; every GPU fed; in a later epoch
+    # each node finds the quarter it read before in its own cache: the cache nodes' links carry the rest
     assert warm["epoch1"]["wan_utilisation"] == 0 and warm["epoch1"]["cache_node_link_utilisation"] == pytest.approx(0.4)
+    assert warm["epoch2"]["cache_node_link_utilisation"] == pytest.approx(0.3)
+    assert warm["epoch2"]["node_link_utilisation"] == pytest.approx(0.75 * 8 / 40) and warm["epoch2"]["au"] == 1.0
+    assert plain["epoch2"]["node_link_utilisation"] == pytest.approx(0.75 * 8 / 40)  # (24 of the WAN's 25 MiB/s: AU 1)
     assert warm["epoch1"]["au"] == 1.0 and warm["epoch1"]["bound"] == "none"
     assert warm["warmup_seconds"] == pytest.approx(512 / 25)
     assert cold["epoch1"]["au"] == pytest.approx(25 / 32) and cold["epoch2"]["au"] == 1.0

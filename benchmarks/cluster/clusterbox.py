@@ -788,9 +788,14 @@ def compare(steps: list[dict[str, Any]], pred: dict[str, Any], sc: Scale) -> lis
     row("warm: WAN utilisation, epoch 1 (steady part)", pred["warm"]["epoch1"]["wan_utilisation"],
         by["warm-cache-nodes"]["backend_link_steady"])
     row("warm: AU, epoch 1", pred["warm"]["epoch1"]["au"], by["warm-cache-nodes"]["au_epoch1"])
+    for n in (1, 2):  # (a later epoch finds each node's own share in its cache: the links carry the rest)
+        if len(by["warm-cache-nodes"]["epochs"]) >= n:
+            row(f"warm: cache links, epoch {n} (steady part)", pred["warm"][f"epoch{n}"]["cache_node_link_utilisation"],
+                _carried(by["warm-cache-nodes"], n - 1).get("cache_link_utilisation"))
     busy, scaled = _carried(by["scaled-out"], 0), _carried(by["scaled-out"], 1)
-    row("scaled-out: cache links, two nodes (sent)", pred["busy"]["epoch1"]["cache_node_link_utilisation"],
-        by["scaled-out"]["cache_link_utilisation_busy"])
+    last = min(2, len(by["scaled-out"].get("busy_epochs") or [None]))  # (the busy epoch measured: the last)
+    row(f"scaled-out: cache links, two nodes (sent, epoch {last})",
+        pred["busy"][f"epoch{last}"]["cache_node_link_utilisation"], by["scaled-out"]["cache_link_utilisation_busy"])
     row("scaled-out: cache links, two nodes (the readers' pace)", pred["busy"]["epoch1"]["cache_node_link_utilisation"],
         busy.get("cache_link_carried"))
     row("scaled-out: cache links, three nodes (sent)", pred["scaled"]["epoch1"]["cache_node_link_utilisation"],

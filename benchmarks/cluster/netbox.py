@@ -28,12 +28,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import latency_proxy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # (whoever imports this module)
+import latency_proxy  # noqa: E402
 
 SUBNET = "198.18.0"
 NETNS_DIR = Path("/var/run/netns")
