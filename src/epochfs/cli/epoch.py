@@ -386,7 +386,7 @@ def cluster_lines(result: dict[str, Any]) -> list[str]:
              + (f" (planned with {result['cache_nodes']})" if result["cache_nodes"] != result["cache_nodes_needed"] else ""),
              "assumptions: every GPU asks its rate the whole epoch (data-parallel, each epoch reads the dataset "
              "once in a fresh order, prefetched with the order handed over: latency hidden); a link carries its "
-             "rate in full; the plain set-up's later epochs hit only what each node read before (1/nodes); "
+             "rate in full; a later epoch finds only what each node read before (1/nodes) in its own cache, in every set-up; "
              "cache nodes hold the whole dataset (warm) or fetch it once (cold)",
              "", f"{'set-up':<22} {'epoch':>5} {'object store link':>18} {'cache node links':>17} {'GPU node link':>14} "
              f"{'WAN bytes/dataset':>18} {'AU':>5}  bound"]
