@@ -146,6 +146,27 @@ def test_status_shows_each_members_requests_in_flight_its_limit_and_the_fetches_
     assert "member 10.0.0.7:9570: 1 of 1 requests in flight, 1 waiting" in "\n".join(format_peer(peer))
 
 
+def test_warm_requests_hold_no_handle_a_block_fetch_needs():
+    """A warm request waits while the member fetches the block, possibly from this node: with every
+    handle of the block gate held, a warm request to the same member still goes (its own gate), and
+    warm requests held never starve a block fetch (two members warming each other would otherwise each
+    hold every handle to the other, their fetches waiting for one)."""
+    client = PeerClient(KEYS, timeout=5.0)
+    client.START_INFLIGHT = 1
+    blocks = client._gate("m")
+    held = client._borrow("m", blocks, None)
+    warm = client._gate("m", warm=True)
+    assert warm is not blocks and warm.limit == client.WARM_INFLIGHT
+    handles = [client._borrow("m", warm, None) for _ in range(client.WARM_INFLIGHT)]  # (none waits)
+    assert blocks.lent == 1 and warm.lent == client.WARM_INFLIGHT
+    client._give_back(blocks, held, 4096, 0)
+    again = client._borrow("m", blocks, None)  # every warm handle held: a block fetch still goes
+    client._give_back(blocks, again, 4096, 0)
+    for h in handles:
+        client._give_back(warm, h, 4096, 0)
+    assert list(client.gates()) == ["m"]  # (status lists the block gates)
+
+
 def test_the_gate_follows_the_members_rate():
     client = PeerClient(KEYS, timeout=5.0)
     gate = client._gate("m")

@@ -16,6 +16,9 @@ warm tier's from 0.96 to 0.99 (``benchmarks/cluster/results/``, quick boxes 11 a
 handle (a node's own queue: no fault of the member) at most ``WAIT`` times the tier's timeout, then the
 member counts as busy. A handle that comes free goes to a fetch a reader waits for (``urgent``) before
 the prefetches queued ahead of it, else to the fetch waiting longest. Proofs (hellos) bypass the gate.
+Warm requests (answered once the member holds the block, which it may fetch from this node) go through a
+gate of their own, ``WARM_INFLIGHT`` wide: sharing the block gate, two members each warming the other
+held every handle to each other while their fetches waited for one, until the requests timed out.
 
 A request is bounded by progress: an answer that moves fewer than ``LOW_SPEED`` bytes a second for the
 tier's timeout is given up (a member that died or stopped sending costs at most that), and by
@@ -97,6 +100,7 @@ class PeerClient:
     MIN_INFLIGHT = 2
     MAX_INFLIGHT = 32
     HIDE = 0.25  # seconds of a member's rate kept in flight
+    WARM_INFLIGHT = 8  # warm requests in flight to a member (their answers carry no bytes to size it by)
     WINDOW = 3.0  # seconds of answers the rate is measured over
     WAIT = 4.0  # a fetch waits for a handle at most this many timeouts
     TOTAL = 4.0  # a request takes at most this many timeouts in all
@@ -107,7 +111,7 @@ class PeerClient:
         self.timeout = timeout
         self._local = threading.local()
         self._since: dict[str, int] = {}  # member -> the second it started (from its hello)
-        self._gates: dict[str, _Gate] = {}
+        self._gates: dict[tuple[str, bool], _Gate] = {}  # (member, warm requests) -> its gate
         self._gates_lock = threading.Lock()
 
     def gates(self) -> dict[str, dict[str, int]]:
@@ -115,9 +119,10 @@ class PeerClient:
         with self._gates_lock:
             gates = dict(self._gates)
         out = {}
-        for member, gate in gates.items():
-            with gate.lock:
-                out[member] = {"in_flight": gate.lent, "limit": gate.limit, "waiting": len(gate.waiting)}
+        for (member, warm), gate in gates.items():
+            if not warm:
+                with gate.lock:
+                    out[member] = {"in_flight": gate.lent, "limit": gate.limit, "waiting": len(gate.waiting)}
         return out
 
     def _new_curl(self) -> curlio.Easy:
@@ -132,11 +137,14 @@ class PeerClient:
             curl = self._local.curl = self._new_curl()
         return curl
 
-    def _gate(self, member: str) -> _Gate:
+    def _gate(self, member: str, warm: bool = False) -> _Gate:
+        """``member``'s gate for block requests, or (``warm``) its gate for warm requests: these wait
+        while the member fetches the block, possibly from this node, so sharing the handles that fetch
+        needs could leave two members each holding every handle to the other, all waiting."""
         with self._gates_lock:
-            gate = self._gates.get(member)
+            gate = self._gates.get((member, warm))
             if gate is None:
-                gate = self._gates[member] = _Gate(self.START_INFLIGHT)
+                gate = self._gates[member, warm] = _Gate(self.WARM_INFLIGHT if warm else self.START_INFLIGHT)
             return gate
 
     def _sized(self, gate: _Gate, size: int) -> None:
@@ -178,7 +186,7 @@ class PeerClient:
     def get(self, member: str, req: wire.BlockRequest, urgent: Callable[[], bool] | None = None) -> bytes | None:
         """The block's bytes (None for a warm request, once the owner has it); :class:`PeerFailure`.
         ``urgent``: whether a reader waits for the block now (asked when it waits for a handle)."""
-        gate = self._gate(member)
+        gate = self._gate(member, req.warm)
         curl: curlio.Easy | None = self._borrow(member, gate, urgent)
         got = 0
         try:
