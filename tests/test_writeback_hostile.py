@@ -579,3 +579,34 @@ def test_the_reserved_name_is_found_in_any_key():
     ns = build([ObjectInfo(k, 1, 0, '"e"') for k in keys])
     held = [f.obj.key for f in ns.files()]
     assert held and not any(".epochfs" in k.split("/") for k in held)
+
+
+def test_sync_answers_a_name_in_another_users_private_directory_as_a_missing_one(s3_client, fresh_bucket,
+                                                                                   mount_factory, shared_dir):
+    """``sync`` names nothing its caller could not reach: a real file in another user's 0700 directory
+    and a name that is nowhere get the same answer (and exit code), so guesses pick out nothing."""
+    python = "/usr/bin/python3"
+    site = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "python3.11" / "site-packages"
+    if not os.path.exists(python) or not site.is_dir():
+        pytest.skip("needs /usr/bin/python3 and the virtualenv's site-packages for the other user")
+    m = shared_mount(mount_factory, shared_dir, f"s3://{fresh_bucket}/ckpt", "--dir-mode", "1777")
+    m.start()
+    home = m.path("home-secB")
+    home.mkdir()
+    os.chmod(home, 0o700)
+    (home / "project-falcon.pt").write_bytes(b"plans")
+    env = f"PYTHONPATH={Path(__file__).resolve().parents[1] / 'src'}:{site}"
+
+    def sync_as_nobody(path: Path) -> subprocess.CompletedProcess[str]:
+        return as_nobody("env", env, "HOME=/tmp", python, "-m", "epochfs", "sync", str(m.mountpoint), str(path),
+                         "--timeout", "5")
+
+    real, guess = sync_as_nobody(home / "project-falcon.pt"), sync_as_nobody(home / "project-x.pt")
+    assert real.returncode == guess.returncode != 0, (real, guess)
+    assert real.stdout + real.stderr == (guess.stdout + guess.stderr).replace("project-x", "project-falcon")
+    assert "not in the mount" in real.stderr
+    mine = m.path("shared-nobody.pt")  # (what the caller may reach is answered as before)
+    assert as_nobody("sh", "-c", f"echo hi > {mine}").returncode == 0
+    assert sync_as_nobody(mine).returncode == 0
+    assert sync(m).returncode == 0
+    m.stop()

@@ -289,8 +289,15 @@ class ControlHandlers:
         wb = self.writeback
         if wb is None:  # a read-only mount owes the backend nothing
             return {"writeback": False, "pending": [], "pending_total": 0, "pending_bytes": 0}
+        # A name the caller may not reach (a directory on its way it may not search) is answered exactly
+        # as one that is not there: sync tells nobody whether another user's private name exists.
+        access = None if caller.operator else PathAccess(wb.tree.resolve, self.presented or (lambda node: (0, 0, 0)),
+                                                         caller)
         for path in request.paths:
-            if path and wb.tree.resolve(path) is None and not wb.pending([path]):
+            if not path:
+                continue
+            there = wb.tree.resolve(path) is not None or bool(wb.pending([path]))
+            if not there or access is not None and not access.searchable(path.rpartition("/")[0]):
                 raise ConfigError(f"{path!r} is not in the mount")
         paths = list(request.paths)
         if not caller.operator:
