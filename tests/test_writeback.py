@@ -523,3 +523,45 @@ def test_random_operations_match_a_model(wb_mount, s3_client, fresh_bucket, moun
     fresh.start()
     for key, data in files.items():
         assert read_all(fresh.path(key), 70_001) == data, key
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_sync_against_an_unreachable_store_waits_names_it_and_publishes_when_it_returns(s3_client, fresh_bucket,
+                                                                                         mount_factory, tmp_path):
+    """The shared store goes away under ``sync``: the publisher backs off instead of being asked again
+    at the client's pace (no hot loop: a few log lines, little CPU), ``sync --timeout`` ends with an
+    error naming the store, and once it is back the upload is published (a fresh node finds it)."""
+    redis_server = LocalRedis(tmp_path / "redis").start()
+    try:
+        source = f"s3://{fresh_bucket}/ckpt"
+        s3_client.put_object(Bucket=fresh_bucket, Key="ckpt/config.json", Body=b"{}")
+        m = mount_factory(source, "--writeback", "--meta", redis_server.url, name="a", cache_dir=tmp_path / "ca")
+        subprocess.run([*EPOCHFS, "import", source, "--meta", redis_server.url, "--endpoint-url",
+                        m.args[m.args.index("--endpoint-url") + 1]], check=True, capture_output=True, env=m.env)
+        m.start()
+        data = random.Random(3).randbytes(MiB + 11)
+        redis_server.client().save()  # (kept on disk: the store comes back with what it held)
+        redis_server.stop()
+        m.path("during.pt").write_bytes(data)
+        pid = daemon_pid(m)
+        cpu, started = _cpu_seconds(pid), time.monotonic()
+        r = sync(m, "--timeout", "8", timeout=60)
+        took, used = time.monotonic() - started, _cpu_seconds(pid) - cpu
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert f"metadata store redis://127.0.0.1:{redis_server.port}" in r.stderr, r.stderr
+        assert took < 30, took  # (its timeout, and a round of the daemon's)
+        assert used < 0.4 * took, (used, took)  # waiting, not asking the store in a loop
+        assert m.log().count("could not publish") <= 2, m.log()[-3000:]
+        redis_server.start()
+        assert sync(m, "--timeout", "90", timeout=150).returncode == 0
+        assert "the metadata store answers again" in m.log()
+        late = mount_factory(source, "--meta", redis_server.url, name="late", cache_dir=tmp_path / "cl")
+        late.start()
+        assert late.path("during.pt").read_bytes() == data
+    finally:
+        redis_server.stop()

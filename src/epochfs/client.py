@@ -134,9 +134,11 @@ class Client:
             if deadline is not None and time.monotonic() >= deadline:
                 from epochfs.writeback.owed import pending_summary
 
+                store = f"; {reply['publish_error']}" if reply.get("publish_error") else ""
                 raise NotDurable(f"{reply['pending_total']} still pending ({human(reply['pending_bytes'])}) after "
-                                 f"{timeout:g}s: {pending_summary(reply['pending'], reply['pending_total'])}; they "
-                                 "are kept and uploaded as the backend allows", reply)
+                                 f"{timeout:g}s: {pending_summary(reply['pending'], reply['pending_total'])}{store}; "
+                                 "they are kept and uploaded (and published) as the backend and the store allow",
+                                 reply)
             if progress is not None:
                 progress(reply)
 

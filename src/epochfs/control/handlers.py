@@ -312,7 +312,8 @@ class ControlHandlers:
         left = failed + [x for x in left if x not in failed]  # what will never upload is listed first
         return {"writeback": True, "pending": [dataclasses.asdict(x) for x in left[:MAX_PENDING_LISTED]],
                 "pending_total": len(left), "pending_bytes": sum(x.bytes for x in left),
-                "failed_total": len(failed)}
+                "failed_total": len(failed),
+                "publish_error": wb.publish_error if any(x.state == "to publish" for x in left) else None}
 
 
 def job_of(j: JobStats, handed_by: dict[int | None, float] | None = None) -> dict[str, Any]:

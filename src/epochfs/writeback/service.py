@@ -551,6 +551,11 @@ class WriteBack:
         """See :meth:`Uploads.sync`."""
         return await self.uploads.sync(prefixes, seconds)
 
+    @property
+    def publish_error(self) -> str | None:
+        """Why the metadata store refused the last publication (None: it did not)."""
+        return self.uploads.publish_error
+
     def room(self) -> int:
         """Bytes that may still be written before writers get ENOSPC."""
         return self.owed.room()

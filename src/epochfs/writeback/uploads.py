@@ -105,6 +105,10 @@ class Uploads:
         self.demand_waiting = demand_waiting
         self.publish = publish
         self._batch: tuple[str, dict[str, ObjectInfo], set[str]] | None = None  # (name, added, removed) to retry
+        # A store that refuses publications: the error, how many tries in a row failed, when the next is due.
+        self.publish_error: str | None = None
+        self._publish_failed = 0
+        self._publish_at = 0.0
         self.fail = fail
         self.keep = keep
         self._recorded: set[tuple[str, int, int, int]] = set()  # directories' attribute records written
@@ -346,7 +350,7 @@ class Uploads:
     async def _publisher(self) -> None:
         while True:
             await self.owed.publish_now.wait()
-            await trio.sleep(self.PUBLISH_INTERVAL)
+            await trio.sleep(max(self.PUBLISH_INTERVAL, self._publish_at - time.monotonic()))
             self.owed.publish_now = trio.Event()
             await self.publish_pending()
 
@@ -359,12 +363,18 @@ class Uploads:
                 return
             self._batch = (uuid.uuid4().hex, added, removed)
         publication, added, removed = self._batch
+        if self.publish_error is not None and time.monotonic() < self._publish_at:
+            return  # (a store that refused the last try is asked again at the backoff's pace, whoever asks)
         try:
             await self.publish(added, removed, publication)
         except EpochfsError as exc:
-            log.warning("could not publish %d uploads and %d deletes (%s); retrying", len(added), len(removed), exc)
+            self._publish_refused(str(exc), len(added), len(removed))
             self.owed.publish_now.set()
             return
+        if self.publish_error is not None:
+            log.warning("published %d uploads and %d deletes: the metadata store answers again (after %d failed "
+                        "tries)", len(added), len(removed), self._publish_failed)
+            self.publish_error, self._publish_failed = None, 0
         self._batch = None
         self.journal.published(set(added), removed)
         for key, obj in added.items():
@@ -386,7 +396,8 @@ class Uploads:
         """Wait until nothing under ``prefixes`` is owed to the backend (and what was uploaded is
         published), at most ``seconds``; what is still pending. Files closed but settling are uploaded
         at once, and failed ones retried at once (once per request: a caller waiting in rounds retries
-        at the pace of its rounds, not faster)."""
+        at the pace of its rounds, not faster). A store that refuses publications is asked again at the
+        publisher's backoff, not at the caller's pace (:attr:`publish_error` says why, meanwhile)."""
         for f in self.owed.files.values():
             self.owed.not_before.pop(f.id, None)
         with trio.move_on_after(seconds):
@@ -400,7 +411,22 @@ class Uploads:
             for _ in range(2):  # (a batch tried before, then what came after it)
                 if self.owed.uploaded or self.owed.deleted:
                     await self.publish_pending()
+            while self.publish_error is not None and any(p.state == "to publish" for p in self.owed.pending(prefixes)):
+                await trio.sleep(max(0.0, self._publish_at - time.monotonic()))  # (the deadline ends it)
+                await self.publish_pending()
         return self.owed.pending(prefixes)
+
+    def _publish_refused(self, why: str, added: int, removed: int) -> None:
+        """A publication failed: the next try waits (doubling from ``RETRY_MIN`` to ``RETRY_MAX``), and
+        the log says so once per change of state (the first failure, a new reason), with the count."""
+        self._publish_failed += 1
+        backoff = min(self.RETRY_MAX, self.RETRY_MIN * 2 ** min(self._publish_failed - 1, 16))
+        self._publish_at = time.monotonic() + backoff
+        if why != self.publish_error:
+            log.warning("could not publish %d uploads and %d deletes (%s); trying again with backoff (up to %gs), "
+                        "nothing is lost (%d failed tries so far)", added, removed, why, self.RETRY_MAX,
+                        self._publish_failed)
+        self.publish_error = why
 
     def close(self, wait: float = 5.0) -> None:
         """Stop: every upload is cancelled (the journal keeps what is owed; a multipart upload cut off is
