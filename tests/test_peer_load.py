@@ -25,12 +25,12 @@ BLOCK = bytes(range(256)) * 4096  # 1 MiB
 class Port:
     """A peer port on 127.0.0.1 in a thread of its own, its answers after ``delay`` seconds."""
 
-    def __init__(self, *, slots: int, busy: int, delay: float = 0.0, stall: float | None = None) -> None:
+    def __init__(self, *, slots: int, waiting: int = 64, delay: float = 0.0, stall: float | None = None) -> None:
         self.delay = delay
         self.inflight = self.most = 0
         self._ready = threading.Event()
         self._stop: trio.Event | None = None
-        server_cls = type("Small", (PeerServer,), {"MAX_CONNECTIONS": slots, "BUSY_CONNECTIONS": busy,
+        server_cls = type("Small", (PeerServer,), {"MAX_CONNECTIONS": slots, "UNAUTHENTICATED": waiting,
                                                    **({"STALL": stall} if stall is not None else {})})
         self.server = server_cls("127.0.0.1", 0, KEYS, lambda: self.addr, self.serve)
         self.addr = ""
@@ -95,7 +95,7 @@ def ask_all(clients: list[PeerClient], addr: str, n: int) -> tuple[list[bytes | 
 
 
 def test_a_full_port_answers_busy_and_no_answer_being_sent_is_cut_off():
-    port = Port(slots=4, busy=16, delay=0.3)
+    port = Port(slots=4, delay=0.3)
     try:
         clients = [PeerClient(KEYS, timeout=5.0) for _ in range(12)]  # twelve members, one request each
         got, failed = ask_all(clients, port.addr, 12)
@@ -109,7 +109,7 @@ def test_a_full_port_answers_busy_and_no_answer_being_sent_is_cut_off():
 
 
 def test_a_client_keeps_to_its_gate_of_requests_in_flight_to_a_member():
-    port = Port(slots=64, busy=16, delay=0.2)
+    port = Port(slots=64, delay=0.2)
     try:
         client = PeerClient(KEYS, timeout=5.0)
         client.START_INFLIGHT = client.MIN_INFLIGHT = client.MAX_INFLIGHT = 3
@@ -237,18 +237,71 @@ def test_idle_kept_alive_connections_give_up_their_slots_first_and_busy_ones_are
     async def main():
         slots = Slots(3)
         a, b, c = slots.take(), slots.take(), slots.take()
-        for s in (a, b, c):
-            s.earned = True
+        assert all(slots.earn(s) for s in (a, b, c))
         b.idle = True
-        d = slots.take()  # the idle one gives way
-        assert d is not None and b.scope.cancel_called and not a.scope.cancel_called
-        d.earned = True
-        assert slots.take() is None  # every slot earned and working: refused (the port then says busy)
+        d = slots.take()
+        assert slots.earn(d)  # the idle one gives way
+        assert b.scope.cancel_called and not a.scope.cancel_called
+        e = slots.take()
+        assert not slots.earn(e)  # every slot earned and working: refused (the port then says busy)
+        assert not any(s.scope.cancel_called for s in (a, c, d, e))
     trio.run(main)
 
 
+def test_connections_that_never_ask_push_out_only_each_other():
+    async def main():
+        slots = Slots(2, waiting=3)
+        member = slots.take()
+        assert slots.earn(member)
+        silent = [slots.take() for _ in range(3)]
+        newest = [slots.take() for _ in range(3)]  # each a new one: the oldest unearned one gives way
+        assert all(s.scope.cancel_called for s in silent) and slots.evicted == 3
+        assert not member.scope.cancel_called and not any(s.scope.cancel_called for s in newest)
+        assert slots.earn(newest[0]) and len(slots) == 4  # (two earned, two still waiting)
+    trio.run(main)
+
+
+def test_a_flood_of_connections_without_the_token_never_closes_a_members_request():
+    """A client without the token opening connections as fast as it can and sending nothing (each new one
+    young, so no grace protects anything): the members' signed requests are all answered, none closed
+    unanswered or failed, and the member is never told anything but the blocks (round 5's guard)."""
+    port = Port(slots=8, waiting=64, delay=0.01)
+    stop = threading.Event()
+    opened = [0]
+
+    def flood() -> None:
+        held: list[socket.socket] = []
+        while not stop.is_set():
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port.server.port), timeout=2))
+                opened[0] += 1
+            except OSError:
+                time.sleep(0.001)
+            if len(held) > 400:
+                held.pop(0).close()
+        for s in held:
+            s.close()
+
+    flooders = [threading.Thread(target=flood) for _ in range(4)]
+    try:
+        for t in flooders:
+            t.start()
+        time.sleep(0.5)
+        clients = [PeerClient(KEYS, timeout=5.0) for _ in range(4)]
+        got, failed = ask_all(clients, port.addr, 80)
+        stats = port.server.stats
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join(10)
+        port.close()
+    assert opened[0] > 400, opened  # (the flood happened: past every pool)
+    assert not failed and all(g == BLOCK for g in got), failed[:5]
+    assert stats.closed["evicted"] > 0  # the flood's connections pushed each other out
+
+
 def test_an_answer_that_moves_no_byte_is_closed_and_counted():
-    port = Port(slots=8, busy=4, stall=1.0)
+    port = Port(slots=8, stall=1.0)
     try:
         prover = PeerClient(KEYS, timeout=5.0)
         prover.hello(port.addr, 5.0)

@@ -434,8 +434,6 @@ class MetricsServer:
     async def _serve(self, stream: trio.SocketStream) -> None:
         async with stream:
             slot = self._slots.take()
-            if slot is None:
-                return  # every slot is answering a scrape: closed at once, so they cannot eat our descriptors
             try:
                 with slot.scope:
                     await self._answer(stream, slot)
@@ -451,7 +449,8 @@ class MetricsServer:
                     if not chunk:
                         return
                     head += chunk
-            slot.earned = True  # a whole request: no new connection takes this slot now
+            if not self._slots.earn(slot):  # a whole request: no new connection takes this slot now
+                return  # every slot is answering a scrape: closed at once, so they cannot eat our descriptors
             with trio.fail_after(10):
                 parts = head.split(b"\r\n", 1)[0].split()
                 if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):

@@ -1,19 +1,17 @@
 """The peer port: answers other members' block requests (HTTP/1.1 over TCP, parsed by h11).
 
-Concurrency contract: one trio task per connection, at most ``MAX_CONNECTIONS`` at once. A connection
-earns its slot with its first request, as soon as that request is authenticated: until then it has
-``REQUEST_TIMEOUT`` seconds to send one, and when the slots are full a new connection takes the slot of
-the oldest one that has not earned its own in ``GRACE`` seconds, else of the oldest kept-alive one
-waiting between requests
-(so connections without the token cannot hold the port shut, and an answer being sent is never cut
-off). When every slot holds a connection being answered, a new one is answered too: its request is
-read and authenticated and it gets an authenticated **busy** answer (503 with ``Retry-After``), which a
-member takes as "ask again shortly", never as a fault (at most ``BUSY_CONNECTIONS`` such at once; past
-that it is closed). A request that fails authentication is answered and its connection closed. An
-authenticated connection that sends nothing for ``IDLE`` seconds is closed. An answer is sent as long
-as it makes progress: a connection whose answer moves no byte for ``STALL`` seconds is closed (a link
-that is full still moves bytes; a client that stopped reading does not); the block itself must be had
-within ``SERVE_TIMEOUT``. Every close but a client's own is counted by its reason (``stats.closed``),
+Concurrency contract: one trio task per connection. A connection earns a slot (``MAX_CONNECTIONS`` at
+once) with its first request, as soon as that request is authenticated; until then it waits among at
+most ``UNAUTHENTICATED`` connections, has ``REQUEST_TIMEOUT`` seconds to send its request, and gives way
+to a newer one when they are full (:mod:`epochfs.transport.slots`): connections without the token push
+only each other out, never a member's request that was authenticated, and never close one unanswered.
+When every slot holds a connection being answered, an authenticated request gets an authenticated
+**busy** answer (503 with ``Retry-After``), which a member takes as "ask again shortly", never as a
+fault. A request that fails authentication is answered and its connection closed. An authenticated
+connection that sends nothing for ``IDLE`` seconds is closed (its slot goes first to a new one that
+earned its own). An answer is sent as long as it makes progress: a connection whose answer moves no byte
+for ``STALL`` seconds is closed (a link that is full still moves bytes; a client that stopped reading
+does not); the block itself must be had within ``SERVE_TIMEOUT``. Every close but a client's own is counted by its reason (``stats.closed``),
 and logged (the first of each reason, then every ``LOG_EVERY``-th). Nothing a client sends can end the
 server: every request is checked by :mod:`epochfs.peer.wire` (signature and freshness first),
 anything else is answered with an error status or a close. Every answer to an authenticated request
@@ -55,11 +53,10 @@ class ServerStats:
 
 
 class PeerServer:
-    MAX_CONNECTIONS = 128
-    BUSY_CONNECTIONS = 64  # connections being told "busy" at once, past the slots
+    MAX_CONNECTIONS = 128  # connections that sent an authenticated request
+    UNAUTHENTICATED = 512  # connections at once that have not (yet): the oldest gives way to a new one
     IDLE = 60.0
     REQUEST_TIMEOUT = 5.0
-    GRACE = 1.0  # seconds a new connection has to ask before a newer one may take its slot
     SERVE_TIMEOUT = 30.0  # seconds to have the block asked for (from the cache, or the backend)
     STALL = 15.0  # seconds an answer may move no byte
     SLICE = 64 << 10  # bytes of an answer's body sent under one progress deadline
@@ -77,8 +74,7 @@ class PeerServer:
         self.stats = ServerStats()
         self.sends = TransferMeter()  # when the bodies of answers went out: this node's link's rate
         self.replays = wire.Replays()
-        self._slots = Slots(self.MAX_CONNECTIONS, grace=self.GRACE)  # earned by an authenticated request
-        self._busy = trio.Semaphore(self.BUSY_CONNECTIONS)
+        self._slots = Slots(self.MAX_CONNECTIONS, self.UNAUTHENTICATED)  # earned by an authenticated request
         self._listeners: list[trio.SocketListener] = []
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -102,18 +98,7 @@ class PeerServer:
                     log.warning("peer port: accept failed: %s", exc)
                     await trio.sleep(0.5)
                     continue
-                slot = self._slots.take()
-                if slot is not None:
-                    nursery.start_soon(self._connection, stream, slot)
-                    continue
-                try:  # every slot holds a connection being answered: answer this one busy
-                    self._busy.acquire_nowait()
-                except trio.WouldBlock:
-                    self._closed("refused", f"{self.MAX_CONNECTIONS} connections being answered and "
-                                            f"{self.BUSY_CONNECTIONS} being told so")
-                    await stream.aclose()
-                    continue
-                nursery.start_soon(self._tell_busy, stream)
+                nursery.start_soon(self._connection, stream, self._slots.take())
 
     def _closed(self, reason: str, detail: str) -> None:
         """Count (and log, the first and every ``LOG_EVERY``-th of each reason) a close by this server."""
@@ -144,17 +129,18 @@ class PeerServer:
                         return
                     if not isinstance(end, h11.EndOfMessage):
                         raise h11.RemoteProtocolError("a block request has no body", 400)
-                    trusted = await self._answer(conn, stream, request, slot)
-                    if not trusted:
-                        self._closed("unauthenticated", "a request without the cluster's token")
-                        return
+                    if not await self._answer(conn, stream, request, slot):
+                        return  # (not authenticated, or told busy: closed, with the reason counted)
                     if h11.MUST_CLOSE in (conn.our_state, conn.their_state):
                         return
                     conn.start_next_cycle()
             if slot.scope.cancelled_caught and slot.idle:
                 self._closed("reclaimed", "a kept-alive connection between requests gave its slot to a new one")
+            elif slot.scope.cancelled_caught and not slot.earned:
+                self._closed("evicted", f"{self.UNAUTHENTICATED} newer connections came before it sent an "
+                                        "authenticated request")
             elif slot.scope.cancelled_caught:
-                self._closed("evicted", f"its slot was taken by a new connection (no request in {self.GRACE:g}s)")
+                self._closed("reclaimed", "its answer was sent as far as its socket takes; its slot went to a new one")
         except _Stalled as exc:
             self._closed("stalled", str(exc))
         except h11.RemoteProtocolError as exc:
@@ -166,32 +152,6 @@ class PeerServer:
         finally:
             self.stats.connections -= 1
             self._slots.release(slot)
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
-
-    async def _tell_busy(self, stream: trio.SocketStream) -> None:
-        """Read one request of a connection no slot is free for and answer it busy (authenticated, so the
-        member knows it is this one saying so), then close."""
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=wire.MAX_TARGET + 8192)
-        try:
-            with trio.move_on_after(self.REQUEST_TIMEOUT):
-                request = await self._next(conn, stream)
-                if isinstance(request, h11.Request) and isinstance(await self._next(conn, stream), h11.EndOfMessage):
-                    if request.target in (wire.HELLO.encode(), wire.HELLO_SIZED.encode()):
-                        await self._answer(conn, stream, request)  # (a proof costs nothing: never busy)
-                        return
-                    mac = self._verified(request)
-                    if mac is not None:
-                        self.stats.busy += 1
-                        body = b"busy: every connection is being answered; ask again shortly"
-                        await self._send(conn, stream, 503, body, self.keys.answer_mac(mac, 503, body),
-                                         retry_after=self.RETRY_AFTER)
-                        self._closed("busy", "every slot holds a connection being answered")
-        except (h11.RemoteProtocolError, h11.LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
-                OSError, _Stalled):
-            pass
-        finally:
-            self._busy.release()
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
@@ -221,19 +181,28 @@ class PeerServer:
 
     async def _answer(self, conn: h11.Connection, stream: trio.SocketStream, request: h11.Request,
                       slot: Slot | None = None) -> bool:
-        """Answer one request; whether it was authenticated (a connection that sent one that was not
-        is closed after the answer). An authenticated request earns ``slot`` at once: an answer being
-        sent is never cut off for a new connection."""
+        """Answer one request; whether the connection may go on (one that sent a request that was not
+        authenticated is closed after the answer, as is one told busy). An authenticated request earns
+        ``slot`` at once: an answer being sent is never cut off for a new connection."""
         target = request.target.decode("latin-1")
+        if slot is not None and slot.scope.cancel_called:
+            # Its slot went to a newer connection while the request came in: not taken (its nonce not
+            # used up), so the client's retry of the same request elsewhere is answered.
+            await trio.lowlevel.checkpoint()
         try:
             mac = self._verify(request)
         except wire.Rejected as exc:
             self.stats.rejected += 1
             await self._send(conn, stream, exc.status, str(exc).encode(), None)
+            self._closed("unauthenticated", "a request without the cluster's token")
             return False
-        if slot is not None:
-            slot.earned = True
         hello = target in (wire.HELLO, wire.HELLO_SIZED)
+        if slot is not None and not self._slots.earn(slot) and not hello:  # (a proof costs nothing: never busy)
+            self.stats.busy += 1
+            body = b"busy: every connection is being answered; ask again shortly"
+            await self._send(conn, stream, 503, body, self.keys.answer_mac(mac, 503, body), retry_after=self.RETRY_AFTER)
+            self._closed("busy", "every slot holds a connection being answered")
+            return False
         status, body = (204, b"")
         if hello:  # (the plain hello's answer is the start second alone: what members of older versions take)
             since = self.replays.since
