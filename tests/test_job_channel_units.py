@@ -15,7 +15,7 @@ from epochfs.control import frames as f
 from epochfs.control import protocol as p
 from epochfs.control.access import PathAccess
 from epochfs.control.caller import RIGHTS, Caller, allowed, groups_of_task, operator_of
-from epochfs.control.inmount import MountChannel
+from epochfs.control.inmount import MountChannel, People
 from epochfs.control.jobs import MAX_ENTRIES_PER_UID, Jobs, JobTaken, Report
 from epochfs.control.server import ControlServer
 from epochfs.core.errors import NotPermitted
@@ -258,3 +258,64 @@ def test_what_changes_the_mount_for_everybody_needs_an_operator(tmp_path):
     assert refused["ok"] is False and refused["kind"] == "permission" and "--control-group" in refused["error"]
     assert status["ok"] is True and operator["ok"] is True and called == [BOB, Caller(1002, 1002, operator=True)]
     assert server.refused == {"refresh": 1}
+
+
+def test_a_few_uids_or_one_users_namespace_range_cannot_keep_anybody_else_out(tmp_path):
+    """Four uids each holding their share of sessions, and then a user namespace's thousands of uids
+    (one person by /etc/subuid): every other user still gets a session at once, and the person holding
+    the most gives up its oldest; a newcomer of a person holding as many as anybody is told busy."""
+    subuid = tmp_path / "subuid"
+    subuid.write_text("nobody:200000:65536\n# a comment\nbadline\n")
+    os.chmod(subuid, 0o644)
+    people = People(str(subuid))
+
+    async def fn(channel):
+        channel.people = people
+
+        async def open_one(uid: int, i: int) -> int:
+            return f.parse_out(await channel.call(uid, uid, 7, bytes(f.frame_in(i.to_bytes(16, "big"), f.SEND,
+                                                                                   b'{"op": '))))[0]
+
+        held = [await open_one(1100 + i // MountChannel.PER_UID, i) for i in range(MountChannel.MAX_SESSIONS)]
+        full = len(channel._sessions)
+        newcomer = await ask(channel, 1999, b"n" * 16, b"status\n")  # (the oldest of the four's went for it)
+        ns = [await open_one(200000 + i, 1000 + i) for i in range(MountChannel.PER_UID + 4)]
+        other = await ask(channel, 1998, b"o" * 16, b"status\n")
+        person_of_ns = people.of(200000 + 12345)
+        return held, full, newcomer, ns, other, person_of_ns, channel.taken
+
+    (held, full, newcomer, ns, other, person_of_ns, taken), _ = run_channel(fn)
+    assert held == [f.TAKEN] * MountChannel.MAX_SESSIONS and full == MountChannel.MAX_SESSIONS
+    assert newcomer == b"status\n" * 3 and other == b"status\n" * 3
+    assert person_of_ns != 200000 + 12345  # a range of /etc/subuid is its owner's
+    got = ns.count(f.TAKEN)  # taken from the four while they held more: up to an equal share, and no more
+    assert ns == [f.TAKEN] * got + [f.BUSY] * (len(ns) - got)
+    assert MountChannel.MAX_SESSIONS // 5 <= got <= MountChannel.PER_UID  # one person, however many uids
+    assert taken >= got
+
+
+def test_a_session_that_drips_ends_at_its_lifetime():
+    async def fn(channel):
+        channel.LIFETIME, channel.IDLE = 0.5, 60.0
+        sid = b"d" * 16
+        assert f.parse_out(await channel.call(1001, 1001, 5, bytes(f.frame_in(sid, f.SEND, b"{"))))[0] == f.TAKEN
+        for drips in range(8):  # a byte every 0.2 s: never idle
+            await trio.sleep(0.2)
+            channel._sweep()
+            if sid not in channel._sessions:
+                return drips
+            assert f.parse_out(await channel.call(1001, 1001, 5, bytes(f.frame_in(sid, f.SEND, b" "))))[0] == f.TAKEN
+        return None
+
+    drips, _ = run_channel(fn)
+    assert drips is not None and drips >= 1  # used all along, and ended all the same
+
+
+def test_subuid_ranges_count_only_from_roots_own_file(tmp_path):
+    subuid = tmp_path / "subuid"
+    subuid.write_text("1500:300000:100\n")
+    os.chmod(subuid, 0o666)  # (writable by anybody: a user could claim anybody's uid as theirs)
+    assert People(str(subuid)).of(300005) == 300005
+    os.chmod(subuid, 0o644)
+    assert People(str(subuid)).of(300005) == People(str(subuid)).of(300099) != 300005
+    assert People(str(tmp_path / "none")).of(5) == 5
