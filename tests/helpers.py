@@ -186,7 +186,7 @@ class FakeCache:
         self.data = data
         self.error: BaseException | None = None
 
-    def open_stream(self, obj: Any, inode: int = 0) -> FakeStream:
+    def open_stream(self, obj: Any, inode: int = 0, reader: Any = None) -> FakeStream:
         return FakeStream(self, obj)
 
 

@@ -183,7 +183,7 @@ def test_zero_message_opens_read_each_inode_as_one_version_and_keep_old_ones_whi
     versions = {"e1": b"AAAAA", "e2": b"BBBBB", "e": b"x"}
 
     class Versions(FakeCache):
-        def open_stream(self, obj, inode=0):
+        def open_stream(self, obj, inode=0, reader=None):
             opened.append(obj)
             stream = super().open_stream(obj, inode)
             stream.read = lambda off, size: _answer(versions[obj.etag][off:off + size])

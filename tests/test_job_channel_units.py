@@ -13,11 +13,11 @@ import trio
 
 from epochfs.control import frames as f
 from epochfs.control import protocol as p
-from epochfs.control.access import PathAccess
 from epochfs.control.caller import RIGHTS, Caller, allowed, groups_of_task, operator_of
 from epochfs.control.inmount import MountChannel, People
 from epochfs.control.jobs import MAX_ENTRIES_PER_UID, Jobs, JobTaken, Report
 from epochfs.control.server import ControlServer
+from epochfs.core.access import PathAccess
 from epochfs.core.errors import NotPermitted
 
 from .test_scheduler import objs, with_prefetcher

@@ -293,7 +293,7 @@ class Ops:
         return kernel.EntryAttributes(st_ino=inode, st_mode=mode, st_nlink=1, st_size=0 if inode == 1 else 5)
     def open(self, inode, flags, ctx):
         return kernel.FileInfo(fh=inode)
-    async def read(self, fh, off, size, inode=0, pid=0):
+    async def read(self, fh, off, size, inode=0, pid=0, reader=None):
         return b"world"[off:off + size]
     def release(self, fh):
         pass
@@ -359,10 +359,10 @@ def test_a_handler_that_answers_nonsense_is_answered_eio_and_the_session_goes_on
         def getattr(self, inode, ctx):
             raise KeyError("a bug")
 
-        def read_now(self, fh, off, size, inode=0, pid=0):
+        def read_now(self, fh, off, size, inode=0, pid=0, reader=None):
             return 12345
 
-        async def read(self, fh, off, size, inode=0, pid=0):
+        async def read(self, fh, off, size, inode=0, pid=0, reader=None):
             return b""
 
         def statfs(self, ctx):

@@ -255,3 +255,109 @@ def test_the_learner_is_documented_in_the_help():
     out = subprocess.run([*EPOCHFS, "mount", "--help"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "--no-learned-order" in out and "twice what the job has read" in " ".join(out.split())
+
+
+# -- between users ---------------------------------------------------------------------------------------
+
+def _as(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=120,
+                          errors="replace")
+
+
+def _status_as(user: str, mountpoint) -> dict:
+    import json
+    from pathlib import Path
+
+    site = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "python3.11" / "site-packages"
+    env = f"PYTHONPATH={Path(__file__).resolve().parents[1] / 'src'}:{site}"
+    r = _as(user, "env", env, "HOME=/tmp", "/usr/bin/python3", "-m", "epochfs", "status", str(mountpoint), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+@requires_fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"), reason="needs root (users)")
+def test_a_guess_fetches_only_what_its_reader_may_read_and_is_shown_to_that_reader_alone(
+        s3, s3_client, fresh_bucket, mount_factory, tmp_path):
+    """Round 7's audit: a user who may read a few small files of a shared tree had the daemon walk the
+    whole subtree as root and fetch another user's 0600 files in 0700 directories, and ``status`` named
+    that user's private directory to anybody. Now the guess for each user walks only what that user may
+    read, each user's own reads alone steer it, and each user's ``status`` shows its own guess alone."""
+    import pwd
+
+    from epochfs.backend.attrs import record_key
+
+    from .faultproxy import FaultProxy
+
+    try:
+        owner = pwd.getpwnam("epochfs-job")
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "epochfs-job"],
+                       check=True)
+        owner = pwd.getpwnam("epochfs-job")
+    public = [SampleFile(f"shared/f{i:02d}.bin", 40 * KiB + i) for i in range(12)]
+    private = [SampleFile(f"shared/home-secB/project-falcon-ipo/s{i:02d}.bin", 512 * KiB + i) for i in range(12)]
+    upload(s3_client, fresh_bucket, "", public + private)
+    uid, gid = owner.pw_uid, owner.pw_gid
+    for key in ("shared/home-secB/", "shared/home-secB/project-falcon-ipo/"):
+        s3_client.put_object(Bucket=fresh_bucket, Key=record_key(key, 0o700, uid, gid), Body=b"")
+    for f in private:
+        s3_client.put_object(Bucket=fresh_bucket, Key=record_key(f.key, 0o600, uid, gid), Body=b"")
+    private_bytes = sum(f.size for f in private)
+    proxy = FaultProxy(s3.port).start()
+    proxy.delay = 0.02
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    base = Path(tempfile.mkdtemp(prefix="epochfs-learned-"))  # (one other users can pass: tmp_path is root's)
+    os.chmod(base, 0o755)
+    m = mount_factory(f"s3://{fresh_bucket}", "--block-size", "1M", "--allow-other", "--endpoint-url",
+                      proxy.endpoint, cache_dir=tmp_path / "cache", name="unused-learned")
+    m.mountpoint = base / "m"
+    m.mountpoint.mkdir()
+    try:
+        with m:
+            denied = _as("nobody", "cat", str(m.path(private[0].key)))
+            assert denied.returncode != 0  # (the modes hold: nobody may not read them)
+            for f in shuffled(public, seed=5, epoch=0):
+                r = _as("nobody", "cat", str(m.path(f.key)))
+                assert r.returncode == 0 and len(r.stdout.encode("latin-1", "replace")) >= 0
+                time.sleep(0.05)
+            time.sleep(3)  # (whatever the guess would fetch has landed)
+            learned = m.status()["learned"]
+            (guess,) = [u for u in learned["users"] if u["uid"] == 65534]
+            assert guess["guesses"] >= 1 and guess["scope"] == "shared", learned
+            c = m.status()["cache"]
+            assert c["demand_bytes"] + c["prefetch_bytes"] < private_bytes / 4, (c, learned)
+            resident = m.status()["store"]["used_bytes"]
+            assert resident <= sum(f.size for f in public) + 64 * KiB, resident  # none of the private files
+            # The owner reads its own files: its guess is its own, and nobody's status does not show it.
+            for f in shuffled(private, seed=6, epoch=0)[:9]:
+                assert _as(owner.pw_name, "cat", str(m.path(f.key))).returncode == 0
+                time.sleep(0.05)
+            time.sleep(1)
+            seen_by_nobody = _status_as("nobody", m.mountpoint)
+            text = repr(seen_by_nobody)
+            assert "home-secB" not in text and "falcon" not in text, seen_by_nobody["learned"]
+            assert seen_by_nobody["learned"]["scope"] == "shared" and "users" not in seen_by_nobody["learned"]
+            seen_by_owner = _status_as(owner.pw_name, m.mountpoint)["learned"]
+            assert seen_by_owner["scope"] == "shared/home-secB/project-falcon-ipo", seen_by_owner
+            assert "home-secB" not in m.log(), "the log names a user's private directory"
+            assert {u["uid"] for u in m.status()["learned"]["users"]} == {65534, uid}  # (operators see each)
+    finally:
+        proxy.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_one_users_hand_over_holds_that_users_guess_alone():
+    from epochfs.prefetch.scheduler import Prefetcher
+
+    class Plan:
+        pass
+
+    p = Prefetcher.__new__(Prefetcher)
+    p.handed_by = {1001: time.time()}
+    p._plan, p._handovers, p._position = None, [], 0
+    assert p.holds_order(1001) and not p.holds_order(1002)
+    assert p.holds_order()  # (anybody's: as before, for what asks of the mount as a whole)

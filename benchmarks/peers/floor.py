@@ -79,7 +79,7 @@ class Floor:
                 fh = self.by_inode[inode] = os.open(self.paths[inode], os.O_RDONLY)
         return os.pread(fh, size, off)
 
-    async def read(self, fh, off, size, inode=0, pid=0):
+    async def read(self, fh, off, size, inode=0, pid=0, reader=None):
         return self.read_now(fh, off, size, inode, pid)
 
     def release(self, fh):

@@ -78,7 +78,7 @@ class ColdFloor:
             raise kernel.FUSEError(errno.EROFS)
         return kernel.FileInfo(fh=inode, keep_cache=True)
 
-    async def read(self, fh, off, size, inode=0, pid=0):
+    async def read(self, fh, off, size, inode=0, pid=0, reader=None):
         key, etag, length = self.objects[fh]
         size = max(0, min(size, length - off))
         return await trio.to_thread.run_sync(self.backend.read_range, key, etag, off, size)

@@ -51,7 +51,7 @@ from epochfs.cache.own import OwnUploads
 from epochfs.cache.push import Pusher
 from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
-from epochfs.cache.streams import ReadStream
+from epochfs.cache.streams import Reader, ReadStream
 from epochfs.core.blocks import block_bounds, block_id, range_blocks
 from epochfs.core.errors import BackendUnavailable, EpochfsError
 from epochfs.core.memory import MemoryBudget
@@ -149,14 +149,15 @@ class BlockCache:
         return block_bounds(index, obj.size, self.block_size)[1]
 
     async def read(self, obj: ObjectInfo, offset: int, size: int, *,
-                   counted: tuple[int, int] | None = None) -> bytes | memoryview:
+                   counted: tuple[int, int] | None = None, reader: Reader | None = None) -> bytes | memoryview:
         """Bytes [offset, offset + size) of ``obj``, clipped to its size. ``counted``: the range of ``obj``
-        a reader asked for, which the statistics count (default: all that is read)."""
+        a reader asked for, which the statistics count (default: all that is read); ``reader``: who
+        reads (the observer hears it)."""
         parts = []
         for index, length, lo, hi in range_blocks(offset, size, obj.size, self.block_size):
             asked = None if counted is None else _overlap(counted, index * self.block_size + lo,
                                                           index * self.block_size + hi)
-            parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked))
+            parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked, reader=reader))
         if len(parts) == 1:
             return parts[0]
         return b"".join(parts)
@@ -189,7 +190,7 @@ class BlockCache:
         return None if data is None else bytes(data)
 
     def read_now(self, obj: ObjectInfo, offset: int, size: int, *,
-                 counted: tuple[int, int] | None = None) -> bytes | memoryview | None:
+                 counted: tuple[int, int] | None = None, reader: Reader | None = None) -> bytes | memoryview | None:
         """Bytes [offset, offset + size) of ``obj`` if they are at hand (a completed fetch kept in
         memory, or a range of a cached block that the page cache holds), read and verified now; None if
         getting them would wait (a fetch, the cache disk, more than one block): then :meth:`read`.
@@ -202,17 +203,18 @@ class BlockCache:
             return None
         lo = offset - index * self.block_size
         return self._block_now(obj, index, self.block_length(obj, index), lo, end - index * self.block_size,
-                               end - offset if counted is None else _overlap(counted, offset, end))
+                               end - offset if counted is None else _overlap(counted, offset, end), reader)
 
-    def read_whole_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
+    def read_whole_now(self, obj: ObjectInfo, offset: int, size: int, *,
+                       reader: Reader | None = None) -> bytes | memoryview | None:
         """:meth:`read_whole` if the bytes are at hand (as :meth:`read_now`), else None."""
         if self.whole_held + obj.size > self.WHOLE_BUDGET:
             return None
         asked = max(0, min(offset + size, obj.size) - offset)
-        return self._block_now(obj, 0, obj.size, 0, obj.size, asked)
+        return self._block_now(obj, 0, obj.size, 0, obj.size, asked, reader)
 
     def _block_now(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int,
-                   nbytes: int) -> bytes | memoryview | None:
+                   nbytes: int, reader: Reader | None = None) -> bytes | memoryview | None:
         bid = self.block_id(obj, index)
         if bid in self._flights:
             return None
@@ -227,22 +229,23 @@ class BlockCache:
             if read is None or read is WOULD_BLOCK:  # damaged (dropped: fetched again), or on disk only
                 return None
             if self.observer is not None:
-                self.observer.touched(obj, index)
+                self.observer.touched(obj, index, reader)
             self._count(True, nbytes)
             return read
         if self.observer is not None:
-            self.observer.touched(obj, index)
+            self.observer.touched(obj, index, reader)
         self._count(hit, nbytes)
         self._served(bid, hi - lo)
         return memoryview(data)[lo:hi]
 
     async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int, *,
-                          for_peer: bool = False, asked: int | None = None) -> bytes | memoryview:
+                          for_peer: bool = False, asked: int | None = None,
+                          reader: Reader | None = None) -> bytes | memoryview:
         """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``; ``asked``: how many of
         them the reader asked for (what the statistics count; default all)."""
         bid = self.block_id(obj, index)
         if self.observer is not None and not for_peer:
-            self.observer.touched(obj, index)
+            self.observer.touched(obj, index, reader)
         count = self._ignore if for_peer else self._count
         nbytes = hi - lo if asked is None else asked
         flight = self._flights.get(bid)
@@ -379,19 +382,19 @@ class BlockCache:
             started += 1
         return started
 
-    def opened(self, obj: ObjectInfo) -> None:
-        """``obj`` was opened (the prefetch plan follows the reader by its opens)."""
+    def opened(self, obj: ObjectInfo, reader: Reader | None = None) -> None:
+        """``obj`` was opened (the prefetch plan follows the reader by its opens) by ``reader``."""
         if self.observer is not None:
-            self.observer.opened(obj)
+            self.observer.opened(obj, reader)
 
-    def open_stream(self, obj: ObjectInfo, inode: int = 0) -> ReadStream | MemberStream:
-        """A reader of ``obj``; ``inode``: the kernel's for it (where blocks may be pushed; 0: nowhere).
-        A packed member's reader reads the range of its shard."""
-        self.opened(obj)
+    def open_stream(self, obj: ObjectInfo, inode: int = 0, reader: Reader | None = None) -> ReadStream | MemberStream:
+        """A reader of ``obj``; ``inode``: the kernel's for it (where blocks may be pushed; 0: nowhere);
+        ``reader``: who opened it. A packed member's reader reads the range of its shard."""
+        self.opened(obj, reader)
         location = member_location(obj)
         if location is not None:
             return MemberStream(self, obj, *location)
-        return ReadStream(self, obj, inode)
+        return ReadStream(self, obj, inode, reader)
 
     def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:
         """Have ``pusher`` push block ``index`` of ``obj`` once its verified bytes are at hand: from
@@ -422,13 +425,14 @@ class BlockCache:
             return
         await pusher.push(obj, inode, index, bid, memoryview(data))
 
-    async def read_whole(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None:
+    async def read_whole(self, obj: ObjectInfo, offset: int, size: int, *,
+                         reader: Reader | None = None) -> bytes | memoryview | None:
         """All of a one-block object, verified, for a handle to keep (the statistics count the ``size``
         bytes at ``offset`` asked for); None if the handles already hold :attr:`WHOLE_BUDGET` bytes."""
         if self.whole_held + obj.size > self.WHOLE_BUDGET:
             return None
         asked = max(0, min(offset + size, obj.size) - offset)
-        return await self._read_block(obj, 0, obj.size, 0, obj.size, asked=asked)
+        return await self._read_block(obj, 0, obj.size, 0, obj.size, asked=asked, reader=reader)
 
     def count_hit(self, nbytes: int) -> None:
         """A read served from bytes a handle keeps (see :class:`ReadStream`)."""

@@ -12,6 +12,8 @@ from epochfs.cache.readahead import Readahead
 from epochfs.core.blocks import block_count
 from epochfs.core.records import ObjectInfo
 
+Reader = tuple[int, int]  # (uid, gid) of the open that reads, as the kernel named it
+
 
 class BlockCache(Protocol):
     """What a reader uses of :class:`epochfs.cache.service.BlockCache`."""
@@ -23,13 +25,17 @@ class BlockCache(Protocol):
 
     def prefetch(self, obj: ObjectInfo, indices: range) -> int: ...
 
-    async def read(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview: ...
+    async def read(self, obj: ObjectInfo, offset: int, size: int, *,
+                   reader: Reader | None = None) -> bytes | memoryview: ...
 
-    def read_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
+    def read_now(self, obj: ObjectInfo, offset: int, size: int, *,
+                 reader: Reader | None = None) -> bytes | memoryview | None: ...
 
-    async def read_whole(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
+    async def read_whole(self, obj: ObjectInfo, offset: int, size: int, *,
+                         reader: Reader | None = None) -> bytes | memoryview | None: ...
 
-    def read_whole_now(self, obj: ObjectInfo, offset: int, size: int) -> bytes | memoryview | None: ...
+    def read_whole_now(self, obj: ObjectInfo, offset: int, size: int, *,
+                       reader: Reader | None = None) -> bytes | memoryview | None: ...
 
     def count_hit(self, nbytes: int) -> None: ...
 
@@ -49,10 +55,11 @@ class ReadStream:
     #: Requests at most that :meth:`read_now` noted and left to :meth:`read`.
     WAITING = 64
 
-    def __init__(self, cache: BlockCache, obj: ObjectInfo, inode: int = 0) -> None:
+    def __init__(self, cache: BlockCache, obj: ObjectInfo, inode: int = 0, reader: Reader | None = None) -> None:
         self.cache = cache
         self.obj = obj
         self.inode = inode
+        self.reader = reader  # who opened it (what the learned order learns from; None: nobody known)
         self._pushed_to = 0  # blocks below this were pushed into the kernel for this reader
         self._ahead = Readahead(cache, obj, block_count(obj.size, cache.block_size))
         self._whole: bytes | memoryview | None = None
@@ -70,7 +77,7 @@ class ReadStream:
         or in the page cache), else None: then :meth:`read` (which does not count the request again)."""
         if not self._small:
             self._note(offset, size)
-            data = self.cache.read_now(self.obj, offset, size)
+            data = self.cache.read_now(self.obj, offset, size, reader=self.reader)
             if data is None:
                 if len(self._waiting) >= self.WAITING:  # (reads that never came: the session ended)
                     self._waiting.clear()
@@ -80,7 +87,7 @@ class ReadStream:
             return data
         whole = self._whole
         if whole is None:
-            whole = self.cache.read_whole_now(self.obj, offset, size)
+            whole = self.cache.read_whole_now(self.obj, offset, size, reader=self.reader)
             if whole is None:
                 return None
             self._whole = whole
@@ -95,9 +102,9 @@ class ReadStream:
         if self._small:
             whole = self._whole
             if whole is None:
-                whole = await cache.read_whole(self.obj, offset, size)
+                whole = await cache.read_whole(self.obj, offset, size, reader=self.reader)
                 if whole is None:  # the budget is spent: read as asked
-                    return await cache.read(self.obj, offset, size)
+                    return await cache.read(self.obj, offset, size, reader=self.reader)
                 if self._whole is None:  # (another request of this handle may have kept it meanwhile)
                     self._whole = whole
                     cache.whole_held += len(whole)
@@ -109,7 +116,7 @@ class ReadStream:
             self._waiting.discard((offset, size))
         else:
             self._note(offset, size)
-        data = await cache.read(self.obj, offset, size)
+        data = await cache.read(self.obj, offset, size, reader=self.reader)
         self._follow(offset)
         return data
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from dataclasses import dataclass
 from typing import Any
+
+from epochfs.core.access import Caller, allowed  # noqa: F401 - (who asks, and the rights rule: with the rest)
 
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # (Linux 4.13)
 MAX_GROUPS = 65536
@@ -43,24 +44,6 @@ RIGHTS: dict[str, str] = {
     "report": OWN, "cancel": OWN, "sync": OWN,
     "refresh": ADMIN, "publish_manifest": ADMIN,
 }
-
-
-@dataclass(frozen=True)
-class Caller:
-    """A request's caller: its uid, gid, supplementary groups and pid (0 where unknown), and whether
-    it is an operator of the mount (root, the daemon's user, a member of the control group)."""
-
-    uid: int
-    gid: int
-    groups: frozenset[int] = frozenset()
-    pid: int = 0
-    operator: bool = False
-
-    def in_group(self, gid: int) -> bool:
-        return gid == self.gid or gid in self.groups
-
-    def describe(self) -> str:
-        return f"uid {self.uid}" + (f" (pid {self.pid})" if self.pid else "")
 
 
 def operator_of(uid: int, gid: int, groups: frozenset[int], control_group: int | None) -> bool:
@@ -110,18 +93,3 @@ def caller_of_socket(sock: socket.socket | Any, control_group: int | None = None
     except OSError:  # (more than 1024 groups, or an old kernel: the primary group only)
         pass
     return Caller(uid, gid, groups, pid, operator_of(uid, gid, groups, control_group))
-
-
-def allowed(mode: int, owner: int, group: int, caller: Caller, want: int) -> bool:
-    """Whether ``caller`` has the ``want`` bits (4 read, 2 write, 1 search) of an entry presented with
-    ``mode``, ``owner`` and ``group``, as the kernel's ``generic_permission`` decides (root may read and
-    search anything)."""
-    if caller.uid == 0:
-        return True
-    if caller.uid == owner:
-        bits = (mode >> 6) & 7
-    elif caller.in_group(group):
-        bits = (mode >> 3) & 7
-    else:
-        bits = mode & 7
-    return bits & want == want

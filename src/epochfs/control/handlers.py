@@ -19,11 +19,11 @@ from typing import Any
 import trio
 
 from epochfs.control import protocol as p
-from epochfs.control.access import PathAccess, Presented
 from epochfs.control.caller import Caller
 from epochfs.control.collected import Collected
 from epochfs.control.jobs import Jobs, JobStats, JobTaken, Report
 from epochfs.control.server import OWNER, Chunks, Handler
+from epochfs.core.access import PathAccess, Presented
 from epochfs.core.errors import ConfigError, NotPermitted
 from epochfs.core.records import ObjectInfo, stored_extent
 from epochfs.core.stats import read_origins
@@ -211,7 +211,8 @@ class ControlHandlers:
 
     async def status(self, request: p.Status, *, caller: Caller = OWNER) -> dict[str, Any]:
         c = self.collect()
-        return status_of(self.info, c, marks_of(self.jobs, c.jobs), self.prefetcher.handed_by)
+        return status_of(self.info, c, marks_of(self.jobs, c.jobs), self.prefetcher.handed_by,
+                         viewer=None if caller.operator else caller.uid)
 
     async def refresh(self, request: p.Refresh, *, caller: Caller = OWNER) -> dict[str, Any]:
         return await self.snapshots.refresh()
@@ -381,8 +382,10 @@ def memory_of(c: Collected) -> dict[str, Any] | None:
 
 
 def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str, Any]]] | None = None,
-              handed_by: dict[int | None, float] | None = None) -> dict[str, Any]:
-    """The reply to ``status`` (``epochfs status --json`` prints it)."""
+              handed_by: dict[int | None, float] | None = None, viewer: int | None = None) -> dict[str, Any]:
+    """The reply to ``status`` (``epochfs status --json`` prints it); ``viewer``: the uid of a caller who
+    is not an operator (what is one user's alone, a guess of the learned order, is shown to that user
+    only)."""
     snap = c.snapshot
     usage = usage_of(c.backend.requests, c.backend.bytes_read)  # (what the backend bills)
     return {
@@ -412,7 +415,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
                      "bytes": snap.bytes, "shards": snap.shards},
         "eviction": info.eviction,
         "prefetch": vars(c.prefetch),
-        "learned": c.learned.as_dict() if c.learned is not None else None,
+        "learned": c.learned.as_dict(viewer) if c.learned is not None else None,
         "memory": memory_of(c),
         "cache": vars(c.cache),
         "reads": read_origins(c.cache),

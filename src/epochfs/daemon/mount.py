@@ -175,8 +175,10 @@ class Daemon:
             bandwidth=config.prefetch_bandwidth, lead=config.prefetch_lead))
         self.learner = Learner(self.cache, lambda: self.snapshots.namespace, LearnSettings(
             capacity=config.cache_size, max_inflight=config.prefetch_concurrency,
-            enabled=not config.no_learned_order and not config.serving), held=self.prefetcher.holds_order,
-            first_byte=lambda: self.backend.statistics().first_byte_seconds)
+            enabled=not config.no_learned_order and not config.serving,
+            user_share=UserBounds.share(config.user_share, config.cache_size).warmup_bytes),
+            held=self.prefetcher.holds_order, first_byte=lambda: self.backend.statistics().first_byte_seconds,
+            presented=lambda node: self.ops.presented(node))
         self.cache.wire(observer=Observers(self.prefetcher, self.learner))
         self.passthrough: Passthrough | None = None
         if config.passthrough and not config.serving and os.geteuid() == 0:

@@ -4,8 +4,9 @@ kernel not to send them again). A handler raises :class:`~epochfs.kernel.types.F
 errno; the session answers anything else EIO. ``read`` and ``fsync`` are coroutines (they may wait; each
 runs as a task); every other handler is called as its request is read.
 
-A file system may also have ``read_now(fh, offset, size, inode, pid)``: the bytes of a READ if they
-are at hand, else a coroutine function to wait on; the session then answers READ through it."""
+A file system may also have ``read_now(fh, offset, size, inode, pid, reader)``: the bytes of a READ if
+they are at hand, else a coroutine function to wait on; the session then answers READ through it.
+``reader`` is the (uid, gid) the kernel named in the READ's header."""
 
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ class Operations:
                ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         raise _unsupported()
 
-    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0,
+                   reader: tuple[int, int] | None = None) -> bytes | memoryview:
         raise _unsupported()
 
     def write(self, fh: int, off: int, buf: bytes) -> int:

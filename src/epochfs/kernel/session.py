@@ -237,7 +237,7 @@ class Session:
         a: abi.ReadIn = req.args
         assert self._read_now is not None
         try:
-            answer = self._read_now(a.fh, a.offset, a.size, req.nodeid, req.pid)
+            answer = self._read_now(a.fh, a.offset, a.size, req.nodeid, req.pid, (req.uid, req.gid))
         except FUSEError as exc:
             self._send([abi.error(req.unique, exc.errno)])
             return

@@ -167,7 +167,7 @@ def _sized(unique: int, size: int, value: bytes) -> Reply:
 
 async def _read(req: abi.Request, fn: Callable[..., Any]) -> Reply:
     a: abi.ReadIn = req.args
-    return read_reply(req, await fn(a.fh, a.offset, a.size, req.nodeid, req.pid))
+    return read_reply(req, await fn(a.fh, a.offset, a.size, req.nodeid, req.pid, (req.uid, req.gid)))
 
 
 async def waited_read(req: abi.Request, rest: Callable[[], Any]) -> Reply:
@@ -214,7 +214,7 @@ ROWS: dict[int, Row] = {
     abi.GETATTR: Row("getattr", _getattr, 2),
     abi.SETATTR: Row("setattr", _setattr, 5),
     abi.OPEN: Row("open", _open, 3),
-    abi.READ: Row("read", _read, 5, waits=True),
+    abi.READ: Row("read", _read, 6, waits=True),
     abi.WRITE: Row("write", _write, 3),
     abi.RELEASE: Row("release", _release, 1),
     abi.FLUSH: Row("flush", _flush, 1),

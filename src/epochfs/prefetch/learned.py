@@ -29,6 +29,15 @@ in an order nobody knows. :class:`Learner` fetches them ahead while the job comp
   fetch latency, as the plan's), within ``--prefetch-concurrency``, and wait while a demand fetch is
   queued.
 
+- **Per user.** Each reading user (the uid and gid the kernel names in each open and read) has a
+  pattern, a guess and a budget of its own: another user's reads neither start, end nor steer it, and
+  only its own hand-over holds it. The walk takes only the files that user may read (search on every
+  directory from the root down, read on the file, from the modes the mount presents: what the kernel
+  would let it read), the budget is the user's over its whole time on the mount (``base`` once, then
+  ``GAIN`` times what it read of its guesses), and what one user's guess holds fetched and not read is
+  within its ``--user-share`` of the cache. ``status`` shows a user its own guess alone; the log names
+  the uid, not the directory (debug level has it).
+
 All state lives on the trio thread; :meth:`Learner.touched` is called from the read path for every
 block read and does a dictionary lookup or two.
 """
@@ -47,6 +56,7 @@ from typing import Any
 import trio
 
 from epochfs.cache.service import BlockCache, Fetch
+from epochfs.core.access import Caller, PathAccess, Presented
 from epochfs.core.blocks import extent_blocks
 from epochfs.core.records import ObjectInfo, member_location
 from epochfs.kernel.abi import ROOT_INODE
@@ -58,15 +68,22 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
+#: Who reads: the (uid, gid) the kernel named in the request (None: not known, and then nothing is learnt).
+Reader = tuple[int, int]
+
+
 @dataclass(frozen=True)
-class LearnedStats:
+class GuessStats:
+    """One user's guess."""
+
+    uid: int
     state: str  # "watching" (no guess), "guessing", "fetched" (all of it), "near" (the endpoint answers at once:
-    # nothing fetched ahead), "held" (a handed-over order rules), "off"
+    # nothing fetched ahead), "held" (an order that user handed over rules)
     scope: str | None  # the directory guessed ("" the mount's root)
-    guesses: int  # guesses made since the mount started
-    read_bytes: int  # bytes the job read of a guess's scope while it held (what the guesses earned)
-    fetched_bytes: int  # bytes the guesses fetched
-    used_bytes: int  # of those, bytes the job then read
+    guesses: int  # guesses made for this user since the mount started
+    read_bytes: int  # bytes the user read of its guesses' scopes while they held (what the guesses earned)
+    fetched_bytes: int  # bytes the guesses fetched (all of them: the user's budget counts these)
+    used_bytes: int  # of those, bytes the user then read
     inflight: int
 
     def as_dict(self) -> dict[str, Any]:
@@ -74,12 +91,48 @@ class LearnedStats:
                 "fetched_bytes": self.fetched_bytes, "used_bytes": self.used_bytes, "inflight": self.inflight}
 
 
+@dataclass(frozen=True)
+class LearnedStats:
+    """Every user's guess, and the totals. What a user is shown is its own guess alone
+    (:meth:`as_dict` with ``viewer``): another user's scope, sizes and progress are theirs."""
+
+    enabled: bool
+    near: bool  # the endpoint answers at once (nothing is fetched ahead for anybody)
+    users: tuple[GuessStats, ...]
+
+    @property
+    def fetched_bytes(self) -> int:
+        return sum(u.fetched_bytes for u in self.users)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(u.used_bytes for u in self.users)
+
+    def as_dict(self, viewer: int | None = None) -> dict[str, Any]:
+        """For an operator (``viewer`` None): the totals, the state and scope of the latest guess, and
+        each user's guess; for user ``viewer``: that user's guess alone."""
+        users = [u for u in self.users if viewer is None or u.uid == viewer]
+        if not self.enabled:
+            state = "off"
+        else:
+            busiest = next((u for u in reversed(users) if u.state not in ("watching", "held")), None)
+            state = busiest.state if busiest else users[-1].state if users else "near" if self.near else "watching"
+        scoped = [u for u in users if u.scope is not None]
+        out = {"state": state, "scope": scoped[-1].scope if scoped else None,
+               "guesses": sum(u.guesses for u in users), "read_bytes": sum(u.read_bytes for u in users),
+               "fetched_bytes": sum(u.fetched_bytes for u in users), "used_bytes": sum(u.used_bytes for u in users),
+               "inflight": sum(u.inflight for u in users)}
+        if viewer is None:
+            out["users"] = [{"uid": u.uid, **u.as_dict()} for u in self.users]
+        return out
+
+
 class Pattern:
     """Which files the job reads for the first time in this epoch, and whether it reads a directory's
     files each once (pure: fed the reads, it says what the guess is)."""
 
     START_FILES = 8
-    MAX_TRACKED = 1 << 18  # files remembered in one epoch; past this the epoch is forgotten and learned again
+    MAX_TRACKED = 1 << 17  # files remembered in one epoch; past this the epoch is forgotten and learned again
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -172,10 +225,43 @@ class LearnSettings:
     capacity: int  # the cache's size
     max_inflight: int  # fetches at once, at most (--prefetch-concurrency)
     enabled: bool = True
+    user_share: int | None = None  # bytes one user's guess may hold fetched and not yet read (--user-share)
+
+
+class _Guess:
+    """One user's pattern, guess and budget. The budget is the user's over its whole time on the mount,
+    not a guess's: ``fetched`` never goes back, ``earned`` is what the user read of its guesses' scopes."""
+
+    def __init__(self, who: Reader, block_size: int) -> None:
+        self.who = who
+        self.pattern = Pattern(block_size)
+        self.scope: str | None = None  # the scope being fetched
+        # Where the walk of the scope stands: (directory path, last cookie read) from the scope down (None:
+        # walked). Paths, not a namespace: holding a version's iterator would pin that version's pages
+        # in the index while the mount refreshes; each batch reads the version current then.
+        self.files: list[tuple[str, int]] | None = None
+        self.batch: deque[ObjectInfo] = deque()  # files of the walk not looked at yet (each readable by who)
+        self.blocks: deque[tuple[ObjectInfo, int, int]] = deque()  # the next file's blocks to fetch
+        self.pending: dict[tuple[str, int], int] = {}  # (key, index) fetched by the guess, not read yet
+        self.outstanding = 0
+        self.inflight = 0
+        self.fetched = self.earned = 0  # over the user's whole time here: what the budget weighs
+        self.guesses = self.read_bytes = self.used_bytes = 0
+        self.began = self.last = time.monotonic()
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.pending.clear()
+        self.outstanding = 0
+        self.files = None
+        self.batch.clear()
 
 
 class Learner:
-    """Fetches ahead the rest of a directory a job reads each file of once (see the module's text)."""
+    """Fetches ahead the rest of a directory a job reads each file of once (see the module's text), for
+    each reading user apart: a user's own reads alone start, steer and end its guess, the walk takes
+    only files that user may read (as the kernel decides, from the modes the mount presents), and what
+    it fetches is counted against that user's budget and share."""
 
     GAIN = 2
     BASE = 64 * MiB
@@ -183,55 +269,63 @@ class Learner:
     NEAR = 0.010  # an endpoint that sends a first byte sooner (mean) is not worth fetching ahead of
     START_INFLIGHT = 4
     MIN_INFLIGHT = 2
+    MAX_USERS = 4  # users learnt at once; another's reads are learnt once one of them has been idle IDLE s
     _SKIP = 256  # files passed over between two checkpoints
 
     def __init__(self, cache: BlockCache, namespace: Callable[[], Namespace], settings: LearnSettings,
-                 held: Callable[[], bool] = lambda: False,
-                 first_byte: Callable[[], float | None] = lambda: None) -> None:
+                 held: Callable[[int], bool] = lambda uid: False,
+                 first_byte: Callable[[], float | None] = lambda: None,
+                 presented: Presented | None = None) -> None:
         self.cache = cache
         self.first_byte = first_byte
         self._near = (-1.0, False)  # (when looked at, whether near)
         self.namespace = namespace
         self.settings = settings
         self.held = held
-        self.pattern = Pattern(cache.block_size)
+        self.presented = presented  # node -> (mode, uid, gid) as the mount presents it (None: root reads alone)
         self.base = min(self.BASE, settings.capacity // 16)
-        self._scope: str | None = None  # the scope being fetched
-        # Where the walk of the scope stands: (directory path, last cookie read) from the scope down (None:
-        # walked). Paths, not a namespace: holding a version's iterator would pin that version's pages
-        # in the index while the mount refreshes; each batch reads the version current then.
-        self._files: list[tuple[str, int]] | None = None
-        self._batch: deque[ObjectInfo] = deque()  # files of the walk not looked at yet
-        self._blocks: deque[tuple[ObjectInfo, int, int]] = deque()  # the next file's blocks to fetch
-        self._fetched = 0  # this guess's
-        self._pending: dict[tuple[str, int], int] = {}  # (key, index) fetched by the guess, not read yet
-        self._outstanding = 0
-        self._inflight = 0
+        self._users: dict[int, _Guess] = {}  # uid -> its guess, the least recently reading first
         self._latency = 0.05
-        self._began = self._last = time.monotonic()
         self._wake = trio.Event()
-        self.guesses = 0
-        self.read_bytes = self.fetched_bytes = self.used_bytes = 0
 
     # -- the read path -----------------------------------------------------------------------------------
 
-    def opened(self, obj: ObjectInfo) -> None:
-        self.touched(obj, 0)
+    def opened(self, obj: ObjectInfo, reader: Reader | None = None) -> None:
+        self.touched(obj, 0, reader)
 
-    def touched(self, obj: ObjectInfo, index: int) -> None:
-        if not self.settings.enabled:
+    def touched(self, obj: ObjectInfo, index: int, reader: Reader | None = None) -> None:
+        if not self.settings.enabled or reader is None:
             return
-        earned = self.pattern.saw(obj, index)
-        if self._pending:
-            size = self._pending.pop((obj.key, index), None)
+        g = self._user(reader)
+        if g is None:
+            return
+        earned = g.pattern.saw(obj, index)
+        if g.pending:
+            size = g.pending.pop((obj.key, index), None)
             if size is not None:
-                self._outstanding -= size
-                self.used_bytes += size
+                g.outstanding -= size
+                g.used_bytes += size
         if earned:
-            self.read_bytes += earned
-            self._last = time.monotonic()
-        if self.pattern.scope != self._scope or earned:
+            g.read_bytes += earned
+            g.earned += earned
+            g.last = time.monotonic()
+        if g.pattern.scope != g.scope or earned:
             self._wake.set()
+
+    def _user(self, reader: Reader) -> _Guess | None:
+        uid = reader[0]
+        g = self._users.pop(uid, None)
+        if g is None:
+            if len(self._users) >= self.MAX_USERS:
+                idle = next((u for u, x in self._users.items() if not x.inflight and x.scope is None
+                             and time.monotonic() - x.last > self.IDLE), None)
+                if idle is None:
+                    return None  # (every user learnt is reading now: this one's reads are not learnt yet)
+                del self._users[idle]
+            g = _Guess(reader, self.cache.block_size)
+        g.who = reader
+        self._users[uid] = g  # (the most recent last)
+        return g
 
     # -- the fetches -------------------------------------------------------------------------------------
 
@@ -242,40 +336,44 @@ class Learner:
                 with trio.move_on_after(1.0):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                held = self.held()
-                if held or self._scope is not None and time.monotonic() - self._last > self.IDLE:
-                    if self._scope is not None:
-                        log.info("learned order: the guess over %r ends (%s)", self._scope,
-                                 "an order was handed over" if held else "the job stopped reading it")
-                        self.pattern.end()
-                        self._begin(None)
-                    continue  # (a job that hands its order over is never guessed for)
-                if self.pattern.scope != self._scope:
-                    self._begin(self.pattern.scope)
-                if self._scope is None or self.near():
-                    continue  # (the guess stands; nothing is fetched while the endpoint answers at once)
+                for g in list(self._users.values()):
+                    self._steer(g)
+                if self.near():
+                    continue  # (the guesses stand; nothing is fetched while the endpoint answers at once)
                 await self._fill(nursery)
 
-    def _begin(self, scope: str | None) -> None:
-        self._scope = scope
-        self._blocks.clear()
-        self._pending.clear()
-        self._outstanding = self._fetched = 0
-        self._files = None
-        self._batch.clear()
+    def _steer(self, g: _Guess) -> None:
+        """Begin, follow or end ``g``'s guess as its own reads (and its own hand-overs) say."""
+        uid = g.who[0]
+        held = self.held(uid)
+        if held or g.scope is not None and time.monotonic() - g.last > self.IDLE:
+            if g.scope is not None:
+                log.info("learned order: the guess for uid %d ends (%s)", uid,
+                         "it handed an order over" if held else "it stopped reading its directory")
+                g.pattern.end()
+                self._begin(g, None)
+            return  # (a job that hands its order over is never guessed for)
+        if g.pattern.scope != g.scope:
+            self._begin(g, g.pattern.scope)
+
+    def _begin(self, g: _Guess, scope: str | None) -> None:
+        g.scope = scope
+        g.clear()
         if scope is None:
             return
         ns = self.namespace()
         node = ns.resolve(scope) if scope else ns.node(ROOT_INODE)
         if not isinstance(node, Dir):
-            self._scope = None  # (a directory of packed shards, gone since: nothing to guess)
-            self.pattern.end()
+            g.scope = None  # (a directory of packed shards, gone since: nothing to guess)
+            g.pattern.end()
             return
-        self.guesses += 1
-        self._began = self._last = time.monotonic()
-        self._files = [(scope, 0)]
-        log.info("learned order: files under %r read each once in an order of the job's own; fetching the rest "
-                 "ahead (at most %d MiB, then twice what the job reads of it)", scope or "/", self.base >> 20)
+        g.guesses += 1
+        g.began = g.last = time.monotonic()
+        g.files = [(scope, 0)]
+        # (the scope is the user's to know, not the log's readers': it is named at debug level only)
+        log.info("learned order: uid %d reads a directory's files each once in an order of its own; fetching the "
+                 "rest it may read ahead (within %d MiB, then twice what it reads of them)", g.who[0], self.base >> 20)
+        log.debug("learned order: uid %d's scope is %r", g.who[0], scope or "/")
 
     def near(self) -> bool:
         """Whether the endpoint answers a request's first byte in under ``NEAR`` seconds, or has not
@@ -290,29 +388,42 @@ class Learner:
         return self._near[1]
 
     def _lead(self) -> int:
-        """Bytes fetched ahead and not read yet, at most: half what the cache keeps in memory for its
-        readers (a quarter of the cache, if less): what is fetched ahead waits there for its reader
-        (measured on DLIO at 0 ms on 2 cores: a lead of a quarter of the cache, written through the page
-        cache and read back, cost 1-2 s of daemon CPU a GiB and up to 14 points of first-epoch AU)."""
+        """Bytes fetched ahead and not read yet, at most, over all users: half what the cache keeps in
+        memory for its readers (a quarter of the cache, if less): what is fetched ahead waits there for
+        its reader (measured on DLIO at 0 ms on 2 cores: a lead of a quarter of the cache, written
+        through the page cache and read back, cost 1-2 s of daemon CPU a GiB and up to 14 points of
+        first-epoch AU)."""
         return min(self.settings.capacity // 4, self.cache.recent_max // 2)
 
-    def _allowed(self) -> int:
-        return self.base + self.GAIN * self.pattern.earned
+    def _user_lead(self) -> int:
+        """Bytes one user's guess may hold fetched and not read: the lead, within its --user-share."""
+        share = self.settings.user_share
+        return self._lead() if share is None else min(self._lead(), share)
+
+    def _allowed(self, g: _Guess) -> int:
+        return self.base + self.GAIN * g.earned
+
+    def _fetching(self) -> list[_Guess]:
+        return [g for g in self._users.values() if g.scope is not None and (g.files is not None or g.batch or g.blocks)]
 
     async def _fill(self, nursery: trio.Nursery) -> None:
-        while self._files is not None or self._batch or self._blocks:
+        while True:
             await trio.lowlevel.checkpoint()
-            if self._inflight >= self._target_inflight() or self._outstanding >= self._lead():
-                return  # woken when a fetch completes or the job reads
-            if self._fetched >= self._allowed():
-                return  # woken as the job earns more
+            if sum(g.inflight for g in self._users.values()) >= self._target_inflight():
+                return  # woken when a fetch completes or a job reads
+            if sum(g.outstanding for g in self._users.values()) >= self._lead():
+                return
+            ready = [g for g in self._fetching() if g.outstanding < self._user_lead() and g.fetched < self._allowed(g)]
+            if not ready:
+                return  # woken as the jobs earn more
             if self.cache.demand_waiting():
                 await trio.sleep(0.002)
                 continue
-            nxt = self._next()
+            g = min(ready, key=lambda x: x.inflight)  # (the users take turns)
+            nxt = self._next(g)
             if nxt is None:
-                if self._files is None:
-                    log.info("learned order: every file under %r is fetched or read", self._scope or "/")
+                if g.files is None and not g.batch and not g.blocks:
+                    log.info("learned order: every file uid %d may read in its directory is fetched or read", g.who[0])
                 continue  # (or a run of files read already skipped: the loop had its checkpoint)
             obj, index, length = nxt
             bid = self.cache.block_id(obj, index)
@@ -325,82 +436,89 @@ class Learner:
             fetch = self.cache.fetch(obj, index, bid, near=True)
             if fetch is None:
                 continue
-            self._fetched += length
-            self.fetched_bytes += length
-            self._pending[(obj.key, index)] = length
-            self._outstanding += length
-            self._inflight += 1
-            nursery.start_soon(self._watch, fetch)
+            g.fetched += length
+            g.pending[(obj.key, index)] = length
+            g.outstanding += length
+            g.inflight += 1
+            nursery.start_soon(self._watch, g, fetch)
 
-    def _next(self) -> tuple[ObjectInfo, int, int] | None:
-        """The next block of the scope's files the job has not read (listing order); None when there is
-        none (``_files`` None), or after a run of ``_SKIP`` files passed over (the caller checkpoints)."""
+    def _next(self, g: _Guess) -> tuple[ObjectInfo, int, int] | None:
+        """The next block of the scope's files the user has not read and may read (listing order); None
+        when there is none (``files`` None), or after a run of ``_SKIP`` files passed over (the caller
+        checkpoints)."""
         for _ in range(self._SKIP):
-            if self._blocks:
+            if g.blocks:
                 break
-            if not self._batch:
-                if self._files is not None:
-                    self._refill()
-                if not self._batch:
-                    self._files = None
+            if not g.batch:
+                if g.files is not None:
+                    self._refill(g)
+                if not g.batch:
+                    g.files = None
                     return None
-            obj = self._batch.popleft()
-            if obj.key in self.pattern.read or not obj.size or member_location(obj) is not None:
+            obj = g.batch.popleft()
+            if obj.key in g.pattern.read or not obj.size or member_location(obj) is not None:
                 continue  # read already, empty (or a packed member: its shard is read through its own plan)
-            self._blocks.extend((obj, index, length) for index, length, _ in
-                                extent_blocks(0, obj.size, obj.size, self.cache.block_size))
-        return self._blocks.popleft() if self._blocks else None
+            g.blocks.extend((obj, index, length) for index, length, _ in
+                            extent_blocks(0, obj.size, obj.size, self.cache.block_size))
+        return g.blocks.popleft() if g.blocks else None
 
-    def _refill(self, most: int = 1024) -> None:
-        """The next ``most`` files of the scope's walk (depth first, each directory in its listing's
-        order), from the namespace current now; the walk goes on from where it stands."""
-        ns, walk = self.namespace(), self._files
-        while walk and len(self._batch) < most:
+    def _refill(self, g: _Guess, most: int = 1024) -> None:
+        """The next ``most`` files of the scope's walk that the user may read (depth first, each
+        directory in its listing's order), from the namespace current now; the walk goes on from where
+        it stands, and descends only into directories the user may search."""
+        ns, walk = self.namespace(), g.files
+        access = PathAccess(ns.resolve, self.presented or (lambda node: (0, 0, 0)), Caller(*g.who))
+        while walk and len(g.batch) < most:
             path, after = walk[-1]
             node = ns.resolve(path) if path else ns.node(ROOT_INODE)
-            if not isinstance(node, Dir):
-                walk.pop()  # (gone in this version)
+            if not isinstance(node, Dir) or not access.searchable(path):
+                walk.pop()  # (gone in this version, or not the user's to pass)
                 continue
             for cookie, _, kid in ns.entries_after(node.inode, after):
                 walk[-1] = (path, cookie)
                 if isinstance(kid, Dir):
                     walk.append((kid.path, 0))
                     break
-                if kid.obj is not None:
-                    self._batch.append(kid.obj)
-                if len(self._batch) >= most:
+                if kid.obj is not None and access.readable(kid):
+                    g.batch.append(kid.obj)
+                if len(g.batch) >= most:
                     break
             else:
                 walk.pop()
         if not walk:
-            self._files = None
+            g.files = None
 
-    async def _watch(self, fetch: Fetch) -> None:
+    async def _watch(self, g: _Guess, fetch: Fetch) -> None:
         started = time.monotonic()
         try:
             error = await fetch.wait()
         finally:
-            self._inflight -= 1
+            g.inflight -= 1
             self._wake.set()
         if error is None:
             self._latency = 0.8 * self._latency + 0.2 * (time.monotonic() - started)
 
     def _target_inflight(self) -> int:
-        """Twice what carries the job's reading rate of the scope at the observed fetch latency (Little's
-        law), within ``--prefetch-concurrency``; a few until the rate is known."""
-        seconds = time.monotonic() - self._began
-        if seconds < 0.5 or not self.pattern.earned:
+        """Twice what carries the jobs' reading rate of their scopes at the observed fetch latency
+        (Little's law), within ``--prefetch-concurrency``; a few until the rate is known."""
+        rate = 0.0
+        for g in self._fetching():
+            seconds = time.monotonic() - g.began
+            if seconds >= 0.5 and g.pattern.earned:
+                rate += g.pattern.earned / seconds
+        if not rate:
             return min(self.settings.max_inflight, self.START_INFLIGHT)
-        rate = self.pattern.earned / seconds
         need = math.ceil(2 * rate * self._latency / self.cache.block_size) + 1
         return max(self.MIN_INFLIGHT, min(self.settings.max_inflight, need))
 
     def statistics(self) -> LearnedStats:
-        state = ("off" if not self.settings.enabled else "held" if self.held() else "watching" if self._scope is None
-                 else "near" if self.near()
-                 else "guessing" if self._files is not None or self._batch or self._blocks else "fetched")
-        return LearnedStats(state, self._scope, self.guesses, self.read_bytes, self.fetched_bytes, self.used_bytes,
-                            self._inflight)
+        near = self.settings.enabled and self.near()
+        users = []
+        for uid, g in self._users.items():
+            state = ("held" if self.held(uid) else "watching" if g.scope is None else "near" if near
+                     else "guessing" if g.files is not None or g.batch or g.blocks else "fetched")
+            users.append(GuessStats(uid, state, g.scope, g.guesses, g.read_bytes, g.fetched, g.used_bytes, g.inflight))
+        return LearnedStats(self.settings.enabled, near, tuple(users))
 
 
 class Observers:
@@ -409,10 +527,10 @@ class Observers:
     def __init__(self, *observers: Any) -> None:
         self.observers = observers
 
-    def opened(self, obj: ObjectInfo) -> None:
+    def opened(self, obj: ObjectInfo, reader: Reader | None = None) -> None:
         for o in self.observers:
-            o.opened(obj)
+            o.opened(obj, reader)
 
-    def touched(self, obj: ObjectInfo, index: int) -> None:
+    def touched(self, obj: ObjectInfo, index: int, reader: Reader | None = None) -> None:
         for o in self.observers:
-            o.touched(obj, index)
+            o.touched(obj, index, reader)

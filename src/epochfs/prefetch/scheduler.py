@@ -251,19 +251,24 @@ class Prefetcher:
     def _finished(self) -> bool:
         return self._plan is None or self._position >= len(self._plan) - 1
 
-    def holds_order(self) -> bool:
-        """Whether a handed-over order is being read, or one was handed over in the last ``RECENT``
-        seconds (a job that hands its epochs over hands the next one soon): a guessed order then waits.
-        Each node of a job reads its own share of a directory, so between two hand-overs the rest of
-        it is other nodes' (measured in the cluster box: guessing there fetched 0.23 datasets more)."""
-        return not self._finished() or time.time() - max(self.handed_by.values(), default=0.0) < self.RECENT
+    def holds_order(self, uid: int | None = None) -> bool:
+        """Whether an order ``uid`` handed over is being read, or ``uid`` handed one over in the last
+        ``RECENT`` seconds (a job that hands its epochs over hands the next one soon): that user's
+        guessed order then waits (another user's does not: one user's hand-over steers nobody else's
+        guess). Each node of a job reads its own share of a directory, so between two hand-overs the
+        rest of it is other nodes' (measured in the cluster box: guessing there fetched 0.23 datasets
+        more). ``uid`` None: anybody's."""
+        if uid is None:
+            return not self._finished() or time.time() - max(self.handed_by.values(), default=0.0) < self.RECENT
+        reading = not self._finished() and any(uid in h.owners.values() for h in self._handovers)
+        return reading or time.time() - self.handed_by.get(uid, 0.0) < self.RECENT
 
     # -- the reader ----------------------------------------------------------------------------------
 
-    def opened(self, obj: ObjectInfo) -> None:
+    def opened(self, obj: ObjectInfo, reader: tuple[int, int] | None = None) -> None:
         self.touched(obj, 0)
 
-    def touched(self, obj: ObjectInfo, index: int) -> None:
+    def touched(self, obj: ObjectInfo, index: int, reader: tuple[int, int] | None = None) -> None:
         plan = self._plan
         if plan is None:
             return

@@ -364,20 +364,21 @@ class Operations(kernel.Operations):
                 self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
             backing = self.passthrough.open(inode, node.obj, fh)
             if backing:
-                self.cache.opened(node.obj)  # (what the prefetch plan learns from an open)
+                self.cache.opened(node.obj, (ctx.uid, ctx.gid))  # (what the prefetch plan learns from an open)
                 return kernel.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
-        self._streams[fh] = self.cache.open_stream(node.obj, inode)
+        self._streams[fh] = self.cache.open_stream(node.obj, inode, (ctx.uid, ctx.gid))
         return kernel.FileInfo(fh=fh, keep_cache=True)
 
     @_translated
-    def read_now(self, fh: int, off: int, size: int, inode: int = 0,
-                 pid: int = 0) -> bytes | memoryview | Callable[[], Awaitable[bytes | memoryview]]:
+    def read_now(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0,
+                 reader: tuple[int, int] | None = None) -> bytes | memoryview | Callable[[], Awaitable[bytes | memoryview]]:
         """The bytes of a read if they are at hand (answered as the request is read), else the coroutine
-        function that waits for them (run as a task). ``fh`` 0: a read with no open handle."""
+        function that waits for them (run as a task). ``fh`` 0: a read with no open handle (``reader``,
+        the READ's uid and gid, then stands for the open's)."""
         if inode == CONTROL_INODE:
             return b""  # (the control file reads empty: its channel is ioctls)
         started = time.perf_counter()
-        stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off)
+        stream = self._streams.get(fh) if fh else self._bound_stream(inode, pid, off, reader)
         if stream is None and fh not in self._local:  # (a passthrough open the kernel reads through us after all)
             node = self._node(inode)
             stream = self._streams[fh] = self.cache.open_stream(node.obj, inode)
@@ -398,15 +399,17 @@ class Operations(kernel.Operations):
         finally:
             self.read_latency.observe(time.perf_counter() - started)
 
-    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0,
+                   reader: tuple[int, int] | None = None) -> bytes | memoryview:
         """:meth:`read_now`, waiting for what it could not answer at once."""
-        answer = self.read_now(fh, off, size, inode, pid)
+        answer = self.read_now(fh, off, size, inode, pid, reader)
         return await answer() if callable(answer) else answer
 
     #: Readers kept at once with zero-message opens (the least recently used is let go).
     BOUND = 256
 
-    def _bound_stream(self, inode: int, pid: int, off: int) -> ReadStream | MemberStream:
+    def _bound_stream(self, inode: int, pid: int, off: int,
+                      reader: tuple[int, int] | None = None) -> ReadStream | MemberStream:
         """The reader of a read with no open handle (zero-message opens): one per file and reading thread
         (the request's pid), for what a handle carried: sequential detection and readahead, the small
         file read whole, the prefetch plan told the file was opened (at each read from its start). The
@@ -422,7 +425,7 @@ class Operations(kernel.Operations):
             raise Answered(errno.EBADF)
         if stream is not None:
             stream.close()
-        stream = self._bound[key] = self.cache.open_stream(node.obj, inode)
+        stream = self._bound[key] = self.cache.open_stream(node.obj, inode, reader)
         self._bound.move_to_end(key)
         while len(self._bound) > self.BOUND:
             _, old = self._bound.popitem(last=False)

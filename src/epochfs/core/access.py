@@ -1,15 +1,50 @@
-"""Which entries of the snapshot a caller may read, decided as the kernel decides it for a read through
-the mount (``default_permissions``): search on every directory from the root down, read on the entry,
-from the modes and owners the mount presents (``presented``: the FUSE adapter's own attributes, so a
-request and an ``open`` agree). Pure over the namespace; used in worker threads, one object per
-request (directory answers are remembered for the request only)."""
+"""Who may read what, decided as the kernel decides it for a read through the mount
+(``default_permissions``): a caller (:class:`Caller`: its uid, gid and groups as the kernel names them),
+the rule of one entry's mode (:func:`allowed`), and which entries of a snapshot a caller may reach and
+read (:class:`PathAccess`: search on every directory from the root down, read on the entry, from the
+modes and owners the mount presents: ``presented``, the FUSE adapter's own attributes, so a request, an
+``open`` and a guess of the learned order agree). Pure; used in worker threads and on the trio thread,
+one :class:`PathAccess` per request or walk (directory answers are remembered for it only)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from epochfs.control.caller import Caller, allowed
+
+@dataclass(frozen=True)
+class Caller:
+    """A request's caller: its uid, gid, supplementary groups and pid (0 where unknown), and whether
+    it is an operator of the mount (root, the daemon's user, a member of the control group)."""
+
+    uid: int
+    gid: int
+    groups: frozenset[int] = frozenset()
+    pid: int = 0
+    operator: bool = False
+
+    def in_group(self, gid: int) -> bool:
+        return gid == self.gid or gid in self.groups
+
+    def describe(self) -> str:
+        return f"uid {self.uid}" + (f" (pid {self.pid})" if self.pid else "")
+
+
+def allowed(mode: int, owner: int, group: int, caller: Caller, want: int) -> bool:
+    """Whether ``caller`` has the ``want`` bits (4 read, 2 write, 1 search) of an entry presented with
+    ``mode``, ``owner`` and ``group``, as the kernel's ``generic_permission`` decides (root may read and
+    search anything)."""
+    if caller.uid == 0:
+        return True
+    if caller.uid == owner:
+        bits = (mode >> 6) & 7
+    elif caller.in_group(group):
+        bits = (mode >> 3) & 7
+    else:
+        bits = mode & 7
+    return bits & want == want
+
 
 Presented = Callable[[Any], tuple[int, int, int]]  # node -> (mode, uid, gid)
 _R, _X = 4, 1
