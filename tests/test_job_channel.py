@@ -181,6 +181,8 @@ attempt("missing", lambda: client.hand_over(["priv/nothing.bin"]))
 attempt("locked", lambda: client.hand_over(["pub/locked.bin"]))
 attempt("warm-locked", lambda: client.warmup(["pub/locked.bin"]))
 attempt("cancel", lambda: client.cancel(job_id))
+attempt("peek", lambda: client._request("job", id=job_id))
+attempt("peek-missing", lambda: client._request("job", id=job_id + 1000))
 attempt("forge", lambda: client._request("report", job="resnet", rank=1, steps=5, data_wait=1.0, compute=1.0))
 attempt("refresh", lambda: client._request("refresh"))
 attempt("publish", lambda: client._request("publish_manifest", name="x", text="pub/0.bin\\n"))
@@ -283,6 +285,10 @@ def test_another_user_can_neither_touch_a_jobs_order_warmup_nor_view_and_learns_
         assert got["unreadable"][1].replace("secret", "X") == got["missing"][1].replace("nothing", "X")
         assert "not in the snapshot or not readable by you" in got["locked"][1] and got["warm-locked"][0] == "ConfigError"
         assert "started by another user" in got["cancel"][1]
+        # Another user's warmup (its files, sizes, errors naming keys) is answered as one that does not exist.
+        assert got["peek"][0] == got["peek-missing"][0] != "ok"
+        assert got["peek"][1].replace(str(mine["job"]), "N") == got["peek-missing"][1].replace(
+            str(mine["job"] + 1000), "N")
         assert "reported by another user" in got["forge"][1]
         assert "--control-group" in got["refresh"][1] and "--control-group" in got["publish"][1]
         assert got["status"] == ["ok", 12]  # reading state is anyone's

@@ -20,7 +20,7 @@ from epochfs.control.server import ControlServer
 from epochfs.core.access import PathAccess
 from epochfs.core.errors import NotPermitted
 
-from .test_scheduler import objs, with_prefetcher
+from .test_scheduler import BS, objs, with_prefetcher
 
 ALICE = Caller(1001, 1001, frozenset({1001}), 11)
 BOB = Caller(1002, 1002, frozenset({1002}), 12)
@@ -319,3 +319,29 @@ def test_subuid_ranges_count_only_from_roots_own_file(tmp_path):
     os.chmod(subuid, 0o644)
     assert People(str(subuid)).of(300005) == People(str(subuid)).of(300099) != 300005
     assert People(str(tmp_path / "none")).of(5) == 5
+
+
+def test_back_to_back_warmups_count_against_the_share_for_a_while_and_only_the_starter_sees_one(tmp_path):
+    """``--user-share`` bounded only warmups not yet done, so one user's warmups one after the other could
+    cycle the whole cache; and any user could read any warmup (its files, errors naming keys) by id."""
+    share = 4 * BS
+
+    async def fn(cache, pf, backend):
+        first = pf.warmup(objs(4, prefix="a"), uid=1001, operator=False, share_bytes=share)
+        await first.done.wait()
+        assert first.done_bytes == share
+        with pytest.raises(NotPermitted, match="--user-share") as refused:
+            pf.warmup(objs(4, prefix="b"), uid=1001, operator=False, share_bytes=share)
+        other = pf.warmup(objs(1, prefix="c"), uid=1002, operator=False, share_bytes=share)  # (a share of its own)
+        seen = (pf.job(first.id, uid=1002, operator=False), pf.job(first.id, uid=1001, operator=False),
+                pf.job(first.id))
+        pf.SHARE_WINDOW = 0.0  # (the window passed)
+        again = pf.warmup(objs(4, prefix="b"), uid=1001, operator=False, share_bytes=share)
+        return str(refused.value), other, seen, again
+
+    refused, other, (by_other, by_starter, by_operator), again = with_prefetcher(tmp_path, fn)
+    from epochfs.core.text import human
+
+    assert f"over the {human(share)}" in refused and "frees in" in refused  # (in words, and when it frees)
+    assert other is not None and again is not None
+    assert by_other is None and by_starter is by_operator is not None

@@ -262,7 +262,7 @@ class ControlHandlers:
         return {"stores": list(stores), "sizes": sizes, "locations": locations}
 
     async def job(self, request: p.Job, *, caller: Caller = OWNER) -> dict[str, Any]:
-        job = self.prefetcher.job(request.id)
+        job = self.prefetcher.job(request.id, uid=caller.uid, operator=caller.operator)
         if job is None:
             raise ManifestError(f"no warmup job {request.id}")
         return job.as_dict()

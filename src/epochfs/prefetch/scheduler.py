@@ -65,6 +65,7 @@ from epochfs.cache.service import BlockCache, Fetch
 from epochfs.core.blocks import extent_blocks
 from epochfs.core.errors import NotPermitted
 from epochfs.core.records import ObjectInfo, stored_extent
+from epochfs.core.text import human
 from epochfs.prefetch.plan import DEFAULT_LEAD, MAX_PREFETCH_CONCURRENCY, Plan, count_blocks
 from epochfs.prefetch.warmups import WarmupJob, left_cached
 
@@ -139,6 +140,7 @@ class Prefetcher:
     WARM_AHEAD = 256 << 20  # bytes of cached blocks read into memory ahead of the reader, at most
     _WARM_BATCH = 64  # positions warmed between two checkpoints
     MAX_JOBS = 1024  # warmup jobs remembered (finished ones are forgotten, oldest first, past this)
+    SHARE_WINDOW = 600.0  # seconds a finished warmup still counts against its user's --user-share
     RECENT = 600.0  # seconds after a hand-over during which no order is guessed
 
     def __init__(self, cache: BlockCache, settings: PrefetchSettings) -> None:
@@ -171,6 +173,7 @@ class Prefetcher:
         self._job_ids = itertools.count(1)
         #: When each uid last handed over an order (what the job view tells a job that did not).
         self.handed_by: dict[int | None, float] = {}
+        self._warmups_ended: dict[int | None, list[tuple[float, int]]] = {}  # uid -> (when ended, bytes) of its warmups
 
     # -- plan hand-over ------------------------------------------------------------------------------
 
@@ -444,15 +447,19 @@ class Prefetcher:
         admits it (evicting only what the policy gives up for it: under the manifest policy, blocks the
         handed-over order does not read; under LRU, the least recently used), and the job never fills
         more than the cache holds (it would evict what it warmed): the rest is skipped. Unless an
-        ``operator``, ``uid``'s warmups not yet done hold at most ``share_bytes``
+        ``operator``, what ``uid``'s warmups fill (those running, and those that ended in the last
+        ``SHARE_WINDOW`` seconds: back-to-back warmups cannot cycle the cache) is at most ``share_bytes``
         (:class:`~epochfs.core.errors.NotPermitted`)."""
         total = sum(o.size for o in objs)
         if share_bytes is not None and not operator:
-            held = sum(j.total_bytes - j.done_bytes - j.skipped_bytes for j in self._jobs.values()
-                       if j.owner == uid and not j.finished)
+            held = self.warmed_by(uid)
             if held + total > share_bytes:
-                raise NotPermitted(f"uid {uid}'s warmups would hold {held + total} bytes, over the {share_bytes} "
-                                   "one user may warm at once (--user-share)")
+                wait = self._share_frees(uid, held + total - share_bytes)
+                raise NotPermitted(
+                    f"uid {uid}'s warmups would fill {human(held + total)}, over the {human(share_bytes)} one user "
+                    f"may warm in {self.SHARE_WINDOW / 60:g} minutes (--user-share); "
+                    + (f"enough of it frees in {wait:.0f}s, or " if wait is not None else "")
+                    + "warm fewer files at a time, or ask an operator (root, --control-group) to warm them")
         job = WarmupJob(next(self._job_ids), total, len(objs), owner=uid)
         self._jobs[job.id] = job
         for old in [j for j in self._jobs.values() if j.finished][:max(0, len(self._jobs) - self.MAX_JOBS)]:
@@ -461,8 +468,36 @@ class Prefetcher:
         self._nursery.start_soon(self._run_warmup, job, list(objs))
         return job
 
-    def job(self, job_id: int) -> WarmupJob | None:
-        return self._jobs.get(job_id)
+    def warmed_by(self, uid: int | None) -> int:
+        """Bytes ``uid``'s warmups fill now (those running: all they may still fill) or filled in the
+        last ``SHARE_WINDOW`` seconds (those that ended)."""
+        running = sum(j.total_bytes - j.skipped_bytes - j.failed_bytes for j in self._jobs.values()
+                      if j.owner == uid and not j.finished)
+        return running + sum(n for _, n in self._ended(uid))
+
+    def _ended(self, uid: int | None) -> list[tuple[float, int]]:
+        now = time.monotonic()
+        ended = [(t, n) for t, n in self._warmups_ended.get(uid, []) if now - t < self.SHARE_WINDOW]
+        if ended:
+            self._warmups_ended[uid] = ended
+        else:
+            self._warmups_ended.pop(uid, None)
+        return ended
+
+    def _share_frees(self, uid: int | None, need: int) -> float | None:
+        """Seconds until ``need`` bytes of ``uid``'s ended warmups leave the window (None: they cannot)."""
+        freed, now = 0, time.monotonic()
+        for t, n in self._ended(uid):
+            freed += n
+            if freed >= need:
+                return max(0.0, self.SHARE_WINDOW - (now - t))
+        return None
+
+    def job(self, job_id: int, *, uid: int | None = None, operator: bool = True) -> WarmupJob | None:
+        """Warmup ``job_id``, if it is ``uid``'s (or the caller an ``operator``): another user's warmup
+        (its files, sizes, errors naming keys) is answered as one that does not exist."""
+        job = self._jobs.get(job_id)
+        return job if job is not None and (operator or job.owner == uid) else None
 
     def cancel(self, job_id: int, *, uid: int | None = None, operator: bool = True) -> WarmupJob | None:
         """Stop a warmup job: no new fetch is started; those in flight finish. Only its starter or an
@@ -522,6 +557,8 @@ class Prefetcher:
         if not job.cancelled:
             await left_cached(self.cache, job, objs)
         job.finished = True
+        if job.owner is not None and job.done_bytes:
+            self._warmups_ended.setdefault(job.owner, []).append((time.monotonic(), job.done_bytes))
         job.done.set()
 
     async def resident(self, objs: Sequence[ObjectInfo]) -> dict[str, int]:
