@@ -14,6 +14,7 @@ every N-th, or a seeded rate), in which case the proxy answers with the chosen f
     full_200       a ranged request answered 200 with the whole object
     drip_body      headers, then the body one byte every ``stall`` seconds
     drip_headers   the status line and headers one byte every ``stall`` seconds
+    slow_body      headers, then the body spread evenly over ``stall`` seconds (a slow link that works)
     no_etag        the answer without its ETag header
     other_etag     the answer with another ETag than the one asked for
     region         301 PermanentRedirect with ``x-amz-bucket-region: <region>`` for a request signed for
@@ -35,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("error500", "slowdown", "throttle429", "reset", "stall_headers", "stall_body", "truncate",
-         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "no_etag", "other_etag", "region")
+         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "slow_body", "no_etag", "other_etag", "region")
 
 
 @dataclass
@@ -205,6 +206,13 @@ class FaultProxy:
         if kind == "drip_body":
             _drip(h, data, fault.stall if fault else 1.5)
             h.close_connection = True
+            return
+        if kind == "slow_body":
+            piece = max(1, len(data) // 64)
+            for at in range(0, len(data), piece):
+                h.wfile.write(data[at:at + piece])
+                h.wfile.flush()
+                time.sleep((fault.stall if fault else 1.5) * piece / max(1, len(data)))
             return
         if kind == "truncate":
             h.wfile.write(data[: len(data) // 2])

@@ -184,6 +184,48 @@ def test_a_buffered_read_of_a_small_file_waits_for_one_deadline_not_one_per_kern
         m.stop()
 
 
+def test_a_read_spanning_many_blocks_waits_for_one_deadline_not_one_per_block(s3_client, fresh_bucket,
+                                                                                 mount_factory, proxy):
+    """One bound per read, whatever the blocks behind it (--backend-timeout 8: 10 s), 256 KiB blocks and
+    no readahead of the daemon's: a READ of 1 MiB from a link that is slow but works (4 s a block) has
+    its four blocks fetched together (4 s, where one after the other took 16 s); a buffered read of a
+    3 MiB file from an endpoint that drips past the deadline fails within the bound and the kernel
+    retry's budget (10 + 2.5 s; 25 s was measured); healed, every byte is right."""
+    size = 3 * MiB
+    for key in ("spans.bin", "slow.bin"):
+        s3_client.put_object(Bucket=fresh_bucket, Key=key, Body=pattern(key, 0, 0, size))
+    m = mount_factory(f"s3://{fresh_bucket}", "--endpoint-url", proxy.endpoint, "--block-size", "256K",
+                      "--backend-timeout", "8", "--backend-attempts", "4", "--readahead", "0")
+    m.start()
+    try:
+        proxy.set(Fault("slow_body", rate=1.0, stall=4.0))
+        started = time.monotonic()
+        with open(m.path("slow.bin"), "rb", buffering=0) as f:
+            got = run_with_deadline(lambda: os.pread(f.fileno(), MiB, MiB), 45)
+        took = time.monotonic() - started
+        assert got == pattern("slow.bin", 0, MiB, MiB) and took < 9, took
+        for how in ("buffered", "unbuffered"):  # (unbuffered: one READ of 1 MiB, four blocks)
+            proxy.set(Fault("drip_body", rate=1.0, stall=1.5))
+
+            def read(how=how) -> bytes:
+                if how == "buffered":
+                    with open(m.path("spans.bin"), "rb") as f:
+                        return f.read()
+                with open(m.path("spans.bin"), "rb", buffering=0) as f:
+                    return os.pread(f.fileno(), MiB, MiB)
+
+            started = time.monotonic()
+            with pytest.raises(OSError) as info:
+                run_with_deadline(read, 45)
+            assert info.value.errno == errno.EIO
+            assert time.monotonic() - started < 15, (how, time.monotonic() - started)
+            proxy.set(None)
+            time.sleep(2)  # (the failed fetches' short retry window passes)
+        assert open(m.path("spans.bin"), "rb").read() == pattern("spans.bin", 0, 0, size)
+    finally:
+        m.stop()
+
+
 @pytest.mark.parametrize("kind, code", [("no_etag", errno.EIO), ("other_etag", errno.ESTALE)])
 def test_an_answer_without_the_asked_for_etag_is_never_served_or_cached(faulty_mount, proxy, kind, code):
     proxy.set(Fault(kind, rate=1.0))

@@ -152,15 +152,42 @@ class BlockCache:
                    counted: tuple[int, int] | None = None, reader: Reader | None = None) -> bytes | memoryview:
         """Bytes [offset, offset + size) of ``obj``, clipped to its size. ``counted``: the range of ``obj``
         a reader asked for, which the statistics count (default: all that is read); ``reader``: who
-        reads (the observer hears it)."""
+        reads (the observer hears it). One bound per call, whatever the blocks behind it: the blocks of a
+        read that spans several are all asked for at once, and the call waits ``fetch_timeout`` at most
+        in all (then :class:`BackendUnavailable`, EIO), never a deadline per block in turn."""
+        spans = list(range_blocks(offset, size, obj.size, self.block_size))
+        if len(spans) > 1:
+            self._start_missing(obj, [index for index, _, _, _ in spans])
         parts = []
-        for index, length, lo, hi in range_blocks(offset, size, obj.size, self.block_size):
-            asked = None if counted is None else _overlap(counted, index * self.block_size + lo,
-                                                          index * self.block_size + hi)
-            parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked, reader=reader))
+        with trio.move_on_after(self.fetch_timeout) as bound:
+            for index, length, lo, hi in spans:
+                asked = None if counted is None else _overlap(counted, index * self.block_size + lo,
+                                                              index * self.block_size + hi)
+                parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked, reader=reader))
+        if bound.cancelled_caught:
+            raise BackendUnavailable(f"{obj.key}: bytes {offset}-{offset + size} not had within "
+                                     f"{self.fetch_timeout:g}s (the read's bound)")
         if len(parts) == 1:
             return parts[0]
         return b"".join(parts)
+
+    def _start_missing(self, obj: ObjectInfo, indices: list[int]) -> None:
+        """Start the demand fetches of the blocks among ``indices`` that are neither cached, in memory
+        nor on their way, together."""
+        for index in indices:
+            bid = self.block_id(obj, index)
+            if bid in self._flights or bid in self._recent or self.store.lookup(bid) is not None:
+                continue
+            self._start_demand(obj, index, bid)
+
+    def _start_demand(self, obj: ObjectInfo, index: int, bid: bytes, *, direct: bool = False) -> Fetch:
+        """A demand fetch of the block; a block whose fetch failed moments ago (the kernel asking again
+        for what a failed readahead left: the same read) gets the short ``retry_budget``."""
+        failed = self._failed.pop(bid, None)
+        flight = self._start(obj, index, bid, demand=True, direct=direct)
+        if failed is not None and trio.current_time() - failed < self.RETRY_WINDOW:
+            flight.budget = self.retry_budget
+        return flight
 
     async def read_for_peer(self, obj: ObjectInfo, index: int, warm: bool) -> bytes | None:
         """Block ``index`` of ``obj`` for another member: from the store, or fetched from the backend
@@ -274,11 +301,7 @@ class BlockCache:
                     return data
                 flight = self._flights.get(bid)  # another reader may have started it meanwhile
             if flight is None:
-                failed = self._failed.pop(bid, None)
-                retry = failed is not None and trio.current_time() - failed < self.RETRY_WINDOW
-                flight = self._start(obj, index, bid, demand=True, direct=for_peer)
-                if retry:  # (the kernel asking again for what a failed fetch left: the same read)
-                    flight.budget = self.retry_budget
+                flight = self._start_demand(obj, index, bid, direct=for_peer)
         hit = flight.event.is_set() and not flight.demand
         flight.waited = True  # (a prefetch still queued for its source goes first now)
         await flight.event.wait()
