@@ -468,6 +468,22 @@ def test_a_member_with_another_token_is_bypassed_and_refused(cluster, tmp_path):
     assert "--peer-token-file" in b.log()
 
 
+PORT_FUZZ = """
+import random, socket, sys
+rng = random.Random(7)
+sent = 0
+for _ in range(200):
+    with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5) as s:
+        s.sendall(bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 400))) + b"\\r\\n\\r\\n")
+        sent += 1
+        try:
+            s.recv(100)
+        except OSError:
+            pass
+print(sent)
+"""
+
+
 def test_the_peer_port_serves_block_ids_only(cluster):
     import urllib.error
     import urllib.request
@@ -478,14 +494,10 @@ def test_the_peer_port_serves_block_ids_only(cluster):
         with pytest.raises(urllib.error.HTTPError) as exc:
             urllib.request.urlopen(f"http://{a.peer_addr}{path}", timeout=5)
         assert exc.value.code in (401, 404)  # unsigned, or not a block id
-    rng = random.Random(7)
-    for _ in range(200):  # arbitrary bytes never end the port
-        with socket.create_connection(("127.0.0.1", int(a.peer_addr.split(":")[1])), timeout=5) as s:
-            s.sendall(bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 400))) + b"\r\n\r\n")
-            try:
-                s.recv(100)
-            except OSError:
-                pass
+    # Arbitrary bytes never end the port: sent by a local user who is not root and has no token.
+    fuzz = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c", PORT_FUZZ,
+                           a.peer_addr.split(":")[1]], capture_output=True, text=True, timeout=180)
+    assert fuzz.returncode == 0 and fuzz.stdout.strip() == "200", (fuzz.stdout, fuzz.stderr[-2000:])
     read_everything(a, 5)
     assert a.status()["peer"]["requests"]["rejected"] >= 200
 
