@@ -598,7 +598,7 @@ def test_an_objects_bytes_offered_here_are_read_here_not_fetched_and_kept_until_
 
     (first, stats, again, fetched, end), cache = run_with_cache(tmp_path, backend, fn)
     assert first == local[BS - 7:3 * BS - 7]
-    assert reads == [(0, BS), (BS, BS), (2 * BS, BS)]
+    assert sorted(reads) == [(0, BS), (BS, BS), (2 * BS, BS)]  # (each once; fetched together, in any order)
     assert backend.calls == {("ckpt.pt", 3 * BS): 1, ("gone.pt", 0): 1}
     assert (stats.misses, stats.demand_fetches, stats.demand_bytes) == (0, 0, 0)
     assert again == local  # blocks 0-2 from the store, block 3 (5 bytes, never offered) from the backend

@@ -335,7 +335,7 @@ def test_back_to_back_warmups_count_against_the_share_for_a_while_and_only_the_s
         other = pf.warmup(objs(1, prefix="c"), uid=1002, operator=False, share_bytes=share)  # (a share of its own)
         seen = (pf.job(first.id, uid=1002, operator=False), pf.job(first.id, uid=1001, operator=False),
                 pf.job(first.id))
-        pf.SHARE_WINDOW = 0.0  # (the window passed)
+        pf._share.window = 0.0  # (the window passed)
         again = pf.warmup(objs(4, prefix="b"), uid=1001, operator=False, share_bytes=share)
         return str(refused.value), other, seen, again
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import trio
 
@@ -66,8 +66,13 @@ class Blocks(Protocol):
     block_size: int
     store: BlockStore
 
-    def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:
-        """Have ``pusher`` push the block once its verified bytes are at hand; False if they are not."""
+    nursery: trio.Nursery | None  # where pushes run (None: the cache is not running)
+
+    def block_id(self, obj: ObjectInfo, index: int) -> bytes: ...
+
+    def at_hand(self, bid: bytes) -> tuple[bytes | bytearray | memoryview | None, Any, bool]:
+        """The block's bytes kept in memory, its fetch in flight (an object with ``event``, ``data`` and
+        ``error``), whether the store holds it."""
 
     def count_hit(self, nbytes: int) -> None:
         """Count ``nbytes`` served without waiting for the backend."""
@@ -102,10 +107,38 @@ class Pusher:
         current = offset // size
         last = min(current + 1 + self.ahead, block_count(obj.size, size))
         for index in range(max(current + 1, pushed_to), last):
-            if not self.cache.push_block(self, obj, inode, index):
+            if not self._push_block(obj, inode, index):
                 break  # neither in memory nor in the store yet: asked again at the reader's next request
             pushed_to = index + 1
         return pushed_to
+
+    def _push_block(self, obj: ObjectInfo, inode: int, index: int) -> bool:
+        """Push block ``index`` of ``obj`` once its verified bytes are at hand: from memory (a completed
+        fetch, or one in flight once it completes) or from the store. False if it is neither (a push
+        never fetches) or the cache is shutting down."""
+        nursery = self.cache.nursery
+        if nursery is None:
+            return False
+        bid = self.cache.block_id(obj, index)
+        kept, flight, stored = self.cache.at_hand(bid)
+        if kept is not None:
+            nursery.start_soon(self.push, obj, inode, index, bid, memoryview(kept))
+        elif flight is not None:
+            nursery.start_soon(self._push_when_fetched, obj, inode, index, bid, flight)
+        elif stored:
+            nursery.start_soon(self.push, obj, inode, index, bid, None)
+        else:
+            return False
+        self.started()
+        return True
+
+    async def _push_when_fetched(self, obj: ObjectInfo, inode: int, index: int, bid: bytes, flight: Any) -> None:
+        await flight.event.wait()
+        data = flight.data if flight.error is None else None
+        if data is None:  # failed, or the block went to the store only: push from there, if anywhere
+            self.ended()
+            return
+        await self.push(obj, inode, index, bid, memoryview(data))
 
     def started(self) -> None:
         """A push was handed to the cache's nursery (it ends with :meth:`ended`)."""

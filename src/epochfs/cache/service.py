@@ -18,11 +18,13 @@ Concurrency contract (all on the trio thread unless noted):
 - **Demand before prefetch.** Demand fetches and readahead/prefetch fetches take tokens from separate
   capacity limiters, so prefetch can never starve demand of a connection; the prefetcher also holds
   back while a demand fetch is waiting.
-- **A read waits for one deadline.** The kernel asks again at once for the pages a failed readahead
-  left (a buffered read is a readahead, then a read of the same range): a block whose demand fetch
-  failed less than ``RETRY_WINDOW`` seconds ago is fetched again (errors are never cached: an endpoint
-  that healed answers) with a deadline of ``retry_budget`` only, so one read waits for
-  ``--backend-timeout`` and that budget at most, not for two or three full deadlines.
+- **A read waits for one deadline.** The blocks a read spans are asked for together, and the read waits
+  ``fetch_timeout`` (and ``READ_SLACK``) in all, never one deadline per block in turn. The kernel asks
+  again at once for the pages a failed readahead left (a buffered read is a readahead, then a read of
+  the same range): a block whose demand fetch failed less than ``RETRY_WINDOW`` seconds ago is fetched
+  again (errors are never cached: an endpoint that healed answers) with a deadline of ``retry_budget``
+  only, so one read waits for ``--backend-timeout`` and that budget at most, not for two or three full
+  deadlines.
 - **Accounting.** A block read is a *hit* when it is served without waiting for the backend: from the
   disk cache, a completed readahead/prefetch, or a peer's cache (the cluster tier). Every other block
   read is a *miss*. Fetched bytes are counted by where they came from: the backend or a peer.
@@ -44,7 +46,7 @@ from epochfs.blockstore.format import BlockMeta
 from epochfs.blockstore.handoff import Handoff
 from epochfs.blockstore.store import WOULD_BLOCK, BlockStore
 from epochfs.cache import workers
-from epochfs.cache.accounting import CacheStats
+from epochfs.cache.accounting import CacheStats, Tally
 from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
 from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.own import OwnUploads
@@ -66,6 +68,7 @@ class BlockCache:
     #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
     WHOLE_BUDGET = 64 << 20
     RETRY_WINDOW = 1.0  # seconds after a demand fetch failed in which a new one is the same read's retry
+    READ_SLACK = 0.5  # seconds a read's bound lies past its fetches' (so a fetch's own error is what it sees)
     FAILED_KEPT = 1024  # failed blocks remembered at most
 
     def __init__(self, store: BlockStore, backend: Backend, settings: CacheSettings, *,
@@ -100,10 +103,7 @@ class BlockCache:
         self._recent_bytes = 0
         self.recent_max = min(max((concurrency + Readahead.widest(readahead_blocks, block_size)) * block_size,
                                   16 << 20), memory.recent if memory else 1 << 62)
-        self._hits = self._misses = self._hit_bytes = self._miss_bytes = 0
-        self._fetches = {True: 0, False: 0}
-        self._fetched_bytes = {True: 0, False: 0}
-        self._peer_bytes = self._replica_bytes = 0
+        self.tally = Tally()
         # Files this node uploaded: their bytes, read here until adopted (write-back hands them over).
         self.uploads = OwnUploads(store, block_size, self.block_id, self.is_cached)
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
@@ -156,29 +156,31 @@ class BlockCache:
         read that spans several are all asked for at once, and the call waits ``fetch_timeout`` at most
         in all (then :class:`BackendUnavailable`, EIO), never a deadline per block in turn."""
         spans = list(range_blocks(offset, size, obj.size, self.block_size))
-        if len(spans) > 1:
-            self._start_missing(obj, [index for index, _, _, _ in spans])
+        started = self._start_missing(obj, [index for index, _, _, _ in spans]) if len(spans) > 1 else {}
         parts = []
-        with trio.move_on_after(self.fetch_timeout) as bound:
+        with trio.move_on_after(self.fetch_timeout + self.READ_SLACK) as bound:
             for index, length, lo, hi in spans:
                 asked = None if counted is None else _overlap(counted, index * self.block_size + lo,
                                                               index * self.block_size + hi)
-                parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked, reader=reader))
+                parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked, reader=reader,
+                                                    started=started.get(index)))
         if bound.cancelled_caught:
             raise BackendUnavailable(f"{obj.key}: bytes {offset}-{offset + size} not had within "
-                                     f"{self.fetch_timeout:g}s (the read's bound)")
+                                     f"{self.fetch_timeout + self.READ_SLACK:g}s (the read's bound)")
         if len(parts) == 1:
             return parts[0]
         return b"".join(parts)
 
-    def _start_missing(self, obj: ObjectInfo, indices: list[int]) -> None:
+    def _start_missing(self, obj: ObjectInfo, indices: list[int]) -> dict[int, Fetch]:
         """Start the demand fetches of the blocks among ``indices`` that are neither cached, in memory
-        nor on their way, together."""
+        nor on their way, together; the fetches started, by index (their reader waits for these, and
+        counts them as misses, even where one is done before the reader comes to it)."""
+        started = {}
         for index in indices:
             bid = self.block_id(obj, index)
-            if bid in self._flights or bid in self._recent or self.store.lookup(bid) is not None:
-                continue
-            self._start_demand(obj, index, bid)
+            if bid not in self._flights and bid not in self._recent and self.store.lookup(bid) is None:
+                started[index] = self._start_demand(obj, index, bid)
+        return started
 
     def _start_demand(self, obj: ObjectInfo, index: int, bid: bytes, *, direct: bool = False) -> Fetch:
         """A demand fetch of the block; a block whose fetch failed moments ago (the kernel asking again
@@ -266,16 +268,17 @@ class BlockCache:
         return memoryview(data)[lo:hi]
 
     async def _read_block(self, obj: ObjectInfo, index: int, length: int, lo: int, hi: int, *,
-                          for_peer: bool = False, asked: int | None = None,
-                          reader: Reader | None = None) -> bytes | memoryview:
+                          for_peer: bool = False, asked: int | None = None, reader: Reader | None = None,
+                          started: Fetch | None = None) -> bytes | memoryview:
         """Bytes [lo, hi) of block ``index`` (``length`` bytes long) of ``obj``; ``asked``: how many of
-        them the reader asked for (what the statistics count; default all)."""
+        them the reader asked for (what the statistics count; default all); ``started``: the fetch this
+        read started for it."""
         bid = self.block_id(obj, index)
         if self.observer is not None and not for_peer:
             self.observer.touched(obj, index, reader)
         count = self._ignore if for_peer else self._count
         nbytes = hi - lo if asked is None else asked
-        flight = self._flights.get(bid)
+        flight = started or self._flights.get(bid)
         if flight is None:
             kept = self._recent.get(bid)
             if kept is not None:
@@ -332,12 +335,7 @@ class BlockCache:
         pass
 
     def _count(self, hit: bool, nbytes: int) -> None:
-        if hit:
-            self._hits += 1
-            self._hit_bytes += nbytes
-        else:
-            self._misses += 1
-            self._miss_bytes += nbytes
+        self.tally.read(hit, nbytes)
 
     # -- what the prefetcher asks -----------------------------------------------------------------------
 
@@ -419,34 +417,17 @@ class BlockCache:
             return MemberStream(self, obj, *location)
         return ReadStream(self, obj, inode, reader)
 
-    def push_block(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int) -> bool:
-        """Have ``pusher`` push block ``index`` of ``obj`` once its verified bytes are at hand: from
-        memory (a completed fetch, or one in flight once it completes) or from the store. False if it is
-        neither (a push never fetches) or the service is shutting down."""
-        if self._nursery is None:
-            return False
-        bid = self.block_id(obj, index)
-        kept = self._recent.get(bid)
-        flight = self._flights.get(bid)
-        if kept is not None:
-            self._nursery.start_soon(pusher.push, obj, inode, index, bid, memoryview(kept.data))
-        elif flight is not None and not flight.warm:
-            self._nursery.start_soon(self._push_when_fetched, pusher, obj, inode, index, bid, flight)
-        elif self.store.lookup(bid) is not None:
-            self._nursery.start_soon(pusher.push, obj, inode, index, bid, None)
-        else:
-            return False
-        pusher.started()
-        return True
+    @property
+    def nursery(self) -> trio.Nursery | None:
+        """Where the service's tasks run (None: it is not running, or is shutting down)."""
+        return self._nursery
 
-    async def _push_when_fetched(self, pusher: Pusher, obj: ObjectInfo, inode: int, index: int, bid: bytes,
-                                 flight: Fetch) -> None:
-        await flight.event.wait()
-        data = flight.data if flight.error is None else None
-        if data is None:  # failed, or the block went to the store only: push from there, if anywhere
-            pusher.ended()
-            return
-        await pusher.push(obj, inode, index, bid, memoryview(data))
+    def at_hand(self, bid: bytes) -> tuple[bytes | bytearray | memoryview | None, Fetch | None, bool]:
+        """What a push may take a block from: its bytes kept in memory, its fetch in flight (not one
+        that only warms an owner), whether the store holds it."""
+        kept, flight = self._recent.get(bid), self._flights.get(bid)
+        return (kept.data if kept is not None else None, flight if flight is not None and not flight.warm else None,
+                self.store.lookup(bid) is not None)
 
     async def read_whole(self, obj: ObjectInfo, offset: int, size: int, *,
                          reader: Reader | None = None) -> bytes | memoryview | None:
@@ -591,13 +572,7 @@ class BlockCache:
         if origin == "local":  # (not a fetch: what readers read of it counts as this node's own)
             flight.event.set()
             return
-        self._fetches[flight.demand] += 1
-        if flight.from_peer:
-            self._peer_bytes += len(data or b"")
-            if origin == "replica":
-                self._replica_bytes += len(data or b"")
-        else:
-            self._fetched_bytes[flight.demand] += len(data or b"")
+        self.tally.fetched(flight.demand, origin, len(data or b""))
         flight.event.set()
 
     async def wait_idle(self) -> None:
@@ -609,10 +584,7 @@ class BlockCache:
 
     def statistics(self) -> CacheStats:
         return CacheStats(
-            hits=self._hits, misses=self._misses, hit_bytes=self._hit_bytes, miss_bytes=self._miss_bytes,
-            demand_fetches=self._fetches[True], prefetch_fetches=self._fetches[False],
-            demand_bytes=self._fetched_bytes[True], prefetch_bytes=self._fetched_bytes[False],
-            inflight=len(self._flights), peer_bytes=self._peer_bytes, replica_bytes=self._replica_bytes,
+            **self.tally.counts(), inflight=len(self._flights),
             demand_inflight_bytes=sum(self.block_size for f in self._flights.values() if f.demand),
             ahead_bytes=self.ahead.held, recent_bytes=self._recent_bytes, whole_bytes=self.whole_held,
             throttled_seconds=self.ahead.throttled_seconds,

@@ -67,7 +67,7 @@ from epochfs.core.errors import NotPermitted
 from epochfs.core.records import ObjectInfo, stored_extent
 from epochfs.core.text import human
 from epochfs.prefetch.plan import DEFAULT_LEAD, MAX_PREFETCH_CONCURRENCY, Plan, count_blocks
-from epochfs.prefetch.warmups import WarmupJob, left_cached
+from epochfs.prefetch.warmups import WarmupJob, WarmupShare, left_cached, resident
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,6 @@ class Prefetcher:
     WARM_AHEAD = 256 << 20  # bytes of cached blocks read into memory ahead of the reader, at most
     _WARM_BATCH = 64  # positions warmed between two checkpoints
     MAX_JOBS = 1024  # warmup jobs remembered (finished ones are forgotten, oldest first, past this)
-    SHARE_WINDOW = 600.0  # seconds a finished warmup still counts against its user's --user-share
     RECENT = 600.0  # seconds after a hand-over during which no order is guessed
 
     def __init__(self, cache: BlockCache, settings: PrefetchSettings) -> None:
@@ -173,7 +172,7 @@ class Prefetcher:
         self._job_ids = itertools.count(1)
         #: When each uid last handed over an order (what the job view tells a job that did not).
         self.handed_by: dict[int | None, float] = {}
-        self._warmups_ended: dict[int | None, list[tuple[float, int]]] = {}  # uid -> (when ended, bytes) of its warmups
+        self._share = WarmupShare()  # what each user's warmups that ended filled, for a while
 
     # -- plan hand-over ------------------------------------------------------------------------------
 
@@ -448,16 +447,16 @@ class Prefetcher:
         handed-over order does not read; under LRU, the least recently used), and the job never fills
         more than the cache holds (it would evict what it warmed): the rest is skipped. Unless an
         ``operator``, what ``uid``'s warmups fill (those running, and those that ended in the last
-        ``SHARE_WINDOW`` seconds: back-to-back warmups cannot cycle the cache) is at most ``share_bytes``
+        :attr:`WarmupShare.window` seconds: back to back they cannot cycle the cache) is at most ``share_bytes``
         (:class:`~epochfs.core.errors.NotPermitted`)."""
         total = sum(o.size for o in objs)
         if share_bytes is not None and not operator:
             held = self.warmed_by(uid)
             if held + total > share_bytes:
-                wait = self._share_frees(uid, held + total - share_bytes)
+                wait = self._share.frees_in(uid, held + total - share_bytes)
                 raise NotPermitted(
                     f"uid {uid}'s warmups would fill {human(held + total)}, over the {human(share_bytes)} one user "
-                    f"may warm in {self.SHARE_WINDOW / 60:g} minutes (--user-share); "
+                    f"may warm in {self._share.window / 60:g} minutes (--user-share); "
                     + (f"enough of it frees in {wait:.0f}s, or " if wait is not None else "")
                     + "warm fewer files at a time, or ask an operator (root, --control-group) to warm them")
         job = WarmupJob(next(self._job_ids), total, len(objs), owner=uid)
@@ -470,28 +469,10 @@ class Prefetcher:
 
     def warmed_by(self, uid: int | None) -> int:
         """Bytes ``uid``'s warmups fill now (those running: all they may still fill) or filled in the
-        last ``SHARE_WINDOW`` seconds (those that ended)."""
+        share's window (those that ended)."""
         running = sum(j.total_bytes - j.skipped_bytes - j.failed_bytes for j in self._jobs.values()
                       if j.owner == uid and not j.finished)
-        return running + sum(n for _, n in self._ended(uid))
-
-    def _ended(self, uid: int | None) -> list[tuple[float, int]]:
-        now = time.monotonic()
-        ended = [(t, n) for t, n in self._warmups_ended.get(uid, []) if now - t < self.SHARE_WINDOW]
-        if ended:
-            self._warmups_ended[uid] = ended
-        else:
-            self._warmups_ended.pop(uid, None)
-        return ended
-
-    def _share_frees(self, uid: int | None, need: int) -> float | None:
-        """Seconds until ``need`` bytes of ``uid``'s ended warmups leave the window (None: they cannot)."""
-        freed, now = 0, time.monotonic()
-        for t, n in self._ended(uid):
-            freed += n
-            if freed >= need:
-                return max(0.0, self.SHARE_WINDOW - (now - t))
-        return None
+        return running + self._share.held(uid)
 
     def job(self, job_id: int, *, uid: int | None = None, operator: bool = True) -> WarmupJob | None:
         """Warmup ``job_id``, if it is ``uid``'s (or the caller an ``operator``): another user's warmup
@@ -557,28 +538,12 @@ class Prefetcher:
         if not job.cancelled:
             await left_cached(self.cache, job, objs)
         job.finished = True
-        if job.owner is not None and job.done_bytes:
-            self._warmups_ended.setdefault(job.owner, []).append((time.monotonic(), job.done_bytes))
+        self._share.ended(job.owner, job.done_bytes)
         job.done.set()
 
     async def resident(self, objs: Sequence[ObjectInfo]) -> dict[str, int]:
         """How much of ``objs`` is cached (yielding to the loop as it goes)."""
-        bs = self.cache.block_size
-        total = resident = files = seen = 0
-        for obj in objs:
-            whole = True
-            stored, base = stored_extent(obj)
-            for index, _, size in extent_blocks(base, obj.size, stored.size, bs):
-                seen += 1
-                if seen % 256 == 0:
-                    await trio.lowlevel.checkpoint()
-                total += size
-                if self.cache.is_resident(self.cache.block_id(stored, index)):
-                    resident += size
-                else:
-                    whole = False
-            files += whole
-        return {"total_bytes": total, "resident_bytes": resident, "files": len(objs), "resident_files": files}
+        return await resident(self.cache, objs)
 
     # -- statistics ------------------------------------------------------------------------------------
 
