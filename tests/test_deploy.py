@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import os
 import re
 import shutil
@@ -78,10 +80,31 @@ def test_example_config_is_generated_from_the_options_and_flags_override_it(tmp_
     keys = set(re.findall(r"^#? ?([a-z_]+) = ", EXAMPLE.read_text(), flags=re.M))
     assert {mo.key for mo in mount_options()} - keys == {"foreground"}  # the unit passes --foreground itself
     uncommented = tmp_path / "all.toml"
-    uncommented.write_text(re.sub(r"^# ([a-z_]+ = )", r"\1", EXAMPLE.read_text(), flags=re.M))
-    cfg = parse_mount(["mount", "--config", str(uncommented)])
+    text = re.sub(r"^# ([a-z_]+ = )", r"\1", EXAMPLE.read_text(), flags=re.M)
+    # The example names a group an operator makes; this node may have none of that name (and another
+    # test may be using it), so a group of the test's own stands in for it, made here and removed after.
+    assert 'control_group = "epochfs-operators"' in text
+    with own_group() as group:
+        uncommented.write_text(text.replace('control_group = "epochfs-operators"', f'control_group = "{group}"'))
+        cfg = parse_mount(["mount", "--config", str(uncommented)])
+        assert cfg.control_group == grp.getgrnam(group).gr_gid
     assert cfg.endpoint_url == "http://10.0.0.5:9000" and cfg.file_mode == 0o444 and cfg.fuse_options == (
         "max_read=1048576",)
+
+
+@contextlib.contextmanager
+def own_group():
+    """A group of this test's own (made with groupadd as root; else the process's own group, which
+    exists), removed afterwards."""
+    if os.geteuid() != 0 or shutil.which("groupadd") is None:
+        yield grp.getgrgid(os.getgid()).gr_name
+        return
+    name = f"epochfs-t{os.getpid()}"
+    subprocess.run(["groupadd", "--system", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["groupdel", name], capture_output=True)
 
 
 @pytest.mark.parametrize("text,message", [

@@ -300,7 +300,8 @@ class Config:
         example='"epochfs-operators"')
     user_share: float = option(
         0.5, "mount", "the share of the hand-over limit (8 Mi blocks of orders not yet read) and of --cache-size "
-        "(warmups not yet done) one user who is not an operator may hold, so no user crowds out the others",
+        "(what warmups running or ended in the last 10 minutes fill, and what a learned order holds fetched "
+        "ahead) one user who is not an operator may hold, so no user crowds out the others",
         metavar="FRACTION", parse=float)
     allow_non_empty: bool = option(
         False, "mount", "mount even if MOUNTPOINT is not empty (its files are hidden while mounted)")
