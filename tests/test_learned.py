@@ -163,6 +163,10 @@ def test_a_shuffled_epoch_on_a_plain_mount_is_read_from_the_cache(s3, s3_client,
             assert c["hit_bytes"] >= 0.7 * train_bytes, (c, learned)
             assert learned["used_bytes"] >= 0.7 * learned["fetched_bytes"], learned
             assert fetched(m) <= train_bytes * 1.01, (c, learned)  # val/ never fetched; nothing twice
+            # The human status says what the learned order did, not only that no manifest was handed over.
+            line = human_prefetch_line(m)
+            assert "learned order: " in line and " in train" in line, line
+            assert "fetched ahead" in line and " of it read" in line, line
             drop_all_caches()
             before = fetched(m)
             read_all(m, shuffled(train, seed=4, epoch=1), step=0.0)
@@ -227,6 +231,17 @@ def test_nothing_is_fetched_ahead_of_a_near_endpoint(s3_client, fresh_bucket, mo
         learned = m.status()["learned"]
         assert m.status()["backend"]["first_byte_seconds"] < 0.010, m.status()["backend"]
         assert learned["guesses"] == 1 and learned["fetched_bytes"] == 0, learned
+        line = human_prefetch_line(m)
+        assert "learned order: nothing fetched ahead (the backend answers within 10 ms" in line, line
+
+
+def human_prefetch_line(m) -> str:
+    """The ``prefetch`` line of ``epochfs status`` as a person runs it."""
+    from .helpers import EPOCHFS
+
+    text = subprocess.run([*EPOCHFS, "status", str(m.mountpoint)], capture_output=True, text=True,
+                          timeout=60, check=True).stdout
+    return next(line for line in text.splitlines() if line.startswith("prefetch"))
 
 
 @requires_fuse

@@ -153,7 +153,11 @@ def stats_table(prev: dict[str, Any], cur: dict[str, Any], seconds: float) -> An
         t.add_row("prefetch lead", lead, human(p1["lead_bytes"]) + " cached ahead")
         t.add_row("manifest", f"file {p1['file_position'] + 1} of {p1['files']}", f"{human(p1['queued_bytes'])} queued")
     else:
-        t.add_row("prefetch", "no manifest", "")
+        lr = cur.get("learned") or {}
+        state = {"near": "nothing ahead (near backend)", "guessing": "fetching ahead", "fetched": "all fetched",
+                 "held": "order handed over", "off": "off"}.get(lr.get("state", "off"), "watching")
+        t.add_row("learned order", state, f"{human(lr.get('fetched_bytes', 0))} ahead, "
+                  f"{human(lr.get('used_bytes', 0))} read" if lr else "")
     errors = sum(cur["errors"].values()) + s1["fill_errors"]
     t.add_row("errors / corrupt blocks", str(errors), str(s1["corrupt_blocks"]))
     return t
@@ -206,7 +210,7 @@ def format_status(s: dict[str, Any]) -> str:
     ratio = f"{c['hit_bytes'] / reads:.1%}" if reads else "n/a"
     serving = (s.get("peer") or {}).get("role") == "server"  # a cache node: nothing mounted, no reader of its own
     head = (f"cache node of {s['source']}" if serving else f"mount      {s['mountpoint']}  <-  {s['source']}")
-    prefetch = (format_prefetch(s["prefetch"]) if s["prefetch"]["blocks"] or not serving else
+    prefetch = (format_prefetch(s["prefetch"], s.get("learned")) if s["prefetch"]["blocks"] or not serving else
                 "prefetch   none: a cache node fetches what members ask for and what `epochfs cluster warmup` names")
     return "\n".join([
         f"{head}  (pid {s['pid']}; metrics {s['metrics_addr'] or 'off'})",
@@ -336,9 +340,35 @@ def format_writeback(w: dict[str, Any]) -> str:
             f"{errors}")
 
 
-def format_prefetch(p: dict[str, Any]) -> str:
+_HAND_OVER = "hand one over: epochfs.torch.EpochfsSampler, or epochfs prefetch"
+
+
+def format_learned(lr: dict[str, Any] | None) -> str:
+    """What the order learned from a plain mount's reads did, for a mount with no manifest: whether it
+    fetches ahead, in which directory (the viewer's own guess alone), and how much of it was read."""
+    if lr is None or lr["state"] == "off":
+        return f"prefetch   no manifest, learned order off (--no-learned-order); {_HAND_OVER}"
+    done = (f"; fetched ahead {human(lr['fetched_bytes'])}, {human(lr['used_bytes'])} of it read by the job"
+            if lr["fetched_bytes"] else "")
+    state, scope = lr["state"], lr.get("scope")
+    where = f" in {scope or '/'}" if scope is not None else ""
+    if state == "near":
+        what = ("learned order: nothing fetched ahead (the backend answers within 10 ms, or has not been "
+                "read from yet: a read on demand waits about as long as fetching ahead would save)")
+    elif state == "guessing":
+        what = f"learned order: fetching ahead{where}, {lr['inflight']} in flight"
+    elif state == "fetched":
+        what = f"learned order: everything guessed{where} is fetched"
+    elif state == "held":
+        what = "learned order: an order handed over rules instead"
+    else:
+        what = "learned order: watching (no directory read file after file yet, so nothing fetched ahead)"
+    return f"prefetch   no manifest; {what}{done}"
+
+
+def format_prefetch(p: dict[str, Any], learned: dict[str, Any] | None = None) -> str:
     if not p["blocks"]:
-        return "prefetch   no manifest (hand one over: epochfs.torch.EpochfsSampler, or epochfs prefetch)"
+        return format_learned(learned)
     epoch = f"epoch {p['epoch']}, " if p["epoch"] is not None else ""
     where = (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
              f"({human(p['position_bytes'])} of {human(p['plan_bytes'])}); ")
