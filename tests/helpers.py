@@ -73,6 +73,33 @@ def as_user(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
                           errors="replace")
 
 
+@contextlib.contextmanager
+def passable(m: Mount):
+    """``m`` mounted under a directory the node's other users may pass (a test's tmp_path is root's alone),
+    unmounted and removed after."""
+    import shutil
+
+    base = Path(tempfile.mkdtemp(prefix="epochfs-shared-"))
+    os.chmod(base, 0o755)
+    m.mountpoint = base / "mnt"
+    m.mountpoint.mkdir()
+    try:
+        with m:
+            yield m
+    finally:
+        m.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def epochfs_as(user: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``epochfs ARGS`` run as another local user, who may not enter the checkout's virtualenv: the
+    system's Python with the checkout's sources and the virtualenv's packages on its path."""
+    root = Path(__file__).resolve().parents[1]
+    path = f"PYTHONPATH={root / 'src'}:{root / '.venv' / 'lib' / 'python3.11' / 'site-packages'}"
+    return subprocess.run(["runuser", "-u", user, "--", "env", path, "HOME=/tmp", "/usr/bin/python3", "-m", "epochfs",
+                           *args], capture_output=True, text=True, timeout=timeout, errors="replace")
+
+
 def write_private(path: Path, data: bytes) -> None:
     """Write ``path`` as a file only its owner may read (umask 077 while it is created)."""
     old = os.umask(0o077)

@@ -139,7 +139,8 @@ def test_messages_say_what_is_wrong_without_python_or_errno_noise(tmp_path):
         (["mount", "s3://b", str(tmp_path), "--backend-concurrency", "lots"], "is not a whole number"),
         (["mount", "s3://b", str(tmp_path), "--cache-size", "huge"], "not a size"),
         (["prefetch", str(tmp_path), "--manifest", str(tmp_path / "nope.txt")], "No such file or directory"),
-        (["status", str(tmp_path / "nope")], "not an epochfs mount"),
+        (["status", str(tmp_path / "nope")], "nope: no such file or directory"),
+        (["status", str(tmp_path)], "is not an epochfs mount"),
         (["fsck", "--cache-dir", str(tmp_path / "nope")], "not an epochfs cache directory"),
         (["mount", "s3://b", str(tmp_path), "--cach-size", "1G"], "--cach-size: did you mean --cache-size?"),
         (["status", str(tmp_path), "--jsn"], "usage: epochfs status"),  # the command's usage, not the top's

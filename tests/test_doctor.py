@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from epochfs.doctor.cost import Prices, cost_table, prices_from
 from epochfs.watch import watch
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS
+from .helpers import EPOCHFS, epochfs_as, passable
 
 MiB = 1 << 20
 
@@ -257,6 +258,19 @@ def test_slow_requests_with_the_order_handed_over_name_the_plans_cap_when_it_bin
     s["prefetch"].update(files=0, plan_bytes=0, wanted_inflight=300, advised_inflight=300)  # no order
     [f] = [f for f in doctor(s)["findings"] if f["cause"] == "backend-latency"]
     assert "--prefetch-concurrency" not in f["fix"] and "hand over the order" in f["fix"]
+
+
+def test_a_saturated_link_is_not_advised_more_requests_in_flight():
+    """Requests that wait in a full link's queue are slow because it is full: more of them in flight
+    lengthens the queue. The link is named, not --backend-concurrency."""
+    s = starving()
+    s["backend"]["request_seconds"] = {"bounds": [0.005, 0.01, 0.05], "counts": [0, 10, 90, 0], "sum": 3.0, "count": 100}
+    s["cache"].update(hit_bytes=180 * MiB, miss_bytes=20 * MiB)
+    assert "backend-latency" in [f["cause"] for f in doctor(s)["findings"]]  # (a free link: slow requests)
+    s["backend"].update(bytes=10 * MiB + int(1.9e9))  # 0.95 GB/s of 1 GB/s
+    causes = [f["cause"] for f in doctor(s)["findings"]]
+    assert "backend-saturated" in causes and "backend-latency" not in causes, causes
+    assert "--backend-concurrency" not in " ".join(f["fix"] for f in doctor(s)["findings"])
 
 
 def test_a_share_too_large_for_its_cache_is_fixed_where_the_weights_say():
@@ -873,3 +887,48 @@ def test_the_pack_command_the_doctor_advises_runs_as_pasted(s3, s3_client, fresh
     assert r.returncode == 0, (command, r.stderr)
     listed = s3_client.list_objects_v2(Bucket=fresh_bucket, Prefix="ds-packed/")
     assert listed.get("KeyCount", 0) >= 2, listed  # (its shards, its index and the pointer written last)
+
+
+@requires_fuse
+def test_doctor_with_no_job_names_a_cold_mounts_hit_ratio_and_advises_a_warmup_its_reader_may_run(
+        s3_client, fresh_bucket, mount_factory):
+    """Reads with no job reporting: the doctor still reads the mount's counters (the hit ratio the
+    EpochfsHitRatioLow alert fires on). A cold first epoch of a dataset larger than one user may warm
+    (--user-share) is advised a warmup by root, and that command runs as pasted; as the job's user it is
+    the refusal the advice foretold."""
+    files = [SampleFile(f"d/{i}.bin", 256 * 1024 + i) for i in range(40)]  # 10 MiB
+    upload(s3_client, fresh_bucket, "", files)
+    with passable(mount_factory(f"s3://{fresh_bucket}", "--cache-size", "64M", "--user-share", "0.05",
+                                "--allow-other")) as m:
+        def run(*args):
+            out = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--interval", "0.1", *args],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        for f in files[:10]:
+            m.path(f.key).read_bytes()
+        text = run()
+        assert text.startswith("no-job-data")
+        assert "the mount's own counters: hit ratio 0.0% by bytes, under the 85%" in text, text
+        assert "EpochfsHitRatioLow" in text and "fix:" in text, text
+
+        def slow():
+            for f in files[10:]:
+                time.sleep(0.02)
+                yield m.path(f.key).read_bytes()
+
+        list(watch(slow(), m.mountpoint, job="cold", interval=0.05))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(j["window"]["steps"] == 30 for j in m.status()["jobs"]):
+            time.sleep(0.05)
+        r = json.loads(run("--json", "--job", "cold"))
+        (fix,) = [f["fix"] for f in r["findings"] if f["cause"] == "cold-first-epoch"]
+        assert "run by root" in fix and "--user-share" in fix, fix
+        command = re.search(r"`(epochfs warmup [^`]+)`", fix)[1]
+        args = shlex.split(command)[1:]
+        as_job = epochfs_as("nobody", *args)
+        assert as_job.returncode != 0 and "--user-share" in as_job.stderr, as_job
+        as_root = subprocess.run([*EPOCHFS, *args], capture_output=True, text=True, timeout=120)
+        assert as_root.returncode == 0, as_root.stderr
+        assert m.status()["store"]["used_bytes"] >= sum(f.size for f in files)

@@ -281,11 +281,10 @@ def _as(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
 
 def _status_as(user: str, mountpoint) -> dict:
     import json
-    from pathlib import Path
 
-    site = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "python3.11" / "site-packages"
-    env = f"PYTHONPATH={Path(__file__).resolve().parents[1] / 'src'}:{site}"
-    r = _as(user, "env", env, "HOME=/tmp", "/usr/bin/python3", "-m", "epochfs", "status", str(mountpoint), "--json")
+    from .helpers import epochfs_as
+
+    r = epochfs_as(user, "status", str(mountpoint), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout)
 

@@ -70,14 +70,18 @@ def _channel_of(mountpoint: str | os.PathLike[str]) -> tuple[str, str]:
         if exc.errno == errno.ENOTCONN:
             raise Unreachable(f"the daemon of {where} is gone (the mount is dead): clear it with "
                               f"'epochfs umount {where}' and mount again") from None
+        if exc.errno == errno.ENOENT and not os.path.lexists(where):
+            inside = _mount_root(os.path.dirname(os.path.abspath(where)) or "/")
+            if os.path.ismount(inside) and inside != "/":
+                raise EpochfsError(f"{where}: no such file or directory (in the mount at {inside})") from None
+            raise EpochfsError(f"{where}: no such file or directory") from None
         if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT):
             node = socket_path(Path(where), create=False) if os.path.isdir(where) else None
             if node is None or not os.path.exists(node):
                 raise EpochfsError(f"{where} is not an epochfs mount (nor a cache node's cache directory)") from None
             return "socket", _checked_socket(str(node))
         if exc.errno == errno.EACCES:
-            raise Unreachable(f"{where}: permission denied: the mount lets only its owner and root in; mount it with "
-                              "--allow-other for the node's other users (and their pods)") from None
+            raise Unreachable(_denied(where)) from None
         raise Unreachable(f"{where}: {exc.strerror}") from None
     try:
         st = os.lstat(path)
@@ -293,6 +297,18 @@ def _frame(fd: int, path: str, frame: bytearray) -> tuple[int, bytes]:
         raise EpochfsError(f"the daemon's answer through {path} is not readable: {exc}") from None
 
 
+def _denied(where: str) -> str:
+    """Why ``where`` refused this user: a directory above it it may not pass, or the mount itself."""
+    here = os.path.dirname(os.path.abspath(where))
+    while here != "/" and os.access(here, os.X_OK):
+        here = os.path.dirname(here)
+    if here != "/":
+        return (f"{where}: permission denied: this user (uid {os.getuid()}) may not pass {here} on the way to it; "
+                "mount it where the node's users can reach it (and with --allow-other)")
+    return (f"{where}: permission denied: the mount lets only its owner and root in; mount it with --allow-other "
+            "for the node's other users (and their pods)")
+
+
 def _mount_failure(path: str, exc: OSError) -> str:
     where = os.path.dirname(path)
     if exc.errno == errno.ENOTCONN:
@@ -301,6 +317,5 @@ def _mount_failure(path: str, exc: OSError) -> str:
         return (f"the daemon of {where} takes no requests through the mount (it predates the channel through the "
                 "mount): remount it with this version of epochfs, or ask as root")
     if exc.errno == errno.EACCES:
-        return (f"{where}: permission denied: the mount lets only its owner and root in; mount it with --allow-other "
-                "for the node's other users (and their pods)")
+        return _denied(where)
     return f"the control channel through {where}: {exc.strerror or exc}"

@@ -543,7 +543,8 @@ def advice_options(config: Config) -> dict[str, object]:
             "peer_token_file": str(config.peer_token_file) if config.peer_token_file else None,
             "peer_role": config.peer_role if (config.peer_listen or config.peer_role == "client") else None,
             "block_size": config.block_size, "replicas": config.replicas, "cache_size": config.cache_size,
-            "peer_timeout": config.peer_timeout}
+            "peer_timeout": config.peer_timeout, "control_group": config.control_group,
+            "user_share_bytes": UserBounds.share(config.user_share, config.cache_size).warmup_bytes}
 
 
 def _raised(fn: Callable[[], None]) -> BaseException | None:

@@ -4,6 +4,7 @@ files, the block size, the replicas). Pure."""
 
 from __future__ import annotations
 
+import grp
 import math
 import shlex
 from typing import Any
@@ -121,6 +122,24 @@ def warm_fix(m: dict[str, Any], mnt: str, src: str, fits: bool) -> str:
     if m.get("peer_role") == "client":
         return f"warm the cache nodes before the job: `{warmup_command(m)}`"
     if fits:
-        return f"warm the cache before the job starts: `epochfs warmup {mnt}` (the dataset fits the cache)"
+        return f"warm the cache before the job starts: `epochfs warmup {mnt}` (the dataset fits the cache){who_warms(m)}"
     return (f"once the cache holds the dataset (cache-too-small: warming a cache that cannot hold an epoch "
-            f"evicts what it warmed), warm it before the job starts: `epochfs warmup {mnt}`")
+            f"evicts what it warmed), warm it before the job starts: `epochfs warmup {mnt}`{who_warms(m)}")
+
+
+def who_warms(m: dict[str, Any]) -> str:
+    """Who may run that warmup, where the job's own user may not: a dataset larger than what one user who
+    is not an operator may warm (``--user-share``) is warmed by root or a member of the control group."""
+    o = m.get("options") or {}
+    share, dataset = o.get("user_share_bytes"), m.get("dataset_bytes")
+    if not isinstance(share, int) or not dataset or dataset <= share:
+        return ""
+    group = o.get("control_group")
+    if isinstance(group, int):
+        try:
+            group = grp.getgrgid(group).gr_name
+        except KeyError:
+            pass
+    operators = "root" + (f" or a member of group {group} (--control-group)" if group is not None else "")
+    return (f", run by {operators}: a user who is not an operator may warm at most {size_flag(share)} "
+            f"(--user-share), less than the dataset's {size_flag(dataset)}")

@@ -220,7 +220,8 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
                         m.get("peer_needed_bytes"))
               + f" (`epochfs cluster status {src} --meta URL` shows each member's share against its cache)")
     median = m["backend_median_seconds"]
-    if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99):
+    # (a saturated link's requests wait in its queue: more of them in flight only lengthens it)
+    if median is not None and median > SLOW_BACKEND and (hit is None or hit < 0.99) and "backend-saturated" not in out:
         conc = m.get("backend_concurrency")
         wanted, cap = m.get("prefetch_wanted_inflight"), m.get("prefetch_max_inflight")
         advised = m.get("prefetch_advised_inflight")

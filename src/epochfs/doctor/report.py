@@ -9,6 +9,7 @@ from epochfs.core.text import human, plural
 from epochfs.doctor.cost import DAY, Cost, Prices, Usage, describe_dict, usage_of
 from epochfs.doctor.findings import findings_of
 from epochfs.doctor.views import (
+    HIT_RATIO,
     checkpoint_view,
     describe_window,
     in_place,
@@ -78,7 +79,10 @@ def diagnose(before: dict[str, Any], after: dict[str, Any], seconds: float, job:
         mount["checkpoint_writeback"] = bool(checkpoints.get("writeback"))
     first = (view or {}).get("phases", {}).get("first")
     troubled = verdict in ("storage-bound", "balanced") or bool(first and first["verdict"] != "compute-bound")
-    findings = findings_of(mount, view) if troubled or mount["errors"] else []
+    # With no job reporting, the mount's own counters still judge it: a hit ratio under the alert's line
+    # (EpochfsHitRatioLow) is a finding whether or not a job says it waited.
+    cold = view is None and mount["hit_ratio"] is not None and mount["hit_ratio"] < HIT_RATIO
+    findings = findings_of(mount, view) if troubled or cold or mount["errors"] else []
     return {"verdict": verdict, "job": view,
             "data_wait_fraction": view["data_wait_fraction"] if view else None,
             "judged_on": describe_window(view) if view else None,
@@ -175,6 +179,11 @@ def render(result: dict[str, Any], mountpoint: str, job: str | None = None,
         lines.append(f"no-job-data: no training job reported to {mountpoint} in the last 10 minutes"
                      + (f" under the name {job!r}" if job else "")
                      + " (wrap the loader: `for batch in epochfs.watch.watch(loader, MOUNTPOINT, job=NAME)`)")
+        hit = (result.get("mount") or {}).get("hit_ratio")
+        if isinstance(hit, (int, float)):
+            low = (f", under the {HIT_RATIO:.0%} the EpochfsHitRatioLow alert fires at: reads wait for the backend"
+                   if hit < HIT_RATIO else "")
+            lines.append(f"  the mount's own counters: hit ratio {hit:.1%} by bytes{low}")
     elif wait is None:
         saves = view.get("checkpoint_save_seconds")
         took = f", a save taking {saves:.1f} s as the job sees it" if isinstance(saves, (int, float)) else ""
