@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shlex
 import shutil
 import signal
 import stat
@@ -610,3 +611,61 @@ def test_sync_answers_a_name_in_another_users_private_directory_as_a_missing_one
     assert sync_as_nobody(mine).returncode == 0
     assert sync(m).returncode == 0
     m.stop()
+
+
+def _readme_block(after: str, lang: str) -> str:
+    """The README's first ``lang`` code block after the line containing ``after``."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rest = text[text.index(after):]
+    start = rest.index(f"```{lang}\n") + len(lang) + 4
+    return rest[start:rest.index("```", start)]
+
+
+def test_the_readmes_shared_checkpoint_recipe_works_as_pasted_by_a_jobs_user(s3_client, fresh_bucket,
+                                                                             mount_factory, shared_dir):
+    """The README's write-back mount for a node whose jobs run as other users, its flags as pasted, and
+    its checkpoint snippet run by such a user: the user makes its own directory under the mount's root
+    (presented 1777) and saves there (with torch DCP where torch is installed, else the same path with a
+    plain file), and the checkpoint reaches the backend. With --dir-mode given, that mode rules."""
+    (line,) = [ln for ln in _readme_block("mount it for them", "sh").splitlines() if ln.startswith("epochfs mount")]
+    argv = shlex.split(line)
+    assert argv[:4] == ["epochfs", "mount", "s3://ckpt-bucket/run-42", "/mnt/ckpt"], argv
+    flags = argv[4:]
+    i = flags.index("--cache-dir")
+    del flags[i:i + 2]  # (the test's own cache directory)
+    assert "--allow-other" in flags and "--writeback" in flags
+    m = shared_mount(mount_factory, shared_dir, f"s3://{fresh_bucket}/run-42", *[f for f in flags
+                                                                               if f not in ("--writeback", "--allow-other")])
+    m.start()
+    assert stat.S_IMODE(os.stat(m.mountpoint).st_mode) == 0o1777
+    snippet = _readme_block("PyTorch's distributed checkpointing needs nothing but the path", "python")
+    snippet = snippet.replace("/mnt/ckpt", str(m.mountpoint))
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    if not have_torch:  # (the save itself is torch's; the path and the sync are what the recipe decides)
+        snippet = snippet.replace("torch.distributed.checkpoint.save(state_dict, checkpoint_id=f\"{run}/step-1000\")",
+                                  "open(f\"{run}/step-1000\", \"wb\").write(b\"x\" * 1000)")
+    script = shared_dir / "recipe.py"
+    script.write_text("import getpass, os, epochfs\n"
+                      + ("import torch, torch.distributed.checkpoint\nstate_dict = {'w': torch.arange(6.0)}\n"
+                         if have_torch else "")
+                      + snippet + "\nprint('durable', run)\n")
+    script.chmod(0o644)
+    job = job_user()
+    site = Path(__file__).resolve().parents[1] / ".venv" / "lib" / "python3.11" / "site-packages"
+    env = f"PYTHONPATH={Path(__file__).resolve().parents[1] / 'src'}:{site}"
+    r = as_user(job, "env", env, "HOME=/tmp", "/usr/bin/python3", str(script))
+    assert r.returncode == 0 and "durable" in r.stdout, (r.stdout, r.stderr[-2000:])
+    keys = keys_of(s3_client, fresh_bucket)
+    assert any(k.startswith(f"run-42/{job}/resnet50/step-1000") for k in keys), keys
+    # Another user may not remove or write in the job's directory.
+    denied = as_nobody("rm", "-rf", str(m.path(job)))
+    assert denied.returncode != 0 and m.path(job).exists()
+    m.stop()
+    explicit = shared_mount(mount_factory, shared_dir, f"s3://{fresh_bucket}/run-42", "--dir-mode", "0755", name="e")
+    explicit.start()
+    assert stat.S_IMODE(os.stat(explicit.mountpoint).st_mode) == 0o755
+    explicit.stop()

@@ -279,7 +279,8 @@ class Config:
     # -- mount
     allow_other: bool = option(
         False, "mount", "let other users read the mount, with the permissions the source gives them (needs "
-        "user_allow_other in /etc/fuse.conf unless root)")
+        "user_allow_other in /etc/fuse.conf unless root); with --writeback the root is presented 1777, so each "
+        "user may make a directory of their own in it (--dir-mode sets another)")
     file_mode: int | None = option(
         None, "mount", "present every file with this mode (default: the source's for file://, 0444 for S3, 0644 "
         "with --writeback)",

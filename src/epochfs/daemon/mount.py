@@ -218,7 +218,8 @@ class Daemon:
                 b"user.epochfs.snapshot": lambda: str(self.snapshots.snapshot.version).encode(),
             },
             presentation=Presentation(writable=config.writeback, file_mode=config.file_mode,
-                                      dir_mode=config.dir_mode, uid=config.uid, gid=config.gid),
+                                      dir_mode=config.dir_mode, uid=config.uid, gid=config.gid,
+                                      root_mode=0o1777 if config.writeback and config.allow_other else None),
             tree=self.tree, writeback=self.writeback, zero_open=self.zero_open, passthrough=self.passthrough,
             control=ChannelFile(self.channel),
         )

@@ -237,7 +237,8 @@ class Operations(kernel.Operations):
         p = self.present
         info = node.record()
         if node.is_dir:
-            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, self._dir_default, directory=True)
+            default = p.root_mode if node.inode == ROOT_INODE and p.root_mode is not None else self._dir_default
+            attr.st_mode = stat.S_IFDIR | p.mode(info, p.dir_mode, default, directory=True)
             attr.st_nlink = 2
             attr.st_size = 0
         else:

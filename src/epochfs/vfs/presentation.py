@@ -17,11 +17,14 @@ class Presentation:
     Set-id bits are never presented; the sticky bit only on directories. A write-back mount presents
     objects without modes as 0644 and directories as 0755 (writable by their owner), otherwise 0444
     and 0555; there an entry's own mode and owner (what its writer made, or set with chmod and chown)
-    win over the uniform ones, so a file written private stays private."""
+    win over the uniform ones, so a file written private stays private. ``root_mode``: the mount root's
+    mode where it has none of its own and ``dir_mode`` is not given (a write-back mount several users
+    share presents it 1777: each may make a directory of their own in it, none may remove another's)."""
 
     writable: bool = False
     file_mode: int | None = None
     dir_mode: int | None = None
+    root_mode: int | None = None
     uid: int | None = None
     gid: int | None = None
     default_uid: int = field(default_factory=os.getuid)
