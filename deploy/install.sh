@@ -5,20 +5,28 @@
 #   bash deploy/install.sh --config-only [--serve] NAME   # only write its config (another instance)
 #   ... --secrets DIR ...                        # also install the cluster's secrets made once in DIR
 #                                                  (peer-token, redis-password: the same files on every node)
-# It installs FUSE 3, a virtualenv in /opt/epochfs, the commands /usr/local/bin/epochfs and
-# /sbin/mount.epochfs (for /etc/fstab), the systemd units, the instance's config (/etc/epochfs/NAME.toml,
-# or serve-NAME.toml for a cache node) and its cache directory. Each instance gets its own metrics port
-# (9567 for the first, the next free one after that).
+#   bash deploy/install.sh --render-units DIR   # only write the systemd units, with this install's paths, to DIR
+#                                                  (`systemd-analyze verify DIR/*.service` before installing)
+# It installs FUSE 3, a virtualenv in $EPOCHFS_PREFIX (/opt/epochfs), the commands $EPOCHFS_BINDIR/epochfs
+# (/usr/local/bin) and /sbin/mount.epochfs (for /etc/fstab), the job's client ($EPOCHFS_PREFIX/client: the
+# wheel, and python/ for PYTHONPATH), the systemd units, the instance's config ($EPOCHFS_ETC/NAME.toml,
+# /etc/epochfs, or serve-NAME.toml for a cache node) and its cache directory. Each instance gets its own
+# metrics port (9567 for the first, the next free one after that).
 set -euo pipefail
-config_only=0 serve=0 secrets=""
+config_only=0 serve=0 secrets="" units=""
+prefix="${EPOCHFS_PREFIX:-/opt/epochfs}"
+bindir="${EPOCHFS_BINDIR:-/usr/local/bin}"
 while [ $# -gt 0 ]; do
   case "$1" in
+    --render-units)
+      [ $# -ge 2 ] || { echo "install.sh: --render-units DIR: give the directory to write the units to" >&2; exit 2; }
+      units="$2"; shift 2 ;;
     --config-only) config_only=1; shift ;;
     --serve) serve=1; shift ;;
     --secrets)
       [ $# -ge 2 ] && [ -d "$2" ] || { echo "install.sh: --secrets DIR: give the directory the cluster's secrets were made in" >&2; exit 2; }
       secrets="$(cd "$2" && pwd)"; shift 2 ;;
-    -*) echo "install.sh: unknown option $1 (--config-only, --serve, --secrets DIR)" >&2; exit 2 ;;
+    -*) echo "install.sh: unknown option $1 (--config-only, --serve, --secrets DIR, --render-units DIR)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
@@ -31,6 +39,17 @@ if [ "$serve" = 1 ]; then
 else
   config="$etc/$name.toml" template=deploy/epochfs.example.toml unit="epochfs@$name"
 fi
+
+# The systemd units with this install's paths (the files in deploy/systemd name the defaults).
+render_units() {
+  install -d -m 0755 "$1"
+  local u
+  for u in epochfs@.service epochfs-serve@.service; do
+    sed -e "s#/usr/local/bin/epochfs#$bindir/epochfs#g; s#/etc/epochfs/#$etc/#g; s#/opt/epochfs/#$prefix/#g" \
+      "deploy/systemd/$u" > "$1/$u"
+    chmod 0644 "$1/$u"
+  done
+}
 
 write_config() {
   install -d -m 0755 "$etc"
@@ -76,6 +95,11 @@ install_secrets() {
   [ "$found" = 1 ] || { echo "install.sh: --secrets $secrets holds neither peer-token nor redis-password" >&2; exit 1; }
 }
 
+if [ -n "$units" ]; then
+  render_units "$units"
+  echo "install.sh: wrote the units to $units (verify: systemd-analyze verify $units/*.service)"
+  exit 0
+fi
 if [ "$config_only" = 1 ]; then
   install_secrets
   write_config
@@ -85,12 +109,19 @@ fi
 
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
   fuse3 python3-venv >/dev/null
-python3 -m venv /opt/epochfs/venv
-/opt/epochfs/venv/bin/pip install -q --upgrade pip
-/opt/epochfs/venv/bin/pip install -q .
-install -m 0644 README.md /opt/epochfs/README.md
-ln -sf /opt/epochfs/venv/bin/epochfs /usr/local/bin/epochfs
-ln -sf /opt/epochfs/venv/bin/mount.epochfs /sbin/mount.epochfs
+python3 -m venv "$prefix/venv"
+"$prefix/venv/bin/pip" install -q --upgrade pip
+"$prefix/venv/bin/pip" install -q .
+install -m 0644 README.md "$prefix/README.md"
+# The job's client: the wheel (pip install --no-deps it in a training image) and the same unpacked, for
+# PYTHONPATH: it needs only Python's standard library.
+rm -rf "$prefix/client"
+"$prefix/venv/bin/pip" wheel -q --no-deps --wheel-dir "$prefix/client" .
+"$prefix/venv/bin/pip" install -q --no-deps --no-index --target "$prefix/client/python" "$prefix"/client/epochfs-*.whl
+chmod -R a+rX "$prefix/client"
+install -d -m 0755 "$bindir"
+ln -sf "$prefix/venv/bin/epochfs" "$bindir/epochfs"
+ln -sf "$prefix/venv/bin/mount.epochfs" /sbin/mount.epochfs
 
 install_secrets
 write_config
@@ -101,8 +132,7 @@ else
   install -d -m 0700 "/var/cache/epochfs/$name"
   install -d -m 0755 "/mnt/$name"
 fi
-install -m 0644 deploy/systemd/epochfs@.service /etc/systemd/system/epochfs@.service
-install -m 0644 deploy/systemd/epochfs-serve@.service /etc/systemd/system/epochfs-serve@.service
+render_units /etc/systemd/system
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload
   echo "install.sh: start with: systemctl enable --now $unit"

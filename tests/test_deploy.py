@@ -19,7 +19,7 @@ import pytest
 from epochfs.cli import build_parser
 from epochfs.cli.options import config_from, example_config, mount_options
 from epochfs.core.errors import ConfigError
-from epochfs.dev.sample import sample_layout, upload
+from epochfs.dev.sample import SampleFile, sample_layout, upload
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS, drop_all_caches, read_all
@@ -61,6 +61,73 @@ def test_the_cache_node_unit_verifies(tmp_path):
     for line in ("Type=notify", "serve --config /etc/epochfs/serve-%i.toml --foreground", "KillSignal=SIGTERM",
                  "Restart=on-failure", "ProtectSystem=strict", "PrivateDevices=yes", "CapabilityBoundingSet=\n"):
         assert line in text, line
+
+
+def test_the_units_verify_before_install_as_their_header_says(tmp_path):
+    """The units' header: render them with this install's paths, then `systemd-analyze verify` them (as
+    they are in the checkout they name /usr/local/bin/epochfs, which only install.sh makes)."""
+    header = [ln[1:].strip() for ln in UNIT.read_text().splitlines() if ln.startswith("#   ")]
+    render = next(ln for ln in header if "--render-units" in ln)
+    verify = next(ln for ln in header if ln.startswith("systemd-analyze verify"))
+    units = tmp_path / "units"
+    bindir = Path(sys.executable).parent
+    cmd = render.replace("$PWD/.venv/bin", str(bindir)).replace("/tmp/units", str(units))
+    r = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"ExecStart={bindir}/epochfs mount --config /etc/epochfs/%i.toml" in (units / "epochfs@.service").read_text()
+    r = subprocess.run(["bash", "-c", verify.replace("/tmp/units", str(units))], capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+    env = {**os.environ, "EPOCHFS_PREFIX": "/srv/epochfs", "EPOCHFS_ETC": "/srv/etc", "EPOCHFS_BINDIR": "/srv/bin"}
+    r = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "--render-units", str(tmp_path / "p")], env=env,
+                       capture_output=True, text=True, timeout=60)
+    text = (tmp_path / "p" / "epochfs@.service").read_text()
+    assert "ExecStart=/srv/bin/epochfs mount --config /srv/etc/%i.toml" in text and "/usr/local/bin" not in text
+    assert "file:/srv/epochfs/README.md" in text
+
+
+@requires_fuse
+def test_the_jobs_client_installs_from_its_wheel_with_no_index_and_reaches_a_mount(tmp_path, s3_client, fresh_bucket,
+                                                                                  mount_factory):
+    """The README's two lines for the training job's environment, as pasted: the wheel built by
+    scripts/client-wheel.sh, installed with --no-deps into a fresh virtualenv with no package index,
+    gives the job's API and commands (status through a real mount, the sampler's hand-over client,
+    watch); the daemon's commands there say what they need instead of a traceback."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("**The client in the training job's environment.**"):]
+    block = block[block.index("```sh\n") + 6:]
+    lines = [ln.split("#")[0].strip() for ln in block[:block.index("```")].splitlines()]
+    build, install = lines[0], lines[1]
+    assert build == "bash scripts/client-wheel.sh" and install.startswith("pip install --no-deps dist/")
+    out = tmp_path / "dist"
+    r = subprocess.run(["bash", "scripts/client-wheel.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    wheel = Path(r.stdout.strip())
+    assert wheel.name == install.split("/")[-1], (wheel, install)
+    venv = tmp_path / "job-env"
+    subprocess.run(["/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable, "-m", "venv",
+                    str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "pip"), *install.split()[1:-1], "--no-index", str(wheel)]
+    r = subprocess.run(pip, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    files = [SampleFile(f"d/{i}.bin", 5000 + i) for i in range(4)]
+    upload(s3_client, fresh_bucket, "", files)
+    with mount_factory(f"s3://{fresh_bucket}") as m:
+        status = subprocess.run([str(venv / "bin" / "epochfs"), "status", str(m.mountpoint)], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0 and status.stdout.startswith("mount "), status.stderr
+        script = ("import sys, epochfs, epochfs.watch\n"
+                  "c = epochfs.Client(sys.argv[1])\n"
+                  "c.prefetch(['d/0.bin', 'd/1.bin'])\n"
+                  "for _ in epochfs.watch.watch(iter(range(3)), sys.argv[1], job='client-wheel', interval=0.01):\n"
+                  "    pass\n"
+                  "print(c.status()['prefetch']['files'])\n")
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", script, str(m.mountpoint)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "2", (r.stdout, r.stderr)
+    r = subprocess.run([str(venv / "bin" / "epochfs"), "mount", "s3://b", str(tmp_path / "x")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "needs the node's packages" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def parse_mount(argv: list[str]):

@@ -224,9 +224,18 @@ def test_cache_nodes_are_their_own_workload_and_the_gpu_nodes_their_clients(tmp_
 def test_the_training_pod_example_reads_the_node_mount_read_only():
     (pod,) = [d for d in yaml.safe_load_all((K8S / "examples" / "training-pod.yaml").read_text()) if d]
     validate(pod)
-    (m,) = pod["spec"]["containers"][0]["volumeMounts"]
+    (m,) = [v for v in pod["spec"]["containers"][0]["volumeMounts"] if v["name"] == "dataset"]
     assert m["mountPropagation"] == "HostToContainer" and m["readOnly"] is True
     assert pod["spec"]["volumes"][0]["hostPath"]["path"] == "/mnt/epochfs/data"
+    # The job's client comes from the epochfs image (no package index has it): an init container copies
+    # it into an emptyDir the job reads on its PYTHONPATH.
+    (init,) = pod["spec"]["initContainers"]
+    assert init["command"][:2] == ["cp", "-R"] and init["command"][2].startswith("/opt/epochfs-client/python")
+    assert "/opt/epochfs-client/python" in (ROOT / "deploy" / "container" / "Containerfile").read_text()
+    (client,) = [v for v in pod["spec"]["containers"][0]["volumeMounts"] if v["name"] == "epochfs-client"]
+    assert client["readOnly"] is True and {"name": "epochfs-client", "emptyDir": {}} in pod["spec"]["volumes"]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["PYTHONPATH"] == client["mountPath"]
     # The job runs as it really does: not root, no capability, no hostPath but the dataset's (it reaches
     # the daemon through the mount: test_job_channel.py runs such a job in a namespace that sees only it).
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True and pod["spec"]["securityContext"]["runAsUser"] != 0

@@ -304,9 +304,9 @@ def test_the_sampler_resumes_an_epoch_where_the_checkpoint_left_it(dataset_mount
         sampler.set_epoch(3, start=-1)
 
 
-def test_the_readme_installs_the_pytorch_integration_with_the_version_it_is_tested_with():
-    """The README's install line for the training job names an extra this package defines, and that
-    extra pins the PyTorch these tests run with (scripts/bootstrap.sh installs the same extra)."""
+def test_the_readme_names_the_pytorch_version_the_integration_is_tested_with():
+    """The PyTorch the README says the integration is tested with is the one the ``torch`` extra pins
+    and these tests run with (scripts/bootstrap.sh installs the same extra)."""
     import importlib.metadata
     import re
     import tomllib
@@ -314,9 +314,10 @@ def test_the_readme_installs_the_pytorch_integration_with_the_version_it_is_test
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
-    (extra,) = set(re.findall(r"pip install 'epochfs\[(\w+)\]'", readme))
-    pins = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
+    pins = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"]
     torch_pin = next(p for p in pins if p.startswith("torch=="))
+    (named,) = set(re.findall(r"tested with `(torch==[\w.]+)`", readme))
+    assert named == torch_pin, (named, torch_pin)
     assert 'extras=test,torch' in (root / "scripts" / "bootstrap.sh").read_text()
     try:
         installed = importlib.metadata.version("torch")

@@ -70,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     except EpochfsError as exc:
         print(f"epochfs: {exc}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] in ("epochfs", "torch"):
+            raise
+        # The job's client (installed with --no-deps: Python's standard library alone) has what the
+        # job's commands need; the daemon's commands need the node's packages.
+        print(f"epochfs: `epochfs {argv[0] if argv else ''}` needs the node's packages ({exc.name} is not "
+              "installed): this is the job's client, which talks to a daemon already running; install epochfs "
+              "on the node with deploy/install.sh (or `pip install` it with its dependencies)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `epochfs status | head`: the reader went away, which is fine
