@@ -14,7 +14,10 @@ out=${1:-dist}
 python=.venv/bin/python
 [ -x "$python" ] || python=python3
 mkdir -p "$out"
+had_build=0
+[ -e build ] && had_build=1
 "$python" -m pip wheel -q --no-deps --wheel-dir "$out" . >/dev/null
+[ "$had_build" = 1 ] || rm -rf build  # (setuptools' work directory, left in the checkout)
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 wheel="$out/epochfs-$version-py3-none-any.whl"
 [ -f "$wheel" ] || { echo "client-wheel.sh: no $wheel was built" >&2; exit 1; }
