@@ -19,6 +19,7 @@ from typing import Any
 
 from epochfs.backend.base import Backend, BackendStats
 from epochfs.control import request
+from epochfs.dev import pagecache
 from epochfs.dev.sample import drop_file_pages, pattern
 
 EPOCHFS = [sys.executable, "-m", "epochfs"]
@@ -149,7 +150,8 @@ __all__ = ["Mount", "read_all", "drop_file_pages", "run_with_deadline", "errno_o
 #: Taken exclusively for each test marked ``page_cache``, by every process of the suite (and any other
 #: suite of this machine): such a test drops the kernel's caches, or counts what they spare the daemon,
 #: so no two run at once while the rest of the suite runs beside them (``-n``).
-PAGE_CACHE_LOCK = Path(tempfile.gettempdir()) / "epochfs-tests-page-cache.lock"
+#: (the benchmarks and the demo drop the caches holding it too: epochfs.dev.pagecache)
+PAGE_CACHE_LOCK = pagecache.LOCK
 _page_cache_held = threading.Event()
 
 

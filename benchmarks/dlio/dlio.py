@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN, Contender, Epochfs, Juicefs, RawDisk  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
-from workloads import drop_page_cache, log, machine, save_results, start_run  # noqa: E402
+from workloads import drop_page_cache, load_text, log, machine, save_results, start_run  # noqa: E402
 
 from epochfs.dev.servers import LocalS3  # noqa: E402
 
@@ -185,7 +185,7 @@ def report(out: dict[str, Any]) -> str:
     m = out["machine"]
     lines = [f"# DLIO (MLPerf Storage's engine), unet3d scaled, {out['date']}", "",
              f"Machine: {m['cpu']}, {m['cpus']} cores, {m['memory_gib']:g} GiB, Linux {m['kernel']}. Command: "
-             f"`{out['command']}`.", "",
+             f"`{out['command']}`.", "", load_text(), "",
              f"{out['files']} files of {out['file_mib']} MiB (npz, DLIO-generated), batches of {out['batch']}, "
              f"{out['read_threads']} read threads a rank, {out['epochs']} epochs; one accelerator asks "
              f"{out['fraction']:.0%} of local disk's cold rate ({out['local_cold_samples_s']:.1f} samples/s): "

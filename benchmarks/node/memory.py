@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import VENV_BIN  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
-from workloads import drop_page_cache, log, machine, save_results, start_run  # noqa: E402
+from workloads import drop_page_cache, load_text, log, machine, save_results, start_run  # noqa: E402
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
 from epochfs.dev.servers import LocalS3  # noqa: E402
@@ -102,7 +102,7 @@ def report(out: dict[str, Any]) -> str:
     m = out["machine"]
     lines = [f"# The daemon's memory under load, {out['date']}", "",
              f"Machine: {m['cpu']}, {m['cpus']} cores, {m['memory_gib']:g} GiB, Linux {m['kernel']}. Command: "
-             f"`{out['command']}`.", "",
+             f"`{out['command']}`.", "", load_text(), "",
              f"16 readers of 16 files of {out['file_mib']} MiB at once ({16 * out['file_mib']} MiB), their order "
              "handed over first; a local SeaweedFS behind the latency proxy, an empty cache, the page cache dropped; the daemon's resident "
              "set sampled every 20 ms.", "",

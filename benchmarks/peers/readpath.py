@@ -42,6 +42,7 @@ from workloads import (  # noqa: E402
     boto_parallel,
     boto_small_rate,
     drop_page_cache,
+    load_text,
     log,
     machine,
     seq_read,
@@ -321,6 +322,7 @@ def report(rows: dict[tuple[str, str], list[float]], args: argparse.Namespace, c
              f"100 KiB; {args.cores} core(s), {args.latency_ms:g} ms added; medians of {done}"
              + ("" if done == args.reps else f" (the run was stopped after {done} of {args.reps} repetitions)"), "",
              "Machine: {cpu}, {cpus} cores, {memory_gib:g} GiB, Linux {kernel}".format(**machine()), "",
+             load_text(), "",
              f"epochfs flags: `{args.epochfs_args or '(defaults)'}`{variant}", "",
              "| measurement | " + " | ".join(who) + " |", "|---|" + "---|" * len(who)]
     for what in MEASURES:

@@ -28,6 +28,7 @@ from contenders import wait_mounted  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
 
 from epochfs.control import request
+from epochfs.dev import pagecache
 from epochfs.dev.sample import SampleFile, upload, write_tree
 from epochfs.dev.servers import LocalS3
 
@@ -94,8 +95,7 @@ def main() -> int:
             if not args.floor:
                 request(work / "mnt", "status")  # the daemon answers: fills are written behind, let them land
             time.sleep(2)
-            os.sync()
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            pagecache.drop()  # (holding the lock the test suite's page-cache tests hold)
         raw = work / "samples.txt"
         spy_proc = subprocess.Popen([spy, "record", "-p", str(pid), "-o", str(raw), "-f", "raw", "-r", "200",
                                      "--threads", *(["--gil"] if args.gil else [])],

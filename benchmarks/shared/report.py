@@ -7,6 +7,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from workloads import load_text
+
 ORDER = ["raw disk", "raw boto3", "JuiceFS", "s3fs", "rclone", "epochfs lru", "epochfs+manifest"]
 
 
@@ -65,7 +67,8 @@ def write_report(results: dict[str, Any], stem: Path) -> None:
     lines += [f"Machine: {mach['cpus']} x {mach['cpu']}, {mach['memory_gib']} GiB, kernel {mach['kernel']}, "
               f"Python {mach['python']}; disk `{mach['disk']}`. Local SeaweedFS S3 endpoint on loopback. "
               f"Medians of {results['reps']} interleaved run(s), (min-max) when more than one. Page cache "
-              "dropped before every cold and warm pass; *hot* reads again without dropping it.", ""]
+              "dropped before every cold and warm pass; *hot* reads again without dropping it.", "",
+              load_text(mach.get("outside_load")), ""]
     lines += ["| workload | state | " + " | ".join(contenders) + " |", "|---|---|" + "---|" * len(contenders)]
     for (workload, state), by in sorted(cells.items(), key=lambda kv: (kv[0][0], ["cold", "warm", "hot", "-"].index(kv[0][1]))):
         lines.append(f"| {workload} | {state} | " + " | ".join(_fmt(by.get(c, [])) for c in contenders) + " |")

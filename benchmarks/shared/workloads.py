@@ -51,6 +51,107 @@ def host_cpu() -> tuple[int, int]:
     return sum(v) - v[3] - v[4], sum(v)
 
 
+class OutsideLoad:
+    """How busy work outside this run kept the machine while it measured: each second, the CPU time of
+    the processes that are neither this one's descendants nor started for it (a command line naming the
+    run's work directory: the mounts' daemons, detached from it), as a share of all the machine's cores.
+    Kernel threads are left out (they do the run's own I/O). A run measured on a busy machine reads as a
+    result otherwise (cold small files at 0.36x JuiceFS where a quiet machine gives 1.44x)."""
+
+    #: Outside work above this share of the machine (median over the run) marks the run as busy.
+    BUSY = 0.10
+
+    def __init__(self, work: Path | None = None, interval: float = 1.0) -> None:
+        self.work = str(work) if work is not None else None
+        self.interval = interval
+        self.samples: list[float] = []
+        self.unsettled = 0  # settle() calls that ran out of time with the machine still busy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outside-load", daemon=True)
+
+    def start(self) -> OutsideLoad:
+        self._thread.start()
+        return self
+
+    def _ticks(self) -> dict[int, int]:
+        """CPU ticks of each process outside the run, by pid."""
+        me = os.getpid()
+        parent: dict[int, int] = {}
+        ticks: dict[int, int] = {}
+        ours: set[int] = {me}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    raw = f.read()
+                fields = raw[raw.rindex(b")") + 2:].split()
+                ppid, flags = int(fields[1]), int(fields[6])
+                if flags & 0x00200000 or ppid == 2 or pid == 2:  # PF_KTHREAD, or a kernel thread
+                    continue
+                parent[pid], ticks[pid] = ppid, int(fields[11]) + int(fields[12])
+                if self.work:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if self.work.encode() in f.read():
+                            ours.add(pid)
+            except (OSError, ValueError, IndexError):
+                continue
+        outside = {}
+        for pid, t in ticks.items():
+            p, seen = pid, 0
+            while p not in ours and p in parent and seen < 64:
+                p, seen = parent[p], seen + 1
+            if p not in ours:
+                outside[pid] = t
+        return outside
+
+    def _run(self) -> None:
+        hz = os.sysconf("SC_CLK_TCK")
+        cores = os.cpu_count() or 1
+        before, t0 = self._ticks(), time.monotonic()
+        while not self._stop.wait(self.interval):
+            now, t1 = self._ticks(), time.monotonic()
+            used = sum(t - before[pid] for pid, t in now.items() if pid in before and t >= before[pid])
+            self.samples.append(used / hz / max(1e-6, (t1 - t0) * cores))
+            before, t0 = now, t1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def summary(self) -> dict[str, Any]:
+        s = sorted(self.samples)
+        median = statistics.median(s) if s else None
+        return {"median": median, "max": s[-1] if s else None, "samples": len(s), "unsettled": self.unsettled,
+                "busy": bool(self.unsettled) or (median is not None and median > self.BUSY)}
+
+    def text(self) -> str:
+        return load_text_of(self.summary())
+
+
+def load_text_of(m: dict[str, Any] | None) -> str:
+    """The report's line on the load outside a run (:meth:`OutsideLoad.summary`), with a warning where it
+    makes the run no result."""
+    if not m or not m["samples"]:
+        return "Load outside this run: not sampled"
+    line = (f"Load outside this run while it measured: median {m['median']:.0%}, at most {m['max']:.0%} of the "
+            f"machine's {os.cpu_count()} cores ({m['samples']} samples)")
+    if m["unsettled"]:
+        line += f"; the machine never went quiet before {m['unsettled']} of its steps"
+    if m["busy"]:
+        line = ("**BUSY MACHINE: these figures are not a result** (other work competed with the passes; "
+                "rerun on a quiet machine). " + line)
+    return line
+
+
+_LOAD: OutsideLoad | None = None
+
+
+def outside_load() -> OutsideLoad | None:
+    """The run's load watcher (started by :func:`start_run`), if any."""
+    return _LOAD
+
+
 def settle(busy_below: float = 0.15, most: float = 60.0) -> float:
     """Wait until the machine is quiet (what was just written is on disk and the CPUs are busy less than
     ``busy_below`` of one second), at most ``most`` seconds; the seconds waited. After an upload or a
@@ -65,12 +166,19 @@ def settle(busy_below: float = 0.15, most: float = 60.0) -> float:
         b1, a1 = host_cpu()
         if (b1 - b0) <= busy_below * max(1, a1 - a0):
             break
+    else:
+        log(f"the machine is still busy after {most:.0f} s: what follows is measured on a busy machine")
+        if _LOAD is not None:
+            _LOAD.unsettled += 1
     return time.monotonic() - started
 
 
 def drop_page_cache() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    """Drop the machine's page cache, holding the lock the test suite's page-cache tests hold (a run beside
+    them would drop the caches they count on, and they ours)."""
+    from epochfs.dev import pagecache
+
+    pagecache.drop()
 
 
 def fio_seq(files: list[Path]) -> float:
@@ -270,6 +378,9 @@ def fresh_workdir(work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     (work / WORK_MARK).write_text("made by epochfs's benchmarks: cleared at the start of each run\n")
+    global _LOAD
+    if _LOAD is None:  # (the run begins: the load outside it is watched until it ends)
+        _LOAD = OutsideLoad(work).start()
 
 
 def stop_leftovers(work: Path) -> list[int]:
@@ -309,12 +420,15 @@ def machine() -> dict[str, Any]:
     here = Path(__file__).resolve().parent
     return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": round(int(mem) / 2**20, 1),
             "kernel": platform.release(), "python": platform.python_version(),
+            "outside_load": _LOAD.summary() if _LOAD is not None else None,
             "disk": subprocess.run(["df", "-h", str(here)], capture_output=True, text=True).stdout.splitlines()[-1]}
 
 
 def save_results(target: Path, out: dict[str, Any], text: str) -> None:
     """A benchmark's results: the JSON at ``target``, its markdown report beside it (``.md``)."""
     target.parent.mkdir(parents=True, exist_ok=True)
+    if _LOAD is not None:
+        out = {**out, "outside_load": _LOAD.summary()}
     target.write_text(json.dumps(out, indent=1, default=str) + "\n")
     target.with_suffix(".md").write_text(text)
 
@@ -327,3 +441,9 @@ def start_run(work: Path) -> bool:
     stop_on_signals()
     fresh_workdir(work)
     return True
+
+
+def load_text(m: dict[str, Any] | None = None) -> str:
+    """The report's line on the load outside the run: of the summary ``m`` a run saved, else of this
+    run's watcher so far."""
+    return load_text_of(m if m is not None else _LOAD.summary() if _LOAD is not None else None)

@@ -28,7 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import Contender, Epochfs, Juicefs  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402
-from workloads import boto_small_rate, drop_page_cache, fresh_workdir, log, machine, simulate, train  # noqa: E402
+from workloads import (  # noqa: E402
+    boto_small_rate,
+    drop_page_cache,
+    fresh_workdir,
+    load_text,
+    log,
+    machine,
+    simulate,
+    train,
+)
 
 from epochfs.dev.sample import SampleFile, upload  # noqa: E402
 from epochfs.dev.servers import LocalS3, client_for  # noqa: E402
@@ -118,7 +127,7 @@ def main() -> int:
              f"{workers} readers per accelerator; the manifest handed over at the start of the epoch"
              + (f"; medians of {args.reps}" if args.reps > 1 else ""), "",
              "Machine: {cpu}, {cpus} cores, {memory_gib:g} GiB, Linux {kernel}".format(**measured_on),
-             "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
+             "", load_text(), "", f"epochfs flags: `{args.epochfs_args or '(defaults)'}`", "",
              "| latency | accelerators | demand / backend | raw boto3 | JuiceFS | epochfs lru | epochfs+manifest | "
              "epochfs+manifest / JuiceFS | daemon CPU ms/file (JuiceFS / lru / manifest) |",
              "|---|---|---|---|---|---|---|---|---|"]
