@@ -3,6 +3,7 @@ code that says whose fault it is (2: the input, 1: the world), and changes nothi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,6 +58,22 @@ def test_a_cache_dir_on_a_read_only_file_system(tmpfs, tmp_path, s3, sample_buck
     r = epochfs("mount", f"s3://{sample_bucket}/data", str(tmp_path / "mnt"), "--endpoint-url", s3.endpoint,
                 "--cache-dir", str(rw / "cache"), env=s3.env())
     assert r.returncode == 2 and "Read-only file system" in r.stderr
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_a_cache_dir_on_a_full_file_system_is_named_with_what_to_do(tmpfs, tmp_path, s3, sample_bucket):
+    full = tmpfs("full")
+    with open(full / "filler", "wb") as f:  # (until the file system says it is full)
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+    (tmp_path / "mnt").mkdir()
+    r = epochfs("mount", f"s3://{sample_bucket}/data", str(tmp_path / "mnt"), "--endpoint-url", s3.endpoint,
+                "--cache-dir", str(full / "cache"), env=s3.env())
+    assert r.returncode == 2, r.stderr
+    assert str(full / "cache") in r.stderr and "No space left on device" in r.stderr, r.stderr
+    assert "file system is full" in r.stderr and "[Errno" not in r.stderr, r.stderr
     assert not os.path.ismount(tmp_path / "mnt")
 
 

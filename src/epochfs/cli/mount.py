@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from epochfs.cli.common import EPILOG
 from epochfs.cli.options import add_mount_options, config_from
 from epochfs.core.errors import ConfigError, EpochfsError
+from epochfs.core.text import human, plural
 from epochfs.daemon.config import Config, read_config_file
 
 log = logging.getLogger("epochfs")
@@ -200,7 +201,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
             raise EpochfsError(f"unmounted, but daemon pid {pid} is still running after {args.timeout}s")
         time.sleep(0.05)
     if pending:
-        print(f"epochfs: {pending[0]} written files ({pending[1]} bytes) were not uploaded yet; they stay in the "
+        print(f"epochfs: {plural(pending[0], 'written file')} ({human(pending[1])}) were not uploaded yet; they stay in the "
               "cache directory's journal and upload when it is mounted again ('epochfs sync' before "
               "unmounting waits for them)", file=sys.stderr)
     return 0

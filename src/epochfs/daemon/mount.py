@@ -44,6 +44,7 @@ from epochfs.core import memory
 from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
 from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import read_origins
+from epochfs.core.text import human
 from epochfs.daemon import host as node_host
 from epochfs.daemon.config import Config
 from epochfs.daemon.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
@@ -94,8 +95,8 @@ def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:
         return warnings
     usable = int(st.f_blocks * st.f_frsize * (1 - config.free_space_ratio))
     if config.cache_size > usable:
-        warnings.append(f"--cache-size {config.cache_size} bytes is more than the cache file system can hold "
-                        f"({usable} bytes, keeping {config.free_space_ratio:.0%} free): the disk bounds the cache")
+        warnings.append(f"--cache-size {human(config.cache_size)} is more than the cache file system can hold "
+                        f"({human(usable)}, keeping {config.free_space_ratio:.0%} free): the disk bounds the cache")
     return warnings
 
 

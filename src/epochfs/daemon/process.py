@@ -9,6 +9,7 @@ unmounts, never leaves a dead mount (``Transport endpoint is not connected``) be
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 
@@ -68,6 +69,15 @@ def _serve(config: Config, ready: Ready) -> int:
     return code
 
 
+#: What a start-up that failed with one of these errors says to do: the fault is the node's set-up.
+_NODE_ERRNOS = {
+    errno.ENOSPC: "the cache directory's file system is full: free some of it, or give a --cache-dir on another",
+    errno.EDQUOT: "the cache directory's owner is over its disk quota: free some, or give another --cache-dir",
+    errno.EROFS: "the cache directory's file system is read-only: give a --cache-dir on a writable one",
+    errno.EACCES: "the daemon's user may not write there: give a --cache-dir it owns",
+}
+
+
 def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None) -> Daemon | int:
     """The daemon's parts opened, or the exit code of why not (``ready`` told)."""
     try:
@@ -78,6 +88,17 @@ def _start(config: Config, ready: Ready, check: Callable[[], None] | None = None
     except EpochfsError as exc:
         ready(str(exc), [])
         return 2 if isinstance(exc, ConfigError) else 1
+    except OSError as exc:
+        if exc.errno not in _NODE_ERRNOS:
+            log.exception("start-up failed")
+            ready(f"start-up failed: {type(exc).__name__}: {exc}", [])
+            return 1
+        # The node's disks and rights, not a fault of the daemon: said with the path and what to do.
+        where = exc.filename or config.cache_dir
+        why = _NODE_ERRNOS[exc.errno]
+        log.error("start-up failed: %s: %s", where, exc.strerror)
+        ready(f"{where}: {exc.strerror} ({why})", [])
+        return 2
     except Exception as exc:
         log.exception("start-up failed")
         ready(f"start-up failed: {type(exc).__name__}: {exc}", [])

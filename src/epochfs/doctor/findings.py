@@ -254,7 +254,7 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
               "bytes per save)")
     wb = m["writeback"]
     if wb and wb.get("pending_bytes") and wb.get("oldest_pending_seconds", 0) > BACKLOG_SECONDS:
-        found("writeback-backlog", f"{wb['pending_bytes']} bytes written wait for upload, the oldest "
+        found("writeback-backlog", f"{human(wb['pending_bytes'])} written wait for upload, the oldest "
               f"{wb['oldest_pending_seconds']:.0f} s", "uploads compete with reads for the link: cap them "
               "(--upload-bandwidth) or save checkpoints less often")
     return [out[c] for c in ORDER if c in out]

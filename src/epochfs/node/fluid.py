@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from epochfs.core.errors import ConfigError
+from epochfs.core.text import human
 
 if TYPE_CHECKING:
     from epochfs.core.records import Source
@@ -256,7 +257,7 @@ def config_text(config: Any, policy: Policy | None = None) -> tuple[str, str]:
                               f"a Dataset may set {', '.join(allowed)}; the rest is the node's policy, {POLICY_PATH})")
         if key == "cache_size" and policy.max_cache_size is not None and parse_size(str(value)) > policy.max_cache_size:
             raise ConfigError(f"Fluid option {raw}: {value} is more than the node's policy allows "
-                              f"(max_cache_size {policy.max_cache_size} bytes)")
+                              f"(max_cache_size {human(policy.max_cache_size)})")
         lines.append(f"{key} = {_toml_value(mo.default, value, raw)}")
     return "\n".join(lines) + "\n", target
 

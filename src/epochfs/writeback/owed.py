@@ -22,6 +22,7 @@ import trio
 
 from epochfs.core.errors import EpochfsError, NoSpace, Refused
 from epochfs.core.records import ObjectInfo
+from epochfs.core.text import human
 from epochfs.writeback.tree import LocalFile
 
 
@@ -130,11 +131,11 @@ class Owed:
         error its writer gets."""
         if self.user_quota is not None and self._by_uid[f.uid] + size > self.user_quota:
             return "its owner's write-back quota is full", Refused(
-                f"{f.path}: user {f.uid} holds {self._by_uid[f.uid]} bytes not yet uploaded "
-                f"(--writeback-user-quota {self.user_quota})", errno.EDQUOT)
+                f"{f.path}: user {f.uid} holds {human(self._by_uid[f.uid])} not yet uploaded "
+                f"(--writeback-user-quota {human(self.user_quota)})", errno.EDQUOT)
         if not self.room_of.pin(size):
             return "the cache had no room for it", NoSpace(
-                f"{f.path}: the cache holds {self.room_of.pinned} bytes not yet uploaded and has no room for "
+                f"{f.path}: the cache holds {human(self.room_of.pinned)} not yet uploaded and has no room for "
                 "more; they drain as they upload")
         self.owe(f.uid, size)
         return None
