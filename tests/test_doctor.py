@@ -598,6 +598,10 @@ def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucke
         bad = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--compare", str(tmp_path / "nope.json")],
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "--compare" in bad.stderr
+        bad = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--save", str(tmp_path / "no-dir" / "d.json")],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "--save" in bad.stderr and "No such file or directory" in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
 
         # Two passes: the daemon keeps them apart, with the backend's usage where each began.
         list(watch(slow(fresh), m.mountpoint, job="epochs", interval=0.05))

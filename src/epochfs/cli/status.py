@@ -94,14 +94,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             raise EpochfsError(f"--compare {args.compare}: {exc}") from None
         if not isinstance(earlier, dict) or "verdict" not in earlier:
             raise EpochfsError(f"--compare {args.compare}: not a diagnosis saved with --save")
+    if args.save:  # (said before the doctor watches, not after)
+        try:
+            with open(args.save, "a"):
+                pass
+        except OSError as exc:
+            raise EpochfsError(f"--save {args.save}: {exc.strerror}") from None
     checkpoints = request(args.checkpoints, "status") if args.checkpoints else None
     before = request(args.mountpoint, "status")
     time.sleep(args.interval)
     after = request(args.mountpoint, "status")
     result = diagnose(before, after, args.interval, args.job, prices, checkpoints)
     if args.save:
-        with open(args.save, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True)
+        try:
+            with open(args.save, "w") as f:
+                json.dump(result, f, indent=2, sort_keys=True)
+        except OSError as exc:
+            raise EpochfsError(f"--save {args.save}: {exc.strerror}") from None
     if args.json:
         out = dict(result)
         if earlier is not None:
