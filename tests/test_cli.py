@@ -300,7 +300,9 @@ def test_status_tells_a_replica_from_the_backend_and_where_reads_came_from():
     assert "fell back" not in text and "3 asks failed: 3 then asked another replica, 0 the backend" in text
     assert "1 member," in text and "1 members" not in text
     s = {"reads": {"local": 100, "owner": 290, "replica": 10, "backend": 0}, "peer": peer}
-    assert format_origins(s) == "read from this node's cache 25%, cache nodes 72%, another replica 2%"
+    assert format_origins(s) == "what was read came from this node's cache 25%, cache nodes 72%, another replica 2%"
+    s["reads"]["backend"] = 100  # (a hit fetched ahead from the backend: said, beside a hit ratio of 100%)
+    assert format_origins(s).endswith("the backend 20% (fetched ahead of the readers or on demand)")
     assert format_origins({"reads": {"local": 0, "owner": 0, "replica": 0, "backend": 0}}) == ""
     assert "not known" in format_link(None, "--backend-bandwidth") and "--backend-bandwidth" in format_link(
         None, "--backend-bandwidth")

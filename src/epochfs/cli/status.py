@@ -235,7 +235,8 @@ def format_status(s: dict[str, Any]) -> str:
         f"backend    {human(c['demand_bytes'])} on demand, {human(c['prefetch_bytes'])} ahead; "
         f"{c['inflight']} in flight; {format_link(s['backend'].get('link'), '--backend-bandwidth')}",
         f"evictions  {st['evictions']} ({eviction_policy(s, serving)}); corrupt blocks {st['corrupt_blocks']}; "
-        f"fill errors {st['fill_errors']}" + (f"; read-ahead advice dropped {st['advice_dropped']} (its queue full)"
+        f"fill errors {st['fill_errors']}" + (f"; read-ahead hints let go {st['advice_dropped']} (more at once than the adviser queues; "
+                                                 "harmless: the disk reads those blocks when they are asked for)"
                                               if st.get("advice_dropped") else ""),
         f"errors     {reader_errors(s)}",
         prefetch,
@@ -250,9 +251,9 @@ def format_status(s: dict[str, Any]) -> str:
 def format_link(link: dict[str, Any] | None, flag: str) -> str:
     """A link's capacity and where it is known from, or that it is not known."""
     if not link or not link.get("bytes_per_second"):
-        why = f"{link['unknown']}" if link and link.get("unknown") else (
-            f"declare it with {flag}, or it is measured once transfers keep the link busy")
-        return f"link capacity not known: {why} (the utilisation alarm cannot fire until then)"
+        # (the cause's first words; at length, with its examples, in `--json`: the line is read every time)
+        why = str(link["unknown"]).split(" (")[0].split(";")[0] if link and link.get("unknown") else "none declared"
+        return f"link capacity not known ({why}): declare it with {flag} RATE, or it is measured once busy"
     detail = str(link.get("detail") or "")
     how = detail if detail.startswith(str(link["source"])) else f"{link['source']}: {detail}"  # (never "measured: measured")
     return f"link {human(link['bytes_per_second'])}/s ({how})"
@@ -289,7 +290,10 @@ def format_origins(s: dict[str, Any]) -> str:
     names = {"local": "this node's cache", "owner": "cache nodes" if client else "the cluster tier",
              "replica": "another replica", "backend": "the backend"}
     parts = [f"{names[k]} {o[k] / total:.0%}" for k in ("local", "owner", "replica", "backend") if o.get(k)]
-    return "read from " + ", ".join(parts)
+    # (where the bytes were fetched from, ahead of the reader or on its demand: a hit is a byte fetched
+    # before it was read, from the backend as often as not)
+    return "what was read came from " + ", ".join(parts) + (" (fetched ahead of the readers or on demand)"
+                                                             if o.get("backend") else "")
 
 
 def format_peer(p: dict[str, Any]) -> list[str]:
