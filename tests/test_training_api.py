@@ -324,3 +324,37 @@ def test_the_readme_names_the_pytorch_version_the_integration_is_tested_with():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("PyTorch is not installed here (EPOCHFS_TORCH=1 bash scripts/bootstrap.sh)")
     assert installed.split("+")[0] == torch_pin.split("==")[1], (installed, torch_pin)
+
+
+def test_every_shown_call_of_the_sampler_wrapper_passes_what_it_requires():
+    """Each ``EpochfsSampler(...)`` the README, the docs and the deploy kits show (comments included)
+    passes the wrapper's required arguments: the sampler, the dataset's paths and the mount (a comment
+    showing two was a TypeError when pasted)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "src" / "epochfs" / "torch.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EpochfsSampler")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    required = len(init.args.args) - 1 - len(init.args.defaults)
+    shown = 0
+    for path in [root / "README.md", *(root / "docs").glob("*.md"), *(p for p in (root / "deploy").rglob("*")
+                                                                       if p.is_file())]:
+        text = re.sub(r"\n#\s*", " ", path.read_text(errors="replace"))  # (a call a comment wraps)
+        for m in re.finditer(r"EpochfsSampler\(", text):
+            depth, i = 1, m.end()
+            while depth and i < len(text):
+                depth += {"(": 1, ")": -1}.get(text[i], 0)
+                i += 1
+            call = "f" + text[m.end() - 1:i]
+            try:
+                node = ast.parse(call.strip(), mode="eval").body
+            except SyntaxError:
+                continue  # (prose naming the class, not a call)
+            assert isinstance(node, ast.Call)
+            shown += 1
+            assert len(node.args) + sum(1 for k in node.keywords if k.arg in ("paths", "mountpoint")) >= required, (
+                path, call)
+    assert shown >= 3
