@@ -88,6 +88,21 @@ def test_a_daemon_that_is_absent_slow_or_refusing_never_stops_or_slows_the_loop(
     assert list(watch(iter(range(50)), tmp_path / "nowhere", job="nodaemon")) == list(range(50))
 
 
+def test_an_unreachable_daemon_is_said_in_one_line_with_or_without_the_jobs_logging(tmp_path):
+    """A job that configured no logging hears it once on stderr; one that did, once through its logging:
+    one line either way, never the same news twice."""
+    import subprocess
+    import sys
+
+    for setup in ("", "import logging; logging.basicConfig()\n"):
+        script = (setup + "import sys, epochfs.watch as w\n"
+                  "assert list(w.watch(iter(range(20)), sys.argv[1], interval=0.01)) == list(range(20))\n")
+        r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "not an epochfs mount" in lines[0], (setup, r.stderr)
+
+
 def test_a_loader_that_raises_raises_through_watch_and_the_measurements_stay(tmp_path):
     def broken():
         yield 1

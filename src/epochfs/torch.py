@@ -116,10 +116,12 @@ class EpochfsSampler(Sampler[int]):
             reply = self.client.hand_over(paths, epoch=epoch, rank=self._rank(), skip_missing=True)
         except EpochfsError as exc:
             if not self._warned:
-                log.warning("epochfs: could not hand epoch %d's order to the daemon (%s); training goes on "
-                            "without prefetch", epoch, exc)
-                tell_once("the sampler (no epoch order handed over, nothing fetched ahead)", self.client.mountpoint,
-                          exc)
+                if log.hasHandlers():  # (one line: through the job's logging if it has any, else on stderr)
+                    log.warning("epochfs: could not hand epoch %d's order to the daemon (%s); training goes on "
+                                "without prefetch", epoch, exc)
+                else:
+                    tell_once("the sampler (no epoch order handed over, nothing fetched ahead)",
+                              self.client.mountpoint, exc)
                 self._warned = True
             log.debug("hand-over of epoch %d failed: %s", epoch, exc)
             return

@@ -187,10 +187,12 @@ class Reporter:
         try:
             reply = self._send(fields)
         except (EpochfsError, OSError, ValueError) as exc:
-            if not self._warned:
-                log.warning("epochfs.watch: cannot report to the daemon at %s (%s); measuring goes on",
-                            self.mountpoint, exc)
-                tell_once("epochfs.watch (the job's view stays empty)", self.mountpoint, exc)
+            if not self._warned:  # (one line: through the job's logging if it has any, else on stderr)
+                if log.hasHandlers():
+                    log.warning("epochfs.watch: cannot report to the daemon at %s (%s); measuring goes on",
+                                self.mountpoint, exc)
+                else:
+                    tell_once("epochfs.watch (the job's view stays empty)", self.mountpoint, exc)
                 self._warned = True
             return False
         if isinstance(reply, dict) and isinstance(reply.get("handed_over"), bool):
