@@ -249,7 +249,12 @@ def test_upload_requests_failing_are_retried_to_a_whole_object(s3, s3_client, fr
         assert sync(m, timeout=120).returncode == 0
         proxy.set(Fault("reset", rate=1.0, methods=("PUT", "POST"), ranged_only=False))
         m.path("later.pt").write_bytes(b"later" * 1000)
-        assert sync(m, "--timeout", "3").returncode == 1
+        timed_out = sync(m, "--timeout", "3")
+        assert timed_out.returncode == 1
+        # The listing says why the upload waits: the backend's own answer, not only "retrying".
+        (line,) = [ln for ln in timed_out.stderr.splitlines() if ln.startswith("  later.pt")]
+        assert "retrying (" in line and "Connection was closed" in line, timed_out.stderr
+        assert "the last try: " in timed_out.stderr.splitlines()[0], timed_out.stderr
         proxy.set(None)
         assert sync(m, timeout=120).returncode == 0
         files["later.pt"] = b"later" * 1000

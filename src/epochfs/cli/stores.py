@@ -137,7 +137,8 @@ def _list_pending(reply: dict) -> None:
     for item in reply["pending"]:
         size = f" {human(item['bytes'])}" if item["bytes"] else ""
         state = str(item["state"])
-        why = f": {PENDING_WHY[state]}" if state in PENDING_WHY else ""
+        kind = state.split(" (")[0]
+        why = f": {PENDING_WHY[kind]}" if kind in PENDING_WHY else ""
         print(f"  {printable(str(item['key']))}{size} ({printable(state)}{why})", file=sys.stderr)
     if reply["pending_total"] > len(reply["pending"]):
         print(f"  ... and {reply['pending_total'] - len(reply['pending'])} more", file=sys.stderr)

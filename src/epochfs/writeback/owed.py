@@ -61,12 +61,18 @@ def pending_summary(pending: list[dict[str, object]], total: int) -> str:
     """Why ``total`` files are pending, from a sync answer's first ones: a count per state, each with
     what it waits for and the first file in it (``3 open for writing: it uploads once ... (ckpt/a.pt)``)."""
     by_state: dict[str, list[str]] = {}
+    errors: dict[str, str] = {}
     for item in pending:
         state = str(item.get("state", ""))
-        by_state.setdefault("not uploaded" if state.startswith("not uploaded") else state, []).append(str(item["key"]))
+        kind = "not uploaded" if state.startswith("not uploaded") else state.split(" (")[0]
+        by_state.setdefault(kind, []).append(str(item["key"]))
+        if kind == "retrying" and " (" in state:
+            errors.setdefault(kind, state.split(" (", 1)[1].rstrip(")"))
     parts = []
     for state, keys in by_state.items():
         why = PENDING_WHY.get(state, "a write of it failed: it will not upload as it is")
+        if state in errors:
+            why += f"; the last try: {errors[state]}"
         parts.append(f"{len(keys)} {state} ({why}; {keys[0]}{', ...' if len(keys) > 1 else ''})")
     more = f"; {total - len(pending)} more not listed" if total > len(pending) else ""
     return "; ".join(parts) + more
@@ -98,6 +104,7 @@ class Owed:
         self.deleting: set[str] = set()  # deletes in flight: no upload of those keys starts meanwhile
         self.deleted: set[str] = set()  # deleted in the backend, not yet published
         self.retry: dict[str, float] = {}  # file id -> backoff of its failed upload
+        self.last_error: dict[str, str] = {}  # file id -> why its last upload failed (sync and status say it)
         self.not_before: dict[str, float] = {}  # file id -> when to try its upload again (monotonic)
         self.cancels: dict[str, threading.Event] = {}
         self.aborts: dict[str, str] = {}  # multipart upload id -> key: to abort in the backend
@@ -191,6 +198,8 @@ class Owed:
                 return "open for writing"  # (PENDING_WHY says why each state waits)
             if f.uploading:
                 return "uploading"
+            if f.id in self.last_error:
+                return f"retrying ({self.last_error[f.id][:200]})"  # (PENDING_WHY: by the words before " (")
             return "retrying" if f.id in self.retry else "waiting"
 
         out = [Pending(f.path, f.size, state(f)) for f in self.files.values() if under(f.path)]

@@ -461,6 +461,8 @@ class WriteBack:
         f.generation += 1
         if self.owed.files.pop(f.id, None) is not None:
             self._unreserve(f, f.size)
+        for table in (self.owed.retry, self.owed.not_before, self.owed.last_error):
+            table.pop(f.id, None)
         self.journal.remove_data(f.id)  # first: on a full disk, that is what makes room for the commit
         self.journal.drop_file(f.id)  # (open handles keep reading the unlinked data file)
 

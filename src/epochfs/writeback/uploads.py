@@ -199,17 +199,20 @@ class Uploads:
                 backoff = min(self.RETRY_MAX, max(self.RETRY_MIN, 2 * self.owed.retry.get(f.id, 0.5)))
                 self.owed.retry[f.id] = backoff
                 self.owed.not_before[f.id] = time.monotonic() + backoff
+                self.owed.last_error[f.id] = str(exc)
                 log.warning("upload of %s failed (%s); retrying in %.0f s", key, exc, backoff)
             return
         except OSError as exc:  # the data file itself: gone or replaced by something else
             self.owed.errors += 1
             log.warning("upload of %s failed: %s; retrying", key, exc)
             self.owed.not_before[f.id] = time.monotonic() + self.RETRY_MAX
+            self.owed.last_error[f.id] = f"its local copy: {exc}"
             return
         except Exception:
             self.owed.errors += 1
             log.exception("upload of %s failed", key)
             self.owed.not_before[f.id] = time.monotonic() + self.RETRY_MAX
+            self.owed.last_error[f.id] = "an internal error (the daemon's log has it)"
             return
         finally:
             f.uploading = False
@@ -217,6 +220,7 @@ class Uploads:
             if self.owed.aborts:
                 self.owed.kick()
         self.owed.retry.pop(f.id, None)
+        self.owed.last_error.pop(f.id, None)
         self.owed.not_before.pop(f.id, None)
         current = self.owed.files.get(f.id) is f and f.generation == generation and f.path == key
         if not current:
