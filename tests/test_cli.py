@@ -180,6 +180,10 @@ def test_small_things(s3, sample_bucket, sample_files, tmp_path):
               s3.endpoint, "--metrics-addr", "off", "--cache-size", "100T")
     r = m.start()
     assert "more than the cache file system can hold" in r.stderr
+    assert "--cache-size 100.0 TiB is" in r.stderr and "bytes" not in r.stderr  # (sizes as people read them)
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    assert (f"mounted s3://{sample_bucket}/data/ at {m.mountpoint} (daemon pid {pid}); cache {m.cache_dir}, "
+            f"log {m.cache_dir / 'epochfs.log'}") in r.stderr, r.stderr  # (where its cache and its log are)
     try:
         store = m.status()["store"]  # the bound reported is the disk's, not the one asked for
         disk = os.statvfs(m.cache_dir)

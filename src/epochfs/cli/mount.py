@@ -155,6 +155,11 @@ def _spawn_daemon(config: Config, argv: list[str]) -> int:
     if lines and lines[0] == "ok":
         for line in lines[1:]:
             print(f"epochfs: {line}", file=sys.stderr)
+        what = "cache node of" if config.serving else "mounted"
+        where = "" if config.serving else f" at {config.mountpoint}"
+        print(f"epochfs: {what} {config.source.url}{where} (daemon pid {proc.pid}); cache {config.cache_dir}, "
+              f"log {log_file}; `epochfs status {config.mountpoint if not config.serving else config.cache_dir}` "
+              "shows it", file=sys.stderr)
         return 0
     code = proc.wait()
     if lines and created and config.log_file is None:
