@@ -94,7 +94,8 @@ def test_files_of_every_size_arrive_byte_exact(wb_mount, s3_client, fresh_bucket
     data = random.Random(size).randbytes(size)
     write_scattered(wb_mount.path("f.bin"), data, seed=size)
     assert read_all(wb_mount.path("f.bin"), 70_001) == data  # at local speed, before the upload
-    assert sync(wb_mount).returncode == 0
+    done = sync(wb_mount)
+    assert done.returncode == 0 and "every file written is in the backend" in done.stderr, done.stderr
     assert keys_of(s3_client, fresh_bucket) == {"ckpt/f.bin": size}
     assert body(s3_client, fresh_bucket, "ckpt/f.bin") == data
     assert read_all(wb_mount.path("f.bin"), 65_537) == data  # now read through the cache

@@ -64,7 +64,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                     "mount root (default: everything)")
     sy.add_argument("--timeout", type=float, metavar="SECONDS", help="give up after this long (default: wait "
                     "as long as it takes)")
-    sy.add_argument("--quiet", "-q", action="store_true", help="no progress line")
+    sy.add_argument("--quiet", "-q", action="store_true", help="no progress line, and nothing said on success")
     sy.set_defaults(run=cmd_sync)
 
 
@@ -178,4 +178,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         print("\r\033[K", end="", file=sys.stderr)
     if not reply["writeback"]:
         print(f"{args.mountpoint} is read-only: nothing to sync", file=sys.stderr)
+    elif not args.quiet:
+        under = f" under {', '.join(args.paths)}" if args.paths else ""
+        print(f"epochfs sync: every file written{under} is in the backend", file=sys.stderr)
     return 0
