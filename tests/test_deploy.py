@@ -175,7 +175,8 @@ def own_group():
 
 
 @pytest.mark.parametrize("text,message", [
-    ('source = "s3://b"\ncache_sise = "1G"\n', "unknown key 'cache_sise'"),
+    ('source = "s3://b"\ncache_sise = "1G"\n', "unknown key 'cache_sise': did you mean 'cache_size'\\?"),
+    ('source = "s3://b"\nzzz = 1\n', "unknown key 'zzz': the keys are the mount options' long names"),
     ('source = "s3://b"\ncache_size = "lots"\n', "cache_size: not a size"),
     ('source = "s3://b"\neviction = "random"\n', "--eviction 'random': choose manifest"),
     ('allow_other = "yes"\n', "allow_other: expected true or false"),

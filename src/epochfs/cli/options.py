@@ -110,8 +110,13 @@ def file_values(path: str | Path) -> dict[str, Any]:
             continue
         mo = by_key.get(key)
         if mo is None:
-            raise ConfigError(f"config file {path}: unknown key {key!r} (known keys: source, mountpoint, "
-                              f"{', '.join(sorted(by_key))})")
+            import difflib
+
+            near = difflib.get_close_matches(key, ["source", "mountpoint", *by_key], n=1, cutoff=0.6)
+            hint = (f"did you mean {near[0]!r}?" if near else
+                    "the keys are the mount options' long names with _ for - (`epochfs mount --help`; "
+                    "deploy/epochfs.example.toml lists each)")
+            raise ConfigError(f"config file {path}: unknown key {key!r}: {hint}")
         values[mo.name] = _file_value(mo, value, where)
     return values
 
