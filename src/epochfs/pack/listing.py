@@ -51,9 +51,9 @@ def dataset_listing(backend: Backend, *, writable: bool = False) -> Iterator[Obj
     try:
         index = current_index(backend)
     except BackendError as exc:  # (the error names what the user asked for, not the probe)
-        exc.args = (f"reading {backend.source_id}: its first request failed: {exc} (check the endpoint, "
-                    f"--endpoint-url, and the credentials; that request asks whether the source is a packed "
-                    f"dataset, {POINTER})",)
+        cause = str(exc).removeprefix(f"HEAD {POINTER}: ")  # (the probe's key is ours, not the user's)
+        exc.args = (f"reading {backend.source_id}: the backend's first answer failed: {cause} (check the "
+                    "endpoint, --endpoint-url, and the credentials)",)
         raise
     if index is None:
         for obj in backend.list_objects():
