@@ -51,7 +51,8 @@ def dataset_listing(backend: Backend, *, writable: bool = False) -> Iterator[Obj
     try:
         index = current_index(backend)
     except BackendError as exc:  # (the error names what the user asked for, not the probe)
-        cause = str(exc).removeprefix(f"HEAD {POINTER}: ")  # (the probe's key is ours, not the user's)
+        # (the probe's key is ours, not the user's: the URL names the endpoint and the prefix without it)
+        cause = str(exc).removeprefix(f"HEAD {POINTER}: ").replace(f"/{POINTER}", "/")
         exc.args = (f"reading {backend.source_id}: the backend's first answer failed: {cause} (check the "
                     "endpoint, --endpoint-url, and the credentials)",)
         raise
