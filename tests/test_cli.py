@@ -77,6 +77,27 @@ def test_a_cache_dir_on_a_full_file_system_is_named_with_what_to_do(tmpfs, tmp_p
     assert not os.path.ismount(tmp_path / "mnt")
 
 
+def test_a_cache_directory_reused_for_another_source_says_what_it_still_holds(tmp_path, s3, s3_client, fresh_bucket):
+    upload(s3_client, fresh_bucket, "", [SampleFile("a/x.bin", 5000), SampleFile("b/y.bin", 5000)])
+    cache = tmp_path / "cache"
+
+    def mount(prefix: str) -> str:
+        m = Mount(f"s3://{fresh_bucket}/{prefix}", tmp_path / "mnt", cache, s3.env(), "--endpoint-url", s3.endpoint,
+                  "--metrics-addr", "off")
+        r = m.start()
+        try:
+            read_all(m.path("x.bin" if prefix == "a" else "y.bin"))
+        finally:
+            m.stop()
+        return r.stderr
+
+    assert "served" not in mount("a")
+    said = mount("b")
+    assert f"served s3://{fresh_bucket}/a/ before" in said and "remove the directory" in said, said
+    assert f"served s3://{fresh_bucket}/a/ before" in mount("b")  # (said at each mount, not only the first)
+    assert f"served s3://{fresh_bucket}/b/" in mount("a")
+
+
 def test_a_non_empty_mount_point_is_refused_unless_asked(tmp_path, s3, sample_bucket):
     m = Mount(f"s3://{sample_bucket}/data", tmp_path / "mnt", tmp_path / "cache", s3.env(), "--endpoint-url",
               s3.endpoint, "--metrics-addr", "off")
