@@ -50,6 +50,17 @@ def test_whole_dataset_reads_byte_for_byte(mount_factory, sample_bucket, sample_
 
 
 @pytest.mark.quick  # the quick tier's real mount: S3 through the cache, odd sizes, every block boundary
+def test_a_listing_shows_dot_and_dot_dot_as_ls_a_expects(mount_factory, sample_bucket, sample_files):
+    with mount_factory(f"s3://{sample_bucket}/data") as m:
+        sub = next(p for p in m.mountpoint.iterdir() if p.is_dir())
+        for d in (m.mountpoint, sub):
+            out = subprocess.run(["ls", "-a1", str(d)], capture_output=True, text=True, check=True).stdout.split()
+            assert out[:2] == [".", ".."] and sorted(out[2:]) == sorted(os.listdir(d)), out
+        lines = subprocess.run(["ls", "-lai", str(sub)], capture_output=True, text=True, check=True).stdout
+        dots = {ln.split()[-1]: int(ln.split()[0]) for ln in lines.splitlines()[1:] if ln.split()[-1] in (".", "..")}
+        assert dots == {".": os.stat(sub).st_ino, "..": os.stat(m.mountpoint).st_ino}, lines
+
+
 def test_odd_read_sizes_and_random_offsets(mount_factory, sample_bucket, sample_files):
     with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M") as m:
         rng = random.Random(1234)

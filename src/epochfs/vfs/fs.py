@@ -37,6 +37,7 @@ from epochfs.cache.streams import ReadStream
 from epochfs.core.errors import Answered, EpochfsError, NotFound, Refused, errno_for
 from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import Histogram, HistogramSnapshot
+from epochfs.meta.entries import COOKIE_MAX
 from epochfs.meta.namespace import ROOT_INODE, Namespace
 from epochfs.vfs.presentation import Presentation
 from epochfs.writeback.access import writes_in
@@ -321,15 +322,24 @@ class Operations(kernel.Operations):
         """A listing is the directory as it is now, in cookie order; the offset of each entry is its
         cookie (the one before it where two names share one, so the second is repeated at worst, never
         lost). A handle holds no version of the tree, and continuing from any offset is one lookup."""
+        here = self._dirs[fh]
         held: tuple[int, bytes, Node] | None = None
-        for entry in self.tree.entries(self._dirs[fh], start_id):
-            if held is not None:
-                cookie, name, child = held
-                if not kernel.readdir_reply(token, name, self._attrs(child), cookie if entry[0] != cookie else cookie - 1):
-                    return
-            held = entry
-        if held is not None:
-            kernel.readdir_reply(token, held[1], self._attrs(held[2]), held[0])
+        if start_id <= COOKIE_MAX:
+            for entry in self.tree.entries(here, start_id):
+                if held is not None:
+                    cookie, name, child = held
+                    if not kernel.readdir_reply(token, name, self._attrs(child),
+                                                cookie if entry[0] != cookie else cookie - 1):
+                        return
+                held = entry
+            if held is not None and not kernel.readdir_reply(token, held[1], self._attrs(held[2]), held[0]):
+                return
+        # "." and ".." last, past every name's cookie (so no name's offset is taken): `ls -a` lists them.
+        if start_id <= COOKIE_MAX and not kernel.readdir_reply(token, b".", self._attrs(here), COOKIE_MAX + 1):
+            return
+        if start_id <= COOKIE_MAX + 1:
+            up = here if here.inode == ROOT_INODE else self.tree.resolve(parent_of(here.path)[0]) or here
+            kernel.readdir_reply(token, b"..", self._attrs(up), COOKIE_MAX + 2)
 
     @_translated
     def releasedir(self, fh: int) -> None:
