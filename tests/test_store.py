@@ -338,7 +338,8 @@ def test_fsck_finds_damage_and_orphans_and_repairs_them(tmp_path):
     assert orphan.exists()
     fix = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", cache, "--repair"],
                          capture_output=True, text=True)
-    assert fix.returncode == 0 and "repaired" in fix.stdout
+    assert fix.returncode == 0 and "removed" in fix.stdout
+    assert fix.stdout.startswith("4 blocks checked: 1 damaged and 1 orphan files") and "3 blocks" in fix.stdout, fix.stdout
     again = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", cache], capture_output=True, text=True)
     assert again.returncode == 0 and "3 blocks" in again.stdout and "0 damaged, 0 orphan" in again.stdout
     s = make(tmp_path)
@@ -380,7 +381,7 @@ def test_fsck_without_repair_changes_nothing_and_reports_what_a_mount_would_remo
     assert _tree(cache) == before
     fix = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", str(cache), "--repair"],
                          capture_output=True, text=True)
-    assert fix.returncode == 0 and "repaired" in fix.stdout
+    assert fix.returncode == 0 and "removed" in fix.stdout
     again = subprocess.run([sys.executable, "-m", "epochfs", "fsck", "--cache-dir", str(cache)], capture_output=True,
                            text=True)
     assert again.returncode == 0 and "malformed" not in again.stdout and "not cache files" not in again.stdout

@@ -90,6 +90,7 @@ def fsck(store: Store, repair: bool) -> dict[str, int]:
     if repair:
         for path, _ in orphans:
             discard(str(path))
-    return {"blocks": len(known), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
+    # ("blocks" and "used_bytes": what the directory holds now, after a repair's removals; "checked": before)
+    return {"checked": len(known), "blocks": len(known) - (damaged if repair else 0), "damaged": damaged, "unreadable": unreadable, "orphans": len(orphans),
             "orphan_bytes": sum(size for _, size in orphans), "used_bytes": store.used,
             "malformed": store.malformed, "strays": len(store.strays)}

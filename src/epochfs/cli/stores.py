@@ -124,8 +124,15 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     problems = r["damaged"] + r["orphans"] + r["malformed"] + r["strays"]
     extra = "".join(f", {r[k]} {what}" for k, what in (("malformed", "malformed index entries"),
                                                          ("strays", "entries that are not cache files")) if r[k])
-    print(f"{r['blocks']} blocks ({human(r['used_bytes'])}): {r['damaged']} damaged, {r['orphans']} orphan files "
-          f"({human(r['orphan_bytes'])}){extra}" + ("; repaired" if args.repair and problems else ""))
+    # (blocks are named by a hash of their identity, never by the dataset's names: see docs/block-cache.md)
+    if args.repair and problems:
+        print(f"{r['checked']} blocks checked: {r['damaged']} damaged and {r['orphans']} orphan files "
+              f"({human(r['orphan_bytes'])}){extra} removed (a removed block is fetched again when next read); "
+              f"{r['blocks']} blocks ({human(r['used_bytes'])}) remain")
+    else:
+        print(f"{r['blocks']} blocks ({human(r['used_bytes'])}): {r['damaged']} damaged, {r['orphans']} orphan files "
+              f"({human(r['orphan_bytes'])}){extra}" + ("; `epochfs fsck --repair` removes them (the daemon "
+                                                         "fetches them again)" if problems else ""))
     return 0 if args.repair or not problems else 1
 
 
