@@ -435,3 +435,36 @@ def test_the_dev_endpoint_takes_a_port_and_says_when_it_is_taken(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+@requires_fuse
+def test_the_readmes_local_endpoint_recipe_runs_as_pasted(tmp_path):
+    """The README's block for trying epochfs on a local endpoint, line by line as pasted (the port, the
+    directories and the mount point replaced by the test's own): no tool the checkout does not install."""
+    import socket
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    block = text[text.index("No S3 endpoint at hand to try it on?"):]
+    block = block[block.index("```sh\n") + 6:]
+    block = block[:block.index("```")]
+    assert "aws " not in block
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "my-dataset"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.bin").write_bytes(b"a" * 5000)
+    (data / "sub" / "b.bin").write_bytes(b"b" * 7000)
+    (tmp_path / "mnt").mkdir()
+    script = (block.replace("8333", str(port)).replace("/tmp/s3", str(tmp_path / "s3"))
+              .replace("./my-dataset", str(data)).replace("/mnt/data", str(tmp_path / "mnt")))
+    script = script.replace("epochfs mount s3://bucket/ds", f"epochfs mount --cache-dir {tmp_path / 'cache'} "
+                            "--metrics-addr off s3://bucket/ds")
+    script = ("set -e\ntrap 'kill %1 2>/dev/null; wait' EXIT\n" + script
+              + f"cat {tmp_path / 'mnt'}/sub/b.bin > {tmp_path / 'read'}\n.venv/bin/epochfs umount {tmp_path / 'mnt'}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k == "AWS_CA_BUNDLE"}
+    r = subprocess.run(["bash", "-c", script], cwd=root, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "read").read_bytes() == b"b" * 7000
+    assert "accepts any credentials" in r.stdout and "copied 2 files" in r.stderr, r.stdout + r.stderr

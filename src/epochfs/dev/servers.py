@@ -388,8 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, stop)
     try:
         with LocalS3(Path(args.data_dir), verify_signatures=args.verify_signatures, port=args.port) as server:
-            print(f"S3 endpoint {server.endpoint} (access key {ACCESS_KEY!r}, secret {SECRET_KEY!r}); "
-                  "Ctrl-C to stop", flush=True)
+            checked = ("it checks every request's signature against access key "
+                       f"{ACCESS_KEY!r} and secret {SECRET_KEY!r}" if args.verify_signatures else
+                       f"it accepts any credentials (give access key {ACCESS_KEY!r}, secret {SECRET_KEY!r}; "
+                       "--verify-signatures checks them)")
+            print(f"S3 endpoint {server.endpoint}: {checked}; for trying epochfs on this machine only; Ctrl-C "
+                  "to stop", flush=True)
             server.proc.wait()  # type: ignore[union-attr]
     except KeyboardInterrupt:
         pass
