@@ -17,9 +17,9 @@ base="$("$root/.venv/bin/python" -c 'import sys; print(sys.base_prefix)')"
 "$base/bin/python3" -m venv "$venv"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 "$root/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/epochfs-venv.pth"
-# Its imports first, then DLIO itself without its declared dependencies: in this order pip's resolver has
-# nothing to report (installed the other way round, it listed every GPU package DLIO declares and this
-# does not install, as errors, though nothing failed).
+# Its imports first, then DLIO itself without its declared dependencies: installed the other way round,
+# pip's resolver checked the later installs against DLIO's declarations and printed every GPU package
+# it declares and this does not install as an ERROR, though nothing failed.
 "$venv/bin/pip" install -q "mpi4py==4.1.2" "mpich==5.0.2" "hydra-core==1.3.8" "omegaconf==2.3.1" "h5py==3.16.0" \
     "pandas==3.1.1" "pydftracer==1.0.2" "psutil==7.2.2" "pillow==13.0.0"
 "$venv/bin/pip" install -q --no-deps "dlio-benchmark==2.0.0"
