@@ -206,7 +206,8 @@ def cmd_umount(args: argparse.Namespace) -> int:
             raise EpochfsError(f"unmounted, but daemon pid {pid} is still running after {args.timeout}s")
         time.sleep(0.05)
     if pending:
-        print(f"epochfs: {plural(pending[0], 'written file')} ({human(pending[1])}) were not uploaded yet; they stay in the "
+        print(f"epochfs: {plural(pending[0], 'written file')} ({human(pending[1])}) "
+              f"{'was' if pending[0] == 1 else 'were'} not uploaded yet; they stay in the "
               "cache directory's journal and upload when it is mounted again ('epochfs sync' before "
               "unmounting waits for them)", file=sys.stderr)
     return 0

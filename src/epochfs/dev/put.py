@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as exc:
         print(f"epochfs.dev.put: {exc}", file=sys.stderr)
         return 1
-    from epochfs.core.text import human
-
-    print(f"copied {len(files)} files ({human(total)}) to s3://{bucket}/{prefix}", file=sys.stderr)
+    print(f"copied {len(files)} files ({total / 2**20:.1f} MiB) to s3://{bucket}/{prefix}", file=sys.stderr)
     return 0
 
 

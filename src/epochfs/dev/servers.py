@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{ACCESS_KEY!r} and secret {SECRET_KEY!r}" if args.verify_signatures else
                        f"it accepts any credentials (give access key {ACCESS_KEY!r}, secret {SECRET_KEY!r}; "
                        "--verify-signatures checks them)")
-            print(f"S3 endpoint {server.endpoint}: {checked}; for trying epochfs on this machine only; Ctrl-C "
+            print(f"S3 endpoint {server.endpoint} ({checked}); for trying epochfs on this machine only; Ctrl-C "
                   "to stop", flush=True)
             server.proc.wait()  # type: ignore[union-attr]
     except KeyboardInterrupt:
