@@ -370,6 +370,8 @@ def test_status_lines_say_what_the_prefetch_state_is():
     assert "cached ahead 7.0 MiB = 1.5 s of reading; queued 1.0 MiB; 2 in flight" in line
     assert "n/a" not in format_prefetch({**base, "queued_bytes": 1 << 20, "inflight": 1})
     assert format_prefetch({**base, "active": False}).endswith("done: every block of the plan fetched or read")
+    unseen = format_prefetch({**base, "active": False, "file_position": 0, "position_bytes": 0})
+    assert "no read of it has reached the daemon yet" in unseen and "page cache" in unseen
     assert "no manifest" in format_prefetch({**base, "blocks": 0})
 
 

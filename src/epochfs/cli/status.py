@@ -386,6 +386,9 @@ def format_prefetch(p: dict[str, Any], learned: dict[str, Any] | None = None) ->
     where = (f"prefetch   {epoch}file {p['file_position'] + 1} of {p['files']} "
              f"({human(p['position_bytes'])} of {human(p['plan_bytes'])}); ")
     if not p["active"]:
+        if not p["position_bytes"]:  # (the plan's reads never reached the daemon)
+            return where + ("done: every block of the plan is cached; no read of it has reached the daemon yet "
+                            "(reads the kernel's page cache serves never do, so the position stays)")
         return where + "done: every block of the plan fetched or read"
     if not p["queued_bytes"] and not p["inflight"]:
         return where + f"everything ahead is cached ({human(p['lead_bytes'])})"
