@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import trio
 
@@ -45,10 +44,10 @@ from epochfs.core import memory
 from epochfs.core.errors import AccessDenied, BackendUnavailable, ConfigError, EpochfsError
 from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import read_origins
-from epochfs.core.text import human
 from epochfs.daemon import host as node_host
 from epochfs.daemon.config import Config
 from epochfs.daemon.metrics import DEFAULT_ADDR, MetricsServer, parse_addr
+from epochfs.daemon.startup import startup_warnings
 from epochfs.eviction import make_policy
 from epochfs.links import interface
 from epochfs.links.watch import Link, LinkWatch
@@ -79,62 +78,6 @@ log = logging.getLogger(__name__)
 # (the error message, []).
 Ready = Callable[[str | None, Sequence[str]], None]
 ACCESS_CHECK_SECONDS = 10.0  # how long a mount waits for the backend to say whether it serves it
-
-
-def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:
-    """What the user should hear about a mount that is otherwise fine."""
-    warnings = []
-    if config.passthrough and not config.serving and os.geteuid() != 0:
-        warnings.append("--passthrough needs root (the kernel registers backing files only for CAP_SYS_ADMIN): "
-                        "files are read through the daemon")
-    if not snapshot_objects and not config.writeback:  # a write-back mount often starts empty
-        warnings.append(f"{config.source.url} lists no objects: the mount is empty. Check the bucket and prefix; "
-                        "the empty listing is not kept (the next mount lists again)")
-    others = other_sources(config.cache_dir, config.source.url)
-    if others:
-        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        warnings.append(f"the cache directory {config.cache_dir} served {shown} before: what is left of their "
-                        "blocks counts against --cache-size until evicted (those read least recently go first); "
-                        "to free it at once, remove the directory while nothing uses it")
-    try:
-        st = os.statvfs(config.cache_dir)
-    except OSError:
-        return warnings
-    usable = int(st.f_blocks * st.f_frsize * (1 - config.free_space_ratio))
-    if config.cache_size > usable:
-        warnings.append(f"--cache-size {human(config.cache_size)} is more than the cache file system can hold "
-                        f"({human(usable)}, keeping {config.free_space_ratio:.0%} free): the disk bounds the cache")
-    return warnings
-
-
-#: The sources a cache directory served, the latest last (``sources`` in it; at most this many kept).
-SOURCES_KEPT = 16
-
-
-def other_sources(cache_dir: Path, url: str) -> list[str]:
-    """The sources other than ``url`` this cache directory served before (its ``sources`` file, written
-    by the daemon into its private directory), and ``url`` recorded as the latest. Bounded: the file is
-    read up to 64 KiB and keeps :data:`SOURCES_KEPT` lines; one that cannot be read or written is left
-    as it is (it only informs)."""
-    from epochfs.core.private import open_private
-
-    path = cache_dir / "sources"
-    try:
-        fd = open_private(path, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(64 << 10)
-        seen = [ln for ln in raw.decode("utf-8", "replace").splitlines() if ln and ln.isprintable()]
-    except (OSError, EpochfsError):  # (none yet: a new cache directory, or one from before it was kept)
-        seen = []
-    kept = [u for u in seen if u != url][-(SOURCES_KEPT - 1):]
-    try:
-        fd = open_private(path.with_name("sources.tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(f"{u}\n" for u in (*kept, url)))
-        os.replace(path.with_name("sources.tmp"), path)
-    except (OSError, EpochfsError):
-        pass
-    return list(reversed(kept))
 
 
 class Daemon:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -30,38 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         print(f"epochfs.dev.put: {root}: not a directory", file=sys.stderr)
         return 2
-    import boto3
-    import botocore.config
-    import botocore.exceptions
+    from epochfs.dev.servers import PutFailed, put_directory
 
-    client = boto3.client("s3", endpoint_url=args.endpoint_url,
-                          config=botocore.config.Config(s3={"addressing_style": "path"}))
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
     try:
-        deadline = time.monotonic() + 30  # (an endpoint started a moment ago, in the background, answers soon)
-        while True:
-            try:
-                client.head_bucket(Bucket=bucket)
-                break
-            except botocore.exceptions.EndpointConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-            except botocore.exceptions.ClientError:
-                client.create_bucket(Bucket=bucket)
-                print(f"made bucket {bucket}", file=sys.stderr)
-                break
-
-        def put(p: Path) -> int:
-            client.upload_file(str(p), bucket, prefix + p.relative_to(root).as_posix())
-            return p.stat().st_size
-
-        with ThreadPoolExecutor(max(1, args.threads)) as pool:
-            total = sum(pool.map(put, files))
-    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as exc:
+        count, total = put_directory(root, bucket, prefix, args.endpoint_url, threads=args.threads)
+    except PutFailed as exc:
         print(f"epochfs.dev.put: {exc}", file=sys.stderr)
         return 1
-    print(f"copied {len(files)} files ({total / 2**20:.1f} MiB) to s3://{bucket}/{prefix}", file=sys.stderr)
+    print(f"copied {count} files ({total / 2**20:.1f} MiB) to s3://{bucket}/{prefix}", file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import boto3
 import botocore.config
+import botocore.exceptions
 
 ACCESS_KEY = "epochfs-dev"
 SECRET_KEY = "epochfs-dev-secret"
@@ -65,6 +66,43 @@ def client_for(endpoint: str):  # type: ignore[no-untyped-def]
                                       retries={"mode": "standard", "max_attempts": 3},
                                       connect_timeout=2, read_timeout=30, max_pool_connections=32),
     )
+
+
+class PutFailed(Exception):
+    """A copy into a bucket failed; the message says why."""
+
+
+def put_directory(root: Path, bucket: str, prefix: str, endpoint: str | None, *, threads: int = 16) -> tuple[int, int]:
+    """Copy every file under ``root`` to ``bucket`` under ``prefix``, making the bucket if it has none
+    (``python -m epochfs.dev.put``); credentials from the standard AWS chain. An endpoint started a
+    moment ago is waited for, 30 s at most. The files and bytes copied; :class:`PutFailed` otherwise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = boto3.client("s3", endpoint_url=endpoint, config=botocore.config.Config(s3={"addressing_style": "path"}))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.head_bucket(Bucket=bucket)
+                break
+            except botocore.exceptions.EndpointConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+            except botocore.exceptions.ClientError:
+                client.create_bucket(Bucket=bucket)
+                print(f"made bucket {bucket}", file=sys.stderr)
+                break
+
+        def put(p: Path) -> int:
+            client.upload_file(str(p), bucket, prefix + p.relative_to(root).as_posix())
+            return p.stat().st_size
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            return len(files), sum(pool.map(put, files))
+    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as exc:
+        raise PutFailed(str(exc)) from None
 
 
 class LocalS3:
