@@ -284,8 +284,9 @@ def test_another_user_can_neither_touch_a_jobs_order_warmup_nor_view_and_learns_
         # An unreadable name is refused exactly as a missing one: nothing is learnt about it.
         assert got["unreadable"][1].replace("secret", "X") == got["missing"][1].replace("nothing", "X")
         assert "not in the snapshot or not readable by you" in got["locked"][1] and got["warm-locked"][0] == "ConfigError"
-        assert "started by another user" in got["cancel"][1]
-        # Another user's warmup (its files, sizes, errors naming keys) is answered as one that does not exist.
+        # Another user's warmup (its files, sizes, errors naming keys) is answered as one that does not exist,
+        # to a cancel as to a look at it.
+        assert got["cancel"] == [got["peek"][0], f"no warmup job {mine['job']}"], got["cancel"]
         assert got["peek"][0] == got["peek-missing"][0] != "ok"
         assert got["peek"][1].replace(str(mine["job"]), "N") == got["peek-missing"][1].replace(
             str(mine["job"] + 1000), "N")

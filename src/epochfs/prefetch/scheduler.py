@@ -482,10 +482,9 @@ class Prefetcher:
 
     def cancel(self, job_id: int, *, uid: int | None = None, operator: bool = True) -> WarmupJob | None:
         """Stop a warmup job: no new fetch is started; those in flight finish. Only its starter or an
-        ``operator`` may (:class:`~epochfs.core.errors.NotPermitted`)."""
-        job = self._jobs.get(job_id)
-        if job is not None and not operator and job.owner != uid:
-            raise NotPermitted(f"warmup {job_id} was started by another user; only they or an operator may cancel it")
+        ``operator`` may: to anyone else another user's warmup is one that does not exist (None), as
+        :meth:`job` answers it (a refusal would say which ids are in use)."""
+        job = self.job(job_id, uid=uid, operator=operator)
         if job is not None and not job.finished:
             job.cancelled = True
         return job
