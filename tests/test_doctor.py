@@ -563,6 +563,31 @@ def test_the_text_shows_checkpoint_saves_and_what_is_not_yet_durable():
     assert "checkpoints:" not in render(doctor(starving()), "/mnt/data")
 
 
+def doctor_of(m, *args: str) -> str:
+    """``epochfs doctor`` of mount ``m`` as a person runs it (a short interval); its output."""
+    out = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--interval", "0.1", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def read_slowly(m, files):
+    """A loader that keeps the loop waiting: 20 ms per sample, no compute."""
+    for f in files:
+        time.sleep(0.02)
+        yield m.path(f.key).read_bytes()
+
+
+def starve(m, files, job: str) -> None:
+    """Job ``job`` reads ``files`` through ``read_slowly`` under watch; returns once the daemon holds
+    every step of it."""
+    list(watch(read_slowly(m, files), m.mountpoint, job=job, interval=0.05))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(j["job"] == job and j["window"]["steps"] == len(files)
+                                                  for j in m.status()["jobs"]):
+        time.sleep(0.05)
+
+
 @requires_fuse
 def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucket, mount_factory):
     files = [SampleFile(f"d/{i}.bin", 2048) for i in range(30)]
@@ -571,23 +596,11 @@ def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucke
     m = mount_factory(f"s3://{fresh_bucket}")
     with m:
         def run(*args):
-            out = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--interval", "0.1", *args],
-                                 capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0, out.stderr
-            return out.stdout
+            return doctor_of(m, *args)
 
         assert json.loads(run("--json"))["verdict"] == "no-job-data"
         assert "no-job-data" in run()
-
-        def slow(files=files):  # a loader that keeps the loop waiting: 20 ms per sample, no compute
-            for f in files:
-                time.sleep(0.02)
-                yield m.path(f.key).read_bytes()
-
-        list(watch(slow(), m.mountpoint, job="starving", interval=0.05))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(j["window"]["steps"] == 30 for j in m.status()["jobs"]):
-            time.sleep(0.05)
+        starve(m, files, "starving")
         saved = tmp_path / "before.json"
         r = json.loads(run("--json", "--job", "starving", "--save", str(saved)))
         assert r["verdict"] == "storage-bound" and r["data_wait_fraction"] > 0.9
@@ -604,8 +617,8 @@ def test_doctor_on_a_mount_names_a_starving_job(tmp_path, s3_client, fresh_bucke
         assert "Traceback" not in bad.stderr
 
         # Two passes: the daemon keeps them apart, with the backend's usage where each began.
-        list(watch(slow(fresh), m.mountpoint, job="epochs", interval=0.05))
-        list(watch(slow(fresh), m.mountpoint, job="epochs", interval=0.05))
+        list(watch(read_slowly(m, fresh), m.mountpoint, job="epochs", interval=0.05))
+        list(watch(read_slowly(m, fresh), m.mountpoint, job="epochs", interval=0.05))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and [(e["epoch"], e["steps"]) for j in m.status()["jobs"]
                                                if j["job"] == "epochs" for e in j["epochs"]] != [(0, 30), (1, 30)]:
@@ -905,10 +918,7 @@ def test_doctor_with_no_job_names_a_cold_mounts_hit_ratio_and_advises_a_warmup_i
     with passable(mount_factory(f"s3://{fresh_bucket}", "--cache-size", "64M", "--user-share", "0.05",
                                 "--allow-other")) as m:
         def run(*args):
-            out = subprocess.run([*EPOCHFS, "doctor", str(m.mountpoint), "--interval", "0.1", *args],
-                                 capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0, out.stderr
-            return out.stdout
+            return doctor_of(m, *args)
 
         for f in files[:10]:
             m.path(f.key).read_bytes()
@@ -917,15 +927,7 @@ def test_doctor_with_no_job_names_a_cold_mounts_hit_ratio_and_advises_a_warmup_i
         assert "the mount's own counters: hit ratio 0.0% by bytes, under the 85%" in text, text
         assert "EpochfsHitRatioLow" in text and "fix:" in text, text
 
-        def slow():
-            for f in files[10:]:
-                time.sleep(0.02)
-                yield m.path(f.key).read_bytes()
-
-        list(watch(slow(), m.mountpoint, job="cold", interval=0.05))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(j["window"]["steps"] == 30 for j in m.status()["jobs"]):
-            time.sleep(0.05)
+        starve(m, files[10:], "cold")
         r = json.loads(run("--json", "--job", "cold"))
         (fix,) = [f["fix"] for f in r["findings"] if f["cause"] == "cold-first-epoch"]
         assert "run by root" in fix and "--user-share" in fix, fix
