@@ -260,6 +260,17 @@ def test_slow_requests_with_the_order_handed_over_name_the_plans_cap_when_it_bin
     assert "--prefetch-concurrency" not in f["fix"] and "hand over the order" in f["fix"]
 
 
+def test_a_warmup_larger_than_one_users_share_is_advised_to_who_may_run_it():
+    s = first_epoch_read(healthy(), 2700 * MiB, backend=2700 * MiB)
+    s["store"]["used_bytes"] = DATASET // 3
+    s["options"] = {"user_share_bytes": 1 << 30, "control_group": 1234, "control_group_name": "ml-ops"}
+    (fix,) = [f["fix"] for f in doctor(s, s)["findings"] if f["cause"] == "cold-first-epoch"]
+    assert "run by root or a member of group ml-ops (--control-group)" in fix and "--user-share" in fix, fix
+    s["options"] = {"user_share_bytes": 2 * DATASET}  # (the job's user may warm it all: no one else named)
+    (fix,) = [f["fix"] for f in doctor(s, s)["findings"] if f["cause"] == "cold-first-epoch"]
+    assert "run by" not in fix, fix
+
+
 def test_a_saturated_link_is_not_advised_more_requests_in_flight():
     """Requests that wait in a full link's queue are slow because it is full: more of them in flight
     lengthens the queue. The link is named, not --backend-concurrency."""

@@ -139,12 +139,12 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 def _list_pending(reply: dict) -> None:
     import sys
 
-    from epochfs.writeback.owed import PENDING_WHY
+    from epochfs.writeback.owed import PENDING_WHY, state_kind
 
     for item in reply["pending"]:
         size = f" {human(item['bytes'])}" if item["bytes"] else ""
         state = str(item["state"])
-        kind = state.split(" (")[0]
+        kind = state_kind(state)
         why = f": {PENDING_WHY[kind]}" if kind in PENDING_WHY else ""
         print(f"  {printable(str(item['key']))}{size} ({printable(state)}{why})", file=sys.stderr)
     if reply["pending_total"] > len(reply["pending"]):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import grp
 import json
 import logging
 import os
@@ -526,7 +527,18 @@ def advice_options(config: Config) -> dict[str, object]:
             "peer_role": config.peer_role if (config.peer_listen or config.peer_role == "client") else None,
             "block_size": config.block_size, "replicas": config.replicas, "cache_size": config.cache_size,
             "peer_timeout": config.peer_timeout, "control_group": config.control_group,
+            "control_group_name": group_name(config.control_group),
             "user_share_bytes": UserBounds.share(config.user_share, config.cache_size).warmup_bytes}
+
+
+def group_name(gid: int | None) -> str | None:
+    """The name of group ``gid`` on this node (None for none, or one /etc/group does not name)."""
+    if gid is None:
+        return None
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return None
 
 
 def _raised(fn: Callable[[], None]) -> BaseException | None:

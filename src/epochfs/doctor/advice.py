@@ -4,7 +4,6 @@ files, the block size, the replicas). Pure."""
 
 from __future__ import annotations
 
-import grp
 import math
 import shlex
 from typing import Any
@@ -134,12 +133,7 @@ def who_warms(m: dict[str, Any]) -> str:
     share, dataset = o.get("user_share_bytes"), m.get("dataset_bytes")
     if not isinstance(share, int) or not dataset or dataset <= share:
         return ""
-    group = o.get("control_group")
-    if isinstance(group, int):
-        try:
-            group = grp.getgrgid(group).gr_name
-        except KeyError:
-            pass
+    group = o.get("control_group_name") or o.get("control_group")
     operators = "root" + (f" or a member of group {group} (--control-group)" if group is not None else "")
     return (f", run by {operators}: a user who is not an operator may warm at most {size_flag(share)} "
             f"(--user-share), less than the dataset's {size_flag(dataset)}")

@@ -57,6 +57,12 @@ PENDING_WHY = {
 }
 
 
+def state_kind(state: str) -> str:
+    """The kind of a pending file's state (what :data:`PENDING_WHY` is keyed by): the state without
+    what it carries (a failed write's reason, a retried upload's last error)."""
+    return "not uploaded" if state.startswith("not uploaded") else state.split(" (")[0]
+
+
 def pending_summary(pending: list[dict[str, object]], total: int) -> str:
     """Why ``total`` files are pending, from a sync answer's first ones: a count per state, each with
     what it waits for and the first file in it (``3 open for writing: it uploads once ... (ckpt/a.pt)``)."""
@@ -64,7 +70,7 @@ def pending_summary(pending: list[dict[str, object]], total: int) -> str:
     errors: dict[str, str] = {}
     for item in pending:
         state = str(item.get("state", ""))
-        kind = "not uploaded" if state.startswith("not uploaded") else state.split(" (")[0]
+        kind = state_kind(state)
         by_state.setdefault(kind, []).append(str(item["key"]))
         if kind == "retrying" and " (" in state:
             errors.setdefault(kind, state.split(" (", 1)[1].rstrip(")"))
