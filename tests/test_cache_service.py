@@ -303,17 +303,17 @@ def test_capacity_bounds_the_cache_while_reads_stay_correct(tmp_path):
 
 def test_a_fill_in_progress_at_shutdown_leaves_no_unknown_block_file(tmp_path, monkeypatch):
     """The service is cancelled while a block is being written behind the reader: the write lands in
-    tmp/ at most (emptied at the next start), or is refused once the store is closed (a packed block), so
+    its object's file before the store closes (which then is not marked clean), or is refused once it is, so
     the clean shutdown leaves no block file or pack the index does not know."""
     backend = MemoryBackend()
     writing, written = threading.Event(), threading.Event()
     real_write = BlockStore.write_temp
 
-    def slow_write(self, bid, data, around=False):
+    def slow_write(self, bid, data, around=False, place=None):
         writing.set()
         time.sleep(0.3)
         try:
-            return real_write(self, bid, data, around)
+            return real_write(self, bid, data, around, place)
         finally:
             written.set()
 
@@ -340,9 +340,12 @@ def test_a_fill_in_progress_at_shutdown_leaves_no_unknown_block_file(tmp_path, m
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "file"])
 def test_a_fill_abandoned_at_its_deadline_undoes_its_write_when_it_finishes(tmp_path, packing):
     """A fetch that answers after the fill's deadline: the reader gets its error in time; the worker
-    thread finishes later and its write is undone (the temporary file deleted, or the pack range freed),
-    nothing stays counted as being written, and the next read fetches the block again."""
+    thread finishes later and its write is undone (the range of its object's file punched, or the pack
+    range freed), nothing stays counted as being written, and the next read fetches the block again.
+    (Only an object of one small block is packed.)"""
     import os
+
+    obj = ObjectInfo("one.bin", 700, 0, '"v1"') if packing else OBJ
 
     backend = MemoryBackend(delay=0.6)
     store = BlockStore(tmp_path / "c", 1 << 30, 0.0, LruPolicy())
@@ -355,13 +358,14 @@ def test_a_fill_abandoned_at_its_deadline_undoes_its_write_when_it_finishes(tmp_
         async with trio.open_nursery() as nursery:
             await nursery.start(cache.run)
             with pytest.raises(BackendUnavailable, match="no complete answer"):
-                await cache.read(OBJ, 0, 100)
+                await cache.read(obj, 0, 100)
             await trio.sleep(1.0)  # the worker thread finishes; its write is undone on this thread
             packs = list((tmp_path / "c" / "packs").iterdir())
+            files = [p for p in (tmp_path / "c" / "blocks").rglob("*") if p.is_file()]
             state = (dict(store.packs.pending), store.pending, store.used, list((tmp_path / "c" / "tmp").iterdir()),
-                     sum(os.stat(p).st_blocks for p in packs), len(packs))
+                     sum(os.stat(p).st_blocks for p in packs + files), len(packs))
             backend.delay = 0
-            data = bytes(await cache.read(OBJ, 0, 100))
+            data = bytes(await cache.read(obj, 0, 100))
             nursery.cancel_scope.cancel()
         return state, data
 
@@ -371,8 +375,8 @@ def test_a_fill_abandoned_at_its_deadline_undoes_its_write_when_it_finishes(tmp_
         store.close()
     assert all(n == 0 for n in pending.values()) and reserved == 0 and used == 0
     assert tmp == [] and allocated == 0 and packs == (1 if packing else 0)
-    assert data == pattern(OBJ.key, 0, 0, 100)
-    assert backend.calls[(OBJ.key, 0)] == 2
+    assert data == pattern(obj.key, 0, 0, 100)
+    assert backend.calls[(obj.key, 0)] == 2
 
 
 def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cache(tmp_path, monkeypatch):
@@ -383,9 +387,9 @@ def test_a_readers_blocks_are_served_from_memory_and_written_around_the_page_cac
     arounds = []
     real_write = BlockStore.write_temp
 
-    def recording_write(self, bid, data, around=False):
+    def recording_write(self, bid, data, around=False, place=None):
         arounds.append(around)
-        return real_write(self, bid, data, around)
+        return real_write(self, bid, data, around, place)
 
     monkeypatch.setattr(BlockStore, "write_temp", recording_write)
     disk_reads = []

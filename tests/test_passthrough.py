@@ -1,9 +1,10 @@
-"""FUSE passthrough (``--passthrough``), mounted for real against the local S3 endpoint: a cached object
-is copied whole once and later opens are read by the kernel from that copy with no daemon work; every
-byte is still the object's (odd sizes, seeded random offsets); an inode read through the daemon and one
-read by the kernel never mix (no open fails); a copy that is damaged (found by the scrub) or replaced
-(found at open) is never served again; the copies stay within their bound and the cache's; a restart
-takes them up; a new version of an object is never served from the old one's copy."""
+"""FUSE passthrough (on by default), mounted for real against the local S3 endpoint: once an object's
+blocks are all cached its file in the store is the object, and later opens are read by the kernel from
+it with no daemon work and no second copy; every byte is still the object's (odd sizes, seeded random
+offsets); an inode read through the daemon and one read by the kernel never mix (no open fails); a file
+that rots (found by the scrub) or is changed or replaced (found at open) is never served as it is; a
+byte changed every 32 KiB of every cache file is never read back; a restart and a kill -9 keep the
+fingerprints, a machine's reboot does not; a new version is never served from the old one's file."""
 
 from __future__ import annotations
 
@@ -59,18 +60,34 @@ def read_odd(path: Path, f: SampleFile, seed: int) -> None:
 
 
 def daemon_reads(m) -> int:  # noqa: ANN001
-    c = m.status()["cache"]
-    return c["hits"] + c["misses"]
+    """READ requests the daemon answered."""
+    return m.status()["read_seconds"]["count"]
 
 
 def wait_whole(m, n: int, timeout: float = 30) -> dict:  # noqa: ANN001
+    """The passthrough state once ``n`` objects are whole and none is waiting for its check."""
     deadline = time.monotonic() + timeout
     while True:
         p = m.status()["passthrough"]
-        if p["whole_files"] >= n:
+        if p["whole_files"] >= n and not p["unchecked"]:
             return p
-        assert time.monotonic() < deadline, f"{n} whole copies never made: {p}"
+        assert time.monotonic() < deadline, f"{n} whole objects never checked: {p}"
         time.sleep(0.1)
+
+
+def object_files(cache: Path) -> list[Path]:
+    return sorted(p for p in (cache / "blocks").rglob("*") if p.is_file())
+
+
+def flip(path: Path, at: int, keep_mtime: bool = False) -> None:
+    st = path.stat()
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 @pytest.fixture
@@ -80,14 +97,16 @@ def dataset(s3_client, fresh_bucket):
 
 
 @needs_passthrough
-def test_a_cached_object_is_read_by_the_kernel_with_every_byte_its_own(dataset, mount_factory):
-    m = mount_factory(dataset, "--passthrough", "--cache-size", "256M")
+def test_a_cached_object_is_read_by_the_kernel_from_its_own_file_with_every_byte_its_own(dataset, mount_factory,
+                                                                                          tmp_path):
+    cache = tmp_path / "cache"
+    m = mount_factory(dataset, "--cache-size", "256M", cache_dir=cache)  # (the defaults)
     with m:
         f = FILES[0]
-        read_odd(m.path(f.key), f, seed=1)  # through the daemon: cached, then copied whole
+        assert m.path(f.key).read_bytes() == f.content()  # through the daemon: fetched and cached
         p = wait_whole(m, 1)
-        assert p["active"] and p["opens"] == 0 and p["cached_opens"] >= 1
-        before = daemon_reads(m)
+        assert p["active"] and p["opens"] == 0 and p["cached_opens"] == 1
+        before, hits = daemon_reads(m), m.status()["cache"]
         read_odd(m.path(f.key), f, seed=2)
         with open(m.path(f.key), "rb") as fh:  # and mapped
             import mmap
@@ -98,10 +117,16 @@ def test_a_cached_object_is_read_by_the_kernel_with_every_byte_its_own(dataset, 
         time.sleep(0.2)  # (the releases reach the daemon after close returns)
         p = m.status()["passthrough"]
         assert p["opens"] == 3 and p["open_files"] == 0  # read_odd's two opens and the mapping
+        c = m.status()["cache"]  # counted per open: each its object's size, as a hit
+        assert c["hits"] - hits["hits"] == 3 and c["hit_bytes"] - hits["hit_bytes"] == 3 * f.size
+        assert c["misses"] == hits["misses"] and p["bytes_opened"] == 3 * f.size
         text = subprocess.run([*EPOCHFS, "status", str(m.mountpoint)], capture_output=True, text=True).stdout
-        assert "passthrough on: " in text and "1 whole copies" in text
-        st = m.status()["store"]  # the copy counts against the cache's bound
-        assert st["pinned_bytes"] == f.size and st["used_bytes"] + st["pinned_bytes"] <= 256 * MIB
+        assert "passthrough on: 3 opens read by the kernel" in text and "1 files whole in the cache" in text
+        # No second copy: the object's one file is all the cache holds of it.
+        files = object_files(cache)
+        assert [p.stat().st_size for p in files] == [f.size]
+        assert files[0].stat().st_blocks * 512 < f.size + (1 << 20)
+        assert m.status()["store"]["used_bytes"] == f.size and m.status()["store"]["pinned_bytes"] == 0
         import urllib.request
 
         page = urllib.request.urlopen(f"http://{m.status()['metrics_addr']}/metrics", timeout=10).read().decode()
@@ -111,102 +136,167 @@ def test_a_cached_object_is_read_by_the_kernel_with_every_byte_its_own(dataset, 
 
 
 @needs_passthrough
+def test_small_objects_pass_through_too(s3_client, fresh_bucket, mount_factory):
+    small = [SampleFile(f"s/f{i}.bin", 100 * 1024 + 7 * i, version=i) for i in range(20)]
+    upload(s3_client, fresh_bucket, "small/", small)
+    m = mount_factory(f"s3://{fresh_bucket}/small")
+    with m:
+        for f in small:
+            assert m.path(f.key).read_bytes() == f.content()
+        wait_whole(m, len(small))
+        before = daemon_reads(m)
+        for f in small:
+            read_odd(m.path(f.key), f, seed=9)
+        assert daemon_reads(m) == before
+        assert m.status()["passthrough"]["opens"] >= 2 * len(small)
+        assert not list((m.cache_dir / "packs").iterdir())  # (a packed block cannot be a backing file)
+
+
+@needs_passthrough
 def test_an_inode_is_read_one_way_at_a_time_and_no_open_fails(dataset, mount_factory):
-    m = mount_factory(dataset, "--passthrough")
+    m = mount_factory(dataset)
     with m:
         f = FILES[1]
         path = m.path(f.key)
         first = open(path, "rb")  # read through the daemon
         assert first.read() == f.content()
-        second = open(path, "rb")  # all cached now: copied whole; the first is still open, so through the daemon
         wait_whole(m, 1)
-        third = open(path, "rb")  # the copy is there, the first two still open: through the daemon too
+        second = open(path, "rb")  # whole now, but the first is still open: through the daemon
         assert m.status()["passthrough"]["opens"] == 0
-        assert second.read(5000) == f.content(0, 5000) and third.read() == f.content()
-        for fh in (first, second, third):
+        assert second.read(5000) == f.content(0, 5000)
+        for fh in (first, second):
             fh.close()
         time.sleep(0.2)  # (the releases reach the daemon after close returns)
-        fourth = open(path, "rb")  # the kernel's
-        fifth = open(path, "rb")  # the same backing file
+        third = open(path, "rb")  # the kernel's
+        fourth = open(path, "rb")  # the same backing file
         assert m.status()["passthrough"]["opens"] == 2
-        assert fourth.read() == f.content() and fifth.read(3) == f.content(0, 3)
+        assert third.read() == f.content() and fourth.read(3) == f.content(0, 3)
+        third.close()
         fourth.close()
-        fifth.close()
         time.sleep(0.2)
         assert m.status()["passthrough"]["open_files"] == 0
-        with open(path, "rb") as again:  # the backing id was let go and a new one taken
+        with open(path, "rb") as again:  # the backing file kept registered is used again
             assert again.read() == f.content()
         assert m.status()["passthrough"]["opens"] == 3
 
 
 @needs_passthrough
-def test_a_damaged_copy_found_by_the_scrub_or_at_open_is_never_served_again(dataset, mount_factory, tmp_path):
-    m = mount_factory(dataset, "--passthrough", "--passthrough-scrub", "1", cache_dir=tmp_path / "cache")
+def test_a_rotten_file_found_by_the_scrub_and_a_replaced_one_found_at_open_are_never_served(dataset, mount_factory,
+                                                                                          tmp_path):
+    cache = tmp_path / "cache"
+    m = mount_factory(dataset, "--passthrough-scrub", "1", cache_dir=cache)
     with m:
         for f in FILES[:2]:
             assert m.path(f.key).read_bytes() == f.content()
         wait_whole(m, 2)
-        copies = sorted((tmp_path / "cache" / "whole").iterdir(), key=lambda p: p.stat().st_mtime_ns)
-        assert len(copies) == 2
-        # One copy rots in place (same inode, same mtime): the scrub finds it.
-        damaged = copies[0]
-        st = damaged.stat()
-        with open(damaged, "r+b") as fh:
-            fh.seek(5 * MIB)
-            byte = fh.read(1)
-            fh.seek(5 * MIB)
-            fh.write(bytes([byte[0] ^ 0xFF]))
-        os.utime(damaged, ns=(st.st_atime_ns, st.st_mtime_ns))
+        files = object_files(cache)
+        assert len(files) == 2
+        # One rots in place (the scrub hashes every whole file each second here).
+        flip(files[0], 5 * MIB, keep_mtime=True)
         deadline = time.monotonic() + 30
         while m.status()["passthrough"]["damaged"] < 1:
-            assert time.monotonic() < deadline, "the scrub never found the damaged copy"
+            assert time.monotonic() < deadline, "the scrub never found the damaged file"
             time.sleep(0.2)
-        assert not damaged.exists()
-        # The other is replaced by a file of the same size: found at the next open.
-        other = copies[1]
-        data = bytearray(other.read_bytes())
+        # The other is replaced by a file of the same size (its bytes changed): found at the next open.
+        data = bytearray(files[1].read_bytes())
         data[100] ^= 0xFF
-        replacement = other.with_name("replacement")
+        replacement = files[1].with_name("replacement")
         replacement.write_bytes(bytes(data))
-        os.rename(replacement, other)
-        for f in FILES[:2]:  # both read through the daemon now: the object's bytes
+        os.rename(replacement, files[1])
+        for f in FILES[:2]:  # the object's bytes, whichever way they are read now
             read_odd(m.path(f.key), f, seed=3)
         p = m.status()["passthrough"]
-        assert p["damaged"] == 2, p
-        assert "damaged" in m.log()
+        assert p["damaged"] >= 2, p
+        assert "damaged" in m.log() and "changed since its fingerprint was taken" in m.log()
+    with m:  # (the mount's page cache is gone: what was dropped is refetched)
+        for f in FILES[:2]:
+            assert m.path(f.key).read_bytes() == f.content()
+        wait_whole(m, 2)  # and the kernel's again
+        before = daemon_reads(m)
+        for f in FILES[:2]:
+            read_odd(m.path(f.key), f, seed=8)
+        assert daemon_reads(m) == before
 
 
 @needs_passthrough
-def test_copies_stay_in_their_bound_and_a_restart_takes_them_up(dataset, mount_factory, tmp_path):
+def test_a_byte_changed_every_32_kib_of_every_cache_file_is_never_read_back(s3_client, fresh_bucket, dataset,
+                                                                           mount_factory, tmp_path):
+    """With the defaults (the daily scrub far off): every file under the cache directory but the index
+    changed on disk while the mount runs, every file read again, every byte right; the same after a
+    restart."""
+    small = [SampleFile(f"s/f{i}.bin", 50 * 1024 + 3 * i, version=i) for i in range(8)]
+    upload(s3_client, fresh_bucket, "ds/", small)
+    everything = FILES + small
     cache = tmp_path / "cache"
-    m = mount_factory(dataset, "--passthrough", "--passthrough-size", "20M", cache_dir=cache)
+    m = mount_factory(dataset, cache_dir=cache)
+    with m:
+        for f in everything:
+            assert m.path(f.key).read_bytes() == f.content()
+        wait_whole(m, len(everything))
+        for f in everything:
+            assert m.path(f.key).read_bytes() == f.content()  # (the kernel's)
+        changed = 0
+        for path in (p for p in cache.rglob("*") if p.is_file() and "index" not in p.parts):
+            size = path.stat().st_size
+            if path.name in ("lock", "clean", "sources") or not size:
+                continue
+            for at in range(0, size, 32 * 1024):
+                flip(path, at)
+            changed += 1
+        assert changed >= len(everything)
+        for f in everything:
+            read_odd(m.path(f.key), f, seed=7)
+        assert m.status()["store"]["corrupt_blocks"] >= 1
+    with m:
+        for f in everything:
+            assert m.path(f.key).read_bytes() == f.content()
+
+
+@needs_passthrough
+def test_fingerprints_survive_a_restart_and_a_kill_9_not_a_reboot(dataset, mount_factory, tmp_path):
+    import signal
+
+    import lmdb
+
+    cache = tmp_path / "cache"
+    m = mount_factory(dataset, cache_dir=cache)
     with m:
         for f in FILES:
             assert m.path(f.key).read_bytes() == f.content()
-            time.sleep(0.5)
-        deadline = time.monotonic() + 30
-        while m.status()["passthrough"]["assembled"] < 3:
-            assert time.monotonic() < deadline, m.status()["passthrough"]
-            time.sleep(0.1)
-        p = m.status()["passthrough"]
-        assert p["whole_files"] == 2 and p["evicted"] == 1 and p["whole_bytes"] <= 20 * MIB
-        kept = {c.name for c in (cache / "whole").iterdir()}
-    with m:  # a restart: the copies are taken up, hashed once by this daemon, then served
-        p = m.status()["passthrough"]
-        assert p["whole_files"] == 2 and {c.name for c in (cache / "whole").iterdir()} == kept
-        assert m.status()["store"]["pinned_bytes"] == p["whole_bytes"]
-        deadline = time.monotonic() + 30
-        while m.status()["passthrough"]["unchecked"]:
-            assert time.monotonic() < deadline, m.status()["passthrough"]
-            time.sleep(0.1)
+        wait_whole(m, len(FILES))
+    with m:  # a clean restart: the kernel's at once, nothing hashed again
+        assert m.status()["passthrough"]["unchecked"] == 0
         before = daemon_reads(m)
         read_odd(m.path(FILES[2].key), FILES[2], seed=4)
         assert daemon_reads(m) == before and m.status()["passthrough"]["opens"] >= 1
+    m.start()
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    m.start()  # killed in this boot: what it wrote is what the files hold
+    assert m.status()["passthrough"]["unchecked"] == 0
+    for f in FILES:
+        read_odd(m.path(f.key), f, seed=5)
+    m.stop()
+    env = lmdb.open(str(cache / "index"))  # as if the machine had crashed and rebooted
+    with env.begin(write=True) as txn:
+        txn.put(b"\x00boot", b"another boot")
+    env.close()
+    (cache / "clean").unlink()
+    with m:
+        p = m.status()["passthrough"]
+        assert p["whole_files"] == len(FILES)
+        wait_whole(m, len(FILES))  # each hashed before the kernel reads it
+        for f in FILES:
+            read_odd(m.path(f.key), f, seed=6)
 
 
 @needs_passthrough
-def test_a_new_version_is_never_read_from_the_old_ones_copy(dataset, mount_factory, s3_client, fresh_bucket):
-    m = mount_factory(dataset, "--passthrough")
+def test_a_new_version_is_never_read_from_the_old_ones_file(dataset, mount_factory, s3_client, fresh_bucket):
+    m = mount_factory(dataset)
     with m:
         f = FILES[0]
         assert m.path(f.key).read_bytes() == f.content()
@@ -220,18 +310,19 @@ def test_a_new_version_is_never_read_from_the_old_ones_copy(dataset, mount_facto
 
 @needs_passthrough
 @pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
-def test_kill_9_while_copies_are_made_leaves_no_partial_copy_served(dataset, mount_factory, tmp_path, seed):
-    """The daemon killed at a random moment while it copies objects whole: the next mount takes up only
-    copies that were finished (named by their digest), every byte read after it is the object's."""
+def test_kill_9_while_objects_are_filled_leaves_no_wrong_byte(dataset, mount_factory, tmp_path, seed):
+    """The daemon killed at a random moment while it fills objects: the next mount serves every byte
+    right, through the kernel or the daemon."""
     import signal
 
     rng = random.Random(seed)
     cache = tmp_path / "cache"
-    m = mount_factory(dataset, "--passthrough", cache_dir=cache)
+    m = mount_factory(dataset, cache_dir=cache)
     m.start()
     pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
     for f in FILES:
-        assert m.path(f.key).read_bytes() == f.content()  # each copied on its release, one at a time
+        with open(m.path(f.key), "rb") as fh:
+            assert fh.read(1 << 20) == f.content(0, 1 << 20)  # (the rest is read ahead and filled)
     time.sleep(rng.uniform(0.0, 0.3))
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
@@ -239,44 +330,25 @@ def test_kill_9_while_copies_are_made_leaves_no_partial_copy_served(dataset, mou
         assert time.monotonic() < deadline
         time.sleep(0.05)
     m.start()  # recovers the dead mount point
-    names = sorted(c.name for c in (cache / "whole").iterdir())
-    assert all(len(n) == 65 and "." in n and not n.endswith(".tmp") for n in names), names
-    p = m.status()["passthrough"]
-    assert p["whole_files"] == len(names) and m.status()["store"]["pinned_bytes"] == p["whole_bytes"]
     for f in FILES:
         read_odd(m.path(f.key), f, seed=seed)
+    wait_whole(m, len(FILES))
+    for f in FILES:
+        read_odd(m.path(f.key), f, seed=seed + 10)
     m.stop()
 
 
-def test_passthrough_is_refused_with_writeback(fresh_bucket, mount_factory):
+def test_a_writeback_mount_reads_through_the_daemon(fresh_bucket, mount_factory):
     m = mount_factory(f"s3://{fresh_bucket}/x", "--passthrough", "--writeback")
-    r = m.start(expect_ok=False)
-    assert r.returncode != 0 and "--passthrough" in r.stderr and "--writeback" in r.stderr
+    with m:
+        assert m.status()["passthrough"] is None
 
 
-def test_whole_files_left_by_a_run_are_taken_up_and_anything_else_removed(tmp_path):
-    """What a killed daemon or another hand left in ``whole/``: a copy half written, a link, a directory,
-    a name that is not a copy's; only copies are taken up (pinned again), the rest removed."""
-    from epochfs.blockstore.store import BlockStore
-    from epochfs.blockstore.whole import WholeFiles
-    from epochfs.eviction import make_policy
-
-    store = BlockStore(tmp_path / "c", 64 * MIB, 0.0, make_policy("lru"))
-    store.open()
-    whole = WholeFiles(tmp_path / "c", store, 32 * MIB)
-    good = whole.dir / f"{'a' * 32}.{'b' * 32}"
-    good.write_bytes(b"x" * 1000)
-    leftovers = [whole.dir / f"{'c' * 32}.tmp", whole.dir / "notes.txt", whole.dir / f"{'d' * 32}.{'Z' * 32}"]
-    for p in leftovers:
-        p.write_bytes(b"y")
-    os.symlink("/etc/passwd", whole.dir / f"{'e' * 32}.{'f' * 32}")
-    (whole.dir / f"{'9' * 32}.{'8' * 32}").mkdir()  # (a directory under a copy's name)
-    (whole.dir / f"{'9' * 32}.{'8' * 32}" / "x").write_bytes(b"z")
-    whole.open()
-    assert list(whole.files) == ["a" * 32] and whole.held == 1000 and store.pinned == 1000
-    assert sorted(p.name for p in whole.dir.iterdir()) == [good.name]
-    w = whole.get("a" * 32, 999)  # not the object's size: removed
-    assert w is None and whole.held == 0 and store.pinned == 0 and not good.exists()
-    assert whole.admit(40 * MIB) is False and whole.admit(8 * MIB) and store.pinned == 8 * MIB
-    whole.abandon("a" * 32, 8 * MIB)
-    store.close()
+def test_no_passthrough_reads_through_the_daemon(dataset, mount_factory):
+    m = mount_factory(dataset, "--no-passthrough")
+    with m:
+        f = FILES[0]
+        for seed in (1, 2):
+            read_odd(m.path(f.key), f, seed=seed)
+        assert m.status()["passthrough"] is None and daemon_reads(m) > 0
+        assert list((m.cache_dir / "blocks").rglob("*"))

@@ -12,6 +12,7 @@ import struct
 import pytest
 
 import epochfs.blockstore.packs as packs_mod
+from epochfs.blockstore.format import MAX_OBJECT
 from epochfs.blockstore.keys import CHUNK_SIZE, block_relpath
 from epochfs.blockstore.store import WOULD_BLOCK, BlockMeta
 
@@ -243,7 +244,7 @@ def test_decoding_random_index_entries_never_raises_and_keeps_the_bounds():
     reader relies on (a length a block can have, checksums for each chunk, a range inside a pack)."""
     rng = random.Random(7)
     goods = [BlockMeta(100_000, bytes(8 * 2), 5, 3, 8192).encode(),  # packed
-             BlockMeta(3 << 20, bytes(8 * 48), 9).encode()]  # in a file of its own
+             BlockMeta(3 << 20, bytes(8 * 48), 9, 0, 8 << 20, bytes(range(16)), 40 << 20).encode()]  # in its object's file
     for n in range(20_000):
         if n % 2:
             raw = bytearray(rng.choice(goods))
@@ -260,5 +261,6 @@ def test_decoding_random_index_entries_never_raises_and_keeps_the_bounds():
             assert meta.length < packs_mod.PACK_BELOW and meta.offset % 4096 == 0
             assert meta.offset + meta.length <= packs_mod.PACK_SIZE and meta.pack <= packs_mod.MAX_PACK
         else:
-            assert meta.offset == 0
+            assert meta.offset % 4096 == 0 and meta.offset + meta.length <= meta.size <= MAX_OBJECT
+            assert len(meta.obj) == 16
         assert BlockMeta.decode(meta.encode()) == meta

@@ -14,13 +14,13 @@ from epochfs.transport.buffers import ALIGN, is_aligned
 _aligned = threading.local()  # one aligned buffer per worker thread, reused (fresh pages cost faults)
 
 
-def write_direct(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to the empty file ``fd`` opened with O_DIRECT: from where it is if it is aligned,
-    else through an aligned buffer, the length rounded up to the alignment, then truncated to the true
-    length."""
+def write_direct(fd: int, data: bytes | bytearray | memoryview, at: int = 0) -> None:
+    """Write ``data`` at offset ``at`` (aligned) of ``fd`` opened with O_DIRECT, where nothing follows it
+    in the file: from where it is if it is aligned, else through an aligned buffer, the length rounded up
+    to the alignment, then the file truncated to end with it."""
     n = len(data)
     if is_aligned(data):
-        _pwrite_all(fd, memoryview(data))
+        _pwrite_all(fd, memoryview(data), at)
         return
     size = padded(n)
     buf: mmap.mmap | None = getattr(_aligned, "buf", None)
@@ -33,17 +33,17 @@ def write_direct(fd: int, data: bytes | bytearray | memoryview) -> None:
         buf[n:size] = bytes(size - n)
     with memoryview(buf) as whole:
         view = whole[:size]
-        _pwrite_all(fd, view)
+        _pwrite_all(fd, view, at)
         view.release()
     if size > n:
-        os.ftruncate(fd, n)
+        os.ftruncate(fd, at + n)
 
 
-def _pwrite_all(fd: int, view: memoryview) -> None:
-    """Write all of the aligned ``view`` at the start of ``fd`` (O_DIRECT)."""
+def _pwrite_all(fd: int, view: memoryview, at: int) -> None:
+    """Write all of the aligned ``view`` at offset ``at`` of ``fd`` (O_DIRECT)."""
     written, size = 0, len(view)
     while written < size:
-        done = os.pwrite(fd, view[written:], written)
+        done = os.pwrite(fd, view[written:], at + written)
         if done <= 0 or done % ALIGN:  # a short direct write cannot be continued aligned
             raise OSError(errno.EIO, f"short direct write ({done} of {size - written} bytes)")
         written += done

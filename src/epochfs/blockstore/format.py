@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -23,23 +24,29 @@ if TYPE_CHECKING:
     from epochfs.blockstore.packs import Packs
 from epochfs.blockstore.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, block_relpath, chunk_span
 
-_HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: a block file), offset in it
+_HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: in its object's file), offset in it
+_FILE = struct.Struct("<16sQ")  # (a block in its object's file) the object's id and size
 _SUM = 8  # bytes of one xxh3-64 digest
 _MAX_SEQ = 1 << 62  # an entry's sequence number (fills in order) is below this; no cache comes near it
+MAX_OBJECT = 1 << 50  # an object file is never longer (1 PiB; S3 objects are at most 5 TiB)
 
 
 class BlockMeta(NamedTuple):
     """An index entry: the block's length, one xxh3-64 digest per CHUNK_SIZE chunk, and where it is:
-    in pack ``pack`` at ``offset``, or (``pack`` 0) in a block file of its own."""
+    in pack ``pack`` at ``offset``, or (``pack`` 0) at ``offset`` of its object's file (``obj``, the
+    object's id, names the file; ``size`` is the object's, the file's length)."""
 
     length: int
     sums: bytes
     seq: int = 0
     pack: int = 0
     offset: int = 0
+    obj: bytes = b""
+    size: int = 0
 
     def encode(self) -> bytes:
-        return _HEAD.pack(self.seq, self.length, self.pack, self.offset) + self.sums
+        head = _HEAD.pack(self.seq, self.length, self.pack, self.offset)
+        return head + self.sums if self.pack else head + _FILE.pack(self.obj, self.size) + self.sums
 
     @classmethod
     def decode(cls, raw: bytes) -> BlockMeta | None:
@@ -47,15 +54,26 @@ class BlockMeta(NamedTuple):
         if len(raw) < _HEAD.size:
             return None
         seq, length, pack, offset = _HEAD.unpack_from(raw)
-        sums = bytes(raw[_HEAD.size:])
+        obj, size, at = b"", 0, _HEAD.size
+        if not pack:
+            if len(raw) < _HEAD.size + _FILE.size:
+                return None
+            obj, size = _FILE.unpack_from(raw, _HEAD.size)
+            at += _FILE.size
+        sums = bytes(raw[at:])
         if not 0 < length <= MAX_BLOCK_SIZE or len(sums) != _SUM * -(-length // CHUNK_SIZE) or seq > _MAX_SEQ:
             return None
         if pack and (length >= pk.PACK_BELOW or offset % pk.ALIGN or offset + length > pk.PACK_SIZE
                      or pack > pk.MAX_PACK):
             return None
-        if not pack and offset:
+        if not pack and (offset % pk.ALIGN or offset + length > size or size > MAX_OBJECT):
             return None
-        return cls(length, sums, seq, pack, offset)
+        return cls(length, sums, seq, pack, offset, obj, size)
+
+    @property
+    def in_file(self) -> bool:
+        """In its object's file (not a pack)."""
+        return not self.pack
 
 
 def _seed(bid: bytes) -> int:
@@ -116,14 +134,14 @@ def where(cache_dir: Path, bid: bytes, meta: BlockMeta | None) -> tuple[Path, in
         return None
     if meta.pack:
         return cache_dir / "packs" / pk.pack_name(meta.pack), meta.offset, meta.length
-    return cache_dir / "blocks" / block_relpath(bid), 0, meta.length
+    return cache_dir / "blocks" / block_relpath(meta.obj), meta.offset, meta.length
 
 
 def scan(blocks_dir: Path, packs: Packs, known: dict[bytes, BlockMeta], stray: Callable[[str], None]
          ) -> tuple[dict[bytes, int], list[tuple[Path, int]]]:
-    """Walk the block files and packs: the lengths present of the blocks in ``known`` (a packed
-    block counts as present if its pack is long enough), and (path, size) of block files and packs
-    that hold no block of ``known``."""
+    """Walk the object files and packs: the lengths present of the blocks in ``known`` (a block counts
+    as present if its object's file, or its pack, is long enough to hold it), and (path, size) of
+    object files and packs that hold no block of ``known``."""
     sizes: dict[bytes, int] = {}
     orphans: list[tuple[Path, int]] = []
     pack_sizes: dict[int, int] = {}
@@ -141,18 +159,25 @@ def scan(blocks_dir: Path, packs: Packs, known: dict[bytes, BlockMeta], stray: C
     for pack, size in pack_sizes.items():
         if pack not in referenced:
             orphans.append((Path(packs.path(pack)), size))
+    files: dict[bytes, list[tuple[bytes, BlockMeta]]] = {}  # object id -> its blocks
+    for bid, meta in known.items():
+        if not meta.pack:
+            files.setdefault(meta.obj, []).append((bid, meta))
     for path in blocks_dir.glob(BLOCK_GLOB):
         try:
-            bid = bytes.fromhex(path.name)
+            oid = bytes.fromhex(path.name)
         except ValueError:
-            bid = b""
+            oid = b""
         try:
-            size = path.stat().st_size
+            st = path.lstat()
+            size = st.st_size if stat.S_ISREG(st.st_mode) else -1
         except OSError:
             size = -1
-        meta = known.get(bid)
-        if meta is not None and not meta.pack:
-            sizes[bid] = size
-        else:
+        held = files.get(oid)
+        if not held:
             orphans.append((path, max(0, size)))
+            continue
+        for bid, meta in held:
+            if size == meta.size:
+                sizes[bid] = meta.length
     return sizes, orphans

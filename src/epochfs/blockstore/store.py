@@ -10,18 +10,20 @@ Layout under the cache directory::
 
     lock                 flock held by the one daemon that owns this directory
     clean                present while no daemon runs, if the last one shut down cleanly
-    blocks/ab/<id>       one file per block of at least PACK_BELOW bytes, named by its id
-                         (see :mod:`epochfs.blockstore.keys`)
-    packs/<n>            smaller blocks, at 4 KiB-aligned offsets (see :mod:`.packs`)
-    tmp/                 fills of block files in progress; emptied at start-up
-    index/               LMDB: block id -> (sequence, length, pack, offset, xxh3-64 per 64 KiB chunk)
+    blocks/ab/<id>       one file per object version, its blocks at their own offsets, holes where a
+                         block is not cached, named by its first block's id (see :mod:`.objects`)
+    packs/<n>            small objects' blocks where the kernel does not read the cache itself, at
+                         4 KiB-aligned offsets (see :mod:`.packs`)
+    tmp/                 emptied at start-up
+    index/               LMDB: block id -> (sequence, length, pack or object file, offset, xxh3-64 per
+                         64 KiB chunk); object id -> the fingerprint of its whole file
 
 Concurrency contract: every method except :meth:`BlockStore.write_temp` and :meth:`BlockStore.pread_range`
 runs on the trio thread, so the index, the byte accounting and the policy are never touched
-concurrently. ``write_temp`` runs in a worker thread and only creates a file under ``tmp/`` (or writes
-a pack range); it is moved into place and indexed by :meth:`BlockStore.install` on the trio thread,
-with no checkpoint in between. ``pread_range`` only reads; its bytes are verified by
-:meth:`BlockStore.finish_read` on the trio thread.
+concurrently. ``write_temp`` runs in a worker thread and only writes the block's range of its object's
+file (or of a pack); it is indexed by :meth:`BlockStore.install` on the trio thread, which first makes
+sure the range is still the one written (the file was not replaced, the block not removed meanwhile).
+``pread_range`` only reads; its bytes are verified by :meth:`BlockStore.finish_read` on the trio thread.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -44,7 +50,8 @@ from epochfs.blockstore.direct import write_direct
 from epochfs.blockstore.format import BlockMeta, checksums, missing, verify, where
 from epochfs.blockstore.index import Index, OtherFormat
 from epochfs.blockstore.keys import block_relpath, chunk_span
-from epochfs.blockstore.packs import Packs, discard
+from epochfs.blockstore.objects import ObjectFiles, Place, Print
+from epochfs.blockstore.packs import Packs, discard, punch_hole
 from epochfs.core.errors import CacheUnreadable, ConfigError
 from epochfs.core.private import open_private, private_dir, private_subdir, touch_private
 from epochfs.eviction import EvictionPolicy, make_room
@@ -52,7 +59,8 @@ from epochfs.eviction import EvictionPolicy, make_room
 log = logging.getLogger(__name__)
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-_BLOCK_FDS = 64  # block files kept open for the trio thread's reads
+_BLOCK_FDS = 64  # object files kept open for the trio thread's reads
+_REMOVALS_KEPT = 4096  # recent removals remembered, for fills written before them (see install)
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
 DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
 
@@ -70,6 +78,28 @@ class StoreStats:
     not_admitted: int
     pinned_bytes: int
     advice_dropped: int = 0  # read-ahead advice the adviser's queue had no room for (a hint let go)
+    object_files: int = 0
+    whole_objects: int = 0  # object files that hold every block of their object
+    whole_bytes: int = 0
+    unchecked_objects: int = 0  # whole, waiting to be hashed before the kernel may read them
+    lent_objects: int = 0  # with a backing file open in the kernel
+
+
+class Written(NamedTuple):
+    """What :meth:`BlockStore.write_temp` wrote a block into: the file's inode (0: a pack), and how many
+    blocks the store had removed when the write began."""
+
+    ino: int
+    removals: int
+
+
+def boot_id() -> bytes:
+    """This boot's id (b"" where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read(64).strip()
+    except OSError:
+        return b""
 
 
 class CacheLocked(ConfigError):
@@ -104,7 +134,14 @@ class BlockStore:
         self._direct_works = True
         self.index = Index(self.index_dir)  # block id -> entry (blockstore/index.py)
         self.packs = Packs(self._packs)  # the small blocks' files (blockstore/packs.py)
-        self._block_fds: Descriptors[bytes] = Descriptors(self._open_block, _BLOCK_FDS)  # trio thread's reads
+        self._block_fds: Descriptors[bytes] = Descriptors(self._open_block, _BLOCK_FDS)  # by object id
+        self.objects = ObjectFiles()  # what is known of each object's file (blockstore/objects.py)
+        self._removals = 0  # blocks removed so far
+        self._removed: OrderedDict[bytes, int] = OrderedDict()  # block id -> removals when it was removed
+        self._forgotten = 0  # the newest removal no longer in _removed
+        self._writing = 0  # writes into object files in progress (worker threads, under _write_lock)
+        self._write_lock = threading.Lock()
+        self._closed = False  # no write starts once closed
         self.adviser = pagecache.Adviser()  # (read-ahead advice, off the trio thread)
         self._inspect = False  # open(inspect=True): nothing in the directory is changed
         self.malformed = 0  # malformed index entries found when loaded (dropped unless inspecting)
@@ -122,6 +159,7 @@ class BlockStore:
         entries that do not belong in ``blocks/`` or ``packs/`` are counted (:attr:`malformed`,
         :attr:`strays`), not removed."""
         self._inspect = inspect
+        self._closed = False
         private_dir(self.cache_dir)
         self._lock()
         for name in ("blocks", "tmp", "index", "packs"):
@@ -177,7 +215,9 @@ class BlockStore:
     def close(self) -> None:
         self._block_fds.close()
         if self.index.is_open:
-            self._consistent = self.packs.close() and self._consistent
+            with self._write_lock:  # (a fill still writing may leave a range no entry knows: reconciled)
+                writing, self._closed = self._writing, True
+            self._consistent = self.packs.close() and not writing and self._consistent
             self.index.close(sync=not self._inspect)
             if self._consistent and not self._inspect:
                 touch_private(self.cache_dir / "clean")
@@ -204,8 +244,12 @@ class BlockStore:
         """Open the index and load it into the policy; return block id -> entry."""
         loaded, bad = self.index.open(readonly=self._inspect)
         self.malformed = len(bad)
+        boot = boot_id()
+        # Fingerprints are trusted after a clean stop, or a death in this same boot (what was written is
+        # in the page cache); after a machine's crash a file's bytes may not be what its inode says.
+        trusted = self._consistent or bool(boot) and self.index.boot == boot
         if not self._inspect:
-            self.index.mark(drop=bad)
+            self.index.mark(drop=bad, boot=boot)
             for key in bad:  # and their files, if the key can name one
                 if len(key) == 16:
                     discard(f"{self._blocks}/{block_relpath(key)}")
@@ -217,6 +261,22 @@ class BlockStore:
             self._seq = max(self._seq, seq)
             if meta.pack:
                 self.packs.counted(meta.pack)
+            else:
+                self.objects.added(meta.obj, bid, meta.offset, meta.length, meta.size)
+        prints = self.index.prints()
+        stale = []
+        for oid, raw in prints.items():
+            f = self.objects.get(oid)
+            fp = Print.decode(raw) if trusted else None
+            if f is None or not f.whole or fp is None or fp.size != f.size:
+                stale.append(oid)
+        for oid, f in self.objects.files.items():
+            if f.whole:
+                fp = Print.decode(prints[oid]) if oid in prints and oid not in stale else None
+                self.objects.became_whole(oid, fp)
+        if stale and not self._inspect:
+            for oid in stale:
+                self.index.set_print(oid, None)
         self._count = len(loaded)
         log.info("cache %s: %d blocks, %d bytes of %d", self.cache_dir, self._count, self.used, self.capacity)
         return {bid: meta for _, bid, meta in loaded}
@@ -228,6 +288,7 @@ class BlockStore:
         shutil.rmtree(self.blocks_dir, ignore_errors=True)
         shutil.rmtree(self.packs_dir, ignore_errors=True)
         self.packs.clear()
+        self.objects = ObjectFiles()
         self._dirs.clear()
         private_subdir(self.cache_dir, "index")
         private_subdir(self.cache_dir, "blocks")
@@ -296,10 +357,10 @@ class BlockStore:
         try:
             if meta.pack:
                 self.adviser.advise(self.packs.fd(meta.pack), meta.offset + start, end - start)
-            elif (fd := self._block_fds.peek(bid)) is not None:
-                self.adviser.advise(fd, start, end - start)
+            elif (fd := self._block_fds.peek(meta.obj)) is not None:
+                self.adviser.advise(fd, meta.offset + start, end - start)
             else:  # (opened by the adviser: the reader's open then finds the inode in memory)
-                self.adviser.advise_path(f"{self._blocks}/{block_relpath(bid)}", start, end - start)
+                self.adviser.advise_path(self.object_path(meta.obj), meta.offset + start, end - start)
         except OSError:
             return
 
@@ -309,8 +370,8 @@ class BlockStore:
             at = meta.offset
             fd = self.packs.fd(meta.pack) if shared else self.packs.own_fd(meta.pack)
         else:
-            at = 0
-            fd = self._block_fds.get(bid) if shared else self._open_block(bid)
+            at = meta.offset
+            fd = self._block_fds.get(meta.obj) if shared else self._open_block(meta.obj)
         try:
             if nowait and pagecache.available():
                 if pagecache.resident(fd, at + start, end - start) is False:
@@ -333,8 +394,12 @@ class BlockStore:
             if not shared:
                 os.close(fd)
 
-    def _open_block(self, bid: bytes) -> int:
-        return os.open(f"{self._blocks}/{block_relpath(bid)}", _READ_FLAGS)
+    def _open_block(self, oid: bytes) -> int:
+        return os.open(self.object_path(oid), _READ_FLAGS)
+
+    def object_path(self, oid: bytes) -> str:
+        """The file of object ``oid``'s blocks."""
+        return f"{self._blocks}/{block_relpath(oid)}"
 
     verify = staticmethod(verify)
 
@@ -415,50 +480,86 @@ class BlockStore:
         self.pending -= nbytes
         self._fill_errors += failed
 
-    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview,
-                   around: bool = False) -> tuple[str, BlockMeta]:
-        """Write a block to a new file under ``tmp/``, or a block smaller than :data:`PACK_BELOW` to the
-        current pack (then the path returned is ""), and checksum it (worker thread: touches no state
-        but the packs' write position and counts). Raises OSError and then leaves nothing behind.
-        :meth:`install` puts it in place and indexes it.
+    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool = False,
+                   place: Place | None = None) -> tuple[Written, BlockMeta]:
+        """Write a block into its range of its object's file (``place``; default: an object of that one
+        block, named by its id), or a small object's one block into the current pack where small blocks
+        are packed, and checksum it (worker thread: touches no state but the packs' write position and
+        counts). Raises OSError. :meth:`install` indexes it; :meth:`abandon` undoes it.
 
         ``around``: the reader has the bytes already (it is served from memory), so a block of at least
         :data:`DIRECT_MIN` bytes is written around the page cache (``O_DIRECT``): for large blocks,
         filling new page-cache pages costs more CPU than the rest of a cold read, and the mount keeps its
         own copy in the page cache anyway. (A small block costs more CPU written directly: a
         synchronous device write per block.)"""
-        if self.packs.enabled and len(data) < pk.PACK_BELOW:
+        removals = self._removals
+        place = place or Place(bid, 0, len(data))
+        if self.packs.enabled and len(data) < pk.PACK_BELOW and place.size == len(data):
             pack, offset = self.packs.write(data)
-            return "", BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
-        tmp = f"{self._tmp}/{bid.hex()}.{os.urandom(4).hex()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        direct = around and self._direct_works and len(data) >= DIRECT_MIN
+            return Written(0, removals), BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
+        if place.offset % pk.ALIGN or place.offset + len(data) > place.size:
+            raise ValueError(f"a block of {len(data)} bytes cannot be at {place.offset} of {place.size}")
+        path = self.object_path(place.obj)
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self._dirs:
+            try:
+                os.mkdir(parent, 0o700)
+            except FileExistsError:
+                pass
+            self._dirs.add(parent)
+        with self._write_lock:
+            if self._closed:
+                raise OSError(errno.ESHUTDOWN, "the cache is closed")
+            self._writing += 1
         try:
-            fd = os.open(tmp, flags | os.O_DIRECT if direct else flags, 0o600)
+            ino, meta = self._write_in_file(bid, data, around, place, path)
+            return Written(ino, removals), meta
+        finally:
+            with self._write_lock:
+                self._writing -= 1
+
+    def _write_in_file(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool, place: Place,
+                       path: str) -> tuple[int, BlockMeta]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        # (An object's last block, of a length not aligned, is written through the page cache: padded, a
+        # direct write would make the file longer than the object until truncated.)
+        direct = around and self._direct_works and len(data) >= DIRECT_MIN and not len(data) % pk.ALIGN
+        try:
+            fd = os.open(path, flags | os.O_DIRECT if direct else flags, 0o600)
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
                 raise
             log.info("the cache file system does not support O_DIRECT (%s); writing through the page cache", exc)
             self._direct_works = False
             direct = False
-            fd = os.open(tmp, flags, 0o600)
+            fd = os.open(path, flags, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{path} is not an object file of this cache")
         try:
-            if not (direct and self._wrote_direct(fd, data)):
-                view = memoryview(data)
+            if st.st_size != place.size:
+                os.ftruncate(fd, place.size)  # (sparse: a hole where a block is not cached)
+            if not (direct and self._wrote_direct(fd, data, place)):
+                view, at = memoryview(data), place.offset
                 while view:
-                    view = view[os.write(fd, view):]
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
         except BaseException:
-            os.unlink(tmp)
+            try:  # (the range is this fill's alone: nothing of it stays on disk)
+                punch_hole(fd, place.offset, len(data))
+            except OSError:
+                pass
             raise
         finally:
             os.close(fd)
-        return tmp, BlockMeta(len(data), checksums(bid, data))
+        return st.st_ino, BlockMeta(len(data), checksums(bid, data), 0, 0, place.offset, place.obj, place.size)
 
-    def _wrote_direct(self, fd: int, data: bytes | bytearray | memoryview) -> bool:
-        """Write ``data`` to ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared and the file
-        still empty, if the file system takes O_DIRECT but not our alignment (EINVAL)."""
+    def _wrote_direct(self, fd: int, data: bytes | bytearray | memoryview, place: Place) -> bool:
+        """Write ``data`` at its place in ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared, if
+        the file system takes O_DIRECT but not our alignment (EINVAL)."""
         try:
-            write_direct(fd, data)
+            write_direct(fd, data, place.offset)
             return True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
@@ -466,21 +567,28 @@ class BlockStore:
             log.info("direct writes fail on the cache file system (%s); writing through the page cache", exc)
         self._direct_works = False
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        os.ftruncate(fd, 0)
         return False
 
-    def abandon(self, tmp: str, meta: BlockMeta) -> None:
-        """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): delete the
-        temporary file, or free the pack range (trio thread). The caller releases the reservation."""
+    def abandon(self, written: Written, meta: BlockMeta) -> None:
+        """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): free its pack
+        range, or punch its range of the object's file (unless the block was indexed meanwhile by
+        another fill: the same bytes), and remove a file left holding no block (trio thread). The caller
+        releases the reservation."""
         if meta.pack:
             self.packs.free(meta.pack, meta.offset, meta.length, indexed=False)
-        else:
-            discard(tmp)
+            return
+        f = self.objects.get(meta.obj)
+        if f is None and not self._writing:
+            self._unlink_object(meta.obj)  # (holds no block, and no fill is writing into a file)
+        elif f is None or f.blocks.get(meta.offset) is None and not f.held:
+            self._punch(meta.obj, meta.offset, meta.length)
 
-    def install(self, bid: bytes, tmp: str, meta: BlockMeta) -> None:
-        """Move a block written by :meth:`write_temp` into place and index it, consuming its reservation
-        (trio thread; no checkpoint: a block file is never left in place unindexed). Raises OSError, and
-        then removes the temporary file (the caller releases the reservation)."""
+    def install(self, bid: bytes, written: Written, meta: BlockMeta) -> None:
+        """Index a block written by :meth:`write_temp`, consuming its reservation (trio thread; no
+        checkpoint). Raises OSError when the block's range may no longer hold what was written: its
+        object's file was replaced or removed since, or the block was removed (evicted, found damaged)
+        after its write began (the removal may have punched the range after the write); the caller then
+        releases the reservation (the bytes were served from memory)."""
         if meta.pack:
             self.packs.installed(meta.pack)
             try:
@@ -490,45 +598,208 @@ class BlockStore:
                 raise
             self.packs.rolled_over(meta.pack)
             return
-        rel = block_relpath(bid)
-        try:
-            parent = rel.rsplit("/", 1)[0]
-            if parent not in self._dirs:
-                try:
-                    os.mkdir(f"{self._blocks}/{parent}", 0o700)
-                except FileExistsError:
-                    pass
-                self._dirs.add(parent)
-            self._block_fds.forget(bid)  # (a descriptor of a file this one replaces)
-            os.replace(tmp, f"{self._blocks}/{rel}")
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        self.commit(bid, meta)
+        removed = self._removed.get(bid)
+        if (removed is not None and removed > written.removals) or written.removals < self._forgotten:
+            raise OSError(errno.ESTALE, "the block was removed while it was being written")
+        st = os.stat(self.object_path(meta.obj), follow_symlinks=False)
+        if st.st_ino != written.ino or not stat.S_ISREG(st.st_mode) or st.st_size != meta.size:
+            raise OSError(errno.ESTALE, "its object's file was replaced while the block was being written")
+        self.commit(bid, meta, st)
 
-    def commit(self, bid: bytes, meta: BlockMeta) -> None:
-        """Index a block whose file is in place, consuming its reservation."""
+    def commit(self, bid: bytes, meta: BlockMeta, st: os.stat_result | None = None) -> None:
+        """Index a block whose bytes are in place, consuming its reservation; an object whose last block
+        this is takes its fingerprint from ``st`` (its file as it is after the write)."""
         self._seq += 1
         self.index.put(bid, meta._replace(seq=self._seq))
         self.pending -= meta.length
         self.used += meta.length
         self._count += 1
+        if meta.in_file:
+            f = self.objects.added(meta.obj, bid, meta.offset, meta.length, meta.size)
+            if f.held:
+                pass  # (a block refetched into a file the kernel reads: not evictable while it is)
+            else:
+                self.policy.inserted(bid, meta.length)
+            if f.whole and not f.held:
+                fp = Print.of(st) if st is not None else None
+                self.objects.became_whole(meta.obj, fp)
+                if fp is not None:
+                    self.index.set_print(meta.obj, fp.encode())
+            return
         self.policy.inserted(bid, meta.length)
 
     def remove(self, bid: bytes, length: int) -> None:
         existed, meta = self.index.pop(bid)
+        self._removals += 1
+        self._removed[bid] = self._removals
+        if len(self._removed) > _REMOVALS_KEPT:
+            self._forgotten = self._removed.popitem(last=False)[1]
         if meta is not None and meta.pack:
             self.packs.free(meta.pack, meta.offset, meta.length)
-        else:
-            self._block_fds.forget(bid)
-            discard(f"{self._blocks}/{block_relpath(bid)}")
+        elif meta is not None:
+            f = self.objects.get(meta.obj)
+            had_print = f is not None and f.print is not None
+            f = self.objects.removed(meta.obj, meta.offset, meta.length)
+            if had_print:
+                self.index.set_print(meta.obj, None)
+            if f is not None and f.held:
+                f.deferred.append((bid, meta.offset, meta.length))  # (a hole would read as zeros now)
+            elif f is None or not f.have:
+                self._unlink_object(meta.obj)
+            else:
+                self._punch(meta.obj, meta.offset, meta.length)
+        else:  # (a malformed entry: its id may name a file)
+            self._unlink_object(bid)
         if existed:
             self.used -= length
             self._count -= 1
         self.policy.removed(bid)
+
+    def _punch(self, oid: bytes, offset: int, length: int) -> None:
+        try:
+            fd = os.open(self.object_path(oid), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if not missing(exc):
+                log.warning("could not free a cached block's range of %s: %s", oid.hex(), exc)
+            return
+        try:
+            punch_hole(fd, offset, length)
+        except OSError as exc:
+            log.warning("could not free a cached block's range of %s: %s", oid.hex(), exc)
+        finally:
+            os.close(fd)
+
+    def _unlink_object(self, oid: bytes) -> None:
+        self._block_fds.forget(oid)
+        self.objects.forget(oid)
+        discard(self.object_path(oid))
+
+    # -- the kernel's reads (passthrough) --------------------------------------------------------------
+
+    def backing_fd(self, oid: bytes) -> int | None:
+        """A read-only descriptor of ``oid``'s file for the kernel to read itself, if the object is whole
+        and its file is exactly the one whose fingerprint was taken; else None (the object is then read
+        through the daemon). A file that is not what its fingerprint says (written, truncated, replaced
+        since) loses its fingerprint and is hashed before it is lent again."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole or f.print is None:
+            return None
+        try:
+            fd = os.open(self.object_path(oid), _READ_FLAGS)
+        except OSError as exc:
+            self.suspect(oid, f"it cannot be opened ({exc.strerror})")
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or Print.of(st) != f.print:
+            os.close(fd)
+            self.suspect(oid, "it was changed since its fingerprint was taken")
+            return None
+        return fd
+
+    def suspect(self, oid: bytes, why: str) -> None:
+        """``oid``'s file may not be what was written: read through the daemon until it is hashed again."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole:
+            return
+        log.warning("cached object file %s: %s; read through the daemon until its blocks are checked again",
+                    oid.hex(), why)
+        self.objects.suspected += 1
+        if f.print is not None:
+            self.index.set_print(oid, None)
+        self.objects.became_whole(oid, None)
+
+    def lend(self, oid: bytes) -> None:
+        """The kernel opened a backing file on ``oid``: its blocks are not evicted until :meth:`returned`."""
+        f = self.objects.files[oid]
+        if not f.held:
+            for bid in f.blocks.values():
+                self.policy.removed(bid)
+        self.objects.lend(oid)
+
+    def returned(self, oid: bytes) -> None:
+        """A backing file on ``oid`` was closed: the last one gives its blocks back to the policy, and
+        punches the ranges of blocks dropped meanwhile."""
+        deferred = self.objects.returned(oid)
+        f = self.objects.get(oid)
+        if f is None or f.held:
+            return
+        for _bid, offset, length in deferred:
+            if f.blocks.get(offset) is None:
+                self._punch(oid, offset, length)
+        for offset, bid in f.blocks.items():
+            self.policy.inserted(bid, f.length(offset))
+        if not f.have:
+            self._unlink_object(oid)
+        elif f.whole and f.print is None:
+            self.objects.became_whole(oid, None)  # (refilled while lent: hashed before it is lent again)
+
+    def check_plan(self, oid: bytes) -> list[tuple[bytes, BlockMeta]]:
+        """The blocks of whole object ``oid`` to hash (:meth:`check_object`), in order."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole:
+            return []
+        plan = []
+        for offset in sorted(f.blocks):
+            bid = f.blocks[offset]
+            meta = self.index.get(bid)
+            if meta is None or meta.obj != oid or meta.offset != offset:
+                log.warning("cached object file %s: its index entries do not say what it holds; dropping it",
+                            oid.hex())
+                for other in list(f.blocks.values()):
+                    entry = self.index.get(other)
+                    self.remove(other, entry.length if entry is not None else 0)
+                self._unlink_object(oid)
+                return []
+            plan.append((bid, meta))
+        return plan
+
+    def check_object(self, oid: bytes, plan: list[tuple[bytes, BlockMeta]], rate: float) -> tuple[
+            Print | None, list[tuple[bytes, BlockMeta, str]]]:
+        """(a worker thread) Hash every block of ``plan`` against its checksums, at most ``rate`` bytes a
+        second: the file's fingerprint if it did not change while it was read (None if it did, or
+        cannot be read), and the blocks that failed (id, entry, why)."""
+        try:
+            before = os.stat(self.object_path(oid), follow_symlinks=False)
+        except OSError:
+            return None, []
+        bad = []
+        started, done = time.monotonic(), 0
+        for bid, meta in plan:
+            data = self.pread_range(bid, meta, 0, meta.length)
+            if isinstance(data, OSError) and not missing(data):
+                return None, []  # (not evidence of damage: checked again later)
+            why = self.verify(bid, meta, 0, meta.length, data)
+            if why:
+                bad.append((bid, meta, why))
+            done += meta.length
+            ahead = done / rate - (time.monotonic() - started) if rate > 0 else 0
+            if ahead > 0:
+                time.sleep(ahead)
+        try:
+            after = os.stat(self.object_path(oid), follow_symlinks=False)
+        except OSError:
+            return None, bad
+        if Print.of(before) != Print.of(after) or not stat.S_ISREG(after.st_mode) or after.st_nlink != 1:
+            return None, bad
+        return Print.of(after), bad
+
+    def checked(self, oid: bytes, plan: list[tuple[bytes, BlockMeta]], fp: Print | None,
+                bad: list[tuple[bytes, BlockMeta, str]]) -> bool:
+        """(the trio thread) What :meth:`check_object` found: damaged blocks are dropped; an object that
+        is still whole, as planned, with a fingerprint, is known right again. Whether it is."""
+        for bid, meta, why in bad:
+            if self.index.get(bid) == meta:
+                self.drop_corrupt(bid, meta, why)
+        f = self.objects.get(oid)
+        if bad or f is None or not f.whole or fp is None or fp.size != f.size:
+            if f is not None and f.whole and not bad and fp is None:
+                self.objects.became_whole(oid, None)  # (changed while it was read: hashed again)
+            return False
+        if any(f.blocks.get(meta.offset) != bid for bid, meta in plan):
+            return False
+        self.objects.became_whole(oid, fp)
+        self.index.set_print(oid, fp.encode())
+        return True
 
     def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
@@ -572,4 +843,9 @@ class BlockStore:
             not_admitted=self._not_admitted,
             pinned_bytes=self.pinned,
             advice_dropped=self.adviser.dropped,
+            object_files=len(self.objects),
+            whole_objects=self.objects.whole(),
+            whole_bytes=self.objects.whole_size,
+            unchecked_objects=self.objects.unchecked(),
+            lent_objects=self.objects.lent,
         )

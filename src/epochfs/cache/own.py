@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import trio
 
+from epochfs.blockstore.objects import Place
 from epochfs.blockstore.store import BlockStore
 from epochfs.core.blocks import block_bounds, block_count
 from epochfs.core.records import ObjectInfo
@@ -31,7 +32,7 @@ class OwnUploads:
                  is_cached: Callable[[bytes], bool]) -> None:
         self.store = store
         self.block_size = block_size
-        self.block_id = block_id
+        self.block_id = block_id  # (block 0's names the object's file in the store)
         self.is_cached = is_cached  # resident, or being fetched
         self._offered: dict[tuple[str, str], Read] = {}  # by (key, ETag) of the uploaded version
 
@@ -66,7 +67,8 @@ class OwnUploads:
                 data = await trio.to_thread.run_sync(read, start, length)
                 if data is None or len(data) != length:
                     raise OSError(f"{0 if data is None else len(data)} bytes read of {length}")
-                tmp, meta = await trio.to_thread.run_sync(store.write_temp, bid, data)
+                place = Place(self.block_id(obj, 0), start, obj.size)
+                tmp, meta = await trio.to_thread.run_sync(store.write_temp, bid, data, False, place)
             except OSError as exc:
                 store.release(length)
                 log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)

@@ -1,13 +1,24 @@
-"""Passthrough opens (``--passthrough``): the kernel reads a cached object's whole file itself.
+"""Passthrough opens (on by default): the kernel reads a fully cached object from its file in the store.
 
-Which open gets a backing file, and the bookkeeping the kernel's rules ask for: an inode is read either
-through the daemon (cached opens) or through one backing file (passthrough opens), never both at once
-(the kernel fails the open that would mix them), so an inode with cached opens outstanding gets cached
-opens until they are released, and one with a backing file gets that same backing file for every open
-until the last is released (then its id is let go). Objects are assembled whole in the background
-(:mod:`epochfs.blockstore.whole`) once all their blocks are cached: at an open that finds them so, and when
-the last open of an object that was read through the daemon is released. One at a time, in the order
-asked. Runs on the trio thread.
+An object whose blocks are all cached is, in the store, one file that is the object byte for byte
+(:mod:`epochfs.blockstore.objects`); an open of it is answered with that file as its backing file and the
+kernel reads it itself (FUSE passthrough, Linux 6.9+, a root daemon): no daemon work per read, no
+second copy. Opens of an object not yet whole are read through the daemon, and its later opens pass
+through once it is.
+
+The kernel's rules: an inode is read either through the daemon (cached opens) or through one backing
+file (passthrough opens), never both at once (the kernel fails the open that would mix them), so an
+inode with cached opens outstanding gets cached opens until they are released, and one with a backing
+file gets that same backing file for every open until the last is released. A backing file registered
+with the kernel is kept for the next open of its object (at most :attr:`Passthrough.KEPT`, the least
+recently opened let go), so a hot small file costs an open and a release, not a file opened and
+registered each time; the object's file is checked against its fingerprint at every open all the same.
+
+Reads the kernel serves never reach the daemon: each passthrough open counts the object's size as
+bytes read from the cache (a reader that reads part of a file counts it whole; per open, not per read).
+
+The scrub (:meth:`Passthrough.run`) hashes every whole object against its chunk checksums at a bounded
+rate, those whose fingerprint is to be taken first. Runs on the trio thread.
 """
 
 from __future__ import annotations
@@ -15,22 +26,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
-from epochfs.blockstore.keys import whole_id
-from epochfs.blockstore.whole import Whole, WholeFiles, hasher
 from epochfs.cache.service import BlockCache
-from epochfs.core.blocks import block_count
 from epochfs.core.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
-
-#: Objects smaller than this are not held whole: the page cache serves them as well, with no copy.
-MIN_SIZE = 1 << 20
 
 
 class Kernel(Protocol):
@@ -41,59 +47,70 @@ class Kernel(Protocol):
     def backing_close(self, backing_id: int) -> None: ...
 
 
+class BackingChanged(Exception):
+    """An open of an inode the kernel reads through a backing file that is no longer known right: it is
+    failed (EIO) rather than served from that file, until the inode's other opens are released."""
+
+
 @dataclass
 class _Inode:
     obj: ObjectInfo
     cached: set[int] = field(default_factory=set)  # handles read through the daemon
     passed: set[int] = field(default_factory=set)  # handles the kernel reads itself
-    backing: int = 0
-    whole: Whole | None = None
+    backing: _Backing | None = None
+
+
+@dataclass
+class _Backing:
+    oid: bytes
+    id: int  # the kernel's backing id
+    fd: int  # our descriptor of the same file (its fingerprint is checked at each open)
+    users: int = 0
 
 
 @dataclass(frozen=True)
 class PassthroughStats:
-    active: bool  # False once the kernel refused a backing file
+    active: bool  # False where the kernel reads nothing itself (see ``off``)
     opens: int  # opens the kernel read itself
     cached_opens: int  # opens read through the daemon
-    open_files: int  # files open in passthrough now
-    whole_files: int
+    open_files: int  # objects with a passthrough open now
+    whole_files: int  # objects whole in the cache (the kernel may read them)
     whole_bytes: int
-    whole_limit: int
-    assembled: int
-    damaged: int
-    evicted: int
-    unchecked: int = 0  # copies a run before left, not hashed yet (read through the daemon until they are)
+    unchecked: int  # whole, to be hashed before the kernel reads them (a change seen, a crash)
+    damaged: int  # objects found changed or damaged (at open or by the scrub)
+    bytes_opened: int  # what passthrough opens counted as read (each open: the object's size)
+    off: str = ""  # why it is off, when it is
 
 
 class Passthrough:
-    #: How often every whole file is hashed again, and how fast (bytes a second).
+    #: How often every whole object is hashed again, and how fast (bytes a second).
     SCRUB_EVERY = 86400.0
     SCRUB_RATE = 64 << 20
-    #: A copy a run before left is not served until hashed, and its object is read through the daemon
-    #: meanwhile: it is checked faster (16 s per GiB at the scrub's rate, 4 s at this one).
+    #: An object whose fingerprint is to be taken is read through the daemon meanwhile: hashed faster.
     FIRST_CHECK_RATE = 256 << 20
+    #: Backing files kept registered with the kernel for the next open of their object.
+    KEPT = 1024
 
-    def __init__(self, whole: WholeFiles, cache: BlockCache, kernel: Callable[[], Kernel | None], *,
-                 scrub_every: float | None = None) -> None:
-        self.whole = whole
+    def __init__(self, cache: BlockCache, kernel: Callable[[], Kernel | None], *,
+                 scrub_every: float | None = None, on_off: Callable[[], None] | None = None) -> None:
         self.cache = cache
+        self.store = cache.store
         self._kernel = kernel
         self.scrub_every = self.SCRUB_EVERY if scrub_every is None else scrub_every
-        self.active = True  # False once the kernel has refused a backing file (not root, no passthrough)
+        self.active = True
+        self.why_off = ""
+        self._on_off = on_off
         self._inodes: dict[int, _Inode] = {}
         self._handles: dict[int, int] = {}  # fh -> inode
-        self._queue: dict[str, ObjectInfo] = {}  # whole id -> object, to assemble (in order)
-        self._wake = trio.Event()
-        self.opens = self.cached_opens = 0
-
-    def _wid(self, obj: ObjectInfo) -> str:
-        return whole_id(self.cache.source_id, obj.key, obj.etag, obj.size)
+        self._backings: OrderedDict[bytes, _Backing] = OrderedDict()  # object id -> registered backing file
+        self.opens = self.cached_opens = self.damaged = self.bytes_opened = 0
 
     # -- opens -------------------------------------------------------------------------------------------
 
     def open(self, inode: int, obj: ObjectInfo, fh: int) -> int:
-        """The backing id to answer this open with (the kernel reads the whole file), or 0: read it
-        through the daemon. Either way the handle is remembered until :meth:`release`."""
+        """The backing id to answer this open with (the kernel reads the object's file), or 0: read it
+        through the daemon. Either way the handle is remembered until :meth:`release`. Raises
+        :class:`BackingChanged` for an inode the kernel reads from a file no longer known right."""
         st = self._inodes.get(inode)
         if st is None or st.obj is not obj:
             if st is not None and (st.cached or st.passed):
@@ -102,51 +119,95 @@ class Passthrough:
                 self.cached_opens += 1
                 return 0
             st = self._inodes[inode] = _Inode(obj)
+        if st.backing is not None:  # (opens outstanding read this file: this one must too)
+            if not self._still_right(st.backing):
+                raise BackingChanged(obj.key)
+            return self._passed(st, fh, inode)
+        if not st.cached and self.active and self._eligible(obj):
+            backing = self._backing(obj)
+            if backing is not None:
+                st.backing = backing
+                backing.users += 1
+                self.store.lend(backing.oid)
+                return self._passed(st, fh, inode)
         self._handles[fh] = inode
-        if st.backing:
-            st.passed.add(fh)
-            self.opens += 1
-            return st.backing
-        if not st.cached and self.active:
-            backing = self._backing(st)
-            if backing:
-                st.passed.add(fh)
-                self.opens += 1
-                return backing
-        elif self.active and self._eligible(obj):
-            self._consider(obj)  # (for the opens after these)
         st.cached.add(fh)
         self.cached_opens += 1
         return 0
 
-    def _backing(self, st: _Inode) -> int:
-        obj = st.obj
-        if not self._eligible(obj):
-            return 0
-        w = self.whole.get(self._wid(obj), obj.size)
-        if w is None:
-            self._consider(obj)
-            return 0
-        kernel = self._kernel()
-        fd = self.whole.open_file(w) if kernel is not None else None
-        if kernel is None or fd is None:
-            return 0
+    def _passed(self, st: _Inode, fh: int, inode: int) -> int:
+        assert st.backing is not None
+        self._handles[fh] = inode
+        st.passed.add(fh)
+        self.opens += 1
+        self.bytes_opened += st.obj.size
+        self.cache.count_hit(st.obj.size)
+        return st.backing.id
+
+    def _still_right(self, b: _Backing) -> bool:
+        f = self.store.objects.get(b.oid)
         try:
-            st.backing = kernel.backing_open(fd)
+            st = os.fstat(b.fd)
+        except OSError:
+            return False
+        return f is not None and f.print is not None and f.whole and (
+            st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns) == tuple(f.print)
+
+    def _backing(self, obj: ObjectInfo) -> _Backing | None:
+        oid = self.cache.object_id(obj)
+        kept = self._backings.get(oid)
+        if kept is not None:
+            if self._still_right(kept):
+                self._backings.move_to_end(oid)
+                return kept
+            if not kept.users:
+                self._let_go(kept)  # (evicted from, refilled or changed since: looked at afresh)
+        f = self.store.objects.get(oid)
+        if f is None or not f.whole or f.print is None or f.size != obj.size:
+            return None
+        kernel = self._kernel()
+        if kernel is None:
+            return None
+        fd = self.store.backing_fd(oid)
+        if fd is None:
+            return None
+        try:
+            backing_id = kernel.backing_open(fd)
         except OSError as exc:
-            self.off(f"the kernel refused a backing file ({'the daemon lacks CAP_SYS_ADMIN' if exc.errno == errno.EPERM else exc.strerror})")
-            return 0
-        finally:
             os.close(fd)
-        st.whole = w
-        w.users += 1
-        return st.backing
+            self.off(f"the kernel refused a backing file ({'the daemon lacks CAP_SYS_ADMIN' if exc.errno == errno.EPERM else exc.strerror})")
+            return None
+        b = self._backings[oid] = _Backing(oid, backing_id, fd)
+        self._trim()
+        return b
+
+    def _trim(self) -> None:
+        for oid in list(self._backings):
+            if len(self._backings) <= self.KEPT:
+                break
+            b = self._backings[oid]
+            if not b.users:
+                self._let_go(b)
+
+    def _let_go(self, b: _Backing) -> None:
+        if self._backings.get(b.oid) is b:
+            del self._backings[b.oid]
+        kernel = self._kernel()
+        if kernel is not None:
+            try:
+                kernel.backing_close(b.id)
+            except OSError as exc:  # (unmounted)
+                log.debug("backing id %d not closed: %s", b.id, exc)
+        os.close(b.fd)
 
     def off(self, why: str) -> None:
-        """Passthrough is not to be had on this mount: every open reads through the daemon from now on."""
+        """The kernel reads nothing itself on this mount: every open reads through the daemon from now on."""
         if self.active:
             self.active = False
+            self.why_off = why
             log.warning("passthrough is off: %s; files are read through the daemon", why)
+            if self._on_off is not None:
+                self._on_off()
 
     def release(self, fh: int) -> None:
         inode = self._handles.pop(fh, None)
@@ -158,95 +219,54 @@ class Passthrough:
         if st.passed or st.cached:
             return
         del self._inodes[inode]
-        if st.backing:
-            kernel = self._kernel()
-            if kernel is not None:
-                try:
-                    kernel.backing_close(st.backing)
-                except OSError as exc:  # (unmounted)
-                    log.debug("backing id %d not closed: %s", st.backing, exc)
-            if st.whole is not None:
-                st.whole.users -= 1
-        elif self.active and self._eligible(st.obj):
-            self._consider(st.obj)  # (read through the daemon: held whole for the next open, if all cached)
+        b = st.backing
+        if b is not None:
+            b.users -= 1
+            self.store.returned(b.oid)
+            if not b.users and (self._backings.get(b.oid) is not b or not self._still_right(b)):
+                self._let_go(b)
+            else:
+                self._trim()
 
     def _eligible(self, obj: ObjectInfo) -> bool:
-        return obj.size >= MIN_SIZE and stored_extent(obj)[0] is obj
+        return obj.size > 0 and stored_extent(obj)[0] is obj
 
-    # -- assembly ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let every kept backing file go (unmounting)."""
+        for b in list(self._backings.values()):
+            self._let_go(b)
 
-    def _consider(self, obj: ObjectInfo) -> None:
-        wid = self._wid(obj)
-        if wid in self._queue or wid in self.whole.files or obj.size > self.whole.limit:
-            return
-        if all(self.cache.is_cached(self.cache.block_id(obj, i)) for i in range(self._blocks(obj))):
-            self._queue[wid] = obj
-            self._wake.set()
-
-    def _blocks(self, obj: ObjectInfo) -> int:
-        return block_count(obj.size, self.cache.block_size)
+    # -- the scrub ---------------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._assemble_loop)
-            nursery.start_soon(self._scrub_loop)  # (with no scrub: the copies a run before left, once)
-            task_status.started()
-
-    async def _assemble_loop(self) -> None:
+        task_status.started()
+        objects = self.store.objects
         while True:
-            while not self._queue:
-                await self._wake.wait()
-                self._wake = trio.Event()
-            wid = next(iter(self._queue))
-            obj = self._queue[wid]
-            try:
-                await self.assemble(wid, obj)
-            finally:
-                self._queue.pop(wid, None)
-
-    async def assemble(self, wid: str, obj: ObjectInfo) -> Whole | None:
-        """Write ``obj`` whole from its cached blocks (each verified as it is read); None if a block is
-        no longer cached or there is no room."""
-        if wid in self.whole.files or not self.whole.admit(obj.size):
-            return None
-        tmp = self.whole.temp_path(wid)
-        h = hasher(wid)
-        blocks = self._blocks(obj)
-        try:
-            for index in range(blocks):
-                data = await self.cache.read_stored(obj, index)
-                if data is None:
-                    raise LookupError(index)
-                h.update(data)
-                await trio.to_thread.run_sync(self.whole.write, tmp, data, index == blocks - 1)
-        except (LookupError, OSError) as exc:
-            if not isinstance(exc, LookupError):
-                log.warning("could not hold %s whole: %s", obj.key, exc)
-            self.whole.abandon(wid, obj.size)
-            return None
-        except BaseException:
-            self.whole.abandon(wid, obj.size)
-            raise
-        return self.whole.install(wid, h.hexdigest(), obj.size)
-
-    async def _scrub_loop(self) -> None:
-        while True:
-            w = self.whole.due(self.scrub_every)
-            if w is None:
-                await trio.sleep(min(60.0, self.scrub_every / 4 or 60.0))
+            oid = objects.due(self.scrub_every)
+            if oid is None:
+                await trio.sleep(1.0)
                 continue
-            if not w.verified:
-                log.info("checking whole cached file %s, left by a run before, before it is served", w.name)
+            f = objects.get(oid)
+            first = f is not None and not f.checked
+            plan = self.store.check_plan(oid)
+            if not plan:  # (its entries do not say what it holds: its blocks were dropped)
+                continue
+            if first:
+                log.info("checking cached object file %s before the kernel reads it", oid.hex())
             try:
-                answer = await trio.to_thread.run_sync(self.whole.verify, w,
-                                                       self.SCRUB_RATE if w.verified else self.FIRST_CHECK_RATE)
-            except Exception as exc:  # noqa: BLE001 - a scrub never takes the mount down: the copy goes
-                answer = OSError(errno.EIO, f"checking it failed: {exc!r}")
-            self.whole.verified(w, answer)
+                fp, bad = await trio.to_thread.run_sync(self.store.check_object, oid, plan,
+                                                        self.FIRST_CHECK_RATE if first else self.SCRUB_RATE)
+            except Exception as exc:  # noqa: BLE001 - a scrub never takes the mount down
+                log.warning("checking cached object file %s failed: %r", oid.hex(), exc)
+                fp, bad = None, []
+            if bad:
+                self.damaged += 1
+            if not self.store.checked(oid, plan, fp, bad):
+                await trio.sleep(1.0)  # (changed while read, or unreadable: again, not at once)
 
     def statistics(self) -> PassthroughStats:
-        w = self.whole.statistics()
+        s = self.store.statistics()
         return PassthroughStats(self.active, self.opens, self.cached_opens,
-                                sum(1 for st in self._inodes.values() if st.backing), w.files, w.bytes, w.limit,
-                                w.assembled, w.damaged, w.evicted, w.unchecked)
-
+                                sum(1 for b in self._backings.values() if b.users), s.whole_objects, s.whole_bytes,
+                                s.unchecked_objects, self.damaged + self.store.objects.suspected, self.bytes_opened,
+                                self.why_off)

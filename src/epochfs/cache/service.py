@@ -44,7 +44,8 @@ import trio
 from epochfs.backend.base import Backend
 from epochfs.blockstore.format import BlockMeta
 from epochfs.blockstore.handoff import Handoff
-from epochfs.blockstore.store import WOULD_BLOCK, BlockStore
+from epochfs.blockstore.objects import Place
+from epochfs.blockstore.store import WOULD_BLOCK, BlockStore, Written
 from epochfs.cache import workers
 from epochfs.cache.accounting import CacheStats, Tally
 from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
@@ -143,6 +144,15 @@ class BlockCache:
 
     def _compute_block_id(self, key: str, etag: str, index: int) -> bytes:
         return block_id(self._source, key, etag, index, block_size=self.block_size)
+
+    def place(self, obj: ObjectInfo, index: int) -> Place:
+        """Where block ``index`` of ``obj`` goes in the store: its object's file, named by the first
+        block's id (:mod:`epochfs.blockstore.objects`)."""
+        return Place(self.block_id(obj, 0), index * self.block_size, obj.size)
+
+    def object_id(self, obj: ObjectInfo) -> bytes:
+        """The id of ``obj``'s file in the store."""
+        return self.block_id(obj, 0)
 
     def block_length(self, obj: ObjectInfo, index: int) -> int:
         """Length of block ``index`` of ``obj`` (ValueError if it has no such block)."""
@@ -484,7 +494,8 @@ class BlockCache:
             if not admitted or data is None:
                 return
             try:
-                result: tuple[str, BlockMeta] | OSError = self.store.write_temp(bid, data, around=flight.near)
+                result: tuple[Written, BlockMeta] | OSError = self.store.write_temp(
+                    bid, data, around=flight.near, place=self.place(obj, index))
             except OSError as exc:
                 result = exc
             if not handoff.give(result) and isinstance(result, tuple):
@@ -495,7 +506,7 @@ class BlockCache:
 
         held = 0
         try:
-            written: tuple[str, BlockMeta] | OSError | None = None
+            written: tuple[Written, BlockMeta] | OSError | None = None
             try:
                 if not flight.demand:  # (room for it in memory first; a reader that comes to wait lets it go)
                     await self.ahead.acquire(length, flight.urgent)

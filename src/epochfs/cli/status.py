@@ -335,12 +335,14 @@ def format_peer(p: dict[str, Any]) -> list[str]:
 
 
 def format_passthrough(p: dict[str, Any]) -> str:
-    state = "on" if p["active"] else "OFF (the kernel refused a backing file: see the log)"
-    damaged = f"; {p['damaged']} damaged copies removed" if p["damaged"] else ""
+    if not p["active"]:
+        return (f"passthrough OFF: {p.get('off') or 'the kernel refused a backing file (see the log)'}; every file "
+                "is read through the daemon")
+    more = f"; {p['damaged']} cached files found changed or damaged (refetched)" if p["damaged"] else ""
     if p.get("unchecked"):
-        damaged += f"; {p['unchecked']} copies left by the run before being checked before they are served"
-    return (f"passthrough {state}: {p['opens']} opens read by the kernel, {p['cached_opens']} through the daemon; "
-            f"{p['whole_files']} whole copies ({human(p['whole_bytes'])} of {human(p['whole_limit'])}){damaged}")
+        more += f"; {p['unchecked']} being checked before the kernel reads them (read through the daemon meanwhile)"
+    return (f"passthrough on: {p['opens']} opens read by the kernel, {p['cached_opens']} through the daemon; "
+            f"{p['whole_files']} files whole in the cache ({human(p['whole_bytes'])}){more}")
 
 
 def format_writeback(w: dict[str, Any]) -> str:

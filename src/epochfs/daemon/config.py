@@ -311,23 +311,29 @@ class Config:
         "read-only mount opens files with no request, so a file already in the page cache is read with no "
         "daemon work at all (write-back mounts always ask)")
     passthrough: bool = option(
-        False, "mount", "let the kernel read a cached file itself (FUSE passthrough, Linux 6.9+, root): an "
-        "object whose blocks are all cached is copied whole into the cache once, and later opens of it are "
-        "read by the kernel from that file at the disk's speed, with no daemon work. Those reads are not "
-        "checked one by one: the copy is checked when it is made, at each open (the file written, unchanged) "
-        "and by a daily scrub; a damaged one is never served again. Opens then ask the daemon "
-        "(--open-requests); not with --writeback. Off where the kernel has no passthrough, with a warning")
+        True, "mount", "the kernel reads a fully cached file from the cache's own file itself (FUSE passthrough, "
+        "Linux 6.9+, a root daemon), with no daemon work per read: on by default (the flag is kept for command "
+        "lines that name it); --no-passthrough turns it off. Those reads are not checked one by one: each "
+        "file's bytes are checked when they enter the cache, the file's fingerprint at each open, and all "
+        "of it by the scrub (--passthrough-scrub); a file that fails is read through the daemon, verified, "
+        "until refetched. Where the kernel or the daemon cannot (an older kernel, not root, --writeback), "
+        "files are read through the daemon, as the log and `epochfs status` say")
+    no_passthrough: bool = option(
+        False, "mount", "read every file through the daemon, each read checked against the cache's "
+        "checksums (today's check of every read, at the daemon's CPU per byte), instead of the kernel "
+        "reading fully cached files itself")
     io_uring: bool = option(
         False, "mount", "take the kernel's requests through an io_uring (FUSE over io_uring, Linux 6.14+) "
         "instead of reading and writing /dev/fuse; the kernel offers it only once root has set "
         "/sys/module/fuse/parameters/enable_uring to Y (else: /dev/fuse, with a warning). It changes the "
         "transport, not the page cache; measured beside /dev/fuse in benchmarks/peers (docs/kernel-paths.md)")
     passthrough_size: int | None = option(
-        None, "mount", "bound of the whole copies --passthrough keeps (default: half of --cache-size; they count "
-        "against it, so it bounds them too)", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')
+        None, "mount", "no longer used (passthrough reads the cache's own files: there are no copies to bound); "
+        "accepted, with a warning", metavar="SIZE", parse=lambda t: parse_size(t), example='"200G"')
     passthrough_scrub: float = option(
-        86400.0, "mount", "hash every whole copy --passthrough keeps again at least this often (at 64 MiB/s at "
-        "most; 0: only when it is made and at each open)", metavar="SECONDS", parse=float)
+        86400.0, "mount", "hash every fully cached file the kernel may read against its checksums again at least "
+        "this often (64 MiB/s at most: a 1 TiB cache takes 4.6 h; 0: only a file whose fingerprint was lost, "
+        "before the kernel reads it again)", metavar="SECONDS", parse=float)
     attr_timeout: float = option(3600.0, "mount", "how long the kernel may cache names and attributes",
                                  metavar="SECONDS", parse=float)
     fuse_options: tuple[str, ...] = option((), "mount", "extra FUSE mount option (repeatable)", flag="-o",
@@ -363,6 +369,11 @@ class Config:
     def serving(self) -> bool:
         """A cache node (``epochfs serve``): no mount, a member of the cluster tier that holds its share."""
         return self.mountpoint is None
+
+    @property
+    def kernel_reads(self) -> bool:
+        """Passthrough is wanted: a read-only mount (not a cache node) without --no-passthrough."""
+        return self.passthrough and not self.no_passthrough and not self.writeback and not self.serving
 
     def __post_init__(self) -> None:
         cache_dir = Path(os.path.abspath(self.cache_dir)) if self.cache_dir else default_cache_dir(self.source)
@@ -402,13 +413,8 @@ class Config:
             raise ConfigError(f"--eviction {self.eviction!r}: choose {', '.join(policies.names())}")
         if self.upload_concurrency < 1:
             raise ConfigError("--upload-concurrency must be >= 1")
-        if self.passthrough and self.writeback:
-            raise ConfigError("--passthrough serves cached objects read-only: not with --writeback (the kernel "
-                              "allows no write-back cache with it)")
         if self.passthrough_scrub < 0:
             raise ConfigError("--passthrough-scrub must be >= 0 seconds")
-        if self.passthrough_size is not None and self.passthrough_size < self.block_size:
-            raise ConfigError("--passthrough-size must hold at least one block (the cache's bound applies too)")
         if self.writeback and not kind_of(self.source).capabilities.write:
             raise ConfigError(f"--writeback needs a source that can be written; {self.source.url} is read-only")
         for name in ("prefetch_bandwidth", "backend_bandwidth", "upload_bandwidth"):

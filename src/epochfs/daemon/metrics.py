@@ -100,10 +100,16 @@ METRICS: dict[str, tuple[str, str]] = {
     "writeback_oldest_pending_seconds": ("gauge", "How long the oldest closed file not yet in the backend has waited."),
     "writeback_uploaded_bytes": ("counter", "Bytes of written files uploaded to the backend."),
     "writeback_uploaded_files": ("counter", "Written files uploaded to the backend."),
-    "passthrough_opens": ("counter", "Opens the kernel read itself from a whole cached file (--passthrough): "
-                          "their reads reach no daemon series (not in cache_hits)."),
-    "passthrough_whole_bytes": ("gauge", "Bytes of the whole copies kept for passthrough (within the cache's bound)."),
-    "passthrough_damaged": ("counter", "Whole copies that failed a check (at open or by the scrub) and were removed."),
+    "passthrough_opens": ("counter", "Opens the kernel read itself from a whole cached file (passthrough): each "
+                          "counts in cache_hits once and its object's size in cache_hit_bytes (per open: a reader "
+                          "that reads part of a file counts it whole; its reads reach no other daemon series)."),
+    "passthrough_opened_bytes": ("counter", "What passthrough opens counted as read from the cache (each open: its "
+                                 "object's size)."),
+    "passthrough_whole_bytes": ("gauge", "Bytes of the objects whole in the cache, which the kernel may read itself."),
+    "passthrough_unchecked_files": ("gauge", "Whole cached files being hashed before the kernel reads them (a change "
+                                    "found at open, a machine that stopped uncleanly): read through the daemon."),
+    "passthrough_damaged": ("counter", "Cached files found changed (at open) or damaged (by the scrub): read through "
+                            "the daemon and refetched."),
     "peer_bytes": ("counter", "Block bytes exchanged with members of the cluster cache tier: in (fetched from "
                    "an owner instead of the backend), out (served to a member)."),
     "fetched_bytes": ("counter", "Bytes this node fetched (for readers and ahead of them), by where they came from: "
@@ -213,7 +219,8 @@ def sample_of(c: Collected) -> Sample:
         values.update({"learned_fetched_bytes": c.learned.fetched_bytes, "learned_used_bytes": c.learned.used_bytes})
     pt = c.passthrough
     if pt is not None:
-        values.update({"passthrough_opens": pt.opens, "passthrough_whole_bytes": pt.whole_bytes,
+        values.update({"passthrough_opens": pt.opens, "passthrough_opened_bytes": pt.bytes_opened,
+                       "passthrough_whole_bytes": pt.whole_bytes, "passthrough_unchecked_files": pt.unchecked,
                        "passthrough_damaged": pt.damaged})
     histograms = {"read_seconds": c.fs.read_seconds}
     if c.backend.request_seconds is not None:

@@ -30,7 +30,6 @@ import trio
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.blockstore.store import BlockStore
-from epochfs.blockstore.whole import WholeFiles
 from epochfs.cache.passthrough import Passthrough
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
@@ -89,8 +88,8 @@ class Daemon:
         self._stopped: trio.Event | None = None  # a cache node's: set to stop it
         self._link_sample: tuple[float, int] | None = None  # (when, bytes served) at the last heartbeat
         # Read-only mounts open files with no request; each inode number is then one version of a file.
-        self.zero_open = (not config.open_requests and not config.writeback and not config.serving
-                          and not config.passthrough)
+        # (Where the kernel reads cached files itself, opens are answered: see vfs/fs.py.)
+        self.zero_open = not config.open_requests and not config.writeback and not config.serving
         # A malformed address fails before the cache is locked.
         metrics_addr = parse_addr(config.metrics_addr or DEFAULT_ADDR)
         with contextlib.ExitStack() as opened:  # a part that fails to open closes those opened before it
@@ -163,12 +162,16 @@ class Daemon:
             presented=lambda node: self.ops.presented(node))
         self.cache.wire(observer=Observers(self.prefetcher, self.learner))
         self.passthrough: Passthrough | None = None
-        if config.passthrough and not config.serving and os.geteuid() == 0:
-            whole = WholeFiles(config.cache_dir, self.store,
-                               min(config.passthrough_size or config.cache_size // 2, config.cache_size))
-            whole.open()
-            self.passthrough = Passthrough(whole, self.cache, lambda: self.session,
-                                           scrub_every=config.passthrough_scrub)
+        if config.kernel_reads:
+            packing = self.store.packing
+            self.passthrough = Passthrough(self.cache, lambda: self.session, scrub_every=config.passthrough_scrub,
+                                           on_off=lambda: setattr(self.store, "packing", packing))
+            if os.geteuid() != 0:
+                self.passthrough.off("the daemon is not root (the kernel registers backing files only for "
+                                     "CAP_SYS_ADMIN)")
+            else:
+                self.store.packing = False  # (a small object in a pack cannot be a backing file)
+                opened.callback(self.passthrough.close)  # (its descriptors, before the store closes)
         self.links = self._watch_links()
         self.tree = Tree(self.snapshots.namespace, Overlay() if config.writeback else None)
         if config.writeback:

@@ -14,9 +14,12 @@ from epochfs.daemon.config import Config
 def startup_warnings(config: Config, snapshot_objects: int) -> list[str]:
     """What the user should hear about a mount that is otherwise fine."""
     warnings = []
-    if config.passthrough and not config.serving and os.geteuid() != 0:
-        warnings.append("--passthrough needs root (the kernel registers backing files only for CAP_SYS_ADMIN): "
-                        "files are read through the daemon")
+    if config.kernel_reads and os.geteuid() != 0:
+        warnings.append("the kernel reads cached files itself only for a root daemon (it registers backing files "
+                        "only for CAP_SYS_ADMIN): files are read through the daemon")
+    if config.passthrough_size is not None:
+        warnings.append("--passthrough-size is no longer used: the kernel reads the cache's own files, there are "
+                        "no whole copies to bound")
     if not snapshot_objects and not config.writeback:  # a write-back mount often starts empty
         warnings.append(f"{config.source.url} lists no objects: the mount is empty. Check the bucket and prefix; "
                         "the empty listing is not kept (the next mount lists again)")

@@ -154,12 +154,14 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
             and not (pt or {}).get("active")):
         if pt is None:
             found("warm-read-path", f"the job waits for data though {cached:.0%} of what it reads is cached: the "
-                  "daemon's read path is the bound", "remount with `--passthrough` (the daemon as root, Linux 6.9+): "
-                  "the kernel then reads a cached file from the cache disk itself, at the disk's speed")
+                  "daemon's read path is the bound, and the kernel does not read cached files itself on this mount",
+                  "remount without `--no-passthrough` (the daemon as root, Linux 6.9+): the kernel then reads a "
+                  "cached file from the cache disk itself, at the disk's speed")
         else:
             found("warm-read-path", f"the job waits for data though {cached:.0%} of what it reads is cached, and "
-                  "--passthrough is off (the kernel refused it)", "run the daemon as root on Linux 6.9 or later "
-                  "(the kernel registers backing files only for CAP_SYS_ADMIN); the daemon's log says which")
+                  f"passthrough is off ({pt.get('off') or 'the kernel refused it'})", "run the daemon as root on "
+                  "Linux 6.9 or later (the kernel registers backing files only for CAP_SYS_ADMIN); the daemon's "
+                  "log says which")
     asks = m.get("isatty_asks_per_second")
     if asks is not None and asks >= BUFFERED_OPENS:
         found("buffered-opens", f"{asks:.0f} requests a second ask whether a file is a terminal: Python's open() "

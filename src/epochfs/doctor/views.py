@@ -315,5 +315,5 @@ def in_place(m: dict[str, Any]) -> list[str]:
     if m.get("writeback"):
         out.append("writes go to the cache first (--writeback)")
     if (m.get("passthrough") or {}).get("active"):
-        out.append("the kernel reads cached files itself (--passthrough)")
+        out.append("the kernel reads cached files itself (passthrough)")
     return out

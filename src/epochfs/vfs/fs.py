@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 from epochfs import kernel
 from epochfs.cache.members import MemberStream
+from epochfs.cache.passthrough import BackingChanged
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
 from epochfs.core.errors import Answered, EpochfsError, NotFound, Refused, errno_for
@@ -99,13 +100,14 @@ def _translated(fn: F) -> F:
 
 
 class BackingFiles(Protocol):
-    """What the adapter asks of the whole copies the kernel reads itself (``--passthrough``; the cache
+    """What the adapter asks of the cached files the kernel reads itself (passthrough; the cache
     provides it: :class:`epochfs.cache.passthrough.Passthrough`)."""
 
     active: bool  # False once the kernel refused a backing file
 
     def open(self, inode: int, obj: ObjectInfo, fh: int) -> int:
-        """The backing id to answer this open with, or 0: read it through the daemon."""
+        """The backing id to answer this open with, or 0: read it through the daemon. Raises
+        :class:`~epochfs.cache.passthrough.BackingChanged` for an open that can be served neither way (EIO)."""
         ...
 
     def off(self, why: str) -> None: ...
@@ -181,9 +183,10 @@ class Operations(kernel.Operations):
         self._streams: dict[int, ReadStream | MemberStream] = {}
         # Zero-message opens (read-only mounts): OPEN answers ENOSYS once and the kernel then opens files
         # without asking; reads come with file handle 0 and are bound to a reader here instead.
-        self.zero_open = zero_open and writeback is None and passthrough is None
-        # Passthrough (read-only mounts): a cached object's open is answered with its whole file, which
-        # the kernel then reads itself; asked for at INIT (the session reads this attribute).
+        # (Not while passthrough is on: the kernel reads a file itself only through an answered open.)
+        self.zero_open = zero_open and writeback is None
+        # Passthrough (read-only mounts): a cached object's open is answered with its file in the store,
+        # which the kernel then reads itself; asked for at INIT (the session reads this attribute).
         self.passthrough = passthrough if writeback is None else None
         self.want_passthrough = self.passthrough is not None
         self._bound: OrderedDict[tuple[int, int], ReadStream | MemberStream] = OrderedDict()
@@ -358,7 +361,12 @@ class Operations(kernel.Operations):
         node = self._node(inode)
         if node.is_dir:
             raise Answered(errno.EISDIR)
-        if self.zero_open and not flags & _WRITE_FLAGS and (self.session is None or self.session.can(kernel.NO_OPEN_SUPPORT)):
+        passing = self.passthrough is not None and self.passthrough.active and self.session is not None
+        if passing and not self.session.can(kernel.PASSTHROUGH):
+            self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
+            passing = False
+        if self.zero_open and not passing and not flags & _WRITE_FLAGS and (
+                self.session is None or self.session.can(kernel.NO_OPEN_SUPPORT)):
             # The kernel stops sending OPEN and RELEASE for this mount and keeps the page cache across
             # opens: a file in the page cache is then read with no request at all.
             raise Answered(errno.ENOSYS)
@@ -370,10 +378,13 @@ class Operations(kernel.Operations):
         if node.written_here or flags & _WRITE_FLAGS:
             self._local[fh] = self._writer().open(node, flags)
             return kernel.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
-        if self.passthrough is not None and self.session is not None and self.passthrough.active:
-            if not self.session.can(kernel.PASSTHROUGH):
-                self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
-            backing = self.passthrough.open(inode, node.obj, fh)
+        if passing:
+            try:
+                backing = self.passthrough.open(inode, node.obj, fh)
+            except BackingChanged:
+                log.warning("%s: refused an open (EIO): the kernel reads it from a cached file found changed or "
+                            "damaged while other opens of it are outstanding", node.path)
+                raise Answered(errno.EIO) from None
             if backing:
                 self.cache.opened(node.obj, (ctx.uid, ctx.gid))  # (what the prefetch plan learns from an open)
                 return kernel.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
