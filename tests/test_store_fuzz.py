@@ -264,3 +264,109 @@ def test_decoding_random_index_entries_never_raises_and_keeps_the_bounds():
             assert meta.offset % 4096 == 0 and meta.offset + meta.length <= meta.size <= MAX_OBJECT
             assert len(meta.obj) == 16
         assert BlockMeta.decode(meta.encode()) == meta
+
+
+def _fill_object(s, oid: bytes, data: bytes, first: int, step: int) -> None:
+    from epochfs.blockstore.objects import Place
+
+    for i, off in enumerate(range(0, len(data), step)):
+        b, chunk = bid(first + i), data[off:off + step]
+        if s.lookup(b) is not None:
+            continue
+        assert s.reserve(b, len(chunk))
+        try:
+            s.install(b, *s.write_temp(b, chunk, place=Place(oid, off, len(data))))
+        except OSError:
+            s.release(len(chunk))
+
+
+def _lent_bytes(s, oid: bytes) -> bytes | None:
+    fd = s.backing_fd(oid)
+    if fd is None:
+        return None
+    try:
+        return os.pread(fd, os.fstat(fd).st_size + 1, 0)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_object_files_changed_under_the_store_are_lent_to_the_kernel_only_with_every_byte_theirs(tmp_path, seed):
+    """Whole object files (what the kernel reads itself) changed in every way the file system allows:
+    flipped, cut, extended, replaced, made a link, deleted, holes punched, their mode changed; after
+    each change the store hands out a descriptor for the kernel only of a file whose bytes are all the
+    object's, the scrub's hash drops what is damaged, refilling makes it whole again, nothing raises."""
+    import shutil
+
+    rng = random.Random(seed)
+    s = make(tmp_path, packing=False)
+    step = 256 << 10
+    objects: dict[bytes, tuple[bytes, int]] = {}
+    for n in range(10):
+        data = rng.randbytes(rng.randrange(1, 3 * step + 5000))
+        oid = bid((1 << 100) + n)
+        objects[oid] = (data, n * 100)
+        _fill_object(s, oid, data, n * 100, step)
+        assert _lent_bytes(s, oid) == data
+    for _ in range(120):
+        oid = rng.choice(list(objects))
+        data, first = objects[oid]
+        path = s.blocks_dir / oid.hex()[:2] / oid.hex()
+        how = rng.choice(["flip", "cut", "extend", "replace", "link", "delete", "punch", "chmod", "none"])
+        try:
+            if how == "flip" and path.stat().st_size:
+                with open(path, "r+b") as fh:
+                    at = rng.randrange(path.stat().st_size)
+                    fh.seek(at)
+                    byte = fh.read(1)
+                    fh.seek(at)
+                    fh.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+            elif how == "cut":
+                os.truncate(path, rng.randrange(path.stat().st_size + 1))
+            elif how == "extend":
+                with open(path, "ab") as fh:
+                    fh.write(b"x" * rng.randrange(1, 5000))
+            elif how == "replace":
+                other = path.with_name("other")
+                shutil.copyfile(path, other)
+                os.replace(other, path)
+            elif how == "link":
+                os.unlink(path)
+                os.symlink("/etc/passwd", path)
+            elif how == "delete":
+                os.unlink(path)
+            elif how == "punch" and path.stat().st_size:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    packs_mod.punch_hole(fd, 0, min(4096, path.stat().st_size))
+                finally:
+                    os.close(fd)
+            elif how == "chmod":
+                os.chmod(path, 0o644)
+        except OSError:
+            pass
+        got = _lent_bytes(s, oid)
+        assert got is None or got == data, how
+        for other in rng.sample(list(objects), 3):  # the scrub's hash, and reads through the store
+            plan = s.check_plan(other)
+            if plan:
+                fp, bad = s.check_object(other, plan, 0)
+                s.checked(other, plan, fp, bad)
+            got = _lent_bytes(s, other)
+            assert got is None or got == objects[other][0]
+        if rng.random() < 0.3:
+            if path.is_symlink():
+                path.unlink()
+            _fill_object(s, oid, data, first, step)
+    for oid, (data, first) in objects.items():  # every object refilled and hashed: lent again, right
+        path = s.blocks_dir / oid.hex()[:2] / oid.hex()
+        if path.is_symlink():
+            path.unlink()
+        for _ in range(3):
+            plan = s.check_plan(oid)
+            if plan:
+                fp, bad = s.check_object(oid, plan, 0)
+                s.checked(oid, plan, fp, bad)
+            _fill_object(s, oid, data, first, step)
+        assert _lent_bytes(s, oid) == data, "refilled and hashed, yet not lent"
+    s.close()

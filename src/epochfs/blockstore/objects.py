@@ -74,7 +74,7 @@ class Print(NamedTuple):
 class ObjectFile:
     """What the store knows of one object's file."""
 
-    __slots__ = ("size", "step", "have", "blocks", "print", "checked", "held", "deferred")
+    __slots__ = ("size", "step", "have", "blocks", "print", "checked", "held", "deferred", "tainted")
 
     def __init__(self, size: int) -> None:
         self.size = size  # the object's size: the file's
@@ -85,6 +85,7 @@ class ObjectFile:
         self.checked = 0.0  # when its bytes were last known right (monotonic; 0: to be hashed first)
         self.held = 0  # backing files the kernel has open on it
         self.deferred: list[tuple[bytes, int, int]] = []  # (block, offset, length) to punch once not held
+        self.tainted = False  # found changed or damaged: hashed before it is lent again, even once refilled
 
     @property
     def whole(self) -> bool:

@@ -418,6 +418,8 @@ class BlockStore:
         """Drop a damaged block (counted as corrupt); the next read fetches it again."""
         log.warning("cache block %s is damaged (%s); dropping it", bid.hex(), why)
         self._corrupt += 1
+        if meta.in_file and (f := self.objects.get(meta.obj)) is not None:
+            f.tainted = True  # (what else changed in its file is not known: hashed before it is lent)
         self.remove(bid, meta.length)
         return None
 
@@ -621,7 +623,7 @@ class BlockStore:
             else:
                 self.policy.inserted(bid, meta.length)
             if f.whole and not f.held:
-                fp = Print.of(st) if st is not None else None
+                fp = Print.of(st) if st is not None and not f.tainted else None
                 self.objects.became_whole(meta.obj, fp)
                 if fp is not None:
                     self.index.set_print(meta.obj, fp.encode())
@@ -706,6 +708,7 @@ class BlockStore:
         self.objects.suspected += 1
         if f.print is not None:
             self.index.set_print(oid, None)
+        f.tainted = True
         self.objects.became_whole(oid, None)
 
     def lend(self, oid: bytes) -> None:
@@ -760,8 +763,10 @@ class BlockStore:
         cannot be read), and the blocks that failed (id, entry, why)."""
         try:
             before = os.stat(self.object_path(oid), follow_symlinks=False)
-        except OSError:
-            return None, []
+        except OSError as exc:
+            if not missing(exc):
+                return None, []  # (not evidence of damage: checked again later)
+            return None, [(bid, meta, "its file is missing") for bid, meta in plan]
         bad = []
         started, done = time.monotonic(), 0
         for bid, meta in plan:
@@ -779,7 +784,11 @@ class BlockStore:
             after = os.stat(self.object_path(oid), follow_symlinks=False)
         except OSError:
             return None, bad
-        if Print.of(before) != Print.of(after) or not stat.S_ISREG(after.st_mode) or after.st_nlink != 1:
+        size = plan[0][1].size if plan else 0
+        if not stat.S_ISREG(after.st_mode) or after.st_nlink != 1 or after.st_size != size:
+            why = "its file is not the object's (not a plain file of one link, or not the object's size)"
+            return None, [(bid, meta, why) for bid, meta in plan]  # (refetched into a file of its own)
+        if Print.of(before) != Print.of(after):
             return None, bad
         return Print.of(after), bad
 
@@ -797,6 +806,7 @@ class BlockStore:
             return False
         if any(f.blocks.get(meta.offset) != bid for bid, meta in plan):
             return False
+        f.tainted = False
         self.objects.became_whole(oid, fp)
         self.index.set_print(oid, fp.encode())
         return True
