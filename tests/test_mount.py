@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from epochfs.blockstore.keys import block_relpath
 from epochfs.core.blocks import block_id
 from epochfs.dev.sample import SampleFile, pattern, sample_layout, upload, write_tree
 
@@ -172,27 +171,39 @@ def test_remount_serves_warm_data_with_the_endpoint_stopped(private_s3, mount_fa
         assert m.status()["cache"]["misses"] == 0
 
 
-def _block_file(m: Mount, s3_client, bucket: str, prefix: str, f: SampleFile, index: int, bs: int) -> Path:
+def _block_file(m: Mount, s3_client, bucket: str, prefix: str, f: SampleFile, index: int, bs: int
+                ) -> tuple[Path, int, int]:
+    """Where block ``index`` of ``f`` is in the mount's cache: (file, offset, length)."""
+    from epochfs.blockstore.format import locate
+
     etag = s3_client.head_object(Bucket=bucket, Key=prefix + f.key)["ETag"]
     bid = block_id(f"s3://{bucket}/{prefix}", f.key, etag, index, block_size=bs)
-    return m.cache_dir / "blocks" / block_relpath(bid)
+    where = locate(m.cache_dir, bid)
+    assert where is not None, "the block is not cached"
+    return where
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "hole"])
 @pytest.mark.page_cache
 def test_corrupt_cache_block_is_refetched(mount_factory, sample_bucket, sample_files, s3_client, damage):
     f = large(sample_files)[0]
     with mount_factory(f"s3://{sample_bucket}/data", "--block-size", "1M", "--readahead", "0") as m:
         assert read_all(m.path(f.key)) == f.content()
         wait_idle(m)
-        path = _block_file(m, s3_client, sample_bucket, "data/", f, 2, MiB)
+        path, at, _ = _block_file(m, s3_client, sample_bucket, "data/", f, 2, MiB)
         assert path.exists()
         if damage == "flip":
             raw = bytearray(path.read_bytes())
-            raw[12345] ^= 0x40
+            raw[at + 12345] ^= 0x40
             path.write_bytes(raw)
-        else:
-            os.truncate(path, 1000)
+        else:  # (block 2's range of its object's file punched out: it reads as zeros)
+            from epochfs.blockstore.packs import punch_hole
+
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                punch_hole(fd, at, MiB)
+            finally:
+                os.close(fd)
         drop_all_caches()
         assert read_all(m.path(f.key)) == f.content()
         status = wait_idle(m)
