@@ -301,9 +301,8 @@ def test_garbage_index_is_rebuilt(tmp_path):
 
 @pytest.mark.parametrize("failing, around", [("pwrite", False), ("pwrite", True), ("ftruncate", False)])
 def test_failed_fill_leaves_nothing_of_its_block(tmp_path, monkeypatch, failing, around):
-    import epochfs.blockstore.store as store_mod
 
-    monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)
+    monkeypatch.setattr("epochfs.blockstore.writes.DIRECT_MIN", 1)
     s = make(tmp_path, packing=False)
     assert s.reserve(bid(1), 100)
 
@@ -539,9 +538,8 @@ def _in_page_cache(path) -> bool:
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 100 * 1024 + 3, 5 << 20])
 def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, monkeypatch, size):
-    import epochfs.blockstore.store as store_mod
 
-    monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)  # every size, to find alignment bugs
+    monkeypatch.setattr("epochfs.blockstore.writes.DIRECT_MIN", 1)  # every size, to find alignment bugs
     s = make(tmp_path, packing=False)
     data = os.urandom(size)
     assert s.reserve(bid(1), size)
@@ -559,7 +557,7 @@ def test_blocks_written_around_the_page_cache_read_back_exactly(tmp_path, monkey
 def test_buffered_writes_stay_in_the_page_cache(tmp_path):
     """Blocks for a later reader, and small blocks (a direct write costs them more), go through the page
     cache; large blocks for a reader at hand around it."""
-    from epochfs.blockstore.store import DIRECT_MIN
+    from epochfs.blockstore.writes import DIRECT_MIN
 
     s = make(tmp_path, packing=False)
     s.write_temp(bid(1), b"x" * DIRECT_MIN)
@@ -599,7 +597,7 @@ def test_a_file_system_without_direct_writes_falls_back_to_the_page_cache(tmp_pa
     monkeypatch.setattr(store_mod.os, "open", no_direct_open)
     if where == "write":
         monkeypatch.setattr(store_mod.os, "pwrite", no_direct_pwrite)
-    monkeypatch.setattr(store_mod, "DIRECT_MIN", 1)
+    monkeypatch.setattr("epochfs.blockstore.writes.DIRECT_MIN", 1)
     for n in (1, 2):
         data = os.urandom(8192 * (2 + n))  # (aligned: an unaligned last block is never written directly)
         assert s.reserve(bid(n), len(data))

@@ -122,6 +122,20 @@ class ObjectFiles:
         self._not_whole(oid, f)
         return f
 
+    def load_prints(self, prints: dict[bytes, bytes], trusted: bool) -> list[bytes]:
+        """At start-up, once every block is loaded: the whole objects take their kept fingerprints (if
+        ``trusted``; else each is hashed first). The fingerprints that no longer apply."""
+        stale = []
+        for oid, raw in prints.items():
+            f = self.files.get(oid)
+            fp = Print.decode(raw) if trusted else None
+            if f is None or not f.whole or fp is None or fp.size != f.size:
+                stale.append(oid)
+        for oid, f in self.files.items():
+            if f.whole:
+                self.became_whole(oid, Print.decode(prints[oid]) if oid in prints and oid not in stale else None)
+        return stale
+
     def became_whole(self, oid: bytes, fp: Print | None, checked: float | None = None) -> None:
         """``oid`` is whole and, with a fingerprint, known right (``checked``: when; default now);
         without one it is hashed first."""

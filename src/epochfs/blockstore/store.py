@@ -35,23 +35,22 @@ import os
 import shutil
 import stat
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import lmdb
 
-from epochfs.blockstore import packs as pk
 from epochfs.blockstore import pagecache, recovery
 from epochfs.blockstore.descriptors import Descriptors
-from epochfs.blockstore.direct import write_direct
-from epochfs.blockstore.format import BlockMeta, checksums, missing, verify, where
+from epochfs.blockstore.format import BlockMeta, missing, verify, where
 from epochfs.blockstore.index import Index, OtherFormat
 from epochfs.blockstore.keys import block_relpath, chunk_span
-from epochfs.blockstore.objects import ObjectFiles, Place, Print
+from epochfs.blockstore.lending import Lending
+from epochfs.blockstore.objects import ObjectFiles, Print
 from epochfs.blockstore.packs import Packs, discard, punch_hole
+from epochfs.blockstore.writes import Writes, Written, boot_id
 from epochfs.core.errors import CacheUnreadable, ConfigError
 from epochfs.core.private import open_private, private_dir, private_subdir, touch_private
 from epochfs.eviction import EvictionPolicy, make_room
@@ -62,7 +61,6 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _BLOCK_FDS = 64  # object files kept open for the trio thread's reads
 _REMOVALS_KEPT = 4096  # recent removals remembered, for fills written before them (see install)
 WOULD_BLOCK = object()  # BlockStore.read(nowait=True): the bytes are on disk, not in memory
-DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
 
 
 @dataclass(frozen=True)
@@ -85,28 +83,11 @@ class StoreStats:
     lent_objects: int = 0  # with a backing file open in the kernel
 
 
-class Written(NamedTuple):
-    """What :meth:`BlockStore.write_temp` wrote a block into: the file's inode (0: a pack), and how many
-    blocks the store had removed when the write began."""
-
-    ino: int
-    removals: int
-
-
-def boot_id() -> bytes:
-    """This boot's id (b"" where the kernel does not say)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return f.read(64).strip()
-    except OSError:
-        return b""
-
-
 class CacheLocked(ConfigError):
     """Another process owns the cache directory."""
 
 
-class BlockStore:
+class BlockStore(Lending, Writes):
     def __init__(self, cache_dir: Path, capacity: int, free_space_ratio: float, policy: EvictionPolicy):
         self.cache_dir = Path(cache_dir)
         self.capacity = capacity
@@ -263,17 +244,7 @@ class BlockStore:
                 self.packs.counted(meta.pack)
             else:
                 self.objects.added(meta.obj, bid, meta.offset, meta.length, meta.size)
-        prints = self.index.prints()
-        stale = []
-        for oid, raw in prints.items():
-            f = self.objects.get(oid)
-            fp = Print.decode(raw) if trusted else None
-            if f is None or not f.whole or fp is None or fp.size != f.size:
-                stale.append(oid)
-        for oid, f in self.objects.files.items():
-            if f.whole:
-                fp = Print.decode(prints[oid]) if oid in prints and oid not in stale else None
-                self.objects.became_whole(oid, fp)
+        stale = self.objects.load_prints(self.index.prints(), trusted)
         if stale and not self._inspect:
             for oid in stale:
                 self.index.set_print(oid, None)
@@ -482,95 +453,6 @@ class BlockStore:
         self.pending -= nbytes
         self._fill_errors += failed
 
-    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool = False,
-                   place: Place | None = None) -> tuple[Written, BlockMeta]:
-        """Write a block into its range of its object's file (``place``; default: an object of that one
-        block, named by its id), or a small object's one block into the current pack where small blocks
-        are packed, and checksum it (worker thread: touches no state but the packs' write position and
-        counts). Raises OSError. :meth:`install` indexes it; :meth:`abandon` undoes it.
-
-        ``around``: the reader has the bytes already (it is served from memory), so a block of at least
-        :data:`DIRECT_MIN` bytes is written around the page cache (``O_DIRECT``): for large blocks,
-        filling new page-cache pages costs more CPU than the rest of a cold read, and the mount keeps its
-        own copy in the page cache anyway. (A small block costs more CPU written directly: a
-        synchronous device write per block.)"""
-        removals = self._removals
-        place = place or Place(bid, 0, len(data))
-        if self.packs.enabled and len(data) < pk.PACK_BELOW and place.size == len(data):
-            pack, offset = self.packs.write(data)
-            return Written(0, removals), BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
-        if place.offset % pk.ALIGN or place.offset + len(data) > place.size:
-            raise ValueError(f"a block of {len(data)} bytes cannot be at {place.offset} of {place.size}")
-        path = self.object_path(place.obj)
-        parent = path.rsplit("/", 1)[0]
-        if parent not in self._dirs:
-            try:
-                os.mkdir(parent, 0o700)
-            except FileExistsError:
-                pass
-            self._dirs.add(parent)
-        with self._write_lock:
-            if self._closed:
-                raise OSError(errno.ESHUTDOWN, "the cache is closed")
-            self._writing += 1
-        try:
-            ino, meta = self._write_in_file(bid, data, around, place, path)
-            return Written(ino, removals), meta
-        finally:
-            with self._write_lock:
-                self._writing -= 1
-
-    def _write_in_file(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool, place: Place,
-                       path: str) -> tuple[int, BlockMeta]:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        # (An object's last block, of a length not aligned, is written through the page cache: padded, a
-        # direct write would make the file longer than the object until truncated.)
-        direct = around and self._direct_works and len(data) >= DIRECT_MIN and not len(data) % pk.ALIGN
-        try:
-            fd = os.open(path, flags | os.O_DIRECT if direct else flags, 0o600)
-        except OSError as exc:
-            if not direct or exc.errno != errno.EINVAL:
-                raise
-            log.info("the cache file system does not support O_DIRECT (%s); writing through the page cache", exc)
-            self._direct_works = False
-            direct = False
-            fd = os.open(path, flags, 0o600)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-            os.close(fd)
-            raise OSError(errno.EPERM, f"{path} is not an object file of this cache")
-        try:
-            if st.st_size != place.size:
-                os.ftruncate(fd, place.size)  # (sparse: a hole where a block is not cached)
-            if not (direct and self._wrote_direct(fd, data, place)):
-                view, at = memoryview(data), place.offset
-                while view:
-                    n = os.pwrite(fd, view, at)
-                    view, at = view[n:], at + n
-        except BaseException:
-            try:  # (the range is this fill's alone: nothing of it stays on disk)
-                punch_hole(fd, place.offset, len(data))
-            except OSError:
-                pass
-            raise
-        finally:
-            os.close(fd)
-        return st.st_ino, BlockMeta(len(data), checksums(bid, data), 0, 0, place.offset, place.obj, place.size)
-
-    def _wrote_direct(self, fd: int, data: bytes | bytearray | memoryview, place: Place) -> bool:
-        """Write ``data`` at its place in ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared, if
-        the file system takes O_DIRECT but not our alignment (EINVAL)."""
-        try:
-            write_direct(fd, data, place.offset)
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            log.info("direct writes fail on the cache file system (%s); writing through the page cache", exc)
-        self._direct_works = False
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        return False
-
     def abandon(self, written: Written, meta: BlockMeta) -> None:
         """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): free its pack
         range, or punch its range of the object's file (unless the block was indexed meanwhile by
@@ -600,8 +482,7 @@ class BlockStore:
                 raise
             self.packs.rolled_over(meta.pack)
             return
-        removed = self._removed.get(bid)
-        if (removed is not None and removed > written.removals) or written.removals < self._forgotten:
+        if self._removed.get(bid, 0) > written.removals or written.removals < self._forgotten:
             raise OSError(errno.ESTALE, "the block was removed while it was being written")
         st = os.stat(self.object_path(meta.obj), follow_symlinks=False)
         if st.st_ino != written.ino or not stat.S_ISREG(st.st_mode) or st.st_size != meta.size:
@@ -618,9 +499,7 @@ class BlockStore:
         self._count += 1
         if meta.in_file:
             f = self.objects.added(meta.obj, bid, meta.offset, meta.length, meta.size)
-            if f.held:
-                pass  # (a block refetched into a file the kernel reads: not evictable while it is)
-            else:
+            if not f.held:  # (a block refetched into a file the kernel reads is not evictable while it is)
                 self.policy.inserted(bid, meta.length)
             if f.whole and not f.held:
                 fp = Print.of(st) if st is not None and not f.tainted else None
@@ -660,156 +539,18 @@ class BlockStore:
     def _punch(self, oid: bytes, offset: int, length: int) -> None:
         try:
             fd = os.open(self.object_path(oid), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                punch_hole(fd, offset, length)
+            finally:
+                os.close(fd)
         except OSError as exc:
             if not missing(exc):
                 log.warning("could not free a cached block's range of %s: %s", oid.hex(), exc)
-            return
-        try:
-            punch_hole(fd, offset, length)
-        except OSError as exc:
-            log.warning("could not free a cached block's range of %s: %s", oid.hex(), exc)
-        finally:
-            os.close(fd)
 
     def _unlink_object(self, oid: bytes) -> None:
         self._block_fds.forget(oid)
         self.objects.forget(oid)
         discard(self.object_path(oid))
-
-    # -- the kernel's reads (passthrough) --------------------------------------------------------------
-
-    def backing_fd(self, oid: bytes) -> int | None:
-        """A read-only descriptor of ``oid``'s file for the kernel to read itself, if the object is whole
-        and its file is exactly the one whose fingerprint was taken; else None (the object is then read
-        through the daemon). A file that is not what its fingerprint says (written, truncated, replaced
-        since) loses its fingerprint and is hashed before it is lent again."""
-        f = self.objects.get(oid)
-        if f is None or not f.whole or f.print is None:
-            return None
-        try:
-            fd = os.open(self.object_path(oid), _READ_FLAGS)
-        except OSError as exc:
-            self.suspect(oid, f"it cannot be opened ({exc.strerror})")
-            return None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or Print.of(st) != f.print:
-            os.close(fd)
-            self.suspect(oid, "it was changed since its fingerprint was taken")
-            return None
-        return fd
-
-    def suspect(self, oid: bytes, why: str) -> None:
-        """``oid``'s file may not be what was written: read through the daemon until it is hashed again."""
-        f = self.objects.get(oid)
-        if f is None or not f.whole:
-            return
-        log.warning("cached object file %s: %s; read through the daemon until its blocks are checked again",
-                    oid.hex(), why)
-        self.objects.suspected += 1
-        if f.print is not None:
-            self.index.set_print(oid, None)
-        f.tainted = True
-        self.objects.became_whole(oid, None)
-
-    def lend(self, oid: bytes) -> None:
-        """The kernel opened a backing file on ``oid``: its blocks are not evicted until :meth:`returned`."""
-        f = self.objects.files[oid]
-        if not f.held:
-            for bid in f.blocks.values():
-                self.policy.removed(bid)
-        self.objects.lend(oid)
-
-    def returned(self, oid: bytes) -> None:
-        """A backing file on ``oid`` was closed: the last one gives its blocks back to the policy, and
-        punches the ranges of blocks dropped meanwhile."""
-        deferred = self.objects.returned(oid)
-        f = self.objects.get(oid)
-        if f is None or f.held:
-            return
-        for _bid, offset, length in deferred:
-            if f.blocks.get(offset) is None:
-                self._punch(oid, offset, length)
-        for offset, bid in f.blocks.items():
-            self.policy.inserted(bid, f.length(offset))
-        if not f.have:
-            self._unlink_object(oid)
-        elif f.whole and f.print is None:
-            self.objects.became_whole(oid, None)  # (refilled while lent: hashed before it is lent again)
-
-    def check_plan(self, oid: bytes) -> list[tuple[bytes, BlockMeta]]:
-        """The blocks of whole object ``oid`` to hash (:meth:`check_object`), in order."""
-        f = self.objects.get(oid)
-        if f is None or not f.whole:
-            return []
-        plan = []
-        for offset in sorted(f.blocks):
-            bid = f.blocks[offset]
-            meta = self.index.get(bid)
-            if meta is None or meta.obj != oid or meta.offset != offset:
-                log.warning("cached object file %s: its index entries do not say what it holds; dropping it",
-                            oid.hex())
-                for other in list(f.blocks.values()):
-                    entry = self.index.get(other)
-                    self.remove(other, entry.length if entry is not None else 0)
-                self._unlink_object(oid)
-                return []
-            plan.append((bid, meta))
-        return plan
-
-    def check_object(self, oid: bytes, plan: list[tuple[bytes, BlockMeta]], rate: float) -> tuple[
-            Print | None, list[tuple[bytes, BlockMeta, str]]]:
-        """(a worker thread) Hash every block of ``plan`` against its checksums, at most ``rate`` bytes a
-        second: the file's fingerprint if it did not change while it was read (None if it did, or
-        cannot be read), and the blocks that failed (id, entry, why)."""
-        try:
-            before = os.stat(self.object_path(oid), follow_symlinks=False)
-        except OSError as exc:
-            if not missing(exc):
-                return None, []  # (not evidence of damage: checked again later)
-            return None, [(bid, meta, "its file is missing") for bid, meta in plan]
-        bad = []
-        started, done = time.monotonic(), 0
-        for bid, meta in plan:
-            data = self.pread_range(bid, meta, 0, meta.length)
-            if isinstance(data, OSError) and not missing(data):
-                return None, []  # (not evidence of damage: checked again later)
-            why = self.verify(bid, meta, 0, meta.length, data)
-            if why:
-                bad.append((bid, meta, why))
-            done += meta.length
-            ahead = done / rate - (time.monotonic() - started) if rate > 0 else 0
-            if ahead > 0:
-                time.sleep(ahead)
-        try:
-            after = os.stat(self.object_path(oid), follow_symlinks=False)
-        except OSError:
-            return None, bad
-        size = plan[0][1].size if plan else 0
-        if not stat.S_ISREG(after.st_mode) or after.st_nlink != 1 or after.st_size != size:
-            why = "its file is not the object's (not a plain file of one link, or not the object's size)"
-            return None, [(bid, meta, why) for bid, meta in plan]  # (refetched into a file of its own)
-        if Print.of(before) != Print.of(after):
-            return None, bad
-        return Print.of(after), bad
-
-    def checked(self, oid: bytes, plan: list[tuple[bytes, BlockMeta]], fp: Print | None,
-                bad: list[tuple[bytes, BlockMeta, str]]) -> bool:
-        """(the trio thread) What :meth:`check_object` found: damaged blocks are dropped; an object that
-        is still whole, as planned, with a fingerprint, is known right again. Whether it is."""
-        for bid, meta, why in bad:
-            if self.index.get(bid) == meta:
-                self.drop_corrupt(bid, meta, why)
-        f = self.objects.get(oid)
-        if bad or f is None or not f.whole or fp is None or fp.size != f.size:
-            if f is not None and f.whole and not bad and fp is None:
-                self.objects.became_whole(oid, None)  # (changed while it was read: hashed again)
-            return False
-        if any(f.blocks.get(meta.offset) != bid for bid, meta in plan):
-            return False
-        f.tainted = False
-        self.objects.became_whole(oid, fp)
-        self.index.set_print(oid, fp.encode())
-        return True
 
     def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""

@@ -121,6 +121,8 @@ class Passthrough:
             st = self._inodes[inode] = _Inode(obj)
         if st.backing is not None:  # (opens outstanding read this file: this one must too)
             if not self._still_right(st.backing):
+                log.warning("%s: an open refused (EIO): the kernel reads it from a cached file found changed or "
+                            "damaged while other opens of it are outstanding", obj.key)
                 raise BackingChanged(obj.key)
             return self._passed(st, fh, inode)
         if not st.cached and self.active and self._eligible(obj):
@@ -200,14 +202,16 @@ class Passthrough:
                 log.debug("backing id %d not closed: %s", b.id, exc)
         os.close(b.fd)
 
-    def off(self, why: str) -> None:
-        """The kernel reads nothing itself on this mount: every open reads through the daemon from now on."""
+    def off(self, why: str) -> bool:
+        """The kernel reads nothing itself on this mount: every open reads through the daemon from now on
+        (False, for the caller's flag)."""
         if self.active:
             self.active = False
             self.why_off = why
             log.warning("passthrough is off: %s; files are read through the daemon", why)
             if self._on_off is not None:
                 self._on_off()
+        return False
 
     def release(self, fh: int) -> None:
         inode = self._handles.pop(fh, None)

@@ -145,13 +145,10 @@ class BlockCache:
     def _compute_block_id(self, key: str, etag: str, index: int) -> bytes:
         return block_id(self._source, key, etag, index, block_size=self.block_size)
 
-    def place(self, obj: ObjectInfo, index: int) -> Place:
-        """Where block ``index`` of ``obj`` goes in the store: its object's file, named by the first
-        block's id (:mod:`epochfs.blockstore.objects`)."""
+    def place(self, obj: ObjectInfo, index: int) -> Place:  # (in obj's file, named by its first block's id)
         return Place(self.block_id(obj, 0), index * self.block_size, obj.size)
 
     def object_id(self, obj: ObjectInfo) -> bytes:
-        """The id of ``obj``'s file in the store."""
         return self.block_id(obj, 0)
 
     def block_length(self, obj: ObjectInfo, index: int) -> int:
@@ -482,6 +479,8 @@ class BlockCache:
         box = workers.mailbox()
         handoff = Handoff()
 
+        place = self.place(obj, index)
+
         def job() -> None:
             local = self.uploads.reader(obj)
             data = local(start, length) if local is not None else None
@@ -494,8 +493,7 @@ class BlockCache:
             if not admitted or data is None:
                 return
             try:
-                result: tuple[Written, BlockMeta] | OSError = self.store.write_temp(
-                    bid, data, around=flight.near, place=self.place(obj, index))
+                result: tuple[Written, BlockMeta] | OSError = self.store.write_temp(bid, data, flight.near, place)
             except OSError as exc:
                 result = exc
             if not handoff.give(result) and isinstance(result, tuple):

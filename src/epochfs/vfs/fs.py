@@ -363,8 +363,7 @@ class Operations(kernel.Operations):
             raise Answered(errno.EISDIR)
         passing = self.passthrough is not None and self.passthrough.active and self.session is not None
         if passing and not self.session.can(kernel.PASSTHROUGH):
-            self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
-            passing = False
+            passing = self.passthrough.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
         if self.zero_open and not passing and not flags & _WRITE_FLAGS and (
                 self.session is None or self.session.can(kernel.NO_OPEN_SUPPORT)):
             # The kernel stops sending OPEN and RELEASE for this mount and keeps the page cache across
@@ -381,9 +380,7 @@ class Operations(kernel.Operations):
         if passing:
             try:
                 backing = self.passthrough.open(inode, node.obj, fh)
-            except BackingChanged:
-                log.warning("%s: refused an open (EIO): the kernel reads it from a cached file found changed or "
-                            "damaged while other opens of it are outstanding", node.path)
+            except BackingChanged:  # (its cached file was found changed while other opens read it)
                 raise Answered(errno.EIO) from None
             if backing:
                 self.cache.opened(node.obj, (ctx.uid, ctx.gid))  # (what the prefetch plan learns from an open)

@@ -1,0 +1,180 @@
+"""What the kernel's reads of cached files need of the block store (passthrough): a descriptor of a whole
+object's file checked against its fingerprint, the blocks of a file the kernel has open kept out of the
+eviction policy, and the scrub's hash of an object against its chunk checksums. A part of
+:class:`epochfs.blockstore.store.BlockStore` (its state: :mod:`epochfs.blockstore.objects`); the trio
+thread, but :meth:`Lending.check_object` (a worker thread, reads only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from typing import TYPE_CHECKING, Any
+
+from epochfs.blockstore.format import BlockMeta, missing
+from epochfs.blockstore.objects import Print
+
+if TYPE_CHECKING:
+    from epochfs.blockstore.index import Index
+    from epochfs.blockstore.objects import ObjectFiles
+    from epochfs.eviction import EvictionPolicy
+
+log = logging.getLogger(__name__)
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Lending:
+    objects: ObjectFiles
+    index: Index
+    policy: EvictionPolicy
+
+    def object_path(self, oid: bytes) -> str: ...  # (BlockStore's)
+
+    def _punch(self, oid: bytes, offset: int, length: int) -> None: ...
+
+    def _unlink_object(self, oid: bytes) -> None: ...
+
+    def remove(self, bid: bytes, length: int) -> None: ...
+
+    def pread_range(self, bid: bytes, meta: BlockMeta, lo: int, hi: int) -> bytes | OSError: ...
+
+    def drop_corrupt(self, bid: bytes, meta: BlockMeta, why: str) -> None: ...
+
+    verify: Any
+
+    def backing_fd(self, oid: bytes) -> int | None:
+        """A read-only descriptor of ``oid``'s file for the kernel to read itself, if the object is whole
+        and its file is exactly the one whose fingerprint was taken; else None (the object is then read
+        through the daemon). A file that is not what its fingerprint says (written, truncated, replaced
+        since) loses its fingerprint and is hashed before it is lent again."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole or f.print is None:
+            return None
+        try:
+            fd = os.open(self.object_path(oid), _READ_FLAGS)
+        except OSError as exc:
+            self.suspect(oid, f"it cannot be opened ({exc.strerror})")
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or Print.of(st) != f.print:
+            os.close(fd)
+            self.suspect(oid, "it was changed since its fingerprint was taken")
+            return None
+        return fd
+
+    def suspect(self, oid: bytes, why: str) -> None:
+        """``oid``'s file may not be what was written: read through the daemon until it is hashed again."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole:
+            return
+        log.warning("cached object file %s: %s; read through the daemon until its blocks are checked again",
+                    oid.hex(), why)
+        self.objects.suspected += 1
+        if f.print is not None:
+            self.index.set_print(oid, None)
+        f.tainted = True
+        self.objects.became_whole(oid, None)
+
+    def lend(self, oid: bytes) -> None:
+        """The kernel opened a backing file on ``oid``: its blocks are not evicted until :meth:`returned`."""
+        f = self.objects.files[oid]
+        if not f.held:
+            for bid in f.blocks.values():
+                self.policy.removed(bid)
+        self.objects.lend(oid)
+
+    def returned(self, oid: bytes) -> None:
+        """A backing file on ``oid`` was closed: the last one gives its blocks back to the policy, and
+        punches the ranges of blocks dropped meanwhile."""
+        deferred = self.objects.returned(oid)
+        f = self.objects.get(oid)
+        if f is None or f.held:
+            return
+        for _bid, offset, length in deferred:
+            if f.blocks.get(offset) is None:
+                self._punch(oid, offset, length)
+        for offset, bid in f.blocks.items():
+            self.policy.inserted(bid, f.length(offset))
+        if not f.have:
+            self._unlink_object(oid)
+        elif f.whole and f.print is None:
+            self.objects.became_whole(oid, None)  # (refilled while lent: hashed before it is lent again)
+
+    def check_plan(self, oid: bytes) -> list[tuple[bytes, BlockMeta]]:
+        """The blocks of whole object ``oid`` to hash (:meth:`check_object`), in order."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole:
+            return []
+        plan = []
+        for offset in sorted(f.blocks):
+            bid = f.blocks[offset]
+            meta = self.index.get(bid)
+            if meta is None or meta.obj != oid or meta.offset != offset:
+                log.warning("cached object file %s: its index entries do not say what it holds; dropping it",
+                            oid.hex())
+                for other in list(f.blocks.values()):
+                    entry = self.index.get(other)
+                    self.remove(other, entry.length if entry is not None else 0)
+                self._unlink_object(oid)
+                return []
+            plan.append((bid, meta))
+        return plan
+
+    def check_object(self, oid: bytes, plan: list[tuple[bytes, BlockMeta]], rate: float) -> tuple[
+            Print | None, list[tuple[bytes, BlockMeta, str]]]:
+        """(a worker thread) Hash every block of ``plan`` against its checksums, at most ``rate`` bytes a
+        second: the file's fingerprint if it did not change while it was read (None if it did, or
+        cannot be read), and the blocks that failed (id, entry, why)."""
+        try:
+            before = os.stat(self.object_path(oid), follow_symlinks=False)
+        except OSError as exc:
+            if not missing(exc):
+                return None, []  # (not evidence of damage: checked again later)
+            return None, [(bid, meta, "its file is missing") for bid, meta in plan]
+        bad = []
+        started, done = time.monotonic(), 0
+        for bid, meta in plan:
+            data = self.pread_range(bid, meta, 0, meta.length)
+            if isinstance(data, OSError) and not missing(data):
+                return None, []  # (not evidence of damage: checked again later)
+            why = self.verify(bid, meta, 0, meta.length, data)
+            if why:
+                bad.append((bid, meta, why))
+            done += meta.length
+            ahead = done / rate - (time.monotonic() - started) if rate > 0 else 0
+            if ahead > 0:
+                time.sleep(ahead)
+        try:
+            after = os.stat(self.object_path(oid), follow_symlinks=False)
+        except OSError:
+            return None, bad
+        size = plan[0][1].size if plan else 0
+        if not stat.S_ISREG(after.st_mode) or after.st_nlink != 1 or after.st_size != size:
+            why = "its file is not the object's (not a plain file of one link, or not the object's size)"
+            return None, [(bid, meta, why) for bid, meta in plan]  # (refetched into a file of its own)
+        if Print.of(before) != Print.of(after):
+            return None, bad
+        return Print.of(after), bad
+
+    def checked(self, oid: bytes, plan: list[tuple[bytes, BlockMeta]], fp: Print | None,
+                bad: list[tuple[bytes, BlockMeta, str]]) -> bool:
+        """(the trio thread) What :meth:`check_object` found: damaged blocks are dropped; an object that
+        is still whole, as planned, with a fingerprint, is known right again. Whether it is."""
+        for bid, meta, why in bad:
+            if self.index.get(bid) == meta:
+                self.drop_corrupt(bid, meta, why)
+        f = self.objects.get(oid)
+        if bad or f is None or not f.whole or fp is None or fp.size != f.size:
+            if f is not None and f.whole and not bad and fp is None:
+                self.objects.became_whole(oid, None)  # (changed while it was read: hashed again)
+            return False
+        if any(f.blocks.get(meta.offset) != bid for bid, meta in plan):
+            return False
+        f.tainted = False
+        self.objects.became_whole(oid, fp)
+        self.index.set_print(oid, fp.encode())
+        return True
+

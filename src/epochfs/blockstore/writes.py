@@ -1,0 +1,143 @@
+"""How the block store writes a block (a worker thread): into its range of its object's file, created
+sparse at the object's size, or a small object's block into a pack where small blocks are packed.
+A part of :class:`epochfs.blockstore.store.BlockStore`; :meth:`BlockStore.install` indexes what it wrote.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import threading
+from typing import NamedTuple
+
+from epochfs.blockstore import packs as pk
+from epochfs.blockstore.direct import write_direct
+from epochfs.blockstore.format import BlockMeta, checksums
+from epochfs.blockstore.objects import Place
+from epochfs.blockstore.packs import Packs, punch_hole
+
+log = logging.getLogger(__name__)
+
+DIRECT_MIN = 1 << 20  # write_temp(around=True) writes blocks at least this large with O_DIRECT
+
+
+class Written(NamedTuple):
+    """What :meth:`BlockStore.write_temp` wrote a block into: the file's inode (0: a pack), and how many
+    blocks the store had removed when the write began."""
+
+    ino: int
+    removals: int
+
+
+def boot_id() -> bytes:
+    """This boot's id (b"" where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read(64).strip()
+    except OSError:
+        return b""
+
+
+class Writes:
+    packs: Packs
+    _removals: int
+    _closed: bool
+    _writing: int
+    _write_lock: threading.Lock
+    _direct_works: bool
+    _dirs: set[str]
+
+    def object_path(self, oid: bytes) -> str: ...  # (BlockStore's)
+
+    def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool = False,
+                   place: Place | None = None) -> tuple[Written, BlockMeta]:
+        """Write a block into its range of its object's file (``place``; default: an object of that one
+        block, named by its id), or a small object's one block into the current pack where small blocks
+        are packed, and checksum it (worker thread: touches no state but the packs' write position and
+        counts). Raises OSError. :meth:`install` indexes it; :meth:`abandon` undoes it.
+
+        ``around``: the reader has the bytes already (it is served from memory), so a block of at least
+        :data:`DIRECT_MIN` bytes is written around the page cache (``O_DIRECT``): for large blocks,
+        filling new page-cache pages costs more CPU than the rest of a cold read, and the mount keeps its
+        own copy in the page cache anyway. (A small block costs more CPU written directly: a
+        synchronous device write per block.)"""
+        removals = self._removals
+        place = place or Place(bid, 0, len(data))
+        if self.packs.enabled and len(data) < pk.PACK_BELOW and place.size == len(data):
+            pack, offset = self.packs.write(data)
+            return Written(0, removals), BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
+        if place.offset % pk.ALIGN or place.offset + len(data) > place.size:
+            raise ValueError(f"a block of {len(data)} bytes cannot be at {place.offset} of {place.size}")
+        path = self.object_path(place.obj)
+        parent = path.rsplit("/", 1)[0]
+        if parent not in self._dirs:
+            try:
+                os.mkdir(parent, 0o700)
+            except FileExistsError:
+                pass
+            self._dirs.add(parent)
+        with self._write_lock:
+            if self._closed:
+                raise OSError(errno.ESHUTDOWN, "the cache is closed")
+            self._writing += 1
+        try:
+            ino, meta = self._write_in_file(bid, data, around, place, path)
+            return Written(ino, removals), meta
+        finally:
+            with self._write_lock:
+                self._writing -= 1
+
+    def _write_in_file(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool, place: Place,
+                       path: str) -> tuple[int, BlockMeta]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        # (An object's last block, of a length not aligned, is written through the page cache: padded, a
+        # direct write would make the file longer than the object until truncated.)
+        direct = around and self._direct_works and len(data) >= DIRECT_MIN and not len(data) % pk.ALIGN
+        try:
+            fd = os.open(path, flags | os.O_DIRECT if direct else flags, 0o600)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            log.info("the cache file system does not support O_DIRECT (%s); writing through the page cache", exc)
+            self._direct_works = False
+            direct = False
+            fd = os.open(path, flags, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{path} is not an object file of this cache")
+        try:
+            if st.st_size != place.size:
+                os.ftruncate(fd, place.size)  # (sparse: a hole where a block is not cached)
+            if not (direct and self._wrote_direct(fd, data, place)):
+                view, at = memoryview(data), place.offset
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+        except BaseException:
+            try:  # (the range is this fill's alone: nothing of it stays on disk)
+                punch_hole(fd, place.offset, len(data))
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
+        return st.st_ino, BlockMeta(len(data), checksums(bid, data), 0, 0, place.offset, place.obj, place.size)
+
+    def _wrote_direct(self, fd: int, data: bytes | bytearray | memoryview, place: Place) -> bool:
+        """Write ``data`` at its place in ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared, if
+        the file system takes O_DIRECT but not our alignment (EINVAL)."""
+        try:
+            write_direct(fd, data, place.offset)
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            log.info("direct writes fail on the cache file system (%s); writing through the page cache", exc)
+        self._direct_works = False
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        return False
+
