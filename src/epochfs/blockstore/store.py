@@ -3,8 +3,10 @@
 It owns the directory (its lock, the clean marker, ``tmp/``), the admission of blocks against the
 bound (``--cache-size`` and the disk's free space, with the eviction policy), reads of resident blocks
 (verified chunk by chunk) and fills (written in worker threads, installed on the trio thread). Its
-rooms: the index (:mod:`.index`), the small blocks' pack files (:mod:`.packs`), the entry format and
-checksums (:mod:`.format`), and recovery after an unclean shutdown and ``fsck`` (:mod:`.recovery`).
+rooms: the index (:mod:`.index`), the objects' files (:mod:`.objects`), the small blocks' pack files
+(:mod:`.packs`), the entry format and checksums (:mod:`.format`), the write path (:mod:`.writes`), what
+the kernel's reads of cached files need (:mod:`.lending`), and recovery after an unclean shutdown and
+``fsck`` (:mod:`.recovery`).
 
 Layout under the cache directory::
 
@@ -33,7 +35,6 @@ import fcntl
 import logging
 import os
 import shutil
-import stat
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from epochfs.blockstore.keys import block_relpath, chunk_span
 from epochfs.blockstore.lending import Lending
 from epochfs.blockstore.objects import ObjectFiles, Print
 from epochfs.blockstore.packs import Packs, discard, punch_hole
-from epochfs.blockstore.writes import Writes, Written, boot_id
+from epochfs.blockstore.writes import Writes, boot_id
 from epochfs.core.errors import CacheUnreadable, ConfigError
 from epochfs.core.private import open_private, private_dir, private_subdir, touch_private
 from epochfs.eviction import EvictionPolicy, make_room
@@ -452,42 +453,6 @@ class BlockStore(Lending, Writes):
         """Give back a reservation that will not be filled (``failed``: because writing it failed)."""
         self.pending -= nbytes
         self._fill_errors += failed
-
-    def abandon(self, written: Written, meta: BlockMeta) -> None:
-        """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): free its pack
-        range, or punch its range of the object's file (unless the block was indexed meanwhile by
-        another fill: the same bytes), and remove a file left holding no block (trio thread). The caller
-        releases the reservation."""
-        if meta.pack:
-            self.packs.free(meta.pack, meta.offset, meta.length, indexed=False)
-            return
-        f = self.objects.get(meta.obj)
-        if f is None and not self._writing:
-            self._unlink_object(meta.obj)  # (holds no block, and no fill is writing into a file)
-        elif f is None or f.blocks.get(meta.offset) is None and not f.held:
-            self._punch(meta.obj, meta.offset, meta.length)
-
-    def install(self, bid: bytes, written: Written, meta: BlockMeta) -> None:
-        """Index a block written by :meth:`write_temp`, consuming its reservation (trio thread; no
-        checkpoint). Raises OSError when the block's range may no longer hold what was written: its
-        object's file was replaced or removed since, or the block was removed (evicted, found damaged)
-        after its write began (the removal may have punched the range after the write); the caller then
-        releases the reservation (the bytes were served from memory)."""
-        if meta.pack:
-            self.packs.installed(meta.pack)
-            try:
-                self.commit(bid, meta)
-            except BaseException:
-                self.packs.free(meta.pack, meta.offset, meta.length)
-                raise
-            self.packs.rolled_over(meta.pack)
-            return
-        if self._removed.get(bid, 0) > written.removals or written.removals < self._forgotten:
-            raise OSError(errno.ESTALE, "the block was removed while it was being written")
-        st = os.stat(self.object_path(meta.obj), follow_symlinks=False)
-        if st.st_ino != written.ino or not stat.S_ISREG(st.st_mode) or st.st_size != meta.size:
-            raise OSError(errno.ESTALE, "its object's file was replaced while the block was being written")
-        self.commit(bid, meta, st)
 
     def commit(self, bid: bytes, meta: BlockMeta, st: os.stat_result | None = None) -> None:
         """Index a block whose bytes are in place, consuming its reservation; an object whose last block

@@ -1,6 +1,7 @@
 """How the block store writes a block (a worker thread): into its range of its object's file, created
 sparse at the object's size, or a small object's block into a pack where small blocks are packed.
-A part of :class:`epochfs.blockstore.store.BlockStore`; :meth:`BlockStore.install` indexes what it wrote.
+A part of :class:`epochfs.blockstore.store.BlockStore`, with what becomes of a write on the trio thread:
+:meth:`Writes.install` indexes it, :meth:`Writes.abandon` undoes it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ import logging
 import os
 import stat
 import threading
-from typing import NamedTuple
+from collections import OrderedDict
+from typing import TYPE_CHECKING, NamedTuple
 
 from epochfs.blockstore import packs as pk
 from epochfs.blockstore.direct import write_direct
 from epochfs.blockstore.format import BlockMeta, checksums
 from epochfs.blockstore.objects import Place
 from epochfs.blockstore.packs import Packs, punch_hole
+
+if TYPE_CHECKING:
+    from epochfs.blockstore.objects import ObjectFiles
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,9 @@ class Written(NamedTuple):
 
     ino: int
     removals: int
+
+
+Filled = tuple[Written, BlockMeta]  # what a write hands to install (or to abandon)
 
 
 def boot_id() -> bytes:
@@ -50,10 +58,20 @@ class Writes:
     _direct_works: bool
     _dirs: set[str]
 
+    objects: ObjectFiles
+    _removed: OrderedDict[bytes, int]
+    _forgotten: int
+
     def object_path(self, oid: bytes) -> str: ...  # (BlockStore's)
 
+    def commit(self, bid: bytes, meta: BlockMeta, st: os.stat_result | None = None) -> None: ...
+
+    def _punch(self, oid: bytes, offset: int, length: int) -> None: ...
+
+    def _unlink_object(self, oid: bytes) -> None: ...
+
     def write_temp(self, bid: bytes, data: bytes | bytearray | memoryview, around: bool = False,
-                   place: Place | None = None) -> tuple[Written, BlockMeta]:
+                   place: Place | None = None) -> Filled:
         """Write a block into its range of its object's file (``place``; default: an object of that one
         block, named by its id), or a small object's one block into the current pack where small blocks
         are packed, and checksum it (worker thread: touches no state but the packs' write position and
@@ -141,3 +159,38 @@ class Writes:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         return False
 
+    def abandon(self, written: Written, meta: BlockMeta) -> None:
+        """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): free its pack
+        range, or punch its range of the object's file (unless the block was indexed meanwhile by
+        another fill: the same bytes), and remove a file left holding no block (trio thread). The caller
+        releases the reservation."""
+        if meta.pack:
+            self.packs.free(meta.pack, meta.offset, meta.length, indexed=False)
+            return
+        f = self.objects.get(meta.obj)
+        if f is None and not self._writing:
+            self._unlink_object(meta.obj)  # (holds no block, and no fill is writing into a file)
+        elif f is None or f.blocks.get(meta.offset) is None and not f.held:
+            self._punch(meta.obj, meta.offset, meta.length)
+
+    def install(self, bid: bytes, written: Written, meta: BlockMeta) -> None:
+        """Index a block written by :meth:`write_temp`, consuming its reservation (trio thread; no
+        checkpoint). Raises OSError when the block's range may no longer hold what was written: its
+        object's file was replaced or removed since, or the block was removed (evicted, found damaged)
+        after its write began (the removal may have punched the range after the write); the caller then
+        releases the reservation (the bytes were served from memory)."""
+        if meta.pack:
+            self.packs.installed(meta.pack)
+            try:
+                self.commit(bid, meta)
+            except BaseException:
+                self.packs.free(meta.pack, meta.offset, meta.length)
+                raise
+            self.packs.rolled_over(meta.pack)
+            return
+        if self._removed.get(bid, 0) > written.removals or written.removals < self._forgotten:
+            raise OSError(errno.ESTALE, "the block was removed while it was being written")
+        st = os.stat(self.object_path(meta.obj), follow_symlinks=False)
+        if st.st_ino != written.ino or not stat.S_ISREG(st.st_mode) or st.st_size != meta.size:
+            raise OSError(errno.ESTALE, "its object's file was replaced while the block was being written")
+        self.commit(bid, meta, st)

@@ -156,7 +156,7 @@ class Passthrough:
             st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns) == tuple(f.print)
 
     def _backing(self, obj: ObjectInfo) -> _Backing | None:
-        oid = self.cache.object_id(obj)
+        oid = self.cache.place(obj, 0).obj
         kept = self._backings.get(oid)
         if kept is not None:
             if self._still_right(kept):

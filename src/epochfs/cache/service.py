@@ -5,10 +5,10 @@ Concurrency contract (all on the trio thread unless noted):
 - **Single flight.** At most one backend fetch per block id is in flight; every reader of that block
   waits on the same :class:`Fetch`. A flight runs in the service's own nursery, so a reader that goes
   away does not cancel a fetch other readers wait on.
-- **Write-behind.** One worker-thread job fetches a block, hands it to its readers at once and then
-  writes it to a temporary file; the trio thread moves it into place and indexes it. Until then the
-  flight stays registered and serves later readers from memory, so a block is never fetched twice
-  while its fill is running. Room is reserved before the fetch, so the eviction policy decides then.
+- **Write-behind.** One worker-thread job fetches a block, hands it to its readers at once, then writes
+  it at its place in its object's file; the trio thread indexes it. Until then the flight serves later
+  readers from memory: a block is never fetched twice while its fill runs. Room is reserved before the
+  fetch, so the eviction policy decides then.
 - **Recent blocks in memory.** The last blocks fetched for a reader (on demand or read ahead) stay in
   memory, up to ``recent_max`` bytes, until their last byte is read, and its next requests are served
   from there; those of at least ``store.DIRECT_MIN`` bytes are written around the page cache
@@ -45,7 +45,8 @@ from epochfs.backend.base import Backend
 from epochfs.blockstore.format import BlockMeta
 from epochfs.blockstore.handoff import Handoff
 from epochfs.blockstore.objects import Place
-from epochfs.blockstore.store import WOULD_BLOCK, BlockStore, Written
+from epochfs.blockstore.store import WOULD_BLOCK, BlockStore
+from epochfs.blockstore.writes import Filled
 from epochfs.cache import workers
 from epochfs.cache.accounting import CacheStats, Tally
 from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
@@ -55,7 +56,7 @@ from epochfs.cache.push import Pusher
 from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.streams import Reader, ReadStream
-from epochfs.core.blocks import block_bounds, block_id, range_blocks
+from epochfs.core.blocks import block_bounds, block_id, overlap, range_blocks
 from epochfs.core.errors import BackendUnavailable, EpochfsError
 from epochfs.core.memory import MemoryBudget
 from epochfs.core.records import ObjectInfo, member_location
@@ -112,10 +113,9 @@ class BlockCache:
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
 
     def wire(self, *, observer: ReadObserver | None = None, pusher: Pusher | None = None) -> None:
-        """The parts built on this cache that it tells back (wired once by the composition root, before
-        the cache runs): ``observer`` hears of each file opened and block read (the prefetcher);
-        ``pusher`` pushes blocks into the kernel's page cache ahead of sequential readers (it writes
-        through the FUSE adapter)."""
+        """The parts built on this cache that it tells back, wired once by the composition root before it
+        runs: ``observer`` hears of each file opened and block read (the prefetcher); ``pusher`` pushes
+        blocks into the kernel's page cache ahead of sequential readers (through the FUSE adapter)."""
         if observer is not None:
             assert self.observer is None, "one observer"
             self.observer = observer
@@ -148,9 +148,6 @@ class BlockCache:
     def place(self, obj: ObjectInfo, index: int) -> Place:  # (in obj's file, named by its first block's id)
         return Place(self.block_id(obj, 0), index * self.block_size, obj.size)
 
-    def object_id(self, obj: ObjectInfo) -> bytes:
-        return self.block_id(obj, 0)
-
     def block_length(self, obj: ObjectInfo, index: int) -> int:
         """Length of block ``index`` of ``obj`` (ValueError if it has no such block)."""
         return block_bounds(index, obj.size, self.block_size)[1]
@@ -167,7 +164,7 @@ class BlockCache:
         parts = []
         with trio.move_on_after(self.fetch_timeout + self.READ_SLACK) as bound:
             for index, length, lo, hi in spans:
-                asked = None if counted is None else _overlap(counted, index * self.block_size + lo,
+                asked = None if counted is None else overlap(counted, index * self.block_size + lo,
                                                               index * self.block_size + hi)
                 parts.append(await self._read_block(obj, index, length, lo, hi, asked=asked, reader=reader,
                                                     started=started.get(index)))
@@ -239,7 +236,7 @@ class BlockCache:
             return None
         lo = offset - index * self.block_size
         return self._block_now(obj, index, self.block_length(obj, index), lo, end - index * self.block_size,
-                               end - offset if counted is None else _overlap(counted, offset, end), reader)
+                               end - offset if counted is None else overlap(counted, offset, end), reader)
 
     def read_whole_now(self, obj: ObjectInfo, offset: int, size: int, *,
                        reader: Reader | None = None) -> bytes | memoryview | None:
@@ -338,8 +335,8 @@ class BlockCache:
             return None  # evicted (or evicted and refilled) meanwhile: not damage, a miss
         return self.store.finish_read(bid, meta, lo, hi, raw)
 
-    def _ignore(self, hit: bool, nbytes: int) -> None:
-        pass
+    def _ignore(self, hit: bool, nbytes: int) -> None:  # (a peer's read: its own node counts it)
+        return
 
     def _count(self, hit: bool, nbytes: int) -> None:
         self.tally.read(hit, nbytes)
@@ -479,8 +476,6 @@ class BlockCache:
         box = workers.mailbox()
         handoff = Handoff()
 
-        place = self.place(obj, index)
-
         def job() -> None:
             local = self.uploads.reader(obj)
             data = local(start, length) if local is not None else None
@@ -493,18 +488,18 @@ class BlockCache:
             if not admitted or data is None:
                 return
             try:
-                result: tuple[Written, BlockMeta] | OSError = self.store.write_temp(bid, data, flight.near, place)
+                got: Filled | OSError = self.store.write_temp(bid, data, flight.near, self.place(obj, index))
             except OSError as exc:
-                result = exc
-            if not handoff.give(result) and isinstance(result, tuple):
+                got = exc
+            if not handoff.give(got) and isinstance(got, tuple):
                 try:  # the fill gave up waiting: nobody installs this block; undo its write
-                    box.post(self.store.abandon, *result)
+                    box.post(self.store.abandon, *got)
                 except trio.RunFinishedError:
                     pass  # shut down: what it wrote is cleared at the next start
 
         held = 0
         try:
-            written: tuple[Written, BlockMeta] | OSError | None = None
+            written: Filled | OSError | None = None
             try:
                 if not flight.demand:  # (room for it in memory first; a reader that comes to wait lets it go)
                     await self.ahead.acquire(length, flight.urgent)
@@ -599,8 +594,3 @@ class BlockCache:
             throttled_seconds=self.ahead.throttled_seconds,
             **({} if self.pusher is None else self.pusher.statistics()._asdict()),
         )
-
-
-def _overlap(span: tuple[int, int], lo: int, hi: int) -> int:
-    """How many bytes of [lo, hi) lie in ``span``."""
-    return max(0, min(hi, span[1]) - max(lo, span[0]))

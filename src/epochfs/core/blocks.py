@@ -78,3 +78,8 @@ def range_blocks(offset: int, size: int, file_size: int, block_size: int) -> Ite
     for index in blocks_for_range(offset, size, file_size, block_size):
         start, length = block_bounds(index, file_size, block_size)
         yield index, length, max(offset, start) - start, min(end, start + length) - start
+
+
+def overlap(span: tuple[int, int], lo: int, hi: int) -> int:
+    """How many bytes of [lo, hi) lie in ``span``."""
+    return max(0, min(hi, span[1]) - max(lo, span[0]))

@@ -567,7 +567,7 @@ def _invalidate(session: kernel.Session, entries: list[tuple[int, bytes]], inode
 
 
 class ChannelFile:
-    """The mount's control file (:class:`epochfs.vfs.fs.ControlFile`) over the channel's sessions."""
+    """The mount's control file (:class:`epochfs.vfs.seams.ControlFile`) over the channel's sessions."""
 
     name = frames.NAME.encode()
     command = frames.COMMAND

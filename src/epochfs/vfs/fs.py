@@ -28,7 +28,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from epochfs import kernel
 from epochfs.cache.members import MemberStream
@@ -41,6 +41,7 @@ from epochfs.core.stats import Histogram, HistogramSnapshot
 from epochfs.meta.entries import COOKIE_MAX
 from epochfs.meta.namespace import ROOT_INODE, Namespace
 from epochfs.vfs.presentation import Presentation
+from epochfs.vfs.seams import BackingFiles, ControlFile
 from epochfs.writeback.access import writes_in
 from epochfs.writeback.service import WriteBack
 from epochfs.writeback.tree import Node, Tree, parent_of
@@ -99,34 +100,8 @@ def _translated(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class BackingFiles(Protocol):
-    """What the adapter asks of the cached files the kernel reads itself (passthrough; the cache
-    provides it: :class:`epochfs.cache.passthrough.Passthrough`)."""
-
-    active: bool  # False once the kernel refused a backing file
-
-    def open(self, inode: int, obj: ObjectInfo, fh: int) -> int:
-        """The backing id to answer this open with, or 0: read it through the daemon. Raises
-        :class:`~epochfs.cache.passthrough.BackingChanged` for an open that can be served neither way (EIO)."""
-        ...
-
-    def off(self, why: str) -> None: ...
-
-    def release(self, fh: int) -> None: ...
-
-
 #: The control file's inode number (above the snapshot's and the overlay's numbers).
 CONTROL_INODE = 1 << 62
-
-
-class ControlFile(Protocol):
-    """The control channel through the mount (:mod:`epochfs.control.inmount`): a file at the root named
-    ``name`` whose ioctls of ``command`` it answers for the caller the kernel names."""
-
-    name: bytes
-    command: int
-
-    async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes: ...
 
 
 class KernelPages:

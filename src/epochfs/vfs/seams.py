@@ -1,0 +1,34 @@
+"""The adapter's seams to what the daemon gives it: the cached files the kernel reads itself and the
+control file through the mount (each provided elsewhere, named here so the adapter imports neither)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from epochfs.core.records import ObjectInfo
+
+
+class BackingFiles(Protocol):
+    """What the adapter asks of the cached files the kernel reads itself (passthrough; the cache
+    provides it: :class:`epochfs.cache.passthrough.Passthrough`)."""
+
+    active: bool  # False once the kernel refused a backing file
+
+    def open(self, inode: int, obj: ObjectInfo, fh: int) -> int:
+        """The backing id to answer this open with, or 0: read it through the daemon. Raises
+        :class:`~epochfs.cache.passthrough.BackingChanged` for an open that can be served neither way (EIO)."""
+        ...
+
+    def off(self, why: str) -> None: ...
+
+    def release(self, fh: int) -> None: ...
+
+
+class ControlFile(Protocol):
+    """The control channel through the mount (:mod:`epochfs.control.inmount`): a file at the root named
+    ``name`` whose ioctls of ``command`` it answers for the caller the kernel names."""
+
+    name: bytes
+    command: int
+
+    async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes: ...
