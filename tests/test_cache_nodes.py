@@ -142,6 +142,11 @@ def test_clients_read_through_cache_nodes_and_each_block_crosses_the_backend_onc
         assert sorted(p["members"]) == sorted(s.addr for s in servers)
     for s in servers:
         assert s.status()["peer"]["role"] == "server" and s.status()["peer"]["bytes_out"] > 0
+    # A client that comes later is served what the cache nodes hold from their files, by the kernel.
+    before = sum(s.status()["peer"]["bytes_out_from_files"] for s in servers)
+    read_everything(tier.client(), 10)
+    by_kernel = sum(s.status()["peer"]["bytes_out_from_files"] for s in servers) - before
+    assert by_kernel == TOTAL, (by_kernel, TOTAL)
     text = subprocess.run([*EPOCHFS, "status", str(servers[0].cache_dir)], capture_output=True, text=True)
     assert text.returncode == 0 and "cache node" in text.stdout, text.stdout + text.stderr
 

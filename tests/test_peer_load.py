@@ -38,7 +38,7 @@ class Port:
         self._thread.start()
         assert self._ready.wait(10)
 
-    async def serve(self, req: wire.BlockRequest) -> bytes:
+    async def serve(self, req: wire.BlockRequest, by_digest: bool = False) -> bytes:
         self.inflight += 1
         self.most = max(self.most, self.inflight)
         try:

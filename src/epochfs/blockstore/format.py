@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import blake3
 import lmdb
 import xxhash
 
@@ -27,6 +28,7 @@ from epochfs.blockstore.keys import BLOCK_GLOB, CHUNK_SIZE, MAX_BLOCK_SIZE, bloc
 _HEAD = struct.Struct("<QIIQ")  # sequence number, block length, pack (0: in its object's file), offset in it
 _FILE = struct.Struct("<16sQ")  # (a block in its object's file) the object's id and size
 _SUM = 8  # bytes of one xxh3-64 digest
+DIGEST_SIZE = 32  # bytes of a block's BLAKE3 hash
 _MAX_SEQ = 1 << 62  # an entry's sequence number (fills in order) is below this; no cache comes near it
 MAX_OBJECT = 1 << 50  # an object file is never longer (1 PiB; S3 objects are at most 5 TiB)
 
@@ -34,7 +36,9 @@ MAX_OBJECT = 1 << 50  # an object file is never longer (1 PiB; S3 objects are at
 class BlockMeta(NamedTuple):
     """An index entry: the block's length, one xxh3-64 digest per CHUNK_SIZE chunk, and where it is:
     in pack ``pack`` at ``offset``, or (``pack`` 0) at ``offset`` of its object's file (``obj``, the
-    object's id, names the file; ``size`` is the object's, the file's length)."""
+    object's id, names the file; ``size`` is the object's, the file's length). ``digest``: the block's
+    BLAKE3 hash where the node serves other members (b"" elsewhere): what binds an answer sent from the
+    file to the block (:mod:`epochfs.peer.wire`), taken from the bytes as they were fetched."""
 
     length: int
     sums: bytes
@@ -43,10 +47,12 @@ class BlockMeta(NamedTuple):
     offset: int = 0
     obj: bytes = b""
     size: int = 0
+    digest: bytes = b""
 
     def encode(self) -> bytes:
         head = _HEAD.pack(self.seq, self.length, self.pack, self.offset)
-        return head + self.sums if self.pack else head + _FILE.pack(self.obj, self.size) + self.sums
+        file = b"" if self.pack else _FILE.pack(self.obj, self.size)
+        return head + file + self.sums + self.digest
 
     @classmethod
     def decode(cls, raw: bytes) -> BlockMeta | None:
@@ -60,20 +66,30 @@ class BlockMeta(NamedTuple):
                 return None
             obj, size = _FILE.unpack_from(raw, _HEAD.size)
             at += _FILE.size
-        sums = bytes(raw[at:])
-        if not 0 < length <= MAX_BLOCK_SIZE or len(sums) != _SUM * -(-length // CHUNK_SIZE) or seq > _MAX_SEQ:
+        if not 0 < length <= MAX_BLOCK_SIZE or seq > _MAX_SEQ:
+            return None
+        sums, digest = bytes(raw[at:]), b""
+        n = _SUM * -(-length // CHUNK_SIZE)
+        if len(sums) == n + DIGEST_SIZE:
+            sums, digest = sums[:n], sums[n:]
+        elif len(sums) != n:
             return None
         if pack and (length >= pk.PACK_BELOW or offset % pk.ALIGN or offset + length > pk.PACK_SIZE
                      or pack > pk.MAX_PACK):
             return None
         if not pack and (offset % pk.ALIGN or offset + length > size or size > MAX_OBJECT):
             return None
-        return cls(length, sums, seq, pack, offset, obj, size)
+        return cls(length, sums, seq, pack, offset, obj, size, digest)
 
     @property
     def in_file(self) -> bool:
         """In its object's file (not a pack)."""
         return not self.pack
+
+
+def digest(data: bytes | bytearray | memoryview) -> bytes:
+    """A block's BLAKE3 hash (releases the GIL: any thread)."""
+    return blake3.blake3(data, max_threads=1).digest()
 
 
 def _seed(bid: bytes) -> int:

@@ -1,6 +1,7 @@
-"""What the kernel's reads of cached files need of the block store (passthrough): a descriptor of a whole
-object's file checked against its fingerprint, the blocks of a file the kernel has open kept out of the
-eviction policy, and the scrub's hash of an object against its chunk checksums. A part of
+"""What the kernel's reads of cached files need of the block store: for passthrough, a descriptor of a
+whole object's file checked against its fingerprint, the blocks of a file the kernel has open kept out
+of the eviction policy, and the scrub's hash of an object against its chunk checksums; for a member's
+answer, a block's range of its file for the kernel to send (:class:`Extent`), kept on disk while it is. A part of
 :class:`epochfs.blockstore.store.BlockStore` (its state: :mod:`epochfs.blockstore.objects`); the trio
 thread, but :meth:`Lending.check_object` (a worker thread, reads only).
 """
@@ -11,7 +12,7 @@ import logging
 import os
 import stat
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from epochfs.blockstore.format import BlockMeta, missing
 from epochfs.blockstore.objects import Print
@@ -19,6 +20,7 @@ from epochfs.blockstore.objects import Print
 if TYPE_CHECKING:
     from epochfs.blockstore.index import Index
     from epochfs.blockstore.objects import ObjectFiles
+    from epochfs.blockstore.packs import Packs
     from epochfs.eviction import EvictionPolicy
 
 log = logging.getLogger(__name__)
@@ -26,10 +28,29 @@ log = logging.getLogger(__name__)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class Extent(NamedTuple):
+    """A cached block's bytes as a range of an open file, for the kernel to send (``sendfile``) without
+    reading them into Python, bound by the BLAKE3 ``digest`` taken when it was fetched (the receiver
+    checks the bytes against it); handed back with :meth:`Lending.sent`."""
+
+    fd: int
+    offset: int
+    length: int
+    digest: bytes
+    bid: bytes
+
+
 class Lending:
     objects: ObjectFiles
     index: Index
     policy: EvictionPolicy
+    packs: Packs
+    _sending: dict[bytes, int]
+    _after_send: dict[bytes, BlockMeta]
+
+    def _removal(self, bid: bytes) -> None: ...
+
+    def _let_go(self, bid: bytes, meta: BlockMeta) -> None: ...
 
     def object_path(self, oid: bytes) -> str: ...  # (BlockStore's)
 
@@ -93,8 +114,9 @@ class Lending:
         f = self.objects.get(oid)
         if f is None or f.held:
             return
-        for _bid, offset, length in deferred:
+        for bid, offset, length in deferred:
             if f.blocks.get(offset) is None:
+                self._removal(bid)  # (a fill of it that began before this punch is not indexed)
                 self._punch(oid, offset, length)
         for offset, bid in f.blocks.items():
             self.policy.inserted(bid, f.length(offset))
@@ -102,6 +124,35 @@ class Lending:
             self._unlink_object(oid)
         elif f.whole and f.print is None:
             self.objects.became_whole(oid, None)  # (refilled while lent: hashed before it is lent again)
+
+    def extent(self, bid: bytes, meta: BlockMeta) -> Extent | None:
+        """Block ``bid``'s range of its file, opened for the kernel to send to a member, if it has its
+        digest (else None: it is read, checked and hashed instead). Until :meth:`sent`, its bytes stay
+        on disk: a removal meanwhile (eviction) punches or frees the range only then. The bytes are not
+        checked here; the receiver checks them against the digest (the scrub finds what rotted)."""
+        if not meta.digest or self.index.get(bid) != meta:
+            return None
+        try:
+            fd = os.open(self.object_path(meta.obj) if meta.in_file else self.packs.path(meta.pack), _READ_FLAGS)
+        except OSError:
+            return None  # (damage, if it is, is found by the read that follows)
+        self._sending[bid] = self._sending.get(bid, 0) + 1
+        return Extent(fd, meta.offset, meta.length, meta.digest, bid)
+
+    def sent(self, extent: Extent) -> None:
+        """An :meth:`extent` was sent (or given up): the last of a removed block's lets go of its range."""
+        os.close(extent.fd)
+        left = self._sending.pop(extent.bid, 1) - 1
+        if left:
+            self._sending[extent.bid] = left
+        elif (meta := self._after_send.pop(extent.bid, None)) is not None:
+            self._removal(extent.bid)  # (a fill of it that began before this punch is not indexed)
+            self._let_go(extent.bid, meta)
+
+    @property
+    def sending(self) -> int:
+        """Block ranges being sent by the kernel now."""
+        return sum(self._sending.values())
 
     def check_plan(self, oid: bytes) -> list[tuple[bytes, BlockMeta]]:
         """The blocks of whole object ``oid`` to hash (:meth:`check_object`), in order."""

@@ -121,6 +121,9 @@ class BlockStore(Lending, Writes):
         self._removals = 0  # blocks removed so far
         self._removed: OrderedDict[bytes, int] = OrderedDict()  # block id -> removals when it was removed
         self._forgotten = 0  # the newest removal no longer in _removed
+        self.digests = False  # hash each block at fill (BLAKE3): set where the node serves other members
+        self._sending: dict[bytes, int] = {}  # block id -> its ranges being sent by the kernel (extent)
+        self._after_send: dict[bytes, BlockMeta] = {}  # removed while sent: let go of at the last
         self._writing = 0  # writes into object files in progress (worker threads, under _write_lock)
         self._write_lock = threading.Lock()
         self._closed = False  # no write starts once closed
@@ -197,6 +200,9 @@ class BlockStore(Lending, Writes):
     def close(self) -> None:
         self._block_fds.close()
         if self.index.is_open:
+            for bid, meta in self._after_send.items():  # (a send still running reads what its fd holds)
+                self._let_go(bid, meta)
+            self._after_send.clear()
             with self._write_lock:  # (a fill still writing may leave a range no entry knows: reconciled)
                 writing, self._closed = self._writing, True
             self._consistent = self.packs.close() and not writing and self._consistent
@@ -476,30 +482,45 @@ class BlockStore(Lending, Writes):
 
     def remove(self, bid: bytes, length: int) -> None:
         existed, meta = self.index.pop(bid)
-        self._removals += 1
-        self._removed[bid] = self._removals
-        if len(self._removed) > _REMOVALS_KEPT:
-            self._forgotten = self._removed.popitem(last=False)[1]
-        if meta is not None and meta.pack:
-            self.packs.free(meta.pack, meta.offset, meta.length)
-        elif meta is not None:
+        self._removal(bid)
+        if meta is not None and meta.in_file:
             f = self.objects.get(meta.obj)
             had_print = f is not None and f.print is not None
-            f = self.objects.removed(meta.obj, meta.offset, meta.length)
+            self.objects.removed(meta.obj, meta.offset, meta.length)
             if had_print:
                 self.index.set_print(meta.obj, None)
-            if f is not None and f.held:
-                f.deferred.append((bid, meta.offset, meta.length))  # (a hole would read as zeros now)
-            elif f is None or not f.have:
-                self._unlink_object(meta.obj)
-            else:
-                self._punch(meta.obj, meta.offset, meta.length)
-        else:  # (a malformed entry: its id may name a file)
+        if meta is None:  # (a malformed entry: its id may name a file)
             self._unlink_object(bid)
+        elif bid in self._sending:  # (the kernel sends its range to a member: let go of it after)
+            self._after_send[bid] = meta
+        else:
+            self._let_go(bid, meta)
         if existed:
             self.used -= length
             self._count -= 1
         self.policy.removed(bid)
+
+    def _removal(self, bid: bytes) -> None:
+        """Count a removal of ``bid``'s bytes: a write of it that began before is not indexed (install)."""
+        self._removals += 1
+        self._removed[bid] = self._removals
+        if len(self._removed) > _REMOVALS_KEPT:
+            self._forgotten = self._removed.popitem(last=False)[1]
+
+    def _let_go(self, bid: bytes, meta: BlockMeta) -> None:
+        """Free the disk range of a block no longer indexed: its pack range, or its range of its object's
+        file (after the kernel's last read of a file it has open; unless the block was indexed again),
+        or the file once it holds no block."""
+        if meta.pack:
+            self.packs.free(meta.pack, meta.offset, meta.length)
+            return
+        f = self.objects.get(meta.obj)
+        if f is not None and f.held:
+            f.deferred.append((bid, meta.offset, meta.length))  # (a hole would read as zeros now)
+        elif f is None or not f.have:
+            self._unlink_object(meta.obj)
+        elif f.blocks.get(meta.offset) is None:
+            self._punch(meta.obj, meta.offset, meta.length)
 
     def _punch(self, oid: bytes, offset: int, length: int) -> None:
         try:

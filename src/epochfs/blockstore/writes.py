@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from epochfs.blockstore import packs as pk
 from epochfs.blockstore.direct import write_direct
-from epochfs.blockstore.format import BlockMeta, checksums
+from epochfs.blockstore.format import BlockMeta, checksums, digest
 from epochfs.blockstore.objects import Place
 from epochfs.blockstore.packs import Packs, punch_hole
 
@@ -59,6 +59,7 @@ class Writes:
     _dirs: set[str]
 
     objects: ObjectFiles
+    digests: bool  # each block's BLAKE3 hash taken at fill (a node that serves other members)
     _removed: OrderedDict[bytes, int]
     _forgotten: int
 
@@ -74,7 +75,7 @@ class Writes:
                    place: Place | None = None) -> Filled:
         """Write a block into its range of its object's file (``place``; default: an object of that one
         block, named by its id), or a small object's one block into the current pack where small blocks
-        are packed, and checksum it (worker thread: touches no state but the packs' write position and
+        are packed, and checksum it (and hash it, :attr:`digests`) (worker thread: touches no state but the packs' write position and
         counts). Raises OSError. :meth:`install` indexes it; :meth:`abandon` undoes it.
 
         ``around``: the reader has the bytes already (it is served from memory), so a block of at least
@@ -86,7 +87,8 @@ class Writes:
         place = place or Place(bid, 0, len(data))
         if self.packs.enabled and len(data) < pk.PACK_BELOW and place.size == len(data):
             pack, offset = self.packs.write(data)
-            return Written(0, removals), BlockMeta(len(data), checksums(bid, data), 0, pack, offset)
+            return Written(0, removals), BlockMeta(len(data), checksums(bid, data), 0, pack, offset,
+                                                   digest=self._digest(data))
         if place.offset % pk.ALIGN or place.offset + len(data) > place.size:
             raise ValueError(f"a block of {len(data)} bytes cannot be at {place.offset} of {place.size}")
         path = self.object_path(place.obj)
@@ -143,7 +145,11 @@ class Writes:
             raise
         finally:
             os.close(fd)
-        return st.st_ino, BlockMeta(len(data), checksums(bid, data), 0, 0, place.offset, place.obj, place.size)
+        return st.st_ino, BlockMeta(len(data), checksums(bid, data), 0, 0, place.offset, place.obj, place.size,
+                                    self._digest(data))
+
+    def _digest(self, data: bytes | bytearray | memoryview) -> bytes:
+        return digest(data) if self.digests else b""
 
     def _wrote_direct(self, fd: int, data: bytes | bytearray | memoryview, place: Place) -> bool:
         """Write ``data`` at its place in ``fd`` (opened with O_DIRECT); False, with O_DIRECT cleared, if

@@ -52,6 +52,7 @@ from epochfs.cache.accounting import CacheStats, Tally
 from epochfs.cache.flights import CacheSettings, Fetch, Kept, ReadObserver
 from epochfs.cache.members import MemberStream, Verified
 from epochfs.cache.own import OwnUploads
+from epochfs.cache.peer_reads import PeerReads
 from epochfs.cache.push import Pusher
 from epochfs.cache.readahead import Readahead
 from epochfs.cache.sources import BackendSource, BlockSource
@@ -66,7 +67,7 @@ from epochfs.transport import buffers
 log = logging.getLogger(__name__)
 
 
-class BlockCache:
+class BlockCache(PeerReads):
     #: Bytes that open handles may keep of the small objects they read (see :class:`ReadStream`).
     WHOLE_BUDGET = 64 << 20
     RETRY_WINDOW = 1.0  # seconds after a demand fetch failed in which a new one is the same read's retry
@@ -194,33 +195,6 @@ class BlockCache:
         if failed is not None and trio.current_time() - failed < self.RETRY_WINDOW:
             flight.budget = self.retry_budget
         return flight
-
-    async def read_for_peer(self, obj: ObjectInfo, index: int, warm: bool) -> bytes | None:
-        """Block ``index`` of ``obj`` for another member: from the store, or fetched from the backend
-        (never from a peer); ``warm``: only make sure it is here. Not counted as a read of this node."""
-        length = self.block_length(obj, index)
-        if warm and self.store.lookup(self.block_id(obj, index)) is not None:
-            return None
-        data = await self._read_block(obj, index, length, 0, length, for_peer=True)
-        return None if warm else bytes(data)
-
-    async def read_stored(self, obj: ObjectInfo, index: int) -> bytes | None:
-        """Block ``index`` of ``obj`` if this node holds it (in memory or on the cache disk, verified),
-        else None: never fetched (another cache node filling its share asks this). Not counted."""
-        bid, length = self.block_id(obj, index), self.block_length(obj, index)
-        flight = self._flights.get(bid)
-        if flight is not None and not flight.warm:  # on its way here: wait for it
-            await flight.event.wait()
-            if flight.error is None and flight.data is not None and len(flight.data) == length:
-                return bytes(flight.data)
-        kept = self._recent.get(bid)
-        if kept is not None and len(kept.data) == length:
-            return bytes(kept.data)
-        meta = self.store.lookup(bid)
-        if meta is None or meta.length != length:
-            return None
-        data = await self._read_from_disk(bid, meta, 0, length)
-        return None if data is None else bytes(data)
 
     def read_now(self, obj: ObjectInfo, offset: int, size: int, *,
                  counted: tuple[int, int] | None = None, reader: Reader | None = None) -> bytes | memoryview | None:

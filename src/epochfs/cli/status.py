@@ -310,6 +310,8 @@ def format_peer(p: dict[str, Any]) -> list[str]:
     onward = (f": {went.get('replica', 0)} then asked another replica, {went.get('backend', 0)} the backend"
               if failed and went else "")
     link = p.get("link") or {}
+    by_kernel = (f" ({human(p['bytes_out_from_files'])} sent from the cache's files by the kernel)"
+                 if p.get("bytes_out_from_files") else "")
     sends = (f"; its link {human(link['bytes_per_second'])}/s ({link['detail']})" if link.get("bytes_per_second")
              else "; its link's capacity not known yet" if p.get("bytes_out") else "")
     lines = [f"cluster    {plural(len(p['members']), 'member')}, keeping {p['mode']} blocks{replicas}; this node "
@@ -317,7 +319,7 @@ def format_peer(p: dict[str, Any]) -> list[str]:
                                  f" (store unreachable: last member list; {p.get('store_error') or 'no answer'})"),
              f"           asked {plural(r['ok'] + failed, 'block')} of the tier: {human(p['bytes_in'])} in "
              f"{plural(r['ok'], 'answer')}, {plural(failed, 'ask')} failed{onward}; served "
-             f"{human(p['bytes_out'])} in {plural(r['served'], 'block')}, rejected {r['rejected']}{sends}"]
+             f"{human(p['bytes_out'])} in {plural(r['served'], 'block')}{by_kernel}, rejected {r['rejected']}{sends}"]
     refusing = p.get("refusing") or []
     for member in p["members"]:
         mark = " (this node)" if member == p["me"] else " (bypassed: not answering)" if member in p["down"] else ""

@@ -131,6 +131,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "job_checkpoint_saves": ("counter", "Checkpoint saves a training job's rank timed (epochfs.watch.saving)."),
     "job_checkpoint_save_seconds": ("counter", "Seconds those saves took, as the job saw them."),
     "job_gpu_utilization": ("gauge", "GPU utilisation (percent) a training job's rank reported last, where known."),
+    "peer_out_from_files_bytes": ("counter", "Of the block bytes served to members (peer_bytes out), those the kernel "
+                                  "sent from the cache's files (sendfile): never read by the daemon."),
     "peer_members": ("gauge", "Live members of the cluster cache tier this node sees, itself included."),
     "peer_store_reachable": ("gauge", "1 if the shared store answered this node's last heartbeat of the cluster tier, "
                              "else 0 (keeping its last member list; status says why, a refused password included)."),
@@ -228,6 +230,7 @@ def sample_of(c: Collected) -> Sample:
     peer = c.peer
     if peer is not None:
         values["peer_members"] = len(peer.members)
+        values["peer_out_from_files_bytes"] = peer.bytes_out_from_files
         values["peer_refusing_members"] = len(peer.refusing)
         values["peer_store_reachable"] = 1.0 if peer.store_reachable else 0.0
         if peer.role == "server":

@@ -303,6 +303,7 @@ class Daemon:
         host, port = split_addr(self.config.peer_listen, any_port=True) or ("", 0)
         members = self.peer.members
         answers = PeerAnswers(self.cache, lambda: self.snapshots.namespace)
+        self.store.digests = True  # (each block hashed at fill: its answers are sent from its file)
         self.peer_server = PeerServer(host, port, self.peer.client.keys, lambda: members.me, answers.serve,
                                       capacity=self.config.cache_size)
 

@@ -26,7 +26,8 @@ tier's timeout is given up (a member that died or stopped sending costs at most 
 ``CONNECT_TIMEOUT`` (a refused connection fails at once). A kept-alive connection the member closed
 just as it was reused (an empty reply, a reset) is asked again once on a new connection before it
 counts. An answer is used only if it is complete and authenticated: its MAC (made with the cluster's
-token, bound to this request) fits the status and the body, and a block is exactly the block's length.
+token, bound to this request) fits the status and the body (or the digest the body's BLAKE3 hash must
+be, where the owner sent it from its file: :mod:`epochfs.peer.wire`), and a block is exactly the block's length.
 Anything else is a :class:`PeerFailure` and nothing of it is kept.
 """
 
@@ -250,6 +251,7 @@ class PeerClient:
                   ) -> tuple[int, memoryview, dict[str, str]]:
         headers, mac = self.keys.headers(member, target, max(time.time(), self._since.get(member, 0)))
         curl.setopt(pycurl.URL, f"http://{member}{target}")
+        headers[wire.BIND_HEADER] = "digest"  # (an owner may send a cached block from its file)
         curl.setopt(pycurl.HTTPHEADER, [f"{k}: {v}" for k, v in headers.items()])
         curl.setopt(pycurl.TIMEOUT_MS, max(1, int(self.TOTAL * timeout * 1000)))
         curl.setopt(pycurl.LOW_SPEED_LIMIT, self.LOW_SPEED)
@@ -263,7 +265,7 @@ class PeerClient:
                 raise _Dropped(f"{member}: {exc.message}") from None
             raise PeerFailure("unavailable", f"{member}: {exc.message}") from None
         status = int(curl.getinfo(pycurl.RESPONSE_CODE))
-        if not self.keys.answer_ok(mac, status, body, fields.get(wire.ANSWER_HEADER)):
+        if not self.keys.answer_ok(mac, status, body, fields.get(wire.ANSWER_HEADER), fields.get(wire.DIGEST_HEADER)):
             hint = " (does it have another --peer-token-file?)" if status == 401 else ""
             raise PeerFailure("bad", f"{member}: an answer (HTTP {status}) not authenticated with the "
                                      f"cluster's token{hint}", status)

@@ -21,6 +21,7 @@ carries its answer MAC.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,25 @@ from epochfs.transport.slots import Slot, Slots
 
 log = logging.getLogger(__name__)
 
-Serve = Callable[[wire.BlockRequest], Awaitable[bytes | None]]
+
+
+@dataclass
+class Bound:
+    """A block's answer bound by its BLAKE3 ``digest`` (:mod:`epochfs.peer.wire`) rather than by a MAC
+    over its bytes: the bytes (``data``), or ``length`` bytes at ``offset`` of ``fd`` that the kernel
+    sends from the file (``sendfile``), never read here; ``done`` is called once, when it was sent or
+    given up."""
+
+    digest: bytes
+    length: int
+    data: bytes | None = None
+    fd: int = -1
+    offset: int = 0
+    done: Callable[[], None] | None = None
+
+
+#: Answers a request; the flag: whether the asker takes an answer bound by digest (a :class:`Bound`).
+Serve = Callable[[wire.BlockRequest, bool], Awaitable[bytes | Bound | None]]
 
 
 #: Why the server closed a connection (``stats.closed``, the ``epochfs_peer_closed_total`` series).
@@ -49,6 +68,7 @@ class ServerStats:
     rejected: int = 0
     connections: int = 0
     busy: int = 0  # requests answered busy (every slot held by a connection being answered)
+    served_from_files: int = 0  # of served_bytes, those the kernel sent from the cache's files (sendfile)
     closed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLOSE_REASONS, 0))
 
 
@@ -203,7 +223,7 @@ class PeerServer:
             await self._send(conn, stream, 503, body, self.keys.answer_mac(mac, 503, body), retry_after=self.RETRY_AFTER)
             self._closed("busy", "every slot holds a connection being answered")
             return False
-        status, body = (204, b"")
+        status, body, bound = (204, b"", None)
         if hello:  # (the plain hello's answer is the start second alone: what members of older versions take)
             since = self.replays.since
             body = wire.hello_body(since, self.capacity) if target == wire.HELLO_SIZED else str(since).encode()
@@ -212,9 +232,13 @@ class PeerServer:
             if request.method != b"GET":
                 raise wire.Rejected(405, "only GET")
             if not hello:
+                by_digest = any(k == wire.BIND_HEADER.encode() and v == b"digest" for k, v in request.headers)
                 with trio.fail_after(self.SERVE_TIMEOUT):
-                    data = await self.serve(wire.parse_target(request.target))
-                status, body = (204, b"") if data is None else (200, data)
+                    data = await self.serve(wire.parse_target(request.target), by_digest)
+                if isinstance(data, Bound):
+                    status, bound = 200, data
+                else:
+                    status, body = (204, b"") if data is None else (200, data)
         except wire.Rejected as exc:
             self.stats.rejected += 1
             status, body = exc.status, str(exc).encode()
@@ -228,7 +252,14 @@ class PeerServer:
         else:
             if not hello:
                 self.stats.served += 1
-                self.stats.served_bytes += len(body)
+                self.stats.served_bytes += len(body) if bound is None else bound.length
+        if bound is not None:
+            try:
+                await self._send_bound(conn, stream, bound, self.keys.digest_mac(mac, 200, bound.digest, bound.length))
+            finally:
+                if bound.done is not None:
+                    bound.done()
+            return True
         if len(body) >= self.MAC_IN_THREAD:
             answer = await trio.to_thread.run_sync(self.keys.answer_mac, mac, status, body)
         else:
@@ -237,11 +268,13 @@ class PeerServer:
         return True
 
     async def _send(self, conn: h11.Connection, stream: trio.SocketStream, status: int, body: bytes,
-                    answer_mac: str | None, *, retry_after: int | None = None) -> None:
+                    answer_mac: str | None, *, retry_after: int | None = None, digest: bytes = b"") -> None:
         """Send an answer as long as it moves: :class:`_Stalled` if no byte of it goes for ``STALL`` s."""
         headers = [("content-length", str(len(body))), ("content-type", "application/octet-stream")]
         if answer_mac is not None:
             headers.append((wire.ANSWER_HEADER, answer_mac))
+        if digest:
+            headers.append((wire.DIGEST_HEADER, digest.hex()))
         if retry_after is not None:
             headers.append(("retry-after", str(retry_after)))
         await self._moving(stream, conn.send(h11.Response(status_code=status, headers=headers)))
@@ -252,6 +285,37 @@ class PeerServer:
                 for chunk in conn.send_with_data_passthrough(h11.Data(data=view[at:at + self.SLICE])):
                     await self._moving(stream, chunk)
             self.sends.record(started, time.monotonic(), len(body))
+        await self._moving(stream, conn.send(h11.EndOfMessage()))
+
+    async def _send_bound(self, conn: h11.Connection, stream: trio.SocketStream, bound: Bound, answer_mac: str) -> None:
+        """Send an answer bound by digest: its bytes, or its range of a file by ``sendfile`` (the kernel
+        moves them from the page cache or the disk to the socket); :class:`_Stalled` as :meth:`_send`."""
+        if bound.data is not None:
+            await self._send(conn, stream, 200, bound.data, answer_mac, digest=bound.digest)
+            return
+        headers = [("content-length", str(bound.length)), ("content-type", "application/octet-stream"),
+                   (wire.ANSWER_HEADER, answer_mac), (wire.DIGEST_HEADER, bound.digest.hex())]
+        await self._moving(stream, conn.send(h11.Response(status_code=200, headers=headers)))
+        # (h11 counts the body's bytes against its length; they go by the kernel, not through it)
+        conn.send_with_data_passthrough(h11.Data(data=_Sent(bound.length)))
+        started = time.monotonic()
+        sock = stream.socket
+        at, left = bound.offset, bound.length
+        while left:
+            try:
+                n = os.sendfile(sock.fileno(), bound.fd, at, min(left, 1 << 30))
+            except BlockingIOError:
+                with trio.move_on_after(self.STALL) as stalled:
+                    await trio.lowlevel.wait_writable(sock)
+                if stalled.cancelled_caught:
+                    raise _Stalled(f"an answer moved no byte for {self.STALL:g}s") from None
+                continue
+            if n == 0:  # (the file is shorter than its block: the member sees a short answer and asks another)
+                raise OSError("a cached block's file ended before the block")
+            at, left = at + n, left - n
+            await trio.lowlevel.checkpoint()
+        self.sends.record(started, time.monotonic(), bound.length)
+        self.stats.served_from_files += bound.length
         await self._moving(stream, conn.send(h11.EndOfMessage()))
 
     async def _moving(self, stream: trio.SocketStream, data: bytes | memoryview | None) -> None:
@@ -278,3 +342,15 @@ class PeerServer:
 
 class _Stalled(Exception):
     """An answer that moved no byte for ``PeerServer.STALL`` seconds."""
+
+
+class _Sent:
+    """What h11 is told of a body the kernel sends itself: its length."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n

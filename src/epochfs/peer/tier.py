@@ -39,6 +39,7 @@ thread.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import random
 import threading
@@ -46,7 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from epochfs.backend.base import Backend
 from epochfs.core.errors import EpochfsError, ObjectChanged
@@ -57,7 +58,7 @@ from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.load import MemberLoad
 from epochfs.peer.members import Membership, refusal
-from epochfs.peer.server import ServerStats
+from epochfs.peer.server import Bound, ServerStats
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class PeerStats:
     load: tuple[MemberLoad, ...] = ()  # what the members this node reads from publish of their load
     closed: dict[str, int] | None = None  # connections this node's peer port closed, by why (None: no port)
     gates: dict[str, dict[str, int]] | None = None  # member -> requests in flight to it, its limit, fetches waiting
+    bytes_out_from_files: int = 0  # of bytes_out, those the kernel sent from the cache's files (sendfile)
 
 
 class PeerCache(Protocol):
@@ -100,6 +102,28 @@ class PeerCache(Protocol):
     async def read_for_peer(self, obj: ObjectInfo, index: int, warm: bool) -> bytes | None: ...
 
     async def read_stored(self, obj: ObjectInfo, index: int) -> bytes | None: ...
+
+    def extent_for_peer(self, obj: ObjectInfo, index: int) -> FileRange | None: ...
+
+    def sent(self, extent: Any) -> None: ...
+
+    async def digest_for_peer(self, obj: ObjectInfo, index: int, data: bytes) -> bytes: ...
+
+
+class FileRange(Protocol):
+    """A cached block's range of an open file, with its digest (the store's extent)."""
+
+    @property
+    def fd(self) -> int: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def digest(self) -> bytes: ...
 
 
 class PeerTier:
@@ -248,7 +272,8 @@ class PeerTier:
                          dataset_bytes=share[1], cache_size_bytes=own,
                          tier_cache_bytes=ring.cache_bytes() if own is not None else None, fallbacks=fallbacks,
                          refusing=self.members.refusing(), store_error=self.members.unreachable,
-                         closed=dict(served.closed) if served is not None else None, gates=self.client.gates())
+                         closed=dict(served.closed) if served is not None else None, gates=self.client.gates(),
+                         bytes_out_from_files=served.served_from_files if served else 0)
 
 
 class PeerAnswers:
@@ -258,7 +283,10 @@ class PeerAnswers:
         self.cache = cache
         self.namespace = namespace
 
-    async def serve(self, req: wire.BlockRequest) -> bytes | None:
+    async def serve(self, req: wire.BlockRequest, by_digest: bool = False) -> bytes | Bound | None:
+        """The answer to a block request: its bytes, read and checked (None to a warm request); or, to
+        an asker that takes an answer bound by digest (``by_digest``), a :class:`Bound`: the cached
+        block's range of its file for the kernel to send, or the bytes read with their digest."""
         namespace = self.namespace()
         node = namespace.resolve(req.key)
         if isinstance(node, File) and node.obj.key == req.key and node.obj.etag == req.etag:
@@ -275,14 +303,20 @@ class PeerAnswers:
             raise wire.Rejected(404, "no such block") from None
         if length != req.length or cache.block_id(obj, req.index) != req.bid:
             raise wire.Rejected(409, "another block geometry (is --block-size the same on every node?)")
+        if by_digest and not req.warm and (extent := cache.extent_for_peer(obj, req.index)) is not None:
+            return Bound(extent.digest, extent.length, fd=extent.fd, offset=extent.offset,
+                         done=functools.partial(cache.sent, extent))
         if req.stored:
             data = await cache.read_stored(obj, req.index)
             if data is None:
                 raise wire.Rejected(404, "not held here")
+        else:
+            try:
+                data = await cache.read_for_peer(obj, req.index, req.warm)
+            except ObjectChanged as exc:
+                raise wire.Rejected(412, str(exc)) from None
+            except EpochfsError as exc:
+                raise wire.Rejected(503, str(exc)) from None
+        if data is None or not by_digest:
             return data
-        try:
-            return await cache.read_for_peer(obj, req.index, req.warm)
-        except ObjectChanged as exc:
-            raise wire.Rejected(412, str(exc)) from None
-        except EpochfsError as exc:
-            raise wire.Rejected(503, str(exc)) from None
+        return Bound(await cache.digest_for_peer(obj, req.index, data), len(data), data=data)

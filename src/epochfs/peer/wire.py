@@ -21,6 +21,13 @@ the backend) for a block it does not hold, or an error status with a one-line re
 holds the token can make it, and only for that request: a recorded answer does not fit another request,
 and a body changed on the way does not fit its MAC. Nothing that fails these checks is used.
 
+A request with ``X-Epochfs-Bind: digest`` may have its block answered bound by digest instead: the answer
+carries ``X-Epochfs-Digest`` (the block's BLAKE3 hash, hex) and its MAC is over the request's MAC, the
+status, the digest and the length; the receiver checks the body against the digest. So the owner sends
+a cached block from its file (``sendfile``) without reading or hashing it, with the hash it took when it
+fetched the block. The header is not signed, and needs not be: it chooses between two bindings that
+each authenticate the body (a member of an older version ignores it, and MACs the body).
+
 The key, ETag and index let the owner fetch a block it does not have; it serves only objects of its own
 snapshot, and only if the block id it derives from them is the one asked for: the port hands out blocks
 of the dataset by id, never paths or listings.
@@ -53,6 +60,8 @@ MAX_TARGET = 16 << 10  # longest request target accepted (a 4096-byte key, perce
 MAX_BLOCK = 1 << 30
 TIME_HEADER, NONCE_HEADER, AUTH_HEADER = "x-epochfs-time", "x-epochfs-nonce", "x-epochfs-auth"
 ANSWER_HEADER = "x-epochfs-answer"
+BIND_HEADER, DIGEST_HEADER = "x-epochfs-bind", "x-epochfs-digest"  # (an answer bound by its block's digest)
+DIGEST_BYTES = 32  # a block's BLAKE3 hash
 MIN_TOKEN, MAX_TOKEN = 16, 4096
 _KEY_CONTEXT = "epochfs 2026-12-01 peer protocol v2 MAC key"
 _HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # (fullmatch)
@@ -114,6 +123,11 @@ class Keys:
         mac.update(body)  # (releases the GIL for large bodies)
         return mac.hexdigest(16)
 
+    def digest_mac(self, request_mac: str, status: int, digest: bytes, length: int) -> str:
+        """The MAC of an answer bound by its body's digest (see the module's docstring)."""
+        return self._mac(b"answer by digest", request_mac.encode(), str(status).encode(), digest,
+                         length.to_bytes(8, "little")).hexdigest(16)
+
     def headers(self, to: str, target: str, now: float) -> tuple[dict[str, str], str]:
         """The headers of a request to member ``to`` and its MAC (which its answer must be bound to)."""
         sent, nonce = int(now), os.urandom(16).hex()
@@ -139,8 +153,19 @@ class Keys:
         return expected, nonce, sent
 
     def answer_ok(self, request_mac: str, status: int, body: bytes | bytearray | memoryview,
-                  sent_mac: str | None) -> bool:
-        return sent_mac is not None and hmac_equal(self.answer_mac(request_mac, status, body), sent_mac)
+                  sent_mac: str | None, sent_digest: str | None = None) -> bool:
+        """Whether an answer is the member's to this request: its MAC over the body, or (``sent_digest``
+        given) over the digest, which the body's BLAKE3 hash must then be."""
+        if sent_mac is None:
+            return False
+        if sent_digest is None:
+            return hmac_equal(self.answer_mac(request_mac, status, body), sent_mac)
+        if len(sent_digest) != 2 * DIGEST_BYTES or not _HEX.issuperset(sent_digest):
+            return False
+        digest = bytes.fromhex(sent_digest)
+        if not hmac_equal(self.digest_mac(request_mac, status, digest, len(body)), sent_mac):
+            return False
+        return hmac.compare_digest(blake3.blake3(body, max_threads=1).digest(), digest)  # (releases the GIL)
 
 
 def hello_body(since: int, capacity: int) -> bytes:
