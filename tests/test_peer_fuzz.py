@@ -2,7 +2,8 @@
 
 A peer without the token (or a man in the middle) answers block requests and hellos with random
 mutations of an authenticated answer: statuses, MACs (dropped, of another request, another body,
-another token), bodies (flipped, cut, extended) and framings. Whatever it sends, the client returns
+another token), bodies (flipped, cut, extended), answers bound by digest (the digest of another body, junk,
+dropped, or added to a MAC over the body) and framings. Whatever it sends, the client returns
 exactly the block's bytes only for an untouched authenticated answer, and otherwise raises
 :class:`PeerFailure` within its timeout: nothing unauthenticated reaches the cache. Member entries of
 random bytes are either a canonical literal IP:PORT of this node's family or ignored."""
@@ -17,6 +18,7 @@ import time
 import pytest
 import trio
 
+from epochfs.blockstore.format import digest
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
 from epochfs.peer.members import Membership
@@ -95,13 +97,28 @@ class Hostile:
             signed_status = rng.choice([200, 204, 404])
             signed_body = rng.choice([b"", BLOCK, BLOCK[:-1], SINCE + b"0", b"-1"])
         headers = [("Content-Length", str(len(body)))]
-        answer = keys.answer_mac(signed_mac, signed_status, signed_body)
+        bound = not hello and rng.random() < 0.5  # (bound by the block's digest, as one sent from its file)
+        if bound:
+            signed_digest = digest(signed_body)
+            answer = keys.digest_mac(signed_mac, signed_status, signed_digest, len(signed_body))
+            sent_digest: str | None = signed_digest.hex()
+            if rng.random() < 0.3:  # its digest header changed: of another body, junk, cut, dropped
+                what = 9
+                sent_digest = rng.choice([digest(BLOCK[:-1]).hex(), "0" * 64, sent_digest[:-2], sent_digest.upper(),
+                                          sent_digest + "00", "zz" * 32, None])
+            if sent_digest is not None:
+                headers.append((wire.DIGEST_HEADER, sent_digest))
+        else:
+            answer = keys.answer_mac(signed_mac, signed_status, signed_body)
+            if rng.random() < 0.1:  # a MAC over the body, with a digest header added
+                what = 9
+                headers.append((wire.DIGEST_HEADER, digest(body).hex()))
         if what == 7:
             answer = rng.choice(["", "0" * 32, answer.upper(), answer[:-1], answer + "0", "\u00ff" * 32])
         if what != 8:
             headers.append((wire.ANSWER_HEADER, answer))
         honest = (status, body, signed_status, signed_body, keys, signed_mac) == right + right + (KEYS, mac) \
-            and what != 7 and what != 8
+            and what not in (7, 8, 9)
         return status, headers, body, not honest and rng.random() < 0.3
 
     def close(self) -> None:

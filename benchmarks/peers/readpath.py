@@ -6,9 +6,9 @@ layer doing a plain ``pread`` of the same bytes on local disk) and the raw local
 of the warm stream. *Cold*: fresh mount, empty cache; *warm*: cache filled, page cache dropped; *hot*:
 read again at once (and once more: the first read after the pages were filled also moves each page-cache
 folio to the active list, so it pays per folio, the second does not), with the sizes of the folios the
-kernel holds the file in (``benchmarks/peers/folios.py``; as root); with ``--passthrough`` (``--variant``), the
-time and daemon CPU of the whole copy the kernel then reads, and the time until a restarted daemon has
-hashed it again (it serves no copy a run before left until then), apart from the steady state. Files are opened with ``buffering=0``; the hot pass also runs with Python's default
+kernel holds the file in (``benchmarks/peers/folios.py``; as root). epochfs's default mount lets the kernel
+read what is cached itself (passthrough): also the time until a restarted daemon lends the files a run
+before left; ``--variant=--no-passthrough`` runs the daemon's own read path beside it. Files are opened with ``buffering=0``; the hot pass also runs with Python's default
 buffering, as most datasets open files (each such open asks the file system whether the file is a
 terminal: on FUSE, a request to the daemon). Each contender runs in turn, in alternating order from one
 repetition to the next; each ratio is the median of the ratios within a repetition. The report is
@@ -63,8 +63,8 @@ MiB = 1 << 20
 
 
 def checked(c: Epochfs, timeout: float = 300.0) -> int:
-    """Wait until a --passthrough mount has hashed the whole copies a run before left (they are not served
-    until then); their bytes."""
+    """Wait until a mount has checked the cached files a run before left (the kernel reads none of them
+    until then: kept fingerprints in the same boot, hashed again after another); their bytes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         p = c.status()["passthrough"] or {}
@@ -92,18 +92,6 @@ class Floor(Contender):
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_mounted(self.root)
         self.pid = self.proc.pid
-
-
-def copied(c: Epochfs, timeout: float = 120.0) -> int:
-    """Wait until a --passthrough mount has made its whole copies of what was read; their bytes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        p = c.status()["passthrough"] or {}
-        if p.get("whole_files", 0) >= 1:
-            log(f"{c.name}: {p['whole_files']} whole copies")
-            return int(p.get("whole_bytes", 0))
-        time.sleep(0.02)
-    log(f"{c.name}: no whole copy made in {timeout:g} s")
 
 
 def _let_servers_use_io_uring(wanted: bool) -> str | None:
@@ -199,20 +187,12 @@ def main() -> int:
                     record(c.name, "cold small files/s, 16 readers", small_files_rate(c.root, sixteen, 16))
                     drop_page_cache()
                     record(c.name, "cold large MiB/s", seq_read(c.root / large.key) / MiB)
-                    passthrough = isinstance(c, Epochfs) and "--passthrough" in c.extra
-                    if passthrough:
-                        # The whole copy that later opens read, made once the cold pass's open is
-                        # released: its time and the daemon's CPU apart.
-                        started, cpu = time.monotonic(), proc_usage(c.pid)["cpu"]
-                        gib = copied(c) / (1 << 30)
-                        if gib:
-                            record(c.name, "passthrough copy s per GiB", (time.monotonic() - started) / gib)
-                            record(c.name, "daemon CPU s per copied GiB", (proc_usage(c.pid)["cpu"] - cpu) / gib)
+                    passthrough = isinstance(c, Epochfs) and "--no-passthrough" not in c.extra
                     time.sleep(1)  # what was written behind the reader lands
                     c.unmount()  # a fresh mount over the filled cache: nothing of the cold pass in memory
                     c._mount()
                     wait_mounted(c.root)
-                    if passthrough:  # a copy a run before left is served once hashed again: the steady state
+                    if passthrough:  # (the files a run before left are lent once known right again)
                         started = time.monotonic()
                         gib = checked(c) / (1 << 30)
                         if gib:
@@ -294,8 +274,7 @@ def save(stem: Path, rows: dict[tuple[str, str], list[float]], args: argparse.Na
 
 
 MEASURES = ["cold large MiB/s", "warm large MiB/s", "hot large MiB/s", "hot large MiB/s, read again",
-            "page-cache folio KiB, large file", "passthrough copy s per GiB", "daemon CPU s per copied GiB",
-            "passthrough check after a restart, s per GiB",
+            "page-cache folio KiB, large file", "passthrough check after a restart, s per GiB",
             "daemon CPU s per warm GiB", "daemon CPU ms in the hot large passes",
             "backend requests in the hot large passes",
             "cold small files/s, 1 reader", "cold small files/s, 16 readers", "warm small files/s, 1 readers", "warm small files/s, 16 readers",
