@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from epochfs.cache import passthrough as passthrough_mod
+from epochfs.core.records import ObjectInfo
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
@@ -136,10 +138,10 @@ def test_a_cached_object_is_read_by_the_kernel_from_its_own_file_with_every_byte
 
 
 @needs_passthrough
-def test_small_objects_pass_through_too(s3_client, fresh_bucket, mount_factory):
+def test_small_objects_pass_through_too_when_asked(s3_client, fresh_bucket, mount_factory):
     small = [SampleFile(f"s/f{i}.bin", 100 * 1024 + 7 * i, version=i) for i in range(20)]
     upload(s3_client, fresh_bucket, "small/", small)
-    m = mount_factory(f"s3://{fresh_bucket}/small")
+    m = mount_factory(f"s3://{fresh_bucket}/small", "--passthrough")
     with m:
         for f in small:
             assert m.path(f.key).read_bytes() == f.content()
@@ -342,6 +344,27 @@ def test_a_writeback_mount_reads_through_the_daemon(fresh_bucket, mount_factory)
     m = mount_factory(f"s3://{fresh_bucket}/x", "--passthrough", "--writeback")
     with m:
         assert m.status()["passthrough"] is None
+
+
+def test_a_dataset_of_small_files_is_opened_with_no_request_by_default(s3_client, fresh_bucket, mount_factory):
+    """Most of its bytes in files under 1 MiB: passthrough would cost a request at every open, so the
+    mount opens files with no request instead (a hot file is then read with no daemon work at all), and
+    says why in status; one large file among them changes nothing."""
+    small = [SampleFile(f"s/f{i}.bin", 100 * 1024 + 7 * i, version=i) for i in range(40)]
+    upload(s3_client, fresh_bucket, "small/", [*small, SampleFile("large.bin", 3 * MIB)])
+    m = mount_factory(f"s3://{fresh_bucket}/small")
+    with m:
+        p = m.status()["passthrough"]
+        assert not p["active"] and "most of the dataset's bytes" in p["off"] and "--passthrough" in p["off"]
+        for f in small:
+            assert m.path(f.key).read_bytes() == f.content()
+        before = daemon_reads(m)
+        for f in small:  # (hot: from the page cache, no request)
+            assert m.path(f.key).read_bytes() == f.content()
+        assert daemon_reads(m) == before and m.status()["passthrough"]["opens"] == 0
+    assert passthrough_mod.small_files([*[ObjectInfo(f.key, f.size, 0, '"e"') for f in small],
+                                        ObjectInfo("large.bin", 3 * MIB, 0, '"e"')])
+    assert passthrough_mod.small_files([ObjectInfo("a", 5 * MIB, 0, '"e"'), ObjectInfo("b", 1000, 0, '"e"')]) is None
 
 
 def test_no_passthrough_reads_through_the_daemon(dataset, mount_factory):

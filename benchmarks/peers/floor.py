@@ -72,7 +72,7 @@ class Floor:
         self.fds[fd] = fd
         return kernel.FileInfo(fh=fd, keep_cache=True)
 
-    def read_now(self, fh, off, size, inode=0, pid=0):  # answered as the request is read, as epochfs's warm reads
+    def read_now(self, fh, off, size, inode=0, pid=0, reader=None):  # answered as the request is read, as epochfs's warm reads
         if not fh:  # a zero-message open: one descriptor per inode, kept
             fh = self.by_inode.get(inode)
             if fh is None:

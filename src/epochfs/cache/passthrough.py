@@ -1,4 +1,5 @@
-"""Passthrough opens (on by default): the kernel reads a fully cached object from its file in the store.
+"""Passthrough opens (by default where the dataset's bytes are mostly in large files: :func:`small_files`):
+the kernel reads a fully cached object from its file in the store.
 
 An object whose blocks are all cached is, in the store, one file that is the object byte for byte
 (:mod:`epochfs.blockstore.objects`); an open of it is answered with that file as its backing file and the
@@ -24,10 +25,11 @@ rate, those whose fingerprint is to be taken first. Runs on the trio thread.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +39,29 @@ from epochfs.cache.service import BlockCache
 from epochfs.core.records import ObjectInfo, stored_extent
 
 log = logging.getLogger(__name__)
+
+#: Files from this size are what passthrough pays for: the daemon's CPU per byte read goes, an open costs
+#: a request (the zero-message opens a mount of small files uses cost none).
+LARGE = 1 << 20
+_SAMPLE = 100_000  # objects looked at, at most, to decide
+
+
+def small_files(objects: Iterable[ObjectInfo]) -> str | None:
+    """Why passthrough does not pay on a dataset of these objects, or None if it does: most of its bytes
+    are in files under :data:`LARGE` or in packed members (which the kernel cannot read from a file of
+    their own). Passthrough answers every open with a request (the kernel sends OPEN, RELEASE), where a
+    mount without it opens files with no request at all: measured on 100 KiB files, a hot open costs
+    the daemon ~0.2 ms and a hot read ran at a tenth of the page cache's rate, the warm read at 0.7x,
+    while for large files it takes the daemon's 0.7 s of CPU per warm GiB to none."""
+    total = large = 0
+    for obj in itertools.islice(objects, _SAMPLE):  # (the first: a namespace of millions is not read whole)
+        total += obj.size
+        if obj.size >= LARGE and stored_extent(obj)[0] is obj:
+            large += obj.size
+    if not total or 2 * large >= total:
+        return None
+    return (f"most of the dataset's bytes ({1 - large / total:.0%}) are in files under {LARGE >> 20} MiB or packed "
+            "members, which are opened with no request instead (--passthrough: the kernel reads them too)")
 
 
 class Kernel(Protocol):
@@ -184,6 +209,8 @@ class Passthrough:
         return b
 
     def _trim(self) -> None:
+        if len(self._backings) <= self.KEPT:
+            return
         for oid in list(self._backings):
             if len(self._backings) <= self.KEPT:
                 break

@@ -311,9 +311,10 @@ class Config:
         "read-only mount opens files with no request, so a file already in the page cache is read with no "
         "daemon work at all (write-back mounts always ask)")
     passthrough: bool = option(
-        True, "mount", "the kernel reads a fully cached file from the cache's own file itself (FUSE passthrough, "
-        "Linux 6.9+, a root daemon), with no daemon work per read: on by default (the flag is kept for command "
-        "lines that name it); --no-passthrough turns it off. Those reads are not checked one by one: each "
+        False, "mount", "the kernel reads every fully cached file from the cache's own file itself, small ones "
+        "too (FUSE passthrough, Linux 6.9+, a root daemon), with no daemon work per read. Without this flag it "
+        "does so where most of the dataset's bytes are in files of 1 MiB and more (a mount of small files "
+        "opens them with no request instead, which serves them faster); --no-passthrough: never. Those reads are not checked one by one: each "
         "file's bytes are checked when they enter the cache, the file's fingerprint at each open, and all "
         "of it by the scrub (--passthrough-scrub); a file that fails is read through the daemon, verified, "
         "until refetched. Where the kernel or the daemon cannot (an older kernel, not root, --writeback), "
@@ -372,8 +373,9 @@ class Config:
 
     @property
     def kernel_reads(self) -> bool:
-        """Passthrough is wanted: a read-only mount (not a cache node) without --no-passthrough."""
-        return self.passthrough and not self.no_passthrough and not self.writeback and not self.serving
+        """Passthrough may be used: a read-only mount (not a cache node) without --no-passthrough (where the
+        dataset pays for it, or with --passthrough: :func:`epochfs.cache.passthrough.small_files`)."""
+        return not self.no_passthrough and not self.writeback and not self.serving
 
     def __post_init__(self) -> None:
         cache_dir = Path(os.path.abspath(self.cache_dir)) if self.cache_dir else default_cache_dir(self.source)

@@ -30,7 +30,7 @@ import trio
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.blockstore.store import BlockStore
-from epochfs.cache.passthrough import Passthrough
+from epochfs.cache.passthrough import Passthrough, small_files
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
 from epochfs.control import CONTROL_XATTR, PID_XATTR, frames
@@ -166,9 +166,12 @@ class Daemon:
             packing = self.store.packing
             self.passthrough = Passthrough(self.cache, lambda: self.session, scrub_every=config.passthrough_scrub,
                                            on_off=lambda: setattr(self.store, "packing", packing))
+            why = None if config.passthrough else small_files(f.obj for f in self.snapshots.namespace.files())
             if os.geteuid() != 0:
                 self.passthrough.off("the daemon is not root (the kernel registers backing files only for "
                                      "CAP_SYS_ADMIN)")
+            elif why is not None:
+                self.passthrough.off(why)
             else:
                 self.store.packing = False  # (a small object in a pack cannot be a backing file)
                 opened.callback(self.passthrough.close)  # (its descriptors, before the store closes)

@@ -157,6 +157,10 @@ def findings_of(m: dict[str, Any], view: dict[str, Any] | None = None) -> list[d
                   "daemon's read path is the bound, and the kernel does not read cached files itself on this mount",
                   "remount without `--no-passthrough` (the daemon as root, Linux 6.9+): the kernel then reads a "
                   "cached file from the cache disk itself, at the disk's speed")
+        elif (pt.get("off") or "").startswith("most of the dataset's bytes"):
+            found("warm-read-path", f"the job waits for data though {cached:.0%} of what it reads is cached, and "
+                  f"the kernel does not read cached files itself: {pt['off']}", "remount with `--passthrough`: the "
+                  "kernel then reads every cached file from the cache disk itself (an open then costs a request)")
         else:
             found("warm-read-path", f"the job waits for data though {cached:.0%} of what it reads is cached, and "
                   f"passthrough is off ({pt.get('off') or 'the kernel refused it'})", "run the daemon as root on "
