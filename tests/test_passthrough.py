@@ -346,6 +346,7 @@ def test_a_writeback_mount_reads_through_the_daemon(fresh_bucket, mount_factory)
         assert m.status()["passthrough"] is None
 
 
+@pytest.mark.page_cache  # (counts on the page cache: a hot file read with no request)
 def test_a_dataset_of_small_files_is_opened_with_no_request_by_default(s3_client, fresh_bucket, mount_factory):
     """Most of its bytes in files under 1 MiB: passthrough would cost a request at every open, so the
     mount opens files with no request instead (a hot file is then read with no daemon work at all), and

@@ -208,7 +208,7 @@ def main() -> int:
     lines += ["", f"The floor (a bare `sendfile` loop over loopback, one thread, nothing else): "
               f"{fl['user_s_per_gib'] + fl['system_s_per_gib']:.3f} s/GiB "
               f"({fl['user_s_per_gib']:.3f} user, {fl['system_s_per_gib']:.3f} system)."]
-    (args.out / "latest-serve-cost.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stamp}-serve-cost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -6,8 +6,8 @@ was measured here: where a Python daemon stands, and which fast path carries the
 
 Inputs, each from a committed result: the daemon's CPU seconds per GiB of a cold epoch read as a plain
 mount (DLIO, one epoch, one accelerator: ``dlio.py --epochs 1 --accelerators 1``, every byte fetched from
-the backend, the order learned), and per warm GiB through the daemon and with ``--passthrough``
-(``readpath.py``, medians of its repetitions). The rate: MLPerf Storage's unet3d asks 2.66 GiB/s per H100
+the backend, the order learned), and per warm GiB through the daemon and with ``--passthrough``, the
+kernel reading the cache's own file (``readpath.py --variant=--passthrough``, medians of its repetitions). The rate: MLPerf Storage's unet3d asks 2.66 GiB/s per H100
 at >= 90% AU. Cores are the daemon's CPU seconds per GiB times the node's GiB/s; the link is the node's
 GiB/s in Gbit/s. A Python daemon's request loop runs on one core (its worker threads add some), so what
 one core carries is the figure to set against one accelerator's rate.
@@ -37,16 +37,14 @@ def project(cold: dict[str, Any], readpath: dict[str, Any], accelerators: int = 
     per_gib = {
         "cold, through the daemon (learned order)": statistics.median(r["daemon_cpu_s"] for r in learned) / gib,
         "warm, through the daemon": readpath_cpu(readpath["rows"], "epochfs", "daemon CPU s per warm GiB"),
-        "warm, --passthrough (the kernel reads the cached copy)":
+        "warm, passthrough (the kernel reads the cache's own file)":
             readpath_cpu(readpath["rows"], "epochfs-variant", "daemon CPU s per warm GiB"),
     }
-    copied = readpath_cpu(readpath["rows"], "epochfs-variant", "daemon CPU s per copied GiB")
     rate = accelerators * UNET3D_H100
     rows = [{"path": path, "cpu_s_per_gib": s, "cores": s * rate,
              "one_core_gib_s": (1 / s) if s > 0 else None} for path, s in per_gib.items()]
     return {"accelerators": accelerators, "gib_s": rate, "gbit_s": rate * GiB * 8 / 1e9, "rows": rows,
-            "cold_au": {f"{r['latency_ms']:g} ms": r["au_per_epoch"][0] for r in learned},
-            "passthrough_copy_s_per_gib": copied}
+            "cold_au": {f"{r['latency_ms']:g} ms": r["au_per_epoch"][0] for r in learned}}
 
 
 def report(p: dict[str, Any], sources: list[str]) -> str:
@@ -65,13 +63,11 @@ def report(p: dict[str, Any], sources: list[str]) -> str:
               "- **A Python daemon's place**: its request loop is one core. Through the daemon, one core "
               "carries a fraction of one accelerator's 2.66 GiB/s cold, and less than one accelerator's warm; "
               "so at the H100 rate the daemon is the control plane (what to fetch, in which order, verified "
-              "into the cache) and the bytes of warm large files go through the kernel: `--passthrough` "
-              "(the kernel reads the cached copy: no daemon work per read) and the page cache for what fits "
-              "in memory. Cold, the bytes must come through someone's process once; several mounts (one a "
-              "dataset shard) or cache nodes spread that over cores.",
-              f"- **What `--passthrough` costs instead**: each cached large file is copied whole once "
-              f"({p['passthrough_copy_s_per_gib']:.2f} s of daemon CPU a GiB): a dataset read for many epochs "
-              "pays it once.",
+              "into the cache) and the bytes of warm large files go through the kernel: passthrough "
+              "(the kernel reads the cache's own file: no daemon work per read, no second copy; the default "
+              "for a dataset of large files) and the page cache for what fits in memory. Cold, the bytes must "
+              "come through someone's process once; several mounts (one a dataset shard) or cache nodes "
+              "spread that over cores.",
               "- **Measured on this 2-core machine** (the cold first epoch at 1 accelerator, the learned order): "
               + ", ".join(f"{k}: {v:.0f}% AU" for k, v in p["cold_au"].items()) + "."]
     return "\n".join(lines) + "\n"

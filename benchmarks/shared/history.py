@@ -49,6 +49,7 @@ BENCHMARKS = [
     Benchmark("clusterbox", "cluster", "clusterbox.py", r"clusterbox"),
     Benchmark("cluster", "cluster", "cluster.py", r"cluster(?!box)"),
     Benchmark("cache-nodes", "cluster", "cache_nodes.py", r"cache-nodes"),
+    Benchmark("serve-cost", "cluster", "serve_cost.py", r"serve-cost"),
     Benchmark("checkpoint", "checkpoint", "checkpoint.py", r"checkpoint"),
     Benchmark("memory", "node", "memory.py", r"memory"),
     Benchmark("namespace", "node", "namespace.py", r"namespace"),
