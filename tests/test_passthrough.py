@@ -77,6 +77,13 @@ def wait_whole(m, n: int, timeout: float = 30) -> dict:  # noqa: ANN001
         time.sleep(0.1)
 
 
+def read_until_whole(m, files: list[SampleFile]) -> dict:  # noqa: ANN001
+    """Read each of ``files`` whole through the mount (every byte right), then :func:`wait_whole` for them."""
+    for f in files:
+        assert m.path(f.key).read_bytes() == f.content()
+    return wait_whole(m, len(files))
+
+
 def object_files(cache: Path) -> list[Path]:
     return sorted(p for p in (cache / "blocks").rglob("*") if p.is_file())
 
@@ -143,9 +150,7 @@ def test_small_objects_pass_through_too_when_asked(s3_client, fresh_bucket, moun
     upload(s3_client, fresh_bucket, "small/", small)
     m = mount_factory(f"s3://{fresh_bucket}/small", "--passthrough")
     with m:
-        for f in small:
-            assert m.path(f.key).read_bytes() == f.content()
-        wait_whole(m, len(small))
+        read_until_whole(m, small)
         before = daemon_reads(m)
         for f in small:
             read_odd(m.path(f.key), f, seed=9)
@@ -188,9 +193,7 @@ def test_a_rotten_file_found_by_the_scrub_and_a_replaced_one_found_at_open_are_n
     cache = tmp_path / "cache"
     m = mount_factory(dataset, "--passthrough-scrub", "1", cache_dir=cache)
     with m:
-        for f in FILES[:2]:
-            assert m.path(f.key).read_bytes() == f.content()
-        wait_whole(m, 2)
+        read_until_whole(m, FILES[:2])
         files = object_files(cache)
         assert len(files) == 2
         # One rots in place (the scrub hashes every whole file each second here).
@@ -211,9 +214,7 @@ def test_a_rotten_file_found_by_the_scrub_and_a_replaced_one_found_at_open_are_n
         assert p["damaged"] >= 2, p
         assert "damaged" in m.log() and "changed since its fingerprint was taken" in m.log()
     with m:  # (the mount's page cache is gone: what was dropped is refetched)
-        for f in FILES[:2]:
-            assert m.path(f.key).read_bytes() == f.content()
-        wait_whole(m, 2)  # and the kernel's again
+        read_until_whole(m, FILES[:2])  # and the kernel's again
         before = daemon_reads(m)
         for f in FILES[:2]:
             read_odd(m.path(f.key), f, seed=8)
@@ -232,9 +233,7 @@ def test_a_byte_changed_every_32_kib_of_every_cache_file_is_never_read_back(s3_c
     cache = tmp_path / "cache"
     m = mount_factory(dataset, cache_dir=cache)
     with m:
-        for f in everything:
-            assert m.path(f.key).read_bytes() == f.content()
-        wait_whole(m, len(everything))
+        read_until_whole(m, everything)
         for f in everything:
             assert m.path(f.key).read_bytes() == f.content()  # (the kernel's)
         changed = 0
@@ -263,9 +262,7 @@ def test_fingerprints_survive_a_restart_and_a_kill_9_not_a_reboot(dataset, mount
     cache = tmp_path / "cache"
     m = mount_factory(dataset, cache_dir=cache)
     with m:
-        for f in FILES:
-            assert m.path(f.key).read_bytes() == f.content()
-        wait_whole(m, len(FILES))
+        read_until_whole(m, FILES)
     with m:  # a clean restart: the kernel's at once, nothing hashed again
         assert m.status()["passthrough"]["unchecked"] == 0
         before = daemon_reads(m)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -23,10 +25,15 @@ BLOCK = bytes(range(256)) * 4096  # 1 MiB
 
 
 class Port:
-    """A peer port on 127.0.0.1 in a thread of its own, its answers after ``delay`` seconds."""
+    """A peer port on 127.0.0.1 in a thread of its own: its answers ``answer(request, by_digest)``, after
+    ``delay`` seconds (default: the first bytes of :data:`BLOCK`); ``asked`` says, per request, whether
+    the asker took an answer bound by digest."""
 
-    def __init__(self, *, slots: int, waiting: int = 64, delay: float = 0.0, stall: float | None = None) -> None:
+    def __init__(self, *, slots: int = 128, waiting: int = 64, delay: float = 0.0, stall: float | None = None,
+                 answer: Callable[[wire.BlockRequest, bool], Any] | None = None) -> None:
         self.delay = delay
+        self.answer = answer or (lambda req, by_digest: BLOCK[:req.length])
+        self.asked: list[bool] = []
         self.inflight = self.most = 0
         self._ready = threading.Event()
         self._stop: trio.Event | None = None
@@ -38,12 +45,13 @@ class Port:
         self._thread.start()
         assert self._ready.wait(10)
 
-    async def serve(self, req: wire.BlockRequest, by_digest: bool = False) -> bytes:
+    async def serve(self, req: wire.BlockRequest, by_digest: bool = False) -> Any:
+        self.asked.append(by_digest)
         self.inflight += 1
         self.most = max(self.most, self.inflight)
         try:
             await trio.sleep(self.delay)
-            return BLOCK[:req.length]
+            return self.answer(req, by_digest)
         finally:
             self.inflight -= 1
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 
 import pytest
-import trio
 
 from epochfs.blockstore.format import digest
 from epochfs.blockstore.objects import Place
@@ -20,9 +18,10 @@ from epochfs.blockstore.store import BlockStore
 from epochfs.eviction.lru import LruPolicy
 from epochfs.peer import wire
 from epochfs.peer.client import PeerClient, PeerFailure
-from epochfs.peer.server import Bound, PeerServer
+from epochfs.peer.server import Bound
 
-KEYS = wire.Keys(b"a-token-of-enough-length-for-tests")
+from .test_peer_load import KEYS, Port
+
 MiB = 1 << 20
 
 
@@ -93,7 +92,9 @@ def test_an_extent_is_the_blocks_bytes_and_stays_on_disk_while_it_is_sent(tmp_pa
     s.close()
 
 
-def test_a_block_refilled_while_it_was_sent_is_not_punched_after(tmp_path):
+def _evicted_while_sent(tmp_path):
+    """A store with an object of two blocks whose first is being sent and was evicted meanwhile: (store,
+    the extent, the block's bytes, its place)."""
     s = store_at(tmp_path)
     oid, data = bid(100), os.urandom(MiB)
     place = Place(oid, 0, 2 * MiB)
@@ -101,6 +102,11 @@ def test_a_block_refilled_while_it_was_sent_is_not_punched_after(tmp_path):
     fill(s, bid(1), os.urandom(MiB), Place(oid, MiB, 2 * MiB))
     extent = s.extent(bid(0), s.lookup(bid(0)))
     s.remove(bid(0), MiB)
+    return s, extent, data, place
+
+
+def test_a_block_refilled_while_it_was_sent_is_not_punched_after(tmp_path):
+    s, extent, data, place = _evicted_while_sent(tmp_path)
     fill(s, bid(0), data, place)  # (asked again meanwhile: in place, the same bytes)
     s.sent(extent)
     meta = s.lookup(bid(0))
@@ -109,13 +115,7 @@ def test_a_block_refilled_while_it_was_sent_is_not_punched_after(tmp_path):
 
 
 def test_a_write_begun_before_a_deferred_punch_is_not_indexed_over_the_hole(tmp_path):
-    s = store_at(tmp_path)
-    oid, data = bid(100), os.urandom(MiB)
-    place = Place(oid, 0, 2 * MiB)
-    fill(s, bid(0), data, place)
-    fill(s, bid(1), os.urandom(MiB), Place(oid, MiB, 2 * MiB))
-    extent = s.extent(bid(0), s.lookup(bid(0)))
-    s.remove(bid(0), MiB)
+    s, extent, data, place = _evicted_while_sent(tmp_path)
     assert s.reserve(bid(0), MiB)
     written = s.write_temp(bid(0), data, place=place)  # (a fill that began before the send ends)
     s.sent(extent)  # (punches the range: the fill's bytes are gone)
@@ -124,39 +124,6 @@ def test_a_write_begun_before_a_deferred_punch_is_not_indexed_over_the_hole(tmp_
     s.release(MiB)
     assert s.lookup(bid(0)) is None
     s.close()
-
-
-class Port:
-    """A peer port on 127.0.0.1 in a thread of its own answering every block with ``answer(req, by_digest)``."""
-
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.asked: list[bool] = []
-        self._ready = threading.Event()
-        self.server = PeerServer("127.0.0.1", 0, KEYS, lambda: self.addr, self.serve)
-        self.server.STALL = 1.0
-        self.addr = ""
-        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10)
-
-    async def serve(self, req: wire.BlockRequest, by_digest: bool = False):
-        self.asked.append(by_digest)
-        return self.answer(req, by_digest)
-
-    async def _main(self) -> None:
-        self._stop = trio.Event()
-        self._token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as n:
-            await n.start(self.server.run)
-            self.addr = f"127.0.0.1:{self.server.port}"
-            self._ready.set()
-            await self._stop.wait()
-            n.cancel_scope.cancel()
-
-    def close(self) -> None:
-        trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        self._thread.join(10)
 
 
 def request(length: int, i: int = 0) -> wire.BlockRequest:
@@ -183,7 +150,7 @@ def _bound_of(path, offset: int, data: bytes, done: list[int]):
 def test_a_block_sent_from_its_file_reaches_the_member_byte_exact(block_file):
     path, offset, data = block_file
     done: list[int] = []
-    port = Port(_bound_of(path, offset, data, done))
+    port = Port(answer=_bound_of(path, offset, data, done), stall=1.0)
     try:
         client = PeerClient(KEYS, timeout=5.0)
         client.hello(port.addr, 5.0)
@@ -198,7 +165,7 @@ def test_a_block_sent_from_its_file_reaches_the_member_byte_exact(block_file):
 def test_a_block_that_rotted_on_the_owners_disk_is_refused_by_the_member(block_file):
     path, offset, data = block_file
     done: list[int] = []
-    port = Port(_bound_of(path, offset, data, done))
+    port = Port(answer=_bound_of(path, offset, data, done), stall=1.0)
     with open(path, "r+b") as f:  # (one bit, after the digest was taken)
         f.seek(offset + len(data) // 3)
         byte = f.read(1)[0]
@@ -238,7 +205,7 @@ def test_a_member_of_an_older_version_gets_an_answer_macd_over_its_body(block_fi
 
     path, offset, data = block_file
     done: list[int] = []
-    port = Port(_bound_of(path, offset, data, done))
+    port = Port(answer=_bound_of(path, offset, data, done), stall=1.0)
     try:
         client = PeerClient(KEYS, timeout=5.0)
         client.hello(port.addr, 5.0)
@@ -261,7 +228,7 @@ def test_a_member_that_stops_reading_a_sent_block_is_closed_and_its_range_handed
     path = tmp_path / "object"
     path.write_bytes(data)
     done: list[int] = []
-    port = Port(_bound_of(path, 0, data, done))
+    port = Port(answer=_bound_of(path, 0, data, done), stall=1.0)
     try:
         target = request(len(data)).target()
         headers, _ = KEYS.headers(port.addr, target, time.time() + 2)

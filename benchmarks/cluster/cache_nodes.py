@@ -162,6 +162,17 @@ def block_cost(client: Client, keys: list[str], n: int = 20) -> float:
     return statistics.median(times)
 
 
+def shards(mib: int, sizes_mib: list[int]) -> tuple[list[SampleFile], int]:
+    """Shards of ``sizes_mib`` MiB (each plus up to 1 MiB, seeded) until they hold ``mib`` MiB; their size."""
+    rng = random.Random(1)
+    files, total = [], 0
+    while total < mib * MiB:
+        size = rng.choice(sizes_mib) * MiB + rng.randrange(MiB)
+        files.append(SampleFile(f"shard-{len(files):04d}.tar", size))
+        total += size
+    return files, total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="dataset size")
@@ -171,12 +182,7 @@ def main() -> int:
     args = ap.parse_args()
     if not start_run(args.work):
         return 2
-    rng = random.Random(1)
-    files, total = [], 0
-    while total < args.mib * MiB:
-        size = rng.choice([2, 4, 8]) * MiB + rng.randrange(MiB)
-        files.append(SampleFile(f"shard-{len(files):04d}.tar", size))
-        total += size
+    files, total = shards(args.mib, [2, 4, 8])
     ones = [SampleFile(f"one/{i:03d}.bin", 4 * MiB) for i in range(40)]  # one 4 MiB block each
     keys = [f.key for f in files]
     contents = {f.key: f.content() for f in files}

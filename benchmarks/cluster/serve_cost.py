@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +30,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # (the tools every room shares)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cache_nodes import ENV, EPOCHFS, Client, Server, wait_members  # noqa: E402
+from cache_nodes import ENV, EPOCHFS, Client, Server, shards, wait_members  # noqa: E402
 from workloads import drop_page_cache, log, start_run  # noqa: E402
 
-from epochfs.dev.sample import SampleFile, upload  # noqa: E402
+from epochfs.dev.sample import upload  # noqa: E402
 from epochfs.dev.servers import LocalRedis, LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -154,12 +153,7 @@ def main() -> int:
     args = ap.parse_args()
     if not start_run(args.work):
         return 2
-    rng = random.Random(1)
-    files, total = [], 0
-    while total < args.mib * MiB:
-        size = rng.choice([16, 32, 64]) * MiB + rng.randrange(MiB)
-        files.append(SampleFile(f"shard-{len(files):04d}.tar", size))
-        total += size
+    files, total = shards(args.mib, [16, 32, 64])
     keys = [f.key for f in files]
     contents = {f.key: f.content() for f in files}
     token = args.work / "token"
