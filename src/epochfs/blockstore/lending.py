@@ -126,14 +126,16 @@ class Lending:
             self.objects.became_whole(oid, None)  # (refilled while lent: hashed before it is lent again)
 
     def extent(self, bid: bytes, meta: BlockMeta) -> Extent | None:
-        """Block ``bid``'s range of its file, opened for the kernel to send to a member, if it has its
-        digest (else None: it is read, checked and hashed instead). Until :meth:`sent`, its bytes stay
-        on disk: a removal meanwhile (eviction) punches or frees the range only then. The bytes are not
-        checked here; the receiver checks them against the digest (the scrub finds what rotted)."""
-        if not meta.digest or self.index.get(bid) != meta:
+        """Block ``bid``'s range of its file (``meta``: its index entry, just looked up), opened for the
+        kernel to send to a member, if it has its digest (else None: it is read, checked and hashed
+        instead). Until :meth:`sent`, its bytes stay on disk: a removal meanwhile (eviction) punches or
+        frees the range only then. The bytes are not checked here; the receiver checks them against the
+        digest (the scrub finds what rotted)."""
+        if not meta.digest:
             return None
+        path = self.object_path(meta.obj) if meta.in_file else self.packs.path(meta.pack)
         try:
-            fd = os.open(self.object_path(meta.obj) if meta.in_file else self.packs.path(meta.pack), _READ_FLAGS)
+            fd = os.open(path, _READ_FLAGS)
         except OSError:
             return None  # (damage, if it is, is found by the read that follows)
         self._sending[bid] = self._sending.get(bid, 0) + 1

@@ -35,6 +35,7 @@ from typing import Protocol
 
 import trio
 
+from epochfs.blockstore.objects import Print
 from epochfs.cache.service import BlockCache
 from epochfs.core.records import ObjectInfo, stored_extent
 
@@ -177,8 +178,7 @@ class Passthrough:
             st = os.fstat(b.fd)
         except OSError:
             return False
-        return f is not None and f.print is not None and f.whole and (
-            st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns) == tuple(f.print)
+        return f is not None and f.print is not None and f.whole and Print.of(st) == f.print
 
     def _backing(self, obj: ObjectInfo) -> _Backing | None:
         oid = self.cache.place(obj, 0).obj
