@@ -353,8 +353,14 @@ def format_writeback(w: dict[str, Any]) -> str:
                if w["pending_files"] else "nothing pending")
     more = f"; {w['deletes_pending']} deletes pending" if w["deletes_pending"] else ""
     errors = f"; {w['upload_errors']} failed attempts (retried)" if w["upload_errors"] else ""
+    if w.get("kernel_writes"):
+        kernel = f"; the kernel writes files itself ({w['kernel_opens']} opens, {human(w['kernel_bytes'])} written)"
+    elif w.get("kernel_off"):
+        kernel = f"; files are written through the daemon ({w['kernel_off']})"
+    else:
+        kernel = ""
     return (f"write-back {pending}{more}; uploaded {w['uploaded_files']} files ({human(w['uploaded_bytes'])})"
-            f"{errors}")
+            f"{errors}{kernel}")
 
 
 _HAND_OVER = "hand one over: epochfs.torch.EpochfsSampler, or epochfs prefetch"

@@ -372,6 +372,12 @@ class Config:
         return self.mountpoint is None
 
     @property
+    def kernel_writes(self) -> bool:
+        """A write-back mount's files may be written by the kernel itself (passthrough; not with
+        --no-passthrough): :mod:`epochfs.writeback.kernel`."""
+        return self.writeback and not self.no_passthrough
+
+    @property
     def kernel_reads(self) -> bool:
         """Passthrough may be used: a read-only mount (not a cache node) without --no-passthrough (where the
         dataset pays for it, or with --passthrough: :func:`epochfs.cache.passthrough.small_files`)."""

@@ -321,7 +321,11 @@ class Daemon:
             self.journal, self.store, self.backend, self.tree, WritebackSettings(
                 upload_bandwidth=self.config.upload_bandwidth, upload_concurrency=self.config.upload_concurrency,
                 user_quota=self.config.writeback_user_quota),
-            demand_waiting=self.cache.demand_waiting, publish=self.snapshots.apply, keep=self.cache.uploads)
+            demand_waiting=self.cache.demand_waiting, publish=self.snapshots.apply, keep=self.cache.uploads,
+            kernel=(lambda: self.session) if self.config.kernel_writes else None)
+        if self.writeback.kernel is not None and os.geteuid() != 0:
+            self.writeback.kernel.off("the daemon is not root (the kernel registers backing files only for "
+                                      "CAP_SYS_ADMIN)")
         opened.callback(self.writeback.close)
         self.writeback.recover()
 

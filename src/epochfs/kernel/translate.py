@@ -102,7 +102,7 @@ def _flush(req: abi.Request, fn: Callable[..., Any]) -> Reply:
 def _create(req: abi.Request, fn: Callable[..., Any]) -> Reply:
     a: abi.CreateIn = req.args
     info, attr = fn(req.nodeid, a.name, a.mode, a.flags, _ctx(req, a.umask))
-    return abi.reply(req.unique, abi.entry_out(attr), abi.open_out(info.fh, info.flags()))
+    return abi.reply(req.unique, abi.entry_out(attr), abi.open_out(info.fh, info.flags(), info.backing_id))
 
 
 def _write(req: abi.Request, fn: Callable[..., Any]) -> Reply:

@@ -163,7 +163,10 @@ class Operations(kernel.Operations):
         # Passthrough (read-only mounts): a cached object's open is answered with its file in the store,
         # which the kernel then reads itself; asked for at INIT (the session reads this attribute).
         self.passthrough = passthrough if writeback is None else None
-        self.want_passthrough = self.passthrough is not None
+        # Write-back mounts: the kernel writes files made here itself where it can (their data files as
+        # backing files: :mod:`epochfs.writeback.kernel`); asked for at INIT as well.
+        self.kernel_writes = getattr(writeback, "kernel", None) is not None
+        self.want_passthrough = self.passthrough is not None or self.kernel_writes
         self._bound: OrderedDict[tuple[int, int], ReadStream | MemberStream] = OrderedDict()
         self._retired: OrderedDict[int, Node] = OrderedDict()
         self._local: dict[int, int] = {}  # fh -> write-back handle (a file written on this node)
@@ -214,6 +217,8 @@ class Operations(kernel.Operations):
         attr.attr_timeout = self.attr_timeout
         attr.st_blksize = 128 << 10
         p = self.present
+        if node.written_here and self.kernel_writes:
+            self._writer().refresh(node)  # (the kernel writes it: its size is its data file's)
         info = node.record()
         if node.is_dir:
             default = p.root_mode if node.inode == ROOT_INODE and p.root_mode is not None else self._dir_default
@@ -350,8 +355,12 @@ class Operations(kernel.Operations):
                 self._writes_in(parent, ctx)
         fh = self._new_fh()
         if node.written_here or flags & _WRITE_FLAGS:
-            self._local[fh] = self._writer().open(node, flags)
-            return kernel.FileInfo(fh=fh, keep_cache=True)  # written only through this kernel
+            local = self._local[fh] = self._writer().open(node, flags, kernel=self._kernel_writes())
+            return self._local_info(fh, local)
+        if self.kernel_writes and self._writer().kernel.holds_inode(inode):  # type: ignore[union-attr]
+            # (uploaded while the kernel still reads its data file: this open must not cache the inode)
+            self._streams[fh] = self.cache.open_stream(node.obj, inode, (ctx.uid, ctx.gid))
+            return kernel.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         if passing:
             try:
                 backing = self.passthrough.open(inode, node.obj, fh)
@@ -362,6 +371,24 @@ class Operations(kernel.Operations):
                 return kernel.FileInfo(fh=fh, keep_cache=False, backing_id=backing)
         self._streams[fh] = self.cache.open_stream(node.obj, inode, (ctx.uid, ctx.gid))
         return kernel.FileInfo(fh=fh, keep_cache=True)
+
+    def _kernel_writes(self) -> bool:
+        """Whether the kernel may write a file made here itself (it negotiated passthrough)."""
+        if not self.kernel_writes or self.session is None:
+            return False
+        wb = self._writer()
+        assert wb.kernel is not None
+        if not wb.kernel.active:
+            return False
+        if not self.session.can(kernel.PASSTHROUGH):
+            return wb.kernel.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
+        return True
+
+    def _local_info(self, fh: int, local: int) -> kernel.FileInfo:
+        """The answer to an open of a file made here: its backing file, or through the daemon (the page
+        cache kept across opens only where the kernel never writes the data file behind it)."""
+        backing = self._writer().backing(local)
+        return kernel.FileInfo(fh=fh, keep_cache=not self.kernel_writes, backing_id=backing)
 
     @_translated
     def read_now(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0,
@@ -448,10 +475,11 @@ class Operations(kernel.Operations):
                      ctx: kernel.RequestContext) -> tuple[kernel.FileInfo, kernel.EntryAttributes]:
         parent = self._node(parent_inode)
         self._writes_in(parent, ctx)
-        handle, f = self._writer().create(parent, name, mode & ~ctx.umask, ctx.uid, ctx.gid)
+        handle, f = self._writer().create(parent, name, mode & ~ctx.umask, ctx.uid, ctx.gid,
+                                          kernel=self._kernel_writes())
         fh = self._new_fh()
         self._local[fh] = handle
-        return kernel.FileInfo(fh=fh, keep_cache=True), self._attrs(f)
+        return self._local_info(fh, handle), self._attrs(f)
 
     @_translated
     def write(self, fh: int, off: int, buf: bytes) -> int:

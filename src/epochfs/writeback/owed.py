@@ -37,6 +37,10 @@ class WritebackStats:
     upload_errors: int
     deletes_pending: int
     unpublished: int
+    kernel_writes: bool = False  # the kernel writes files made here itself (:mod:`epochfs.writeback.kernel`)
+    kernel_opens: int = 0  # opens of them it was given the data file for
+    kernel_bytes: int = 0  # bytes it wrote into them
+    kernel_off: str = ""  # why it does not, where it could have
 
 
 @dataclass(frozen=True, order=True)
@@ -157,6 +161,13 @@ class Owed:
         if size:
             self.room_of.unpin(size)
             self.owe(uid, -size)
+
+    def take(self, uid: int, size: int) -> None:
+        """Bytes already written (by the kernel, past what was lent): pinned where the cache can make room,
+        past the capacity where it cannot."""
+        if not self.room_of.pin(size):
+            self.room_of.hold(size)
+        self.owe(uid, size)
 
     def hold(self, uid: int, size: int) -> None:
         """Bytes of a file owed since before a restart: pinned even past the capacity."""

@@ -46,8 +46,9 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -56,6 +57,7 @@ from epochfs.core.errors import EpochfsError, NoSpace, NotFound, Refused
 from epochfs.core.records import MAX_OBJECT_SIZE, NAME_MAX, unsafe_reason
 from epochfs.meta.nodes import File
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
+from epochfs.writeback.kernel import Kernel, KernelWrites
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of
 from epochfs.writeback.uploads import Keep, Publish, Uploads
@@ -70,6 +72,7 @@ class Handle:
     file: LocalFile
     fd: int
     writable: bool
+    backing_id: int = 0  # the kernel reads and writes its data file itself (:mod:`epochfs.writeback.kernel`)
 
 
 def _path(parent: Node, name: bytes) -> str:
@@ -106,7 +109,8 @@ class WriteBack:
     RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
 
     def __init__(self, journal: Journal, store: Room, backend: Backend, tree: Tree, settings: WritebackSettings, *,
-                 demand_waiting: Callable[[], bool], publish: Publish, keep: Keep | None = None) -> None:
+                 demand_waiting: Callable[[], bool], publish: Publish, keep: Keep | None = None,
+                 kernel: Callable[[], Kernel | None] | None = None) -> None:
         self.journal = journal
         self.tree = tree
         if tree.overlay is None:
@@ -118,6 +122,11 @@ class WriteBack:
                                concurrency=settings.upload_concurrency, demand_waiting=demand_waiting,
                                publish=publish, fail=self._fail, keep=keep)
         self._handles: dict[int, Handle] = {}
+        self._through_daemon: Counter[str] = Counter()  # file id -> its opens read and written through us
+        # The kernel writes files itself where it can (None: it never does, ``kernel`` not given).
+        self.kernel = KernelWrites(kernel, self.owed) if kernel is not None else None
+        if self.kernel is not None and settings.user_quota is not None:
+            self.kernel.off("--writeback-user-quota is enforced write by write")
 
     # -- start-up -------------------------------------------------------------------------------------------
 
@@ -199,27 +208,29 @@ class WriteBack:
         self.journal.put_file(FileRecord(f.id, f.path, f.size, f.mtime_ns, f.mode, f.uid, f.gid, closed, time.time(),
                                          f.failed))
 
-    def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, LocalFile]:
-        """A new file (or an existing one replaced), open for writing: (handle, file)."""
+    def create(self, parent: Node, name: bytes, mode: int, uid: int, gid: int, *,
+               kernel: bool = False) -> tuple[int, LocalFile]:
+        """A new file (or an existing one replaced), open for writing: (handle, file). ``kernel``: the
+        kernel may write it itself (:meth:`backing` says whether it does)."""
         path = _path(parent, name)
         _check_key(self.backend, path)
         existing = self.tree.resolve(path)
         if existing is not None and existing.is_dir:
             raise Refused(f"{path} is a directory", errno.EISDIR)
         if existing is not None and existing.written_here:
-            return self.open(existing, os.O_WRONLY | os.O_TRUNC), existing
+            return self.open(existing, os.O_WRONLY | os.O_TRUNC, kernel=kernel), existing
         f = self._new_file(path, mode, uid, gid)
         self._replace(path, f)
-        return self._open_handle(f, writable=True), f
+        return self._open_handle(f, writable=True, kernel=kernel), f
 
-    def open(self, node: Node, flags: int) -> int:
+    def open(self, node: Node, flags: int, *, kernel: bool = False) -> int:
         """A handle on a file this node wrote (reading or writing), or on an existing object replaced
-        (``O_TRUNC``)."""
+        (``O_TRUNC``). ``kernel``: as for :meth:`create`."""
         write = bool(flags & (os.O_WRONLY | os.O_RDWR))
         if node.written_here:
             if flags & os.O_TRUNC:
                 self._truncate(node, 0)
-            return self._open_handle(node, writable=write)
+            return self._open_handle(node, writable=write, kernel=kernel)
         if not node.in_backend:
             raise Refused(f"{node.path} is a directory", errno.EISDIR)
         if not write:
@@ -227,7 +238,7 @@ class WriteBack:
         if not flags & os.O_TRUNC:
             raise Refused(f"{node.path}: an object in the backend can be replaced (open it with O_TRUNC), "
                           "not modified", errno.EOPNOTSUPP)
-        return self._open_handle(self._replace_object(node), writable=True)
+        return self._open_handle(self._replace_object(node), writable=True, kernel=kernel)
 
     def _replace_object(self, node: File | Stored) -> LocalFile:
         """An empty local file in place of an object (it keeps the inode number the kernel knows)."""
@@ -262,14 +273,33 @@ class WriteBack:
         if self.owed.deletes.pop(path, None) is not None:
             self.journal.cancel_delete(path)
 
-    def _open_handle(self, f: LocalFile, *, writable: bool) -> int:
+    def _open_handle(self, f: LocalFile, *, writable: bool, kernel: bool = False) -> int:
         fd = self.journal.open_data(f.id, os.O_RDWR if writable else os.O_RDONLY)
+        backing = 0
+        k = self.kernel
+        if k is not None and (kernel or k.holds(f)) and not self._through_daemon[f.id]:
+            try:
+                backing = k.admit(f, writable, lambda: self.journal.open_data(f.id, os.O_RDWR))
+            except BaseException:
+                os.close(fd)
+                raise
+        if not backing:
+            self._through_daemon[f.id] += 1
         if writable:
             f.writers += 1
             f.generation += 1
             self.owed.cancel_upload(f)
-        self._handles[fd] = Handle(f, fd, writable)
+        self._handles[fd] = Handle(f, fd, writable, backing)
         return fd
+
+    def backing(self, fh: int) -> int:
+        """The backing id of a handle the kernel reads and writes itself, or 0 (through the daemon)."""
+        return self._handles[fh].backing_id
+
+    def refresh(self, node: Node) -> None:
+        """A file the kernel writes: its size and time as its data file has them now."""
+        if self.kernel is not None and node.written_here:
+            self.kernel.refresh(node)
 
     def write(self, fh: int, offset: int, data: bytes) -> int:
         h = self._handles[fh]
@@ -328,6 +358,7 @@ class WriteBack:
         return os.pread(fh, size, offset)
 
     def truncate(self, node: Node, size: int) -> None:
+        self.refresh(node)
         if node.in_backend and size == 0:
             self._replace_object(node)  # open(O_TRUNC) by a kernel that truncates before it opens
             return
@@ -346,6 +377,8 @@ class WriteBack:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
+        if self.kernel is not None:
+            self.kernel.truncated(f, size)
         if size == 0:
             f.failed = ""  # written again from the start: what failed before is gone
         f.size, f.mtime_ns = size, time.time_ns()
@@ -384,6 +417,7 @@ class WriteBack:
     async def fsync(self, fh: int) -> None:
         """Make a written file's bytes and its journal record durable (worker thread)."""
         h = self._handles[fh]
+        self.refresh(h.file)
         self._save(h.file, closed=h.file.closed)
         try:
             await trio.to_thread.run_sync(os.fsync, fh)
@@ -402,6 +436,15 @@ class WriteBack:
             return
         os.close(fh)
         f = h.file
+        if h.backing_id:
+            assert self.kernel is not None
+            why = self.kernel.release(f, h.writable)
+            if why is not None and self.owed.files.get(f.id) is f:
+                self._fail(f, why)
+        else:
+            self._through_daemon[f.id] -= 1
+            if not self._through_daemon[f.id]:
+                del self._through_daemon[f.id]
         if not h.writable:
             return
         f.writers -= 1
@@ -458,6 +501,8 @@ class WriteBack:
 
     def _drop_local(self, f: LocalFile) -> None:
         self.owed.cancel_upload(f)
+        if self.kernel is not None:
+            self.kernel.forget(f)
         f.generation += 1
         if self.owed.files.pop(f.id, None) is not None:
             self._unreserve(f, f.size)
@@ -535,7 +580,11 @@ class WriteBack:
     # -- the background work, and what is owed ------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await self.uploads.run(task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            if self.kernel is not None:
+                nursery.start_soon(self.kernel.run, lambda: self.owed.files)
+            await self.uploads.run(task_status=task_status)
+            nursery.cancel_scope.cancel()
 
     async def publish_pending(self) -> None:
         await self.uploads.publish_pending()
@@ -563,7 +612,12 @@ class WriteBack:
         return self.owed.room()
 
     def statistics(self) -> WritebackStats:
-        return self.owed.statistics()
+        stats = self.owed.statistics()
+        if self.kernel is None:
+            return stats
+        k = self.kernel.statistics()
+        return replace(stats, kernel_writes=k.active, kernel_opens=k.opens, kernel_bytes=k.bytes,
+                                   kernel_off=k.off)
 
     def close(self, wait: float = 5.0) -> None:
         """Stop: every upload is cancelled and waited for at most ``wait`` seconds (the journal keeps what
@@ -572,3 +626,5 @@ class WriteBack:
         for fh in list(self._handles):  # (a writer cut off by the shutdown has not finished its file)
             os.close(fh)
         self._handles.clear()
+        if self.kernel is not None:
+            self.kernel.close()
