@@ -17,6 +17,7 @@ every N-th, or a seeded rate), in which case the proxy answers with the chosen f
     slow_body      headers, then the body spread evenly over ``stall`` seconds (a slow link that works)
     no_etag        the answer without its ETag header
     other_etag     the answer with another ETag than the one asked for
+    flip_body      the request's body passed on with one byte changed (bits rotted on the way up)
     region         301 PermanentRedirect with ``x-amz-bucket-region: <region>`` for a request signed for
                    another region (as S3 answers a wrong --region); requests signed for it pass
 
@@ -36,7 +37,8 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("error500", "slowdown", "throttle429", "reset", "stall_headers", "stall_body", "truncate",
-         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "slow_body", "no_etag", "other_etag", "region")
+         "wrong_range", "full_200", "denied403", "drip_body", "drip_headers", "slow_body", "no_etag", "other_etag", "region",
+         "flip_body")
 
 
 @dataclass
@@ -177,6 +179,9 @@ class FaultProxy:
             first, _, last = headers["Range"].removeprefix("bytes=").partition("-")
             shift = 1 if int(first) == 0 else -1
             headers["Range"] = f"bytes={int(first) + shift}-{int(last) + shift}"
+        if kind == "flip_body" and body:
+            at = len(body) // 2
+            body = body[:at] + bytes([body[at] ^ 0x20]) + body[at + 1:]
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
         try:
             conn.request(h.command, h.path, body=body, headers=headers)
@@ -199,10 +204,12 @@ class FaultProxy:
             if k.lower() == "etag" and kind == "no_etag":
                 continue
             h.send_header(k, '"0123456789abcdef0123456789abcdef"' if k.lower() == "etag" and kind == "other_etag" else v)
+        if h.command == "HEAD":  # (the size of what a GET would answer)
+            h.send_header("Content-Length", resp.getheader("Content-Length") or "0")
+            h.end_headers()
+            return
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
-        if h.command == "HEAD":
-            return
         if kind == "drip_body":
             _drip(h, data, fault.stall if fault else 1.5)
             h.close_connection = True

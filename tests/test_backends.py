@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import stat
 import subprocess
 import time
@@ -554,3 +555,31 @@ def test_the_stream_engine_connects_to_the_schemes_port_when_the_endpoint_names_
     assert httpio._Connection("s3.example.com", None, httpio.tls_context(None)).port == 443
     assert httpio._Connection("s3.example.com", None, None).port == 80
     assert httpio._Connection("s3.example.com", 8443, httpio.tls_context(None)).port == 8443
+
+
+@pytest.mark.parametrize("size", [3 << 20, 70 << 20])  # one PUT, and a multipart upload
+def test_an_upload_changed_on_the_way_is_refused_never_stored(s3, s3_client, fresh_bucket, s3_env, tmp_path, size):
+    """The body of an upload is not hashed for its signature (a pass of SHA-256 over every byte saved):
+    its CRC32 goes with each request and the endpoint checks it, so a byte changed between the daemon
+    and the endpoint fails the upload (retried, then an error) and the key never holds wrong bytes."""
+    from .faultproxy import Fault, FaultProxy
+
+    path = tmp_path / "f"
+    data = random.Random(size).randbytes(size)
+    path.write_bytes(data)
+    proxy = FaultProxy(s3.port).start()
+    try:
+        backend = open_backend(BackendSettings(Source.parse(f"s3://{fresh_bucket}/up"), endpoint_url=proxy.endpoint,
+                                               attempts=2))
+        proxy.set(Fault("flip_body", rate=1.0, methods=("PUT",), ranged_only=False))
+        with pytest.raises(Exception):  # noqa: B017 - whichever error the endpoint's refusal maps to
+            backend.upload_file(str(path), "f.pt")
+        assert proxy.injected >= 1
+        listed = s3_client.list_objects_v2(Bucket=fresh_bucket, Prefix="up/").get("KeyCount", 0)
+        assert listed == 0, "a changed body was stored"
+        proxy.set(None)
+        obj = backend.upload_file(str(path), "f.pt")
+        assert obj.size == size
+        assert s3_client.get_object(Bucket=fresh_bucket, Key="up/f.pt")["Body"].read() == data
+    finally:
+        proxy.stop()
