@@ -796,3 +796,55 @@ def test_advice_past_the_adviser_bound_is_dropped_counted_and_reported(tmp_path)
     assert s.statistics().advice_dropped == 4
     assert "cache_advice_dropped" in METRICS
     s.close()
+
+
+def test_a_file_taken_whole_is_the_objects_file_no_byte_copied_and_refused_where_it_could_mislead(tmp_path):
+    """take_file renames an uploaded write-back file into place as its object's file (the same inode);
+    each block indexed after its checksums are taken from the file reads back right, and a flipped byte
+    is still caught; a file another name links, one of another size, or an object the store has a file
+    of already are not taken; what is not kept of a taken file is freed, the file removed if nothing was."""
+    from epochfs.blockstore.objects import Place
+
+    s = make(tmp_path)
+    block, size = 1 << 20, 3 * (1 << 20) + 4097
+    data = os.urandom(size)
+    src = tmp_path / "data-file"
+    src.write_bytes(data)
+    ino = os.stat(src).st_ino
+    oid = bid(100)
+    linked = tmp_path / "other-name"
+    os.link(src, linked)
+    assert s.take_file(oid, str(src), size) is None  # (another name could change it behind the store)
+    linked.unlink()
+    assert s.take_file(oid, str(src), size + 1) is None
+    written = s.take_file(oid, str(src), size)
+    assert written is not None and not src.exists() and os.stat(s.object_path(oid)).st_ino == ino
+    for i, start in enumerate(range(0, size, block)):
+        b, length = bid(100 + i), min(block, size - start)
+        assert s.reserve(b, length)
+        s.install(b, written, s.checked_block(b, written, Place(oid, start, size), length))
+    for i, start in enumerate(range(0, size, block)):
+        b = bid(100 + i)
+        assert bytes(s.read(b, s.lookup(b), 0, s.lookup(b).length)) == data[start:start + block]
+    assert s.objects.get(oid).whole
+    again = tmp_path / "again"
+    again.write_bytes(data)
+    assert s.take_file(oid, str(again), size) is None  # (the store has this object's file)
+    with open(s.object_path(oid), "r+b") as f:  # a byte flipped after the checksums were taken
+        f.seek(5)
+        f.write(bytes([data[5] ^ 1]))
+    with pytest.raises(Exception):  # noqa: B017 - the store's damaged-block error
+        bytes(s.read(bid(100), s.lookup(bid(100)), 0, 16))
+
+    part = tmp_path / "part"  # a file kept in part: the rest freed; one kept not at all: removed
+    part.write_bytes(data)
+    written = s.take_file(bid(200), str(part), size)
+    assert s.reserve(bid(200), block)
+    s.install(bid(200), written, s.checked_block(bid(200), written, Place(bid(200), 0, size), block))
+    s.untake(bid(200), block, size)
+    assert os.stat(s.object_path(bid(200))).st_blocks * 512 <= block + (64 << 10)
+    none = tmp_path / "none"
+    none.write_bytes(data)
+    assert s.take_file(bid(300), str(none), size) is not None
+    s.untake(bid(300), 0, size)
+    assert not os.path.exists(s.object_path(bid(300)))

@@ -154,7 +154,7 @@ class SlowKeeper:
     def offer(self, obj, read):
         self.offered[obj.key] = (obj, read)
 
-    async def adopt(self, obj, read):
+    async def adopt(self, obj, read, path=None):
         await self.adopt_now.wait()
         self.adopted[obj.key] = read(0, obj.size)
         return obj.size

@@ -6,6 +6,7 @@ A part of :class:`epochfs.blockstore.store.BlockStore`, with what becomes of a w
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -38,6 +39,18 @@ class Written(NamedTuple):
 
 
 Filled = tuple[Written, BlockMeta]  # what a write hands to install (or to abandon)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def _rename_noreplace(src: str, dst: str) -> int:
+    """``rename(src, dst)`` unless ``dst`` exists (renameat2 RENAME_NOREPLACE): 0, or the errno."""
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def boot_id() -> bytes:
@@ -164,6 +177,61 @@ class Writes:
         self._direct_works = False
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         return False
+
+    def take_file(self, oid: bytes, path: str, size: int) -> Written | None:
+        """Make the file at ``path`` (an object's bytes whole, on the cache's file system, this daemon's,
+        written no more: an uploaded write-back file) the object file of ``oid`` where the store has none,
+        by renaming it into place: no byte copied. Its blocks are then checked and indexed one by one
+        (:meth:`checked_block`, :meth:`install`); until they are, the store reads none of it. None where
+        the object has a file here already (or a fill is writing one), or ``path`` is not such a file
+        (trio thread)."""
+        if self.objects.get(oid) is not None or (self.packs.enabled and size < pk.PACK_BELOW):
+            return None
+        target = self.object_path(oid)
+        parent = target.rsplit("/", 1)[0]
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_size != size:
+            return None
+        if parent not in self._dirs:
+            try:
+                os.mkdir(parent, 0o700)
+            except FileExistsError:
+                pass
+            self._dirs.add(parent)
+        os.chmod(path, 0o600)
+        if _rename_noreplace(path, target) != 0:  # (a fill created it meanwhile: copied instead)
+            return None
+        return Written(st.st_ino, self._removals)
+
+    def checked_block(self, bid: bytes, written: Written, place: Place, length: int) -> BlockMeta:
+        """The checksums (and hash, :attr:`digests`) of a block of a file :meth:`take_file` took, read
+        from it (worker thread). Raises OSError."""
+        fd = os.open(self.object_path(place.obj), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_ino != written.ino:
+                raise OSError(errno.ESTALE, "its object's file was replaced")
+            data = os.pread(fd, length, place.offset)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise OSError(errno.EIO, f"{len(data)} bytes read of {length}")
+        return BlockMeta(length, checksums(bid, data), 0, 0, place.offset, place.obj, place.size, self._digest(data))
+
+    def untake(self, oid: bytes, offset: int, size: int) -> None:
+        """What :meth:`take_file` took from ``offset`` on is not to be kept (the policy refused a block, a
+        check failed): that range freed, the file removed if no block of it was indexed (trio thread)."""
+        f = self.objects.get(oid)
+        if f is None and not self._writing:
+            self._unlink_object(oid)
+        elif offset < size:
+            self._punch(oid, offset, size - offset)
 
     def abandon(self, written: Written, meta: BlockMeta) -> None:
         """Undo a :meth:`write_temp` whose block will not be installed (its fill gave up): free its pack

@@ -49,11 +49,16 @@ class OwnUploads:
         """How to read ``obj``'s bytes here, if they were offered (any thread)."""
         return self._offered.get((obj.key, obj.etag)) if self._offered else None
 
-    async def adopt(self, obj: ObjectInfo, read: Read) -> int:
+    async def adopt(self, obj: ObjectInfo, read: Read, path: str | None = None) -> int:
         """Keep the bytes of ``obj`` as its cached blocks, so that reading it back here fetches nothing
         once the data file is gone. Each block is admitted as a fetched one would be (the eviction policy
         decides; counted against the cache's bound); it stops at the first the policy refuses or that
-        fails. The bytes cached."""
+        fails. ``path``: the data file, which the store may take as the object's file (no byte copied,
+        each block checksummed from it) where it holds none of the object yet. The bytes cached."""
+        if path is not None:
+            taken = await self._adopt_file(obj, path)
+            if taken is not None:
+                return taken
         store = self.store
         kept = 0
         for index in range(block_count(obj.size, self.block_size)):
@@ -84,4 +89,39 @@ class OwnUploads:
                 log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)
                 break
             kept += length
+        return kept
+
+    async def _adopt_file(self, obj: ObjectInfo, path: str) -> int | None:
+        """:meth:`adopt` by taking the data file itself; None where the store does not take it."""
+        store = self.store
+        oid = self.block_id(obj, 0)
+        written = store.take_file(oid, path, obj.size)
+        if written is None:
+            return None
+        kept = at = 0
+        try:
+            for index in range(block_count(obj.size, self.block_size)):
+                bid = self.block_id(obj, index)
+                at, length = block_bounds(index, obj.size, self.block_size)
+                if self.is_cached(bid):
+                    continue  # (being fetched by a reader: its fill writes the same bytes at the same place)
+                if not store.reserve(bid, length):
+                    break
+                place = Place(oid, at, obj.size)
+                try:
+                    meta = await trio.to_thread.run_sync(store.checked_block, bid, written, place, length)
+                    if store.lookup(bid) is not None:
+                        store.release(length, failed=False)
+                        continue
+                    store.install(bid, written, meta)
+                except OSError as exc:
+                    store.release(length)
+                    log.warning("could not keep %s in the cache after its upload: %s", obj.key, exc)
+                    break
+                kept += length
+                at += length
+            else:
+                at = obj.size
+        finally:
+            store.untake(oid, at, obj.size)
         return kept

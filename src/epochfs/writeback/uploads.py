@@ -44,8 +44,9 @@ class Keep(Protocol):
         """The bytes of ``obj`` are here (``read`` gives them) until :meth:`withdraw`: read them, not the
         backend."""
 
-    async def adopt(self, obj: ObjectInfo, read: Read) -> int:
-        """Keep them as cached blocks of ``obj``'s version; the bytes kept."""
+    async def adopt(self, obj: ObjectInfo, read: Read, path: str | None = None) -> int:
+        """Keep them as cached blocks of ``obj``'s version (``path``: the data file, which the cache may
+        take as it is); the bytes kept."""
 
     def withdraw(self, obj: ObjectInfo) -> None:
         """The bytes are going."""
@@ -272,7 +273,7 @@ class Uploads:
         try:
             async with self._keeping:
                 if self.keep is not None and data is not None:
-                    kept = await self.keep.adopt(obj, data.read)
+                    kept = await self.keep.adopt(obj, data.read, self.journal.data_path(file_id))
                     if kept < obj.size:
                         log.info("kept %d of %s's %d bytes in the cache (the rest is fetched if read)", kept,
                                  obj.key, obj.size)
