@@ -4,7 +4,8 @@ request per write, and still arrives byte for byte (odd write sizes, seeded rand
 seen while it grows); kill -9 keeps what was closed and drops what was not; a disk that fills under the
 kernel's writes is ENOSPC to the writer and the file is never uploaded as it is; where the cache has no
 room to lend, or with --no-passthrough, files are written through the daemon, which says so; a file
-uploaded while the kernel still reads it opens right."""
+uploaded while the kernel still reads it opens right; a cached object, and a checkpoint once uploaded and
+kept, are read by the kernel from the store (the restore on the node that saved it fetches nothing)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import pytest
 
 from .conftest import requires_fuse
 from .helpers import EPOCHFS
-from .test_passthrough import needs_passthrough
-from .test_writeback import body, daemon_pid, keys_of, sync
+from epochfs.dev.sample import SampleFile, upload
+
+from .test_passthrough import needs_passthrough, read_until_whole
+from .test_writeback import backend_read, body, daemon_pid, keys_of, sync
 
 pytestmark = [requires_fuse, needs_passthrough]
 
@@ -153,3 +156,27 @@ def test_a_file_uploaded_while_the_kernel_reads_it_opens_right(s3_client, fresh_
             assert again.read() == data
         assert held.read() == data
     assert m.path("held.pt").read_bytes() == data
+
+
+def test_a_writeback_mount_has_the_kernel_read_cached_objects_and_a_kept_checkpoint(s3_client, fresh_bucket,
+                                                                                  mount_factory):
+    dataset = [SampleFile("base.pt", 9 * MiB + 77)]
+    upload(s3_client, fresh_bucket, "ckpt/", dataset)
+    m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--writeback")
+    m.start()
+    read_until_whole(m, dataset)
+    opens = m.status()["passthrough"]["opens"]
+    assert m.path("base.pt").read_bytes() == dataset[0].content()
+    assert m.status()["passthrough"]["opens"] == opens + 1  # read by the kernel from the store
+    saved = random.Random(5).randbytes(12 * MiB + 1)
+    m.path("step-10.pt").write_bytes(saved)
+    assert sync(m).returncode == 0
+    data_dir = m.cache_dir / "writeback" / "data"
+    deadline = time.monotonic() + 30
+    while any(data_dir.iterdir()):  # kept: the data file became the object's file in the store
+        assert time.monotonic() < deadline, list(data_dir.iterdir())
+        time.sleep(0.1)
+    before, opens = backend_read(m), m.status()["passthrough"]["opens"]
+    assert m.path("step-10.pt").read_bytes() == saved
+    assert backend_read(m) == before  # the restore here fetched nothing
+    assert m.status()["passthrough"]["opens"] == opens + 1, m.status()["passthrough"]

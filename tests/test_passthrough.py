@@ -337,12 +337,6 @@ def test_kill_9_while_objects_are_filled_leaves_no_wrong_byte(dataset, mount_fac
     m.stop()
 
 
-def test_a_writeback_mount_reads_through_the_daemon(fresh_bucket, mount_factory):
-    m = mount_factory(f"s3://{fresh_bucket}/x", "--passthrough", "--writeback")
-    with m:
-        assert m.status()["passthrough"] is None
-
-
 @pytest.mark.page_cache  # (counts on the page cache: a hot file read with no request)
 def test_a_dataset_of_small_files_is_opened_with_no_request_by_default(s3_client, fresh_bucket, mount_factory):
     """Most of its bytes in files under 1 MiB: passthrough would cost a request at every open, so the

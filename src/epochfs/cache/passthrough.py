@@ -163,6 +163,14 @@ class Passthrough:
         self.cached_opens += 1
         return 0
 
+    def mode(self, inode: int) -> str | None:
+        """How the kernel reads ``inode`` now: "passed" (a backing file), "cached" (through the daemon), or
+        None (no open of it here): an open the caller answers itself must not mix the two."""
+        st = self._inodes.get(inode)
+        if st is None:
+            return None
+        return "passed" if st.passed else "cached" if st.cached else None
+
     def _passed(self, st: _Inode, fh: int, inode: int) -> int:
         assert st.backing is not None
         self._handles[fh] = inode

@@ -317,12 +317,13 @@ class Config:
         "opens them with no request instead, which serves them faster); --no-passthrough: never. Those reads are not checked one by one: each "
         "file's bytes are checked when they enter the cache, the file's fingerprint at each open, and all "
         "of it by the scrub (--passthrough-scrub); a file that fails is read through the daemon, verified, "
-        "until refetched. Where the kernel or the daemon cannot (an older kernel, not root, --writeback), "
-        "files are read through the daemon, as the log and `epochfs status` say")
+        "until refetched. Where the kernel or the daemon cannot (an older kernel, not root), "
+        "files are read through the daemon, as the log and `epochfs status` say. On a --writeback mount the "
+        "kernel also writes the files made there itself (their data files in the cache), unless --no-passthrough")
     no_passthrough: bool = option(
         False, "mount", "read every file through the daemon, each read checked against the cache's "
         "checksums (today's check of every read, at the daemon's CPU per byte), instead of the kernel "
-        "reading fully cached files itself")
+        "reading fully cached files itself; on a --writeback mount, every write through the daemon too")
     io_uring: bool = option(
         False, "mount", "take the kernel's requests through an io_uring (FUSE over io_uring, Linux 6.14+) "
         "instead of reading and writing /dev/fuse; the kernel offers it only once root has set "
@@ -379,9 +380,9 @@ class Config:
 
     @property
     def kernel_reads(self) -> bool:
-        """Passthrough may be used: a read-only mount (not a cache node) without --no-passthrough (where the
-        dataset pays for it, or with --passthrough: :func:`epochfs.cache.passthrough.small_files`)."""
-        return not self.no_passthrough and not self.writeback and not self.serving
+        """Passthrough may be used: a mount (not a cache node) without --no-passthrough (where the dataset
+        pays for it, or with --passthrough: :func:`epochfs.cache.passthrough.small_files`)."""
+        return not self.no_passthrough and not self.serving
 
     def __post_init__(self) -> None:
         cache_dir = Path(os.path.abspath(self.cache_dir)) if self.cache_dir else default_cache_dir(self.source)

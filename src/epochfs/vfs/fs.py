@@ -160,9 +160,9 @@ class Operations(kernel.Operations):
         # without asking; reads come with file handle 0 and are bound to a reader here instead.
         # (Not while passthrough is on: the kernel reads a file itself only through an answered open.)
         self.zero_open = zero_open and writeback is None
-        # Passthrough (read-only mounts): a cached object's open is answered with its file in the store,
-        # which the kernel then reads itself; asked for at INIT (the session reads this attribute).
-        self.passthrough = passthrough if writeback is None else None
+        # Passthrough: a cached object's open is answered with its file in the store, which the kernel
+        # then reads itself; asked for at INIT (the session reads this attribute).
+        self.passthrough = passthrough
         # Write-back mounts: the kernel writes files made here itself where it can (their data files as
         # backing files: :mod:`epochfs.writeback.kernel`); asked for at INIT as well.
         self.kernel_writes = getattr(writeback, "kernel", None) is not None
@@ -354,13 +354,17 @@ class Operations(kernel.Operations):
             if parent is not None:
                 self._writes_in(parent, ctx)
         fh = self._new_fh()
+        # The kernel reads an inode one way at a time (a backing file, or through the daemon): an object
+        # replaced here keeps its inode, and a file uploaded keeps its own, while opens of the other kind
+        # may be outstanding; such an open is answered the way they read, or uncached (direct I/O).
+        held = self.passthrough.mode(inode) if self.passthrough is not None else None
         if node.written_here or flags & _WRITE_FLAGS:
-            local = self._local[fh] = self._writer().open(node, flags, kernel=self._kernel_writes())
-            return self._local_info(fh, local)
-        if self.kernel_writes and self._writer().kernel.holds_inode(inode):  # type: ignore[union-attr]
-            # (uploaded while the kernel still reads its data file: this open must not cache the inode)
+            local = self._local[fh] = self._writer().open(node, flags, kernel=self._kernel_writes() and held is None)
+            return self._local_info(fh, local, uncached=held == "passed")
+        written = self.writeback.holds(inode) if self.writeback is not None else None
+        if written is not None:  # (uploaded while opens of it as a file made here are outstanding)
             self._streams[fh] = self.cache.open_stream(node.obj, inode, (ctx.uid, ctx.gid))
-            return kernel.FileInfo(fh=fh, keep_cache=False, direct_io=True)
+            return kernel.FileInfo(fh=fh, keep_cache=False, direct_io=written == "passed")
         if passing:
             try:
                 backing = self.passthrough.open(inode, node.obj, fh)
@@ -384,11 +388,12 @@ class Operations(kernel.Operations):
             return wb.kernel.off("the kernel offers no FUSE passthrough (Linux 6.9 and later)")
         return True
 
-    def _local_info(self, fh: int, local: int) -> kernel.FileInfo:
+    def _local_info(self, fh: int, local: int, *, uncached: bool = False) -> kernel.FileInfo:
         """The answer to an open of a file made here: its backing file, or through the daemon (the page
         cache kept across opens only where the kernel never writes the data file behind it)."""
         backing = self._writer().backing(local)
-        return kernel.FileInfo(fh=fh, keep_cache=not self.kernel_writes, backing_id=backing)
+        return kernel.FileInfo(fh=fh, keep_cache=not self.kernel_writes and not uncached, backing_id=backing,
+                               direct_io=uncached and not backing)
 
     @_translated
     def read_now(self, fh: int, off: int, size: int, inode: int = 0, pid: int = 0,

@@ -123,6 +123,7 @@ class WriteBack:
                                publish=publish, fail=self._fail, keep=keep)
         self._handles: dict[int, Handle] = {}
         self._through_daemon: Counter[str] = Counter()  # file id -> its opens read and written through us
+        self._daemon_inodes: Counter[int] = Counter()  # the same, by inode
         # The kernel writes files itself where it can (None: it never does, ``kernel`` not given).
         self.kernel = KernelWrites(kernel, self.owed) if kernel is not None else None
         if self.kernel is not None and settings.user_quota is not None:
@@ -285,12 +286,20 @@ class WriteBack:
                 raise
         if not backing:
             self._through_daemon[f.id] += 1
+            self._daemon_inodes[f.inode] += 1
         if writable:
             f.writers += 1
             f.generation += 1
             self.owed.cancel_upload(f)
         self._handles[fd] = Handle(f, fd, writable, backing)
         return fd
+
+    def holds(self, inode: int) -> str | None:
+        """How the kernel reads ``inode`` through opens of a file made here still outstanding: "passed" (its
+        data file as a backing file), "cached" (through the daemon), or None."""
+        if self.kernel is not None and self.kernel.holds_inode(inode):
+            return "passed"
+        return "cached" if self._daemon_inodes[inode] else None
 
     def backing(self, fh: int) -> int:
         """The backing id of a handle the kernel reads and writes itself, or 0 (through the daemon)."""
@@ -442,9 +451,10 @@ class WriteBack:
             if why is not None and self.owed.files.get(f.id) is f:
                 self._fail(f, why)
         else:
-            self._through_daemon[f.id] -= 1
-            if not self._through_daemon[f.id]:
-                del self._through_daemon[f.id]
+            for table, key in ((self._through_daemon, f.id), (self._daemon_inodes, f.inode)):
+                table[key] -= 1
+                if not table[key]:
+                    del table[key]
         if not h.writable:
             return
         f.writers -= 1
