@@ -18,10 +18,10 @@ import time
 
 import pytest
 
-from .conftest import requires_fuse
-from .helpers import EPOCHFS
 from epochfs.dev.sample import SampleFile, upload
 
+from .conftest import requires_fuse
+from .helpers import EPOCHFS
 from .test_passthrough import needs_passthrough, read_until_whole
 from .test_writeback import backend_read, body, daemon_pid, keys_of, sync
 

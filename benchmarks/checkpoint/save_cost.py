@@ -191,7 +191,6 @@ def main() -> int:
               "time over the mount's (above 1: the mount uploads faster). In all: the daemon's CPU from the save's "
               "start until the files are the cache's blocks, per GiB saved.", ""]
     (args.out / f"{stamp}-save-cost.md").write_text("\n".join(lines))
-    (args.out / "latest-save-cost.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -51,6 +51,7 @@ BENCHMARKS = [
     Benchmark("cache-nodes", "cluster", "cache_nodes.py", r"cache-nodes"),
     Benchmark("serve-cost", "cluster", "serve_cost.py", r"serve-cost"),
     Benchmark("checkpoint", "checkpoint", "checkpoint.py", r"checkpoint"),
+    Benchmark("save-cost", "checkpoint", "save_cost.py", r"save-cost"),
     Benchmark("memory", "node", "memory.py", r"memory"),
     Benchmark("namespace", "node", "namespace.py", r"namespace"),
     Benchmark("profile", "profiles", "profile.py", r"(profile|cold-small|.*-profiles)"),
