@@ -176,6 +176,8 @@ def test_a_writeback_mount_has_the_kernel_read_cached_objects_and_a_kept_checkpo
     while any(data_dir.iterdir()):  # kept: the data file became the object's file in the store
         assert time.monotonic() < deadline, list(data_dir.iterdir())
         time.sleep(0.1)
+    on_disk = sum(p.stat().st_blocks * 512 for p in (m.cache_dir / "blocks").rglob("*") if p.is_file())
+    assert on_disk <= len(saved) + dataset[0].size + 4 * MiB, on_disk  # (no room lent to it is left taken)
     before, opens = backend_read(m), m.status()["passthrough"]["opens"]
     assert m.path("step-10.pt").read_bytes() == saved
     assert backend_read(m) == before  # the restore here fetched nothing

@@ -66,8 +66,9 @@ from epochfs.peer.wire import Keys, load_token, split_addr
 from epochfs.prefetch.learned import Learner, LearnSettings, Observers
 from epochfs.prefetch.scheduler import Prefetcher, PrefetchSettings
 from epochfs.transport.buffers import pool_statistics
-from epochfs.vfs.fs import KernelPages, Operations
+from epochfs.vfs.fs import Operations
 from epochfs.vfs.presentation import Presentation
+from epochfs.vfs.seams import KernelPages
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.service import WriteBack, WritebackSettings
 from epochfs.writeback.tree import Overlay, Tree

@@ -36,7 +36,6 @@ from epochfs.cache.passthrough import BackingChanged
 from epochfs.cache.service import BlockCache
 from epochfs.cache.streams import ReadStream
 from epochfs.core.errors import Answered, EpochfsError, NotFound, Refused, errno_for
-from epochfs.core.records import ObjectInfo
 from epochfs.core.stats import Histogram, HistogramSnapshot
 from epochfs.meta.entries import COOKIE_MAX
 from epochfs.meta.namespace import ROOT_INODE, Namespace
@@ -51,7 +50,6 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-
 
 
 @dataclass(frozen=True)
@@ -102,28 +100,6 @@ def _translated(fn: F) -> F:
 
 #: The control file's inode number (above the snapshot's and the overlay's numbers).
 CONTROL_INODE = 1 << 62
-
-
-class KernelPages:
-    """The page cache of the mount's files, for :class:`epochfs.cache.push.Pusher`."""
-
-    def __init__(self, ops: Operations) -> None:
-        self.ops = ops
-
-    def store(self, inode: int, offset: int, data: memoryview) -> None:
-        assert self.ops.session is not None
-        self.ops.session.notify_store(inode, offset, data)
-
-    def current(self, inode: int, obj: ObjectInfo) -> bool:
-        try:
-            node = self.ops.tree.node(inode)
-        except KeyError:
-            return False
-        return node.in_backend and node.obj == obj
-
-    def forget(self, inode: int) -> None:
-        assert self.ops.session is not None
-        self.ops.session.invalidate_inode(inode)
 
 
 class Operations(kernel.Operations):

@@ -1,11 +1,15 @@
 """The adapter's seams to what the daemon gives it: the cached files the kernel reads itself and the
-control file through the mount (each provided elsewhere, named here so the adapter imports neither)."""
+control file through the mount (each provided elsewhere, named here so the adapter imports neither);
+and what it gives the pusher (:class:`KernelPages`)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from epochfs.core.records import ObjectInfo
+
+if TYPE_CHECKING:
+    from epochfs.vfs.fs import Operations
 
 
 class BackingFiles(Protocol):
@@ -32,3 +36,25 @@ class ControlFile(Protocol):
     command: int
 
     async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes: ...
+
+
+class KernelPages:
+    """The page cache of the mount's files, for :class:`epochfs.cache.push.Pusher`."""
+
+    def __init__(self, ops: Operations) -> None:
+        self.ops = ops
+
+    def store(self, inode: int, offset: int, data: memoryview) -> None:
+        assert self.ops.session is not None
+        self.ops.session.notify_store(inode, offset, data)
+
+    def current(self, inode: int, obj: ObjectInfo) -> bool:
+        try:
+            node = self.ops.tree.node(inode)
+        except KeyError:
+            return False
+        return node.in_backend and node.obj == obj
+
+    def forget(self, inode: int) -> None:
+        assert self.ops.session is not None
+        self.ops.session.invalidate_inode(inode)

@@ -58,6 +58,16 @@ def _fallocate(fd: int, mode: int, offset: int, length: int) -> int:
     return 0 if length <= 0 or _libc.fallocate(fd, mode, offset, length) == 0 else ctypes.get_errno()
 
 
+def _free_tail(fd: int, size: int, length: int, path: str) -> None:
+    """Free what was preallocated past a file's end: punched (tmpfs), and the file truncated to its own
+    size (ext4 and XFS punch nothing past the end; a truncate frees it)."""
+    try:
+        _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, size, length)
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        log.warning("%s: the room preallocated past its end was not freed: %s", path, exc)
+
+
 class Kernel(Protocol):
     """What kernel writes need of the session (:class:`epochfs.kernel.Session`)."""
 
@@ -191,9 +201,9 @@ class KernelWrites:
         if past and (b.full or self._disk_full(b.fd)):
             why = "the cache disk filled while the kernel wrote it (a write of it may have failed with ENOSPC)"
         if b.allocated is not None and b.allocated > f.size:
-            if _fallocate(b.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, f.size, b.allocated - f.size):
-                log.debug("%s: its preallocated tail not freed", f.path)
+            _free_tail(b.fd, f.size, b.allocated - f.size, f.path)
             b.allocated = f.size
+            b.seen_mtime = os.fstat(b.fd).st_mtime_ns  # (that is not a write)
         b.full = False
         return why
 
@@ -274,7 +284,7 @@ class KernelWrites:
     def _close(self, b: _Backed, f: LocalFile) -> None:
         """An open not answered with it after all: its lease back, what was preallocated freed."""
         self.owed.unreserve(b.uid, b.lease)
-        _fallocate(b.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, f.size, LEASE)
+        _free_tail(b.fd, f.size, LEASE, f.path)
         os.close(b.fd)
 
     async def run(self, files: Callable[[], Mapping[str, LocalFile]]) -> None:

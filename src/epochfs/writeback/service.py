@@ -54,11 +54,12 @@ import trio
 
 from epochfs.backend.base import Backend
 from epochfs.core.errors import EpochfsError, NoSpace, NotFound, Refused
-from epochfs.core.records import MAX_OBJECT_SIZE, NAME_MAX, unsafe_reason
+from epochfs.core.records import MAX_OBJECT_SIZE
 from epochfs.meta.nodes import File
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.kernel import Kernel, KernelWrites
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
+from epochfs.writeback.renames import Renames, check_key, path_in
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of
 from epochfs.writeback.uploads import Keep, Publish, Uploads
 
@@ -75,26 +76,6 @@ class Handle:
     backing_id: int = 0  # the kernel reads and writes its data file itself (:mod:`epochfs.writeback.kernel`)
 
 
-def _path(parent: Node, name: bytes) -> str:
-    try:
-        text = name.decode("utf-8")
-    except UnicodeDecodeError:
-        raise Refused("names must be UTF-8", errno.EINVAL) from None
-    if len(name) > NAME_MAX:
-        raise Refused("name too long", errno.ENAMETOOLONG)
-    path = f"{parent.path}/{text}" if parent.path else text
-    if unsafe_reason(path):
-        raise Refused(f"{path!r} cannot be an object key ({unsafe_reason(path)})", errno.EINVAL)
-    return path
-
-
-def _check_key(backend: Backend, key: str) -> None:
-    """Refuse a name the backend could never store (ENAMETOOLONG, EINVAL, EPERM), when it is made."""
-    problem = backend.key_problem(key)
-    if problem is not None:
-        raise Refused(f"{key[:300]!r}: {problem[0]}", problem[1])
-
-
 @dataclass(frozen=True)
 class WritebackSettings:
     """What write-back needs of the mount's options."""
@@ -104,7 +85,7 @@ class WritebackSettings:
     user_quota: int | None  # bytes one owner may hold not yet uploaded (None: no quota)
 
 
-class WriteBack:
+class WriteBack(Renames):
     PUBLISH_INTERVAL = 2.0
     RETRY_MIN, RETRY_MAX = 1.0, 60.0  # backoff of a failed upload or delete
 
@@ -213,8 +194,8 @@ class WriteBack:
                kernel: bool = False) -> tuple[int, LocalFile]:
         """A new file (or an existing one replaced), open for writing: (handle, file). ``kernel``: the
         kernel may write it itself (:meth:`backing` says whether it does)."""
-        path = _path(parent, name)
-        _check_key(self.backend, path)
+        path = path_in(parent, name)
+        check_key(self.backend, path)
         existing = self.tree.resolve(path)
         if existing is not None and existing.is_dir:
             raise Refused(f"{path} is a directory", errno.EISDIR)
@@ -465,8 +446,8 @@ class WriteBack:
                 self.owed.kick()
 
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> LocalDir:
-        path = _path(parent, name)
-        _check_key(self.backend, path + "/")
+        path = path_in(parent, name)
+        check_key(self.backend, path + "/")
         if self.tree.resolve(path) is not None:
             raise Refused(f"{path} exists", errno.EEXIST)
         d = LocalDir(self.overlay.new_inode(), path, time.time_ns(), mode & 0o1777, uid, gid)
@@ -476,7 +457,7 @@ class WriteBack:
         return d
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        path = _path(parent, name)
+        path = path_in(parent, name)
         node = self.tree.resolve(path)
         if node is None:
             raise NotFound(path)
@@ -492,7 +473,7 @@ class WriteBack:
         self.owed.touch()
 
     def unlink(self, parent: Node, name: bytes) -> None:
-        path = _path(parent, name)
+        path = path_in(parent, name)
         node = self.tree.resolve(path)
         if node is None:
             raise NotFound(path)
@@ -521,72 +502,6 @@ class WriteBack:
         self.journal.remove_data(f.id)  # first: on a full disk, that is what makes room for the commit
         self.journal.drop_file(f.id)  # (open handles keep reading the unlinked data file)
 
-    def rename(self, old_parent: Node, old_name: bytes, new_parent: Node, new_name: bytes, flags: int) -> None:
-        src_path, dst_path = _path(old_parent, old_name), _path(new_parent, new_name)
-        src = self.tree.resolve(src_path)
-        if src is None:
-            raise NotFound(src_path)
-        if flags & ~1:  # RENAME_NOREPLACE (1) is supported; RENAME_EXCHANGE is not
-            raise Refused("rename flags not supported", errno.EINVAL)
-        if src_path == dst_path:
-            return
-        if dst_path.startswith(src_path + "/"):
-            raise Refused("cannot move a directory into itself", errno.EINVAL)
-        _check_key(self.backend, dst_path + ("/" if src.is_dir else ""))
-        if src.is_dir:  # every name it holds gets longer or shorter with it
-            for p, e in list(self.overlay.entries.items()):
-                if p.startswith(src_path + "/"):
-                    _check_key(self.backend, dst_path + p[len(src_path):] + ("/" if e.is_dir else ""))
-        dst = self.tree.resolve(dst_path)
-        if dst is not None and flags & 1:
-            raise Refused(f"{dst_path} exists", errno.EEXIST)
-        if src.written_here:
-            if dst is not None and dst.is_dir:
-                raise Refused(f"{dst_path} is a directory", errno.EISDIR)
-            if dst is not None:
-                self._replaced_by_rename(dst_path, dst)
-            self._move(src, dst_path)
-        elif src.made_here and src.is_dir:
-            moved = [e for p, e in self.overlay.entries.items() if p.startswith(src_path + "/")]
-            if any(not e.made_here for e in moved):
-                raise Refused(f"{src_path} holds objects already in the backend", errno.EXDEV)
-            if dst is not None:
-                if not dst.is_dir or not self.tree.is_empty_dir(dst):
-                    raise Refused(f"{dst_path} exists", errno.ENOTEMPTY if dst.is_dir
-                                  else errno.ENOTDIR)
-                self.overlay.remove(dst_path)
-                self.journal.drop_dir(dst_path)
-            for e in sorted([src, *moved], key=lambda e: e.path.count("/")):
-                self._move(e, dst_path + e.path[len(src_path):])
-        else:
-            raise Refused(f"{src_path} is already in the backend: it cannot be renamed there", errno.EXDEV)
-        self.owed.touch()
-
-    def _replaced_by_rename(self, path: str, dst: Node) -> None:
-        if dst.written_here:
-            self.overlay.remove(path)
-            self._drop_local(dst)
-        # an object in the backend under that key is overwritten by the upload of the renamed file
-
-    def _move(self, e: LocalDir | LocalFile, path: str) -> None:
-        self.overlay.remove(e.path)
-        old = e.path
-        e.path = path
-        self._add_parents(path)
-        self.overlay.put(e)
-        self.overlay.hidden.discard(path)
-        if e.is_dir:
-            self.journal.drop_dir(old)
-            self._save_dir(e)
-        if e.written_here:
-            self._cancel_delete(path)
-            if self._in_backend(old):  # it had replaced an object: that one goes with the old name
-                self._delete_key(old)
-            e.generation += 1
-            self.owed.cancel_upload(e)
-            self._save(e, closed=e.closed)
-            self.owed.kick()
-        log.debug("renamed %s to %s", old, path)
     # -- the background work, and what is owed ------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
