@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 from epochfs.core.records import ObjectInfo
 
 if TYPE_CHECKING:
-    from epochfs.vfs.fs import Operations
+    from epochfs.kernel import Session
+    from epochfs.writeback.tree import Tree
 
 
 class BackingFiles(Protocol):
@@ -38,10 +39,17 @@ class ControlFile(Protocol):
     async def call(self, uid: int, gid: int, pid: int, data: bytes) -> bytes: ...
 
 
+class Mounted(Protocol):
+    """What :class:`KernelPages` needs of the adapter (:class:`epochfs.vfs.fs.Operations`)."""
+
+    session: Session | None
+    tree: Tree
+
+
 class KernelPages:
     """The page cache of the mount's files, for :class:`epochfs.cache.push.Pusher`."""
 
-    def __init__(self, ops: Operations) -> None:
+    def __init__(self, ops: Mounted) -> None:
         self.ops = ops
 
     def store(self, inode: int, offset: int, data: memoryview) -> None:
