@@ -182,3 +182,26 @@ def test_a_writeback_mount_has_the_kernel_read_cached_objects_and_a_kept_checkpo
     assert m.path("step-10.pt").read_bytes() == saved
     assert backend_read(m) == before  # the restore here fetched nothing
     assert m.status()["passthrough"]["opens"] == opens + 1, m.status()["passthrough"]
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-passthrough",)], ids=["kernel", "daemon"])
+def test_a_file_changed_through_a_shared_mapping_arrives_with_the_change(s3_client, fresh_bucket, mount_factory,
+                                                                         flags):
+    import mmap
+
+    m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--writeback", *flags)
+    m.start()
+    rng = random.Random(9)
+    model = bytearray(rng.randbytes(4 * MiB + 123))
+    fd = os.open(m.path("mapped.pt"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, model)
+        with mmap.mmap(fd, len(model)) as view:  # (shared, writable)
+            for off in (0, 4095, 4096, MiB + 1, len(model) - 1):
+                view[off] = model[off] = model[off] ^ 0xFF
+            view.flush()
+    finally:
+        os.close(fd)
+    assert m.path("mapped.pt").read_bytes() == model
+    assert sync(m).returncode == 0
+    assert body(s3_client, fresh_bucket, "ckpt/mapped.pt") == model
