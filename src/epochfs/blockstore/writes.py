@@ -105,13 +105,7 @@ class Writes:
         if place.offset % pk.ALIGN or place.offset + len(data) > place.size:
             raise ValueError(f"a block of {len(data)} bytes cannot be at {place.offset} of {place.size}")
         path = self.object_path(place.obj)
-        parent = path.rsplit("/", 1)[0]
-        if parent not in self._dirs:
-            try:
-                os.mkdir(parent, 0o700)
-            except FileExistsError:
-                pass
-            self._dirs.add(parent)
+        self._made_parent(path)
         with self._write_lock:
             if self._closed:
                 raise OSError(errno.ESHUTDOWN, "the cache is closed")
@@ -188,7 +182,6 @@ class Writes:
         if self.objects.get(oid) is not None or (self.packs.enabled and size < pk.PACK_BELOW):
             return None
         target = self.object_path(oid)
-        parent = target.rsplit("/", 1)[0]
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
@@ -199,16 +192,21 @@ class Writes:
             os.close(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_size != size:
             return None
+        self._made_parent(target)
+        os.chmod(path, 0o600)
+        if _rename_noreplace(path, target) != 0:  # (a fill created it meanwhile: copied instead)
+            return None
+        return Written(st.st_ino, self._removals)
+
+    def _made_parent(self, path: str) -> None:
+        """The directory an object file at ``path`` goes in, made once."""
+        parent = path.rsplit("/", 1)[0]
         if parent not in self._dirs:
             try:
                 os.mkdir(parent, 0o700)
             except FileExistsError:
                 pass
             self._dirs.add(parent)
-        os.chmod(path, 0o600)
-        if _rename_noreplace(path, target) != 0:  # (a fill created it meanwhile: copied instead)
-            return None
-        return Written(st.st_ino, self._removals)
 
     def checked_block(self, bid: bytes, written: Written, place: Place, length: int) -> BlockMeta:
         """The checksums (and hash, :attr:`digests`) of a block of a file :meth:`take_file` took, read
