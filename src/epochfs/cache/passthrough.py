@@ -31,13 +31,13 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import trio
 
 from epochfs.blockstore.objects import Print
 from epochfs.cache.service import BlockCache
 from epochfs.core.records import ObjectInfo, stored_extent
+from epochfs.kernel.types import Backings, let_backing_go
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +63,6 @@ def small_files(objects: Iterable[ObjectInfo]) -> str | None:
         return None
     return (f"most of the dataset's bytes ({1 - large / total:.0%}) are in files under {LARGE >> 20} MiB or packed "
             "members, which are opened with no request instead (--passthrough: the kernel reads them too)")
-
-
-class Kernel(Protocol):
-    """What passthrough needs of the session (:class:`epochfs.kernel.Session`)."""
-
-    def backing_open(self, fd: int) -> int: ...
-
-    def backing_close(self, backing_id: int) -> None: ...
 
 
 class BackingChanged(Exception):
@@ -117,7 +109,7 @@ class Passthrough:
     #: Backing files kept registered with the kernel for the next open of their object.
     KEPT = 1024
 
-    def __init__(self, cache: BlockCache, kernel: Callable[[], Kernel | None], *,
+    def __init__(self, cache: BlockCache, kernel: Callable[[], Backings | None], *,
                  scrub_every: float | None = None, on_off: Callable[[], None] | None = None) -> None:
         self.cache = cache
         self.store = cache.store
@@ -229,12 +221,7 @@ class Passthrough:
     def _let_go(self, b: _Backing) -> None:
         if self._backings.get(b.oid) is b:
             del self._backings[b.oid]
-        kernel = self._kernel()
-        if kernel is not None:
-            try:
-                kernel.backing_close(b.id)
-            except OSError as exc:  # (unmounted)
-                log.debug("backing id %d not closed: %s", b.id, exc)
+        let_backing_go(self._kernel(), b.id)
         os.close(b.fd)
 
     def off(self, why: str) -> bool:

@@ -1,14 +1,37 @@
 """What a file system's handlers take and return: attributes, an open file's answer, a request's
-caller, directory listings, and the error that answers an errno."""
+caller, directory listings, and the error that answers an errno; and what a user of backing files
+needs of the session (:class:`Backings`)."""
 
 from __future__ import annotations
 
 import errno
+import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from epochfs.kernel import abi
 
 ENOATTR = errno.ENODATA
+
+log = logging.getLogger(__name__)
+
+
+class Backings(Protocol):
+    """The session's backing files (passthrough: :meth:`epochfs.kernel.Session.backing_open`)."""
+
+    def backing_open(self, fd: int) -> int: ...
+
+    def backing_close(self, backing_id: int) -> None: ...
+
+
+def let_backing_go(session: Backings | None, backing_id: int) -> None:
+    """Let a backing id go where the session is still there (an unmounted one has let them all go)."""
+    if session is None:
+        return
+    try:
+        session.backing_close(backing_id)
+    except OSError as exc:  # (unmounted)
+        log.debug("backing id %d not closed: %s", backing_id, exc)
 
 
 class FUSEError(Exception):

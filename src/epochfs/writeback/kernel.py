@@ -33,11 +33,11 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 
 from epochfs.core.text import human
+from epochfs.kernel.types import Backings, let_backing_go
 from epochfs.writeback.owed import Owed
 from epochfs.writeback.tree import LocalFile
 
@@ -66,14 +66,6 @@ def _free_tail(fd: int, size: int, length: int, path: str) -> None:
         os.ftruncate(fd, size)
     except OSError as exc:
         log.warning("%s: the room preallocated past its end was not freed: %s", path, exc)
-
-
-class Kernel(Protocol):
-    """What kernel writes need of the session (:class:`epochfs.kernel.Session`)."""
-
-    def backing_open(self, fd: int) -> int: ...
-
-    def backing_close(self, backing_id: int) -> None: ...
 
 
 @dataclass
@@ -105,7 +97,7 @@ class KernelWriteStats:
 
 
 class KernelWrites:
-    def __init__(self, kernel: Callable[[], Kernel | None], owed: Owed) -> None:
+    def __init__(self, kernel: Callable[[], Backings | None], owed: Owed) -> None:
         self._kernel = kernel
         self.owed = owed
         self.active = True
@@ -180,12 +172,7 @@ class KernelWrites:
                 why = self._settle(f, b)
         if not b.handles:
             del self._files[f.id]
-            kernel = self._kernel()
-            if kernel is not None:
-                try:
-                    kernel.backing_close(b.backing_id)
-                except OSError as exc:  # (unmounted)
-                    log.debug("backing id %d not closed: %s", b.backing_id, exc)
+            let_backing_go(self._kernel(), b.backing_id)
             os.close(b.fd)
         return why
 

@@ -55,9 +55,10 @@ import trio
 from epochfs.backend.base import Backend
 from epochfs.core.errors import EpochfsError, NoSpace, NotFound, Refused
 from epochfs.core.records import MAX_OBJECT_SIZE
+from epochfs.kernel.types import Backings
 from epochfs.meta.nodes import File
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
-from epochfs.writeback.kernel import Kernel, KernelWrites
+from epochfs.writeback.kernel import KernelWrites
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
 from epochfs.writeback.renames import Renames, check_key, path_in
 from epochfs.writeback.tree import LocalDir, LocalFile, Node, Stored, Tree, parent_of
@@ -91,7 +92,7 @@ class WriteBack(Renames):
 
     def __init__(self, journal: Journal, store: Room, backend: Backend, tree: Tree, settings: WritebackSettings, *,
                  demand_waiting: Callable[[], bool], publish: Publish, keep: Keep | None = None,
-                 kernel: Callable[[], Kernel | None] | None = None) -> None:
+                 kernel: Callable[[], Backings | None] | None = None) -> None:
         self.journal = journal
         self.tree = tree
         if tree.overlay is None:
