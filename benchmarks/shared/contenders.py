@@ -250,6 +250,7 @@ class Juicefs(Contender):
         self.redis: Any = None
         self.meta = ""
         self.volume = ""  # the bucket of its chunks (its GETs go there, not to the dataset's bucket)
+        self.extra: list[str] = []  # more mount flags (not for writing the dataset in)
 
     def _prepare(self) -> None:
         import atexit
@@ -282,17 +283,17 @@ class Juicefs(Contender):
         self.unmount()
         shutil.rmtree(staging, ignore_errors=True)
 
-    def _start(self, cache: Path) -> None:
+    def _start(self, cache: Path, extra: list[str] | None = None) -> None:
         subprocess.run([str(VENV_BIN / "juicefs"), "mount", "-d", self.meta, str(self.root), "--cache-dir",
                         str(cache), "--cache-size", str(self.cache_size >> 20), "--no-usage-report",
-                        "--log", str(self.work / "juicefs.log")], check=True, capture_output=True)
+                        "--log", str(self.work / "juicefs.log"), *(extra or [])], check=True, capture_output=True)
         wait_mounted(self.root)
         self.pid = find_pid(self.root, "juicefs")
 
     def _mount(self) -> None:
         if self.redis is None:
             self._prepare()
-        self._start(self.cache)
+        self._start(self.cache, self.extra)
 
     def unmount(self) -> None:
         if self.root.exists() and os.path.ismount(self.root):
