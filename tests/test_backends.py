@@ -581,5 +581,32 @@ def test_an_upload_changed_on_the_way_is_refused_never_stored(s3, s3_client, fre
         obj = backend.upload_file(str(path), "f.pt")
         assert obj.size == size
         assert s3_client.get_object(Bucket=fresh_bucket, Key="up/f.pt")["Body"].read() == data
+        from botocore import httpchecksum
+        assert httpchecksum._CHECKSUM_CLS["crc32"].__name__ == "IsalCrc32"  # (the CRC the endpoint checked)
     finally:
         proxy.stop()
+
+
+def test_the_isal_crc32_of_an_upload_is_zlibs_whatever_the_chunks():
+    """The CRC32 botocore sends with each part, computed with ISA-L, is zlib's CRC32 of the same bytes,
+    fed in chunks of any size (seeded odd sizes, empty ones among them)."""
+    import zlib
+
+    from botocore import httpchecksum
+
+    from epochfs.backend.s3_writes import use_isal_crc32
+
+    use_isal_crc32()
+    use_isal_crc32()  # (twice: installed once)
+    cls = httpchecksum._CHECKSUM_CLS["crc32"]
+    assert cls.__name__ == "IsalCrc32" and cls.__mro__[1] is httpchecksum.Crc32Checksum
+    rng = random.Random(77)
+    for _ in range(20):
+        data = rng.randbytes(rng.randrange(0, 3 << 20))
+        c, at = cls(), 0
+        while at < len(data):
+            n = rng.choice([0, 1, 7, 4095, 65536, 1 << 20, rng.randrange(1, 1 << 21)])
+            c.update(memoryview(data)[at:at + n])
+            at += n
+        assert c.digest() == (zlib.crc32(data) & 0xFFFFFFFF).to_bytes(4, "big")
+        assert c.b64digest() == httpchecksum.Crc32Checksum().handle(data)

@@ -24,6 +24,26 @@ from epochfs.core.errors import KeyRefused, UploadCancelled
 from epochfs.core.records import ObjectInfo
 
 _KEY_REFUSED_CODES = {"KeyTooLongError", "InvalidObjectName", "InvalidKey"}
+
+
+def use_isal_crc32() -> None:
+    """botocore's CRC32 of each uploaded part computed with ISA-L's (the same function of the bytes, 3.4x
+    as fast as zlib's on this machine: 0.09 s of CPU a GiB against 0.29, a quarter of an upload's CPU).
+    botocore picks the class by name from ``httpchecksum._CHECKSUM_CLS``; where that changes in a later
+    botocore, its own class stays (slower, as correct)."""
+    from botocore import httpchecksum
+    from isal import isal_zlib
+
+    table = getattr(httpchecksum, "_CHECKSUM_CLS", None)
+    base = getattr(httpchecksum, "Crc32Checksum", None)
+    if not isinstance(table, dict) or base is None or table.get("crc32") is not base:
+        return
+
+    class IsalCrc32(base):  # type: ignore[misc, valid-type]
+        def update(self, chunk: bytes | bytearray | memoryview) -> None:
+            self._int_crc32 = isal_zlib.crc32(chunk, self._int_crc32) & 0xFFFFFFFF
+
+    table["crc32"] = IsalCrc32
 #: Longest key S3 stores (UTF-8 bytes, the prefix included).
 MAX_S3_KEY = 1024
 
@@ -51,6 +71,7 @@ class S3Writes:
 
     def _uploader(self) -> Any:
         if self._upload_client is None:
+            use_isal_crc32()
             s = self._settings
             self._upload_client = self._session.client(
                 "s3", endpoint_url=s.endpoint_url, region_name=self._region, config=botocore.config.Config(
