@@ -6,6 +6,7 @@ import os
 import random
 import stat
 import subprocess
+import threading
 import time
 
 import pytest
@@ -610,3 +611,27 @@ def test_the_isal_crc32_of_an_upload_is_zlibs_whatever_the_chunks():
             at += n
         assert c.digest() == (zlib.crc32(data) & 0xFFFFFFFF).to_bytes(4, "big")
         assert c.b64digest() == httpchecksum.Crc32Checksum().handle(data)
+
+
+@pytest.mark.parametrize("bandwidth", [None, 2e9])  # alone, and beside an --upload-bandwidth cap
+def test_an_upload_waits_while_it_gives_way_then_stores_every_byte(s3, s3_client, fresh_bucket, s3_env, tmp_path,
+                                                                  bandwidth):
+    """While ``give_way()`` is true the body's bytes wait (a multipart upload, asked between its reads
+    from its own threads); then it goes on and the object is whole."""
+    path = tmp_path / "f"
+    data = random.Random(5).randbytes(70 << 20)
+    path.write_bytes(data)
+    backend = open_backend(BackendSettings(Source.parse(f"s3://{fresh_bucket}/gw"), endpoint_url=s3.endpoint))
+    asked = []
+    until = time.monotonic() + 1.5
+
+    def give_way() -> bool:
+        asked.append(threading.current_thread().name)
+        return time.monotonic() < until
+
+    started = time.monotonic()
+    obj = backend.upload_file(str(path), "f.pt", give_way=give_way, bandwidth=bandwidth)
+    assert time.monotonic() - started >= 1.5
+    assert obj.size == len(data)
+    assert s3_client.get_object(Bucket=fresh_bucket, Key="gw/f.pt")["Body"].read() == data
+    assert len(asked) > 70 and threading.current_thread().name not in asked  # (the transfer's threads ask)

@@ -205,3 +205,24 @@ def test_a_file_changed_through_a_shared_mapping_arrives_with_the_change(s3_clie
     assert m.path("mapped.pt").read_bytes() == model
     assert sync(m).returncode == 0
     assert body(s3_client, fresh_bucket, "ckpt/mapped.pt") == model
+
+
+def test_the_last_checkpoints_upload_gives_way_while_the_next_is_written(s3_client, fresh_bucket, mount_factory):
+    """A checkpoint closed just before the next one is written fast (through the kernel, at 100 MiB/s)
+    waits to upload while the writing goes on, then uploads whole; the pause is counted in status."""
+    m = mount_factory(f"s3://{fresh_bucket}/ckpt", "--writeback")
+    m.start()
+    first = random.Random(1).randbytes(64 * MiB)
+    m.path("first.pt").write_bytes(first)  # (its upload starts a second after its close)
+    chunk = random.Random(2).randbytes(8 * MiB)
+    with open(m.path("second.pt"), "wb", buffering=0) as f:
+        start = time.monotonic()
+        while time.monotonic() - start < 3.0:
+            f.write(chunk)
+            time.sleep(0.08)
+    w = writeback(m.status())
+    assert w["kernel_opens"] >= 2 and w["gave_way"] >= 1 and w["gave_way_seconds"] >= 0.5, w
+    assert "uploads gave way to a fast writer" in subprocess.run(
+        [*EPOCHFS, "status", str(m.mountpoint)], capture_output=True, text=True, env=m.env).stdout
+    assert sync(m).returncode == 0
+    assert body(s3_client, fresh_bucket, "ckpt/first.pt") == first

@@ -9,6 +9,7 @@ import errno
 import hashlib
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -55,6 +56,7 @@ class Bucket(Backend):
     def __init__(self) -> None:
         self.objects: dict[str, tuple[bytes, dict[str, str]]] = {}
         self.deleted: list[str] = []
+        self.waited: dict[str, float] = {}  # key -> seconds its upload gave way
         self.fail = 0
         self._lock = threading.Lock()
 
@@ -67,9 +69,14 @@ class Bucket(Backend):
     def statistics(self):
         return BackendStats()
 
-    def upload_file(self, path, key, *, bandwidth=None, cancelled=None, metadata=None, multipart_started=None):
+    def upload_file(self, path, key, *, bandwidth=None, cancelled=None, metadata=None, multipart_started=None,
+                    give_way=None):
         with open(path, "rb") as f:
             data = f.read()
+        started = time.monotonic()
+        while give_way is not None and give_way():  # (as the S3 backend's body waits)
+            time.sleep(0.005)
+        self.waited[key] = time.monotonic() - started
         with self._lock:
             if self.fail:
                 self.fail -= 1
@@ -351,3 +358,36 @@ def test_what_the_journal_owes_is_taken_up_after_a_restart(tmp_path):
     pinned, objects, dropped = run_writeback(tmp_path, after)
     assert pinned == 3000 and set(objects) == {"closed.pt"} and objects["closed.pt"][0] == b"c" * 3000
     assert dropped is None  # never uploaded half-written
+
+
+def test_an_upload_gives_way_to_a_fast_writer_for_a_bounded_time(tmp_path, monkeypatch):
+    """A file closed before another is written fast (the next checkpoint) waits to upload while the
+    writing goes on, at most giveway.MOST seconds: then it is uploaded beside the writer, which is
+    still writing. A job waiting in sync is not made to wait (the other tests: no writer, no wait)."""
+    from epochfs.writeback import giveway
+
+    monkeypatch.setattr(giveway, "RATE", 1 << 20)  # (1 MiB/s a burst: the test writes 3 MiB/s)
+    monkeypatch.setattr(giveway, "MOST", 0.8)
+
+    async def fn(wb, bucket, room, published):
+        fh, _ = wb.create(root(wb), b"first.pt", 0o644, UID, GID)
+        wb.write(fh, 0, b"1" * 100_000)
+        wb.release(fh)
+        fh, _ = wb.create(root(wb), b"second.pt", 0o644, UID, GID)
+        start, off, uploaded_while_writing = time.monotonic(), 0, None
+        while time.monotonic() - start < 3.5:  # the first one's upload starts a second after its close
+            wb.write(fh, off, b"2" * 65536)
+            off += 65536
+            if uploaded_while_writing is None and "first.pt" in bucket.objects:
+                uploaded_while_writing = time.monotonic() - start
+            await trio.sleep(0.02)
+        wb.release(fh)
+        left = await wb.sync([], 10)
+        return uploaded_while_writing, left, wb.statistics(), bucket
+
+    uploaded_at, left, stats, bucket = run_writeback(tmp_path, fn)
+    assert left == [] and bucket.objects["first.pt"][0] == b"1" * 100_000
+    assert 0.7 <= bucket.waited["first.pt"] <= 2.0, bucket.waited  # gave way, for MOST seconds
+    assert uploaded_at is not None, "the writer held the upload back for as long as it wrote"
+    assert stats.gave_way == 1 and stats.gave_way_seconds >= 0.7
+    assert bucket.waited["second.pt"] < 0.1  # (uploaded in sync, with no writer: no waiting)

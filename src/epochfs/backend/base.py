@@ -208,12 +208,14 @@ class Backend(abc.ABC):
 
     def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
                     cancelled: threading.Event | None = None, metadata: dict[str, str] | None = None,
-                    multipart_started: Callable[[str], None] | None = None) -> ObjectInfo:
+                    multipart_started: Callable[[str], None] | None = None,
+                    give_way: Callable[[], bool] | None = None) -> ObjectInfo:
         """Put the file at ``path`` under ``key``, atomically (the object appears whole or not at all),
         with ``metadata`` (user metadata of the object), and return the new object. Raises
         :class:`~epochfs.core.errors.BackendError`; ``cancelled`` stops it (nothing is left behind).
         ``multipart_started`` is called (from another thread) with the id of each multipart upload this
-        starts, so that one cut off by a crash can be aborted later (:meth:`abort_multipart`)."""
+        starts, so that one cut off by a crash can be aborted later (:meth:`abort_multipart`). While
+        ``give_way()`` (asked from the upload's threads) is true, the body's bytes wait."""
         raise NotImplementedError
 
     def abort_multipart(self, key: str, upload_id: str) -> None:

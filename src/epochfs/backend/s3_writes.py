@@ -46,6 +46,24 @@ def use_isal_crc32() -> None:
     table["crc32"] = IsalCrc32
 #: Longest key S3 stores (UTF-8 bytes, the prefix included).
 MAX_S3_KEY = 1024
+#: Seconds between an upload's asks whether it may go on, while it gives way.
+GIVE_WAY_POLL = 0.02
+
+
+def _giving_way(give_way: Callable[[], bool], shared: Any) -> Any:
+    """An s3transfer bandwidth limiter whose reads of the body wait while ``give_way()`` is true, then
+    take their tokens from ``shared``'s bucket (None: no cap)."""
+    from s3transfer.bandwidth import BandwidthLimiter, RequestExceededException
+
+    bucket = getattr(shared, "_leaky_bucket", None)
+
+    class GivingWay:
+        def consume(self, amt: int, request_token: Any) -> int:
+            if give_way():
+                raise RequestExceededException(requested_amt=amt, retry_time=GIVE_WAY_POLL)
+            return int(bucket.consume(amt, request_token)) if bucket is not None else amt
+
+    return BandwidthLimiter(GivingWay())
 
 
 class S3Writes:
@@ -101,14 +119,15 @@ class S3Writes:
 
     def upload_file(self, path: str, key: str, *, bandwidth: float | None = None,
                     cancelled: threading.Event | None = None, metadata: dict[str, str] | None = None,
-                    multipart_started: Callable[[str], None] | None = None) -> ObjectInfo:
+                    multipart_started: Callable[[str], None] | None = None,
+                    give_way: Callable[[], bool] | None = None) -> ObjectInfo:
         if multipart_started is None:
-            return self._upload(path, key, bandwidth, cancelled, metadata)
+            return self._upload(path, key, bandwidth, cancelled, metadata, give_way)
         full = self.prefix + key
         with self._watch_lock:
             self._multipart_watchers.setdefault(full, []).append(multipart_started)
         try:
-            return self._upload(path, key, bandwidth, cancelled, metadata)
+            return self._upload(path, key, bandwidth, cancelled, metadata, give_way)
         finally:
             with self._watch_lock:
                 watchers = self._multipart_watchers[full]
@@ -117,7 +136,7 @@ class S3Writes:
                     del self._multipart_watchers[full]
 
     def _upload(self, path: str, key: str, bandwidth: float | None, cancelled: threading.Event | None,
-                metadata: dict[str, str] | None) -> ObjectInfo:
+                metadata: dict[str, str] | None, give_way: Callable[[], bool] | None) -> ObjectInfo:
         import boto3.s3.transfer
 
         size = os.path.getsize(path)
@@ -127,10 +146,12 @@ class S3Writes:
             max_bandwidth=int(bandwidth) if bandwidth else None)
         try:
             with boto3.s3.transfer.create_transfer_manager(self._uploader(), config) as manager:
-                if bandwidth and hasattr(manager, "_bandwidth_limiter"):
+                if (bandwidth or give_way) and hasattr(manager, "_bandwidth_limiter"):
                     # One bucket of tokens for every upload of this backend: --upload-bandwidth caps them
-                    # in total, not each of the --upload-concurrency uploads.
-                    manager._bandwidth_limiter = self._limiter(bandwidth)
+                    # in total, not each of the --upload-concurrency uploads. The body's every 256 KiB
+                    # goes through it, so that is also where an upload waits while ``give_way`` says so.
+                    shared = self._limiter(bandwidth) if bandwidth else None
+                    manager._bandwidth_limiter = shared if give_way is None else _giving_way(give_way, shared)
                 future = manager.upload(path, self.bucket, self.prefix + key,
                                         extra_args={"Metadata": metadata} if metadata else None)
                 while not future.done():

@@ -359,8 +359,10 @@ def format_writeback(w: dict[str, Any]) -> str:
         kernel = f"; files are written through the daemon ({w['kernel_off']})"
     else:
         kernel = ""
+    gave = (f"; uploads gave way to a fast writer {w['gave_way']} times ({w.get('gave_way_seconds', 0):.1f} s)"
+            if w.get("gave_way") else "")
     return (f"write-back {pending}{more}; uploaded {w['uploaded_files']} files ({human(w['uploaded_bytes'])})"
-            f"{errors}{kernel}")
+            f"{errors}{kernel}{gave}")
 
 
 _HAND_OVER = "hand one over: epochfs.torch.EpochfsSampler, or epochfs prefetch"

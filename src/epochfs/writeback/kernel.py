@@ -97,9 +97,11 @@ class KernelWriteStats:
 
 
 class KernelWrites:
-    def __init__(self, kernel: Callable[[], Backings | None], owed: Owed) -> None:
+    def __init__(self, kernel: Callable[[], Backings | None], owed: Owed,
+                 wrote: Callable[[int], None] = lambda n: None) -> None:
         self._kernel = kernel
         self.owed = owed
+        self._wrote = wrote  # told the bytes each file grew by (the uploads give way to a fast writer)
         self.active = True
         self.why_off = ""
         self._files: dict[str, _Backed] = {}  # file id -> its backing file
@@ -224,6 +226,7 @@ class KernelWrites:
         if st.st_size > f.size:
             grow = st.st_size - f.size
             self.bytes += grow
+            self._wrote(grow)
             take = min(grow, b.lease)
             b.lease -= take
             if grow > take:

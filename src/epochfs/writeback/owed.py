@@ -41,6 +41,8 @@ class WritebackStats:
     kernel_opens: int = 0  # opens of them it was given the data file for
     kernel_bytes: int = 0  # bytes it wrote into them
     kernel_off: str = ""  # why it does not, where it could have
+    gave_way: int = 0  # bursts of writing the uploads paused for (:mod:`epochfs.writeback.giveway`)
+    gave_way_seconds: float = 0.0  # how long they paused, in all
 
 
 @dataclass(frozen=True, order=True)

@@ -57,6 +57,7 @@ from epochfs.core.errors import EpochfsError, NoSpace, NotFound, Refused
 from epochfs.core.records import MAX_OBJECT_SIZE
 from epochfs.kernel.types import Backings
 from epochfs.meta.nodes import File
+from epochfs.writeback.giveway import GiveWay
 from epochfs.writeback.journal import DirRecord, FileRecord, Journal
 from epochfs.writeback.kernel import KernelWrites
 from epochfs.writeback.owed import Owed, Pending, Room, WritebackStats
@@ -100,14 +101,15 @@ class WriteBack(Renames):
         self.overlay = tree.overlay
         self.backend = backend
         self.owed = Owed(store, user_quota=settings.user_quota)
+        self.give_way = GiveWay()  # (the uploads wait while a file is written fast)
         self.uploads = Uploads(self.owed, journal, backend, tree, self.overlay, bandwidth=settings.upload_bandwidth,
                                concurrency=settings.upload_concurrency, demand_waiting=demand_waiting,
-                               publish=publish, fail=self._fail, keep=keep)
+                               publish=publish, fail=self._fail, keep=keep, give_way=self.give_way)
         self._handles: dict[int, Handle] = {}
         self._through_daemon: Counter[str] = Counter()  # file id -> its opens read and written through us
         self._daemon_inodes: Counter[int] = Counter()  # the same, by inode
         # The kernel writes files itself where it can (None: it never does, ``kernel`` not given).
-        self.kernel = KernelWrites(kernel, self.owed) if kernel is not None else None
+        self.kernel = KernelWrites(kernel, self.owed, self.give_way.wrote) if kernel is not None else None
         if self.kernel is not None and settings.user_quota is not None:
             self.kernel.off("--writeback-user-quota is enforced write by write")
 
@@ -320,6 +322,7 @@ class WriteBack(Renames):
         f.size = max(old_size, reached)
         f.mtime_ns = time.time_ns()
         f.generation += 1
+        self.give_way.wrote(written)
         return written
 
     def _reserve(self, f: LocalFile, size: int) -> None:
@@ -538,7 +541,8 @@ class WriteBack(Renames):
         return self.owed.room()
 
     def statistics(self) -> WritebackStats:
-        stats = self.owed.statistics()
+        g = self.give_way.statistics()
+        stats = replace(self.owed.statistics(), gave_way=g.pauses, gave_way_seconds=g.paused_seconds)
         if self.kernel is None:
             return stats
         k = self.kernel.statistics()

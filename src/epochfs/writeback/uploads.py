@@ -24,6 +24,7 @@ import trio
 from epochfs.backend.base import Backend
 from epochfs.core.errors import BackendError, EpochfsError, KeyRefused
 from epochfs.core.records import ObjectInfo
+from epochfs.writeback.giveway import GiveWay
 from epochfs.writeback.journal import Journal
 from epochfs.writeback.owed import Owed, Pending
 from epochfs.writeback.tree import LocalFile, Overlay, Stored, Tree
@@ -95,7 +96,8 @@ class Uploads:
 
     def __init__(self, owed: Owed, journal: Journal, backend: Backend, tree: Tree, overlay: Overlay, *,
                  bandwidth: float | None, concurrency: int, demand_waiting: Callable[[], bool],
-                 publish: Publish, fail: Fail | None = None, keep: Keep | None = None) -> None:
+                 publish: Publish, fail: Fail | None = None, keep: Keep | None = None,
+                 give_way: GiveWay | None = None) -> None:
         self.owed = owed
         self.journal = journal
         self.backend = backend
@@ -112,6 +114,7 @@ class Uploads:
         self._publish_at = 0.0
         self.fail = fail
         self.keep = keep
+        self.give_way = give_way  # (while a file is written fast, the uploads' bytes wait: giveway.py)
         self._recorded: set[tuple[str, int, int, int]] = set()  # directories' attribute records written
         self._uploads_running = 0  # upload threads still running (abandoned ones included)
         self._uploads_done = threading.Condition()
@@ -150,6 +153,7 @@ class Uploads:
 
         dirs = self._directories(key)
         mode, uid, gid = f.mode, f.uid, f.gid
+        give_way = self.give_way.now if self.give_way is not None else None
 
         def upload() -> ObjectInfo:
             try:
@@ -162,7 +166,7 @@ class Uploads:
                 try:
                     obj = self.backend.upload_file(f"/proc/self/fd/{fd}", key, bandwidth=self.bandwidth,
                                                    cancelled=cancel, metadata=attributes,
-                                                   multipart_started=multipart_started)
+                                                   multipart_started=multipart_started, give_way=give_way)
                 finally:
                     os.close(fd)
                 self._recorded.update(dirs)
@@ -405,6 +409,15 @@ class Uploads:
         publisher's backoff, not at the caller's pace (:attr:`publish_error` says why, meanwhile)."""
         for f in self.owed.files.values():
             self.owed.not_before.pop(f.id, None)
+        if self.give_way is not None:
+            self.give_way.syncing += 1  # (the caller waits for the uploads: they do not give way meanwhile)
+        try:
+            return await self._sync(prefixes, seconds)
+        finally:
+            if self.give_way is not None:
+                self.give_way.syncing -= 1
+
+    async def _sync(self, prefixes: list[str], seconds: float) -> list[Pending]:
         with trio.move_on_after(seconds):
             while any(p.state != "to publish" and not p.state.startswith("not uploaded")
                       for p in self.owed.pending(prefixes)):
