@@ -208,11 +208,15 @@ def test_a_warmup_counts_done_only_what_it_left_cached(tmp_path):
         resident = sum(BS for f in warm if cache.is_resident(cache.block_id(f, 0)))
         return job, resident
 
-    job, resident = with_prefetcher(tmp_path, fn, capacity=6 * BS, backend=MemoryBackend(delay=0.05))
-    assert job.evicted_bytes > 0  # the situation the test is about happened
-    assert job.done_bytes == resident
-    assert job.done_bytes + job.skipped_bytes + job.evicted_bytes + job.failed_bytes == job.total_bytes
-    assert job.as_dict()["evicted_bytes"] == job.evicted_bytes
+    for attempt in range(5):  # (on a loaded machine the warmup may end before the reads reach its blocks)
+        job, resident = with_prefetcher(tmp_path / str(attempt), fn, capacity=6 * BS,
+                                        backend=MemoryBackend(delay=0.05))
+        assert job.done_bytes == resident  # whatever the timing
+        assert job.done_bytes + job.skipped_bytes + job.evicted_bytes + job.failed_bytes == job.total_bytes
+        assert job.as_dict()["evicted_bytes"] == job.evicted_bytes
+        if job.evicted_bytes > 0:
+            break
+    assert job.evicted_bytes > 0, "in 5 tries the reads never evicted a warmed block"  # the situation happened
 
 
 def test_a_merge_keeps_the_reader_where_it_is_and_its_rate_positive(tmp_path):
