@@ -54,6 +54,7 @@ BENCHMARKS = [
     Benchmark("checkpoint", "checkpoint", "checkpoint.py", r"checkpoint"),
     Benchmark("save-cost", "checkpoint", "save_cost.py", r"save-cost"),
     Benchmark("memory", "node", "memory.py", r"memory"),
+    Benchmark("cores", "node", "cores.py", r"cores"),
     Benchmark("namespace", "node", "namespace.py", r"namespace"),
     Benchmark("profile", "profiles", "profile.py", r"(profile|cold-small|.*-profiles)"),
     Benchmark("upload-profile", "profiles", "upload_profile.py", r"upload-profile"),
