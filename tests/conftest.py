@@ -16,6 +16,8 @@ from epochfs.dev.servers import LocalS3
 from .helpers import Mount, page_cache_to_myself
 
 _bucket_ids = itertools.count()
+#: The buckets made by ``fresh_bucket`` in the running test, deleted when it ends (:func:`_no_stale_buckets`).
+_made_buckets: list[tuple[object, str]] = []
 
 
 def _fuse_available() -> bool:
@@ -66,7 +68,23 @@ def fresh_bucket(s3_client) -> str:
         s3_client.create_bucket(Bucket=name)
     except s3_client.exceptions.BucketAlreadyOwnedByYou:
         pass  # (a create the client retried after a slow answer: the first one made it, the name is ours)
+    _made_buckets.append((s3_client, name))
     return name
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_buckets() -> Iterator[None]:
+    """A test's fresh bucket is deleted when the test ends, after its mounts stopped (an autouse fixture is
+    set up before the test's own, so it ends after them): SeaweedFS frees a deleted bucket's volumes,
+    and the suite's buckets would otherwise hold GiBs to the end of the run. Best effort: a test that
+    stopped the endpoint or broke the bucket leaves it to the run's directory."""
+    yield
+    while _made_buckets:
+        client, name = _made_buckets.pop()
+        try:
+            client.delete_bucket(Bucket=name)  # (SeaweedFS deletes a bucket with its objects)
+        except Exception as exc:  # noqa: BLE001 (cleanup: what is left stays in the run's directory)
+            logging.getLogger(__name__).info("bucket %s left: %s", name, exc)
 
 
 @pytest.fixture
