@@ -88,7 +88,11 @@ def test_counters_move_by_exactly_what_was_read(s3_client, fresh_bucket, mount_f
         assert delta(s1, s0, 'epochfs_backend_bytes_total{purpose="prefetch"}') == 0
         assert delta(s1, s0, 'epochfs_backend_requests_total{op="get",outcome="ok"}') == blocks
         assert delta(s1, s0, "epochfs_backend_request_seconds_count") == blocks
-        assert s1["epochfs_cache_used_bytes"] == total and s1["epochfs_cache_capacity_bytes"] == 10 * (1 << 30)
+        store = m.status()["store"]
+        assert store["configured_bytes"] == 10 * (1 << 30)  # the default --cache-size
+        # What it can hold now: the default, or less on a disk with less room (a small CI machine's).
+        assert s1["epochfs_cache_used_bytes"] == total
+        assert s1["epochfs_cache_capacity_bytes"] == store["capacity_bytes"] <= 10 * (1 << 30)
         assert delta(s1, s0, "epochfs_read_seconds_count") >= blocks
 
         drop_all_caches()
