@@ -337,6 +337,48 @@ def test_kill_9_while_objects_are_filled_leaves_no_wrong_byte(dataset, mount_fac
     m.stop()
 
 
+def deleted_files_held(pid: int, under: Path) -> list[str]:
+    """The files under ``under`` that process ``pid`` holds open though they were deleted (their bytes
+    stay on disk until the last is closed)."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(under)) and target.endswith(" (deleted)"):
+            held.append(target)
+    return held
+
+
+@needs_passthrough
+def test_an_evicted_object_is_let_go_by_the_kernel_and_its_bytes_freed(s3_client, fresh_bucket, mount_factory):
+    """A backing file kept registered for the next open of its object lets go when the object is evicted:
+    otherwise the kernel holds the deleted file, and the cache's disk holds more than --cache-size."""
+    files = [SampleFile(f"s/f{i:02d}.bin", MIB - 7 * i, version=i) for i in range(24)]  # one block each
+    upload(s3_client, fresh_bucket, "s/", files)
+    m = mount_factory(f"s3://{fresh_bucket}/s", "--passthrough", "--block-size", "1M", "--cache-size", "8M",
+                      "--readahead", "0")
+    with m:
+        pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+        first = files[:6]
+        read_until_whole(m, first)
+        for f in first:  # (opened again: passed through, and kept registered once released)
+            read_odd(m.path(f.key), f, seed=3)
+        assert m.status()["passthrough"]["opens"] >= len(first)
+        for f in files[6:]:  # (evicts the first ones)
+            assert m.path(f.key).read_bytes() == f.content()
+        wait_whole(m, 1)
+        assert m.status()["store"]["evictions"] >= len(first)
+        assert deleted_files_held(pid, m.cache_dir) == []
+        p = m.status()["passthrough"]
+        assert p["kept"] <= p["whole_files"], p
+        on_disk = sum(p.stat().st_blocks * 512 for p in object_files(m.cache_dir))
+        assert on_disk <= 8 * MIB + 64 * 1024, on_disk
+        for f in files:  # (every byte right, evicted ones fetched again)
+            assert m.path(f.key).read_bytes() == f.content()
+
+
 @pytest.mark.page_cache  # (counts on the page cache: a hot file read with no request)
 def test_a_dataset_of_small_files_is_opened_with_no_request_by_default(s3_client, fresh_bucket, mount_factory):
     """Most of its bytes in files under 1 MiB: passthrough would cost a request at every open, so the

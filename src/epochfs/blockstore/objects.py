@@ -35,6 +35,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -103,6 +104,9 @@ class ObjectFiles:
         self.lent = 0  # object files with a backing file open
         self.whole_size = 0  # bytes of the whole ones
         self.suspected = 0  # fingerprints found not to match (a file changed under the cache)
+        #: Called with an object's id when it stops being whole (a block evicted, dropped or refetched):
+        #: a backing file kept registered for it must let go, or it would keep the file's bytes on disk.
+        self.watchers: list[Callable[[bytes], None]] = []
 
     def __len__(self) -> int:
         return len(self.files)
@@ -151,6 +155,8 @@ class ObjectFiles:
         f.print = None
         if self._order.pop(oid, 0) is None:
             self.whole_size -= f.size
+            for watcher in self.watchers:
+                watcher(oid)
 
     def removed(self, oid: bytes, offset: int, length: int) -> ObjectFile | None:
         """A block of ``oid`` left the index; the object's file, or None if it was not known."""

@@ -12,8 +12,9 @@ file (passthrough opens), never both at once (the kernel fails the open that wou
 inode with cached opens outstanding gets cached opens until they are released, and one with a backing
 file gets that same backing file for every open until the last is released. A backing file registered
 with the kernel is kept for the next open of its object (at most :attr:`Passthrough.KEPT`, the least
-recently opened let go), so a hot small file costs an open and a release, not a file opened and
-registered each time; the object's file is checked against its fingerprint at every open all the same.
+recently opened let go, and at once when its object stops being whole, so that an evicted object's bytes
+are freed), so a hot small file costs an open and a release, not a file opened and registered each
+time; the object's file is checked against its fingerprint at every open all the same.
 
 Reads the kernel serves never reach the daemon: each passthrough open counts the object's size as
 bytes read from the cache (a reader that reads part of a file counts it whole; per open, not per read).
@@ -98,6 +99,7 @@ class PassthroughStats:
     damaged: int  # objects found changed or damaged (at open or by the scrub)
     bytes_opened: int  # what passthrough opens counted as read (each open: the object's size)
     off: str = ""  # why it is off, when it is
+    kept: int = 0  # backing files registered with the kernel now (each an open descriptor; at most KEPT)
 
 
 class Passthrough:
@@ -122,6 +124,15 @@ class Passthrough:
         self._handles: dict[int, int] = {}  # fh -> inode
         self._backings: OrderedDict[bytes, _Backing] = OrderedDict()  # object id -> registered backing file
         self.opens = self.cached_opens = self.damaged = self.bytes_opened = 0
+        self.store.objects.watchers.append(self._not_whole)
+
+    def _not_whole(self, oid: bytes) -> None:
+        """An object stopped being whole (evicted, dropped, refetched): a kept backing file no open uses
+        lets go now, or the kernel would hold its file, and the bytes an eviction freed, until the next
+        open of the object or the trim (one in use lets go at its last release)."""
+        b = self._backings.get(oid)
+        if b is not None and not b.users:
+            self._let_go(b)
 
     # -- opens -------------------------------------------------------------------------------------------
 
@@ -259,6 +270,8 @@ class Passthrough:
 
     def close(self) -> None:
         """Let every kept backing file go (unmounting)."""
+        if self._not_whole in self.store.objects.watchers:
+            self.store.objects.watchers.remove(self._not_whole)
         for b in list(self._backings.values()):
             self._let_go(b)
 
@@ -295,4 +308,4 @@ class Passthrough:
         return PassthroughStats(self.active, self.opens, self.cached_opens,
                                 sum(1 for b in self._backings.values() if b.users), s.whole_objects, s.whole_bytes,
                                 s.unchecked_objects, self.damaged + self.store.objects.suspected, self.bytes_opened,
-                                self.why_off)
+                                self.why_off, len(self._backings))
