@@ -64,9 +64,11 @@ class Mount:
         self.root = work / "mnt"
         self.pid = 0
 
-    def start(self, cores: int) -> None:
-        shutil.rmtree(self.work, ignore_errors=True)
-        self.root.mkdir(parents=True)
+    def start(self, cores: int, fresh: bool = True) -> None:
+        """Mount (``fresh``: over an empty cache; else over what the last mount left) and pin the daemon."""
+        if fresh:
+            shutil.rmtree(self.work, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(VENV_BIN / "epochfs"), "mount", f"s3://{BUCKET}/", str(self.root),
                         "--endpoint-url", self.server.endpoint, "--cache-dir", str(self.work / "cache"),
                         "--cache-size", "20G", "--metrics-addr", "off", *self.extra],

@@ -55,6 +55,7 @@ BENCHMARKS = [
     Benchmark("save-cost", "checkpoint", "save_cost.py", r"save-cost"),
     Benchmark("memory", "node", "memory.py", r"memory"),
     Benchmark("cores", "node", "cores.py", r"cores"),
+    Benchmark("warm-kernel", "node", "warm_kernel.py", r"warm-kernel"),
     Benchmark("namespace", "node", "namespace.py", r"namespace"),
     Benchmark("profile", "profiles", "profile.py", r"(profile|cold-small|.*-profiles)"),
     Benchmark("upload-profile", "profiles", "upload_profile.py", r"upload-profile"),
