@@ -848,39 +848,3 @@ def test_a_file_taken_whole_is_the_objects_file_no_byte_copied_and_refused_where
     assert s.take_file(bid(300), str(none), size) is not None
     s.untake(bid(300), 0, size)
     assert not os.path.exists(s.object_path(bid(300)))
-
-
-def test_a_workers_read_of_a_packed_block_reads_no_other_block(tmp_path):
-    """A packed block read by a worker thread, or sent by the kernel to a member, (its page cache dropped)
-    brings in its own pages and none of
-    the pack's next blocks, other files' (no readahead: an epoch reads them in another order, and on a
-    disk with a large readahead each 100 KiB read cost a scan of megabytes of the page cache)."""
-    from epochfs.blockstore import pagecache
-
-    if not pagecache.available():
-        pytest.skip("this kernel has no cachestat")
-    store = make(tmp_path)
-    store.digests = True  # (a node that serves members: its blocks can be sent from their files)
-    blocks = {n: os.urandom(100 << 10) for n in range(8)}
-    for n, data in blocks.items():
-        assert put(store, bid(n), data)
-    path, offset, length = store.block_location(bid(0))
-    assert all(store.block_location(bid(n))[0] == path for n in blocks)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        meta = store.lookup(bid(0))
-        raw = store.pread_range(bid(0), meta, 0, length)
-        assert bytes(store.finish_read(bid(0), meta, 0, length, raw)) == blocks[0]
-        extent = store.extent(bid(4), store.lookup(bid(4)))  # (sent by the kernel to a member)
-        assert extent is not None
-        with open(tmp_path / "sent", "wb") as out:
-            assert os.sendfile(out.fileno(), extent.fd, extent.offset, extent.length) == extent.length
-        store.sent(extent)
-        assert (tmp_path / "sent").read_bytes() == blocks[4]
-        for n in (1, 2, 3, 5, 6, 7):
-            _, at, size = store.block_location(bid(n))
-            assert pagecache.counts(fd, at, size)[1] == 0, f"block {n} was read ahead"
-    finally:
-        os.close(fd)

@@ -138,8 +138,6 @@ class Lending:
             fd = os.open(path, _READ_FLAGS)
         except OSError:
             return None  # (damage, if it is, is found by the read that follows)
-        if not meta.in_file:  # (a pack's next blocks are other files': nothing read ahead)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._sending[bid] = self._sending.get(bid, 0) + 1
         return Extent(fd, meta.offset, meta.length, meta.digest, bid)
 

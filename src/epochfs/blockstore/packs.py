@@ -161,10 +161,8 @@ class Packs:
 
     def own_fd(self, pack: int) -> int:
         """A read descriptor of a pack for a worker thread (never one the trio thread may close); the
-        caller closes it. No readahead either (the pack's next blocks are other files')."""
-        fd = os.open(self.path(pack), _READ_FLAGS)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return fd
+        caller closes it."""
+        return os.open(self.path(pack), _READ_FLAGS)
 
     def close_fds(self) -> None:
         self._fds.close()
