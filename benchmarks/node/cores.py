@@ -59,8 +59,8 @@ def pin(pid: int, cores: int) -> None:
 
 
 class Mount:
-    def __init__(self, work: Path, server: LocalS3, extra: list[str]) -> None:
-        self.work, self.server, self.extra = work, server, extra
+    def __init__(self, work: Path, server: LocalS3, extra: list[str], source: str = f"s3://{BUCKET}/") -> None:
+        self.work, self.server, self.extra, self.source = work, server, extra, source
         self.root = work / "mnt"
         self.pid = 0
 
@@ -69,7 +69,7 @@ class Mount:
         if fresh:
             shutil.rmtree(self.work, ignore_errors=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(VENV_BIN / "epochfs"), "mount", f"s3://{BUCKET}/", str(self.root),
+        subprocess.run([str(VENV_BIN / "epochfs"), "mount", self.source, str(self.root),
                         "--endpoint-url", self.server.endpoint, "--cache-dir", str(self.work / "cache"),
                         "--cache-size", "20G", "--metrics-addr", "off", *self.extra],
                        env=self.server.env(), check=True, capture_output=True)

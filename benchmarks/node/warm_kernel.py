@@ -3,7 +3,11 @@ default mount (passthrough: the kernel reads the store's own file), the store's 
 directly, and a local copy of it written at the run's start, in turns, each after the page cache is
 dropped, on a mount restarted over the filled cache (nothing of the cold pass in memory).
 
-    sudo .venv/bin/python benchmarks/node/warm_kernel.py [--large-mib 512] [--rounds 6] [--out F]
+    sudo .venv/bin/python benchmarks/node/warm_kernel.py [--large-mib 512] [--small 2000] [--rounds 6] [--out F]
+
+Then the same for a dataset of 100 KiB files on a mount of its own (the default there: opened with no
+request, read through the daemon from the cache disk), 16 readers in a shuffled order against local
+copies read in the same order.
 
 Why in turns: on this VM how fast a read from the disk goes depends on what the machine did just before
 (its memory balloon hands free pages back to the host, and the host's own cache of the disk image comes
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -30,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # (the 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cores import BUCKET, Mount  # noqa: E402
-from workloads import drop_page_cache, log, machine, save_results, seq_read, start_run  # noqa: E402
+from workloads import drop_page_cache, log, machine, save_results, seq_read, small_files_rate, start_run  # noqa: E402
 
 from epochfs import Client  # noqa: E402
+from epochfs.dev.sample import SampleFile, upload, write_tree  # noqa: E402
 from epochfs.dev.servers import LocalS3  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -68,10 +74,50 @@ def whole_and_checked(root: Path, timeout: float = 300.0) -> dict[str, Any]:
     raise TimeoutError("the cached file was never whole and checked")
 
 
+def small_rounds(args: argparse.Namespace, server: LocalS3) -> tuple[list[dict[str, Any]], float]:
+    """The same for ``--small`` files of 100 KiB on a mount of their own (a dataset of small files: opened
+    with no request, read through the daemon from the cache disk), 16 readers in a new shuffled order
+    each round, the local copies read in the same order: (rows, the machine's first read after the
+    restart, files/s)."""
+    files = [SampleFile(f"d{i % 20:02d}/f{i:05d}.bin", 100 << 10, version=i) for i in range(args.small)]
+    upload(server.client(), "small-files", "", files)
+    local = args.work / "small-copies"
+    write_tree(str(local), files)
+    spare = args.work / "small-spare"
+    write_tree(str(spare), files)
+    os.sync()
+    keys = [f.key for f in files]
+    m = Mount(args.work / "small-mount", server, [], source="s3://small-files/")
+    m.start(os.cpu_count() or 1)
+    rows: list[dict[str, Any]] = []
+    try:
+        drop_page_cache()
+        small_files_rate(m.root, keys, 16)  # (the cold pass fills the cache)
+        time.sleep(1)
+        m.stop()
+        m.start(os.cpu_count() or 1, fresh=False)
+        drop_page_cache()
+        first = small_files_rate(spare, keys, 16)
+        for r in range(args.rounds):
+            order = keys[:]
+            random.Random(r).shuffle(order)
+            for name, root in ([("through the mount", m.root), ("local copy", local)][:: 1 if r % 2 else -1]):
+                drop_page_cache()
+                cpu0 = m.cpu()
+                rate = small_files_rate(root, order, 16)
+                rows.append({"round": r, "read": name, "files_s": rate,
+                             "daemon_cpu_ms_per_file": (m.cpu() - cpu0) / len(keys) * 1000})
+                log(f"round {r}: small files, {name} {rate:.0f} files/s")
+    finally:
+        m.stop()
+    return rows, first
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--large-mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--small", type=int, default=2000, help="100 KiB files of the small-file rounds (0: none)")
     ap.add_argument("--work", type=Path, default=HERE.parent / "work" / "warm-kernel")
     ap.add_argument("--out", type=Path, help="results JSON (a .md beside it); default: benchmarks/node/results/DATE-warm-kernel.json")
     args = ap.parse_args()
@@ -122,6 +168,8 @@ def main() -> int:
         passthrough_opens = p["passthrough"]["opens"] - opens0
         daemon_reads = p["read_seconds"]["count"]
         same = same_bytes(mine, local)  # (the store's file is the object, byte for byte)
+        m.stop()
+        small, small_first = small_rounds(args, server) if args.small else ([], 0.0)
     finally:
         try:
             m.stop()
@@ -132,7 +180,8 @@ def main() -> int:
     today = datetime.date.today().isoformat()
     out = {"date": today, "machine": machine(), "command": " ".join(sys.argv), "size": size, "cold_mib_s": cold,
            "rows": rows, "medians": med, "daemon_cpu_s_per_gib": cpu, "passthrough_opens": passthrough_opens,
-           "daemon_reads": daemon_reads, "store_file_is_the_object": same, "first_read_after_restart_mib_s": first}
+           "daemon_reads": daemon_reads, "store_file_is_the_object": same, "first_read_after_restart_mib_s": first,
+           "small_rows": small, "small_first_read_after_restart_files_s": small_first}
     lines = [f"# The kernel's warm read against the disk under it ({today})", "",
              f"One file of {size / MiB:.0f} MiB; a default mount restarted over its filled cache; "
              f"{args.rounds} rounds, each read after the page cache is dropped, the order rotated.", "",
@@ -146,6 +195,20 @@ def main() -> int:
               f"passthrough opens: {passthrough_opens}",
               f"- the machine's first read after the restart (a third file, not counted): {first:.0f} MiB/s",
               f"- cold pass (filling): {cold:.0f} MiB/s; the store's file is the object byte for byte: {same}", ""]
+    if small:
+        sm = {name: statistics.median(x["files_s"] for x in small if x["read"] == name)
+              for name in ("through the mount", "local copy")}
+        ms = statistics.median(x["daemon_cpu_ms_per_file"] for x in small if x["read"] == "through the mount")
+        out["small_medians"] = sm
+        lines += [f"{args.small} files of 100 KiB on a mount of their own (opened with no request, read through "
+                  "the daemon), 16 readers, a new shuffled order each round, the local copies in the same order:", "",
+                  "| read | median files/s | every round |", "|---|---|---|"]
+        for name in sm:
+            every = ", ".join(f"{x['files_s']:.0f}" for x in small if x["read"] == name)
+            lines.append(f"| {name} | {sm[name]:.0f} | {every} |")
+        lines += ["", f"- through the mount / the local copies: **{sm['through the mount'] / sm['local copy']:.2f}x**; "
+                  f"the daemon's CPU: {ms:.3f} ms a file",
+                  f"- the machine's first read after the restart (a third copy, not counted): {small_first:.0f} files/s", ""]
     target = args.out or HERE / "results" / f"{today}-warm-kernel.json"
     save_results(target, out, "\n".join(lines))
     print("\n".join(lines))
