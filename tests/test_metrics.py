@@ -90,9 +90,11 @@ def test_counters_move_by_exactly_what_was_read(s3_client, fresh_bucket, mount_f
         assert delta(s1, s0, "epochfs_backend_request_seconds_count") == blocks
         store = m.status()["store"]
         assert store["configured_bytes"] == 10 * (1 << 30)  # the default --cache-size
-        # What it can hold now: the default, or less on a disk with less room (a small CI machine's).
+        # What it can hold now: the default, or less on a disk with less room (a small CI machine's); the
+        # room moves as other tests write, between the scrape and the status (by a few blocks at most).
         assert s1["epochfs_cache_used_bytes"] == total
-        assert s1["epochfs_cache_capacity_bytes"] == store["capacity_bytes"] <= 10 * (1 << 30)
+        assert 0 < s1["epochfs_cache_capacity_bytes"] <= 10 * (1 << 30)
+        assert abs(s1["epochfs_cache_capacity_bytes"] - store["capacity_bytes"]) <= 64 * MiB
         assert delta(s1, s0, "epochfs_read_seconds_count") >= blocks
 
         drop_all_caches()
