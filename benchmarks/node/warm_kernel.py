@@ -74,6 +74,15 @@ def whole_and_checked(root: Path, timeout: float = 300.0) -> dict[str, Any]:
     raise TimeoutError("the cached file was never whole and checked")
 
 
+def table(rows: list[dict[str, Any]], medians: dict[str, float], key: str, unit: str) -> list[str]:
+    """A report's table: each read's median and every round's figure."""
+    lines = [f"| read | median {unit} | every round |", "|---|---|---|"]
+    for name, median in medians.items():
+        every = ", ".join(f"{x[key]:.0f}" for x in rows if x["read"] == name)
+        lines.append(f"| {name} | {median:.0f} | {every} |")
+    return lines
+
+
 def small_rounds(args: argparse.Namespace, server: LocalS3) -> tuple[list[dict[str, Any]], float]:
     """The same for ``--small`` files of 100 KiB on a mount of their own (a dataset of small files: opened
     with no request, read through the daemon from the cache disk), 16 readers in a new shuffled order
@@ -185,10 +194,7 @@ def main() -> int:
     lines = [f"# The kernel's warm read against the disk under it ({today})", "",
              f"One file of {size / MiB:.0f} MiB; a default mount restarted over its filled cache; "
              f"{args.rounds} rounds, each read after the page cache is dropped, the order rotated.", "",
-             "| read | median MiB/s | every round |", "|---|---|---|"]
-    for name in readers:
-        every = ", ".join(f"{x['mib_s']:.0f}" for x in rows if x["read"] == name)
-        lines.append(f"| {name} | {med[name]:.0f} | {every} |")
+             *table(rows, med, "mib_s", "MiB/s")]
     lines += ["", f"- through the mount / the store's file: **{med['through the mount'] / med[STORE]:.2f}x**; "
               f"/ the local copy: **{med['through the mount'] / med['local copy']:.2f}x**",
               f"- the daemon's CPU per GiB read through the mount: {cpu:.4f} s; READs it answered: {daemon_reads}; "
@@ -202,10 +208,7 @@ def main() -> int:
         out["small_medians"] = sm
         lines += [f"{args.small} files of 100 KiB on a mount of their own (opened with no request, read through "
                   "the daemon), 16 readers, a new shuffled order each round, the local copies in the same order:", "",
-                  "| read | median files/s | every round |", "|---|---|---|"]
-        for name in sm:
-            every = ", ".join(f"{x['files_s']:.0f}" for x in small if x["read"] == name)
-            lines.append(f"| {name} | {sm[name]:.0f} | {every} |")
+                  *table(small, sm, "files_s", "files/s")]
         lines += ["", f"- through the mount / the local copies: **{sm['through the mount'] / sm['local copy']:.2f}x**; "
                   f"the daemon's CPU: {ms:.3f} ms a file",
                   f"- the machine's first read after the restart (a third copy, not counted): {small_first:.0f} files/s", ""]
