@@ -189,6 +189,13 @@ class Backend(abc.ABC):
     def statistics(self) -> BackendStats:
         """Cumulative request and byte counters."""
 
+    def content_scope(self) -> bytes | None:
+        """Where this backend's ETags name their objects' bytes (an S3 single-part ETag is their MD5): the
+        scope in which mounts of the node may share objects by content (:mod:`epochfs.cache.shared`),
+        which must tell apart every place and identity that may read other objects; None where versions
+        do not name content."""
+        return None
+
     def transfers(self) -> TransferMeter | None:
         """When the bodies of data requests moved and how large they were (what measures the link's
         rate: :mod:`epochfs.links`); None where the backend does not record them."""

@@ -51,6 +51,7 @@ from epochfs.backend.base import (
     servable,
 )
 from epochfs.backend.s3_writes import S3Writes
+from epochfs.core.blocks import scope_id
 from epochfs.core.errors import (
     AccessDenied,
     BackendUnavailable,
@@ -226,6 +227,16 @@ class S3Backend(S3Writes, Backend):
             source += f" (profile {self._settings.profile or os.environ.get('AWS_PROFILE') or 'default'})"
         key = str(getattr(creds, "access_key", "") or "")
         return f"credentials from {source}, access key ID ...{key[-4:]}; {where}"
+
+    def content_scope(self) -> bytes | None:
+        """The endpoint, the bucket and the access key ID: two mounts share bytes only where both
+        listed them from one bucket with one identity."""
+        try:
+            creds = self._credentials or self._session.get_credentials()
+        except (botocore.exceptions.BotoCoreError, OSError, ValueError):
+            creds = None
+        key = str(getattr(creds, "access_key", "") or "") if creds is not None else ""
+        return scope_id("s3", self._settings.endpoint_url or self._base_url, self.bucket, key)
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:

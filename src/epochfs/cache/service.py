@@ -55,6 +55,7 @@ from epochfs.cache.own import OwnUploads
 from epochfs.cache.peer_reads import PeerReads
 from epochfs.cache.push import Pusher
 from epochfs.cache.readahead import Readahead
+from epochfs.cache.shared import SharedContent
 from epochfs.cache.sources import BackendSource, BlockSource
 from epochfs.cache.streams import Reader, ReadStream
 from epochfs.core.blocks import block_bounds, block_id, overlap, range_blocks
@@ -112,6 +113,7 @@ class BlockCache(PeerReads):
         self.whole_held = 0  # bytes kept by open handles (ReadStream.WHOLE)
         self.verified = Verified()  # packed members checked against their checksums
         self.pusher: Pusher | None = None  # pushes blocks into the kernel's page cache ahead of readers
+        self.shared: SharedContent | None = None  # the node's other mounts' objects, by content (set before run)
 
     def wire(self, *, observer: ReadObserver | None = None, pusher: Pusher | None = None) -> None:
         """The parts built on this cache that it tells back, wired once by the composition root before it
@@ -128,6 +130,8 @@ class BlockCache(PeerReads):
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self.shared is not None:
+                    nursery.start_soon(self.shared.run)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -475,6 +479,10 @@ class BlockCache(PeerReads):
         try:
             written: Filled | OSError | None = None
             try:
+                if self.shared is not None and admitted and (data := await self.shared.block(
+                        obj, bid, length, self.fetch_timeout / 2, self._read_from_disk)) is not None:
+                    self._deliver(flight, data, "local")  # (copied from another mount's cache: no fetch)
+                    return
                 if not flight.demand:  # (room for it in memory first; a reader that comes to wait lets it go)
                     await self.ahead.acquire(length, flight.urgent)
                     held = length
@@ -501,6 +509,8 @@ class BlockCache(PeerReads):
                 try:
                     self.store.install(bid, *written)
                     installed = True
+                    if self.shared is not None:
+                        self.shared.installed(obj, written[1])
                 except OSError as exc:
                     written = exc
             if isinstance(written, OSError):

@@ -242,6 +242,7 @@ def format_status(s: dict[str, Any]) -> str:
         prefetch,
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
         *([format_passthrough(s["passthrough"])] if s.get("passthrough") else []),
+        *([format_shared(s["shared"])] if s.get("shared") else []),
         *([f"io_uring   {s['io_uring_requests']} requests through the ring (--io-uring)"]
           if s.get("io_uring_requests") is not None else []),
         *(format_peer(s["peer"]) if s.get("peer") else []),
@@ -345,6 +346,12 @@ def format_passthrough(p: dict[str, Any]) -> str:
         more += f"; {p['unchecked']} being checked before the kernel reads them (read through the daemon meanwhile)"
     return (f"passthrough on: {p['opens']} opens read by the kernel, {p['cached_opens']} through the daemon; "
             f"{p['whole_files']} files whole in the cache ({human(p['whole_bytes'])}){more}")
+
+
+def format_shared(h: dict[str, Any]) -> str:
+    refused = f"; {h['refused']} offers refused (moved or not the content named: fetched)" if h["refused"] else ""
+    return (f"shared     {h['adopted_objects']} objects ({human(h['adopted_bytes'])}) copied from the node's other "
+            f"mounts instead of fetched; {h['offered']} offered to them{refused}")
 
 
 def format_writeback(w: dict[str, Any]) -> str:

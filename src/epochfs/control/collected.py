@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from epochfs.blockstore.store import StoreStats
     from epochfs.cache.accounting import CacheStats
     from epochfs.cache.passthrough import PassthroughStats
+    from epochfs.cache.shared import SharedStats
     from epochfs.control.jobs import JobStats
     from epochfs.core.memory import MemorySplit
     from epochfs.links.capacity import LinkView
@@ -44,3 +45,4 @@ class Collected:
     memory: MemorySplit | None = None  # the shares of --memory-limit
     resident_bytes: int = 0  # the daemon's resident set
     pool_bytes: int = 0  # idle receive buffers kept for reuse
+    shared: SharedStats | None = None  # objects shared with the node's other mounts by content

@@ -33,6 +33,12 @@ def block_id(source_id: str, key: str, etag: str, index: int, *, block_size: int
     return identity(b"epochfs-block-v2", (source_id, key, etag), block_size, index).digest()
 
 
+def scope_id(*parts: str) -> bytes:
+    """16-byte id of a content scope: objects are shared by content only between mounts of one scope
+    (an endpoint, a bucket and the credentials that read it: :mod:`epochfs.cache.shared`)."""
+    return identity(b"epochfs-scope-v1", parts).digest()
+
+
 def block_count(file_size: int, block_size: int) -> int:
     """Number of blocks of a file; an empty file has none."""
     return -(-file_size // block_size)

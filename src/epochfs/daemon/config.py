@@ -78,10 +78,14 @@ DEFAULT_TARGETS_DIR = "/run/epochfs/prometheus"
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
 
 
+def default_root() -> Path:
+    """Where the node's caches are by default: ``/var/cache/epochfs`` for root, ``~/.cache/epochfs`` for others."""
+    return Path(DEFAULT_CACHE_DIR) if os.geteuid() == 0 else Path.home() / ".cache" / "epochfs"
+
+
 def default_cache_dir(source: Source) -> Path:
-    """``/var/cache/epochfs/<source hash>`` for root, ``~/.cache/epochfs/<source hash>`` for others."""
-    base = Path(DEFAULT_CACHE_DIR) if os.geteuid() == 0 else Path.home() / ".cache" / "epochfs"
-    return base / hashlib.sha256(source.url.encode()).hexdigest()[:16]
+    """``<default root>/<source hash>``: a store of each source's own."""
+    return default_root() / hashlib.sha256(source.url.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,12 @@ class Config:
         "a read is never failed or held back by it. Default: a sixteenth of the machine's (or the pod's cgroup's) "
         "memory, 512M to 8G; epochfs status shows the shares", metavar="SIZE", parse=lambda t: parse_size(t),
         shown="1/16 of memory", example="\"2G\"")
+    share_dir: str | None = option(
+        None, "cache", "where the node's mounts offer each other the objects they hold whole, by content (an S3 "
+        "single-part ETag, the MD5 of the bytes, checked on every copy): a mount copies an object another mount of "
+        "the same bucket and credentials holds instead of fetching it (a reflink on XFS and btrfs). Default: "
+        "<default root>/shared for mounts without --cache-dir, none with it; the cache directory must be under "
+        "its parent; off: share nothing", metavar="DIR", parse=str, shown="<root>/shared")
     eviction: str = option(policies.DEFAULT, "cache", "eviction policy: " + policies.describe(),
                            metavar="POLICY", parse=str)
     # -- prefetch
@@ -359,6 +369,12 @@ class Config:
         if self.metrics_targets is None:
             return Path(DEFAULT_TARGETS_DIR) if os.geteuid() == 0 else None
         return None if self.metrics_targets.strip().lower() == "off" else Path(os.path.abspath(self.metrics_targets))
+
+    def shared_dir(self) -> Path | None:
+        """The share directory this mount offers and adopts objects through (None: none)."""
+        if self.share_dir is None:
+            return default_root() / "shared" if self.cache_dir == default_cache_dir(self.source) else None
+        return None if self.share_dir.strip().lower() == "off" else Path(os.path.abspath(self.share_dir))
 
     def instance(self) -> str:
         """What tells this daemon from the node's others (the ``mountpoint`` label): its mount point, or

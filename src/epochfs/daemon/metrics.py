@@ -110,6 +110,11 @@ METRICS: dict[str, tuple[str, str]] = {
                                     "found at open, a machine that stopped uncleanly): read through the daemon."),
     "passthrough_damaged": ("counter", "Cached files found changed (at open) or damaged (by the scrub): read through "
                             "the daemon and refetched."),
+    "shared_adopted_bytes": ("counter", "Bytes of objects copied from another mount's cache on this node (same "
+                             "content, by ETag, MD5-checked) instead of fetched; read as hits."),
+    "shared_adopted_objects": ("counter", "Objects copied from another mount's cache on this node instead of fetched."),
+    "shared_refused": ("counter", "Offers of another mount's cache that did not lead to the content they name "
+                       "(moved, evicted, or other bytes): fetched instead."),
     "peer_bytes": ("counter", "Block bytes exchanged with members of the cluster cache tier: in (fetched from "
                    "an owner instead of the backend), out (served to a member)."),
     "fetched_bytes": ("counter", "Bytes this node fetched (for readers and ahead of them), by where they came from: "
@@ -224,6 +229,9 @@ def sample_of(c: Collected) -> Sample:
         values.update({"passthrough_opens": pt.opens, "passthrough_opened_bytes": pt.bytes_opened,
                        "passthrough_whole_bytes": pt.whole_bytes, "passthrough_unchecked_files": pt.unchecked,
                        "passthrough_damaged": pt.damaged})
+    if c.shared is not None:
+        values.update({"shared_adopted_bytes": c.shared.adopted_bytes, "shared_adopted_objects": c.shared.adopted_objects,
+                       "shared_refused": c.shared.refused})
     histograms = {"read_seconds": c.fs.read_seconds}
     if c.backend.request_seconds is not None:
         histograms["backend_request_seconds"] = c.backend.request_seconds

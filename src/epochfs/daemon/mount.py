@@ -33,6 +33,7 @@ from epochfs.blockstore.store import BlockStore
 from epochfs.cache.passthrough import Passthrough, small_files
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
+from epochfs.cache.shared import SharedContent
 from epochfs.control import CONTROL_XATTR, PID_XATTR, frames
 from epochfs.control.caller import caller_of
 from epochfs.control.collected import Collected
@@ -145,6 +146,11 @@ class Daemon:
             readahead_blocks=config.readahead_blocks, plan_concurrency=config.prefetch_concurrency,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
+        if config.shared_dir() is not None and self.peer is None and not meta.shared:  # (see cache/shared.py)
+            self.cache.shared = SharedContent.open(config.shared_dir(), self.store, self.backend.content_scope(),
+                                                   config.block_size, self.cache.block_id)
+            if self.cache.shared is not None:
+                opened.callback(self.cache.shared.close)
         self.share: share.ShareWatch | None = None
         if self.peer is not None and self.peer.members.role != "client":
             self._serve_peers()
@@ -358,7 +364,8 @@ class Daemon:
                          writeback=self.writeback.statistics() if self.writeback else None,
                          peer=self._peer_statistics(), jobs=self.jobs.statistics(),
                          passthrough=self.passthrough.statistics() if self.passthrough else None,
-                         peer_link=self.links.view("peer"))
+                         peer_link=self.links.view("peer"),
+                         shared=self.cache.shared.statistics() if self.cache.shared else None)
 
     def _peer_statistics(self) -> PeerStats | None:
         if self.peer is None:

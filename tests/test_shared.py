@@ -1,0 +1,261 @@
+"""Objects shared between a node's mounts by content, mounted for real against the local S3 endpoint: a
+new version of a dataset (``v2/`` beside ``v1/``, most files the same) read through a mount of its own
+fetches only what changed, the rest copied from the ``v1`` mount's cache; every byte of both is right,
+before and after a remount; a copy that is not the content its ETag names (a cache file changed on disk,
+an index entry that lies or names a file it must not) is refused and fetched; the offers' decoding never
+fails on garbage."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from epochfs.blockstore.content import (
+    ContentIndex,
+    Entry,
+    Refused,
+    content_md5,
+    copy_and_hash,
+    key_of,
+    open_source,
+)
+from epochfs.core.blocks import scope_id
+from epochfs.core.records import Source
+from epochfs.daemon.config import Config, default_cache_dir, default_root
+from epochfs.dev.sample import SampleFile, upload
+
+from .conftest import requires_fuse
+
+MIB = 1 << 20
+
+LARGE = [SampleFile(f"large-{i}.bin", 5 * MIB + 77_777 * (i + 1)) for i in range(4)]
+SMALL = [SampleFile(f"small/s{i:02d}.bin", 60_000 + 1_013 * i) for i in range(30)]
+
+
+def versions(files: list[SampleFile], changed: set[int]) -> tuple[list[SampleFile], list[SampleFile]]:
+    """``v1``, and ``v2``: the files of ``changed`` (indices) in a new version, and one file added."""
+    v2 = [SampleFile(f.key, f.size, version=1) if i in changed else f for i, f in enumerate(files)]
+    return files, [*v2, SampleFile("added.bin", 3 * MIB + 5, version=2)]
+
+
+def read_all(m, files: list[SampleFile]) -> None:  # noqa: ANN001
+    for f in files:
+        assert m.path(f.key).read_bytes() == f.content(), f.key
+
+
+def read_odd(m, f: SampleFile, seed: int) -> None:  # noqa: ANN001
+    """Odd sizes at seeded random offsets."""
+    rng = random.Random(seed)
+    with open(m.path(f.key), "rb", buffering=0) as fh:
+        for _ in range(12):
+            off = rng.randrange(0, f.size)
+            size = rng.choice([1, 4095, 65537, MIB + 3])
+            fh.seek(off)
+            assert fh.read(size) == f.content(off, min(size, f.size - off)), (f.key, off, size)
+
+
+def wait_offered(m, n: int, timeout: float = 20) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while (m.status()["shared"] or {}).get("offered", 0) < n:
+        assert time.monotonic() < deadline, m.status()["shared"]
+        time.sleep(0.1)
+
+
+def two_mounts(mount_factory, tmp_path: Path, bucket: str, *args: str):  # noqa: ANN001, ANN201
+    share = str(tmp_path / "shared")
+    m1 = mount_factory(f"s3://{bucket}/v1", "--share-dir", share, *args, cache_dir=tmp_path / "c1", name="m1")
+    m2 = mount_factory(f"s3://{bucket}/v2", "--share-dir", share, *args, cache_dir=tmp_path / "c2", name="m2")
+    return m1, m2
+
+
+@requires_fuse
+@pytest.mark.parametrize("files,args", [(LARGE, ()), (SMALL, ("--no-passthrough",))], ids=["object-files", "packs"])
+def test_a_new_version_fetches_only_what_changed(s3_client, fresh_bucket, mount_factory, tmp_path, files, args):
+    v1, v2 = versions(files, changed={1, 5})
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    changed = sum(f.size for f in v2 if f not in v1)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket, *args)
+    with m1, m2:
+        read_all(m1, v1)
+        wait_offered(m1, len(v1))
+        assert m2.status()["backend"]["bytes"] == 0
+        read_odd(m2, v2[0], seed=7)  # (odd reads first: the copy is taken whole, then read block by block)
+        read_all(m2, v2)
+        s = m2.status()
+        assert s["backend"]["bytes"] <= 1.2 * changed, (s["backend"]["bytes"], changed, s["shared"])
+        assert s["shared"]["adopted_objects"] == sum(f in v1 for f in v2) and not s["shared"]["refused"], s["shared"]
+        wait_offered(m2, len(v2))  # (what it fetched and what it copied: offered in turn)
+        read_all(m1, v1)  # (v1 unchanged by what v2 took)
+    with m2:  # (a remount: every byte from its own cache, nothing fetched)
+        read_all(m2, v2)
+        read_odd(m2, v2[-1], seed=8)
+        assert m2.status()["backend"]["bytes"] == 0
+
+
+@requires_fuse
+def test_a_copy_that_is_not_the_content_is_refused_and_fetched(s3_client, fresh_bucket, mount_factory, tmp_path):
+    """The v1 mount's cache files changed on disk after they were offered: the copies do not hash to their
+    ETags, so each is refused, its entry dropped, and the object fetched; every byte right."""
+    v1, v2 = versions(LARGE, changed=set())
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
+    with m1:
+        read_all(m1, v1)
+        wait_offered(m1, len(v1))
+    for path in (tmp_path / "c1" / "blocks").rglob("*"):
+        if path.is_file():
+            with open(path, "r+b") as fh:  # (a byte flipped every 32 KiB)
+                for at in range(0, path.stat().st_size, 32 << 10):
+                    fh.seek(at)
+                    b = fh.read(1)
+                    fh.seek(at)
+                    fh.write(bytes([b[0] ^ 0x5A]))
+    with m2:
+        read_all(m2, v2)
+        s = m2.status()["shared"]
+        assert s["adopted_objects"] == 0 and s["refused"] == len(v1), s
+        assert m2.status()["backend"]["bytes"] >= sum(f.size for f in v2)
+    index = ContentIndex(tmp_path / "shared")
+    index.open()
+    try:
+        assert len(index) == len(v2), "the refused entries were dropped, the fetched objects offered"
+    finally:
+        index.close()
+
+
+@requires_fuse
+def test_entries_that_lie_or_name_what_they_must_not_cost_a_fetch(s3_client, fresh_bucket, mount_factory, tmp_path):
+    """Index entries for v2's objects written by hand: a file outside the caches' tree with the right bytes,
+    a symlink to one, a file of the right bytes under another inode, a plain garbage value, a truncated one:
+    none is taken; every byte right; the daemon serves on."""
+    files = LARGE[:3] + [SampleFile("one.bin", 700_001)]
+    upload(s3_client, fresh_bucket, "v2/", files)
+    m2 = mount_factory(f"s3://{fresh_bucket}/v2", "--share-dir", str(tmp_path / "shared"),
+                       cache_dir=tmp_path / "c2", name="m2")
+    outside = tmp_path.parent / f"outside-{tmp_path.name}"
+    outside.mkdir()
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    try:
+        with m2:
+            scope = _scope_of(m2)
+            index = ContentIndex(tmp_path / "shared")
+            index.open()
+            entries = []
+            for i, f in enumerate(files):
+                md5 = hashlib.md5(f.content()).digest()
+                good = outside / f"{i}.bin"
+                good.write_bytes(f.content())
+                link = inside / f"{i}.lnk"
+                link.symlink_to(good)
+                other = inside / f"{i}.bin"
+                other.write_bytes(f.content())
+                lies = [Entry(good.stat().st_ino, 0, str(good)), Entry(good.stat().st_ino, 0, str(link)),
+                        Entry(other.stat().st_ino + 1, 0, str(other))]
+                entries.append((key_of(scope, md5, f.size), lies[i % 3]))
+            index.offer(entries)
+            with index.env.begin(write=True) as txn:  # (garbage values: not entries at all)
+                txn.put(key_of(scope, hashlib.md5(files[3].content()).digest(), files[3].size), b"\x01" * 7)
+            index.close()
+            read_all(m2, files)
+            s = m2.status()
+            assert s["shared"]["adopted_objects"] == 0 and s["shared"]["refused"] == 3, s["shared"]
+            assert s["backend"]["bytes"] >= sum(f.size for f in files)
+            read_all(m2, files)
+    finally:
+        for p in outside.iterdir():
+            p.unlink()
+        outside.rmdir()
+
+
+def _scope_of(m) -> bytes:  # noqa: ANN001
+    """The scope the daemon computes for the local endpoint (its bucket, the test credentials)."""
+    from epochfs.backend.base import BackendSettings
+    from epochfs.backend.kinds import open_backend
+
+    env = {k: v for k, v in m.env.items() if k.startswith("AWS_")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        endpoint = m.args[m.args.index("--endpoint-url") + 1]
+        backend = open_backend(BackendSettings(Source.parse(m.source), endpoint_url=endpoint))
+        try:
+            return backend.content_scope()
+        finally:
+            backend.close()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_an_etag_names_content_only_when_it_is_one_md5() -> None:
+    md5 = hashlib.md5(b"x").hexdigest()
+    assert content_md5(f'"{md5}"') == bytes.fromhex(md5) == content_md5(md5.upper())
+    assert content_md5(f'"{md5}-3"') is None  # (multipart: the MD5 of the parts' MD5s)
+    assert content_md5('"' + "g" * 32 + '"') is None and content_md5("1234-5678") is None and content_md5("") is None
+    assert scope_id("s3", "http://a", "b", "K") != scope_id("s3", "http://a", "b", "L") != scope_id("s3", "http://a", "c", "K")
+
+
+def test_a_copy_is_taken_only_from_a_file_of_this_user_under_the_root_and_only_if_it_is_the_content(tmp_path):
+    root = tmp_path / "root"
+    (root / "store").mkdir(parents=True)
+    data = os.urandom(3 * MIB + 17)
+    md5 = hashlib.md5(data).digest()
+    src = root / "store" / "obj"
+    src.write_bytes(b"\0" * 100 + data)
+    entry = Entry(src.stat().st_ino, 100, str(src))
+    dst = tmp_path / "copy"
+    assert copy_and_hash(str(root), entry, len(data), md5, str(dst)) == b"" and dst.read_bytes() == data
+    assert copy_and_hash(str(root), entry, len(data), md5, None) == data
+    dst.unlink()
+    with pytest.raises(Refused):  # (other bytes: the copy made is removed)
+        copy_and_hash(str(root), entry, len(data), hashlib.md5(b"other").digest(), str(dst))
+    assert not dst.exists()
+    with pytest.raises(Refused):  # (longer than the file)
+        open_source(str(root), entry, len(data) + 1)
+    with pytest.raises(Refused):  # (another inode at the path)
+        open_source(str(root), entry._replace(ino=entry.ino + 1), len(data))
+    with pytest.raises(Refused):  # (outside the root)
+        open_source(str(root / "other"), entry, len(data))
+    (root / "store" / "lnk").symlink_to(src)
+    with pytest.raises(Refused):
+        open_source(str(root), entry._replace(path=str(root / "store" / "lnk")), len(data))
+    if os.geteuid() == 0:
+        os.chown(src, 65534, 65534)
+        with pytest.raises(Refused):  # (another user's file)
+            open_source(str(root), entry, len(data))
+
+
+def test_entries_decode_garbage_to_nothing_and_never_raise() -> None:
+    rng = random.Random(80)
+    good = Entry(12345, 4096, "/var/cache/epochfs/abc/blocks/ab/cdef")
+    assert Entry.decode(good.encode()) == good
+    for _ in range(20_000):
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+        if rng.random() < 0.5:
+            raw = good.encode()[:rng.randrange(0, 60)] + raw
+        e = Entry.decode(raw)
+        assert e is None or (e.path.startswith("/") and "\0" not in e.path and "/../" not in e.path + "/")
+    assert Entry.decode(Entry(1, 0, "relative/path").encode()) is None
+    assert Entry.decode(Entry(1, 0, "/a/../etc/shadow").encode()) is None
+    assert Entry.decode(Entry(1, 0, "/" + "a" * 2000).encode()) is None
+
+
+def test_mounts_share_by_default_only_in_the_default_cache_directories(tmp_path) -> None:
+    src, mnt = Source.parse("s3://bucket/v1"), Path("/mnt/x")
+    assert Config(source=src, mountpoint=mnt).shared_dir() == default_root() / "shared"
+    assert Config(source=src, mountpoint=mnt).cache_dir == default_cache_dir(src)
+    assert Config(source=src, mountpoint=mnt, cache_dir=tmp_path / "c").shared_dir() is None
+    assert Config(source=src, mountpoint=mnt, cache_dir=tmp_path / "c",
+                  share_dir=str(tmp_path / "s")).shared_dir() == tmp_path / "s"
+    assert Config(source=src, mountpoint=mnt, share_dir="off").shared_dir() is None
