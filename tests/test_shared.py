@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -259,3 +261,46 @@ def test_mounts_share_by_default_only_in_the_default_cache_directories(tmp_path)
     assert Config(source=src, mountpoint=mnt, cache_dir=tmp_path / "c",
                   share_dir=str(tmp_path / "s")).shared_dir() == tmp_path / "s"
     assert Config(source=src, mountpoint=mnt, share_dir="off").shared_dir() is None
+
+
+@requires_fuse
+def test_the_offering_mount_killed_or_its_cache_gone_costs_the_other_nothing_but_fetches(
+        s3_client, fresh_bucket, mount_factory, tmp_path):
+    """kill -9 of the mount that offered: its files stay, the other copies them, and it restarts right;
+    its cache directory removed: every offer is refused and fetched; no mount stops serving."""
+    v1, v2 = versions(LARGE, changed={0})
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
+    m1.start()
+    read_all(m1, v1)
+    wait_offered(m1, len(v1))
+    pid = int(os.getxattr(m1.mountpoint, "user.epochfs.pid"))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with m2:
+        read_all(m2, v2)
+        s = m2.status()
+        assert s["shared"]["adopted_objects"] == len(v1) - 1 and not s["shared"]["refused"], s["shared"]
+    with m1:  # (restarted after the kill: its own cache, right)
+        read_all(m1, v1)
+        assert m1.status()["backend"]["bytes"] == 0
+    shutil.rmtree(tmp_path / "c1")
+    m3 = mount_factory(f"s3://{fresh_bucket}/v1", "--share-dir", str(tmp_path / "shared"),
+                       cache_dir=tmp_path / "c3", name="m3")
+    with m3:  # (v2's mount offered what it holds now: v1's files come from there; none from c1)
+        read_all(m3, v1)
+        s = m3.status()["shared"]
+        assert s["adopted_objects"] == len(v1) - 1, s
+    shutil.rmtree(tmp_path / "c2")
+    shutil.rmtree(tmp_path / "c3")
+    m4 = mount_factory(f"s3://{fresh_bucket}/v2", "--share-dir", str(tmp_path / "shared"),
+                       cache_dir=tmp_path / "c4", name="m4")
+    with m4:  # (every cache that offered is gone: each offer refused, each object fetched)
+        read_all(m4, v2)
+        s = m4.status()
+        assert s["shared"]["adopted_objects"] == 0 and s["shared"]["refused"] >= 1, s["shared"]
+        assert s["backend"]["bytes"] >= sum(f.size for f in v2)

@@ -57,6 +57,7 @@ BENCHMARKS = [
     Benchmark("cores", "node", "cores.py", r"cores"),
     Benchmark("warm-kernel", "node", "warm_kernel.py", r"warm-kernel"),
     Benchmark("namespace", "node", "namespace.py", r"namespace"),
+    Benchmark("versions", "node", "versions.py", r"versions"),
     Benchmark("profile", "profiles", "profile.py", r"(profile|cold-small|.*-profiles)"),
     Benchmark("upload-profile", "profiles", "upload_profile.py", r"upload-profile"),
     Benchmark("engines", "profiles", "engines.py", r"engines"),
