@@ -22,10 +22,12 @@ from epochfs.blockstore.content import (
     Entry,
     Refused,
     content_md5,
-    copy_and_hash,
+    copy_checked,
     key_of,
     open_source,
+    read_checked,
 )
+from epochfs.blockstore.format import checksums, digest
 from epochfs.core.blocks import scope_id
 from epochfs.core.records import Source
 from epochfs.daemon.config import Config, default_cache_dir, default_root
@@ -217,12 +219,16 @@ def test_a_copy_is_taken_only_from_a_file_of_this_user_under_the_root_and_only_i
     src.write_bytes(b"\0" * 100 + data)
     entry = Entry(src.stat().st_ino, 100, str(src))
     dst = tmp_path / "copy"
-    assert copy_and_hash(str(root), entry, len(data), md5, str(dst)) == b"" and dst.read_bytes() == data
-    assert copy_and_hash(str(root), entry, len(data), md5, None) == data
+    blocks = [(bytes([i]) * 16, i * 2 * MIB, min(2 * MIB, len(data) - i * 2 * MIB)) for i in range(2)]
+    sums = copy_checked(str(root), entry, len(data), md5, str(dst), blocks, True)
+    assert dst.read_bytes() == data and read_checked(str(root), entry, len(data), md5) == data
+    assert sums == [(checksums(bid, data[at:at + n]), digest(data[at:at + n])) for bid, at, n in blocks]
     dst.unlink()
     with pytest.raises(Refused):  # (other bytes: the copy made is removed)
-        copy_and_hash(str(root), entry, len(data), hashlib.md5(b"other").digest(), str(dst))
+        copy_checked(str(root), entry, len(data), hashlib.md5(b"other").digest(), str(dst), blocks, False)
     assert not dst.exists()
+    with pytest.raises(Refused):
+        read_checked(str(root), entry, len(data), hashlib.md5(b"other").digest())
     with pytest.raises(Refused):  # (longer than the file)
         open_source(str(root), entry, len(data) + 1)
     with pytest.raises(Refused):  # (another inode at the path)
@@ -230,8 +236,10 @@ def test_a_copy_is_taken_only_from_a_file_of_this_user_under_the_root_and_only_i
     with pytest.raises(Refused):  # (outside the root)
         open_source(str(root / "other"), entry, len(data))
     (root / "store" / "lnk").symlink_to(src)
-    with pytest.raises(Refused):
-        open_source(str(root), entry._replace(path=str(root / "store" / "lnk")), len(data))
+    (root / "dirlink").symlink_to(root / "store")
+    for linked in (root / "store" / "lnk", root / "dirlink" / "obj"):  # (a link at the end, or on the way)
+        with pytest.raises(Refused):
+            open_source(str(root), entry._replace(path=str(linked)), len(data))
     if os.geteuid() == 0:
         os.chown(src, 65534, 65534)
         with pytest.raises(Refused):  # (another user's file)

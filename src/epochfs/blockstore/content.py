@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import lmdb
 
+from epochfs.blockstore.format import checksums, digest
 from epochfs.core.private import private_dir, private_subdir
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ _HEX = frozenset("0123456789abcdef")
 def content_md5(etag: str) -> bytes | None:
     """The MD5 an S3 ETag names, or None where it names none (a multipart ETag ``...-N``, another
     backend's version tag). Under SSE-KMS and SSE-C a single-part ETag is not an MD5 either: the copy's
-    hash then refuses it (:func:`copy_and_hash`)."""
+    hash then refuses it (:func:`copy_checked`)."""
     tag = etag.strip('"').lower()
     if len(tag) != 32 or not _HEX.issuperset(tag):
         return None
@@ -135,45 +136,61 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 def open_source(root: str, entry: Entry, size: int) -> int:
     """A descriptor of the file ``entry`` names, if it may be read for ``size`` bytes at its offset: a
-    regular file of this user, the inode offered, under ``root``, long enough. Raises :class:`Refused`."""
-    real = os.path.realpath(entry.path)
-    if real != entry.path or not real.startswith(root + "/"):
+    regular file of this user, reached by no symbolic link, under ``root``, the inode offered, long
+    enough. Raises :class:`Refused`."""
+    if not entry.path.startswith(root + "/"):
         raise Refused(f"{entry.path} is not a file of the node's caches")
     try:
-        fd = os.open(real, _READ)
+        fd = os.open(entry.path, _READ)
     except OSError as exc:
         raise Refused(f"{entry.path}: {exc.strerror}") from None
-    st = os.fstat(fd)
-    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_ino != entry.ino
-            or st.st_size < entry.offset + size):
+    try:  # (the kernel's name for what was opened: another where any part of the path is a link)
+        st, reached = os.fstat(fd), os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        os.close(fd)
+        raise Refused(f"{entry.path}: {exc.strerror}") from None
+    if (reached != entry.path or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+            or st.st_ino != entry.ino or st.st_size < entry.offset + size):
         os.close(fd)
         raise Refused(f"{entry.path} is no longer the file offered")
     return fd
 
 
-def copy_and_hash(root: str, entry: Entry, size: int, md5: bytes, dst: str | None) -> bytes:
-    """(a worker thread) Copy the ``size`` bytes ``entry`` names into a new file ``dst`` (``copy_file_range``:
-    a reflink where the file system has them), or into memory (``dst`` None), and hash the copy: the
-    bytes in memory, or b"" for the file, if the copy's MD5 is ``md5``. Raises :class:`Refused` (a file
-    made at ``dst`` is removed then) or OSError (the copy failed: the disk, not the entry)."""
+def read_checked(root: str, entry: Entry, size: int, md5: bytes) -> bytes:
+    """(a worker thread) The ``size`` bytes ``entry`` names, if their MD5 is ``md5``. Raises :class:`Refused`."""
     src = open_source(root, entry, size)
     try:
-        if dst is None:
-            data = os.pread(src, size, entry.offset)
-            if len(data) != size or hashlib.md5(data, usedforsecurity=False).digest() != md5:
-                raise Refused(f"{entry.path}: not the bytes the ETag names")
-            return data
+        data = os.pread(src, size, entry.offset)
+    finally:
+        os.close(src)
+    if len(data) != size or hashlib.md5(data, usedforsecurity=False).digest() != md5:
+        raise Refused(f"{entry.path}: not the bytes the ETag names")
+    return data
+
+
+Sums = tuple[bytes, bytes]  # a block's chunk checksums, and its BLAKE3 hash (b"" unless asked for)
+
+
+def copy_checked(root: str, entry: Entry, size: int, md5: bytes, dst: str,
+                 blocks: list[tuple[bytes, int, int]], digests: bool) -> list[Sums]:
+    """(a worker thread) Copy the ``size`` bytes ``entry`` names into a new file ``dst`` (``copy_file_range``:
+    a reflink where the file system has them, an in-kernel copy elsewhere) and read the copy once: its
+    MD5 must be ``md5``; each of ``blocks`` (id, offset, length) is checksummed as a fill is. The blocks'
+    sums. Raises :class:`Refused` (``dst`` is removed then) or OSError (the copy failed: the disk, not
+    the entry)."""
+    src = open_source(root, entry, size)
+    try:
         out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _copy(src, out, entry.offset, size)
-            h = hashlib.md5(usedforsecurity=False)
-            at = 0
-            while at < size:
-                chunk = os.pread(out, min(8 << 20, size - at), at)
-                if not chunk:
-                    break
-                h.update(chunk)
-                at += len(chunk)
+            h, sums, at = hashlib.md5(usedforsecurity=False), [], 0
+            for bid, start, length in blocks:
+                data = os.pread(out, length, start) if start == at else b""
+                if len(data) != length:
+                    raise Refused(f"{entry.path}: the copy is not the object's length")
+                h.update(data)
+                sums.append((checksums(bid, data), digest(data) if digests else b""))
+                at += length
             if at != size or os.fstat(out).st_size != size or h.digest() != md5:
                 raise Refused(f"{entry.path}: not the bytes the ETag names")
         except BaseException:
@@ -184,7 +201,7 @@ def copy_and_hash(root: str, entry: Entry, size: int, md5: bytes, dst: str | Non
                 pass
             raise
         os.close(out)
-        return b""
+        return sums
     finally:
         os.close(src)
 

@@ -33,8 +33,9 @@ from epochfs.blockstore.content import (
     Entry,
     Refused,
     content_md5,
-    copy_and_hash,
+    copy_checked,
     key_of,
+    read_checked,
 )
 from epochfs.blockstore.format import BlockMeta
 from epochfs.blockstore.objects import Place
@@ -222,7 +223,7 @@ class SharedContent:
                 reserved[0] += length
             md5 = key[16:32]
             if store.packing and obj.size < pk.PACK_BELOW:  # (a small object: one block in a pack)
-                data = await trio.to_thread.run_sync(copy_and_hash, self.index.root, entry, obj.size, md5, None)
+                data = await trio.to_thread.run_sync(read_checked, self.index.root, entry, obj.size, md5)
                 bid, _, length = blocks[0]
                 written, meta = await trio.to_thread.run_sync(store.write_temp, bid, data, False,
                                                               Place(oid, 0, obj.size))
@@ -242,7 +243,8 @@ class SharedContent:
                          blocks: list[tuple[bytes, int, int]], reserved: list[int]) -> int:
         store = self.store
         tmp = str(store.tmp_dir / f"shared-{oid.hex()}")
-        await trio.to_thread.run_sync(copy_and_hash, self.index.root, entry, obj.size, md5, tmp)
+        sums = await trio.to_thread.run_sync(copy_checked, self.index.root, entry, obj.size, md5, tmp, blocks,
+                                             store.digests)
         written = store.take_file(oid, tmp, obj.size)
         if written is None:  # (a fill made the object's file meanwhile)
             await trio.to_thread.run_sync(_discard, tmp)
@@ -250,9 +252,8 @@ class SharedContent:
         at = 0
         meta = None
         try:
-            for bid, start, length in blocks:
-                place = Place(oid, start, obj.size)
-                meta = await trio.to_thread.run_sync(store.checked_block, bid, written, place, length)
+            for (bid, start, length), (chunks, whole) in zip(blocks, sums, strict=True):
+                meta = BlockMeta(length, chunks, 0, 0, start, oid, obj.size, whole)
                 if store.lookup(bid) is None:  # (else a fill wrote the same bytes at the same place)
                     store.install(bid, written, meta)
                     reserved[0] -= length
