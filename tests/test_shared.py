@@ -312,3 +312,44 @@ def test_the_offering_mount_killed_or_its_cache_gone_costs_the_other_nothing_but
         s = m4.status()
         assert s["shared"]["adopted_objects"] == 0 and s["shared"]["refused"] >= 1, s["shared"]
         assert s["backend"]["bytes"] >= sum(f.size for f in v2)
+
+
+@requires_fuse
+def test_both_versions_read_at_once_and_offers_swapped_between_contents_never_give_a_wrong_byte(
+        s3_client, fresh_bucket, mount_factory, tmp_path):
+    """v1 and v2 read side by side by 8 readers each (v2's mount copies what v1's has made whole, fetches the
+    rest); then every entry of the index is given another content's value (real files of the node's caches,
+    the right inode and length for some): every such copy is refused by its MD5, every byte right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = LARGE[:2] + SMALL[:16]
+    v1, v2 = versions(files, changed={3})
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
+    with m1, m2:
+        def check(m, f: SampleFile) -> None:  # noqa: ANN001
+            assert m.path(f.key).read_bytes() == f.content(), f.key
+
+        jobs = [(m1, f) for f in v1] + [(m2, f) for f in v2]
+        random.Random(3).shuffle(jobs)
+        with ThreadPoolExecutor(16) as pool:
+            for fut in [pool.submit(check, m, f) for m, f in jobs]:
+                fut.result()
+        wait_offered(m2, 1)
+    index = ContentIndex(tmp_path / "shared")
+    index.open()
+    with index.env.begin(write=True) as txn:
+        pairs = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+        size = {k: int.from_bytes(k[32:40], "little") for k, _ in pairs}
+        for i, (k, _) in enumerate(pairs):  # (another content's file, long enough where one is: its MD5 decides)
+            others = [v for j, (o, v) in enumerate(pairs) if j != i and size[o] >= size[k]] or [pairs[i - 1][1]]
+            txn.put(k, others[0])
+    index.close()
+    m3 = mount_factory(f"s3://{fresh_bucket}/v2", "--share-dir", str(tmp_path / "shared"),
+                       cache_dir=tmp_path / "c3", name="m3")
+    with m3:
+        read_all(m3, v2)
+        s = m3.status()["shared"]
+        assert s["adopted_objects"] == 0 and s["refused"] == len(v2), s
+        assert "not the bytes the ETag names" in m3.log()
