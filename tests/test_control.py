@@ -61,6 +61,7 @@ VALID = {  # what the protocol documents for each field
     "name": lambda v: _is_text(v, 255) and not any(ord(c) < 32 for c in v),
     "text": lambda v: _is_text(v, p.MAX_LINE, empty=True),
     "follow": lambda v: isinstance(v, bool),
+    "shared": lambda v: isinstance(v, bool),
     "paths": lambda v: isinstance(v, list) and len(v) <= p.MAX_SYNC_PATHS and all(
         _is_text(e, 4096, empty=True) and "\x00" not in e for e in v),
     "wait": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= p.MAX_SYNC_WAIT,

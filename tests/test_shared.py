@@ -8,10 +8,12 @@ fails on garbage."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from epochfs.daemon.config import Config, default_cache_dir, default_root
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
+from .helpers import EPOCHFS
 
 MIB = 1 << 20
 
@@ -89,6 +92,15 @@ def test_a_new_version_fetches_only_what_changed(s3_client, fresh_bucket, mount_
         read_all(m1, v1)
         wait_offered(m1, len(v1))
         assert m2.status()["backend"]["bytes"] == 0
+        manifest = tmp_path / "order.txt"  # (what `epochfs plan` predicts v2's first epoch fetches: what changed)
+        manifest.write_text("".join(f"{f.key}\n" for f in v2))
+        out = subprocess.run([*EPOCHFS, "plan", "--mount", str(m2.mountpoint), "--manifest", str(manifest),
+                              "--cache-size", "1G", "--json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        plan = json.loads(out.stdout)
+        assert plan["shared_files"] == sum(f in v1 for f in v2) and plan["shared_bytes"] == sum(
+            f.size for f in v2 if f in v1), plan
+        assert plan["policies"]["lru"]["backend_bytes"] == changed, plan
         read_odd(m2, v2[0], seed=7)  # (odd reads first: the copy is taken whole, then read block by block)
         read_all(m2, v2)
         s = m2.status()

@@ -112,6 +112,13 @@ class Client:
         stores, sizes = reply["stores"], reply["sizes"]
         return [None if at is None else Location(stores[at[0]], at[1], sizes[at[0]]) for at in reply["locations"]]
 
+    def shared(self, paths: Iterable[PathItem]) -> list[bool]:
+        """Whether another mount of this node holds each file by content now (a first read copies it from
+        there instead of fetching it: :mod:`epochfs.cache.shared`), in order."""
+        items = self._entries(paths)
+        held = set(self._request("locate", entries=items, source="python", shared=True).get("shared") or ())
+        return [i in held for i in range(len(items))]
+
     def sync(self, paths: Iterable[PathItem] = (), *, timeout: float | None = None,
              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Return once everything written through this --writeback mount (or ``paths``: files and

@@ -35,6 +35,7 @@ from epochfs.blockstore.content import (
     content_md5,
     copy_checked,
     key_of,
+    open_source,
     read_checked,
 )
 from epochfs.blockstore.format import BlockMeta
@@ -153,6 +154,27 @@ class SharedContent:
             log.warning("could not offer cached objects to the node's other mounts: %s", exc)
             return 0
         return len(entries)
+
+    async def held(self, objs: list[ObjectInfo]) -> list[bool]:
+        """Whether another store of the node holds each object now (by its content: an entry that leads
+        to a file of the node's caches, the inode offered, long enough; the MD5 is checked only when it
+        is copied): what a first read of it would copy rather than fetch (``epochfs plan``)."""
+        keys = [self.key(obj) for obj in objs]
+        return await trio.to_thread.run_sync(self._held, keys)
+
+    def _held(self, keys: list[bytes | None]) -> list[bool]:
+        out = []
+        for key, obj_size in ((k, int.from_bytes(k[32:40], "little")) if k else (None, 0) for k in keys):
+            entry = self.index.find(key) if key is not None else None
+            if entry is None:
+                out.append(False)
+                continue
+            try:
+                os.close(open_source(self.index.root, entry, obj_size))
+                out.append(True)
+            except Refused:
+                out.append(False)
+        return out
 
     # -- adopting ---------------------------------------------------------------------------------------
 

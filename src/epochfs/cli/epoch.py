@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from epochfs.cli.common import human
-from epochfs.client import merge_rank
+from epochfs.client import Client, merge_rank
 from epochfs.core.errors import ConfigError
 from epochfs.daemon.config import parse_rate, parse_size
 from epochfs.doctor.cost import add_price_options
@@ -283,8 +283,6 @@ def _stored(args: argparse.Namespace, files: list[tuple[str, int]]) -> list[tupl
     --mount (a local copy: each file an object)."""
     if not args.mount:
         return None
-    from epochfs.client import Client
-
     return list(Client(args.mount).locate([path for path, _ in files]))
 
 
@@ -297,7 +295,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from epochfs.prefetch.simulate import block_sequence, simulate
 
     files = _sizes(args, _order(args, args.manifest), args.manifest)
-    current = block_sequence(files, args.block_size, _stored(args, files))
+    stored = _stored(args, files)
+    current = block_sequence(files, args.block_size, stored)
     previous = []
     if args.previous_manifest:
         prev_args = argparse.Namespace(**vars(args))
@@ -305,6 +304,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             prev_args.epoch = args.previous_epoch if args.previous_epoch is not None else args.epoch - 1
         before = _sizes(args, _order(prev_args, args.previous_manifest), args.previous_manifest)
         previous = block_sequence(before, args.block_size, _stored(args, before))
+    held = [i for i, h in enumerate(Client(args.mount).shared(path for path, _ in files)) if h] if args.mount else []
+    if held:  # (another mount of the node holds them by content: a first read copies them, fetching nothing)
+        previous += block_sequence([files[i] for i in held], args.block_size,
+                                   [stored[i] for i in held] if stored is not None else None)
+    held_bytes = sum(files[i][1] for i in held)
     from epochfs.doctor.cost import describe_dict, predicted, prices_of
     from epochfs.eviction import names
 
@@ -320,12 +324,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"epoch_bytes": total, "cache_size": args.cache_size, "block_size": args.block_size,
                           "note": PLAN_NOTE, "prices": prices.as_dict(),
+                          "shared_files": len(held), "shared_bytes": held_bytes,
                           "policies": {r.policy: {"hit_ratio": r.hit_ratio, "backend_bytes": r.miss_bytes,
                                                   "hits": r.hits, "reads": r.reads, "cost": costs[r.policy]}
                                        for r in results}}, indent=2))
         return 0
     print(f"epoch: {len(current)} blocks, {human(total)}; cache {human(args.cache_size)}"
-          + (" (warm from the previous epoch)" if previous else " (cold)"))
+          + (" (warm from the previous epoch)" if args.previous_manifest else " (cold)" if not held else ""))
+    if held:
+        print(f"held by the node's other mounts (the same content): {len(held)} files, {human(held_bytes)}: copied "
+              "at their first read, not fetched")
     print(f"assumptions: blocks of {human(args.block_size)} (--block-size), each fetched whole with one GET; "
           + (f"the backend's link {human(args.backend_bandwidth)}/s (--backend-bandwidth)" if args.backend_bandwidth
              else "no backend bandwidth given (the wait that fetching cannot hide is not counted)")

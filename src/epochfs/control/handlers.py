@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +140,8 @@ class ControlHandlers:
 
     def __init__(self, *, info: MountInfo, collect: Callable[[], Collected], snapshots: Snapshots,
                  prefetcher: Prefetcher, writeback: WriteBack | None = None, jobs: Jobs | None = None,
-                 presented: Presented | None = None, bounds: UserBounds = UserBounds()) -> None:
+                 presented: Presented | None = None, bounds: UserBounds = UserBounds(),
+                 held: Callable[[list[ObjectInfo]], Awaitable[list[bool]]] | None = None) -> None:
         self.jobs = jobs if jobs is not None else Jobs()
         self.info = info
         self.collect = collect
@@ -149,6 +150,7 @@ class ControlHandlers:
         self.writeback = writeback
         self.presented = presented
         self.bounds = bounds
+        self.held = held  # which objects another mount of the node holds by content (cache/shared.py)
 
     def table(self) -> dict[type, Handler]:
         return {
@@ -245,7 +247,8 @@ class ControlHandlers:
                      caller: Caller = OWNER) -> dict[str, Any]:
         """Where each named file is stored, in order: ``locations[i]`` is ``[s, offset]`` (its bytes start
         at ``offset`` of ``stores[s]``, a packed member's shard of ``sizes[s]`` bytes) or null (a plain
-        object)."""
+        object); with ``shared``, ``shared`` lists the files (by their place in ``locations``) that another
+        mount of the node holds by content (a first read copies them, fetching nothing)."""
         objs = (await self._objects(request, chunks, expand_dirs=False, caller=caller)).objs
         stores: dict[str, int] = {}
         sizes: list[int] = []
@@ -259,7 +262,11 @@ class ControlHandlers:
             if at == len(sizes):
                 sizes.append(stored.size)
             locations.append([at, offset])
-        return {"stores": list(stores), "sizes": sizes, "locations": locations}
+        reply: dict[str, Any] = {"stores": list(stores), "sizes": sizes, "locations": locations}
+        if request.shared:
+            held = await self.held([stored_extent(obj)[0] for obj in objs]) if self.held is not None else []
+            reply["shared"] = [i for i, h in enumerate(held) if h]
+        return reply
 
     async def job(self, request: p.Job, *, caller: Caller = OWNER) -> dict[str, Any]:
         job = self.prefetcher.job(request.id, uid=caller.uid, operator=caller.operator)

@@ -16,7 +16,8 @@ Operations and fields:
 ``warmup``            ``entries``, ``source``
 ``resident``          ``entries``, ``source``
 ``locate``            ``entries``, ``source``: where each file's bytes are stored (a packed member's shard
-                      and offset; null for a plain object)
+                      and offset; null for a plain object); ``shared`` (bool): also which files another
+                      mount of the node holds by content
 ``job``               ``id`` (int): a warmup job's progress
 ``cancel``            ``id`` (int): stop a warmup job
 ``refresh``           (none)
@@ -112,7 +113,7 @@ class Resident(Entries):
 
 @dataclass(frozen=True, slots=True)
 class Locate(Entries):
-    pass
+    shared: bool = False  # say also which files another mount of the node holds by content
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +224,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                 "follow": False, "skip_missing": False}),
     "warmup": (("entries",), {"source": "manifest", "follow": False}),
     "resident": (("entries",), {"source": "manifest", "follow": False}),
-    "locate": (("entries",), {"source": "python", "follow": False}),
+    "locate": (("entries",), {"source": "python", "follow": False, "shared": False}),
     "job": (("id",), {}),
     "cancel": (("id",), {}),
     "publish_manifest": (("name", "text"), {}),
@@ -279,7 +280,11 @@ def parse(line: bytes) -> Request:
                 raise BadRequest(f"{flag!r} must be true or false")
         rank = None if f["rank"] is None else _int(f["rank"], "rank", 0, 1 << 20)
         return Prefetch(entries, source, f["follow"], epoch, f["replace"], rank, f["skip_missing"])
-    return {"warmup": Warmup, "resident": Resident, "locate": Locate}[op](entries, source, f["follow"])
+    if op == "locate":
+        if not isinstance(f["shared"], bool):
+            raise BadRequest("'shared' must be true or false")
+        return Locate(entries, source, f["follow"], f["shared"])
+    return {"warmup": Warmup, "resident": Resident}[op](entries, source, f["follow"])
 
 
 def _report(f: dict[str, Any]) -> Report:

@@ -200,7 +200,8 @@ class Daemon:
         handlers = ControlHandlers(info=info, collect=self.collect, snapshots=self.snapshots,
                                    prefetcher=self.prefetcher, writeback=self.writeback, jobs=self.jobs,
                                    presented=lambda node: self.ops.presented(node),
-                                   bounds=UserBounds.share(config.user_share, config.cache_size))
+                                   bounds=UserBounds.share(config.user_share, config.cache_size),
+                                   held=self.cache.shared.held if self.cache.shared else None)
         self.control = ControlServer(socket_path(config.cache_dir), handlers.table(),
                                      control_group=config.control_group)
         self.channel = MountChannel(self.control.serve_stream,
