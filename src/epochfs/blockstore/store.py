@@ -5,8 +5,8 @@ bound (``--cache-size`` and the disk's free space, with the eviction policy), re
 (verified chunk by chunk) and fills (written in worker threads, installed on the trio thread). Its
 rooms: the index (:mod:`.index`), the objects' files (:mod:`.objects`), the small blocks' pack files
 (:mod:`.packs`), the entry format and checksums (:mod:`.format`), the write path (:mod:`.writes`), what
-the kernel's reads of cached files need (:mod:`.lending`), and recovery after an unclean shutdown and
-``fsck`` (:mod:`.recovery`).
+the kernel's reads of cached files need (:mod:`.lending`), how much it may hold (:mod:`.room`), and
+recovery after an unclean shutdown and ``fsck`` (:mod:`.recovery`).
 
 Layout under the cache directory::
 
@@ -51,6 +51,7 @@ from epochfs.blockstore.keys import block_relpath, chunk_span
 from epochfs.blockstore.lending import Lending
 from epochfs.blockstore.objects import ObjectFiles, Print
 from epochfs.blockstore.packs import Packs, discard, punch_hole
+from epochfs.blockstore.room import Room
 from epochfs.blockstore.writes import Writes, boot_id
 from epochfs.core.errors import CacheUnreadable, ConfigError
 from epochfs.core.private import open_private, private_dir, private_subdir, touch_private
@@ -88,10 +89,11 @@ class CacheLocked(ConfigError):
     """Another process owns the cache directory."""
 
 
-class BlockStore(Lending, Writes):
+class BlockStore(Lending, Writes, Room):
     def __init__(self, cache_dir: Path, capacity: int, free_space_ratio: float, policy: EvictionPolicy):
         self.cache_dir = Path(cache_dir)
-        self.capacity = capacity
+        self.capacity = capacity  # --cache-size
+        self.limit: int | None = None  # less, while the node's mounts split one capacity (cache/nodeshare.py)
         self.free_space_ratio = free_space_ratio
         self.policy = policy
         self.blocks_dir = self.cache_dir / "blocks"
@@ -405,13 +407,13 @@ class BlockStore(Lending, Writes):
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit now without evicting anything."""
-        return self.used + self.pending + self.pinned + nbytes <= self.capacity and not self._disk_low(nbytes)
+        return self.used + self.pending + self.pinned + nbytes <= self.cap and not self._disk_low(nbytes)
 
     def pin(self, nbytes: int) -> bool:
         """Room for ``nbytes`` of written data that may not be evicted (write-back, until uploaded):
         cached blocks are evicted for it, as the policy orders them. False when even that is not enough."""
-        if self.used + self.pending + self.pinned + nbytes > self.capacity and \
-                self.pending + self.pinned + nbytes > self.capacity:
+        if self.used + self.pending + self.pinned + nbytes > self.cap and \
+                self.pending + self.pinned + nbytes > self.cap:
             return False
         while not self.has_room(nbytes):
             victim = self.policy.victim()
@@ -430,7 +432,7 @@ class BlockStore(Lending, Writes):
 
     def would_admit(self, bid: bytes, nbytes: int) -> bool:
         """Whether :meth:`reserve` would cache this block now (it may evict to do so). No side effects."""
-        if nbytes > self.capacity:
+        if nbytes > self.cap:
             return False
         if self.has_room(nbytes):
             return True
@@ -443,7 +445,7 @@ class BlockStore(Lending, Writes):
         False (and nothing evicted beyond what the policy chose) when the block should not or cannot be
         cached now: the caller then reads through. ``in_use``: a demand miss the reader is using now.
         """
-        if nbytes > self.capacity or not make_room(self.policy, bid, lambda: self.has_room(nbytes), self._evict,
+        if nbytes > self.cap or not make_room(self.policy, bid, lambda: self.has_room(nbytes), self._evict,
                                                    in_use):
             self._not_admitted += 1
             return False
@@ -541,31 +543,6 @@ class BlockStore(Lending, Writes):
     def block_location(self, bid: bytes) -> tuple[Path, int, int] | None:
         """Where a cached block's bytes are: (file, offset, length); None if it is not cached."""
         return where(self.cache_dir, bid, self.lookup(bid))
-
-    def _disk_room(self) -> float:
-        """Free bytes of the cache's file system above the share kept free (``--free-space-ratio``);
-        raises OSError when it cannot be asked."""
-        st = os.statvfs(self.cache_dir)
-        return st.f_bavail * st.f_frsize - self.free_space_ratio * st.f_blocks * st.f_frsize
-
-    def _disk_low(self, nbytes: int) -> bool:
-        if self.free_space_ratio <= 0:
-            return False
-        try:
-            return self._disk_room() - nbytes < 0
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                raise
-            return True
-
-    def bound(self) -> int:
-        """What the cache can hold now: ``capacity``, or less where its file system holds less (what it
-        holds, plus the free space above the share kept free)."""
-        try:
-            room = self._disk_room()
-        except OSError:
-            return self.capacity
-        return max(0, min(self.capacity, self.used + self.pending + int(room)))
 
     def statistics(self) -> StoreStats:
         return StoreStats(

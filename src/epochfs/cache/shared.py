@@ -18,6 +18,7 @@ Adopted bytes count as hits (nothing was fetched) and in :class:`SharedStats`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -41,8 +42,10 @@ from epochfs.blockstore.content import (
 from epochfs.blockstore.format import BlockMeta
 from epochfs.blockstore.objects import Place
 from epochfs.blockstore.store import WOULD_BLOCK, BlockStore
+from epochfs.cache.nodeshare import NodeShare
 from epochfs.core.blocks import block_bounds, block_count
 from epochfs.core.errors import ConfigError
+from epochfs.core.private import private_dir
 from epochfs.core.records import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,7 @@ class SharedContent:
 
     def close(self) -> None:
         self.index.close()
+
 
     async def run(self) -> None:
         """Write the offers, every :attr:`FLUSH` seconds (runs in the cache's nursery)."""
@@ -296,3 +300,26 @@ def _discard(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def join_node(directory: Path, store: BlockStore, scope: bytes | None, block_size: int,
+              block_id: Callable[[ObjectInfo, int], bytes], opened: contextlib.ExitStack, *,
+              content: bool = True) -> tuple[SharedContent | None, NodeShare | None]:
+    """A mount's part in the node's cache under ``directory``: one capacity split with the node's other
+    mounts (:mod:`epochfs.cache.nodeshare`), and, with ``content``, objects shared by content (None for a
+    part it cannot take, said in the log). What it opens is closed by ``opened``."""
+    node: NodeShare | None = NodeShare(directory, store)
+    try:
+        private_dir(directory)
+        node.open()
+        opened.callback(node.close)
+    except (ConfigError, OSError) as exc:
+        log.warning("this mount does not share the node's cache (%s): it holds its own --cache-size", exc)
+        return None, None
+    except Exception as exc:  # noqa: BLE001 (lmdb.Error: a damaged record file costs the split, not the mount)
+        log.warning("this mount does not share the node's capacity (the records in %s: %s)", directory, exc)
+        node = None
+    shared = SharedContent.open(directory, store, scope, block_size, block_id) if content else None
+    if shared is not None:
+        opened.callback(shared.close)
+    return shared, node

@@ -242,6 +242,7 @@ def format_status(s: dict[str, Any]) -> str:
         prefetch,
         *([format_writeback(s["writeback"])] if s.get("writeback") else []),
         *([format_passthrough(s["passthrough"])] if s.get("passthrough") else []),
+        *([format_node_cache(s["node_cache"])] if s.get("node_cache") else []),
         *([format_shared(s["shared"])] if s.get("shared") else []),
         *([f"io_uring   {s['io_uring_requests']} requests through the ring (--io-uring)"]
           if s.get("io_uring_requests") is not None else []),
@@ -346,6 +347,11 @@ def format_passthrough(p: dict[str, Any]) -> str:
         more += f"; {p['unchecked']} being checked before the kernel reads them (read through the daemon meanwhile)"
     return (f"passthrough on: {p['opens']} opens read by the kernel, {p['cached_opens']} through the daemon; "
             f"{p['whole_files']} files whole in the cache ({human(p['whole_bytes'])}){more}")
+
+
+def format_node_cache(n: dict[str, Any]) -> str:
+    return (f"node cache {human(n['node_bytes'])} split between {n['members']} mounts; this one may hold "
+            f"{human(n['part_bytes'])} now")
 
 
 def format_shared(h: dict[str, Any]) -> str:

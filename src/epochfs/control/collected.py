@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from epochfs.backend.base import BackendStats
     from epochfs.blockstore.store import StoreStats
     from epochfs.cache.accounting import CacheStats
+    from epochfs.cache.nodeshare import NodeStats
     from epochfs.cache.passthrough import PassthroughStats
     from epochfs.cache.shared import SharedStats
     from epochfs.control.jobs import JobStats
@@ -46,3 +47,4 @@ class Collected:
     resident_bytes: int = 0  # the daemon's resident set
     pool_bytes: int = 0  # idle receive buffers kept for reuse
     shared: SharedStats | None = None  # objects shared with the node's other mounts by content
+    node_cache: NodeStats | None = None  # the node's capacity, split between its mounts

@@ -440,6 +440,7 @@ def status_of(info: MountInfo, c: Collected, job_epochs: dict[str, list[dict[str
         "writeback": vars(c.writeback) if c.writeback is not None else None,
         "passthrough": vars(c.passthrough) if c.passthrough is not None else None,
         "shared": vars(c.shared) if c.shared is not None else None,
+        "node_cache": vars(c.node_cache) if c.node_cache is not None else None,
         "peer": {**vars(c.peer), "members": list(c.peer.members), "down": list(c.peer.down),
                  "link": c.peer_link.as_dict() if c.peer_link else None, "load": [vars(m) for m in c.peer.load]}
         if c.peer is not None else None,

@@ -176,11 +176,12 @@ class Config:
         "memory, 512M to 8G; epochfs status shows the shares", metavar="SIZE", parse=lambda t: parse_size(t),
         shown="1/16 of memory", example="\"2G\"")
     share_dir: str | None = option(
-        None, "cache", "where the node's mounts offer each other the objects they hold whole, by content (an S3 "
+        None, "cache", "the node's cache, shared by the mounts that name it: they split one capacity (the largest "
+        "--cache-size of a live one) fairly, and offer each other the objects they hold whole, by content (an S3 "
         "single-part ETag, the MD5 of the bytes, checked on every copy): a mount copies an object another mount of "
         "the same bucket and credentials holds instead of fetching it (a reflink on XFS and btrfs). Default: "
         "<default root>/shared for mounts without --cache-dir, none with it; the cache directory must be under "
-        "its parent; off: share nothing", metavar="DIR", parse=str, shown="<root>/shared")
+        "its parent; off: a cache of its own", metavar="DIR", parse=str, example='"/var/cache/epochfs/shared"')
     eviction: str = option(policies.DEFAULT, "cache", "eviction policy: " + policies.describe(),
                            metavar="POLICY", parse=str)
     # -- prefetch

@@ -115,6 +115,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "shared_adopted_objects": ("counter", "Objects copied from another mount's cache on this node instead of fetched."),
     "shared_refused": ("counter", "Offers of another mount's cache that did not lead to the content they name "
                        "(moved, evicted, or other bytes): fetched instead."),
+    "node_cache_bytes": ("gauge", "The node's cache capacity that the mounts sharing it split (the largest "
+                         "--cache-size of a live one)."),
+    "node_cache_part_bytes": ("gauge", "What this mount may hold of the node's cache now (its fair part)."),
+    "node_cache_mounts": ("gauge", "Live mounts sharing the node's cache."),
     "peer_bytes": ("counter", "Block bytes exchanged with members of the cluster cache tier: in (fetched from "
                    "an owner instead of the backend), out (served to a member)."),
     "fetched_bytes": ("counter", "Bytes this node fetched (for readers and ahead of them), by where they came from: "
@@ -229,6 +233,9 @@ def sample_of(c: Collected) -> Sample:
         values.update({"passthrough_opens": pt.opens, "passthrough_opened_bytes": pt.bytes_opened,
                        "passthrough_whole_bytes": pt.whole_bytes, "passthrough_unchecked_files": pt.unchecked,
                        "passthrough_damaged": pt.damaged})
+    if c.node_cache is not None:
+        values.update({"node_cache_bytes": c.node_cache.node_bytes, "node_cache_part_bytes": c.node_cache.part_bytes,
+                       "node_cache_mounts": c.node_cache.members})
     if c.shared is not None:
         values.update({"shared_adopted_bytes": c.shared.adopted_bytes, "shared_adopted_objects": c.shared.adopted_objects,
                        "shared_refused": c.shared.refused})

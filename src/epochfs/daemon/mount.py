@@ -30,10 +30,11 @@ import trio
 from epochfs import kernel
 from epochfs.backend import BackendSettings, open_backend
 from epochfs.blockstore.store import BlockStore
+from epochfs.cache.nodeshare import NodeShare
 from epochfs.cache.passthrough import Passthrough, small_files
 from epochfs.cache.push import Pusher
 from epochfs.cache.service import BlockCache, CacheSettings
-from epochfs.cache.shared import SharedContent
+from epochfs.cache.shared import join_node
 from epochfs.control import CONTROL_XATTR, PID_XATTR, frames
 from epochfs.control.caller import caller_of
 from epochfs.control.collected import Collected
@@ -146,11 +147,11 @@ class Daemon:
             readahead_blocks=config.readahead_blocks, plan_concurrency=config.prefetch_concurrency,
             fetch_timeout=config.backend_timeout + 2.0 + (config.peer_timeout if self.peer else 0.0),
         ), source=self.peer)
-        if config.shared_dir() is not None and self.peer is None and not meta.shared:  # (see cache/shared.py)
-            self.cache.shared = SharedContent.open(config.shared_dir(), self.store, self.backend.content_scope(),
-                                                   config.block_size, self.cache.block_id)
-            if self.cache.shared is not None:
-                opened.callback(self.cache.shared.close)
+        self.node: NodeShare | None = None
+        if config.shared_dir() is not None and self.peer is None:  # (the node's cache: cache/shared.py)
+            self.cache.shared, self.node = join_node(
+                config.shared_dir(), self.store, self.backend.content_scope(), config.block_size,
+                self.cache.block_id, opened, content=not meta.shared)
         self.share: share.ShareWatch | None = None
         if self.peer is not None and self.peer.members.role != "client":
             self._serve_peers()
@@ -366,7 +367,8 @@ class Daemon:
                          peer=self._peer_statistics(), jobs=self.jobs.statistics(),
                          passthrough=self.passthrough.statistics() if self.passthrough else None,
                          peer_link=self.links.view("peer"),
-                         shared=self.cache.shared.statistics() if self.cache.shared else None)
+                         shared=self.cache.shared.statistics() if self.cache.shared else None,
+                         node_cache=self.node.statistics() if self.node else None)
 
     def _peer_statistics(self) -> PeerStats | None:
         if self.peer is None:
@@ -474,6 +476,8 @@ class Daemon:
                 if self.share is not None:
                     await nursery.start(self.share.run)
             await nursery.start(self.prefetcher.run)
+            if self.node is not None:
+                nursery.start_soon(self.node.run)
             await nursery.start(self.learner.run)
             await nursery.start(self.links.run)
             if self.passthrough is not None:
