@@ -365,3 +365,28 @@ def test_both_versions_read_at_once_and_offers_swapped_between_contents_never_gi
         s = m3.status()["shared"]
         assert s["adopted_objects"] == 0 and s["refused"] == len(v2), s
         assert "not the bytes the ETag names" in m3.log()
+
+
+@requires_fuse
+def test_what_other_mounts_hold_is_told_to_an_operator_only(s3_client, fresh_bucket, mount_factory, tmp_path):
+    """`epochfs plan --mount` as root counts the files the node's other mounts hold; as another local user
+    of the mount, it is told of none (what another mount holds is not that user's to learn)."""
+    from .helpers import epochfs_as, passable
+
+    v1, v2 = versions(LARGE[:2], changed=set())
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
+    m2.args.append("--allow-other")
+    with m1, passable(m2):
+        read_all(m1, v1)
+        wait_offered(m1, len(v1))
+        manifest = m2.mountpoint.parent / "order.txt"
+        manifest.write_text("".join(f"{f.key}\n" for f in v2))
+        manifest.chmod(0o644)
+        args = ("plan", "--mount", str(m2.mountpoint), "--manifest", str(manifest), "--cache-size", "1G", "--json")
+        as_root = subprocess.run([*EPOCHFS, *args], capture_output=True, text=True, timeout=60)
+        assert as_root.returncode == 0 and json.loads(as_root.stdout)["shared_files"] == len(v1), as_root
+        as_user = epochfs_as("nobody", *args)
+        assert as_user.returncode == 0, as_user.stderr
+        assert json.loads(as_user.stdout)["shared_files"] == 0

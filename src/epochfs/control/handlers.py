@@ -248,7 +248,8 @@ class ControlHandlers:
         """Where each named file is stored, in order: ``locations[i]`` is ``[s, offset]`` (its bytes start
         at ``offset`` of ``stores[s]``, a packed member's shard of ``sizes[s]`` bytes) or null (a plain
         object); with ``shared``, ``shared`` lists the files (by their place in ``locations``) that another
-        mount of the node holds by content (a first read copies them, fetching nothing)."""
+        mount of the node holds by content (a first read copies them, fetching nothing): for an operator
+        only (what other mounts hold is theirs to know; anyone else is told of none)."""
         objs = (await self._objects(request, chunks, expand_dirs=False, caller=caller)).objs
         stores: dict[str, int] = {}
         sizes: list[int] = []
@@ -264,7 +265,7 @@ class ControlHandlers:
             locations.append([at, offset])
         reply: dict[str, Any] = {"stores": list(stores), "sizes": sizes, "locations": locations}
         if request.shared:
-            held = await self.held([stored_extent(obj)[0] for obj in objs]) if self.held is not None else []
+            held = await self.held([stored_extent(obj)[0] for obj in objs]) if self.held and caller.operator else []
             reply["shared"] = [i for i, h in enumerate(held) if h]
         return reply
 
