@@ -106,6 +106,12 @@ def test_a_new_version_fetches_only_what_changed(s3_client, fresh_bucket, mount_
         s = m2.status()
         assert s["backend"]["bytes"] <= 1.2 * changed, (s["backend"]["bytes"], changed, s["shared"])
         assert s["shared"]["adopted_objects"] == sum(f in v1 for f in v2) and not s["shared"]["refused"], s["shared"]
+        linked = s["shared"]["adopted_objects"] if not args else 0  # (object files are linked; packs' ranges copied)
+        assert s["shared"]["linked"] == linked, s["shared"]
+        if linked:  # (on disk once: v2's files of unchanged objects are v1's inodes)
+            inodes = {p.stat().st_ino for p in (tmp_path / "c1" / "blocks").rglob("*") if p.is_file()}
+            mine = [p for p in (tmp_path / "c2" / "blocks").rglob("*") if p.is_file()]
+            assert sum(p.stat().st_ino in inodes for p in mine) == linked
         wait_offered(m2, len(v2))  # (what it fetched and what it copied: offered in turn)
         read_all(m1, v1)  # (v1 unchanged by what v2 took)
     with m2:  # (a remount: every byte from its own cache, nothing fetched)
@@ -390,3 +396,35 @@ def test_what_other_mounts_hold_is_told_to_an_operator_only(s3_client, fresh_buc
         as_user = epochfs_as("nobody", *args)
         assert as_user.returncode == 0, as_user.stderr
         assert json.loads(as_user.stdout)["shared_files"] == 0
+
+
+@requires_fuse
+def test_evicting_a_linked_object_in_one_mount_leaves_the_others_bytes(s3_client, fresh_bucket, mount_factory,
+                                                                        tmp_path):
+    """v2's mount linked v1's files; v1's mount then evicts them (a small cache and other files read): it
+    drops them whole and punches nothing, so v2's files stay whole and right, read by the kernel
+    (passthrough) and after a remount, with nothing fetched."""
+    v1, v2 = versions(LARGE[:3], changed=set())
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    filler = [SampleFile(f"fill-{i}.bin", 5 * MIB + i) for i in range(5)]
+    upload(s3_client, fresh_bucket, "v1/", filler)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket, "--cache-size", "24M")
+    with m1, m2:
+        read_all(m1, v1)
+        wait_offered(m1, len(v1))
+        read_all(m2, v2)
+        assert m2.status()["shared"]["linked"] == len(v1)
+    m1.start()
+    for f in filler:  # (v1's mount evicts its copies of the shared objects)
+        assert m1.path(f.key).read_bytes() == f.content()
+    s = m1.status()["store"]
+    assert s["evictions"] > 0 and s["used_bytes"] <= 24 * MIB, s
+    m1.stop()
+    with m2:
+        for f in v2:
+            read_odd(m2, f, seed=9)
+            assert m2.path(f.key).read_bytes() == f.content()
+        s = m2.status()
+        assert s["backend"]["bytes"] == 0 and s["store"]["corrupt_blocks"] == 0, (s["backend"], s["store"])
+        assert s["passthrough"]["opens"] >= 1, s["passthrough"]

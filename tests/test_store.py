@@ -16,6 +16,8 @@ from epochfs.eviction.lru import LruPolicy
 
 from .helpers import damage_block
 
+MIB = 1 << 20
+
 
 def bid(n: int) -> bytes:
     return n.to_bytes(16, "big")
@@ -848,3 +850,54 @@ def test_a_file_taken_whole_is_the_objects_file_no_byte_copied_and_refused_where
     assert s.take_file(bid(300), str(none), size) is not None
     s.untake(bid(300), 0, size)
     assert not os.path.exists(s.object_path(bid(300)))
+
+
+@pytest.mark.parametrize("how", ["linked", "being-linked"])
+def test_a_file_another_store_links_is_never_punched_its_blocks_leave_whole(tmp_path, how):
+    """An object file another store of the node holds a link to (or is taking one to: a shared lock on
+    it) loses a block: this store drops all of the object's blocks and its own name of the file; not a
+    byte of the file is punched, so the other store's name keeps every byte."""
+    import fcntl
+
+    from epochfs.blockstore.objects import Place
+
+    s = make(tmp_path, packing=False)
+    data = os.urandom(3 * MIB + 5)
+    oid, step = bid(10), MIB
+    for i in range(4):  # (an object of 4 blocks in one file)
+        b = oid if i == 0 else bid(10 + i)
+        part = data[i * step:(i + 1) * step]
+        s.install(b, *s.write_temp(b, part, place=Place(oid, i * step, len(data))))
+    path = s.block_location(oid)[0]
+    other = tmp_path / "other-store-name"
+    held = None
+    if how == "linked":
+        os.link(path, other)
+    else:
+        held = os.open(path, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_SH)
+    s.remove(bid(12), MIB)  # (evicted, or found damaged)
+    assert all(s.lookup(b) is None for b in (oid, bid(11), bid(12), bid(13))), "its blocks all left"
+    assert not path.exists() and s.statistics().used_bytes == 0
+    if how == "linked":
+        assert other.read_bytes() == data and _allocated(other) >= len(data) - 4096  # (no hole punched)
+    else:
+        assert os.pread(held, len(data) + 1, 0) == data
+        os.close(held)
+    put(s, bid(20), b"y" * 70_000)  # (the store goes on)
+    assert bytes(s.read(bid(20), s.lookup(bid(20)), 0, 70_000)) == b"y" * 70_000
+    s.close()
+
+
+def test_a_file_this_store_alone_holds_is_punched_as_before(tmp_path):
+    from epochfs.blockstore.objects import Place
+
+    s = make(tmp_path, packing=False)
+    data = os.urandom(2 * MIB)
+    s.install(bid(30), *s.write_temp(bid(30), data[:MIB], place=Place(bid(30), 0, len(data))))
+    s.install(bid(31), *s.write_temp(bid(31), data[MIB:], place=Place(bid(30), MIB, len(data))))
+    path = s.block_location(bid(30))[0]
+    s.remove(bid(31), MIB)
+    assert s.lookup(bid(30)) is not None and path.exists() and _allocated(path) <= MIB + 4096
+    assert bytes(s.read(bid(30), s.lookup(bid(30)), 0, MIB)) == data[:MIB]
+    s.close()

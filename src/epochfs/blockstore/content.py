@@ -5,9 +5,10 @@ most files, the same shard under two keys) each have a store of their own. A sto
 holds whole whose ETag names its bytes (:func:`content_md5`: a single-part S3 ETag is the MD5 of the
 object); the index under the node's share directory (``<share dir>/index``, LMDB, written by every
 daemon of the node's user) keeps, per content, where one store holds it. Another mount that misses an
-object of that content copies it from there (``copy_file_range``: a reflink on file systems that have
-them, XFS and btrfs, so the bytes are on disk once; a copy in the kernel elsewhere) instead of
-fetching it: the backend is asked for each content once per node.
+object of that content takes it from there instead of fetching it: an object file by a hard link
+(:func:`link_checked`: on disk once, for both stores, which then never write or punch it, :func:`alone`),
+a pack's range by a copy (:func:`copy_checked`, :func:`read_checked`); the backend is asked for each
+content once per node.
 
 Nothing in the index is trusted. An entry says only where to look: the copy is hashed (MD5) and served
 only if it is the content its ETag names, then checksummed per chunk like any fill. An entry that names
@@ -23,6 +24,7 @@ and offset where the bytes were, the path absolute, under the share directory's 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -171,6 +173,57 @@ def read_checked(root: str, entry: Entry, size: int, md5: bytes) -> bytes:
 Sums = tuple[bytes, bytes]  # a block's chunk checksums, and its BLAKE3 hash (b"" unless asked for)
 
 
+def alone(fd: int) -> bool:
+    """Whether the object file open at ``fd`` is its store's alone: no other store of the node holds a
+    link to it, nor is taking one now (:func:`link_checked` holds a shared lock on it until it has).
+    True takes the exclusive lock that says so (released when ``fd`` is closed): only then may the store
+    punch a hole in it; a file that is not its alone is never punched nor written (its blocks leave the
+    store whole, its other names keep the bytes)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return os.fstat(fd).st_nlink == 1
+
+
+def link_checked(root: str, entry: Entry, size: int, md5: bytes, dst: str,
+                 blocks: list[tuple[bytes, int, int]], digests: bool) -> list[Sums] | None:
+    """(a worker thread) Link the object file ``entry`` names at ``dst`` (the bytes on disk once, for both
+    stores) and read it once: its MD5 must be ``md5``; each of ``blocks`` is checksummed as a fill is. The
+    blocks' sums; None where it cannot be linked (a range of a pack, another file system, a file of
+    another length): then :func:`copy_checked`. Raises :class:`Refused` (``dst`` is removed then)."""
+    src = open_source(root, entry, size)
+    try:
+        st = os.fstat(src)
+        if entry.offset or st.st_size != size:
+            return None
+        fcntl.flock(src, fcntl.LOCK_SH)  # (its store does not punch it while the link is made: alone())
+        try:
+            os.link(entry.path, dst, follow_symlinks=False)  # (the inode there now: checked to be src's below)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+                return None
+            raise Refused(f"{entry.path}: {exc.strerror}") from None  # (ENOENT: its last name went meanwhile)
+        finally:
+            fcntl.flock(src, fcntl.LOCK_UN)
+    finally:
+        os.close(src)
+    try:
+        try:
+            fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:  # (ELOOP: a link was put at the path meanwhile, and linked)
+            raise Refused(f"{entry.path} changed while it was linked: {exc.strerror}") from None
+        try:
+            if os.fstat(fd).st_ino != st.st_ino:
+                raise Refused(f"{entry.path} was replaced while it was linked")
+            return _hashed(fd, entry, size, md5, blocks, digests)
+        finally:
+            os.close(fd)
+    except BaseException:
+        _unlink(dst)
+        raise
+
+
 def copy_checked(root: str, entry: Entry, size: int, md5: bytes, dst: str,
                  blocks: list[tuple[bytes, int, int]], digests: bool) -> list[Sums]:
     """(a worker thread) Copy the ``size`` bytes ``entry`` names into a new file ``dst`` (``copy_file_range``:
@@ -183,27 +236,37 @@ def copy_checked(root: str, entry: Entry, size: int, md5: bytes, dst: str,
         out = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _copy(src, out, entry.offset, size)
-            h, sums, at = hashlib.md5(usedforsecurity=False), [], 0
-            for bid, start, length in blocks:
-                data = os.pread(out, length, start) if start == at else b""
-                if len(data) != length:
-                    raise Refused(f"{entry.path}: the copy is not the object's length")
-                h.update(data)
-                sums.append((checksums(bid, data), digest(data) if digests else b""))
-                at += length
-            if at != size or os.fstat(out).st_size != size or h.digest() != md5:
-                raise Refused(f"{entry.path}: not the bytes the ETag names")
+            return _hashed(out, entry, size, md5, blocks, digests)
         except BaseException:
-            os.close(out)
-            try:
-                os.unlink(dst)
-            except OSError:
-                pass
+            _unlink(dst)
             raise
-        os.close(out)
-        return sums
+        finally:
+            os.close(out)
     finally:
         os.close(src)
+
+
+def _hashed(fd: int, entry: Entry, size: int, md5: bytes, blocks: list[tuple[bytes, int, int]],
+            digests: bool) -> list[Sums]:
+    """One read of the file at ``fd``: the blocks' sums if its MD5 is ``md5``, else :class:`Refused`."""
+    h, sums, at = hashlib.md5(usedforsecurity=False), [], 0
+    for bid, start, length in blocks:
+        data = os.pread(fd, length, start) if start == at else b""
+        if len(data) != length:
+            raise Refused(f"{entry.path}: the copy is not the object's length")
+        h.update(data)
+        sums.append((checksums(bid, data), digest(data) if digests else b""))
+        at += length
+    if at != size or os.fstat(fd).st_size != size or h.digest() != md5:
+        raise Refused(f"{entry.path}: not the bytes the ETag names")
+    return sums
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _copy(src: int, dst: int, offset: int, size: int) -> None:

@@ -75,7 +75,7 @@ class Print(NamedTuple):
 class ObjectFile:
     """What the store knows of one object's file."""
 
-    __slots__ = ("size", "step", "have", "blocks", "print", "checked", "held", "deferred", "tainted")
+    __slots__ = ("size", "step", "have", "blocks", "print", "checked", "held", "deferred", "tainted", "dropping")
 
     def __init__(self, size: int) -> None:
         self.size = size  # the object's size: the file's
@@ -87,6 +87,7 @@ class ObjectFile:
         self.held = 0  # backing files the kernel has open on it
         self.deferred: list[tuple[bytes, int, int]] = []  # (block, offset, length) to punch once not held
         self.tainted = False  # found changed or damaged: hashed before it is lent again, even once refilled
+        self.dropping = False  # shared with another store of the node: all its blocks go, none is punched
 
     @property
     def whole(self) -> bool:

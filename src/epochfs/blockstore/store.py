@@ -44,6 +44,7 @@ from typing import Any
 import lmdb
 
 from epochfs.blockstore import pagecache, recovery
+from epochfs.blockstore.content import alone
 from epochfs.blockstore.descriptors import Descriptors
 from epochfs.blockstore.format import BlockMeta, missing, verify, where
 from epochfs.blockstore.index import Index, OtherFormat
@@ -521,19 +522,37 @@ class BlockStore(Lending, Writes, Room):
             f.deferred.append((bid, meta.offset, meta.length))  # (a hole would read as zeros now)
         elif f is None or not f.have:
             self._unlink_object(meta.obj)
-        elif f.blocks.get(meta.offset) is None:
+        elif f.blocks.get(meta.offset) is None and not f.dropping:
             self._punch(meta.obj, meta.offset, meta.length)
 
     def _punch(self, oid: bytes, offset: int, length: int) -> None:
+        shared = False
         try:
             fd = os.open(self.object_path(oid), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                punch_hole(fd, offset, length)
+                shared = not alone(fd)  # (another store of the node links it: never punched)
+                if not shared:
+                    punch_hole(fd, offset, length)
             finally:
                 os.close(fd)
         except OSError as exc:
             if not missing(exc):
                 log.warning("could not free a cached block's range of %s: %s", oid.hex(), exc)
+        if shared:
+            self._drop_shared(oid)
+
+    def _drop_shared(self, oid: bytes) -> None:
+        """An object whose file another store of the node links too (:mod:`epochfs.cache.shared`) loses a
+        block: all its blocks leave this store and its name here goes, no byte of it is punched (the
+        other store's name keeps them)."""
+        f = self.objects.get(oid)
+        if f is not None and not f.dropping:
+            f.dropping = True
+            for offset, bid in list(f.blocks.items()):
+                meta = self.index.get(bid)
+                self.remove(bid, meta.length if meta is not None else f.length(offset))
+        if self.objects.get(oid) is None or not self.objects.files[oid].have:
+            self._unlink_object(oid)
 
     def _unlink_object(self, oid: bytes) -> None:
         self._block_fds.forget(oid)

@@ -172,13 +172,14 @@ class Writes:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
         return False
 
-    def take_file(self, oid: bytes, path: str, size: int) -> Written | None:
+    def take_file(self, oid: bytes, path: str, size: int, linked: bool = False) -> Written | None:
         """Make the file at ``path`` (an object's bytes whole, on the cache's file system, this daemon's,
         written no more: an uploaded write-back file) the object file of ``oid`` where the store has none,
         by renaming it into place: no byte copied. Its blocks are then checked and indexed one by one
         (:meth:`checked_block`, :meth:`install`); until they are, the store reads none of it. None where
         the object has a file here already (or a fill is writing one), or ``path`` is not such a file
-        (trio thread)."""
+        (trio thread). ``linked``: the file is another store's of the node too (a hard link: never
+        written, punched or chmod'ed here; :func:`epochfs.blockstore.content.alone`)."""
         if self.objects.get(oid) is not None or (self.packs.enabled and size < pk.PACK_BELOW):
             return None
         target = self.object_path(oid)
@@ -190,10 +191,12 @@ class Writes:
             st = os.fstat(fd)
         finally:
             os.close(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or st.st_size != size:
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size
+                or (st.st_nlink != 1 and not linked) or (linked and stat.S_IMODE(st.st_mode) & 0o077)):
             return None
         self._made_parent(target)
-        os.chmod(path, 0o600)
+        if not linked:
+            os.chmod(path, 0o600)
         if _rename_noreplace(path, target) != 0:  # (a fill created it meanwhile: copied instead)
             return None
         return Written(st.st_ino, self._removals)

@@ -9,7 +9,10 @@ where one of them holds an object of a given content. This mount:
 - **adopts** before it fetches: the first fetch of an object of which it holds nothing, whose content
   another store offered, waits while the object is copied from there (at most half a fetch's
   deadline; it fetches after that), hashed (MD5, against the ETag), taken into the store as the
-  object's file (or a small object's pack block) and checksummed per chunk like any fill. An entry that
+  object's file (or a small object's pack block) and checksummed per chunk like any fill. An object
+  file is taken by a hard link, so the bytes are on disk once for both stores: neither store then
+  punches or writes that file (a block it loses takes the whole object out of that store:
+  :func:`epochfs.blockstore.content.alone`); a pack's range is copied. An entry that
   does not lead to those bytes is dropped and the object fetched. One adoption per object at a time;
   every block of it then reads from the store.
 
@@ -36,6 +39,7 @@ from epochfs.blockstore.content import (
     content_md5,
     copy_checked,
     key_of,
+    link_checked,
     open_source,
     read_checked,
 )
@@ -57,6 +61,7 @@ class SharedStats:
     adopted_bytes: int = 0
     refused: int = 0  # index entries that did not lead to the content they name (dropped, fetched)
     offered: int = 0  # objects this store offered to the node's other mounts
+    linked: int = 0  # of the objects adopted, those linked (on disk once for both stores), not copied
 
 
 class SharedContent:
@@ -73,7 +78,7 @@ class SharedContent:
         self._offers: list[tuple[bytes, str, int]] = []  # (key, path, offset) to write
         self._adopting: dict[bytes, trio.Event] = {}  # object id -> its adoption's end
         self._nursery: trio.Nursery | None = None
-        self._adopted = self._adopted_bytes = self._refused = self._offered = 0
+        self._adopted = self._adopted_bytes = self._refused = self._offered = self._linked = 0
 
     @classmethod
     def open(cls, directory: Path, store: BlockStore, scope: bytes | None, block_size: int,
@@ -269,9 +274,12 @@ class SharedContent:
                          blocks: list[tuple[bytes, int, int]], reserved: list[int]) -> int:
         store = self.store
         tmp = str(store.tmp_dir / f"shared-{oid.hex()}")
-        sums = await trio.to_thread.run_sync(copy_checked, self.index.root, entry, obj.size, md5, tmp, blocks,
-                                             store.digests)
-        written = store.take_file(oid, tmp, obj.size)
+        args = (self.index.root, entry, obj.size, md5, tmp, blocks, store.digests)
+        sums = await trio.to_thread.run_sync(link_checked, *args)  # (a link: the bytes on disk once)
+        linked = sums is not None
+        if sums is None:
+            sums = await trio.to_thread.run_sync(copy_checked, *args)
+        written = store.take_file(oid, tmp, obj.size, linked=linked)
         if written is None:  # (a fill made the object's file meanwhile)
             await trio.to_thread.run_sync(_discard, tmp)
             return 0
@@ -288,11 +296,13 @@ class SharedContent:
             store.untake(oid, at, obj.size)
         if meta is not None:
             self.installed(obj, meta)
+        if linked and at == obj.size:
+            self._linked += 1
         return at
 
     def statistics(self) -> SharedStats:
         return SharedStats(adopted_objects=self._adopted, adopted_bytes=self._adopted_bytes,
-                           refused=self._refused, offered=self._offered)
+                           refused=self._refused, offered=self._offered, linked=self._linked)
 
 
 def _discard(path: str) -> None:

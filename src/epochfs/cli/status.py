@@ -356,8 +356,9 @@ def format_node_cache(n: dict[str, Any]) -> str:
 
 def format_shared(h: dict[str, Any]) -> str:
     refused = f"; {h['refused']} offers refused (moved or not the content named: fetched)" if h["refused"] else ""
-    return (f"shared     {h['adopted_objects']} objects ({human(h['adopted_bytes'])}) copied from the node's other "
-            f"mounts instead of fetched; {h['offered']} offered to them{refused}")
+    return (f"shared     {h['adopted_objects']} objects ({human(h['adopted_bytes'])}) taken from the node's other "
+            f"mounts instead of fetched ({h.get('linked', 0)} linked, on disk once); {h['offered']} offered to "
+            f"them{refused}")
 
 
 def format_writeback(w: dict[str, Any]) -> str:

@@ -179,7 +179,7 @@ class Config:
         None, "cache", "the node's cache, shared by the mounts that name it: they split one capacity (the largest "
         "--cache-size of a live one) fairly, and offer each other the objects they hold whole, by content (an S3 "
         "single-part ETag, the MD5 of the bytes, checked on every copy): a mount copies an object another mount of "
-        "the same bucket and credentials holds instead of fetching it (a reflink on XFS and btrfs). Default: "
+        "the same bucket and credentials holds instead of fetching it (a hard link: on disk once). Default: "
         "<default root>/shared for mounts without --cache-dir, none with it; the cache directory must be under "
         "its parent; off: a cache of its own", metavar="DIR", parse=str, example='"/var/cache/epochfs/shared"')
     eviction: str = option(policies.DEFAULT, "cache", "eviction policy: " + policies.describe(),
