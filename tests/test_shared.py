@@ -428,3 +428,37 @@ def test_evicting_a_linked_object_in_one_mount_leaves_the_others_bytes(s3_client
         s = m2.status()
         assert s["backend"]["bytes"] == 0 and s["store"]["corrupt_blocks"] == 0, (s["backend"], s["store"])
         assert s["passthrough"]["opens"] >= 1, s["passthrough"]
+
+
+@requires_fuse
+def test_a_link_made_or_let_go_by_another_mount_is_not_taken_for_a_change(s3_client, fresh_bucket, mount_factory,
+                                                                          tmp_path):
+    """v1's files are read by the kernel (passthrough) and held open while v2's mount links them and later
+    lets its names go: v1's new opens of them still pass through (no EIO, nothing counted damaged, nothing
+    hashed again), every byte right."""
+    v1, v2 = versions(LARGE[:2], changed=set())
+    upload(s3_client, fresh_bucket, "v1/", v1)
+    upload(s3_client, fresh_bucket, "v2/", v2)
+    m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
+    with m1:
+        read_all(m1, v1)
+        wait_offered(m1, len(v1))
+        held = [open(m1.path(f.key), "rb") for f in v1]  # (passed through: whole and checked)
+        try:
+            assert m1.status()["passthrough"]["opens"] >= len(v1)
+            with m2:
+                read_all(m2, v2)
+                assert m2.status()["shared"]["linked"] == len(v1)
+                for f in v1:  # (new opens while the first are held: the same backing, still known right)
+                    read_odd(m1, f, seed=11)
+            for p in (tmp_path / "c2" / "blocks").rglob("*"):  # (v2's names of them let go)
+                if p.is_file():
+                    p.unlink()
+            for f, fh in zip(v1, held, strict=True):
+                read_odd(m1, f, seed=12)
+                assert fh.read() == f.content()
+        finally:
+            for fh in held:
+                fh.close()
+        p = m1.status()["passthrough"]
+        assert p["damaged"] == 0 and p["unchecked"] == 0, p

@@ -80,11 +80,27 @@ class Lending:
             self.suspect(oid, f"it cannot be opened ({exc.strerror})")
             return None
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or Print.of(st) != f.print:  # (a link made or gone changes its ctime)
+        if not stat.S_ISREG(st.st_mode) or not self.known_right(oid, st):
             os.close(fd)
             self.suspect(oid, "it was changed since its fingerprint was taken")
             return None
         return fd
+
+    def known_right(self, oid: bytes, st: os.stat_result) -> bool:
+        """Whether ``oid``'s file, seen as ``st``, is still the one whose fingerprint was taken (a change of
+        its links alone, another store of the node linking it or letting go, is taken into the
+        fingerprint: :meth:`Print.holds`)."""
+        f = self.objects.get(oid)
+        if f is None or not f.whole or f.print is None:
+            return False
+        now = Print.of(st)
+        if now == f.print:
+            return True
+        if not f.print.holds(now):
+            return False
+        f.print = now
+        self.index.set_print(oid, now.encode())
+        return True
 
     def suspect(self, oid: bytes, why: str) -> None:
         """``oid``'s file may not be what was written: read through the daemon until it is hashed again."""
@@ -208,7 +224,7 @@ class Lending:
         if not stat.S_ISREG(after.st_mode) or after.st_size != size:
             why = "its file is not the object's (not a plain file, or not the object's size)"
             return None, [(bid, meta, why) for bid, meta in plan]  # (refetched into a file of its own)
-        if Print.of(before) != Print.of(after):
+        if not Print.of(before).holds(Print.of(after)):
             return None, bad
         return Print.of(after), bad
 

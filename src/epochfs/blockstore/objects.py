@@ -49,7 +49,8 @@ class Place:
     size: int
 
 
-_PRINT = struct.Struct("<QQqq")
+_PRINT = struct.Struct("<QQqq")  # (as written before files could have a second name: one link)
+_PRINT_LINKS = struct.Struct("<QQqqI")
 
 
 class Print(NamedTuple):
@@ -59,17 +60,27 @@ class Print(NamedTuple):
     size: int
     ctime_ns: int
     mtime_ns: int
+    links: int = 1
 
     @classmethod
     def of(cls, st: object) -> Print:
-        return cls(st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns)  # type: ignore[attr-defined]
+        return cls(st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns, st.st_nlink)  # type: ignore[attr-defined]
 
     def encode(self) -> bytes:
-        return _PRINT.pack(*self)
+        return _PRINT_LINKS.pack(*self)
 
     @classmethod
     def decode(cls, raw: bytes) -> Print | None:
+        if len(raw) == _PRINT_LINKS.size:
+            return cls(*_PRINT_LINKS.unpack(raw))
         return cls(*_PRINT.unpack(raw)) if len(raw) == _PRINT.size else None
+
+    def holds(self, now: Print) -> bool:
+        """Whether the file, seen now as ``now``, still holds what it held when this print was taken: the
+        same in every field, or only its links changed (another store of the node linked it or let its
+        name go, :mod:`epochfs.cache.shared`: that moves the ctime and nothing else; a write, a truncate
+        or a hole punched moves the mtime too)."""
+        return now == self or (now.links != self.links and now[:2] == self[:2] and now.mtime_ns == self.mtime_ns)
 
 
 class ObjectFile:
