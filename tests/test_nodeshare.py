@@ -151,3 +151,31 @@ def test_a_mount_that_stops_or_dies_leaves_its_share(s3_client, fresh_bucket, mo
         time.sleep(1.5)
         assert a.status()["store"]["used_bytes"] >= 14 * MIB, a.status()["store"]
     b.stop()
+
+
+@requires_fuse
+def test_objects_linked_from_another_mount_are_charged_once(s3_client, fresh_bucket, mount_factory, tmp_path):
+    """v1's mount holds 20 MiB of a 24 MiB node; v2's mount links the same 20 MiB (on disk once): it is
+    not charged for them, so it takes them all without fetching a byte and v1 evicts nothing; what v2
+    then fetches of its own is charged to it."""
+    files = [SampleFile(f"f/{i}.bin", 5 * MIB - 1000 * i) for i in range(4)]
+    own = [SampleFile(f"own/{i}.bin", MIB + i) for i in range(3)]
+    upload(s3_client, fresh_bucket, "v1/", files)
+    upload(s3_client, fresh_bucket, "v2/", files + own)
+    args = ("--share-dir", str(tmp_path / "shared"), "--cache-size", "24M", "--readahead", "0")
+    m1 = mount_factory(f"s3://{fresh_bucket}/v1", *args, cache_dir=tmp_path / "c1", name="v1")
+    m2 = mount_factory(f"s3://{fresh_bucket}/v2", *args, cache_dir=tmp_path / "c2", name="v2")
+    with m1, m2:
+        for f in files:
+            assert m1.path(f.key).read_bytes() == f.content()
+        time.sleep(2.5)  # (offered, and its record published)
+        for f in files:
+            assert m2.path(f.key).read_bytes() == f.content()
+        s2 = m2.status()
+        assert s2["backend"]["bytes"] == 0 and s2["shared"]["linked"] == len(files), (s2["backend"], s2["shared"])
+        for f in own:
+            assert m2.path(f.key).read_bytes() == f.content()
+        time.sleep(2.5)
+        assert m1.status()["store"]["evictions"] == 0, m1.status()["store"]
+        for f in files + own:
+            assert m2.path(f.key).read_bytes() == f.content()

@@ -15,6 +15,7 @@ from epochfs.eviction import EvictionPolicy
 class Room:
     capacity: int
     limit: int | None
+    linked_bytes: int
     used: int
     pending: int
     pinned: int
@@ -26,8 +27,9 @@ class Room:
 
     @property
     def cap(self) -> int:
-        """What the store may hold now: ``--cache-size``, or this mount's part of the node's (:attr:`limit`)."""
-        return self.capacity if self.limit is None else min(self.capacity, self.limit)
+        """What the store may hold now: ``--cache-size``, or this mount's part of the node's (:attr:`limit`)
+        and what it holds linked from another store (charged to that one)."""
+        return self.capacity if self.limit is None else min(self.capacity, self.limit + self.linked_bytes)
 
     def shrink(self, most: int = 1024) -> int:
         """Evict (the policy's victims first) until what is held fits :attr:`cap`, ``most`` blocks at a time

@@ -95,6 +95,8 @@ class BlockStore(Lending, Writes, Room):
         self.cache_dir = Path(cache_dir)
         self.capacity = capacity  # --cache-size
         self.limit: int | None = None  # less, while the node's mounts split one capacity (cache/nodeshare.py)
+        self.linked: dict[bytes, int] = {}  # objects linked from another store of the node -> size (not charged)
+        self.linked_bytes = 0
         self.free_space_ratio = free_space_ratio
         self.policy = policy
         self.blocks_dir = self.cache_dir / "blocks"
@@ -406,9 +408,10 @@ class BlockStore(Lending, Writes, Room):
 
     # -- fills and eviction ----------------------------------------------------------------------------
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit now without evicting anything."""
-        return self.used + self.pending + self.pinned + nbytes <= self.cap and not self._disk_low(nbytes)
+    def has_room(self, nbytes: int, bound: int | None = None) -> bool:
+        """Whether ``nbytes`` fit now without evicting anything (under ``bound``; default :attr:`cap`)."""
+        return self.used + self.pending + self.pinned + nbytes <= (self.cap if bound is None else bound) \
+            and not self._disk_low(nbytes)
 
     def pin(self, nbytes: int) -> bool:
         """Room for ``nbytes`` of written data that may not be evicted (write-back, until uploaded):
@@ -440,14 +443,17 @@ class BlockStore(Lending, Writes, Room):
         victim = self.policy.victim()
         return victim is not None and self.policy.prefer(bid, victim)
 
-    def reserve(self, bid: bytes, nbytes: int, in_use: bool = False) -> bool:
+    def reserve(self, bid: bytes, nbytes: int, in_use: bool = False, shared: bool = False) -> bool:
         """Make room for block ``bid`` of ``nbytes``, evicting what the policy gives up for it.
 
         False (and nothing evicted beyond what the policy chose) when the block should not or cannot be
         cached now: the caller then reads through. ``in_use``: a demand miss the reader is using now.
+        ``shared``: a block of an object to be linked from another store of the node (no new byte on
+        disk, not charged to this mount's part of the node: bound by ``--cache-size`` only).
         """
-        if nbytes > self.cap or not make_room(self.policy, bid, lambda: self.has_room(nbytes), self._evict,
-                                                   in_use):
+        bound = self.capacity if shared else self.cap
+        if nbytes > bound or not make_room(self.policy, bid, lambda: self.has_room(nbytes, bound), self._evict,
+                                           in_use):
             self._not_admitted += 1
             return False
         self.pending += nbytes
@@ -554,7 +560,18 @@ class BlockStore(Lending, Writes, Room):
         if self.objects.get(oid) is None or not self.objects.files[oid].have:
             self._unlink_object(oid)
 
+    def link_in(self, oid: bytes, size: int) -> None:
+        """Object ``oid``'s file is another store's of the node too: its bytes are not charged to this
+        mount's part of the node (:attr:`cap`)."""
+        self.linked_bytes += size - self.linked.get(oid, 0)
+        self.linked[oid] = size
+
+    def alone_now(self, oid: bytes) -> None:
+        """No other store holds ``oid``'s file any more: charged again."""
+        self.linked_bytes -= self.linked.pop(oid, 0)
+
     def _unlink_object(self, oid: bytes) -> None:
+        self.alone_now(oid)
         self._block_fds.forget(oid)
         self.objects.forget(oid)
         discard(self.object_path(oid))

@@ -92,6 +92,18 @@ def allocate(members: dict[bytes, Member]) -> dict[bytes, int]:
     return {k: min(members[k].size, parts[k] + spare) for k in members}
 
 
+def _alone_now(paths: list[tuple[bytes, str]]) -> list[bytes]:
+    """(a worker thread) The objects whose file has one name now (or none: gone)."""
+    out = []
+    for oid, path in paths:
+        try:
+            if os.stat(path, follow_symlinks=False).st_nlink == 1:
+                out.append(oid)
+        except OSError:
+            out.append(oid)
+    return out
+
+
 def _started(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks after boot), or None if there is none."""
     try:
@@ -105,7 +117,8 @@ def _started(pid: int) -> int | None:
 class NodeStats:
     members: int  # live mounts sharing the node's capacity
     node_bytes: int  # the node's capacity: the largest --cache-size of a live mount
-    part_bytes: int  # what this mount may hold now
+    part_bytes: int  # what this mount may hold now (besides what it holds linked from another mount)
+    linked_bytes: int = 0  # what it holds linked from another mount's store (charged to that one)
 
 
 class NodeShare:
@@ -122,6 +135,7 @@ class NodeShare:
         self._startedat = _started(self._pid) or 0
         self._seen = (0, 0)  # (evictions, refusals) at the last record
         self._filling_until = 0.0
+        self._ring = 0  # where the next look at the linked objects starts
         self._stats = NodeStats(1, store.capacity, store.capacity)
 
     def open(self) -> None:
@@ -148,11 +162,13 @@ class NodeShare:
     async def turn(self) -> None:
         """Publish this mount's record, read the others', and hold this mount's store to its part."""
         st = self.store.statistics()
+        await self._settle_links()
+        linked = self.store.linked_bytes
         seen, now = (st.evictions, st.not_admitted), time.monotonic()
         if seen != self._seen:
             self._seen, self._filling_until = seen, now + self.HOLD
-        me = Member(self._pid, self._startedat, self._boot, st.used_bytes, self.store.capacity, self.weight,
-                    now < self._filling_until, time.time())
+        me = Member(self._pid, self._startedat, self._boot, max(0, st.used_bytes - linked), self.store.capacity,
+                    self.weight, now < self._filling_until, time.time())
         try:
             members = await trio.to_thread.run_sync(self._exchange, me)
         except lmdb.Error as exc:
@@ -163,7 +179,23 @@ class NodeShare:
         part = allocate(members)[self.id]
         self.store.limit = part if part < self.store.capacity else None
         self.store.shrink()
-        self._stats = NodeStats(len(members), max(m.size for m in members.values()), part)
+        self._stats = NodeStats(len(members), max(m.size for m in members.values()), part, linked)
+
+    LINKS_CHECKED = 256  # linked objects looked at a turn: which no other store holds any more
+
+    async def _settle_links(self) -> None:
+        """Objects this store took by a link whose other names are gone are its own now: charged again."""
+        store = self.store
+        if not store.linked:
+            return
+        ring = list(store.linked)
+        start = self._ring % len(ring)
+        some = (ring[start:] + ring[:start])[:self.LINKS_CHECKED]
+        self._ring = start + len(some)
+        paths = [(oid, store.object_path(oid)) for oid in some]
+        alone = await trio.to_thread.run_sync(_alone_now, paths)
+        for oid in alone:
+            store.alone_now(oid)
 
     def _exchange(self, me: Member) -> dict[bytes, Member]:
         assert self._env is not None

@@ -440,13 +440,17 @@ class BlockCache(PeerReads):
         start, length = block_bounds(index, obj.size, self.block_size)
         # Room is reserved now (the policy decides whether the block is cached), so what the store
         # reports as free already accounts for every fetch started.
-        admitted = keep and self.store.reserve(bid, length, in_use=demand)
+        # (An object another mount of the node offers is taken from there first: room is reserved only if
+        # it is fetched after all.)
+        shared = keep and self.shared is not None and self.shared.offered(obj)
+        admitted = keep and not shared and self.store.reserve(bid, length, in_use=demand)
         limiter = self._demand_limiter if demand else self._plan_limiter if planned else self._prefetch_limiter
-        self._nursery.start_soon(self._fetch_and_fill, obj, index, start, length, bid, flight, admitted, limiter)
+        self._nursery.start_soon(self._fetch_and_fill, obj, index, start, length, bid, flight, admitted, limiter,
+                                 shared)
         return flight
 
     async def _fetch_and_fill(self, obj: ObjectInfo, index: int, start: int, length: int, bid: bytes,
-                              flight: Fetch, admitted: bool, limiter: trio.CapacityLimiter) -> None:
+                              flight: Fetch, admitted: bool, limiter: trio.CapacityLimiter, shared: bool = False) -> None:
         """One worker-thread job per block: fetch it, hand the bytes to the readers at once (from the
         thread), write them to a temporary file if ``admitted``; then, back on the trio thread, install
         and index it."""
@@ -479,10 +483,12 @@ class BlockCache(PeerReads):
         try:
             written: Filled | OSError | None = None
             try:
-                if self.shared is not None and admitted and (data := await self.shared.block(
-                        obj, bid, length, self.fetch_timeout / 2, self._read_from_disk)) is not None:
-                    self._deliver(flight, data, "local")  # (copied from another mount's cache: no fetch)
-                    return
+                if shared and self.shared is not None:
+                    data = await self.shared.block(obj, bid, length, self.fetch_timeout / 2, self._read_from_disk)
+                    if data is not None:
+                        self._deliver(flight, data, "local")  # (taken from another mount's cache: no fetch)
+                        return
+                    admitted = self.store.reserve(bid, length, in_use=flight.demand)
                 if not flight.demand:  # (room for it in memory first; a reader that comes to wait lets it go)
                     await self.ahead.acquire(length, flight.urgent)
                     held = length

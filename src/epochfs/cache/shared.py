@@ -187,6 +187,19 @@ class SharedContent:
 
     # -- adopting ---------------------------------------------------------------------------------------
 
+    def offered(self, obj: ObjectInfo) -> bool:
+        """Whether a fetch of ``obj`` should first try to take it from another store of the node: it is
+        being taken now, or this store holds none of it and the index names its content."""
+        key = self.key(obj)
+        if key is None or self._nursery is None:
+            return False
+        oid = self.block_id(obj, 0)
+        if oid in self._adopting:
+            return True
+        if self.store.objects.get(oid) is not None or self.store.lookup(oid) is not None:
+            return False
+        return self.index.find(key) is not None
+
     async def block(self, obj: ObjectInfo, bid: bytes, length: int, wait: float,
                     read_from_disk: Callable[[bytes, BlockMeta, int, int], Awaitable[memoryview | None]]
                     ) -> memoryview | None:
@@ -248,8 +261,9 @@ class SharedContent:
             blocks.append((bid, start, length))
         reserved = [0]  # (bytes reserved and not yet installed: given back at the end)
         try:
+            linkable = not entry.offset and not (store.packing and obj.size < pk.PACK_BELOW)
             for bid, _, length in blocks:
-                if store.lookup(bid) is not None or not store.reserve(bid, length):
+                if store.lookup(bid) is not None or not store.reserve(bid, length, shared=linkable):
                     return 0
                 reserved[0] += length
             md5 = key[16:32]
@@ -298,6 +312,7 @@ class SharedContent:
             self.installed(obj, meta)
         if linked and at == obj.size:
             self._linked += 1
+            store.link_in(oid, obj.size)  # (its bytes are the other store's too: not charged to this mount)
         return at
 
     def statistics(self) -> SharedStats:

@@ -350,8 +350,9 @@ def format_passthrough(p: dict[str, Any]) -> str:
 
 
 def format_node_cache(n: dict[str, Any]) -> str:
+    linked = f" (and holds {human(n['linked_bytes'])} linked from the others)" if n.get("linked_bytes") else ""
     return (f"node cache {human(n['node_bytes'])} split between {n['members']} mounts; this one may hold "
-            f"{human(n['part_bytes'])} now")
+            f"{human(n['part_bytes'])} now{linked}")
 
 
 def format_shared(h: dict[str, Any]) -> str:
