@@ -179,3 +179,31 @@ def test_objects_linked_from_another_mount_are_charged_once(s3_client, fresh_buc
         assert m1.status()["store"]["evictions"] == 0, m1.status()["store"]
         for f in files + own:
             assert m2.path(f.key).read_bytes() == f.content()
+
+
+@requires_fuse
+def test_what_a_job_writes_is_never_refused_for_the_split(s3_client, fresh_bucket, mount_factory, tmp_path):
+    """A --writeback mount whose part of the node is small (the other mount holds 20 MiB of 24) writes a
+    10 MiB checkpoint: nothing refused (bound by its own --cache-size only), every byte in the backend."""
+    import subprocess
+
+    from .helpers import EPOCHFS
+
+    files = [SampleFile(f"f/{i}.bin", 5 * MIB - 1000 * i) for i in range(4)]
+    upload(s3_client, fresh_bucket, "data/", files)
+    s3_client.put_object(Bucket=fresh_bucket, Key="ckpt/.keep", Body=b"")
+    args = ("--share-dir", str(tmp_path / "shared"), "--cache-size", "24M", "--readahead", "0")
+    m1 = mount_factory(f"s3://{fresh_bucket}/data", *args, cache_dir=tmp_path / "c1", name="data")
+    m2 = mount_factory(f"s3://{fresh_bucket}/ckpt", *args, "--writeback", cache_dir=tmp_path / "c2", name="ckpt")
+    with m1, m2:
+        for f in files:
+            assert m1.path(f.key).read_bytes() == f.content()
+        time.sleep(2.5)
+        assert m2.status()["node_cache"]["part_bytes"] <= 5 * MIB, m2.status()["node_cache"]
+        data = random.Random(5).randbytes(10 * MIB + 3)
+        with open(m2.path("step-1.pt"), "wb") as fh:
+            fh.write(data)
+        out = subprocess.run([*EPOCHFS, "sync", str(m2.mountpoint)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert s3_client.get_object(Bucket=fresh_bucket, Key="ckpt/step-1.pt")["Body"].read() == data
+        assert m2.path("step-1.pt").read_bytes() == data

@@ -16,6 +16,7 @@ class Room:
     capacity: int
     limit: int | None
     linked_bytes: int
+    linked: dict[bytes, int]
     used: int
     pending: int
     pinned: int
@@ -67,3 +68,18 @@ class Room:
         except OSError:
             return self.cap
         return max(0, min(self.cap, self.used + self.pending + int(room)))
+
+    def has_room(self, nbytes: int, bound: int | None = None) -> bool:
+        """Whether ``nbytes`` fit now without evicting anything (under ``bound``; default :attr:`cap`)."""
+        return self.used + self.pending + self.pinned + nbytes <= (self.cap if bound is None else bound) \
+            and not self._disk_low(nbytes)
+
+    def link_in(self, oid: bytes, size: int) -> None:
+        """Object ``oid``'s file is another store's of the node too: its bytes are not charged to this
+        mount's part of the node (:attr:`cap`)."""
+        self.linked_bytes += size - self.linked.get(oid, 0)
+        self.linked[oid] = size
+
+    def alone_now(self, oid: bytes) -> None:
+        """No other store holds ``oid``'s file any more: charged again."""
+        self.linked_bytes -= self.linked.pop(oid, 0)

@@ -408,18 +408,16 @@ class BlockStore(Lending, Writes, Room):
 
     # -- fills and eviction ----------------------------------------------------------------------------
 
-    def has_room(self, nbytes: int, bound: int | None = None) -> bool:
-        """Whether ``nbytes`` fit now without evicting anything (under ``bound``; default :attr:`cap`)."""
-        return self.used + self.pending + self.pinned + nbytes <= (self.cap if bound is None else bound) \
-            and not self._disk_low(nbytes)
-
     def pin(self, nbytes: int) -> bool:
         """Room for ``nbytes`` of written data that may not be evicted (write-back, until uploaded):
-        cached blocks are evicted for it, as the policy orders them. False when even that is not enough."""
-        if self.used + self.pending + self.pinned + nbytes > self.cap and \
-                self.pending + self.pinned + nbytes > self.cap:
+        cached blocks are evicted for it, as the policy orders them. False when even that is not enough.
+        Bound by ``--cache-size`` only: what a job writes is never refused for the node's split (the
+        split counts it, and the mount's cached blocks give way to it)."""
+        bound = self.capacity
+        if self.used + self.pending + self.pinned + nbytes > bound and \
+                self.pending + self.pinned + nbytes > bound:
             return False
-        while not self.has_room(nbytes):
+        while not self.has_room(nbytes, bound):
             victim = self.policy.victim()
             if victim is None:
                 return False
@@ -559,16 +557,6 @@ class BlockStore(Lending, Writes, Room):
                 self.remove(bid, meta.length if meta is not None else f.length(offset))
         if self.objects.get(oid) is None or not self.objects.files[oid].have:
             self._unlink_object(oid)
-
-    def link_in(self, oid: bytes, size: int) -> None:
-        """Object ``oid``'s file is another store's of the node too: its bytes are not charged to this
-        mount's part of the node (:attr:`cap`)."""
-        self.linked_bytes += size - self.linked.get(oid, 0)
-        self.linked[oid] = size
-
-    def alone_now(self, oid: bytes) -> None:
-        """No other store holds ``oid``'s file any more: charged again."""
-        self.linked_bytes -= self.linked.pop(oid, 0)
 
     def _unlink_object(self, oid: bytes) -> None:
         self.alone_now(oid)

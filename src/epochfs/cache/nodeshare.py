@@ -167,7 +167,8 @@ class NodeShare:
         seen, now = (st.evictions, st.not_admitted), time.monotonic()
         if seen != self._seen:
             self._seen, self._filling_until = seen, now + self.HOLD
-        me = Member(self._pid, self._startedat, self._boot, max(0, st.used_bytes - linked), self.store.capacity,
+        held = st.used_bytes + st.pinned_bytes - linked  # (written data not yet uploaded counts too)
+        me = Member(self._pid, self._startedat, self._boot, max(0, held), self.store.capacity,
                     self.weight, now < self._filling_until, time.time())
         try:
             members = await trio.to_thread.run_sync(self._exchange, me)
