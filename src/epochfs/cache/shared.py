@@ -297,6 +297,8 @@ class SharedContent:
         if written is None:  # (a fill made the object's file meanwhile)
             await trio.to_thread.run_sync(_discard, tmp)
             return 0
+        if linked:  # (its bytes are the other store's too: not charged to this mount; before any block is
+            store.link_in(oid, obj.size)  # indexed, so no record counts them; undone if the file goes)
         at = 0
         meta = None
         try:
@@ -312,7 +314,6 @@ class SharedContent:
             self.installed(obj, meta)
         if linked and at == obj.size:
             self._linked += 1
-            store.link_in(oid, obj.size)  # (its bytes are the other store's too: not charged to this mount)
         return at
 
     def statistics(self) -> SharedStats:
