@@ -462,3 +462,20 @@ def test_a_link_made_or_let_go_by_another_mount_is_not_taken_for_a_change(s3_cli
                 fh.close()
         p = m1.status()["passthrough"]
         assert p["damaged"] == 0 and p["unchecked"] == 0, p
+
+
+def test_an_index_that_cannot_be_read_costs_a_fetch_not_the_read(tmp_path):
+    import lmdb
+
+    index = ContentIndex(tmp_path / "shared")
+    index.open()
+    index.offer([(key_of(b"s" * 16, b"m" * 16, 5), Entry(1, 0, "/a/b"))])
+    assert index.find(key_of(b"s" * 16, b"m" * 16, 5)) == Entry(1, 0, "/a/b")
+    index.close()
+
+    class Broken:
+        def begin(self, **_):
+            raise lmdb.ReadersFullError("readers full")
+
+    index.env = Broken()
+    assert index.find(key_of(b"s" * 16, b"m" * 16, 5)) is None

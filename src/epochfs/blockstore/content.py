@@ -104,10 +104,15 @@ class ContentIndex:
             self.env = None
 
     def find(self, key: bytes) -> Entry | None:
+        """Where the content ``key`` names is, or None (also where the index cannot be read: a fetch)."""
         assert self.env is not None
-        with self.env.begin(buffers=True) as txn:
-            raw = txn.get(key)
-            return Entry.decode(bytes(raw)) if raw is not None else None
+        try:
+            with self.env.begin(buffers=True) as txn:
+                raw = txn.get(key)
+                return Entry.decode(bytes(raw)) if raw is not None else None
+        except lmdb.Error as exc:
+            log.warning("the node's content index cannot be read (%s): fetching", exc)
+            return None
 
     def offer(self, entries: list[tuple[bytes, Entry]]) -> None:
         """Say where these contents are now (one write; the newest offer of a content wins)."""

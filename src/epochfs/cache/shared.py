@@ -243,6 +243,9 @@ class SharedContent:
         except OSError as exc:
             log.warning("%s: could not copy it from another mount's cache (%s); fetching it", obj.key, exc)
             kept = 0
+        except Exception:  # a bug or an unexpected library error: this object is fetched, the mount serves on
+            log.exception("%s: taking it from another mount's cache failed; fetching it", obj.key)
+            kept = 0
         finally:
             del self._adopting[oid]
             done.set()
