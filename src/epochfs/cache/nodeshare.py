@@ -39,7 +39,7 @@ from epochfs.core.private import private_subdir
 
 log = logging.getLogger(__name__)
 
-_RECORD = struct.Struct("<IQ16sQQQIBd")  # pid, its start time, boot, used, size, filling count, weight, filling, at
+_RECORD = struct.Struct("<IQ16sQQIBd")  # pid, its start time, boot, used, size, weight, filling, at
 
 
 class Member(NamedTuple):
@@ -55,14 +55,14 @@ class Member(NamedTuple):
     at: float
 
     def encode(self) -> bytes:
-        return _RECORD.pack(self.pid, self.started, self.boot[:16].ljust(16, b"\0"), self.used, self.size, 0,
+        return _RECORD.pack(self.pid, self.started, self.boot[:16].ljust(16, b"\0"), self.used, self.size,
                             self.weight, self.filling, self.at)
 
     @classmethod
     def decode(cls, raw: bytes) -> Member | None:
         if len(raw) != _RECORD.size:
             return None
-        pid, started, boot, used, size, _, weight, filling, at = _RECORD.unpack(raw)
+        pid, started, boot, used, size, weight, filling, at = _RECORD.unpack(raw)
         if not 0 < pid < 1 << 22 or not 0 < weight <= 1000 or size > 1 << 60 or used > 1 << 60:
             return None
         return cls(pid, started, boot, used, size, weight, bool(filling), at)

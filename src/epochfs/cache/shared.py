@@ -168,28 +168,28 @@ class SharedContent:
         """Whether another store of the node holds each object now (by its content: an entry that leads
         to a file of the node's caches, the inode offered, long enough; the MD5 is checked only when it
         is copied): what a first read of it would copy rather than fetch (``epochfs plan``)."""
-        keys = [self.key(obj) for obj in objs]
-        return await trio.to_thread.run_sync(self._held, keys)
+        return await trio.to_thread.run_sync(self._held, [(self.key(obj), obj.size) for obj in objs])
 
-    def _held(self, keys: list[bytes | None]) -> list[bool]:
+    def _held(self, asked: list[tuple[bytes | None, int]]) -> list[bool]:
         out = []
-        for key, obj_size in ((k, int.from_bytes(k[32:40], "little")) if k else (None, 0) for k in keys):
+        for key, size in asked:
             entry = self.index.find(key) if key is not None else None
-            if entry is None:
-                out.append(False)
-                continue
-            try:
-                os.close(open_source(self.index.root, entry, obj_size))
-                out.append(True)
-            except Refused:
-                out.append(False)
+            held = False
+            if entry is not None:
+                try:
+                    os.close(open_source(self.index.root, entry, size))
+                    held = True
+                except Refused:
+                    pass
+            out.append(held)
         return out
 
     # -- adopting ---------------------------------------------------------------------------------------
 
     def offered(self, obj: ObjectInfo) -> bool:
-        """Whether a fetch of ``obj`` should first try to take it from another store of the node: it is
-        being taken now, or this store holds none of it and the index names its content."""
+        """Whether a fetch of ``obj`` is to take it from another store of the node first (then
+        :meth:`block`): it is being taken now, or this store holds none of it and the index names its
+        content (its taking starts now)."""
         key = self.key(obj)
         if key is None or self._nursery is None:
             return False
@@ -197,30 +197,24 @@ class SharedContent:
         if oid in self._adopting:
             return True
         if self.store.objects.get(oid) is not None or self.store.lookup(oid) is not None:
+            return False  # (something of it is here: fetched block by block as it is)
+        entry = self.index.find(key)
+        if entry is None:
             return False
-        return self.index.find(key) is not None
+        done = self._adopting[oid] = trio.Event()
+        self._nursery.start_soon(self._adopt, obj, oid, key, entry, done)
+        return True
 
     async def block(self, obj: ObjectInfo, bid: bytes, length: int, wait: float,
                     read_from_disk: Callable[[bytes, BlockMeta, int, int], Awaitable[memoryview | None]]
                     ) -> memoryview | None:
-        """Block ``bid`` of ``obj`` (``length`` bytes), verified, from the store once ``obj`` was adopted
-        from another store of the node (waiting ``wait`` seconds at most for that); None where it was not
-        (then it is fetched)."""
-        key = self.key(obj)
-        if key is None or self._nursery is None:
-            return None
-        oid = self.block_id(obj, 0)
-        done = self._adopting.get(oid)
-        if done is None:
-            if self.store.objects.get(oid) is not None or self.store.lookup(oid) is not None:
-                return None  # (something of it is here: fetched block by block as it is)
-            entry = self.index.find(key)
-            if entry is None:
-                return None
-            done = self._adopting[oid] = trio.Event()
-            self._nursery.start_soon(self._adopt, obj, oid, key, entry, done)
-        with trio.move_on_after(wait):
-            await done.wait()
+        """Block ``bid`` of ``obj`` (``length`` bytes, :meth:`offered`), verified, from the store once the
+        object was taken (waiting ``wait`` seconds at most for that); None where it was not (then it is
+        fetched)."""
+        done = self._adopting.get(self.block_id(obj, 0))
+        if done is not None:
+            with trio.move_on_after(wait):
+                await done.wait()
         meta = self.store.lookup(bid)
         if meta is None or meta.length != length:
             return None
