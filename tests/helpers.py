@@ -68,6 +68,18 @@ class Mount:
         return self.mountpoint / key
 
 
+def kill_daemon(m: Mount, timeout: float = 30) -> None:
+    """kill -9 of ``m``'s daemon, returning once its process is gone (its mount left dead)."""
+    import signal
+
+    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, f"daemon {pid} still alive {timeout:g}s after kill -9"
+        time.sleep(0.05)
+
+
 def as_user(user: str, *cmd: str) -> subprocess.CompletedProcess[str]:
     """``cmd`` run as another local user (``runuser``)."""
     return subprocess.run(["runuser", "-u", user, "--", *cmd], capture_output=True, text=True, timeout=60,

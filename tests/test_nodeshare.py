@@ -14,6 +14,7 @@ from epochfs.cache.nodeshare import Member, allocate
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
+from .helpers import kill_daemon
 
 MIB = 1 << 20
 
@@ -127,9 +128,6 @@ def test_a_scan_takes_at_most_what_the_other_mount_leaves(s3_client, fresh_bucke
 def test_a_mount_that_stops_or_dies_leaves_its_share(s3_client, fresh_bucket, mount_factory, tmp_path, killed):
     """Its record goes (at its stop, or at the next mount's read once its process is gone): the other
     mount may hold the whole node again."""
-    import os
-    import signal
-
     files = [SampleFile(f"f/{i}.bin", MIB - 11 * i) for i in range(20)]
     upload(s3_client, fresh_bucket, "a/", files)
     upload(s3_client, fresh_bucket, "b/", files)
@@ -141,7 +139,7 @@ def test_a_mount_that_stops_or_dies_leaves_its_share(s3_client, fresh_bucket, mo
         time.sleep(2.5)
         assert a.status()["node_cache"]["members"] == 2
         if killed:
-            os.kill(int(os.getxattr(b.mountpoint, "user.epochfs.pid")), signal.SIGKILL)
+            kill_daemon(b)
         else:
             b.stop()
         deadline = time.monotonic() + 15

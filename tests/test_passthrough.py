@@ -21,7 +21,7 @@ from epochfs.core.records import ObjectInfo
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS
+from .helpers import EPOCHFS, kill_daemon
 
 pytestmark = requires_fuse
 
@@ -255,7 +255,6 @@ def test_a_byte_changed_every_32_kib_of_every_cache_file_is_never_read_back(s3_c
 
 @needs_passthrough
 def test_fingerprints_survive_a_restart_and_a_kill_9_not_a_reboot(dataset, mount_factory, tmp_path):
-    import signal
 
     import lmdb
 
@@ -269,12 +268,7 @@ def test_fingerprints_survive_a_restart_and_a_kill_9_not_a_reboot(dataset, mount
         read_odd(m.path(FILES[2].key), FILES[2], seed=4)
         assert daemon_reads(m) == before and m.status()["passthrough"]["opens"] >= 1
     m.start()
-    pid = int(os.getxattr(m.mountpoint, "user.epochfs.pid"))
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    kill_daemon(m)
     m.start()  # killed in this boot: what it wrote is what the files hold
     assert m.status()["passthrough"]["unchecked"] == 0
     for f in FILES:

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from epochfs.daemon.config import Config, default_cache_dir, default_root
 from epochfs.dev.sample import SampleFile, upload
 
 from .conftest import requires_fuse
-from .helpers import EPOCHFS
+from .helpers import EPOCHFS, kill_daemon
 
 MIB = 1 << 20
 
@@ -44,10 +43,15 @@ LARGE = [SampleFile(f"large-{i}.bin", 5 * MIB + 77_777 * (i + 1)) for i in range
 SMALL = [SampleFile(f"small/s{i:02d}.bin", 60_000 + 1_013 * i) for i in range(30)]
 
 
-def versions(files: list[SampleFile], changed: set[int]) -> tuple[list[SampleFile], list[SampleFile]]:
-    """``v1``, and ``v2``: the files of ``changed`` (indices) in a new version, and one file added."""
+def versions(s3_client, bucket: str, files: list[SampleFile], changed: set[int]  # noqa: ANN001
+             ) -> tuple[list[SampleFile], list[SampleFile]]:
+    """``v1``, and ``v2``: the files of ``changed`` (indices) in a new version, and one file added; both
+    uploaded, under ``v1/`` and ``v2/`` of ``bucket``."""
     v2 = [SampleFile(f.key, f.size, version=1) if i in changed else f for i, f in enumerate(files)]
-    return files, [*v2, SampleFile("added.bin", 3 * MIB + 5, version=2)]
+    v2.append(SampleFile("added.bin", 3 * MIB + 5, version=2))
+    upload(s3_client, bucket, "v1/", files)
+    upload(s3_client, bucket, "v2/", v2)
+    return files, v2
 
 
 def read_all(m, files: list[SampleFile]) -> None:  # noqa: ANN001
@@ -83,9 +87,7 @@ def two_mounts(mount_factory, tmp_path: Path, bucket: str, *args: str):  # noqa:
 @requires_fuse
 @pytest.mark.parametrize("files,args", [(LARGE, ()), (SMALL, ("--no-passthrough",))], ids=["object-files", "packs"])
 def test_a_new_version_fetches_only_what_changed(s3_client, fresh_bucket, mount_factory, tmp_path, files, args):
-    v1, v2 = versions(files, changed={1, 5})
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, files, changed={1, 5})
     changed = sum(f.size for f in v2 if f not in v1)
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket, *args)
     with m1, m2:
@@ -124,9 +126,7 @@ def test_a_new_version_fetches_only_what_changed(s3_client, fresh_bucket, mount_
 def test_a_copy_that_is_not_the_content_is_refused_and_fetched(s3_client, fresh_bucket, mount_factory, tmp_path):
     """The v1 mount's cache files changed on disk after they were offered: the copies do not hash to their
     ETags, so each is refused, its entry dropped, and the object fetched; every byte right."""
-    v1, v2 = versions(LARGE, changed=set())
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, LARGE, changed=set())
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
     with m1:
         read_all(m1, v1)
@@ -294,19 +294,12 @@ def test_the_offering_mount_killed_or_its_cache_gone_costs_the_other_nothing_but
         s3_client, fresh_bucket, mount_factory, tmp_path):
     """kill -9 of the mount that offered: its files stay, the other copies them, and it restarts right;
     its cache directory removed: every offer is refused and fetched; no mount stops serving."""
-    v1, v2 = versions(LARGE, changed={0})
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, LARGE, changed={0})
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
     m1.start()
     read_all(m1, v1)
     wait_offered(m1, len(v1))
-    pid = int(os.getxattr(m1.mountpoint, "user.epochfs.pid"))
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{pid}"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    kill_daemon(m1)
     with m2:
         read_all(m2, v2)
         s = m2.status()
@@ -341,9 +334,7 @@ def test_both_versions_read_at_once_and_offers_swapped_between_contents_never_gi
     from concurrent.futures import ThreadPoolExecutor
 
     files = LARGE[:2] + SMALL[:16]
-    v1, v2 = versions(files, changed={3})
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, files, changed={3})
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
     with m1, m2:
         def check(m, f: SampleFile) -> None:  # noqa: ANN001
@@ -379,9 +370,7 @@ def test_what_other_mounts_hold_is_told_to_an_operator_only(s3_client, fresh_buc
     of the mount, it is told of none (what another mount holds is not that user's to learn)."""
     from .helpers import epochfs_as, passable
 
-    v1, v2 = versions(LARGE[:2], changed=set())
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, LARGE[:2], changed=set())
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
     m2.args.append("--allow-other")
     with m1, passable(m2):
@@ -404,9 +393,7 @@ def test_evicting_a_linked_object_in_one_mount_leaves_the_others_bytes(s3_client
     """v2's mount linked v1's files; v1's mount then evicts them (a small cache and other files read): it
     drops them whole and punches nothing, so v2's files stay whole and right, read by the kernel
     (passthrough) and after a remount, with nothing fetched."""
-    v1, v2 = versions(LARGE[:3], changed=set())
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, LARGE[:3], changed=set())
     filler = [SampleFile(f"fill-{i}.bin", 5 * MIB + i) for i in range(5)]
     upload(s3_client, fresh_bucket, "v1/", filler)
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket, "--cache-size", "24M")
@@ -436,9 +423,7 @@ def test_a_link_made_or_let_go_by_another_mount_is_not_taken_for_a_change(s3_cli
     """v1's files are read by the kernel (passthrough) and held open while v2's mount links them and later
     lets its names go: v1's new opens of them still pass through (no EIO, nothing counted damaged, nothing
     hashed again), every byte right."""
-    v1, v2 = versions(LARGE[:2], changed=set())
-    upload(s3_client, fresh_bucket, "v1/", v1)
-    upload(s3_client, fresh_bucket, "v2/", v2)
+    v1, v2 = versions(s3_client, fresh_bucket, LARGE[:2], changed=set())
     m1, m2 = two_mounts(mount_factory, tmp_path, fresh_bucket)
     with m1:
         read_all(m1, v1)
